@@ -1,0 +1,150 @@
+"""The one place gRPC servers and channels are made.
+
+Every server gets explicit message-size limits, grpc.health.v1, reflection and the error
+mapping of :mod:`pdserve.errors`; TLS and auth interceptors belong here too when they come.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pdserve.errors import status_for
+
+log = logging.getLogger(__name__)
+
+#: Default cap on one gRPC message (bytes). Payload bytes never travel in protobuf, so
+#: control messages stay far below it; larger messages are rejected with RESOURCE_EXHAUSTED.
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+def _options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+@dataclass
+class Server:
+    """A started gRPC server with its health servicer."""
+
+    server: grpc.aio.Server
+    port: int
+    health: health.HealthServicer
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        self.health.set("", status)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        self.set_serving(False)
+        await self.server.stop(grace)
+
+
+async def start_server(
+    servicers: Sequence[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]],
+    address: str,
+    *,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> Server:
+    """Starts a grpc.aio server on ``address`` ("host:port", port 0 = any free port).
+
+    ``servicers`` holds ``(add_XServicer_to_server, servicer, full service name)`` triples.
+    """
+    server = grpc.aio.server(options=_options(max_message_bytes))
+    names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
+    for add, servicer, name in servicers:
+        add(servicer, server)
+        names.append(name)
+    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(names, server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind gRPC server to {address}")
+    await server.start()
+    for name in names:
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    return Server(server, port, health_servicer)
+
+
+def channel(address: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
+    """An asyncio channel to ``address`` with the same limits as the servers."""
+    return grpc.aio.insecure_channel(address, options=_options(max_message_bytes))
+
+
+def sync_channel(address: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.Channel:
+    """A blocking channel, for CLIs and code outside an event loop."""
+    return grpc.insecure_channel(address, options=_options(max_message_bytes))
+
+
+async def check_health(address: str, timeout: float = 2.0) -> bool:
+    """True when the server at ``address`` answers SERVING."""
+    async with channel(address) as ch:
+        try:
+            resp = await health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout
+            )
+        except grpc.aio.AioRpcError:
+            return False
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, name: str) -> None:
+    code = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("unhandled error in %s", name, exc_info=exc)
+        await context.abort(code, f"internal error in {name}: {type(exc).__name__}: {exc}")
+    await context.abort(code, str(exc) or type(exc).__name__)
+
+
+def rpc(method: Callable) -> Callable:
+    """Decorates a servicer method (unary or server-streaming) so that exceptions become gRPC
+    statuses via :func:`pdserve.errors.status_for`."""
+    name = method.__qualname__
+    if inspect.isasyncgenfunction(method):
+
+        @functools.wraps(method)
+        async def stream_wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext):
+            try:
+                async for item in method(self, request, context):
+                    yield item
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - mapped to a status
+                await _abort(context, exc, name)
+
+        return stream_wrapper
+
+    @functools.wraps(method)
+    async def unary_wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext):
+        try:
+            return await method(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped to a status
+            await _abort(context, exc, name)
+
+    return unary_wrapper

@@ -1,0 +1,110 @@
+"""Chunking and chain hashing of token prefixes (DESIGN.md, "Keys").
+
+``h_0 = H(model fingerprint)``, ``h_i = H(h_{i-1} || chunk_i tokens as uint32 LE)`` with H =
+BLAKE3-256. Keys depend only on the model fingerprint and the tokens, so they are identical
+across processes, hosts and restarts (never Python's ``hash()``).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import blake3
+import numpy as np
+
+#: Version of the canonical KV layout ``[layers, 2, kv_heads, tokens, head_dim]``.
+LAYOUT_VERSION = 1
+DIGEST_BYTES = 32
+KV_DTYPES = ("float32", "bfloat16", "float16")
+MAX_TOKEN_ID = 2**32 - 1
+
+
+def _h(data: bytes) -> bytes:
+    return blake3.blake3(data).digest()
+
+
+@dataclass(frozen=True)
+class ModelFingerprint:
+    """Everything that changes the bytes of a KV chunk. Two workers share cache entries
+    exactly when their fingerprints are equal."""
+
+    model_id: str
+    revision: str = ""
+    kv_dtype: str = "float32"
+    chunk_size: int = 256
+    layout_version: int = LAYOUT_VERSION
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.model_id:
+            raise ValueError("model_id must not be empty")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        if self.chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive, got {self.chunk_size}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"need 0 <= tp_rank < tp_size, got {self.tp_rank}/{self.tp_size}")
+
+    def canonical(self) -> bytes:
+        """Unambiguous byte encoding: length-prefixed strings, fixed-width integers."""
+        parts = [b"pdserve-kv", self.model_id.encode(), self.revision.encode(), self.kv_dtype.encode()]
+        head = b"".join(struct.pack("<I", len(p)) + p for p in parts)
+        return head + struct.pack(
+            "<IIII", self.layout_version, self.chunk_size, self.tp_rank, self.tp_size
+        )
+
+    def digest(self) -> bytes:
+        """``h_0``: the 32-byte root of every chain for this model."""
+        return _h(self.canonical())
+
+
+def tokens_to_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    arr = np.asarray(tokens, dtype=np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() > MAX_TOKEN_ID):
+        raise ValueError("token ids must fit in uint32")
+    return arr.astype("<u4").tobytes()
+
+
+def num_full_chunks(num_tokens: int, chunk_size: int) -> int:
+    return num_tokens // chunk_size
+
+
+def chain_hashes(root: bytes, tokens: Sequence[int] | np.ndarray, chunk_size: int) -> list[bytes]:
+    """Digests of every *full* chunk of ``tokens``, chained from ``root`` (= fingerprint digest)."""
+    if len(root) != DIGEST_BYTES:
+        raise ValueError(f"root must be {DIGEST_BYTES} bytes, got {len(root)}")
+    raw = tokens_to_bytes(tokens)
+    step = 4 * chunk_size
+    out: list[bytes] = []
+    prev = root
+    for i in range(num_full_chunks(len(raw) // 4, chunk_size)):
+        prev = _h(prev + raw[i * step : (i + 1) * step])
+        out.append(prev)
+    return out
+
+
+def chunk_keys(fingerprint: ModelFingerprint, tokens: Sequence[int] | np.ndarray) -> list[str]:
+    """Store keys (64 hex chars) of the full chunks of ``tokens``, in prompt order."""
+    return [h.hex() for h in chain_hashes(fingerprint.digest(), tokens, fingerprint.chunk_size)]
+
+
+def tail_key(
+    fingerprint: ModelFingerprint, tokens: Sequence[int] | np.ndarray, request_id: str
+) -> str:
+    """Request-scoped key for the partial last chunk ("" when the prompt ends on a boundary).
+
+    It covers the whole chain before the tail, the tail tokens and the request id, so two
+    requests never share a tail object.
+    """
+    n = len(tokens)
+    cs = fingerprint.chunk_size
+    full = num_full_chunks(n, cs)
+    if full * cs == n:
+        return ""
+    chain = chain_hashes(fingerprint.digest(), tokens[: full * cs], cs)
+    prev = chain[-1] if chain else fingerprint.digest()
+    rid = request_id.encode()
+    return "tail-" + _h(prev + struct.pack("<I", len(rid)) + rid + tokens_to_bytes(tokens[full * cs :])).hex()

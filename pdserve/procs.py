@@ -1,0 +1,125 @@
+"""Starting and stopping pdserve service processes (used by ``pdserve up`` and the tests).
+
+Each child runs ``python -m pdserve.cli ...`` in its own process group, its output goes to a
+log file, and it is "up" once it prints its READY line (see :mod:`pdserve.lifecycle`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pdserve.lifecycle import parse_ready
+
+
+class ProcessStartError(RuntimeError):
+    """A service exited or stayed silent before it printed its READY line."""
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL, for fault-injection tests."""
+        if self.alive():
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait()
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM, wait for a clean exit, SIGKILL after ``timeout`` seconds."""
+        if self.alive():
+            try:
+                os.killpg(self.popen.pid, signal.SIGTERM)
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait()
+            except ProcessLookupError:
+                pass
+        return self.popen.returncode
+
+
+def start_service(
+    name: str,
+    args: list[str],
+    log_dir: Path,
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float = 120.0,
+) -> ServiceProcess:
+    """Starts ``pdserve <args>`` and waits for its READY line; raises
+    :class:`ProcessStartError` with the log tail when it dies or times out."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    log = log_path.open("w")
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        env=full_env,
+        start_new_session=True,
+        text=True,
+    )
+    log.close()
+    proc = ServiceProcess(name, popen, log_path)
+    deadline = time.monotonic() + timeout
+    assert popen.stdout is not None
+    os.set_blocking(popen.stdout.fileno(), False)
+    buf = ""
+    while time.monotonic() < deadline:
+        chunk = popen.stdout.read()
+        if chunk:
+            buf += chunk
+            for line in buf.splitlines():
+                info = parse_ready(line)
+                if info is not None:
+                    proc.info = info
+                    _drain_stdout_to_log(popen, log_path)
+                    return proc
+        if popen.poll() is not None:
+            raise ProcessStartError(
+                f"{name} exited with code {popen.returncode} before it was ready:\n"
+                f"{buf}\n{proc.log_tail()}"
+            )
+        time.sleep(0.05)
+    proc.stop()
+    raise ProcessStartError(f"{name} was not ready within {timeout:.0f}s:\n{buf}\n{proc.log_tail()}")
+
+
+def _drain_stdout_to_log(popen: subprocess.Popen, log_path: Path) -> None:
+    """After READY, copy the child's remaining stdout into its log in a daemon thread."""
+    import threading  # noqa: PLC0415
+
+    def pump() -> None:
+        assert popen.stdout is not None
+        os.set_blocking(popen.stdout.fileno(), True)
+        with log_path.open("a") as out:
+            for line in popen.stdout:
+                out.write(line)
+                out.flush()
+
+    threading.Thread(target=pump, name=f"log-{popen.pid}", daemon=True).start()

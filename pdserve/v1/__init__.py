@@ -1,0 +1,1 @@
+"""Generated protobuf / gRPC code for the pdserve.v1 contracts (do not edit; see pdserve.protogen)."""

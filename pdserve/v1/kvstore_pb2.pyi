@@ -1,0 +1,348 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class KVErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_OK: _ClassVar[KVErrorCode]
+    KV_NOT_FOUND: _ClassVar[KVErrorCode]
+    KV_PUT_IN_PROGRESS: _ClassVar[KVErrorCode]
+    KV_NO_SPACE: _ClassVar[KVErrorCode]
+    KV_INVALID: _ClassVar[KVErrorCode]
+    KV_NO_PENDING_PUT: _ClassVar[KVErrorCode]
+    KV_LEASED: _ClassVar[KVErrorCode]
+    KV_NOT_ENOUGH_NODES: _ClassVar[KVErrorCode]
+
+class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSPORT_UNSPECIFIED: _ClassVar[Transport]
+    TRANSPORT_SHM: _ClassVar[Transport]
+    TRANSPORT_TCP: _ClassVar[Transport]
+    TRANSPORT_MOONCAKE: _ClassVar[Transport]
+
+class PlacementStrategy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PLACEMENT_UNSPECIFIED: _ClassVar[PlacementStrategy]
+    PLACEMENT_FREE_RATIO_FIRST: _ClassVar[PlacementStrategy]
+    PLACEMENT_RANDOM: _ClassVar[PlacementStrategy]
+
+class KVEventType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_EVENT_UNSPECIFIED: _ClassVar[KVEventType]
+    KV_EVENT_STORED: _ClassVar[KVEventType]
+    KV_EVENT_REMOVED: _ClassVar[KVEventType]
+KV_OK: KVErrorCode
+KV_NOT_FOUND: KVErrorCode
+KV_PUT_IN_PROGRESS: KVErrorCode
+KV_NO_SPACE: KVErrorCode
+KV_INVALID: KVErrorCode
+KV_NO_PENDING_PUT: KVErrorCode
+KV_LEASED: KVErrorCode
+KV_NOT_ENOUGH_NODES: KVErrorCode
+TRANSPORT_UNSPECIFIED: Transport
+TRANSPORT_SHM: Transport
+TRANSPORT_TCP: Transport
+TRANSPORT_MOONCAKE: Transport
+PLACEMENT_UNSPECIFIED: PlacementStrategy
+PLACEMENT_FREE_RATIO_FIRST: PlacementStrategy
+PLACEMENT_RANDOM: PlacementStrategy
+KV_EVENT_UNSPECIFIED: KVEventType
+KV_EVENT_STORED: KVEventType
+KV_EVENT_REMOVED: KVEventType
+
+class Endpoint(_message.Message):
+    __slots__ = ("transport", "address", "shm_name", "host_id", "remote_base")
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_BASE_FIELD_NUMBER: _ClassVar[int]
+    transport: Transport
+    address: str
+    shm_name: str
+    host_id: str
+    remote_base: int
+    def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., address: _Optional[str] = ..., shm_name: _Optional[str] = ..., host_id: _Optional[str] = ..., remote_base: _Optional[int] = ...) -> None: ...
+
+class Segment(_message.Message):
+    __slots__ = ("segment_id", "node_id", "size", "endpoints")
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    segment_id: str
+    node_id: str
+    size: int
+    endpoints: _containers.RepeatedCompositeFieldContainer[Endpoint]
+    def __init__(self, segment_id: _Optional[str] = ..., node_id: _Optional[str] = ..., size: _Optional[int] = ..., endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ...) -> None: ...
+
+class Replica(_message.Message):
+    __slots__ = ("node_id", "segment_id", "offset", "size", "endpoints")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    segment_id: str
+    offset: int
+    size: int
+    endpoints: _containers.RepeatedCompositeFieldContainer[Endpoint]
+    def __init__(self, node_id: _Optional[str] = ..., segment_id: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ...) -> None: ...
+
+class PutOptions(_message.Message):
+    __slots__ = ("replicas", "soft_pin", "ttl_ms", "placement")
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    SOFT_PIN_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    replicas: int
+    soft_pin: bool
+    ttl_ms: int
+    placement: PlacementStrategy
+    def __init__(self, replicas: _Optional[int] = ..., soft_pin: _Optional[bool] = ..., ttl_ms: _Optional[int] = ..., placement: _Optional[_Union[PlacementStrategy, str]] = ...) -> None: ...
+
+class MountSegmentRequest(_message.Message):
+    __slots__ = ("segment", "held")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    segment: Segment
+    held: _containers.RepeatedCompositeFieldContainer[HeldObject]
+    def __init__(self, segment: _Optional[_Union[Segment, _Mapping]] = ..., held: _Optional[_Iterable[_Union[HeldObject, _Mapping]]] = ...) -> None: ...
+
+class HeldObject(_message.Message):
+    __slots__ = ("key", "offset", "size")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    offset: int
+    size: int
+    def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+
+class MountSegmentResponse(_message.Message):
+    __slots__ = ("heartbeat_interval_ms", "restored_objects")
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    heartbeat_interval_ms: int
+    restored_objects: int
+    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., restored_objects: _Optional[int] = ...) -> None: ...
+
+class UnmountSegmentRequest(_message.Message):
+    __slots__ = ("segment_id",)
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    segment_id: str
+    def __init__(self, segment_id: _Optional[str] = ...) -> None: ...
+
+class UnmountSegmentResponse(_message.Message):
+    __slots__ = ("removed_objects",)
+    REMOVED_OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    removed_objects: int
+    def __init__(self, removed_objects: _Optional[int] = ...) -> None: ...
+
+class NodeHeartbeatRequest(_message.Message):
+    __slots__ = ("node_id", "segment_ids")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    segment_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., segment_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class NodeHeartbeatResponse(_message.Message):
+    __slots__ = ("remount_required",)
+    REMOUNT_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    remount_required: bool
+    def __init__(self, remount_required: _Optional[bool] = ...) -> None: ...
+
+class PutStartItem(_message.Message):
+    __slots__ = ("key", "size")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    size: int
+    def __init__(self, key: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
+class BatchPutStartRequest(_message.Message):
+    __slots__ = ("client_id", "items", "options")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    items: _containers.RepeatedCompositeFieldContainer[PutStartItem]
+    options: PutOptions
+    def __init__(self, client_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[PutStartItem, _Mapping]]] = ..., options: _Optional[_Union[PutOptions, _Mapping]] = ...) -> None: ...
+
+class PutStartResult(_message.Message):
+    __slots__ = ("key", "code", "message", "already_exists", "replicas")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_EXISTS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    code: KVErrorCode
+    message: str
+    already_exists: bool
+    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
+    def __init__(self, key: _Optional[str] = ..., code: _Optional[_Union[KVErrorCode, str]] = ..., message: _Optional[str] = ..., already_exists: _Optional[bool] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
+
+class BatchPutStartResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[PutStartResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[PutStartResult, _Mapping]]] = ...) -> None: ...
+
+class BatchKeysRequest(_message.Message):
+    __slots__ = ("client_id", "keys")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, client_id: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class KeyResult(_message.Message):
+    __slots__ = ("key", "code", "message")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    code: KVErrorCode
+    message: str
+    def __init__(self, key: _Optional[str] = ..., code: _Optional[_Union[KVErrorCode, str]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class BatchKeysResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[KeyResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[KeyResult, _Mapping]]] = ...) -> None: ...
+
+class BatchGetReplicaListRequest(_message.Message):
+    __slots__ = ("client_id", "keys", "lease_ms")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    lease_ms: int
+    def __init__(self, client_id: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class ReplicaListResult(_message.Message):
+    __slots__ = ("key", "code", "replicas", "lease_expires_ms")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_MS_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    code: KVErrorCode
+    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
+    lease_expires_ms: int
+    def __init__(self, key: _Optional[str] = ..., code: _Optional[_Union[KVErrorCode, str]] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., lease_expires_ms: _Optional[int] = ...) -> None: ...
+
+class BatchGetReplicaListResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[ReplicaListResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[ReplicaListResult, _Mapping]]] = ...) -> None: ...
+
+class BatchExistsResponse(_message.Message):
+    __slots__ = ("exists",)
+    EXISTS_FIELD_NUMBER: _ClassVar[int]
+    exists: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, exists: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class LongestPrefixRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LongestPrefixResponse(_message.Message):
+    __slots__ = ("length",)
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    length: int
+    def __init__(self, length: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SegmentStats(_message.Message):
+    __slots__ = ("segment_id", "node_id", "capacity", "used", "alive")
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    USED_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    segment_id: str
+    node_id: str
+    capacity: int
+    used: int
+    alive: bool
+    def __init__(self, segment_id: _Optional[str] = ..., node_id: _Optional[str] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., alive: _Optional[bool] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("objects", "used_bytes", "capacity_bytes", "segments", "puts", "gets", "get_hits", "evictions", "removals", "prefix_queries", "prefix_hit_keys", "alive_nodes")
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    PUTS_FIELD_NUMBER: _ClassVar[int]
+    GETS_FIELD_NUMBER: _ClassVar[int]
+    GET_HITS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    REMOVALS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_KEYS_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_NODES_FIELD_NUMBER: _ClassVar[int]
+    objects: int
+    used_bytes: int
+    capacity_bytes: int
+    segments: _containers.RepeatedCompositeFieldContainer[SegmentStats]
+    puts: int
+    gets: int
+    get_hits: int
+    evictions: int
+    removals: int
+    prefix_queries: int
+    prefix_hit_keys: int
+    alive_nodes: int
+    def __init__(self, objects: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentStats, _Mapping]]] = ..., puts: _Optional[int] = ..., gets: _Optional[int] = ..., get_hits: _Optional[int] = ..., evictions: _Optional[int] = ..., removals: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hit_keys: _Optional[int] = ..., alive_nodes: _Optional[int] = ...) -> None: ...
+
+class WatchEventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KVEvent(_message.Message):
+    __slots__ = ("type", "key", "size", "reason", "time_ms")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    type: KVEventType
+    key: str
+    size: int
+    reason: str
+    time_ms: int
+    def __init__(self, type: _Optional[_Union[KVEventType, str]] = ..., key: _Optional[str] = ..., size: _Optional[int] = ..., reason: _Optional[str] = ..., time_ms: _Optional[int] = ...) -> None: ...
+
+class NodeStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeStatsResponse(_message.Message):
+    __slots__ = ("node_id", "segments", "bytes_read", "bytes_written")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    segments: _containers.RepeatedCompositeFieldContainer[Segment]
+    bytes_read: int
+    bytes_written: int
+    def __init__(self, node_id: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ...) -> None: ...

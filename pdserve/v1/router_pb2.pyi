@@ -1,0 +1,124 @@
+from pdserve.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DisaggMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DISAGG_MODE_UNSPECIFIED: _ClassVar[DisaggMode]
+    DISAGG_MODE_READ: _ClassVar[DisaggMode]
+    DISAGG_MODE_WRITE: _ClassVar[DisaggMode]
+    DISAGG_MODE_COLOCATED: _ClassVar[DisaggMode]
+DISAGG_MODE_UNSPECIFIED: DisaggMode
+DISAGG_MODE_READ: DisaggMode
+DISAGG_MODE_WRITE: DisaggMode
+DISAGG_MODE_COLOCATED: DisaggMode
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "model", "prompt", "prompt_token_ids", "messages", "sampling", "mode")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model: str
+    prompt: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    sampling: _common_pb2.SamplingParams
+    mode: DisaggMode
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[DisaggMode, str]] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "prompt_tokens", "cached_tokens", "ttft_ms", "total_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: _common_pb2.FinishReason
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_ms: float
+    total_ms: float
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
+
+class GenerateStreamResponse(_message.Message):
+    __slots__ = ("request_id", "token_ids", "text", "token_times_ms", "finish_reason", "prompt_tokens", "cached_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_TIMES_MS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    token_times_ms: _containers.RepeatedScalarFieldContainer[float]
+    finish_reason: _common_pb2.FinishReason
+    prompt_tokens: int
+    cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., token_times_ms: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("name", "max_model_len", "prefill_workers", "decode_workers")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    max_model_len: int
+    prefill_workers: int
+    decode_workers: int
+    def __init__(self, name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., prefill_workers: _Optional[int] = ..., decode_workers: _Optional[int] = ...) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
+
+class TokenizeRequest(_message.Message):
+    __slots__ = ("model", "text", "add_special_tokens")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    text: str
+    add_special_tokens: bool
+    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("token_ids", "tokens")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    tokens: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[str]] = ...) -> None: ...

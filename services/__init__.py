@@ -1,0 +1,1 @@
+"""Per-service entry points and servicers (imported as ``pdserve.services``)."""
