@@ -152,7 +152,10 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         help_text = f"{f.metadata.get('help', '')} (default: {default})".strip()
         if tp is bool:
             parser.add_argument(
-                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                flag,
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=None,
                 help=help_text,
             )
         else:
@@ -167,8 +170,10 @@ def from_args(cls: type[T], section: str, args: argparse.Namespace) -> T:
     return load(cls, section, yaml_path=getattr(args, "config", None), overrides=overrides)
 
 
-def help_field(default: Any, help: str, **extra: Any) -> Any:  # noqa: A002
+def help_field(default: Any, help: str, **extra: Any) -> Any:
     """A dataclass field with help text, for :func:`add_arguments`."""
     if isinstance(default, list):
-        return dataclasses.field(default_factory=lambda: list(default), metadata={"help": help, **extra})
+        return dataclasses.field(
+            default_factory=lambda: list(default), metadata={"help": help, **extra}
+        )
     return dataclasses.field(default=default, metadata={"help": help, **extra})

@@ -90,12 +90,16 @@ async def start_server(
     return Server(server, port, health_servicer)
 
 
-def channel(address: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
+def channel(
+    address: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+) -> grpc.aio.Channel:
     """An asyncio channel to ``address`` with the same limits as the servers."""
     return grpc.aio.insecure_channel(address, options=_options(max_message_bytes))
 
 
-def sync_channel(address: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.Channel:
+def sync_channel(
+    address: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+) -> grpc.Channel:
     """A blocking channel, for CLIs and code outside an event loop."""
     return grpc.insecure_channel(address, options=_options(max_message_bytes))
 
@@ -133,7 +137,7 @@ def rpc(method: Callable) -> Callable:
                     yield item
             except grpc.aio.AbortError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - mapped to a status
+            except Exception as exc:
                 await _abort(context, exc, name)
 
         return stream_wrapper
@@ -144,7 +148,7 @@ def rpc(method: Callable) -> Callable:
             return await method(self, request, context)
         except grpc.aio.AbortError:
             raise
-        except Exception as exc:  # noqa: BLE001 - mapped to a status
+        except Exception as exc:
             await _abort(context, exc, name)
 
     return unary_wrapper

@@ -50,7 +50,12 @@ class ModelFingerprint:
 
     def canonical(self) -> bytes:
         """Unambiguous byte encoding: length-prefixed strings, fixed-width integers."""
-        parts = [b"pdserve-kv", self.model_id.encode(), self.revision.encode(), self.kv_dtype.encode()]
+        parts = [
+            b"pdserve-kv",
+            self.model_id.encode(),
+            self.revision.encode(),
+            self.kv_dtype.encode(),
+        ]
         head = b"".join(struct.pack("<I", len(p)) + p for p in parts)
         return head + struct.pack(
             "<IIII", self.layout_version, self.chunk_size, self.tp_rank, self.tp_size
@@ -107,4 +112,7 @@ def tail_key(
     chain = chain_hashes(fingerprint.digest(), tokens[: full * cs], cs)
     prev = chain[-1] if chain else fingerprint.digest()
     rid = request_id.encode()
-    return "tail-" + _h(prev + struct.pack("<I", len(rid)) + rid + tokens_to_bytes(tokens[full * cs :])).hex()
+    return (
+        "tail-"
+        + _h(prev + struct.pack("<I", len(rid)) + rid + tokens_to_bytes(tokens[full * cs :])).hex()
+    )

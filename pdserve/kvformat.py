@@ -91,7 +91,13 @@ def encode_into(buf: memoryview | bytearray, kv: torch.Tensor, fingerprint: byte
         raise ChunkFormatError(f"buffer of {len(out)} bytes cannot hold a {total}-byte chunk")
     out[HEADER_SIZE:total] = payload.data
     head = _HEAD.pack(
-        MAGIC, FORMAT_VERSION, DTYPE_CODES[kv.dtype], 0, *kv.shape, payload.nbytes, fingerprint,
+        MAGIC,
+        FORMAT_VERSION,
+        DTYPE_CODES[kv.dtype],
+        0,
+        *kv.shape,
+        payload.nbytes,
+        fingerprint,
         _sum16(out[HEADER_SIZE:total]),
     )
     out[: _HEAD.size] = head
@@ -149,9 +155,7 @@ def decode(
             f"payload length {header.payload_len} does not match shape {header.shape}"
         )
     if len(mv) < header.total_size:
-        raise ChunkFormatError(
-            f"truncated chunk: {len(mv)} bytes, header says {header.total_size}"
-        )
+        raise ChunkFormatError(f"truncated chunk: {len(mv)} bytes, header says {header.total_size}")
     payload = mv[HEADER_SIZE : header.total_size]
     if verify and _sum16(payload) != header.checksum:
         raise ChunkFormatError("payload checksum mismatch: the chunk is corrupt")

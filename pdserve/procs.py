@@ -107,12 +107,14 @@ def start_service(
             )
         time.sleep(0.05)
     proc.stop()
-    raise ProcessStartError(f"{name} was not ready within {timeout:.0f}s:\n{buf}\n{proc.log_tail()}")
+    raise ProcessStartError(
+        f"{name} was not ready within {timeout:.0f}s:\n{buf}\n{proc.log_tail()}"
+    )
 
 
 def _drain_stdout_to_log(popen: subprocess.Popen, log_path: Path) -> None:
     """After READY, copy the child's remaining stdout into its log in a daemon thread."""
-    import threading  # noqa: PLC0415
+    import threading
 
     def pump() -> None:
         assert popen.stdout is not None

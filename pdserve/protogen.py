@@ -19,7 +19,7 @@ OUT_DIR = REPO_ROOT / "pdserve" / "v1"
 
 def generate(out_root: Path) -> list[Path]:
     """Compiles every .proto into ``out_root/pdserve/v1`` and returns the files written."""
-    from grpc_tools import protoc  # noqa: PLC0415 (build-time dependency)
+    from grpc_tools import protoc
 
     protos = sorted(PROTO_DIR.glob("*.proto"))
     if not protos:

@@ -1,0 +1,174 @@
+"""The engine interface every model backend implements (one file per implementation:
+``torch_engine.py``, ``vllm_engine.py``).
+
+An engine owns one model and its tokenizer, and talks to the KV store itself: prefill loads the
+longest cached prefix and writes new chunks; generate loads a request's chunks by handle (or
+prefills locally) and streams tokens. Model compute never runs on the event loop.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from pdserve.errors import InvalidArgument
+from pdserve.hashing import ModelFingerprint
+
+
+class Finish(enum.IntEnum):
+    """Mirrors pdserve.v1.FinishReason."""
+
+    LENGTH = 1
+    EOS = 2
+    STOP = 3
+    CANCELLED = 4
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Validated sampling controls (see SamplingParams in common.proto)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self, max_tokens_limit: int) -> None:
+        if self.max_tokens <= 0:
+            raise InvalidArgument(f"max_tokens must be positive, got {self.max_tokens}")
+        if self.max_tokens > max_tokens_limit:
+            raise InvalidArgument(
+                f"max_tokens {self.max_tokens} exceeds the limit of {max_tokens_limit}"
+            )
+        if not self.temperature >= 0.0:
+            raise InvalidArgument(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidArgument(f"top_k must be >= 0, got {self.top_k}")
+        if any(not s for s in self.stop):
+            raise InvalidArgument("stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class KVRef:
+    """Where a request's prompt KV lives in the store (pdserve.v1.KVHandle)."""
+
+    chunk_keys: tuple[str, ...]
+    tail_key: str
+    num_tokens: int
+    chunk_size: int
+    fingerprint: bytes
+
+
+@dataclass(frozen=True)
+class PrefillOutcome:
+    first_token_id: int
+    kv: KVRef
+    cached_tokens: int
+    computed_tokens: int
+    first_token_is_eos: bool = False
+
+
+@dataclass
+class TokenEvent:
+    """New tokens of a generation; the last event carries ``finish``."""
+
+    token_ids: list[int]
+    text: str
+    times_ms: list[float] = field(default_factory=list)
+    finish: Finish | None = None
+    loaded_tokens: int = 0
+    recomputed_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    queue_length: int
+    running_requests: int
+    kv_usage: float
+
+
+class Engine(abc.ABC):
+    """One model served by one worker process.
+
+    Contract:
+    - ``start`` loads the model (may take seconds); every other method needs it done.
+    - ``prefill`` and ``generate`` are safe to call concurrently from one event loop; the
+      engine queues or batches internally and never blocks the loop.
+    - A KV load failure (missing, corrupt, unreachable store) degrades to recomputation,
+      never to an error or a different token.
+    - Closing the ``generate`` iterator early (client cancel) frees the request's resources.
+    """
+
+    fingerprint: ModelFingerprint
+    max_model_len: int
+    eos_token_id: int
+    vocab_size: int
+
+    @abc.abstractmethod
+    async def start(self) -> None: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    @abc.abstractmethod
+    def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
+
+    @abc.abstractmethod
+    def decode_text(self, token_ids: Sequence[int]) -> str: ...
+
+    @abc.abstractmethod
+    async def prefill(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: Sampling,
+        *,
+        publish_incrementally: bool = False,
+    ) -> PrefillOutcome:
+        """Loads cached prefix chunks, computes the rest, writes new full chunks under their
+        chain keys (skipping existing ones) and the partial tail under a request-scoped key
+        with a TTL, and returns only after every chunk is committed in the store."""
+
+    @abc.abstractmethod
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: Sampling,
+        *,
+        kv: KVRef | None = None,
+        first_token_id: int | None = None,
+        chunk_wait_ms: int = 0,
+    ) -> AsyncIterator[TokenEvent]:
+        """Streams generated tokens. With ``kv`` the prompt KV is loaded from the store and
+        ``first_token_id`` (from prefill) is the first output token; without, the engine
+        prefills locally (reusing cached prefix chunks when it can)."""
+
+    @abc.abstractmethod
+    def load(self) -> EngineLoad: ...
+
+    def check_prompt(self, prompt_token_ids: Sequence[int], sampling: Sampling) -> None:
+        """Shared input validation: INVALID_ARGUMENT naming what is wrong."""
+        if not prompt_token_ids:
+            raise InvalidArgument("prompt must contain at least one token")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidArgument(
+                f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        if len(prompt_token_ids) + sampling.max_tokens > self.max_model_len:
+            raise InvalidArgument(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) "
+                f"exceeds the model context of {self.max_model_len} tokens"
+            )
