@@ -124,6 +124,8 @@ def parse_header(buf: memoryview | bytes | bytearray) -> ChunkHeader:
         raise ChunkFormatError(f"unsupported chunk format version {version}")
     if bytes(mv[_HEAD.size : _HEAD.size + 8]) != _sum16(head)[:8]:
         raise ChunkFormatError("header checksum mismatch: the chunk header is corrupt")
+    if any(mv[_HEAD.size + 8 : HEADER_SIZE]):
+        raise ChunkFormatError("header padding is not zero: the chunk header is corrupt")
     if code not in CODE_DTYPES:
         raise ChunkFormatError(f"unknown dtype code {code}")
     shape = tuple(rest[:5])
