@@ -7,6 +7,7 @@ log file, and it is "up" once it prints its READY line (see :mod:`pdserve.lifecy
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -62,6 +63,61 @@ class ServiceProcess:
         return self.popen.returncode
 
 
+def spawn_service(
+    name: str,
+    args: list[str],
+    log_dir: Path,
+    *,
+    env: dict[str, str] | None = None,
+) -> ServiceProcess:
+    """Starts ``pdserve <args>`` in its own process group without waiting for it; stderr goes
+    to ``log_dir/<name>.log``. Call :func:`wait_ready` next."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    with log_path.open("w") as log:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cli", *args],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env=full_env,
+            start_new_session=True,
+        )
+    return ServiceProcess(name, popen, log_path)
+
+
+def wait_ready(proc: ServiceProcess, timeout: float = 120.0) -> ServiceProcess:
+    """Waits for ``proc``'s READY line and fills ``proc.info``; raises
+    :class:`ProcessStartError` with the log tail (and stops it) when it dies or times out."""
+    popen = proc.popen
+    assert popen.stdout is not None
+    fd = popen.stdout.fileno()
+    deadline = time.monotonic() + timeout
+    buf = ""
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.05)
+        chunk = os.read(fd, 65536) if ready else b""
+        if chunk:
+            buf += chunk.decode(errors="replace")
+            for line in buf.splitlines():
+                info = parse_ready(line)
+                if info is not None:
+                    proc.info = info
+                    with proc.log_path.open("a") as log:
+                        log.write(buf)  # stdout so far (incl. READY) stays in the log
+                    _drain_stdout_to_log(popen, proc.log_path)
+                    return proc
+        elif popen.poll() is not None:
+            raise ProcessStartError(
+                f"{proc.name} exited with code {popen.returncode} before it was ready:\n"
+                f"{buf}\n{proc.log_tail()}"
+            )
+    proc.stop()
+    raise ProcessStartError(
+        f"{proc.name} was not ready within {timeout:.0f}s:\n{buf}\n{proc.log_tail()}"
+    )
+
+
 def start_service(
     name: str,
     args: list[str],
@@ -72,44 +128,7 @@ def start_service(
 ) -> ServiceProcess:
     """Starts ``pdserve <args>`` and waits for its READY line; raises
     :class:`ProcessStartError` with the log tail when it dies or times out."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / f"{name}.log"
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    log = log_path.open("w")
-    popen = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", *args],
-        stdout=subprocess.PIPE,
-        stderr=log,
-        env=full_env,
-        start_new_session=True,
-        text=True,
-    )
-    log.close()
-    proc = ServiceProcess(name, popen, log_path)
-    deadline = time.monotonic() + timeout
-    assert popen.stdout is not None
-    os.set_blocking(popen.stdout.fileno(), False)
-    buf = ""
-    while time.monotonic() < deadline:
-        chunk = popen.stdout.read()
-        if chunk:
-            buf += chunk
-            for line in buf.splitlines():
-                info = parse_ready(line)
-                if info is not None:
-                    proc.info = info
-                    _drain_stdout_to_log(popen, log_path)
-                    return proc
-        if popen.poll() is not None:
-            raise ProcessStartError(
-                f"{name} exited with code {popen.returncode} before it was ready:\n"
-                f"{buf}\n{proc.log_tail()}"
-            )
-        time.sleep(0.05)
-    proc.stop()
-    raise ProcessStartError(
-        f"{name} was not ready within {timeout:.0f}s:\n{buf}\n{proc.log_tail()}"
-    )
+    return wait_ready(spawn_service(name, args, log_dir, env=env), timeout)
 
 
 def _drain_stdout_to_log(popen: subprocess.Popen, log_path: Path) -> None:
@@ -118,8 +137,7 @@ def _drain_stdout_to_log(popen: subprocess.Popen, log_path: Path) -> None:
 
     def pump() -> None:
         assert popen.stdout is not None
-        os.set_blocking(popen.stdout.fileno(), True)
-        with log_path.open("a") as out:
+        with log_path.open("ab") as out:
             for line in popen.stdout:
                 out.write(line)
                 out.flush()
