@@ -1,0 +1,115 @@
+"""The KV store master process: serves KVMasterService, runs housekeeping, exports metrics.
+
+``serve(cfg, stop)`` starts the gRPC server, announces READY (grpc address, metrics port),
+ticks :meth:`MasterState.tick` every ``tick_interval_ms`` until ``stop`` is set, then drains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from pdserve.services.kvstore.master_config import MasterConfig
+
+__all__ = ["MasterConfig", "serve"]
+
+log = logging.getLogger(__name__)
+
+
+class _StateCollector:
+    """Prometheus view of a MasterState (read at scrape time; no double bookkeeping)."""
+
+    def __init__(self, state, hub) -> None:
+        self.state = state
+        self.hub = hub
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        s, c = self.state, self.state.counters
+        p = "pdserve_kvstore_master_"
+        for name, value, doc in (
+            ("puts", c.puts, "committed puts"),
+            ("gets", c.gets, "keys asked for replica lists"),
+            ("get_hits", c.get_hits, "keys found by replica-list lookups"),
+            ("evictions", c.evictions, "objects evicted"),
+            ("removals", c.removals, "objects removed on request"),
+            ("ttl_expired", c.ttl_expired, "objects removed at the end of their TTL"),
+            ("put_timeouts", c.put_timeouts, "unfinished puts reclaimed after the put timeout"),
+            ("node_deaths", c.node_deaths, "nodes declared dead after missed heartbeats"),
+            ("prefix_queries", c.prefix_queries, "LongestPrefix calls"),
+            ("prefix_hit_keys", c.prefix_hit_keys, "sum of LongestPrefix answers (keys)"),
+            ("events_dropped", self.hub.dropped, "events dropped for slow watchers"),
+        ):
+            yield CounterMetricFamily(p + name, doc, value=value)
+        live = [seg for seg in s.segments.values() if seg.alive]
+        for name, value, doc in (
+            ("objects", len(s.objects), "committed objects"),
+            ("pending_puts", len(s.pending), "puts started and not ended"),
+            ("used_bytes", s.used_bytes, "bytes in committed objects"),
+            ("allocated_bytes", sum(x.used for x in live), "bytes allocated in alive segments"),
+            ("capacity_bytes", sum(x.capacity for x in live), "bytes of alive segments"),
+            ("alive_nodes", len(s.nodes), "storage nodes alive"),
+            ("dormant_objects", len(s.dormant), "persisted objects waiting for their segment"),
+            ("watchers", len(self.hub.subscribers), "WatchEvents subscribers"),
+        ):
+            yield GaugeMetricFamily(p + name, doc, value=value)
+
+
+async def serve(cfg: MasterConfig, stop: asyncio.Event) -> None:
+    """Runs the master until ``stop`` is set."""
+    from pdserve import grpcutil, telemetry
+    from pdserve.lifecycle import announce_ready
+    from pdserve.services.kvstore.events import EventHub
+    from pdserve.services.kvstore.master_servicer import KVMasterServicer
+    from pdserve.services.kvstore.master_state import MasterState
+    from pdserve.services.kvstore.persistence import MetadataStore
+    from pdserve.v1 import kvstore_pb2_grpc
+
+    hub = EventHub(cfg.event_queue_size)
+    store = MetadataStore(cfg.state_dir) if cfg.state_dir else None
+
+    def on_event(type_: int, key: str, size: int, reason: str) -> None:
+        hub.publish(type_, key, size, reason, int(telemetry.now_ms()))
+
+    state = MasterState(cfg, store=store, on_event=on_event)
+    collector = _StateCollector(state, hub)
+    telemetry.REGISTRY.register(collector)
+    server = await grpcutil.start_server(
+        [
+            (
+                kvstore_pb2_grpc.add_KVMasterServiceServicer_to_server,
+                KVMasterServicer(state, hub),
+                "pdserve.v1.KVMasterService",
+            )
+        ],
+        f"{cfg.host}:{cfg.port}",
+    )
+    metrics_port = telemetry.serve_metrics(cfg.metrics_port, cfg.host)
+    address = f"{cfg.host}:{server.port}"
+    log.info("kvstore master serving on %s (state_dir=%r)", address, cfg.state_dir)
+    announce_ready("kvstore-master", grpc=address, metrics=metrics_port)
+
+    async def housekeeping() -> None:
+        while True:
+            await asyncio.sleep(cfg.tick_interval_ms / 1000)
+            try:
+                state.tick()
+            except Exception:  # keep the master up; the next tick retries
+                log.exception("housekeeping pass failed")
+
+    task = asyncio.create_task(housekeeping())
+    try:
+        await stop.wait()
+    finally:
+        log.info("kvstore master draining")
+        task.cancel()
+        hub.close()
+        await server.stop(grace=2.0)
+        state.flush()
+        if store is not None:
+            store.close()
+        telemetry.REGISTRY.unregister(collector)

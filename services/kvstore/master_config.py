@@ -1,0 +1,89 @@
+"""Configuration of the KV store master (section ``kvstore_master``). Import-light: the CLI
+builds its flags from this dataclass without loading gRPC."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.config import ConfigError, help_field
+
+
+@dataclass
+class MasterConfig:
+    host: str = help_field("127.0.0.1", "address to bind the gRPC server to")
+    port: int = help_field(50051, "gRPC port (0 = any free port)")
+    metrics_port: int = help_field(0, "Prometheus /metrics port (0 = any free port, -1 = off)")
+    state_dir: str = help_field(
+        "",
+        "directory for the committed-object metadata (SQLite); empty = in memory only, "
+        "a restart then relies on nodes re-reporting what they hold",
+    )
+    log_level: str = help_field("info", "log level")
+    # Liveness
+    heartbeat_interval_ms: int = help_field(500, "heartbeat period told to nodes (ms)")
+    heartbeat_miss_limit: int = help_field(
+        3, "a node is dead after this many missed heartbeat periods (total must be < 3 s)"
+    )
+    tick_interval_ms: int = help_field(
+        100, "period of the housekeeping pass: dead nodes, TTLs, put timeouts, watermarks (ms)"
+    )
+    dormant_grace_s: float = help_field(
+        120.0,
+        "after a restart, persisted replicas whose segment does not remount within this "
+        "time are dropped (s)",
+    )
+    # Objects and puts
+    default_replicas: int = help_field(1, "replicas per put when the request says 0")
+    max_replicas: int = help_field(8, "most replicas one put may ask for")
+    put_timeout_s: float = help_field(
+        30.0, "an unfinished put's reserved space is reclaimed after this long (s)"
+    )
+    default_lease_ms: int = help_field(5000, "read lease granted by a get when the request says 0")
+    max_lease_ms: int = help_field(60000, "longest read lease a get may ask for (ms)")
+    max_ttl_ms: int = help_field(86_400_000, "longest TTL a put may ask for (ms)")
+    # Eviction
+    high_watermark: float = help_field(
+        0.95, "evict when a segment's or the pool's used fraction passes this"
+    )
+    low_watermark: float = help_field(0.85, "evict down to this used fraction")
+    max_evictions_per_alloc: int = help_field(
+        4096, "most objects evicted to make room for one allocation"
+    )
+    # Input limits
+    max_key_bytes: int = help_field(256, "longest key (UTF-8 bytes)")
+    max_object_bytes: int = help_field(1 << 30, "largest object (bytes)")
+    max_batch_keys: int = help_field(4096, "most keys in one batched call")
+    max_segment_bytes: int = help_field(1 << 40, "largest segment a node may mount (bytes)")
+    max_id_bytes: int = help_field(128, "longest segment / node / client id (UTF-8 bytes)")
+    max_held_objects: int = help_field(1_000_000, "most held objects re-reported in one mount")
+    event_queue_size: int = help_field(
+        10000, "events buffered per WatchEvents subscriber; the oldest are dropped beyond it"
+    )
+
+    def validate(self) -> None:
+        dead_after = self.heartbeat_interval_ms * self.heartbeat_miss_limit
+        if self.heartbeat_interval_ms <= 0 or self.heartbeat_miss_limit <= 0:
+            raise ConfigError("heartbeat_interval_ms and heartbeat_miss_limit must be > 0")
+        if dead_after + self.tick_interval_ms >= 3000:
+            raise ConfigError(
+                f"heartbeat_interval_ms * heartbeat_miss_limit + tick_interval_ms = "
+                f"{dead_after + self.tick_interval_ms} ms; a dead node must be detected "
+                "within 3000 ms"
+            )
+        if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
+            raise ConfigError("need 0 < low_watermark <= high_watermark <= 1")
+        if not 1 <= self.default_replicas <= self.max_replicas:
+            raise ConfigError("need 1 <= default_replicas <= max_replicas")
+        for name in (
+            "max_key_bytes",
+            "max_object_bytes",
+            "max_batch_keys",
+            "max_lease_ms",
+            "default_lease_ms",
+            "event_queue_size",
+            "tick_interval_ms",
+        ):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0")
+        if self.default_lease_ms > self.max_lease_ms:
+            raise ConfigError("default_lease_ms must be <= max_lease_ms")

@@ -1,0 +1,867 @@
+"""The KV store master's state: segments, nodes, objects, pending puts, leases, eviction.
+
+A plain single-threaded class (the gRPC servicer calls it from the event loop; unit tests call
+it directly with an injected :class:`Clock`). It holds metadata only, never payload bytes.
+
+Rules it enforces:
+
+* Objects are immutable: a put of a committed key is a no-op success (``already_exists``).
+* A pending put (started, not ended) is invisible to readers, is never evicted, and its space
+  is reclaimed after ``put_timeout_s``.
+* A read lease (granted by :meth:`get_replicas`, per client, ended by :meth:`release` or by
+  time) protects an object from eviction and removal.
+* Eviction is LRU (last put end / get), soft-pinned objects only when nothing else can go;
+  it runs when a segment or the pool passes ``high_watermark`` (down to ``low_watermark``) and
+  on demand when an allocation fails.
+* A node that misses ``heartbeat_miss_limit`` heartbeats is dead: its replicas are dropped at
+  once, objects left without a replica are deleted (event reason ``node_dead``), and nothing
+  new is placed on it until it remounts.
+* Restart: with a :class:`~pdserve.services.kvstore.persistence.MetadataStore` every commit and
+  removal is written (one transaction per call); on start the rows come back as *dormant*
+  replicas that revive when their segment remounts (same segment id and node id, offsets
+  re-validated against the allocator), and are dropped after ``dormant_grace_s``. A node may
+  also re-report ``held`` objects on mount; unknown keys are then accepted as committed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from pdserve import errors
+from pdserve.services.kvstore.allocator import AllocatorError, OffsetAllocator
+from pdserve.services.kvstore.master_config import MasterConfig
+from pdserve.services.kvstore.persistence import MetadataStore, StoredObject, StoredReplica
+from pdserve.services.kvstore.placement import PlacementStrategy, make_strategies
+from pdserve.v1 import kvstore_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+OK = pb.KV_OK
+
+
+class Clock:
+    """Monotonic seconds for deadlines, wall milliseconds for what clients see."""
+
+    def mono(self) -> float:
+        return time.monotonic()
+
+    def wall_ms(self) -> float:
+        return time.time() * 1000.0
+
+
+@dataclass
+class SegmentState:
+    segment_id: str
+    node_id: str
+    size: int
+    endpoints: list[pb.Endpoint]
+    allocator: OffsetAllocator
+    alive: bool = True
+
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity
+
+    @property
+    def free(self) -> int:
+        return self.allocator.free
+
+    @property
+    def used(self) -> int:
+        return self.allocator.used
+
+
+@dataclass
+class NodeState:
+    node_id: str
+    last_heartbeat: float
+    segment_ids: set[str] = field(default_factory=set)
+
+
+@dataclass
+class ReplicaLoc:
+    segment_id: str
+    node_id: str
+    offset: int
+
+
+@dataclass
+class ObjectState:
+    key: str
+    size: int
+    replicas: list[ReplicaLoc]
+    soft_pin: bool = False
+    ttl_ms: int = 0
+    # Monotonic deadline of the TTL (0 = none), set at commit.
+    ttl_deadline: float = 0.0
+    # Pending puts only: when the reservation is reclaimed, and who started it.
+    put_deadline: float = 0.0
+    client_id: str = ""
+    # client id -> monotonic lease end.
+    leases: dict[str, float] = field(default_factory=dict)
+
+    def leased(self, now: float) -> bool:
+        if not self.leases:
+            return False
+        for client, until in list(self.leases.items()):
+            if until <= now:
+                del self.leases[client]
+        return bool(self.leases)
+
+
+@dataclass
+class Counters:
+    puts: int = 0
+    gets: int = 0
+    get_hits: int = 0
+    evictions: int = 0
+    removals: int = 0
+    prefix_queries: int = 0
+    prefix_hit_keys: int = 0
+    ttl_expired: int = 0
+    put_timeouts: int = 0
+    node_deaths: int = 0
+    node_dead_objects: int = 0
+
+
+@dataclass(frozen=True)
+class PutStartOutcome:
+    key: str
+    code: int
+    message: str = ""
+    already_exists: bool = False
+    replicas: tuple[ReplicaLoc, ...] = ()
+
+
+@dataclass(frozen=True)
+class KeyOutcome:
+    key: str
+    code: int
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class GetOutcome:
+    key: str
+    code: int
+    replicas: tuple[ReplicaLoc, ...] = ()
+    lease_expires_ms: int = 0
+
+
+#: on_event(type, key, size, reason) with type pb.KV_EVENT_STORED / pb.KV_EVENT_REMOVED.
+EventSink = Callable[[int, str, int, str], None]
+
+
+class MasterState:
+    """All master metadata. Not thread-safe: call from one thread (the event loop)."""
+
+    def __init__(
+        self,
+        cfg: MasterConfig,
+        *,
+        clock: Clock | None = None,
+        store: MetadataStore | None = None,
+        on_event: EventSink | None = None,
+        placement_seed: int | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.clock = clock or Clock()
+        self.store = store
+        self.on_event = on_event or (lambda *_: None)
+        self.strategies: dict[int, PlacementStrategy] = make_strategies(placement_seed)
+        self.segments: dict[str, SegmentState] = {}
+        self.nodes: dict[str, NodeState] = {}
+        # Committed objects in LRU order (least recently used first).
+        self.objects: OrderedDict[str, ObjectState] = OrderedDict()
+        self.pending: dict[str, ObjectState] = {}
+        self.counters = Counters()
+        self._dirty: dict[str, ObjectState] = {}
+        self._deleted: set[str] = set()
+        # Restart: persisted objects waiting for their segments.
+        self.dormant: dict[str, StoredObject] = {}
+        self._dormant_by_segment: dict[str, set[str]] = {}
+        self._dormant_until = 0.0
+        self.used_bytes = 0  # bytes of committed objects (object size, not per replica)
+        if store is not None:
+            self._load(store)
+
+    # ------------------------------------------------------------------ persistence
+
+    def _load(self, store: MetadataStore) -> None:
+        wall = self.clock.wall_ms()
+        expired = []
+        for obj in store.load():
+            if obj.ttl_deadline_ms and obj.ttl_deadline_ms <= wall:
+                expired.append(obj.key)
+                continue
+            self.dormant[obj.key] = obj
+            for rep in obj.replicas:
+                self._dormant_by_segment.setdefault(rep.segment_id, set()).add(obj.key)
+        store.apply([], expired)
+        self._dormant_until = self.clock.mono() + self.cfg.dormant_grace_s
+        if self.dormant:
+            log.info(
+                "loaded %d committed objects from %s; waiting up to %.0fs for %d segments",
+                len(self.dormant),
+                store.path,
+                self.cfg.dormant_grace_s,
+                len(self._dormant_by_segment),
+            )
+
+    def _mark(self, obj: ObjectState) -> None:
+        if self.store is not None:
+            self._dirty[obj.key] = obj
+            self._deleted.discard(obj.key)
+
+    def _mark_deleted(self, key: str) -> None:
+        if self.store is not None:
+            self._dirty.pop(key, None)
+            self._deleted.add(key)
+
+    def flush(self) -> None:
+        """Writes this call's changes in one transaction (called at the end of every mutating
+        public method)."""
+        if self.store is None or (not self._dirty and not self._deleted):
+            return
+        mono, wall = self.clock.mono(), self.clock.wall_ms()
+        ups = [
+            StoredObject(
+                o.key,
+                o.size,
+                o.soft_pin,
+                int(wall + (o.ttl_deadline - mono) * 1000) if o.ttl_deadline else 0,
+                tuple(StoredReplica(r.segment_id, r.node_id, r.offset) for r in o.replicas),
+            )
+            for o in self._dirty.values()
+        ]
+        self.store.apply(ups, self._deleted)
+        self._dirty.clear()
+        self._deleted.clear()
+
+    # ------------------------------------------------------------------ validation
+
+    def _check_id(self, what: str, value: str) -> None:
+        if not value:
+            raise errors.InvalidArgument(f"{what} must not be empty")
+        if len(value.encode()) > self.cfg.max_id_bytes:
+            raise errors.InvalidArgument(
+                f"{what} is {len(value.encode())} bytes; the limit is max_id_bytes="
+                f"{self.cfg.max_id_bytes}"
+            )
+
+    def check_batch(self, n: int, what: str = "keys") -> None:
+        """Whole-call checks of a batched request."""
+        if n == 0:
+            raise errors.InvalidArgument(f"the request has no {what}")
+        if n > self.cfg.max_batch_keys:
+            raise errors.ResourceExhausted(
+                f"the request has {n} {what}; the limit is max_batch_keys={self.cfg.max_batch_keys}"
+            )
+
+    def key_problem(self, key: str) -> str:
+        """Why ``key`` is invalid, or "" when it is fine."""
+        if not key:
+            return "key is empty"
+        n = len(key.encode())
+        if n > self.cfg.max_key_bytes:
+            return f"key is {n} bytes; the limit is max_key_bytes={self.cfg.max_key_bytes}"
+        return ""
+
+    # ------------------------------------------------------------------ segments and nodes
+
+    def mount(
+        self,
+        segment_id: str,
+        node_id: str,
+        size: int,
+        endpoints: Sequence[pb.Endpoint],
+        held: Sequence[tuple[str, int, int]] = (),
+    ) -> int:
+        """Mounts (or idempotently remounts) a segment; returns how many replicas of ``held``
+        and of persisted dormant objects were restored on it."""
+        self._check_id("segment.segment_id", segment_id)
+        self._check_id("segment.node_id", node_id)
+        if size <= 0:
+            raise errors.InvalidArgument(f"segment.size must be > 0, got {size}")
+        if size > self.cfg.max_segment_bytes:
+            raise errors.ResourceExhausted(
+                f"segment.size {size} exceeds max_segment_bytes={self.cfg.max_segment_bytes}"
+            )
+        if len(held) > self.cfg.max_held_objects:
+            raise errors.ResourceExhausted(
+                f"{len(held)} held objects; the limit is max_held_objects="
+                f"{self.cfg.max_held_objects}"
+            )
+        if size < 64:
+            raise errors.InvalidArgument(f"segment.size {size} is smaller than one 64-byte block")
+        now = self.clock.mono()
+        seg = self.segments.get(segment_id)
+        if seg is not None and seg.alive:
+            if seg.node_id != node_id or seg.size != size:
+                raise errors.AlreadyExists(
+                    f"segment {segment_id!r} is already mounted by node {seg.node_id!r} with "
+                    f"size {seg.size}; unmount it first or use another segment id"
+                )
+            seg.endpoints = list(endpoints)  # idempotent remount: refresh the endpoints
+        else:
+            if seg is not None:
+                self._drop_segment(seg, "node_dead")
+            seg = SegmentState(segment_id, node_id, size, list(endpoints), OffsetAllocator(size))
+            self.segments[segment_id] = seg
+        node = self.nodes.get(node_id)
+        if node is None:
+            node = self.nodes[node_id] = NodeState(node_id, now)
+        node.last_heartbeat = now
+        node.segment_ids.add(segment_id)
+        restored = 0
+        for key, offset, hsize in held:
+            if self._restore(seg, key, offset, hsize, soft_pin=False, ttl_deadline_ms=0):
+                restored += 1
+        for key in sorted(self._dormant_by_segment.pop(segment_id, set())):
+            stored = self.dormant.get(key)
+            if stored is None:
+                continue
+            for rep in stored.replicas:
+                if (
+                    rep.segment_id == segment_id
+                    and rep.node_id == node_id
+                    and self._restore(
+                        seg, key, rep.offset, stored.size, stored.soft_pin, stored.ttl_deadline_ms
+                    )
+                ):
+                    restored += 1
+            if not any(key in s for s in self._dormant_by_segment.values()):
+                del self.dormant[key]
+        self.flush()
+        log.info(
+            "mounted segment %s of node %s (%d bytes), restored %d replicas",
+            segment_id,
+            node_id,
+            size,
+            restored,
+        )
+        return restored
+
+    def _restore(
+        self,
+        seg: SegmentState,
+        key: str,
+        offset: int,
+        size: int,
+        soft_pin: bool,
+        ttl_deadline_ms: int,
+    ) -> bool:
+        if self.key_problem(key) or size <= 0 or size > self.cfg.max_object_bytes:
+            log.warning("segment %s re-reported an invalid object %r", seg.segment_id, key)
+            return False
+        obj = self.objects.get(key)
+        if obj is not None:
+            if obj.size != size:
+                log.warning("held %r has size %d, the committed object %d", key, size, obj.size)
+                return False
+            if any(r.segment_id == seg.segment_id for r in obj.replicas):
+                return any(
+                    r.segment_id == seg.segment_id and r.offset == offset for r in obj.replicas
+                )
+            if any(r.node_id == seg.node_id for r in obj.replicas):
+                return False
+        if key in self.pending:
+            return False
+        try:
+            seg.allocator.reserve(offset, size)
+        except AllocatorError as exc:
+            log.warning("cannot restore %r on segment %s: %s", key, seg.segment_id, exc)
+            return False
+        rep = ReplicaLoc(seg.segment_id, seg.node_id, offset)
+        if obj is None:
+            mono, wall = self.clock.mono(), self.clock.wall_ms()
+            ttl_deadline = mono + (ttl_deadline_ms - wall) / 1000 if ttl_deadline_ms else 0.0
+            obj = ObjectState(key, size, [rep], soft_pin=soft_pin, ttl_deadline=ttl_deadline)
+            self.objects[key] = obj
+            self.objects.move_to_end(key, last=False)  # restored objects are the coldest
+            self.used_bytes += size
+        else:
+            obj.replicas.append(rep)
+        self._mark(obj)
+        return True
+
+    def unmount(self, segment_id: str) -> int:
+        """Removes a segment and every replica in it; returns how many objects lost their last
+        replica (deleted, event reason ``unmount``)."""
+        self._check_id("segment_id", segment_id)
+        seg = self.segments.get(segment_id)
+        if seg is None or not seg.alive:
+            raise errors.NotFound(f"segment {segment_id!r} is not mounted")
+        removed = self._drop_segment(seg, "unmount")
+        del self.segments[segment_id]
+        node = self.nodes.get(seg.node_id)
+        if node is not None:
+            node.segment_ids.discard(segment_id)
+            if not node.segment_ids:
+                del self.nodes[seg.node_id]
+        self.flush()
+        return removed
+
+    def _drop_segment(self, seg: SegmentState, reason: str) -> int:
+        """Drops every replica (committed and pending) in ``seg`` and marks it dead."""
+        seg.alive = False
+        removed = 0
+        for key in [k for k, o in self.objects.items() if _on(o, seg.segment_id)]:
+            obj = self.objects[key]
+            obj.replicas = [r for r in obj.replicas if r.segment_id != seg.segment_id]
+            if obj.replicas:
+                self._mark(obj)
+            else:
+                self._delete(obj, reason, free=False)
+                removed += 1
+        for obj in self.pending.values():
+            obj.replicas = [r for r in obj.replicas if r.segment_id != seg.segment_id]
+        seg.allocator = OffsetAllocator(seg.size)
+        return removed
+
+    def heartbeat(self, node_id: str, segment_ids: Sequence[str]) -> bool:
+        """Records a heartbeat; returns True when the node must remount (the master does not
+        know it or some of its segments, e.g. after a master restart or after it was declared
+        dead)."""
+        self._check_id("node_id", node_id)
+        node = self.nodes.get(node_id)
+        if node is None:
+            return True
+        node.last_heartbeat = self.clock.mono()
+        for sid in segment_ids:
+            seg = self.segments.get(sid)
+            if seg is None or not seg.alive or seg.node_id != node_id:
+                return True
+        return False
+
+    def alive_nodes(self) -> int:
+        return len(self.nodes)
+
+    # ------------------------------------------------------------------ puts
+
+    def put_start(
+        self,
+        client_id: str,
+        items: Sequence[tuple[str, int]],
+        replicas: int = 0,
+        soft_pin: bool = False,
+        ttl_ms: int = 0,
+        placement: int = pb.PLACEMENT_UNSPECIFIED,
+    ) -> list[PutStartOutcome]:
+        self.check_batch(len(items), "items")
+        n_rep = replicas or self.cfg.default_replicas
+        if n_rep > self.cfg.max_replicas:
+            raise errors.InvalidArgument(
+                f"options.replicas={replicas} exceeds max_replicas={self.cfg.max_replicas}"
+            )
+        if ttl_ms > self.cfg.max_ttl_ms:
+            raise errors.InvalidArgument(
+                f"options.ttl_ms={ttl_ms} exceeds max_ttl_ms={self.cfg.max_ttl_ms}"
+            )
+        strategy = self.strategies.get(placement)
+        if strategy is None:
+            raise errors.InvalidArgument(f"options.placement={placement} is not a known strategy")
+        now = self.clock.mono()
+        out = []
+        for key, size in items:
+            problem = self.key_problem(key)
+            if not problem and size <= 0:
+                problem = f"size must be > 0, got {size}"
+            if not problem and size > self.cfg.max_object_bytes:
+                problem = f"size {size} exceeds max_object_bytes={self.cfg.max_object_bytes}"
+            if problem:
+                out.append(PutStartOutcome(key, pb.KV_INVALID, problem))
+                continue
+            old = self.objects.get(key)
+            if old is not None:
+                if not self._expired(old, now):
+                    out.append(PutStartOutcome(key, OK, "already committed", already_exists=True))
+                    continue
+                if old.leased(now):
+                    out.append(
+                        PutStartOutcome(
+                            key, pb.KV_LEASED, "the expired previous copy is still being read"
+                        )
+                    )
+                    continue
+                self._delete(old, "ttl")
+                self.counters.ttl_expired += 1
+            if key in self.pending:
+                out.append(
+                    PutStartOutcome(
+                        key,
+                        pb.KV_PUT_IN_PROGRESS,
+                        f"a put of this key by {self.pending[key].client_id!r} is in progress",
+                    )
+                )
+                continue
+            if len(self.nodes) < n_rep:
+                out.append(
+                    PutStartOutcome(
+                        key,
+                        pb.KV_NOT_ENOUGH_NODES,
+                        f"{n_rep} replicas requested, {len(self.nodes)} nodes alive",
+                    )
+                )
+                continue
+            locs = self._place(strategy, size, n_rep, now)
+            if locs is None:
+                out.append(
+                    PutStartOutcome(
+                        key,
+                        pb.KV_NO_SPACE,
+                        f"no room for {size} bytes on {n_rep} distinct nodes, even after eviction",
+                    )
+                )
+                continue
+            self.pending[key] = ObjectState(
+                key,
+                size,
+                locs,
+                soft_pin=soft_pin,
+                ttl_ms=ttl_ms,
+                put_deadline=now + self.cfg.put_timeout_s,
+                client_id=client_id,
+            )
+            out.append(PutStartOutcome(key, OK, replicas=tuple(locs)))
+        self._evict_to_watermarks(now)
+        self.flush()
+        return out
+
+    def _place(
+        self, strategy: PlacementStrategy, size: int, n_rep: int, now: float
+    ) -> list[ReplicaLoc] | None:
+        for _ in range(self.cfg.max_evictions_per_alloc + 1):
+            locs = self._try_place(strategy, size, n_rep)
+            if locs is not None:
+                return locs
+            if not self._evict_one(now, "evict"):
+                return None
+        return None
+
+    def _try_place(
+        self, strategy: PlacementStrategy, size: int, n_rep: int
+    ) -> list[ReplicaLoc] | None:
+        live = [s for s in self.segments.values() if s.alive and s.allocator.can_fit(size)]
+        chosen: list[ReplicaLoc] = []
+        used_nodes: set[str] = set()
+        for seg in strategy.order(live, size):
+            if seg.node_id in used_nodes:
+                continue
+            off = seg.allocator.allocate(size)
+            if off is None:
+                continue
+            chosen.append(ReplicaLoc(seg.segment_id, seg.node_id, off))
+            used_nodes.add(seg.node_id)
+            if len(chosen) == n_rep:
+                return chosen
+        for loc in chosen:  # not enough: give back what we took
+            self.segments[loc.segment_id].allocator.release(loc.offset)
+        return None
+
+    def put_end(self, client_id: str, keys: Sequence[str]) -> list[KeyOutcome]:
+        self.check_batch(len(keys))
+        now = self.clock.mono()
+        out = []
+        for key in keys:
+            obj = self.pending.get(key)
+            if obj is None:
+                out.append(self._no_pending(key))
+                continue
+            del self.pending[key]
+            if not obj.replicas:
+                out.append(
+                    KeyOutcome(
+                        key, pb.KV_NOT_ENOUGH_NODES, "every replica's node died during the put"
+                    )
+                )
+                continue
+            obj.put_deadline = 0.0
+            obj.ttl_deadline = now + obj.ttl_ms / 1000 if obj.ttl_ms else 0.0
+            self.objects[key] = obj
+            self.used_bytes += obj.size
+            self.counters.puts += 1
+            self._mark(obj)
+            self.on_event(pb.KV_EVENT_STORED, key, obj.size, "")
+            out.append(KeyOutcome(key, OK))
+        self.flush()
+        return out
+
+    def _no_pending(self, key: str) -> KeyOutcome:
+        problem = self.key_problem(key)
+        if problem:
+            return KeyOutcome(key, pb.KV_INVALID, problem)
+        if key in self.objects:
+            return KeyOutcome(key, pb.KV_NO_PENDING_PUT, "no put in progress: already committed")
+        return KeyOutcome(
+            key,
+            pb.KV_NO_PENDING_PUT,
+            "no put in progress (never started, already ended or revoked, or timed out)",
+        )
+
+    def put_revoke(self, client_id: str, keys: Sequence[str]) -> list[KeyOutcome]:
+        self.check_batch(len(keys))
+        out = []
+        for key in keys:
+            obj = self.pending.pop(key, None)
+            if obj is None:
+                out.append(self._no_pending(key))
+                continue
+            self._free(obj)
+            out.append(KeyOutcome(key, OK))
+        return out
+
+    # ------------------------------------------------------------------ reads
+
+    def _expired(self, obj: ObjectState, now: float) -> bool:
+        return bool(obj.ttl_deadline) and obj.ttl_deadline <= now
+
+    def get_replicas(
+        self, client_id: str, keys: Sequence[str], lease_ms: int = 0
+    ) -> list[GetOutcome]:
+        self.check_batch(len(keys))
+        if lease_ms > self.cfg.max_lease_ms:
+            raise errors.InvalidArgument(
+                f"lease_ms={lease_ms} exceeds max_lease_ms={self.cfg.max_lease_ms}"
+            )
+        lease_s = (lease_ms or self.cfg.default_lease_ms) / 1000
+        now = self.clock.mono()
+        wall = self.clock.wall_ms()
+        until = now + lease_s
+        out = []
+        hits = 0
+        for key in keys:
+            obj = self.objects.get(key)
+            if obj is None or self._expired(obj, now):
+                problem = self.key_problem(key)
+                out.append(GetOutcome(key, pb.KV_INVALID if problem else pb.KV_NOT_FOUND))
+                continue
+            hits += 1
+            self.objects.move_to_end(key)
+            prev = obj.leases.get(client_id, 0.0)
+            obj.leases[client_id] = max(prev, until)
+            out.append(
+                GetOutcome(
+                    key,
+                    OK,
+                    tuple(obj.replicas),
+                    int(wall + (obj.leases[client_id] - now) * 1000),
+                )
+            )
+        self.counters.gets += len(keys)
+        self.counters.get_hits += hits
+        return out
+
+    def release(self, client_id: str, keys: Sequence[str]) -> list[KeyOutcome]:
+        self.check_batch(len(keys))
+        out = []
+        for key in keys:
+            obj = self.objects.get(key)
+            if obj is None:
+                out.append(KeyOutcome(key, pb.KV_NOT_FOUND, "no such object"))
+                continue
+            if obj.leases.pop(client_id, None) is None:
+                out.append(KeyOutcome(key, OK, "this client held no lease"))
+            else:
+                out.append(KeyOutcome(key, OK))
+        return out
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        self.check_batch(len(keys))
+        now = self.clock.mono()
+        objs = self.objects
+        out = []
+        for key in keys:
+            o = objs.get(key)
+            out.append(o is not None and not (o.ttl_deadline and o.ttl_deadline <= now))
+        return out
+
+    def longest_prefix(self, keys: Sequence[str]) -> int:
+        """Number of leading keys that are committed: a plain dict walk."""
+        self.check_batch(len(keys))
+        now = self.clock.mono()
+        objs = self.objects
+        n = 0
+        for key in keys:
+            o = objs.get(key)
+            if o is None or (o.ttl_deadline and o.ttl_deadline <= now):
+                break
+            n += 1
+        self.counters.prefix_queries += 1
+        self.counters.prefix_hit_keys += n
+        return n
+
+    # ------------------------------------------------------------------ removal and eviction
+
+    def remove(self, keys: Sequence[str]) -> list[KeyOutcome]:
+        self.check_batch(len(keys))
+        now = self.clock.mono()
+        out = []
+        for key in keys:
+            obj = self.objects.get(key)
+            if obj is None:
+                problem = self.key_problem(key)
+                if problem:
+                    out.append(KeyOutcome(key, pb.KV_INVALID, problem))
+                elif key in self.pending:
+                    out.append(KeyOutcome(key, pb.KV_PUT_IN_PROGRESS, "the put is not finished"))
+                else:
+                    out.append(KeyOutcome(key, pb.KV_NOT_FOUND, "no such object"))
+                continue
+            if obj.leased(now):
+                out.append(
+                    KeyOutcome(
+                        key, pb.KV_LEASED, f"leased by {len(obj.leases)} reader(s); retry later"
+                    )
+                )
+                continue
+            self._delete(obj, "remove")
+            self.counters.removals += 1
+            out.append(KeyOutcome(key, OK))
+        self.flush()
+        return out
+
+    def _free(self, obj: ObjectState) -> None:
+        for r in obj.replicas:
+            seg = self.segments.get(r.segment_id)
+            if seg is not None and seg.alive:
+                seg.allocator.release(r.offset)
+
+    def _delete(self, obj: ObjectState, reason: str, *, free: bool = True) -> None:
+        if free:
+            self._free(obj)
+        del self.objects[obj.key]
+        self.used_bytes -= obj.size
+        self._mark_deleted(obj.key)
+        self.on_event(pb.KV_EVENT_REMOVED, obj.key, obj.size, reason)
+
+    def _evict_one(self, now: float, reason: str, segment_id: str | None = None) -> bool:
+        """Evicts the least recently used evictable object (on ``segment_id`` when given);
+        soft-pinned objects only when no other candidate exists."""
+        pinned_candidate: ObjectState | None = None
+        for obj in self.objects.values():
+            if segment_id is not None and not _on(obj, segment_id):
+                continue
+            if obj.leased(now):
+                continue
+            if obj.soft_pin:
+                if pinned_candidate is None:
+                    pinned_candidate = obj
+                continue
+            self._delete(obj, reason)
+            self.counters.evictions += 1
+            return True
+        if pinned_candidate is not None:
+            self._delete(pinned_candidate, reason)
+            self.counters.evictions += 1
+            return True
+        return False
+
+    def _evict_to_watermarks(self, now: float) -> int:
+        cfg = self.cfg
+        evicted = 0
+        for seg in list(self.segments.values()):
+            if not seg.alive or seg.capacity == 0 or seg.used <= cfg.high_watermark * seg.capacity:
+                continue
+            while seg.used > cfg.low_watermark * seg.capacity and self._evict_one(
+                now, "evict", seg.segment_id
+            ):
+                evicted += 1
+        cap = sum(s.capacity for s in self.segments.values() if s.alive)
+        used = sum(s.used for s in self.segments.values() if s.alive)
+        if cap and used > cfg.high_watermark * cap:
+            while self._pool_used() > cfg.low_watermark * cap and self._evict_one(now, "evict"):
+                evicted += 1
+        return evicted
+
+    def _pool_used(self) -> int:
+        return sum(s.used for s in self.segments.values() if s.alive)
+
+    # ------------------------------------------------------------------ housekeeping
+
+    def tick(self) -> None:
+        """Periodic pass: dead nodes, TTL expiry, put timeouts, dormant grace, watermarks."""
+        now = self.clock.mono()
+        dead_after = self.cfg.heartbeat_interval_ms * self.cfg.heartbeat_miss_limit / 1000
+        for node in list(self.nodes.values()):
+            if now - node.last_heartbeat > dead_after:
+                self._node_dead(node)
+        expired = [o for o in self.objects.values() if o.ttl_deadline and o.ttl_deadline <= now]
+        for obj in expired:
+            # TTL objects stop being visible at their deadline; the space waits for leases.
+            if not obj.leased(now):
+                self._delete(obj, "ttl")
+                self.counters.ttl_expired += 1
+        for key in [k for k, o in self.pending.items() if o.put_deadline <= now]:
+            obj = self.pending.pop(key)
+            self._free(obj)
+            self.counters.put_timeouts += 1
+            log.warning("put of %r by %r timed out; space reclaimed", key, obj.client_id)
+        if self.dormant and now >= self._dormant_until:
+            log.warning(
+                "dropping %d persisted objects whose segments did not remount: %s",
+                len(self.dormant),
+                sorted(self._dormant_by_segment),
+            )
+            for key in self.dormant:
+                if key not in self.objects:
+                    self._mark_deleted(key)
+            self.dormant.clear()
+            self._dormant_by_segment.clear()
+        self._evict_to_watermarks(now)
+        self.flush()
+
+    def _node_dead(self, node: NodeState) -> None:
+        removed = 0
+        for sid in sorted(node.segment_ids):
+            seg = self.segments.get(sid)
+            if seg is not None and seg.alive:
+                removed += self._drop_segment(seg, "node_dead")
+        del self.nodes[node.node_id]
+        self.counters.node_deaths += 1
+        self.counters.node_dead_objects += removed
+        log.warning(
+            "node %s missed its heartbeats: declared dead; %d objects lost their last replica",
+            node.node_id,
+            removed,
+        )
+
+    # ------------------------------------------------------------------ stats
+
+    def segment_list(self) -> list[SegmentState]:
+        return list(self.segments.values())
+
+    def stats(self) -> pb.StatsResponse:
+        c = self.counters
+        live = [s for s in self.segments.values() if s.alive]
+        return pb.StatsResponse(
+            objects=len(self.objects),
+            used_bytes=self.used_bytes,
+            capacity_bytes=sum(s.capacity for s in live),
+            segments=[
+                pb.SegmentStats(
+                    segment_id=s.segment_id,
+                    node_id=s.node_id,
+                    capacity=s.capacity,
+                    used=s.used,
+                    alive=s.alive,
+                )
+                for s in self.segments.values()
+            ],
+            puts=c.puts,
+            gets=c.gets,
+            get_hits=c.get_hits,
+            evictions=c.evictions,
+            removals=c.removals,
+            prefix_queries=c.prefix_queries,
+            prefix_hit_keys=c.prefix_hit_keys,
+            alive_nodes=len(self.nodes),
+        )
+
+
+def _on(obj: ObjectState, segment_id: str) -> bool:
+    return any(r.segment_id == segment_id for r in obj.replicas)

@@ -1,0 +1,114 @@
+"""Committed-object metadata on disk (SQLite, WAL), so a master restart loses no object.
+
+Why persist instead of only trusting node re-reports: a node re-reports what it holds, but only
+the master knows each object's soft pin and TTL deadline, and a node cannot tell a committed
+object from a put that was abandoned half-written. So the master keeps one row per committed
+object (key, size, pin, TTL deadline, replicas as segment id + node id + offset) and re-loads
+them on start as *dormant* replicas, which become visible again when their segment (same stable
+segment id, same node) remounts. Nodes may still re-report ``held`` objects on mount; the master
+accepts both paths (see :mod:`pdserve.services.kvstore.master_state`).
+
+Writes are batched: the master calls :meth:`MetadataStore.apply` once per RPC with every
+upsert and delete of that RPC, which is one transaction. Only JSON and plain columns are
+stored; no pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class StoredReplica:
+    segment_id: str
+    node_id: str
+    offset: int
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    key: str
+    size: int
+    soft_pin: bool
+    # Unix milliseconds when the TTL ends; 0 = no TTL.
+    ttl_deadline_ms: int
+    replicas: tuple[StoredReplica, ...]
+
+
+class MetadataStore:
+    """The SQLite file ``<state_dir>/kvstore-master.sqlite3``. Single-threaded use only."""
+
+    def __init__(self, state_dir: str | Path) -> None:
+        path = Path(state_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        self.path = path / "kvstore-master.sqlite3"
+        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        # NORMAL in WAL mode: a commit survives a process crash (SIGKILL); only an OS crash
+        # can lose the last transactions.
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)"
+        )
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS objects ("
+            " key TEXT PRIMARY KEY, size INTEGER NOT NULL, soft_pin INTEGER NOT NULL,"
+            " ttl_deadline_ms INTEGER NOT NULL, replicas TEXT NOT NULL)"
+        )
+        row = self._db.execute("SELECT value FROM meta WHERE name='schema'").fetchone()
+        if row is None:
+            self._db.execute(
+                "INSERT INTO meta (name, value) VALUES ('schema', ?)", (str(SCHEMA_VERSION),)
+            )
+        elif int(row[0]) != SCHEMA_VERSION:
+            raise RuntimeError(
+                f"{self.path}: schema version {row[0]}, this master understands {SCHEMA_VERSION}"
+            )
+
+    def load(self) -> list[StoredObject]:
+        out = []
+        for key, size, pin, ttl, reps in self._db.execute(
+            "SELECT key, size, soft_pin, ttl_deadline_ms, replicas FROM objects"
+        ):
+            replicas = tuple(StoredReplica(str(s), str(n), int(o)) for s, n, o in json.loads(reps))
+            out.append(StoredObject(key, int(size), bool(pin), int(ttl), replicas))
+        return out
+
+    def apply(self, upserts: Iterable[StoredObject], deletes: Iterable[str]) -> None:
+        """Writes one batch of changes in one transaction."""
+        up = [
+            (
+                o.key,
+                o.size,
+                int(o.soft_pin),
+                o.ttl_deadline_ms,
+                json.dumps([[r.segment_id, r.node_id, r.offset] for r in o.replicas]),
+            )
+            for o in upserts
+        ]
+        dels = [(k,) for k in deletes]
+        if not up and not dels:
+            return
+        self._db.execute("BEGIN")
+        try:
+            if dels:
+                self._db.executemany("DELETE FROM objects WHERE key=?", dels)
+            if up:
+                self._db.executemany(
+                    "INSERT OR REPLACE INTO objects (key, size, soft_pin, ttl_deadline_ms, replicas)"
+                    " VALUES (?, ?, ?, ?, ?)",
+                    up,
+                )
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+
+    def close(self) -> None:
+        self._db.close()
