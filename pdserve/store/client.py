@@ -1,0 +1,490 @@
+"""The store client used by prefill, decode and router (contract: /work/briefs/store_api.md).
+
+The core :class:`StoreClient` is synchronous and thread-safe; :class:`AsyncStoreClient` wraps
+it with ``asyncio.to_thread``. Control goes to the master over gRPC; payload bytes move over
+a data-plane transport chosen per replica: shm when the node is on this host, else tcp, else
+mooncake (``transport=`` forces one).
+
+Put: ``BatchPutStart`` -> write every replica -> ``BatchPutEnd`` (``BatchPutRevoke`` when a
+write fails). Get: ``BatchGetReplicaList`` (grants a read lease) -> read the best replica,
+falling over to the next on failure -> ``BatchReleaseLease``. Read failures (dead replica,
+corrupt chunk) are misses, never exceptions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from prometheus_client import Counter
+
+from pdserve import errors, grpcutil, kvformat
+from pdserve.store.segment import host_id as local_host_id
+from pdserve.store.transports import PREFERENCE
+from pdserve.store.transports.base import Transport, TransportError
+from pdserve.telemetry import REGISTRY
+from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+CORRUPT_CHUNKS = Counter(
+    "pdserve_store_corrupt_chunks_total",
+    "KV chunks read from a replica that failed verification (checksum, header or fingerprint)",
+    registry=REGISTRY,
+)
+READ_FAILOVERS = Counter(
+    "pdserve_store_read_failovers_total",
+    "replica reads that failed and moved on to the next replica",
+    ["transport"],
+    registry=REGISTRY,
+)
+PUT_RETRIES = Counter(
+    "pdserve_store_put_retries_total",
+    "puts retried after a replica write failed",
+    registry=REGISTRY,
+)
+
+TRANSPORT_NAMES = {
+    kvstore_pb2.TRANSPORT_SHM: "shm",
+    kvstore_pb2.TRANSPORT_TCP: "tcp",
+    kvstore_pb2.TRANSPORT_MOONCAKE: "mooncake",
+}
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """Per-put options."""
+
+    replicas: int = 1
+    soft_pin: bool = False
+    ttl_ms: int = 0
+
+    def proto(self) -> kvstore_pb2.PutOptions:
+        if self.replicas < 1:
+            raise errors.InvalidArgument(f"replicas must be >= 1, got {self.replicas}")
+        if self.ttl_ms < 0:
+            raise errors.InvalidArgument(f"ttl_ms must be >= 0, got {self.ttl_ms}")
+        return kvstore_pb2.PutOptions(
+            replicas=self.replicas, soft_pin=self.soft_pin, ttl_ms=self.ttl_ms
+        )
+
+
+_STATUS_ERRORS: dict[grpc.StatusCode, type[errors.PdserveError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: errors.NotFound,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
+    grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
+}
+
+
+def _check_keys(keys: Sequence[str]) -> list[str]:
+    if isinstance(keys, str):
+        raise errors.InvalidArgument("keys must be a sequence of strings, not one string")
+    out = list(keys)
+    for k in out:
+        if not isinstance(k, str) or not k:
+            raise errors.InvalidArgument(f"every key must be a non-empty string, got {k!r}")
+    return out
+
+
+def _as_bytes_view(data: Any) -> memoryview:
+    try:
+        mv = memoryview(data)
+    except TypeError as exc:
+        raise errors.InvalidArgument(f"data must be bytes-like, got {type(data).__name__}") from exc
+    if not mv.c_contiguous:
+        raise errors.InvalidArgument("data must be a contiguous buffer")
+    mv = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+    if len(mv) == 0:
+        raise errors.InvalidArgument("data must not be empty (objects have size > 0)")
+    return mv
+
+
+class StoreClient:
+    """Synchronous, thread-safe client of a pdserve KV store."""
+
+    def __init__(
+        self,
+        master_address: str,
+        *,
+        client_id: str | None = None,
+        transport: str = "auto",
+        timeout_s: float = 5.0,
+        put_retries: int = 2,
+    ) -> None:
+        if transport not in ("auto", *PREFERENCE):
+            raise errors.InvalidArgument(
+                f"transport must be auto, shm, tcp or mooncake, got {transport!r}"
+            )
+        self.master_address = master_address
+        self.client_id = client_id or f"client-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.transport = transport
+        self.timeout_s = timeout_s
+        self.put_retries = put_retries
+        self.host_id = local_host_id()
+        self._channel = grpcutil.sync_channel(master_address)
+        self._stub = kvstore_pb2_grpc.KVMasterServiceStub(self._channel)
+        self._transports: dict[str, Transport] = {}
+        self._lock = threading.Lock()
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _call(self, method: str, request: Any) -> Any:
+        try:
+            return getattr(self._stub, method)(request, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            code = exc.code()  # type: ignore[attr-defined]
+            detail = exc.details()  # type: ignore[attr-defined]
+            cls = _STATUS_ERRORS.get(code, errors.Unavailable)
+            raise cls(
+                f"kvstore master {self.master_address} {method}: {code.name}: {detail}"
+            ) from exc
+
+    def _get_transport(self, name: str) -> Transport:
+        with self._lock:
+            t = self._transports.get(name)
+            if t is None:
+                if name == "shm":
+                    from pdserve.store.transports.shm import ShmTransport
+
+                    t = ShmTransport(self.host_id)
+                elif name == "tcp":
+                    from pdserve.store.transports.tcp import TcpTransport
+
+                    t = TcpTransport(self.timeout_s)
+                else:
+                    from pdserve.store.transports.mooncake import MooncakeTransport
+
+                    t = MooncakeTransport()
+                self._transports[name] = t
+            return t
+
+    def _route(self, replica: kvstore_pb2.Replica) -> Transport | None:
+        """The best transport that reaches ``replica``, or None."""
+        offered = {TRANSPORT_NAMES.get(ep.transport) for ep in replica.endpoints}
+        names = PREFERENCE if self.transport == "auto" else (self.transport,)
+        for name in names:
+            if name not in offered:
+                continue
+            if name == "shm" and not any(
+                ep.transport == kvstore_pb2.TRANSPORT_SHM and ep.host_id == self.host_id
+                for ep in replica.endpoints
+            ):
+                continue
+            return self._get_transport(name)
+        return None
+
+    def _ordered(
+        self, replicas: Sequence[kvstore_pb2.Replica]
+    ) -> list[tuple[kvstore_pb2.Replica, Transport]]:
+        """Replicas that some allowed transport reaches, best transport first."""
+        routed = [(r, self._route(r)) for r in replicas]
+        usable = [(r, t) for r, t in routed if t is not None]
+        usable.sort(key=lambda rt: PREFERENCE.index(rt[1].name))
+        return usable
+
+    # -- puts -------------------------------------------------------------------------------
+
+    def put(
+        self, key: str, data: bytes | memoryview, options: StoreOptions = StoreOptions()
+    ) -> bool:
+        """Stores ``data`` under ``key``. True = written now, False = the key already existed
+        (or another writer is putting it). Raises InvalidArgument / ResourceExhausted /
+        Unavailable."""
+        return self.batch_put([(key, data)], options)[0]
+
+    def batch_put(
+        self,
+        items: Sequence[tuple[str, bytes | memoryview]],
+        options: StoreOptions = StoreOptions(),
+    ) -> list[bool]:
+        """Puts several objects with one master round trip per phase. Items that succeed are
+        committed even when another item fails; the first hard failure is then raised."""
+        keys = _check_keys([k for k, _ in items])
+        if len(set(keys)) != len(keys):
+            raise errors.InvalidArgument("batch_put keys must be distinct")
+        views = {k: _as_bytes_view(d) for k, d in items}
+        opts = options.proto()
+        result: dict[str, bool] = {}
+        pending = list(keys)
+        failure: errors.PdserveError | None = None
+        for attempt in range(self.put_retries + 1):
+            if not pending:
+                break
+            if attempt:
+                PUT_RETRIES.inc(len(pending))
+                time.sleep(0.25 * attempt)
+            resp = self._call(
+                "BatchPutStart",
+                kvstore_pb2.BatchPutStartRequest(
+                    client_id=self.client_id,
+                    items=[kvstore_pb2.PutStartItem(key=k, size=len(views[k])) for k in pending],
+                    options=opts,
+                ),
+            )
+            written, revoke, retry = [], [], []
+            for res in resp.results:
+                if (
+                    res.code == kvstore_pb2.KV_OK and res.already_exists
+                ) or res.code == kvstore_pb2.KV_PUT_IN_PROGRESS:
+                    result[res.key] = False
+                elif res.code != kvstore_pb2.KV_OK:
+                    failure = failure or _put_error(res)
+                    result[res.key] = False
+                elif self._write_replicas(res.replicas, views[res.key]):
+                    written.append(res.key)
+                else:
+                    revoke.append(res.key)
+                    retry.append(res.key)
+            if revoke:
+                self._call(
+                    "BatchPutRevoke",
+                    kvstore_pb2.BatchKeysRequest(client_id=self.client_id, keys=revoke),
+                )
+            if written:
+                end = self._call(
+                    "BatchPutEnd",
+                    kvstore_pb2.BatchKeysRequest(client_id=self.client_id, keys=written),
+                )
+                for r in end.results:
+                    result[r.key] = r.code == kvstore_pb2.KV_OK
+            pending = retry
+        for k in pending:
+            result[k] = False
+            failure = failure or errors.Unavailable(
+                f"put of {k!r}: writing a replica failed {self.put_retries + 1} times"
+            )
+        if failure is not None:
+            raise failure
+        return [result.get(k, False) for k in keys]
+
+    def _write_replicas(self, replicas: Sequence[kvstore_pb2.Replica], data: memoryview) -> bool:
+        if not replicas:
+            return False
+        for rep in replicas:
+            t = self._route(rep)
+            if t is None:
+                log.warning("no allowed transport reaches node %s", rep.node_id)
+                return False
+            try:
+                t.write(rep, data)
+            except TransportError as exc:
+                log.warning("write to node %s over %s failed: %s", rep.node_id, t.name, exc)
+                return False
+        return True
+
+    # -- gets -------------------------------------------------------------------------------
+
+    def _replica_lists(self, keys: list[str]) -> list[kvstore_pb2.ReplicaListResult]:
+        resp = self._call(
+            "BatchGetReplicaList",
+            kvstore_pb2.BatchGetReplicaListRequest(client_id=self.client_id, keys=keys),
+        )
+        return list(resp.results)
+
+    def _release(self, keys: list[str]) -> None:
+        if not keys:
+            return
+        try:
+            self._call(
+                "BatchReleaseLease",
+                kvstore_pb2.BatchKeysRequest(client_id=self.client_id, keys=keys),
+            )
+        except errors.PdserveError as exc:  # leases expire on their own
+            log.debug("lease release failed: %s", exc)
+
+    def _read(
+        self,
+        res: kvstore_pb2.ReplicaListResult,
+        buf_for: Callable[[int], memoryview],
+        verify: Callable[[memoryview], bool] | None = None,
+    ) -> memoryview | None:
+        """Reads one found object from its best replica, falling over to the others. Returns
+        the filled view or None when every replica failed (or failed ``verify``)."""
+        if res.code != kvstore_pb2.KV_OK or not res.replicas:
+            return None
+        corrupt = False
+        for rep, t in self._ordered(res.replicas):
+            buf = buf_for(rep.size)
+            try:
+                t.read_into(rep, buf)
+            except TransportError as exc:
+                READ_FAILOVERS.labels(t.name).inc()
+                log.warning(
+                    "read of %r from node %s over %s failed: %s", res.key, rep.node_id, t.name, exc
+                )
+                continue
+            view = buf[: rep.size]
+            if verify is not None and not verify(view):
+                corrupt = True
+                READ_FAILOVERS.labels(t.name).inc()
+                log.warning("replica of %r on node %s failed verification", res.key, rep.node_id)
+                continue
+            return view
+        if corrupt:
+            CORRUPT_CHUNKS.inc()
+        return None
+
+    def get(self, key: str) -> bytes | None:
+        """The object's bytes, or None on a miss (absent, unreachable or failed read)."""
+        return self.batch_get([key])[0]
+
+    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        keys = _check_keys(keys)
+        results = self._replica_lists(keys)
+        out: list[bytes | None] = []
+        found = []
+        try:
+            for res in results:
+                view = self._read(res, lambda n: memoryview(bytearray(n)))
+                out.append(None if view is None else bytes(view))
+                if res.code == kvstore_pb2.KV_OK:
+                    found.append(res.key)
+        finally:
+            self._release(found)
+        return out
+
+    def get_into(self, key: str, buf: memoryview) -> int | None:
+        """Copies the object into ``buf`` (zero-copy where the transport allows it); returns
+        the number of bytes written, or None on a miss. Raises InvalidArgument when ``buf`` is
+        read-only or smaller than the object."""
+        key = _check_keys([key])[0]
+        mv = memoryview(buf)
+        if mv.readonly:
+            raise errors.InvalidArgument("get_into needs a writable buffer")
+        mv = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+        (res,) = self._replica_lists([key])
+        try:
+            if res.code == kvstore_pb2.KV_OK and res.replicas and res.replicas[0].size > len(mv):
+                raise errors.InvalidArgument(
+                    f"buffer of {len(mv)} bytes is smaller than object {key!r} "
+                    f"({res.replicas[0].size} bytes)"
+                )
+            view = self._read(res, lambda n: mv)
+            return None if view is None else len(view)
+        finally:
+            if res.code == kvstore_pb2.KV_OK:
+                self._release([key])
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        keys = _check_keys(keys)
+        resp = self._call(
+            "BatchExists", kvstore_pb2.BatchKeysRequest(client_id=self.client_id, keys=keys)
+        )
+        return list(resp.exists)
+
+    def longest_prefix(self, keys: Sequence[str]) -> int:
+        """How many leading ``keys`` are committed in the store."""
+        keys = _check_keys(keys)
+        if not keys:
+            return 0
+        return self._call("LongestPrefix", kvstore_pb2.LongestPrefixRequest(keys=keys)).length
+
+    def remove(self, keys: Sequence[str]) -> int:
+        """Removes objects; returns how many were removed (leased or absent ones are not)."""
+        keys = _check_keys(keys)
+        if not keys:
+            return 0
+        resp = self._call(
+            "BatchRemove", kvstore_pb2.BatchKeysRequest(client_id=self.client_id, keys=keys)
+        )
+        return sum(1 for r in resp.results if r.code == kvstore_pb2.KV_OK)
+
+    def stats(self) -> kvstore_pb2.StatsResponse:
+        return self._call("Stats", kvstore_pb2.StatsRequest())
+
+    # -- KV chunks --------------------------------------------------------------------------
+
+    def put_chunk(
+        self, key: str, kv: torch.Tensor, fingerprint: bytes, options: StoreOptions = StoreOptions()
+    ) -> bool:
+        try:
+            data = kvformat.encode(kv, fingerprint)
+        except kvformat.ChunkFormatError as exc:
+            raise errors.InvalidArgument(str(exc)) from exc
+        return self.put(key, data, options)
+
+    def get_chunk(self, key: str, fingerprint: bytes) -> torch.Tensor | None:
+        return self.batch_get_chunks([key], fingerprint)[0]
+
+    def batch_get_chunks(
+        self, keys: Sequence[str], fingerprint: bytes
+    ) -> list[torch.Tensor | None]:
+        """Chunks verified against their checksum and ``fingerprint``; a corrupt replica is
+        skipped for the next one, and a chunk with no good replica is a miss."""
+        keys = _check_keys(keys)
+        results = self._replica_lists(keys)
+        out: list[torch.Tensor | None] = []
+        found = []
+        decoded: dict[int, torch.Tensor] = {}
+
+        def verify(view: memoryview) -> bool:
+            try:
+                decoded[0] = kvformat.decode(view, fingerprint)[1]
+            except kvformat.ChunkFormatError:
+                return False
+            return True
+
+        try:
+            for res in results:
+                decoded.clear()
+                view = self._read(res, lambda n: memoryview(bytearray(n)), verify)
+                out.append(None if view is None else decoded[0])
+                if res.code == kvstore_pb2.KV_OK:
+                    found.append(res.key)
+        finally:
+            self._release(found)
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            transports = list(self._transports.values())
+            self._transports.clear()
+        for t in transports:
+            t.close()
+        self._channel.close()
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _put_error(res: kvstore_pb2.PutStartResult) -> errors.PdserveError:
+    msg = f"put of {res.key!r}: {kvstore_pb2.KVErrorCode.Name(res.code)}: {res.message}"
+    if res.code == kvstore_pb2.KV_INVALID:
+        return errors.InvalidArgument(msg)
+    if res.code == kvstore_pb2.KV_NO_SPACE:
+        return errors.ResourceExhausted(msg)
+    return errors.Unavailable(msg)
+
+
+class AsyncStoreClient:
+    """:class:`StoreClient` for asyncio code: every call runs in a worker thread."""
+
+    def __init__(self, master_address: str, **kwargs: Any) -> None:
+        self.sync = StoreClient(master_address, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.sync, name)
+        if not callable(method):
+            return method
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            return await asyncio.to_thread(method, *args, **kwargs)
+
+        call.__name__ = name
+        return call

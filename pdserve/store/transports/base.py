@@ -1,0 +1,91 @@
+"""The data-plane transport interface: how a client moves an object's bytes to and from a
+replica on a storage node, and how a node serves them.
+
+One file per implementation (shm.py, tcp.py, mooncake.py). Payload bytes never travel in
+protobuf messages; the master only hands out :class:`~pdserve.v1.kvstore_pb2.Replica`
+locations (segment id, offset, size, endpoints).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+from pdserve.store.segment import SegmentMemory
+from pdserve.v1 import kvstore_pb2
+
+
+class TransportError(Exception):
+    """A transfer failed (node unreachable, rejected request, short transfer). The client
+    treats it as "this replica is unusable" and tries the next one; it never means the
+    bytes of other objects were touched."""
+
+
+class Transport(ABC):
+    """Client side of a transport. Implementations are thread-safe: one instance serves every
+    thread of a :class:`~pdserve.store.client.StoreClient`."""
+
+    #: "shm" | "tcp" | "mooncake"
+    name: str
+    #: The proto enum value this transport serves.
+    kind: int
+
+    def endpoint(self, replica: kvstore_pb2.Replica) -> kvstore_pb2.Endpoint | None:
+        """The replica's endpoint for this transport, or None. Must not do I/O."""
+        for ep in replica.endpoints:
+            if ep.transport == self.kind:
+                return ep
+        return None
+
+    def usable(self, replica: kvstore_pb2.Replica) -> bool:
+        """True when this transport can reach ``replica`` from here (cheap; no transfer)."""
+        return self.endpoint(replica) is not None
+
+    @abstractmethod
+    def write(self, replica: kvstore_pb2.Replica, data: memoryview) -> None:
+        """Writes ``data`` (exactly ``replica.size`` bytes) at the replica's offset.
+
+        Raises :class:`TransportError` on failure; a partial write may have happened, so the
+        caller must revoke the put. Never writes outside the replica's range."""
+
+    @abstractmethod
+    def read_into(self, replica: kvstore_pb2.Replica, buf: memoryview) -> None:
+        """Reads the replica's ``replica.size`` bytes into ``buf[:replica.size]`` (``buf``
+        must be writable and at least that long). Raises :class:`TransportError` on failure
+        (contents of ``buf`` are then undefined)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Releases connections and mappings. Idempotent."""
+
+
+class TransportServer(ABC):
+    """Node side of a transport: serves a node's segments to remote clients."""
+
+    name: str
+
+    @abstractmethod
+    def start(self, segments: Sequence[SegmentMemory]) -> None:
+        """Starts serving ``segments`` (called once, before the node mounts them)."""
+
+    @abstractmethod
+    def endpoint(self, segment: SegmentMemory, host_id: str) -> kvstore_pb2.Endpoint:
+        """The endpoint the node advertises for ``segment`` when it mounts it."""
+
+    def stop(self) -> None:  # noqa: B027 - optional hook
+        """Stops serving and releases sockets / registrations. Idempotent."""
+
+    @property
+    def bytes_read(self) -> int:
+        """Payload bytes served to readers since start (0 where the transport cannot see it)."""
+        return 0
+
+    @property
+    def bytes_written(self) -> int:
+        """Payload bytes received from writers since start."""
+        return 0
+
+
+def check_range(replica: kvstore_pb2.Replica, length: int, what: str) -> None:
+    """Raises TransportError when ``length`` does not match the replica size."""
+    if length < replica.size:
+        raise TransportError(f"{what}: buffer of {length} bytes for a {replica.size}-byte object")

@@ -1,0 +1,102 @@
+"""Shared-memory transport: client and node on one host map the same /dev/shm file; reads and
+writes are a memcpy into / out of that mapping.
+
+The node's segment already *is* the shm file (see :mod:`pdserve.store.segment`), so the node
+side only advertises its name. The client maps each segment once and caches the mapping; it
+re-maps when the file was replaced (a restarted node) and refuses a segment whose host id is
+not this host's.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+from pdserve.store.segment import SHM_DIR, SegmentMemory
+from pdserve.store.transports.base import Transport, TransportError, TransportServer, check_range
+from pdserve.v1 import kvstore_pb2
+
+
+class ShmServer(TransportServer):
+    name = "shm"
+
+    def start(self, segments: Sequence[SegmentMemory]) -> None:
+        pass
+
+    def endpoint(self, segment: SegmentMemory, host_id: str) -> kvstore_pb2.Endpoint:
+        return kvstore_pb2.Endpoint(
+            transport=kvstore_pb2.TRANSPORT_SHM, shm_name=segment.name, host_id=host_id
+        )
+
+
+class _Mapping:
+    def __init__(self, name: str) -> None:
+        path = SHM_DIR / name
+        fd = os.open(path, os.O_RDWR)
+        try:
+            st = os.fstat(fd)
+            self.inode = st.st_ino
+            self.size = st.st_size
+            self.mm = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.array = np.frombuffer(self.mm, dtype=np.uint8)
+
+
+class ShmTransport(Transport):
+    name = "shm"
+    kind = kvstore_pb2.TRANSPORT_SHM
+
+    def __init__(self, host_id: str) -> None:
+        self.host_id = host_id
+        self._maps: dict[str, _Mapping] = {}
+        self._lock = threading.Lock()
+
+    def usable(self, replica: kvstore_pb2.Replica) -> bool:
+        ep = self.endpoint(replica)
+        return ep is not None and ep.host_id == self.host_id and bool(ep.shm_name)
+
+    def _region(self, replica: kvstore_pb2.Replica) -> np.ndarray:
+        ep = self.endpoint(replica)
+        if ep is None or ep.host_id != self.host_id:
+            raise TransportError("replica has no shared-memory endpoint on this host")
+        name = ep.shm_name
+        if "/" in name or not name:
+            raise TransportError(f"invalid shm name {name!r}")
+        with self._lock:
+            m = self._maps.get(name)
+            try:
+                inode = os.stat(SHM_DIR / name).st_ino
+            except OSError as exc:
+                self._maps.pop(name, None)
+                raise TransportError(f"shm segment {name} is gone: {exc}") from exc
+            if m is None or m.inode != inode:
+                try:
+                    m = _Mapping(name)
+                except (OSError, ValueError) as exc:
+                    raise TransportError(f"cannot map shm segment {name}: {exc}") from exc
+                self._maps[name] = m
+        end = replica.offset + replica.size
+        if end > m.size:
+            raise TransportError(
+                f"replica [{replica.offset}, {end}) is outside shm segment {name} ({m.size} B)"
+            )
+        return m.array[replica.offset : end]
+
+    def write(self, replica: kvstore_pb2.Replica, data: memoryview) -> None:
+        if len(data) != replica.size:
+            raise TransportError(f"write of {len(data)} bytes into a {replica.size}-byte replica")
+        self._region(replica)[:] = np.frombuffer(data, dtype=np.uint8)
+
+    def read_into(self, replica: kvstore_pb2.Replica, buf: memoryview) -> None:
+        check_range(replica, len(buf), "shm read")
+        dst = np.frombuffer(buf, dtype=np.uint8, count=replica.size)
+        dst[:] = self._region(replica)
+
+    def close(self) -> None:
+        with self._lock:
+            self._maps.clear()

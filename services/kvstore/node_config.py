@@ -1,0 +1,59 @@
+"""Configuration of a KV store storage node (section ``kvstore_node``). Import-light: the CLI
+builds its flags from this dataclass without loading gRPC."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+from pdserve.config import ConfigError, help_field
+from pdserve.store.segment import parse_size
+
+TRANSPORTS = ("shm", "tcp", "mooncake")
+
+
+@dataclass
+class NodeConfig:
+    master_address: str = help_field("127.0.0.1:50051", "KV store master gRPC address (host:port)")
+    node_id: str = help_field(
+        "", "stable id of this node; segments are named <node id>-seg<i> (empty = hostname-pid)"
+    )
+    segment_sizes: list[str] = help_field(  # noqa: RUF009 - help_field returns a field
+        ["256MiB"],
+        "memory segments to contribute, comma-separated sizes (e.g. 1GiB,1GiB)",
+        metavar="SIZES",
+    )
+    transports: list[str] = help_field(  # noqa: RUF009
+        ["shm", "tcp"],
+        "data-plane transports to serve, comma-separated: shm, tcp, mooncake",
+        metavar="LIST",
+    )
+    host: str = help_field("127.0.0.1", "address the data servers and the gRPC server bind to")
+    tcp_port: int = help_field(0, "port of the tcp data server (0 = any free port)")
+    port: int = help_field(0, "gRPC port of the node's Stats service (0 = any free port)")
+    host_id: str = help_field(
+        "", "id of this host for the shm transport (empty = PDSERVE_HOST_ID or machine/boot id)"
+    )
+    metrics_port: int = help_field(-1, "Prometheus /metrics port (0 = any free port, -1 = off)")
+    log_level: str = help_field("info", "log level")
+
+    def validate(self) -> None:
+        if not self.master_address or ":" not in self.master_address:
+            raise ConfigError(f"master_address must be host:port, got {self.master_address!r}")
+        if not self.node_id:
+            self.node_id = f"{socket.gethostname()}-{os.getpid()}"
+        if not self.segment_sizes:
+            raise ConfigError("segment_sizes must name at least one segment")
+        try:
+            self.segment_bytes()
+        except ValueError as exc:
+            raise ConfigError(f"segment_sizes: {exc}") from exc
+        unknown = sorted(set(self.transports) - set(TRANSPORTS))
+        if unknown or not self.transports:
+            raise ConfigError(
+                f"transports: unknown {unknown or 'empty list'}; choose from {', '.join(TRANSPORTS)}"
+            )
+
+    def segment_bytes(self) -> list[int]:
+        return [parse_size(s) for s in self.segment_sizes]

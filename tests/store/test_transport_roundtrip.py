@@ -1,0 +1,211 @@
+"""Transports across processes: a peer process serves a segment, this process reads and
+writes it over shm, tcp and mooncake; the tcp data port survives garbage."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import blake3
+import numpy as np
+import pytest
+
+from pdserve.store.transports import tcp
+from pdserve.store.transports.base import TransportError
+from pdserve.v1 import kvstore_pb2
+
+PEER = Path(__file__).with_name("transport_peer.py")
+SEG_BYTES = 8 * 1024 * 1024
+
+
+class Peer:
+    def __init__(self, transports: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PEER), transports, str(SEG_BYTES)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={"MC_TCP_BIND_ADDRESS": "127.0.0.1", "PATH": "/usr/bin:/bin"},
+        )
+        info = json.loads(self.proc.stdout.readline())
+        self.segment = kvstore_pb2.Segment.FromString(bytes.fromhex(info["segment"]))
+        self.tcp_port = info["tcp_port"]
+        self.shm_name = info["shm_name"]
+
+    def ask(self, line: str) -> str:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def replica(self, offset: int, size: int) -> kvstore_pb2.Replica:
+        return kvstore_pb2.Replica(
+            node_id=self.segment.node_id,
+            segment_id=self.segment.segment_id,
+            offset=offset,
+            size=size,
+            endpoints=self.segment.endpoints,
+        )
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def peer(request):
+    p = Peer(request.param)
+    yield p
+    p.close()
+    assert not (Path("/dev/shm") / p.shm_name).exists()
+
+
+def _client(name: str):
+    if name == "shm":
+        from pdserve.store.transports.shm import ShmTransport
+
+        return ShmTransport("peer-host")
+    if name == "tcp":
+        return tcp.TcpTransport()
+    pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine not installed")
+    from pdserve.store.transports.mooncake import MooncakeTransport
+
+    return MooncakeTransport()
+
+
+def _roundtrip(peer: Peer, name: str) -> None:
+    t = _client(name)
+    try:
+        rep = peer.replica(4096, 3 * 1024 * 1024 + 17)
+        assert t.usable(rep)
+        data = np.random.default_rng(1).integers(0, 256, rep.size, dtype=np.uint8).tobytes()
+        t.write(rep, memoryview(data))
+        # The node process sees exactly these bytes.
+        assert peer.ask(f"sum {rep.offset} {rep.size}") == blake3.blake3(data).hexdigest()
+        # Bytes the node wrote come back through the transport.
+        other = peer.replica(5 * 1024 * 1024, 100_000)
+        want = peer.ask(f"fill {other.offset} {other.size} 7")
+        buf = bytearray(other.size + 10)
+        t.read_into(other, memoryview(buf))
+        assert blake3.blake3(bytes(buf[: other.size])).hexdigest() == want
+        # A small object at the very end of the segment.
+        tail = peer.replica(SEG_BYTES - 1, 1)
+        t.write(tail, memoryview(b"\x5a"))
+        one = bytearray(1)
+        t.read_into(tail, memoryview(one))
+        assert one == b"\x5a"
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("peer", ["shm"], indirect=True)
+def test_transport_shm_roundtrip(peer: Peer) -> None:
+    _roundtrip(peer, "shm")
+
+
+@pytest.mark.parametrize("peer", ["tcp"], indirect=True)
+def test_transport_tcp_roundtrip(peer: Peer) -> None:
+    _roundtrip(peer, "tcp")
+
+
+@pytest.mark.mooncake
+@pytest.mark.parametrize("peer", ["mooncake"], indirect=True)
+def test_transport_mooncake_roundtrip(peer: Peer) -> None:
+    _roundtrip(peer, "mooncake")
+
+
+@pytest.mark.parametrize("peer", ["shm,tcp"], indirect=True)
+def test_transport_shm_refuses_other_host_and_out_of_range(peer: Peer) -> None:
+    from pdserve.store.transports.shm import ShmTransport
+
+    elsewhere = ShmTransport("another-host")
+    assert not elsewhere.usable(peer.replica(0, 10))
+    with pytest.raises(TransportError):
+        elsewhere.read_into(peer.replica(0, 10), memoryview(bytearray(10)))
+    here = ShmTransport("peer-host")
+    with pytest.raises(TransportError, match="outside"):
+        here.write(peer.replica(SEG_BYTES - 4, 8), memoryview(b"12345678"))
+
+
+def _raw(port: int, payload: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(payload)
+        s.shutdown(socket.SHUT_WR)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+        return out
+
+
+@pytest.mark.parametrize("peer", ["tcp"], indirect=True)
+def test_transport_tcp_garbage_is_rejected_and_damages_nothing(peer: Peer) -> None:
+    before = peer.ask("fill 0 1048576 3")
+    seg_key = tcp.segment_key(peer.segment.segment_id)
+
+    def status(reply: bytes) -> int:
+        magic, st, _ = tcp.REP.unpack(reply[: tcp.REP.size])
+        assert magic == tcp.REP_MAGIC
+        return st
+
+    rng = np.random.default_rng(0)
+    garbage = rng.integers(0, 256, 70_000, dtype=np.uint8).tobytes()
+    assert status(_raw(peer.tcp_port, garbage)) == tcp.ST_BAD_MAGIC
+    cases = {
+        tcp.ST_BAD_VERSION: tcp.REQ.pack(tcp.REQ_MAGIC, 9, tcp.OP_READ, 0, seg_key, 0, 10),
+        tcp.ST_BAD_OP: tcp.REQ.pack(tcp.REQ_MAGIC, tcp.VERSION, 7, 0, seg_key, 0, 10),
+        tcp.ST_UNKNOWN_SEGMENT: tcp.REQ.pack(tcp.REQ_MAGIC, tcp.VERSION, tcp.OP_WRITE, 0, 1, 0, 4),
+        tcp.ST_OUT_OF_BOUNDS: tcp.REQ.pack(
+            tcp.REQ_MAGIC, tcp.VERSION, tcp.OP_WRITE, 0, seg_key, SEG_BYTES - 2, 4
+        ),
+    }
+    for want, head in cases.items():
+        reply = _raw(peer.tcp_port, head + b"\xff" * 64)
+        assert status(reply) == want
+        assert len(reply) == tcp.REP.size  # nothing else after an error; connection closed
+    huge = tcp.REQ.pack(tcp.REQ_MAGIC, tcp.VERSION, tcp.OP_READ, 0, seg_key, 2**64 - 1, 2**63)
+    assert status(_raw(peer.tcp_port, huge)) == tcp.ST_OUT_OF_BOUNDS
+    zero = tcp.REQ.pack(tcp.REQ_MAGIC, tcp.VERSION, tcp.OP_READ, 0, seg_key, 0, 0)
+    assert status(_raw(peer.tcp_port, zero)) == tcp.ST_OUT_OF_BOUNDS
+    # A truncated header: the node just drops the connection.
+    assert _raw(peer.tcp_port, b"PDKT\x01") == b""
+    # Nothing stored was touched, and the node still serves.
+    assert peer.ask("sum 0 1048576") == before
+    t = tcp.TcpTransport()
+    buf = bytearray(1048576)
+    t.read_into(peer.replica(0, len(buf)), memoryview(buf))
+    assert blake3.blake3(bytes(buf)).hexdigest() == before
+    # The client side turns a refused request into TransportError.
+    with pytest.raises(TransportError, match="range outside"):
+        t.read_into(peer.replica(SEG_BYTES - 1, 2), memoryview(bytearray(2)))
+    t.close()
+
+
+def test_transport_tcp_client_rejects_a_garbage_node() -> None:
+    """A "node" that answers with garbage: the client raises TransportError, never hangs."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+    import threading
+
+    def serve() -> None:
+        conn, _ = srv.accept()
+        conn.recv(tcp.REQ.size)
+        conn.sendall(b"\x00garbage-garbage-garbage")
+        conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    rep = kvstore_pb2.Replica(
+        segment_id="s",
+        size=10,
+        endpoints=[
+            kvstore_pb2.Endpoint(transport=kvstore_pb2.TRANSPORT_TCP, address=f"127.0.0.1:{port}")
+        ],
+    )
+    with pytest.raises(TransportError, match="malformed"):
+        tcp.TcpTransport(timeout_s=2).read_into(rep, memoryview(bytearray(10)))
+    srv.close()
