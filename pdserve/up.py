@@ -1,0 +1,294 @@
+"""``pdserve up``: a whole cluster on one machine with embedded defaults.
+
+Starts, in order, meta (memory backend, or etcd), the KV store master, the storage nodes, the
+prefill and decode workers (in parallel) and the router; waits until each is healthy; prints
+the endpoints and a ready-to-paste example; streams each service's log to its own file; and on
+Ctrl-C / SIGTERM stops everything in reverse order, leaving no process or shared-memory segment
+behind. ``--config cluster.yaml`` scales it: its ``up`` section holds the fields below, and the
+same file is handed to every service, so its ``meta``, ``kvstore_master``, ``kvstore_node``,
+``prefill``, ``decode`` and ``router`` sections tune each one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdserve import config
+from pdserve.config import ConfigError, help_field
+
+
+@dataclass
+class UpConfig:
+    prefill_workers: int = help_field(1, "prefill workers (0 = colocated serving on decode)")
+    decode_workers: int = help_field(1, "decode workers")
+    storage_nodes: int = help_field(1, "KV store storage nodes")
+    segment_size: str = help_field("1GiB", "memory each storage node contributes", metavar="SIZE")
+    engine: str = help_field("torch", "model backend of the workers: torch or vllm")
+    model: str = help_field("smollm2", "model name ('smollm2', 'tiny') or a model directory")
+    chunk_size: int = help_field(256, "KV chunk size (tokens)")
+    meta_backend: str = help_field("memory", "meta registry backend: memory or etcd")
+    etcd_endpoints: list[str] = field(
+        default_factory=lambda: ["127.0.0.1:2379"],
+        metadata={"help": "etcd host:port list (meta_backend=etcd)", "metavar": "HOST:PORT,..."},
+    )
+    host: str = help_field("127.0.0.1", "address every service binds to")
+    meta_port: int = help_field(50050, "meta gRPC port")
+    master_port: int = help_field(50051, "KV store master gRPC port")
+    router_port: int = help_field(50060, "router gRPC port")
+    http_port: int = help_field(8000, "router OpenAI-compatible HTTP port")
+    run_dir: str = help_field(".pdserve/run", "folder for logs and state (logs/<service>.log)")
+    ready_timeout_s: float = help_field(600.0, "how long to wait for each service to be ready")
+
+    def validate(self) -> None:
+        for name in ("decode_workers", "storage_nodes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.prefill_workers < 0:
+            raise ConfigError(f"prefill_workers must be >= 0, got {self.prefill_workers}")
+        if self.engine not in ("torch", "vllm"):
+            raise ConfigError(f"engine must be 'torch' or 'vllm', got {self.engine!r}")
+        if self.meta_backend not in ("memory", "etcd"):
+            raise ConfigError(f"meta_backend must be 'memory' or 'etcd', got {self.meta_backend!r}")
+
+
+@dataclass
+class Cluster:
+    """The services of one ``pdserve up``, in start order."""
+
+    cfg: UpConfig
+    config_path: str | None
+    procs: list = field(default_factory=list)
+
+    @property
+    def log_dir(self) -> Path:
+        return Path(self.cfg.run_dir) / "logs"
+
+    def _common(self) -> list[str]:
+        return ["--config", self.config_path] if self.config_path else []
+
+    def _start(self, specs: list[tuple[str, list[str], dict[str, str]]]) -> list:
+        from pdserve.procs import spawn_service, wait_ready
+
+        started = [
+            spawn_service(name, [*args, *self._common()], self.log_dir, env=env)
+            for name, args, env in specs
+        ]
+        self.procs.extend(started)
+        for proc in started:
+            _progress(f"waiting for {proc.name} (log: {proc.log_path})")
+            wait_ready(proc, self.cfg.ready_timeout_s)
+            _progress(f"{proc.name} ready: {_endpoints(proc.info)}")
+        return started
+
+    def start(self) -> None:
+        c = self.cfg
+        meta_addr = f"{c.host}:{c.meta_port}"
+        master_addr = f"{c.host}:{c.master_port}"
+        meta_args = [
+            "meta",
+            "--host",
+            c.host,
+            "--port",
+            str(c.meta_port),
+            "--backend",
+            c.meta_backend,
+        ]
+        if c.meta_backend == "etcd":
+            meta_args += ["--etcd-endpoints", ",".join(c.etcd_endpoints)]
+        self._start([("meta", meta_args, {})])
+        state_dir = Path(c.run_dir) / "kvstore-master"
+        self._start(
+            [
+                (
+                    "kvstore-master",
+                    [
+                        "kvstore",
+                        "master",
+                        "--host",
+                        c.host,
+                        "--port",
+                        str(c.master_port),
+                        "--state-dir",
+                        str(state_dir),
+                    ],
+                    {},
+                )
+            ]
+        )
+        self._start(
+            [
+                (
+                    f"kvstore-node-{i}",
+                    [
+                        "kvstore",
+                        "node",
+                        "--master-address",
+                        master_addr,
+                        "--node-id",
+                        f"node-{i}",
+                        "--segment-sizes",
+                        c.segment_size,
+                        "--host",
+                        c.host,
+                    ],
+                    {},
+                )
+                for i in range(c.storage_nodes)
+            ]
+        )
+        engine = [
+            "--engine",
+            c.engine,
+            "--model",
+            c.model,
+            "--chunk-size",
+            str(c.chunk_size),
+            "--store-master",
+            master_addr,
+            "--meta",
+            meta_addr,
+            "--host",
+            c.host,
+        ]
+        workers = [("prefill", i) for i in range(c.prefill_workers)]
+        workers += [("decode", i) for i in range(c.decode_workers)]
+        cores = os.cpu_count() or 1
+        self._start(
+            [
+                (
+                    f"{role}-{i}",
+                    [
+                        role,
+                        *engine,
+                        "--instance-id",
+                        f"{role}-{i}",
+                        *(["--vllm-cpu-cores", str(n % cores)] if c.engine == "vllm" else []),
+                    ],
+                    {},
+                )
+                for n, (role, i) in enumerate(workers)
+            ]
+        )
+        self._start(
+            [
+                (
+                    "router",
+                    [
+                        "router",
+                        "--host",
+                        c.host,
+                        "--port",
+                        str(c.router_port),
+                        "--http-port",
+                        str(c.http_port),
+                        "--meta",
+                        meta_addr,
+                        "--store-master",
+                        master_addr,
+                        "--model",
+                        c.model,
+                        "--chunk-size",
+                        str(c.chunk_size),
+                    ],
+                    {},
+                )
+            ]
+        )
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.alive():
+                _progress(f"stopping {proc.name} (pid {proc.pid})")
+                code = proc.stop()
+                if code not in (0, None, -signal.SIGTERM):
+                    _progress(f"{proc.name} exited with code {code}; see {proc.log_path}")
+        self.procs.clear()
+
+    def wait(self) -> str:
+        """Blocks until a service dies or a signal arrives; returns why."""
+        stopping: list[str] = []
+
+        def on_signal(signum: int, _frame: object) -> None:
+            stopping.append(signal.Signals(signum).name)
+
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+        while not stopping:
+            for proc in self.procs:
+                if not proc.alive():
+                    return (
+                        f"{proc.name} exited with code {proc.popen.returncode}:\n{proc.log_tail()}"
+                    )
+            time.sleep(0.5)
+        return f"received {stopping[0]}"
+
+
+def _endpoints(info: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in info.items() if k != "service")
+
+
+def _progress(msg: str) -> None:
+    print(f"[pdserve up] {msg}", file=sys.stderr, flush=True)
+
+
+def banner(cfg: UpConfig) -> str:
+    http = f"http://{cfg.host}:{cfg.http_port}"
+    grpc_addr = f"{cfg.host}:{cfg.router_port}"
+    return f"""
+pdserve is up.
+  OpenAI-compatible HTTP  {http}/v1   (health: {http}/health, metrics: {http}/metrics)
+  gRPC (pdserve.v1.RouterService)  {grpc_addr}
+  meta (registry)  {cfg.host}:{cfg.meta_port}   KV store master  {cfg.host}:{cfg.master_port}
+  logs  {Path(cfg.run_dir) / "logs"}/<service>.log      status: pdserve status
+
+Try it:
+  curl -s {http}/v1/completions -H 'Content-Type: application/json' \\
+    -d '{{"prompt": "Once upon a time", "max_tokens": 32, "temperature": 0}}'
+
+  grpcurl -plaintext -d '{{"prompt": "Once upon a time", "sampling": {{"max_tokens": 32, "temperature": 0}}}}' \\
+    {grpc_addr} pdserve.v1.RouterService/GenerateStream
+
+Ctrl-C stops everything.
+"""
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = config.from_args(UpConfig, "up", args)
+    except ConfigError as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        return 2
+    cluster = Cluster(cfg, args.config)
+    t0 = time.monotonic()
+    try:
+        cluster.start()
+    except (OSError, RuntimeError) as exc:
+        print(f"pdserve up: start failed: {exc}", file=sys.stderr)
+        cluster.stop()
+        return 1
+    except KeyboardInterrupt:
+        cluster.stop()
+        return 130
+    print(banner(cfg), flush=True)
+    _progress(f"healthy in {time.monotonic() - t0:.1f}s")
+    reason = cluster.wait()
+    _progress(f"shutting down: {reason}")
+    cluster.stop()
+    return 0 if reason.startswith("received") else 1
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "up",
+        help="start a whole cluster on this machine (meta, KV store, workers, router)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    config.add_arguments(p, UpConfig)
+    p.set_defaults(func=run)
