@@ -1,0 +1,138 @@
+"""``pdserve status``: what is registered, healthy and loaded, and how full the KV store is."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+
+import grpc
+
+ROLE_LABELS = {
+    1: "router",
+    2: "prefill",
+    3: "decode",
+    4: "kvstore-master",
+    5: "kvstore-node",
+}
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+async def collect(meta: str, store_master: str, timeout: float) -> dict:
+    """Everything status shows, as plain data (JSON-friendly)."""
+    from pdserve import grpcutil
+    from pdserve.discovery import MetaClient
+    from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+    client = MetaClient(meta, call_timeout_s=timeout)
+    try:
+        instances = await client.list()
+    finally:
+        await client.close()
+    rows = []
+    for inst in sorted(instances, key=lambda i: (i.role, i.instance_id)):
+        healthy = await grpcutil.check_health(inst.address, timeout) if inst.address else False
+        rows.append(
+            {
+                "id": inst.instance_id,
+                "role": ROLE_LABELS.get(inst.role, str(inst.role)),
+                "address": inst.address,
+                "model": inst.model,
+                "healthy": healthy,
+                "queue": inst.load.queue_length,
+                "running": inst.load.running_requests,
+                "kv_usage": round(inst.load.kv_usage, 4),
+            }
+        )
+    if not store_master:
+        masters = [r["address"] for r in rows if r["role"] == "kvstore-master"]
+        store_master = masters[0] if masters else ""
+    store = None
+    if store_master:
+        async with grpcutil.channel(store_master) as ch:
+            stats = await kvstore_pb2_grpc.KVMasterServiceStub(ch).Stats(
+                kvstore_pb2.StatsRequest(), timeout=timeout
+            )
+        store = {
+            "address": store_master,
+            "objects": stats.objects,
+            "used_bytes": stats.used_bytes,
+            "capacity_bytes": stats.capacity_bytes,
+            "alive_nodes": stats.alive_nodes,
+            "puts": stats.puts,
+            "gets": stats.gets,
+            "get_hits": stats.get_hits,
+            "evictions": stats.evictions,
+        }
+    return {"meta": meta, "instances": rows, "store": store}
+
+
+def render(report: dict) -> str:
+    lines = [f"meta {report['meta']}: {len(report['instances'])} instance(s)"]
+    fmt = "  {:<18} {:<15} {:<22} {:<8} {:>5} {:>7} {:>8}  {}"
+    lines.append(
+        fmt.format("ID", "ROLE", "ADDRESS", "HEALTHY", "QUEUE", "RUNNING", "KV USE", "MODEL")
+    )
+    for r in report["instances"]:
+        lines.append(
+            fmt.format(
+                r["id"],
+                r["role"],
+                r["address"],
+                "yes" if r["healthy"] else "NO",
+                r["queue"],
+                r["running"],
+                f"{100 * r['kv_usage']:.1f}%",
+                r["model"],
+            )
+        )
+    store = report["store"]
+    if store:
+        cap = store["capacity_bytes"]
+        pct = 100 * store["used_bytes"] / cap if cap else 0.0
+        lines.append(
+            f"KV store {store['address']}: {store['objects']} objects, "
+            f"{_gib(store['used_bytes'])} of {_gib(cap)} used ({pct:.1f}%), "
+            f"{store['alive_nodes']} node(s) alive, hit rate "
+            f"{store['get_hits']}/{store['gets']}, {store['evictions']} evictions"
+        )
+    else:
+        lines.append("KV store: no master registered")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        report = asyncio.run(collect(args.meta, args.store_master, args.timeout))
+    except grpc.aio.AioRpcError as exc:
+        print(f"pdserve status: cannot reach {args.meta}: {exc.details()}", file=sys.stderr)
+        return 1
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    return 0 if all(r["healthy"] for r in report["instances"]) else 1
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "status",
+        help="show registered services, their health and load, and KV store usage",
+        description=(
+            "Lists every instance registered with meta (role, address, health, queue, running "
+            "requests, KV usage) and the KV store's fill level. Exit code 1 when any "
+            "registered instance is unhealthy."
+        ),
+    )
+    p.add_argument(
+        "--meta", default="127.0.0.1:50050", help="meta gRPC address (default: %(default)s)"
+    )
+    p.add_argument(
+        "--store-master",
+        default="",
+        help="KV store master address (default: the one registered with meta)",
+    )
+    p.add_argument("--timeout", type=float, default=3.0, help="per-call timeout in seconds")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=run)
