@@ -239,10 +239,17 @@ class Registry:
         try:
             for inst in existing:
                 yield meta_pb2.InstanceEvent(type=meta_pb2.INSTANCE_EVENT_JOINED, instance=inst)
+            # Events the backend emitted before the snapshot but the pump delivered after the
+            # subscription describe records the snapshot already sent: skip those.
+            sent = {(i.instance_id, i.lease_id, i.updated_ms) for i in existing}
             while True:
                 item = await sub.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                key = (item.instance.instance_id, item.instance.lease_id, item.instance.updated_ms)
+                if sent and item.type != meta_pb2.INSTANCE_EVENT_LEFT and key in sent:
+                    sent.discard(key)
+                    continue
                 yield item
         finally:
             self._subs.discard(sub)

@@ -1,0 +1,223 @@
+"""The meta client every service uses.
+
+- :class:`MetaClient`: register under a TTL lease and keep it alive in the background
+  (heartbeat every ttl/3 carrying the load a callback reports). When meta answers NOT_FOUND for
+  the lease (meta restarted with the memory backend, or the lease expired while meta was
+  unreachable) the client registers again by itself.
+- :class:`Discovery`: a local cache of instances (optionally one role/model) kept current by a
+  reconnecting WatchInstances stream; while the stream is down it falls back to periodic lists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+
+from pdserve import grpcutil
+from pdserve.v1 import common_pb2, meta_pb2, meta_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+#: Default lease TTL a service asks for (ms).
+DEFAULT_TTL_MS = 6_000
+_RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# Reconnect quickly after a meta restart: gRPC's default first reconnect backoff is 1 s and
+# grows to minutes, longer than a heartbeat interval.
+_RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
+]
+
+LoadFn = Callable[[], common_pb2.Load]
+
+
+def _channel(address: str) -> grpc.aio.Channel:
+    # NOTE: grpcutil.channel takes no extra options; same limits plus faster reconnects.
+    opts = [*grpcutil._options(grpcutil.DEFAULT_MAX_MESSAGE_BYTES), *_RECONNECT_OPTIONS]
+    return grpc.aio.insecure_channel(address, options=opts)
+
+
+class MetaClient:
+    """One instance's registration with meta, plus plain list calls."""
+
+    def __init__(self, address: str, *, call_timeout_s: float = 3.0) -> None:
+        self.address = address
+        self._channel = _channel(address)
+        self._stub = meta_pb2_grpc.MetaServiceStub(self._channel)
+        self._timeout = call_timeout_s
+        self._instance: meta_pb2.Instance | None = None
+        self._ttl_ms = DEFAULT_TTL_MS
+        self._load_fn: LoadFn | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.lease_id = ""
+        #: Times the client registered (1 after :meth:`register`; more after meta restarts).
+        self.registrations = 0
+
+    async def register(
+        self,
+        instance: meta_pb2.Instance,
+        ttl_ms: int = DEFAULT_TTL_MS,
+        load_fn: LoadFn | None = None,
+    ) -> str:
+        """Registers (errors such as INVALID_ARGUMENT raise here as ``grpc.aio.AioRpcError``) and
+        starts the background keepalive; returns the lease id."""
+        if self._task is not None:
+            raise RuntimeError("this MetaClient already registered an instance")
+        self._instance, self._ttl_ms, self._load_fn = instance, ttl_ms, load_fn
+        await self._register()
+        self._task = asyncio.create_task(
+            self._keepalive(), name=f"meta-keepalive-{instance.instance_id}"
+        )
+        return self.lease_id
+
+    async def _register(self) -> None:
+        assert self._instance is not None
+        inst = meta_pb2.Instance()
+        inst.CopyFrom(self._instance)
+        if self._load_fn is not None:
+            inst.load.CopyFrom(self._load_fn())
+        resp = await self._stub.Register(
+            meta_pb2.RegisterRequest(instance=inst, ttl_ms=self._ttl_ms), timeout=self._timeout
+        )
+        self.lease_id, self._ttl_ms = resp.lease_id, resp.ttl_ms
+        self.registrations += 1
+
+    async def _keepalive(self) -> None:
+        interval = self._ttl_ms / 3000
+        delay, backoff = interval, 0.1
+        while True:
+            await asyncio.sleep(delay)
+            interval = self._ttl_ms / 3000
+            try:
+                req = meta_pb2.MetaHeartbeatRequest(lease_id=self.lease_id)
+                if self._load_fn is not None:
+                    req.load.CopyFrom(self._load_fn())
+                await self._stub.Heartbeat(req, timeout=min(self._timeout, interval))
+                delay, backoff = interval, 0.1
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    log.warning(
+                        "meta lost lease %s (%s); registering again", self.lease_id, exc.details()
+                    )
+                    try:
+                        await self._register()
+                        delay, backoff = interval, 0.1
+                        continue
+                    except grpc.aio.AioRpcError as exc2:
+                        exc = exc2
+                if exc.code() not in (*_RETRY_CODES, grpc.StatusCode.NOT_FOUND):
+                    log.error("heartbeat to meta failed: %s %s", exc.code().name, exc.details())
+                delay, backoff = min(backoff, interval), backoff * 2
+
+    async def deregister(self) -> None:
+        """Stops the keepalive and removes the registration (best effort if meta is down)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self.lease_id:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await self._stub.Deregister(
+                    meta_pb2.DeregisterRequest(lease_id=self.lease_id), timeout=self._timeout
+                )
+            self.lease_id = ""
+
+    async def list(self, role: int = 0, model: str = "") -> list[meta_pb2.Instance]:
+        resp = await self._stub.ListInstances(
+            meta_pb2.ListInstancesRequest(role=role, model=model), timeout=self._timeout
+        )
+        return list(resp.instances)
+
+    async def close(self) -> None:
+        """Stops the keepalive without deregistering (the lease then expires) and closes."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await self._channel.close()
+
+
+class Discovery:
+    """A local, watch-updated view of the instances matching ``role`` / ``model``."""
+
+    def __init__(
+        self, address: str, role: int = 0, model: str = "", *, poll_interval_s: float = 2.0
+    ) -> None:
+        self.address, self.role, self.model = address, role, model
+        self._channel = _channel(address)
+        self._stub = meta_pb2_grpc.MetaServiceStub(self._channel)
+        self._poll = poll_interval_s
+        self._cache: dict[str, meta_pb2.Instance] = {}
+        self._changed = asyncio.Condition()
+        self._task: asyncio.Task[None] | None = None
+        #: True while the watch stream is connected.
+        self.watching = False
+
+    def instances(self) -> list[meta_pb2.Instance]:
+        """The cached instances, sorted by id (no network)."""
+        return sorted(self._cache.values(), key=lambda i: i.instance_id)
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="meta-discovery")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._channel.close()
+
+    async def wait_for(
+        self, predicate: Callable[[list[meta_pb2.Instance]], bool], timeout: float
+    ) -> list[meta_pb2.Instance]:
+        """Waits until ``predicate(instances())`` holds; raises TimeoutError."""
+        async with asyncio.timeout(timeout), self._changed:
+            await self._changed.wait_for(lambda: predicate(self.instances()))
+        return self.instances()
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _relist(self) -> None:
+        resp = await self._stub.ListInstances(
+            meta_pb2.ListInstancesRequest(role=self.role, model=self.model), timeout=self._poll
+        )
+        self._cache = {i.instance_id: i for i in resp.instances}
+        await self._notify()
+
+    async def _run(self) -> None:
+        backoff = 0.1
+        while True:
+            call = self._stub.WatchInstances(
+                meta_pb2.WatchInstancesRequest(role=self.role, model=self.model)
+            )
+            try:
+                await call.initial_metadata()  # subscribed server-side: list, then apply events
+                await self._relist()
+                self.watching, backoff = True, 0.1
+                async for event in call:
+                    if event.type == meta_pb2.INSTANCE_EVENT_LEFT:
+                        self._cache.pop(event.instance.instance_id, None)
+                    else:
+                        self._cache[event.instance.instance_id] = event.instance
+                    await self._notify()
+            except grpc.aio.AioRpcError as exc:
+                log.info("meta watch interrupted (%s); reconnecting", exc.code().name)
+            finally:
+                self.watching = False
+                call.cancel()
+            # Fallback while the stream is down: poll the list.
+            deadline = time.monotonic() + backoff
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await self._relist()
+            await asyncio.sleep(max(0.0, deadline - time.monotonic()))
+            backoff = min(backoff * 2, self._poll)
