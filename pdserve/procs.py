@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,15 +70,17 @@ def spawn_service(
     log_dir: Path,
     *,
     env: dict[str, str] | None = None,
+    prefix: Sequence[str] = (),
 ) -> ServiceProcess:
     """Starts ``pdserve <args>`` in its own process group without waiting for it; stderr goes
-    to ``log_dir/<name>.log``. Call :func:`wait_ready` next."""
+    to ``log_dir/<name>.log``. ``prefix`` runs it through a wrapper that execs it (e.g.
+    ``ip netns exec NS``), so the pid stays the service's. Call :func:`wait_ready` next."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with log_path.open("w") as log:
         popen = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", *args],
+            [*prefix, sys.executable, "-m", "pdserve.cli", *args],
             stdout=subprocess.PIPE,
             stderr=log,
             env=full_env,
@@ -125,10 +128,11 @@ def start_service(
     *,
     env: dict[str, str] | None = None,
     timeout: float = 120.0,
+    prefix: Sequence[str] = (),
 ) -> ServiceProcess:
     """Starts ``pdserve <args>`` and waits for its READY line; raises
     :class:`ProcessStartError` with the log tail when it dies or times out."""
-    return wait_ready(spawn_service(name, args, log_dir, env=env), timeout)
+    return wait_ready(spawn_service(name, args, log_dir, env=env, prefix=prefix), timeout)
 
 
 def _drain_stdout_to_log(popen: subprocess.Popen, log_path: Path) -> None:
