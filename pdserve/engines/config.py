@@ -1,0 +1,88 @@
+"""Configuration shared by every engine (and so by the prefill and decode services)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.config import ConfigError, help_field
+from pdserve.hashing import KV_DTYPES
+
+ENGINES = ("torch", "vllm")
+
+
+@dataclass
+class EngineConfig:
+    engine: str = help_field(
+        "torch", "model backend: 'torch' (transformers reference engine) or 'vllm'"
+    )
+    model: str = help_field(
+        "smollm2",
+        "model to serve: a prepared name ('smollm2', 'tiny') or a local model directory",
+        metavar="NAME|DIR",
+    )
+    served_model_name: str = help_field(
+        "", "name requests use for this model (empty = the model name or directory name)"
+    )
+    chunk_size: int = help_field(256, "KV chunk size in tokens (must match across the cluster)")
+    kv_dtype: str = help_field("float32", f"dtype of stored KV chunks: {', '.join(KV_DTYPES)}")
+    max_model_len: int = help_field(
+        2048, "context limit in tokens (prompt + output); capped by the model's own limit"
+    )
+    max_tokens_limit: int = help_field(1024, "largest max_tokens a request may ask for")
+    max_num_seqs: int = help_field(8, "generations running at once (more wait in the queue)")
+    store_master: str = help_field(
+        "", "KV store master address host:port (empty = no store: always recompute)"
+    )
+    store_transport: str = help_field("auto", "store data-plane transport: auto|shm|tcp|mooncake")
+    store_timeout_s: float = help_field(5.0, "timeout of one store operation (seconds)")
+    tail_ttl_ms: int = help_field(
+        60000, "time-to-live of a request's partial last chunk in the store (milliseconds)"
+    )
+    torch_threads: int = help_field(1, "torch intra-op threads of the model (torch engine)")
+    vllm_block_size: int = help_field(
+        32, "vLLM KV block size in tokens (CPU: a multiple of 32; chunk_size a multiple of it)"
+    )
+    vllm_kv_cache_gib: float = help_field(1.0, "vLLM KV cache size (GiB)")
+    vllm_cpu_cores: str = help_field(
+        "", "cores vLLM's CPU worker binds to, e.g. '0' or '0-1' (empty = vLLM's default)"
+    )
+
+    def served_name(self) -> str:
+        """The model name requests must use: ``served_model_name``, else ``model`` when it is a
+        name, else the model directory's name."""
+        if self.served_model_name:
+            return self.served_model_name
+        return Path(self.model).name if os.sep in self.model else self.model
+
+    def validate(self) -> None:
+        if self.engine not in ENGINES:
+            raise ConfigError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if not self.model:
+            raise ConfigError("model must not be empty")
+        if self.chunk_size <= 0:
+            raise ConfigError(f"chunk_size must be positive, got {self.chunk_size}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        for name in ("max_model_len", "max_tokens_limit", "max_num_seqs", "torch_threads"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.tail_ttl_ms <= 0:
+            raise ConfigError(f"tail_ttl_ms must be positive, got {self.tail_ttl_ms}")
+        if self.store_timeout_s <= 0:
+            raise ConfigError(f"store_timeout_s must be positive, got {self.store_timeout_s}")
+        if self.engine == "vllm":
+            if self.vllm_block_size <= 0 or self.vllm_block_size % 32:
+                raise ConfigError(
+                    f"vllm_block_size must be a positive multiple of 32, got {self.vllm_block_size}"
+                )
+            if self.chunk_size % self.vllm_block_size:
+                raise ConfigError(
+                    f"chunk_size ({self.chunk_size}) must be a multiple of vllm_block_size "
+                    f"({self.vllm_block_size})"
+                )
+            if self.vllm_kv_cache_gib <= 0:
+                raise ConfigError(
+                    f"vllm_kv_cache_gib must be positive, got {self.vllm_kv_cache_gib}"
+                )

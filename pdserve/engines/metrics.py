@@ -1,0 +1,55 @@
+"""Engine metrics, defined once so that every engine implementation (and the KV connector)
+shares them in :data:`pdserve.telemetry.REGISTRY`."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter
+
+from pdserve.telemetry import REGISTRY
+
+#: Store operations that failed (master unreachable, timeout, no space): the engine went on
+#: without the store, recomputing what it could not load. ``op``: lookup|load|save.
+KV_STORE_ERRORS = Counter(
+    "pdserve_kv_store_errors_total",
+    "KV store operations that failed; the engine recomputed instead",
+    ["op"],
+    registry=REGISTRY,
+)
+#: Prompt tokens whose KV came from the store. ``phase``: prefill|decode.
+KV_LOADED_TOKENS = Counter(
+    "pdserve_kv_loaded_tokens_total",
+    "Prompt tokens whose KV was loaded from the store",
+    ["phase"],
+    registry=REGISTRY,
+)
+#: Prompt tokens the engine computed. ``reason``: uncached (prefill of new tokens), local
+#: (decode prefilled a prompt without a KV handle), kv_miss (a handle pointed to a missing,
+#: corrupt or mismatched chunk), store_error (the store failed).
+KV_COMPUTED_TOKENS = Counter(
+    "pdserve_kv_computed_tokens_total",
+    "Prompt tokens whose KV the engine computed",
+    ["reason"],
+    registry=REGISTRY,
+)
+#: Chunks a handle or prefix lookup promised but that could not be used (missing, corrupt,
+#: wrong shape). ``kind``: chunk|tail.
+KV_CHUNK_MISSES = Counter(
+    "pdserve_kv_chunk_misses_total",
+    "KV chunks that were expected in the store but missing or invalid when loaded",
+    ["kind"],
+    registry=REGISTRY,
+)
+KV_CHUNKS_WRITTEN = Counter(
+    "pdserve_kv_chunks_written_total",
+    "KV chunks written to the store (kind: chunk|tail)",
+    ["kind"],
+    registry=REGISTRY,
+)
+KV_CHUNKS_SKIPPED = Counter(
+    "pdserve_kv_chunks_skipped_total",
+    "Full KV chunks not written because the store already held them",
+    registry=REGISTRY,
+)
+GENERATED_TOKENS = Counter(
+    "pdserve_engine_generated_tokens_total", "Tokens generated", registry=REGISTRY
+)

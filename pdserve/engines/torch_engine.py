@@ -1,0 +1,615 @@
+"""The reference engine: a Hugging Face transformers causal LM in fp32 on the CPU.
+
+It is small and exact rather than fast: the ground truth of the tests and the engine of
+machines without vLLM. It reads and writes the same canonical KV chunks as the vLLM engine.
+
+Scheduling (one dedicated worker thread owns the model; nothing runs on the event loop):
+
+- Jobs arrive on a queue. A prefill job runs to completion as soon as the thread sees it.
+- A generation joins the running set (at most ``max_num_seqs``; the rest wait in FIFO order)
+  after its prompt KV is loaded or computed; the thread then advances every running
+  generation by one token per round (step-wise interleaving, batch size 1 per forward). This
+  is fair continuous scheduling, not batched compute: a long prefill pauses the running
+  generations while it runs.
+- A cancelled generation (its async iterator closed) is dropped at the next round and its
+  KV freed.
+
+KV chunks: the cache of positions ``[i * chunk_size, (i + 1) * chunk_size)`` is stored under
+the i-th chain key (:func:`pdserve.hashing.chunk_keys`) as a canonical
+``[layers, 2, kv_heads, tokens, head_dim]`` tensor; the partial tail under a request-scoped
+key with a TTL. Any store failure (unreachable, timeout, missing or corrupt chunk) degrades to
+recomputing those positions, counted in :mod:`pdserve.engines.metrics`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import queue
+import random
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pdserve import hashing
+from pdserve.engines import metrics
+from pdserve.engines.base import (
+    Engine,
+    EngineLoad,
+    Finish,
+    KVRef,
+    PrefillOutcome,
+    Sampling,
+    TokenEvent,
+)
+from pdserve.engines.config import EngineConfig
+from pdserve.engines.fingerprint import model_fingerprint
+from pdserve.engines.textstream import TextStream
+from pdserve.errors import InvalidArgument, PdserveError, Unavailable
+
+log = logging.getLogger(__name__)
+
+_KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: After a store failure the engine skips the store for this long (seconds) instead of
+#: paying a timeout on every request while it is down.
+_STORE_BACKOFF_S = 2.0
+#: Poll interval while waiting for a chunk that is still being written (write mode).
+_CHUNK_POLL_S = 0.005
+
+
+def sample_token(logits: torch.Tensor, sampling: Sampling, seed: int, step: int) -> int:
+    """Picks the next token from last-position ``logits`` ([vocab]).
+
+    Greedy when temperature is 0; otherwise temperature, top-k and top-p filtering, then a
+    draw from a generator seeded by ``(seed, step)``, so a seeded request gives the same
+    tokens whether or not its first token was sampled on another worker.
+    """
+    if sampling.greedy:
+        return int(torch.argmax(logits))
+    scores = logits.float() / sampling.temperature
+    if 0 < sampling.top_k < scores.numel():
+        kth = torch.topk(scores, sampling.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if sampling.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cum = torch.cumsum(sorted_probs, dim=-1)
+        drop = cum - sorted_probs > sampling.top_p  # keep the smallest set reaching top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + step) % (2**63))
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+@dataclass
+class _PrefillJob:
+    request_id: str
+    tokens: list[int]
+    sampling: Sampling
+    publish: bool
+    future: concurrent.futures.Future
+
+
+@dataclass
+class _GenJob:
+    request_id: str
+    tokens: list[int]
+    sampling: Sampling
+    kv: KVRef | None
+    first_token: int | None
+    chunk_wait_ms: int
+    deliver: Callable[[Any], None]
+    t0: float
+    seed: int
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    cache: Any = None
+    out_ids: list[int] = field(default_factory=list)
+    stream: TextStream | None = None
+    last_token: int = -1
+    done: bool = False
+
+
+_STOP = object()
+
+
+class TorchEngine(Engine):
+    """See the module docstring. ``store`` is a synchronous, thread-safe store client
+    (:class:`pdserve.store.client.StoreClient`) or None for no store."""
+
+    def __init__(self, cfg: EngineConfig, store: Any | None = None) -> None:
+        self.cfg = cfg
+        self.store = store
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._waiting: collections.deque[_GenJob] = collections.deque()
+        self._running: list[_GenJob] = []
+        self._busy_prefill = 0
+        self._store_down_until = 0.0
+        self._kv_dtype = _KV_DTYPES[cfg.kv_dtype]
+
+    # ----------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._load_model)
+        self._thread = threading.Thread(target=self._worker, name="torch-engine", daemon=True)
+        self._thread.start()
+
+    def _load_model(self) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from pdserve.model.prepare import resolve_model
+
+        torch.set_num_threads(self.cfg.torch_threads)
+        path = Path(resolve_model(self.cfg.model))
+        self.model_path = path
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        self.model = model.eval()
+        conf = model.config
+        self.num_layers = conf.num_hidden_layers
+        self.num_kv_heads = conf.num_key_value_heads
+        self.head_dim = getattr(conf, "head_dim", None) or conf.hidden_size // (
+            conf.num_attention_heads
+        )
+        self.vocab_size = conf.vocab_size
+        self.max_model_len = min(self.cfg.max_model_len, conf.max_position_embeddings)
+        eos = self.tokenizer.eos_token_id
+        if eos is None:
+            eos = conf.eos_token_id[0] if isinstance(conf.eos_token_id, list) else conf.eos_token_id
+        self.eos_token_id = int(eos)
+        self.served_model_name = self.cfg.served_name()
+        self.fingerprint = model_fingerprint(
+            path, self.served_model_name, self.cfg.kv_dtype, self.cfg.chunk_size
+        )
+        self._fp = self.fingerprint.digest()
+        log.info(
+            "torch engine: model %s from %s, %d layers, %d kv heads, head_dim %d, max_model_len %d",
+            self.served_model_name,
+            path,
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.max_model_len,
+        )
+
+    async def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(_STOP)
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+
+    # ----------------------------------------------------------------- public API
+
+    def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode_text(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(
+            queue_length=self._queue.qsize() + len(self._waiting),
+            running_requests=len(self._running) + self._busy_prefill,
+            kv_usage=len(self._running) / self.cfg.max_num_seqs,
+        )
+
+    async def prefill(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: Sampling,
+        *,
+        publish_incrementally: bool = False,
+    ) -> PrefillOutcome:
+        self._require_started()
+        tokens = list(prompt_token_ids)
+        self.check_prompt(tokens, sampling)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put(_PrefillJob(request_id, tokens, sampling, publish_incrementally, fut))
+        return await asyncio.wrap_future(fut)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: Sampling,
+        *,
+        kv: KVRef | None = None,
+        first_token_id: int | None = None,
+        chunk_wait_ms: int = 0,
+    ) -> AsyncIterator[TokenEvent]:
+        """Emits every output token, the prefill's ``first_token_id`` included (first)."""
+        self._require_started()
+        tokens = list(prompt_token_ids)
+        self.check_prompt(tokens, sampling)
+        if first_token_id is not None and not 0 <= first_token_id < self.vocab_size:
+            raise InvalidArgument(
+                f"first_token_id {first_token_id} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
+        job = _GenJob(
+            request_id,
+            tokens,
+            sampling,
+            kv,
+            first_token_id,
+            chunk_wait_ms,
+            lambda item: loop.call_soon_threadsafe(events.put_nowait, item),
+            time.monotonic(),
+            seed,
+        )
+        self._queue.put(job)
+        try:
+            while True:
+                item = await events.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish is not None:
+                    return
+        finally:
+            job.cancelled.set()
+
+    def _require_started(self) -> None:
+        if self._thread is None:
+            raise Unavailable("the engine is not started (or already closed)")
+
+    # ----------------------------------------------------------------- worker thread
+
+    def _worker(self) -> None:
+        torch.set_num_threads(self.cfg.torch_threads)
+        with torch.inference_mode():
+            while True:
+                block = not self._running and not self._waiting
+                try:
+                    item = self._queue.get(block=block)
+                except queue.Empty:
+                    item = None
+                if item is _STOP:
+                    self._shutdown()
+                    return
+                if isinstance(item, _PrefillJob):
+                    self._run_prefill(item)
+                elif isinstance(item, _GenJob):
+                    self._waiting.append(item)
+                self._admit()
+                self._step_all()
+
+    def _shutdown(self) -> None:
+        err = Unavailable("the engine is shutting down")
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, _PrefillJob):
+                item.future.set_exception(err)
+            elif isinstance(item, _GenJob):
+                self._waiting.append(item)
+        for job in [*self._running, *self._waiting]:
+            job.deliver(err)
+        self._running.clear()
+        self._waiting.clear()
+
+    def _run_prefill(self, job: _PrefillJob) -> None:
+        if not job.future.set_running_or_notify_cancel():
+            return
+        self._busy_prefill = 1
+        try:
+            job.future.set_result(self._prefill(job))
+        except BaseException as exc:
+            log.exception("prefill %s failed", job.request_id)
+            job.future.set_exception(exc)
+        finally:
+            self._busy_prefill = 0
+
+    def _prefill(self, job: _PrefillJob) -> PrefillOutcome:
+        tokens = job.tokens
+        _cache, logits, cached, computed = self._compute_prompt(
+            job.request_id, tokens, write_tail=True, publish=job.publish, phase="prefill"
+        )
+        seed = job.sampling.seed if job.sampling.seed is not None else random.getrandbits(63)
+        first = sample_token(logits, job.sampling, seed, 0)
+        kv = KVRef(
+            chunk_keys=tuple(hashing.chunk_keys(self.fingerprint, tokens)),
+            tail_key=hashing.tail_key(self.fingerprint, tokens, job.request_id),
+            num_tokens=len(tokens),
+            chunk_size=self.cfg.chunk_size,
+            fingerprint=self._fp,
+        )
+        return PrefillOutcome(first, kv, cached, computed, first == self.eos_token_id)
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.cfg.max_num_seqs:
+            job = self._waiting.popleft()
+            if job.cancelled.is_set():
+                continue
+            try:
+                self._start_generation(job)
+            except BaseException as exc:
+                log.exception("generation %s failed to start", job.request_id)
+                job.deliver(exc)
+                continue
+            if not job.done:
+                self._running.append(job)
+
+    def _step_all(self) -> None:
+        for job in list(self._running):
+            if job.cancelled.is_set() or job.done:
+                self._running.remove(job)
+                job.cache = None
+                continue
+            try:
+                logits = self._forward([job.last_token], job.cache)
+                self._emit(job, sample_token(logits, job.sampling, job.seed, len(job.out_ids)))
+            except BaseException as exc:
+                log.exception("generation %s failed", job.request_id)
+                job.deliver(exc)
+                job.done = True
+            if job.done:
+                self._running.remove(job)
+                job.cache = None
+
+    def _start_generation(self, job: _GenJob) -> None:
+        tokens = job.tokens
+        job.stream = TextStream(self.decode_text, job.sampling.stop)
+        if job.kv is not None and job.first_token is not None:
+            job.cache, loaded = self._cache_from_handle(job)
+            if loaded < len(tokens):
+                self._forward(tokens[loaded:], job.cache)
+            recomputed = len(tokens) - loaded
+            if recomputed:
+                metrics.KV_COMPUTED_TOKENS.labels("kv_miss").inc(recomputed)
+            first = job.first_token
+        else:
+            job.cache, logits, loaded, recomputed = self._compute_prompt(
+                job.request_id, tokens, write_tail=False, publish=False, phase="decode"
+            )
+            first = (
+                job.first_token
+                if job.first_token is not None
+                else sample_token(logits, job.sampling, job.seed, 0)
+            )
+        self._emit(job, first, loaded=loaded, recomputed=recomputed)
+
+    def _emit(self, job: _GenJob, token: int, *, loaded: int = 0, recomputed: int = 0) -> None:
+        assert job.stream is not None
+        job.out_ids.append(token)
+        job.last_token = token
+        metrics.GENERATED_TOKENS.inc()
+        finish: Finish | None = None
+        if token == self.eos_token_id and not job.sampling.ignore_eos:
+            finish = Finish.EOS
+            text = job.stream.flush()
+        else:
+            text = job.stream.add(token)
+            if job.stream.stopped:
+                finish = Finish.STOP
+            elif (
+                len(job.out_ids) >= job.sampling.max_tokens
+                or len(job.tokens) + len(job.out_ids) >= self.max_model_len
+            ):
+                finish = Finish.LENGTH
+                text += job.stream.flush()
+        job.done = finish is not None
+        job.deliver(
+            TokenEvent(
+                token_ids=[token],
+                text=text,
+                times_ms=[(time.monotonic() - job.t0) * 1000.0],
+                finish=finish,
+                loaded_tokens=loaded,
+                recomputed_tokens=recomputed,
+            )
+        )
+
+    # ----------------------------------------------------------------- model and KV
+
+    def _new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    def _forward(self, ids: Sequence[int], cache: Any) -> torch.Tensor:
+        """Runs ``ids`` after what ``cache`` holds; returns the last position's logits."""
+        out = self.model(
+            input_ids=torch.tensor([list(ids)], dtype=torch.long),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[0, -1]
+
+    def _chunk_of(self, cache: Any, start: int, end: int) -> torch.Tensor:
+        """Canonical ``[layers, 2, kv_heads, end - start, head_dim]`` KV of positions
+        ``[start, end)``."""
+        kv = torch.stack(
+            [
+                torch.stack((layer.keys[0, :, start:end], layer.values[0, :, start:end]))
+                for layer in cache.layers
+            ]
+        )
+        return kv.to(self._kv_dtype).contiguous()
+
+    def _cache_from_chunks(self, chunks: Sequence[torch.Tensor], num_tokens: int) -> Any:
+        cache = self._new_cache()
+        if not chunks or num_tokens == 0:
+            return cache
+        kv = torch.cat(list(chunks), dim=3)[:, :, :, :num_tokens].to(torch.float32)
+        for i in range(self.num_layers):
+            cache.update(kv[i, 0].unsqueeze(0).clone(), kv[i, 1].unsqueeze(0).clone(), i)
+        return cache
+
+    def _valid_chunk(self, kv: torch.Tensor | None, tokens: int) -> bool:
+        return (
+            kv is not None
+            and kv.dtype == self._kv_dtype
+            and tuple(kv.shape) == (self.num_layers, 2, self.num_kv_heads, tokens, self.head_dim)
+        )
+
+    def _compute_prompt(
+        self, request_id: str, tokens: list[int], *, write_tail: bool, publish: bool, phase: str
+    ) -> tuple[Any, torch.Tensor, int, int]:
+        """Builds the prompt's KV: loads the longest cached chunk prefix, computes the rest and
+        writes new full chunks (and the tail when ``write_tail``). Returns the cache, the last
+        position's logits, and the loaded and computed token counts."""
+        cs = self.cfg.chunk_size
+        n = len(tokens)
+        keys = hashing.chunk_keys(self.fingerprint, tokens)
+        chunks = self._load_prefix(keys)
+        loaded = min(len(chunks) * cs, n - 1)  # the last token is always computed (logits)
+        cache = self._cache_from_chunks(chunks, loaded)
+        if loaded:
+            metrics.KV_LOADED_TOKENS.labels(phase).inc(loaded)
+        done_chunks = len(chunks)
+        if publish:
+            # write mode: compute chunk by chunk and publish each one as soon as it exists
+            pos = loaded
+            logits = None
+            while pos < n:
+                end = min(n, (pos // cs + 1) * cs)
+                logits = self._forward(tokens[pos:end], cache)
+                if end % cs == 0 and end // cs > done_chunks:
+                    self._save_chunks(cache, keys, done_chunks, end // cs)
+                    done_chunks = end // cs
+                pos = end
+            assert logits is not None
+        else:
+            logits = self._forward(tokens[loaded:], cache)
+            self._save_chunks(cache, keys, done_chunks, len(keys))
+        if write_tail and n % cs:
+            self._save_tail(cache, hashing.tail_key(self.fingerprint, tokens, request_id), n)
+        reason = "uncached" if phase == "prefill" else "local"
+        metrics.KV_COMPUTED_TOKENS.labels(reason).inc(n - loaded)
+        return cache, logits, loaded, n - loaded
+
+    def _cache_from_handle(self, job: _GenJob) -> tuple[Any, int]:
+        """Loads a prefill's KV by handle; returns the cache and how many leading prompt tokens
+        it holds (the rest must be recomputed). A handle that does not belong to this prompt
+        and model is ignored rather than trusted."""
+        kv, tokens = job.kv, job.tokens
+        assert kv is not None
+        cs = self.cfg.chunk_size
+        n = len(tokens)
+        expected = hashing.chunk_keys(self.fingerprint, tokens)
+        if (
+            kv.fingerprint != self._fp
+            or kv.chunk_size != cs
+            or kv.num_tokens != n
+            or list(kv.chunk_keys) != expected
+            or bool(kv.tail_key) != bool(n % cs)
+        ):
+            log.warning(
+                "request %s: KV handle does not match prompt/model; recomputing", job.request_id
+            )
+            metrics.KV_CHUNK_MISSES.labels("handle").inc()
+            return self._new_cache(), 0
+        keys = list(expected) + ([kv.tail_key] if kv.tail_key else [])
+        got = self._fetch(keys, job.chunk_wait_ms)
+        chunks: list[torch.Tensor] = []
+        for i, t in enumerate(got):
+            want = cs if i < len(expected) else n % cs
+            if not self._valid_chunk(t, want):
+                metrics.KV_CHUNK_MISSES.labels("chunk" if i < len(expected) else "tail").inc()
+                break
+            chunks.append(t)  # type: ignore[arg-type]
+        loaded = min(n, len(chunks) * cs)
+        if loaded:
+            metrics.KV_LOADED_TOKENS.labels("decode").inc(loaded)
+        return self._cache_from_chunks(chunks, loaded), loaded
+
+    # ----------------------------------------------------------------- store access
+
+    def _store_ok(self) -> bool:
+        return self.store is not None and time.monotonic() >= self._store_down_until
+
+    def _store_failed(self, op: str, exc: BaseException) -> None:
+        metrics.KV_STORE_ERRORS.labels(op).inc()
+        self._store_down_until = time.monotonic() + _STORE_BACKOFF_S
+        log.warning("KV store %s failed (%s: %s); recomputing instead", op, type(exc).__name__, exc)
+
+    def _load_prefix(self, keys: list[str]) -> list[torch.Tensor]:
+        """The longest run of leading chunks that exist and verify."""
+        if not keys or not self._store_ok():
+            return []
+        try:
+            length = self.store.longest_prefix(keys)
+            got = self.store.batch_get_chunks(keys[:length], self._fp) if length else []
+        except (PdserveError, TimeoutError, OSError) as exc:
+            self._store_failed("load", exc)
+            return []
+        out: list[torch.Tensor] = []
+        for t in got:
+            if not self._valid_chunk(t, self.cfg.chunk_size):
+                metrics.KV_CHUNK_MISSES.labels("chunk").inc()
+                break
+            out.append(t)
+        return out
+
+    def _fetch(self, keys: list[str], wait_ms: int) -> list[torch.Tensor | None]:
+        """Gets every key's chunk; a missing one is retried for up to ``wait_ms`` (write mode,
+        the chunk may still be landing). Stops at the first miss."""
+        if not self._store_ok():
+            return []
+        out: list[torch.Tensor | None] = []
+        try:
+            got = self.store.batch_get_chunks(keys, self._fp)
+            deadline = time.monotonic() + wait_ms / 1000.0
+            for key, t in zip(keys, got, strict=True):
+                while t is None and time.monotonic() < deadline:
+                    time.sleep(_CHUNK_POLL_S)
+                    t = self.store.get_chunk(key, self._fp)
+                if t is None:
+                    break
+                out.append(t)
+        except (PdserveError, TimeoutError, OSError) as exc:
+            self._store_failed("load", exc)
+        return out
+
+    def _save_chunks(self, cache: Any, keys: list[str], first: int, end: int) -> None:
+        """Writes chunks ``first..end-1`` that the store does not already hold."""
+        if first >= end or not self._store_ok():
+            return
+        from pdserve.store.client import StoreOptions
+
+        cs = self.cfg.chunk_size
+        try:
+            present = self.store.exists(keys[first:end])
+            for i, there in zip(range(first, end), present, strict=True):
+                if there:
+                    metrics.KV_CHUNKS_SKIPPED.inc()
+                    continue
+                if self.store.put_chunk(
+                    keys[i], self._chunk_of(cache, i * cs, (i + 1) * cs), self._fp, StoreOptions()
+                ):
+                    metrics.KV_CHUNKS_WRITTEN.labels("chunk").inc()
+                else:
+                    metrics.KV_CHUNKS_SKIPPED.inc()
+        except (PdserveError, TimeoutError, OSError) as exc:
+            self._store_failed("save", exc)
+
+    def _save_tail(self, cache: Any, key: str, n: int) -> None:
+        if not self._store_ok():
+            return
+        from pdserve.store.client import StoreOptions
+
+        start = n - n % self.cfg.chunk_size
+        try:
+            self.store.put_chunk(
+                key,
+                self._chunk_of(cache, start, n),
+                self._fp,
+                StoreOptions(ttl_ms=self.cfg.tail_ttl_ms),
+            )
+            metrics.KV_CHUNKS_WRITTEN.labels("tail").inc()
+        except (PdserveError, TimeoutError, OSError) as exc:
+            self._store_failed("save", exc)
