@@ -1,0 +1,333 @@
+"""MasterState driven directly with an injected clock (no network)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from pdserve import errors
+from pdserve.services.kvstore.master_state import MasterState
+from pdserve.services.kvstore.persistence import MetadataStore
+from pdserve.v1 import kvstore_pb2 as pb
+
+KB = 1024
+
+
+def put(state: MasterState, key: str, size: int = KB, client: str = "c", **opts) -> int:
+    """put start + put end; returns the put-start code (or the put-end code if start was OK)."""
+    (r,) = state.put_start(client, [(key, size)], **opts)
+    if r.code != pb.KV_OK or r.already_exists:
+        return r.code
+    (e,) = state.put_end(client, [key])
+    return e.code
+
+
+def mount(state: MasterState, seg: str, node: str, size: int = 64 * KB, held=()) -> int:
+    return state.mount(seg, node, size, [], held)
+
+
+def test_put_get_and_idempotent_put(make_state, events) -> None:
+    s = make_state()
+    mount(s, "s1", "n1")
+    assert put(s, "a") == pb.KV_OK
+    (again,) = s.put_start("c", [("a", KB)])
+    assert again.code == pb.KV_OK and again.already_exists and not again.replicas
+    (g,) = s.get_replicas("c", ["a"])
+    assert g.code == pb.KV_OK and g.replicas[0].segment_id == "s1"
+    assert events.events == [(pb.KV_EVENT_STORED, "a", KB, "")]
+    assert s.stats().puts == 1
+
+
+def test_pending_put_is_invisible_and_exclusive(make_state) -> None:
+    s = make_state()
+    mount(s, "s1", "n1")
+    (r,) = s.put_start("w1", [("k", KB)])
+    assert r.code == pb.KV_OK
+    assert s.exists(["k"]) == [False]
+    assert s.longest_prefix(["k"]) == 0
+    (r2,) = s.put_start("w2", [("k", KB)])
+    assert r2.code == pb.KV_PUT_IN_PROGRESS
+    assert s.remove(["k"])[0].code == pb.KV_PUT_IN_PROGRESS
+    s.put_end("w1", ["k"])
+    assert s.exists(["k"]) == [True]
+
+
+def test_longest_prefix_and_exists(make_state) -> None:
+    s = make_state()
+    mount(s, "s1", "n1")
+    for k in ("h0", "h1", "h3"):
+        put(s, k)
+    assert s.longest_prefix(["h0", "h1", "h2", "h3"]) == 2
+    assert s.longest_prefix(["x", "h0"]) == 0
+    assert s.exists(["h0", "h2", "h3"]) == [True, False, True]
+    st = s.stats()
+    assert st.prefix_queries == 2 and st.prefix_hit_keys == 2
+
+
+def test_replication_on_distinct_nodes(make_state) -> None:
+    s = make_state()
+    # Node n1 has two segments: two replicas must never both land on n1.
+    mount(s, "s1a", "n1", 1024 * KB)
+    mount(s, "s1b", "n1", 1024 * KB)
+    mount(s, "s2", "n2", 64 * KB)
+    for i in range(20):
+        (r,) = s.put_start("c", [(f"k{i}", KB)], replicas=2)
+        assert r.code == pb.KV_OK
+        assert len({loc.node_id for loc in r.replicas}) == 2
+    (r,) = s.put_start("c", [("three", KB)], replicas=3)
+    assert r.code == pb.KV_NOT_ENOUGH_NODES
+
+
+def test_put_no_space_without_evictable(make_state) -> None:
+    s = make_state()
+    mount(s, "s1", "n1", 4 * KB)
+    (r,) = s.put_start("c", [("big", 8 * KB)])
+    assert r.code == pb.KV_NO_SPACE
+    (r,) = s.put_start("c", [("a", 4 * KB)])
+    assert r.code == pb.KV_OK
+    (r,) = s.put_start("c", [("b", KB)])  # pending puts are never evicted
+    assert r.code == pb.KV_NO_SPACE
+
+
+def test_bad_input(make_state) -> None:
+    s = make_state(max_key_bytes=8, max_object_bytes=10 * KB, max_batch_keys=3)
+    mount(s, "s1", "n1")
+    # Too many items is a whole-call error.
+    with pytest.raises(errors.ResourceExhausted, match="max_batch_keys=3"):
+        s.put_start("c", [("a", 1)] * 4)
+    res = s.put_start("c", [("", 1), ("x" * 9, 1), ("ok", 0)])
+    assert [r.code for r in res] == [pb.KV_INVALID] * 3
+    assert "empty" in res[0].message and "max_key_bytes=8" in res[1].message
+    assert "> 0" in res[2].message
+    (r,) = s.put_start("c", [("ok2", 11 * KB)])
+    assert r.code == pb.KV_INVALID and "max_object_bytes" in r.message
+    with pytest.raises(errors.InvalidArgument, match="no items"):
+        s.put_start("c", [])
+    with pytest.raises(errors.InvalidArgument, match="no keys"):
+        s.longest_prefix([])
+    with pytest.raises(errors.InvalidArgument, match="max_replicas"):
+        s.put_start("c", [("a", 1)], replicas=99)
+    (e,) = s.put_end("c", ["never"])
+    assert e.code == pb.KV_NO_PENDING_PUT
+    (e,) = s.put_revoke("c", ["never"])
+    assert e.code == pb.KV_NO_PENDING_PUT
+    with pytest.raises(errors.NotFound, match="not mounted"):
+        s.unmount("nope")
+    with pytest.raises(errors.InvalidArgument, match="size must be > 0"):
+        s.mount("s2", "n1", 0, [])
+    with pytest.raises(errors.InvalidArgument, match="must not be empty"):
+        s.mount("", "n1", KB, [])
+    # Duplicate mount: same node + size is idempotent, anything else ALREADY_EXISTS.
+    assert put(s, "kept") == pb.KV_OK
+    mount(s, "s1", "n1")
+    with pytest.raises(errors.AlreadyExists, match="already mounted"):
+        mount(s, "s1", "n2")
+    with pytest.raises(errors.AlreadyExists):
+        mount(s, "s1", "n1", 128 * KB)
+    assert s.exists(["kept"]) == [True]  # nothing stored was damaged
+
+
+def test_revoke_frees_space(make_state) -> None:
+    s = make_state()
+    mount(s, "s1", "n1", 4 * KB)
+    (r,) = s.put_start("c", [("a", 4 * KB)])
+    assert r.code == pb.KV_OK
+    assert s.put_revoke("c", ["a"])[0].code == pb.KV_OK
+    assert s.segments["s1"].used == 0
+    assert put(s, "b", 4 * KB) == pb.KV_OK
+
+
+def test_leases_block_removal_and_eviction(make_state, clock) -> None:
+    s = make_state(high_watermark=1.0, low_watermark=1.0)  # on-demand eviction only
+    mount(s, "s1", "n1", 4 * KB)
+    assert put(s, "a", 2 * KB) == pb.KV_OK
+    assert put(s, "b", 2 * KB) == pb.KV_OK
+    s.get_replicas("reader", ["a", "b"], lease_ms=1000)
+    assert s.remove(["a"])[0].code == pb.KV_LEASED
+    (r,) = s.put_start("c", [("c", 2 * KB)])
+    assert r.code == pb.KV_NO_SPACE  # both leased: nothing evictable
+    s.release("reader", ["a"])
+    assert s.remove(["a"])[0].code == pb.KV_OK
+    clock.advance(1.01)  # lease on b ended by time
+    assert put(s, "c", 4 * KB) == pb.KV_OK
+    assert s.exists(["b", "c"]) == [False, True]
+
+
+def test_eviction_under_2x_pressure_keeps_leased_and_is_lru(make_state, clock, events) -> None:
+    s = make_state(high_watermark=1.0, low_watermark=1.0)  # on-demand eviction only
+    mount(s, "s1", "n1", 32 * KB)  # 32 objects of 1 KiB fill it
+    keys = [f"k{i:02d}" for i in range(32)]
+    for k in keys:
+        assert put(s, k) == pb.KV_OK
+        clock.advance(0.001)
+    leased = keys[::4]
+    s.get_replicas("reader", leased, lease_ms=60_000)
+    # Touch k01 so it becomes the most recently used of the unleased ones.
+    s.get_replicas("reader2", ["k01"], lease_ms=1)
+    clock.advance(0.01)
+    more = [f"m{i:02d}" for i in range(32)]  # 2x capacity in total
+    for k in more:
+        assert put(s, k) == pb.KV_OK
+    assert all(s.exists(leased))
+    evicted = [e[1] for e in events.events if e[0] == pb.KV_EVENT_REMOVED]
+    assert all(e[3] == "evict" for e in events.events if e[0] == pb.KV_EVENT_REMOVED)
+    assert not set(evicted) & set(leased)
+    # Unleased originals go first, in put order, and k01 (touched) last among them.
+    unleased = [k for k in keys if k not in leased and k != "k01"] + ["k01"]
+    assert evicted[: len(unleased)] == unleased
+    assert s.stats().evictions == len(evicted)
+    assert s.segments["s1"].used <= s.segments["s1"].capacity
+
+
+def test_soft_pin_evicted_last(make_state) -> None:
+    s = make_state(high_watermark=1.0, low_watermark=1.0)
+    mount(s, "s1", "n1", 4 * KB)
+    assert put(s, "pinned", KB, soft_pin=True) == pb.KV_OK
+    assert put(s, "a", KB) == pb.KV_OK
+    assert put(s, "b", KB) == pb.KV_OK
+    assert put(s, "c", KB) == pb.KV_OK
+    assert put(s, "d", KB) == pb.KV_OK  # evicts a, not the older pinned object
+    assert s.exists(["pinned", "a"]) == [True, False]
+    assert put(s, "big", 4 * KB) == pb.KV_OK  # now everything must go, pinned too
+    assert s.exists(["pinned", "big"]) == [False, True]
+
+
+def test_watermark_eviction(make_state) -> None:
+    s = make_state(high_watermark=0.5, low_watermark=0.25)
+    mount(s, "s1", "n1", 16 * KB)
+    for i in range(8):
+        assert put(s, f"k{i}") == pb.KV_OK
+    assert s.segments["s1"].used == 8 * KB
+    assert put(s, "k8") == pb.KV_OK  # 9 KiB > 50%: evict down to 25%
+    s.tick()
+    assert s.segments["s1"].used <= 4 * KB
+    assert s.exists(["k0", "k8"]) == [False, True]
+
+
+def test_ttl_expiry(make_state, clock, events) -> None:
+    s = make_state()
+    mount(s, "s1", "n1")
+    assert put(s, "tail", ttl_ms=500) == pb.KV_OK
+    assert put(s, "chunk") == pb.KV_OK
+    clock.advance(0.4)
+    s.heartbeat("n1", ["s1"])
+    assert s.exists(["tail"]) == [True]
+    clock.advance(0.2)
+    assert s.exists(["tail"]) == [False]  # invisible at the deadline, before the tick
+    assert s.get_replicas("c", ["tail"])[0].code == pb.KV_NOT_FOUND
+    s.tick()
+    assert (pb.KV_EVENT_REMOVED, "tail", KB, "ttl") in events.events
+    assert "tail" not in s.objects and s.exists(["chunk"]) == [True]
+    assert put(s, "tail", ttl_ms=500) == pb.KV_OK  # the key can be written again
+
+
+def test_put_timeout_reclaims(make_state, clock) -> None:
+    s = make_state(put_timeout_s=2.0)
+    mount(s, "s1", "n1", 4 * KB)
+    (r,) = s.put_start("slow", [("k", 4 * KB)])
+    assert r.code == pb.KV_OK
+    clock.advance(1.0)
+    s.heartbeat("n1", ["s1"])
+    s.tick()
+    assert s.segments["s1"].used == 4 * KB  # not reclaimed (nor evicted) before the timeout
+    clock.advance(1.1)
+    s.heartbeat("n1", ["s1"])
+    s.tick()
+    assert s.segments["s1"].used == 0
+    assert s.put_end("slow", ["k"])[0].code == pb.KV_NO_PENDING_PUT
+
+
+def test_dead_node(make_state, clock, events) -> None:
+    s = make_state(heartbeat_interval_ms=500, heartbeat_miss_limit=3)
+    mount(s, "s1", "n1")
+    mount(s, "s2", "n2")
+    assert put(s, "both", replicas=2) == pb.KV_OK
+    (r,) = s.put_start("c", [("only1", KB)], placement=pb.PLACEMENT_FREE_RATIO_FIRST)
+    only1_seg = r.replicas[0].segment_id
+    s.put_end("c", ["only1"])
+    alive_node = "n2" if only1_seg == "s1" else "n1"
+    dead_node = "n1" if alive_node == "n2" else "n2"
+    for _ in range(4):  # only the alive node heartbeats
+        clock.advance(0.5)
+        assert s.heartbeat(alive_node, [f"s{alive_node[-1]}"]) is False
+        s.tick()
+    assert s.stats().alive_nodes == 1
+    assert (pb.KV_EVENT_REMOVED, "only1", KB, "node_dead") in events.events
+    (g,) = s.get_replicas("c", ["both"])
+    assert [rep.node_id for rep in g.replicas] == [alive_node]
+    for i in range(5):
+        (r,) = s.put_start("c", [(f"new{i}", KB)])
+        assert [rep.node_id for rep in r.replicas] == [alive_node]
+    assert s.heartbeat(dead_node, [f"s{dead_node[-1]}"]) is True  # must remount
+    mount(s, f"s{dead_node[-1]}", dead_node)
+    assert s.heartbeat(dead_node, [f"s{dead_node[-1]}"]) is False
+
+
+def test_unmount_removes_replicas(make_state, events) -> None:
+    s = make_state()
+    mount(s, "s1", "n1")
+    assert put(s, "a") == pb.KV_OK
+    assert s.unmount("s1") == 1
+    assert s.exists(["a"]) == [False]
+    assert events.events[-1] == (pb.KV_EVENT_REMOVED, "a", KB, "unmount")
+    with pytest.raises(errors.NotFound):
+        s.unmount("s1")
+
+
+def test_restart_from_persisted_metadata(make_state, clock, tmp_path) -> None:
+    store = MetadataStore(tmp_path)
+    s = make_state(store=store)
+    mount(s, "s1", "n1")
+    mount(s, "s2", "n2")
+    assert put(s, "a", replicas=2, soft_pin=True) == pb.KV_OK
+    assert put(s, "b") == pb.KV_OK
+    assert put(s, "gone") == pb.KV_OK
+    assert s.remove(["gone"])[0].code == pb.KV_OK
+    before = {k: sorted((r.segment_id, r.offset) for r in o.replicas) for k, o in s.objects.items()}
+    store.close()
+
+    s2 = make_state(store=MetadataStore(tmp_path))
+    assert s2.exists(["a", "b"]) == [False, False]  # dormant until the segments come back
+    assert mount(s2, "s1", "n1") >= 1
+    assert s2.exists(["a"]) == [True]
+    mount(s2, "s2", "n2")
+    after = {k: sorted((r.segment_id, r.offset) for r in o.replicas) for k, o in s2.objects.items()}
+    assert after == before
+    assert s2.objects["a"].soft_pin
+    assert s2.exists(["gone"]) == [False]
+    # New allocations never overlap restored replicas.
+    for i in range(10):
+        (r,) = s2.put_start("c", [(f"n{i}", KB)])
+        assert r.code == pb.KV_OK
+    for seg in s2.segments.values():
+        spans = seg.allocator.allocated_ranges()
+        for (o1, n1), (o2, _) in itertools.pairwise(spans):
+            assert o1 + n1 <= o2
+
+
+def test_restart_dormant_dropped_after_grace(make_state, clock, tmp_path) -> None:
+    s = make_state(store=MetadataStore(tmp_path))
+    mount(s, "s1", "n1")
+    assert put(s, "a") == pb.KV_OK
+    s.store.close()
+    s2 = make_state(store=MetadataStore(tmp_path), dormant_grace_s=5)
+    clock.advance(6)
+    s2.tick()
+    assert not s2.dormant
+    s2.store.close()
+    s3 = make_state(store=MetadataStore(tmp_path))
+    mount(s3, "s1", "n1")
+    assert s3.exists(["a"]) == [False]
+
+
+def test_held_objects_on_remount(make_state) -> None:
+    s = make_state()  # no persistence: the node's report is the only source
+    restored = mount(s, "s1", "n1", held=[("a", 0, KB), ("b", 1024, 100), ("bad", 64, 10)])
+    assert restored == 2  # "bad" overlaps "a" and is refused
+    assert s.exists(["a", "b", "bad"]) == [True, True, False]
+    (r,) = s.put_start("c", [("c", KB)])
+    assert r.replicas[0].offset >= 1088
+    # Re-reporting the same objects on an idempotent remount changes nothing.
+    assert mount(s, "s1", "n1", held=[("a", 0, KB)]) == 1
+    assert s.stats().objects == 2
