@@ -120,6 +120,7 @@ def _build_atomically(target: Path, marker: dict[str, Any], build: Callable[[Pat
     try:
         build(tmp)
         (tmp / MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
+        _make_readable(tmp)
         if target.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
             os.replace(target, old / "model")
@@ -132,6 +133,16 @@ def _build_atomically(target: Path, marker: dict[str, Any], build: Callable[[Pat
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _make_readable(folder: Path) -> None:
+    """Gives the folder and its files the usual umask permissions (mkdtemp and some writers
+    create them owner-only), so a shared cache works for every user."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for item in folder.rglob("*"):
+        item.chmod((0o777 if item.is_dir() else 0o666) & ~umask)
 
 
 @contextlib.contextmanager
@@ -231,7 +242,8 @@ def prepare_smollm2(
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        model.config.name_or_path = SMOLLM2
+        if hasattr(model.config, "_model_name_or_path"):  # the GGUF's general.name
+            del model.config._model_name_or_path
         gen = model.generation_config
         gen.eos_token_id = tok.eos_token_id
         gen.pad_token_id = tok.pad_token_id
