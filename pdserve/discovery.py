@@ -31,7 +31,7 @@ _RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _RECONNECT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1_000),
+    ("grpc.max_reconnect_backoff_ms", 300),
 ]
 
 LoadFn = Callable[[], common_pb2.Load]
