@@ -1,0 +1,146 @@
+"""Admission control: a bounded queue in front of a fixed number of in-flight requests, and
+optional SLO targets. A request that cannot be served in time is refused at once with
+RESOURCE_EXHAUSTED and a reason, instead of waiting forever.
+
+Predictions come from what the router observed (EWMAs, so they follow the cluster's speed):
+    predicted TTFT = base_ms + ms_per_prefill_token * (own uncached tokens
+                     + prefill tokens already queued or running / prefill workers)
+The TPOT target refuses new requests while the observed time per output token is above it.
+Nothing is refused on a prediction before the first observation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from prometheus_client import Counter, Gauge
+
+from pdserve.errors import ResourceExhausted
+from pdserve.telemetry import REGISTRY
+
+REJECTED = Counter(
+    "pdserve_router_rejected",
+    "Requests refused by admission control",
+    ["reason"],
+    registry=REGISTRY,
+)
+QUEUED = Gauge("pdserve_router_queued", "Requests waiting for admission", registry=REGISTRY)
+INFLIGHT = Gauge("pdserve_router_inflight", "Requests being orchestrated", registry=REGISTRY)
+
+
+class Ewma:
+    def __init__(self, alpha: float = 0.2) -> None:
+        self.alpha = alpha
+        self.value: float | None = None
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
+
+
+class Admission:
+    def __init__(
+        self,
+        max_inflight: int,
+        max_queue: int,
+        *,
+        slo_ttft_ms: float = 0.0,
+        slo_tpot_ms: float = 0.0,
+    ) -> None:
+        self.max_inflight = max_inflight
+        self.max_queue = max_queue
+        self.slo_ttft_ms = slo_ttft_ms
+        self.slo_tpot_ms = slo_tpot_ms
+        self._sem = asyncio.Semaphore(max_inflight)
+        self.waiting = 0
+        self.inflight = 0
+        #: Uncached prefill tokens of admitted-or-waiting requests not past their first token.
+        self.pending_prefill_tokens = 0
+        self.ms_per_token = Ewma()
+        self.base_ms = Ewma()
+        self.tpot_ms = Ewma()
+
+    # --- observations -----------------------------------------------------------------------
+
+    def observe_prefill(self, computed_tokens: int, worker_ms: float) -> None:
+        if computed_tokens > 0 and worker_ms > 0:
+            self.ms_per_token.add(worker_ms / computed_tokens)
+
+    def observe_ttft(self, uncached_tokens: int, ttft_ms: float) -> None:
+        per_token = self.ms_per_token.value or 0.0
+        self.base_ms.add(max(0.0, ttft_ms - per_token * uncached_tokens))
+
+    def observe_tpot(self, tpot_ms: float) -> None:
+        self.tpot_ms.add(tpot_ms)
+
+    # --- decisions --------------------------------------------------------------------------
+
+    def predicted_ttft_ms(self, uncached_tokens: int, prefill_workers: int) -> float | None:
+        if self.ms_per_token.value is None or self.base_ms.value is None:
+            return None
+        queued = self.pending_prefill_tokens / max(1, prefill_workers)
+        return self.base_ms.value + self.ms_per_token.value * (uncached_tokens + queued)
+
+    def check(self, uncached_tokens: int, prefill_workers: int) -> None:
+        """Raises ResourceExhausted with the reason when the request should be refused."""
+        if self.inflight >= self.max_inflight and self.waiting >= self.max_queue:
+            REJECTED.labels("queue_full").inc()
+            raise ResourceExhausted(
+                f"queue full: {self.waiting} requests waiting (max_queue={self.max_queue})"
+            )
+        if self.slo_ttft_ms > 0:
+            pred = self.predicted_ttft_ms(uncached_tokens, prefill_workers)
+            if pred is not None and pred > self.slo_ttft_ms:
+                REJECTED.labels("slo_ttft").inc()
+                raise ResourceExhausted(
+                    f"predicted time to first token {pred:.0f} ms exceeds the SLO of "
+                    f"{self.slo_ttft_ms:.0f} ms ({self.pending_prefill_tokens} prefill tokens "
+                    f"queued)"
+                )
+        if self.slo_tpot_ms > 0 and self.inflight > 0:
+            tpot = self.tpot_ms.value
+            if tpot is not None and tpot > self.slo_tpot_ms:
+                REJECTED.labels("slo_tpot").inc()
+                raise ResourceExhausted(
+                    f"time per output token is {tpot:.1f} ms, above the SLO of "
+                    f"{self.slo_tpot_ms:.1f} ms, with {self.inflight} requests running"
+                )
+
+    @contextlib.asynccontextmanager
+    async def admit(self, uncached_tokens: int, prefill_workers: int) -> AsyncIterator[Ticket]:
+        """Checks, then waits for an in-flight slot; the ticket's ``first_token()`` marks the
+        end of its prefill work for the TTFT prediction."""
+        self.check(uncached_tokens, prefill_workers)
+        ticket = Ticket(self, uncached_tokens)
+        self.pending_prefill_tokens += uncached_tokens
+        self.waiting += 1
+        QUEUED.set(self.waiting)
+        try:
+            await self._sem.acquire()
+        except BaseException:
+            ticket.first_token()
+            raise
+        finally:
+            self.waiting -= 1
+            QUEUED.set(self.waiting)
+        self.inflight += 1
+        INFLIGHT.set(self.inflight)
+        try:
+            yield ticket
+        finally:
+            ticket.first_token()
+            self.inflight -= 1
+            INFLIGHT.set(self.inflight)
+            self._sem.release()
+
+
+class Ticket:
+    def __init__(self, admission: Admission, tokens: int) -> None:
+        self._adm = admission
+        self._tokens = tokens
+
+    def first_token(self) -> None:
+        """Idempotent: this request's prefill tokens are no longer pending."""
+        self._adm.pending_prefill_tokens -= self._tokens
+        self._tokens = 0

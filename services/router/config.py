@@ -1,0 +1,80 @@
+"""Configuration of the router (section ``router``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.config import ConfigError, help_field
+
+POLICIES = ("round_robin", "least_load", "cache_aware")
+MODES = ("read", "write", "colocated")
+
+
+@dataclass
+class RouterConfig:
+    host: str = help_field("127.0.0.1", "interface the gRPC and HTTP servers bind")
+    port: int = help_field(50050, "gRPC port of RouterService (0 = a free port)")
+    http_port: int = help_field(
+        8000, "OpenAI-compatible HTTP port, also serving /health and /metrics (0 = free, -1 = off)"
+    )
+    meta: str = help_field("", "meta service address host:port for worker discovery")
+    store_master: str = help_field(
+        "", "KV store master host:port, asked for the longest cached prefix ('' = never cached)"
+    )
+    model: str = help_field(
+        "tiny", "model folder, or a name that pdserve.model.prepare.resolve_model knows"
+    )
+    served_name: str = help_field("", "model name in requests and on workers ('' = --model)")
+    kv_dtype: str = help_field("float32", "KV dtype of the workers (part of the fingerprint)")
+    chunk_size: int = help_field(256, "tokens per KV chunk; must match the workers")
+    max_model_len: int = help_field(0, "prompt + output limit in tokens (0 = from the model)")
+    max_tokens_limit: int = help_field(4096, "largest max_tokens a request may ask for")
+    default_max_tokens: int = help_field(256, "max_tokens when a request leaves it unset")
+    policy: str = help_field("cache_aware", f"prefill routing policy: {', '.join(POLICIES)}")
+    mode: str = help_field("read", f"default orchestration mode: {', '.join(MODES)}")
+    local_prefill_threshold: int = help_field(
+        32, "uncached prompt tokens below which the decode worker prefills locally (0 = never)"
+    )
+    cache_weight: float = help_field(
+        1.0, "cache-aware policy: cost weight of each uncached prompt token"
+    )
+    load_weight: float = help_field(
+        1.0, "cache-aware policy: cost weight of each token of queued prefill work"
+    )
+    request_tokens: int = help_field(
+        256, "tokens of prefill work assumed per request a worker reports as queued/running"
+    )
+    max_inflight: int = help_field(64, "requests orchestrated at once; more wait in the queue")
+    max_queue: int = help_field(256, "requests allowed to wait; beyond that 429")
+    slo_ttft_ms: float = help_field(0.0, "reject requests predicted to miss this TTFT (0 = off)")
+    slo_tpot_ms: float = help_field(
+        0.0, "reject requests while time per output token exceeds this (0 = off)"
+    )
+    prefill_retries: int = help_field(1, "retries of a failed prefill on another worker")
+    breaker_failures: int = help_field(3, "consecutive failures that take a worker out")
+    breaker_cooldown_s: float = help_field(5.0, "seconds before a broken worker is probed")
+    chunk_wait_ms: int = help_field(30000, "write mode: how long decode waits for each chunk")
+    request_timeout_s: float = help_field(600.0, "deadline of a request without its own (s)")
+    prefill: list[str] = help_field([], "static prefill worker addresses (instead of meta)")  # noqa: RUF009
+    decode: list[str] = help_field([], "static decode worker addresses (instead of meta)")  # noqa: RUF009
+    log_level: str = help_field("info", "log level")
+
+    @property
+    def name(self) -> str:
+        return self.served_name or self.model
+
+    def validate(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.mode not in MODES:
+            raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.chunk_size <= 0:
+            raise ConfigError("chunk_size must be positive")
+        if self.max_inflight <= 0 or self.max_queue < 0:
+            raise ConfigError("max_inflight must be positive and max_queue >= 0")
+        if not self.meta and not self.decode:
+            raise ConfigError("give --meta or at least one --decode worker address")
+        if self.prefill_retries < 0 or self.breaker_failures <= 0:
+            raise ConfigError("prefill_retries must be >= 0 and breaker_failures positive")
+        if self.default_max_tokens <= 0 or self.max_tokens_limit <= 0:
+            raise ConfigError("default_max_tokens and max_tokens_limit must be positive")

@@ -1,0 +1,146 @@
+"""Turns the public request forms (gRPC GenerateRequest, OpenAI JSON) into a validated
+:class:`GenRequest`, and holds what both front ends share (tokenizer, limits, orchestrator)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pdserve.errors import InvalidArgument
+from pdserve.services.router import request as rq
+from pdserve.services.router.orchestrator import Orchestrator
+from pdserve.services.router.workers import DECODE, PREFILL, WorkerPool
+from pdserve.v1 import router_pb2
+
+_MODES = {
+    router_pb2.DISAGG_MODE_UNSPECIFIED: "",
+    router_pb2.DISAGG_MODE_READ: "read",
+    router_pb2.DISAGG_MODE_WRITE: "write",
+    router_pb2.DISAGG_MODE_COLOCATED: "colocated",
+}
+
+
+class TokenizerLike(Protocol):
+    vocab_size: int
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]: ...
+    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
+
+
+@dataclass
+class Frontend:
+    tokenizer: TokenizerLike
+    limits: rq.Limits
+    orchestrator: Orchestrator
+    pool: WorkerPool
+
+    def model_info(self) -> router_pb2.ModelInfo:
+        return router_pb2.ModelInfo(
+            name=self.limits.model,
+            max_model_len=self.limits.max_model_len,
+            prefill_workers=len(self.pool.candidates(PREFILL)),
+            decode_workers=len(self.pool.candidates(DECODE)),
+        )
+
+    # --- gRPC -------------------------------------------------------------------------------
+
+    def from_proto(self, req: router_pb2.GenerateRequest) -> rq.GenRequest:
+        rq.check_model(req.model, self.limits)
+        rid = rq.check_request_id(req.request_id)
+        given = [
+            name
+            for name, present in (
+                ("prompt", bool(req.prompt)),
+                ("prompt_token_ids", len(req.prompt_token_ids) > 0),
+                ("messages", len(req.messages) > 0),
+            )
+            if present
+        ]
+        if len(given) != 1:
+            raise InvalidArgument(
+                "exactly one of prompt, prompt_token_ids and messages must be set"
+                + (f"; got {', '.join(given)}" if given else "; got none (or an empty prompt)")
+            )
+        if req.prompt:
+            ids = rq.check_token_ids(self.tokenizer.encode(req.prompt), self.limits, "prompt")
+        elif req.prompt_token_ids:
+            ids = rq.check_token_ids(list(req.prompt_token_ids), self.limits, "prompt_token_ids")
+        else:
+            msgs = rq.check_messages([{"role": m.role, "content": m.content} for m in req.messages])
+            ids = self.tokenizer.apply_chat_template(msgs)
+        s = req.sampling
+        sampling = rq.make_sampling(
+            self.limits,
+            len(ids),
+            max_tokens=s.max_tokens or None,
+            temperature=s.temperature if s.HasField("temperature") else None,
+            top_p=s.top_p if s.HasField("top_p") else None,
+            top_k=s.top_k,
+            seed=s.seed if s.HasField("seed") else None,
+            stop=list(s.stop),
+            ignore_eos=s.ignore_eos,
+        )
+        mode = _MODES.get(req.mode)
+        if mode is None:
+            raise InvalidArgument(f"mode: unknown value {req.mode}")
+        return rq.GenRequest(rid, ids, sampling, mode)
+
+    # --- OpenAI -----------------------------------------------------------------------------
+
+    def from_openai(self, body: Any, *, chat: bool) -> rq.GenRequest:
+        """Validates an OpenAI completions / chat completions body (unknown fields ignored)."""
+        if not isinstance(body, dict):
+            raise InvalidArgument("request body must be a JSON object")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise InvalidArgument("model is required (a string)")
+        rq.check_model(model, self.limits)
+        n = body.get("n", 1)
+        if n not in (1, None):
+            raise InvalidArgument("n: only n=1 is supported")
+        if chat:
+            msgs = body.get("messages")
+            if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
+                raise InvalidArgument("messages must be a list of {role, content} objects")
+            ids = self.tokenizer.apply_chat_template(rq.check_messages(msgs))
+        else:
+            ids = self._openai_prompt(body.get("prompt"))
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if max_tokens is None and not chat:
+            max_tokens = 16  # the OpenAI completions default
+        stop = body.get("stop") or []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list):
+            raise InvalidArgument("stop must be a string or a list of strings")
+        sampling = rq.make_sampling(
+            self.limits,
+            len(ids),
+            max_tokens=max_tokens,
+            temperature=body.get("temperature"),
+            top_p=body.get("top_p"),
+            top_k=body.get("top_k") if body.get("top_k", -1) != -1 else None,
+            seed=body.get("seed"),
+            stop=stop,
+            ignore_eos=bool(body.get("ignore_eos", False)),
+        )
+        rid = body.get("request_id", "")
+        if not isinstance(rid, str):
+            raise InvalidArgument("request_id must be a string")
+        return rq.GenRequest(rq.check_request_id(rid), ids, sampling, "")
+
+    def _openai_prompt(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidArgument("prompt must not be empty")
+            return rq.check_token_ids(self.tokenizer.encode(prompt), self.limits, "prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return rq.check_token_ids(prompt, self.limits, "prompt")
+        if isinstance(prompt, list) and len(prompt) > 1:
+            raise InvalidArgument("prompt: batches of several prompts are not supported")
+        raise InvalidArgument("prompt must be a non-empty string or a list of token ids")

@@ -1,0 +1,243 @@
+"""OpenAI-compatible HTTP API (aiohttp): /v1/completions, /v1/chat/completions (SSE streaming
+and not), /v1/models, /health, /metrics.
+
+Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` with 400 (bad
+input), 404 (unknown model), 429 (admission refused), 503 (no worker), 504 (deadline).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from pdserve import errors
+from pdserve.services.router.frontend import Frontend
+from pdserve.services.router.orchestrator import StreamChunk
+from pdserve.services.router.workers import DECODE
+from pdserve.telemetry import REGISTRY, request_id_var
+from pdserve.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+FINISH = {
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_EOS: "stop",
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_CANCELLED: "abort",
+}
+_STATUS = {
+    errors.InvalidArgument: (400, "invalid_request_error", "invalid_value"),
+    errors.NotFound: (404, "invalid_request_error", "model_not_found"),
+    errors.ResourceExhausted: (429, "rate_limit_error", "rate_limit_exceeded"),
+    errors.Unavailable: (503, "service_unavailable", "service_unavailable"),
+    errors.DeadlineExceeded: (504, "timeout", "timeout"),
+}
+_PARAM = re.compile(r"^([a-z_]+(?:\[\d+\])?(?:\.[a-z_]+)?)\b")
+_FIELDS = {
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "n",
+    "seed",
+    "stop",
+    "request_id",
+    "max_completion_tokens",
+}
+
+
+def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
+    """HTTP status and OpenAI error JSON for an exception."""
+    status, etype, code = 500, "internal_error", "internal_error"
+    for cls, info in _STATUS.items():
+        if isinstance(exc, cls):
+            status, etype, code = info
+            break
+    message = str(exc) or type(exc).__name__
+    m = _PARAM.match(message)
+    param = m.group(1) if m and m.group(1).split("[")[0].split(".")[0] in _FIELDS else None
+    return status, {"error": {"message": message, "type": etype, "param": param, "code": code}}
+
+
+def error_response(exc: BaseException) -> web.Response:
+    status, body = error_body(exc)
+    if status == 500:
+        log.error("internal error: %r", exc, exc_info=exc)
+    return web.json_response(body, status=status)
+
+
+def make_app(fe: Frontend) -> web.Application:
+    app = web.Application()
+    app.router.add_post("/v1/completions", lambda r: _generate(fe, r, chat=False))
+    app.router.add_post("/v1/chat/completions", lambda r: _generate(fe, r, chat=True))
+    app.router.add_get("/v1/models", lambda r: _models(fe))
+    app.router.add_get("/health", lambda r: _health(fe))
+    app.router.add_get("/metrics", _metrics)
+    return app
+
+
+async def _models(fe: Frontend) -> web.Response:
+    info = fe.model_info()
+    return web.json_response(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": info.name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "pdserve",
+                    "max_model_len": info.max_model_len,
+                }
+            ],
+        }
+    )
+
+
+async def _health(fe: Frontend) -> web.Response:
+    decode = len(fe.pool.candidates(DECODE))
+    body = {"status": "ok" if decode else "no decode worker", "decode_workers": decode}
+    return web.json_response(body, status=200 if decode else 503)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    resp = web.Response(body=generate_latest(REGISTRY))
+    resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
+    return resp
+
+
+async def _generate(fe: Frontend, request: web.Request, *, chat: bool) -> web.StreamResponse:
+    try:
+        body = json.loads(await request.read())
+    except ValueError as exc:
+        return error_response(errors.InvalidArgument(f"request body is not valid JSON: {exc}"))
+    try:
+        req = fe.from_openai(body, chat=chat)
+    except Exception as exc:
+        return error_response(exc)
+    request_id_var.set(req.request_id)
+    stream = bool(body.get("stream", False))
+    usage_in_stream = bool((body.get("stream_options") or {}).get("include_usage", False))
+    meta = {
+        "id": ("chatcmpl-" if chat else "cmpl-") + (req.request_id or uuid.uuid4().hex),
+        "created": int(time.time()),
+        "model": fe.limits.model,
+    }
+    gen = fe.orchestrator.generate(req)
+    async with contextlib.aclosing(gen):
+        try:
+            first = await anext(gen)  # admission and worker errors surface before any byte
+        except StopAsyncIteration:
+            first = StreamChunk([], "", [], common_pb2.FINISH_REASON_STOP)
+        except Exception as exc:
+            return error_response(exc)
+        if stream:
+            return await _sse(request, gen, first, meta, chat=chat, usage=usage_in_stream)
+        return await _whole(gen, first, meta, chat=chat)
+
+
+def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+async def _whole(gen, first: StreamChunk, meta: dict[str, Any], *, chat: bool) -> web.Response:
+    texts, count, finish, c = [], 0, None, first
+    prompt, cached = first.prompt_tokens, first.cached_tokens
+    try:
+        while True:
+            texts.append(c.text)
+            count += len(c.token_ids)
+            if c.finish:
+                finish = FINISH.get(c.finish, "stop")
+            try:
+                c = await anext(gen)
+            except StopAsyncIteration:
+                break
+    except Exception as exc:
+        return error_response(exc)
+    text = "".join(texts)
+    if chat:
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish,
+        }
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    return web.json_response(
+        {**meta, "object": obj, "choices": [choice], "usage": _usage(prompt, count, cached)}
+    )
+
+
+async def _sse(
+    request: web.Request,
+    gen,
+    first: StreamChunk,
+    meta: dict[str, Any],
+    *,
+    chat: bool,
+    usage: bool,
+) -> web.StreamResponse:
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await resp.prepare(request)
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    async def send(payload: dict[str, Any]) -> None:
+        await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+    def choice(text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+        if chat:
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+    prompt, cached, count = first.prompt_tokens, first.cached_tokens, 0
+    try:
+        if chat:
+            await send({**meta, "object": obj, "choices": [choice("", None, role=True)]})
+        c: StreamChunk | None = first
+        while c is not None:
+            count += len(c.token_ids)
+            finish = FINISH.get(c.finish) if c.finish else None
+            if c.text or finish:
+                await send({**meta, "object": obj, "choices": [choice(c.text, finish)]})
+            try:
+                c = await anext(gen)
+            except StopAsyncIteration:
+                c = None
+        if usage:
+            await send(
+                {**meta, "object": obj, "choices": [], "usage": _usage(prompt, count, cached)}
+            )
+    except (ConnectionResetError, ConnectionError):
+        return resp  # the client went away: closing ``gen`` cancels the worker calls
+    except Exception as exc:
+        await send(error_body(exc)[1])
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp

@@ -1,0 +1,465 @@
+"""Orchestrates one request across the workers (plain logic; the servicers call it).
+
+Plans, chosen per request:
+- read (default): Prefill on a prefill worker (retried once on another worker), then Decode
+  on a decode worker with the returned KV handle; decode pulls the chunks from the store.
+- write: Prefill (publishing each chunk as it is computed) and Decode start together. Decode
+  gets the keys of the first ``(n - 1) // chunk_size`` full chunks, no first token, and
+  ``chunk_wait_ms``: it loads each chunk as soon as it lands, computes the remaining prompt
+  tokens itself and samples the first token. Prompts shorter than that run locally.
+- local (colocated, conditional disaggregation): Decode without a KV handle; the decode worker
+  prefills (reusing cached prefix chunks). Used when the mode is colocated, when no prefill
+  worker is in rotation, when the uncached part of the prompt is below
+  ``local_prefill_threshold``, and as the fallback when every prefill attempt failed.
+
+Failures: worker errors other than the caller's own (invalid argument, deadline, cancel) count
+against the worker's circuit breaker; a decode that fails before its first token is retried
+once on another decode worker. Cancelling the consumer of :meth:`generate` (or its deadline)
+cancels the worker calls, which frees their slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import grpc
+from prometheus_client import Counter, Histogram
+
+from pdserve import errors
+from pdserve.engines.base import Sampling
+from pdserve.hashing import ModelFingerprint, chunk_keys
+from pdserve.services.router.admission import Admission
+from pdserve.services.router.policies import DecodeChoice, PrefillPolicy, RouteContext
+from pdserve.services.router.request import GenRequest
+from pdserve.services.router.workers import DECODE, PREFILL, Worker, WorkerPool
+from pdserve.telemetry import REGISTRY
+from pdserve.v1 import common_pb2, engine_pb2
+
+log = logging.getLogger(__name__)
+
+_MS_BUCKETS = (0.25, 0.5, 1, 2, 3, 5, 7.5, 10, 15, 25, 50, 100, 250, 500, 1000, 2500, 5000)
+_S_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+REQUESTS = Counter(
+    "pdserve_router_requests",
+    "Requests by plan and outcome",
+    ["plan", "outcome"],
+    registry=REGISTRY,
+)
+RETRIES = Counter(
+    "pdserve_router_retries",
+    "Worker calls retried on another worker",
+    ["role"],
+    registry=REGISTRY,
+)
+TTFT = Histogram(
+    "pdserve_router_ttft_seconds", "Time to first token", buckets=_S_BUCKETS, registry=REGISTRY
+)
+E2E = Histogram(
+    "pdserve_router_e2e_seconds", "Request latency", buckets=_S_BUCKETS, registry=REGISTRY
+)
+OVERHEAD = Histogram(
+    "pdserve_router_overhead_ms",
+    "Router time per request excluding worker time (read and local plans)",
+    buckets=_MS_BUCKETS,
+    registry=REGISTRY,
+)
+CACHED = Counter(
+    "pdserve_router_prompt_tokens", "Prompt tokens by source", ["source"], registry=REGISTRY
+)
+
+#: Worker status codes that are the caller's fault or choice: passed through, never retried.
+_CALLER_CODES = {
+    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: errors.NotFound,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
+    grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
+}
+
+PrefixLookup = Callable[[list[str]], Awaitable[int]]
+
+
+@dataclass
+class StreamChunk:
+    """Tokens for the client; ``finish`` is set on the last chunk only."""
+
+    token_ids: list[int]
+    text: str
+    times_ms: list[float]
+    finish: int = common_pb2.FINISH_REASON_UNSPECIFIED
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class Trace:
+    """What happened to one request (for tests, logs and the overhead figure)."""
+
+    plan: str = ""
+    prefill_worker: str = ""
+    decode_worker: str = ""
+    cached_tokens: int = 0
+    prefill_start: float = 0.0
+    prefill_end: float = 0.0
+    decode_start: float = 0.0
+    first_token: float = 0.0
+    prefill_worker_ms: float = 0.0
+    decode_worker_ms: float = 0.0
+    total_ms: float = 0.0
+    retries: list[str] = field(default_factory=list)
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        *,
+        model: str,
+        fingerprint: ModelFingerprint,
+        pool: WorkerPool,
+        policy: PrefillPolicy,
+        admission: Admission,
+        prefix_lookup: PrefixLookup | None = None,
+        decode_choice: DecodeChoice | None = None,
+        detokenize: Callable[[list[int]], str] = lambda ids: "",
+        default_mode: str = "read",
+        local_prefill_threshold: int = 0,
+        prefill_retries: int = 1,
+        chunk_wait_ms: int = 30000,
+        request_timeout_s: float = 600.0,
+    ) -> None:
+        self.model = model
+        self.fp = fingerprint
+        self.pool = pool
+        self.policy = policy
+        self.admission = admission
+        self.prefix_lookup = prefix_lookup
+        self.decode_choice = decode_choice or DecodeChoice()
+        self.detokenize = detokenize
+        self.default_mode = default_mode
+        self.local_prefill_threshold = local_prefill_threshold
+        self.prefill_retries = prefill_retries
+        self.chunk_wait_ms = chunk_wait_ms
+        self.request_timeout_s = request_timeout_s
+        #: Recent router overheads (ms), for the benchmark figure.
+        self.overheads_ms: deque[float] = deque(maxlen=10000)
+        self.traces: deque[Trace] = deque(maxlen=1000)
+
+    async def cached_tokens(self, tokens: list[int]) -> tuple[list[str], int]:
+        """Chain keys of the prompt's full chunks and how many prompt tokens the store holds."""
+        keys = chunk_keys(self.fp, tokens)
+        if not keys or self.prefix_lookup is None:
+            return keys, 0
+        try:
+            found = await self.prefix_lookup(keys)
+        except Exception as exc:  # the store is an optimisation: never fail a request on it
+            log.warning("longest-prefix lookup failed: %s", exc)
+            found = 0
+        return keys, min(found, len(keys)) * self.fp.chunk_size
+
+    async def generate(
+        self, req: GenRequest, *, timeout_s: float | None = None
+    ) -> AsyncIterator[StreamChunk]:
+        """Streams the request's tokens. Raises pdserve errors (mapped to status codes)."""
+        t0 = time.monotonic()
+        deadline = t0 + (timeout_s if timeout_s is not None else self.request_timeout_s)
+        tokens = req.prompt_token_ids
+        n = len(tokens)
+        keys, cached = await self.cached_tokens(tokens)
+        uncached = max(1, n - cached)
+        mode = req.mode or self.default_mode
+        n_prefill = len(self.pool.candidates(PREFILL))
+        trace = Trace(cached_tokens=cached)
+        plan = "local"
+        if mode == "write" and n_prefill and (n - 1) // self.fp.chunk_size > 0:
+            plan = "write"
+        elif mode in ("read", "write") and n_prefill:
+            below = self.local_prefill_threshold and uncached < self.local_prefill_threshold
+            plan = "local" if below else "read"
+        trace.plan = plan
+        outcome = "error"
+        async with self.admission.admit(uncached if plan != "local" else 0, n_prefill) as ticket:
+            try:
+                if plan == "read":
+                    stream = self._read(req, uncached, deadline, t0, trace)
+                elif plan == "write":
+                    stream = self._write(req, keys, uncached, deadline, t0, trace)
+                else:
+                    stream = self._local(req, deadline, t0, trace)
+                first = True
+                last_t = 0.0
+                async for chunk in stream:
+                    now_ms = (time.monotonic() - t0) * 1000.0
+                    chunk.times_ms = [now_ms] * len(chunk.token_ids)
+                    if first and chunk.token_ids:
+                        first = False
+                        trace.first_token = time.monotonic()
+                        ticket.first_token()
+                        TTFT.observe(now_ms / 1000.0)
+                        self.admission.observe_ttft(uncached, now_ms)
+                    elif chunk.token_ids and last_t:
+                        self.admission.observe_tpot((now_ms - last_t) / len(chunk.token_ids))
+                    if chunk.token_ids:
+                        last_t = now_ms
+                    yield chunk
+                outcome = "ok"
+            except (asyncio.CancelledError, GeneratorExit):
+                outcome = "cancelled"
+                raise
+            finally:
+                trace.total_ms = (time.monotonic() - t0) * 1000.0
+                REQUESTS.labels(plan, outcome).inc()
+                if outcome == "ok":
+                    E2E.observe(trace.total_ms / 1000.0)
+                    if plan in ("read", "local"):
+                        over = trace.total_ms - trace.prefill_worker_ms - trace.decode_worker_ms
+                        OVERHEAD.observe(over)
+                        self.overheads_ms.append(over)
+                self.traces.append(trace)
+
+    # --- plans ------------------------------------------------------------------------------
+
+    async def _read(
+        self, req: GenRequest, uncached: int, deadline: float, t0: float, trace: Trace
+    ) -> AsyncIterator[StreamChunk]:
+        resp = await self._prefill(req, uncached, deadline, trace, publish=False)
+        if resp is None:  # every prefill attempt failed: the decode worker prefills itself
+            trace.plan = "read->local"
+            async for c in self._local(req, deadline, t0, trace):
+                yield c
+            return
+        n = len(req.prompt_token_ids)
+        CACHED.labels("store").inc(resp.cached_tokens)
+        CACHED.labels("computed").inc(resp.computed_tokens)
+        head = {"prompt_tokens": n, "cached_tokens": resp.cached_tokens}
+        first = resp.first_token_id
+        s = req.sampling
+        if (resp.first_token_is_eos and not s.ignore_eos) or s.max_tokens == 1:
+            finish = (
+                common_pb2.FINISH_REASON_LENGTH
+                if s.max_tokens == 1 and not (resp.first_token_is_eos and not s.ignore_eos)
+                else common_pb2.FINISH_REASON_EOS
+            )
+            text = "" if finish == common_pb2.FINISH_REASON_EOS else self.detokenize([first])
+            yield StreamChunk([first], text, [], finish, **head)
+            return
+        dreq = engine_pb2.DecodeRequest(
+            request_id=req.request_id,
+            model=self.model,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling=sampling_proto(s),
+            kv=resp.kv,
+            first_token_id=first,
+        )
+        async for c in self._decode(dreq, deadline, trace, head):
+            yield c
+
+    async def _write(
+        self,
+        req: GenRequest,
+        keys: list[str],
+        uncached: int,
+        deadline: float,
+        t0: float,
+        trace: Trace,
+    ) -> AsyncIterator[StreamChunk]:
+        n = len(req.prompt_token_ids)
+        cs = self.fp.chunk_size
+        k = (n - 1) // cs
+        handle = common_pb2.KVHandle(
+            chunk_keys=keys[:k],
+            num_tokens=k * cs,
+            chunk_size=cs,
+            fingerprint=self.fp.digest(),
+        )
+        prefill = asyncio.ensure_future(self._prefill(req, uncached, deadline, trace, publish=True))
+        dreq = engine_pb2.DecodeRequest(
+            request_id=req.request_id,
+            model=self.model,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling=sampling_proto(req.sampling),
+            kv=handle,
+            chunk_wait_ms=self.chunk_wait_ms,
+        )
+        head = {"prompt_tokens": n, "cached_tokens": trace.cached_tokens}
+        decode = self._decode(dreq, deadline, trace, head, abort_on=prefill)
+        try:
+            async for c in decode:
+                yield c
+        except _PrefillFailed:
+            # No chunks are coming: do not let decode wait for them; it prefills itself.
+            trace.plan = "write->local"
+            async for c in self._local(req, deadline, t0, trace):
+                yield c
+        finally:
+            if not prefill.done():
+                prefill.cancel()
+            elif not prefill.cancelled():
+                prefill.exception()  # retrieved: its failure was handled above
+
+    async def _local(
+        self, req: GenRequest, deadline: float, t0: float, trace: Trace
+    ) -> AsyncIterator[StreamChunk]:
+        dreq = engine_pb2.DecodeRequest(
+            request_id=req.request_id,
+            model=self.model,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling=sampling_proto(req.sampling),
+        )
+        head = {"prompt_tokens": len(req.prompt_token_ids), "cached_tokens": -1}
+        async for c in self._decode(dreq, deadline, trace, head):
+            yield c
+
+    # --- worker calls -----------------------------------------------------------------------
+
+    async def _prefill(
+        self, req: GenRequest, uncached: int, deadline: float, trace: Trace, *, publish: bool
+    ) -> engine_pb2.PrefillResponse | None:
+        """Prefill with retries on other workers; None when every attempt failed."""
+        preq = engine_pb2.PrefillRequest(
+            request_id=req.request_id,
+            model=self.model,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling=sampling_proto(req.sampling),
+            publish_incrementally=publish,
+        )
+        ctx = RouteContext(len(req.prompt_token_ids), len(req.prompt_token_ids) - uncached)
+        tried: set[str] = set()
+        for attempt in range(1 + self.prefill_retries):
+            cands = self.pool.candidates(PREFILL, tried)
+            if not cands:
+                break
+            w = self.policy.choose(cands, ctx)
+            tried.add(w.id)
+            if attempt:
+                RETRIES.labels(PREFILL).inc()
+                trace.retries.append(f"prefill:{w.id}")
+            w.inflight += 1
+            w.inflight_tokens += uncached
+            trace.prefill_worker = w.id
+            trace.prefill_start = time.monotonic()
+            try:
+                resp = await w.prefill_stub().Prefill(preq, timeout=_remaining(deadline))
+            except grpc.aio.AioRpcError as exc:
+                self._worker_error(w, exc)
+                log.warning("prefill on %s failed: %s %s", w.id, exc.code(), exc.details())
+                continue
+            finally:
+                w.inflight -= 1
+                w.inflight_tokens -= uncached
+                trace.prefill_end = time.monotonic()
+            self.pool.record_success(w)
+            trace.prefill_worker_ms = resp.worker_ms
+            self.admission.observe_prefill(resp.computed_tokens, resp.worker_ms)
+            return resp
+        return None
+
+    async def _decode(
+        self,
+        dreq: engine_pb2.DecodeRequest,
+        deadline: float,
+        trace: Trace,
+        head: dict[str, int],
+        abort_on: asyncio.Future | None = None,
+    ) -> AsyncIterator[StreamChunk]:
+        tried: set[str] = set()
+        last: grpc.aio.AioRpcError | None = None
+        for attempt in range(2):
+            cands = self.pool.candidates(DECODE, tried)
+            if not cands:
+                if attempt:
+                    break
+                raise errors.Unavailable("no decode worker is in rotation")
+            w = self.decode_choice.choose(cands)
+            tried.add(w.id)
+            if attempt:
+                RETRIES.labels(DECODE).inc()
+                trace.retries.append(f"decode:{w.id}")
+            trace.decode_worker = w.id
+            trace.decode_start = time.monotonic()
+            call = w.decode_stub().Decode(dreq, timeout=_remaining(deadline))
+            prefill_failed = False
+
+            def on_prefill(fut: asyncio.Future, call=call) -> None:
+                nonlocal prefill_failed
+                if fut.cancelled() or fut.exception() is not None or fut.result() is None:
+                    prefill_failed = True
+                    call.cancel()
+
+            if abort_on is not None:
+                abort_on.add_done_callback(on_prefill)
+            w.inflight += 1
+            started = False
+            try:
+                async for resp in call:
+                    if not started:
+                        started = True
+                        if head.get("cached_tokens", 0) < 0:
+                            head["cached_tokens"] = resp.loaded_tokens
+                            CACHED.labels("store").inc(resp.loaded_tokens)
+                            CACHED.labels("computed").inc(resp.recomputed_tokens)
+                    if resp.token_times_ms:
+                        trace.decode_worker_ms = resp.token_times_ms[-1]
+                    chunk = StreamChunk(list(resp.token_ids), resp.text, [], resp.finish_reason)
+                    if head:
+                        chunk.prompt_tokens = head["prompt_tokens"]
+                        chunk.cached_tokens = max(0, head["cached_tokens"])
+                        head = {}
+                    yield chunk
+                self.pool.record_success(w)
+                return
+            except grpc.aio.AioRpcError as exc:
+                if prefill_failed and exc.code() == grpc.StatusCode.CANCELLED:
+                    raise _PrefillFailed() from exc
+                self._worker_error(w, exc)
+                log.warning("decode on %s failed: %s %s", w.id, exc.code(), exc.details())
+                if started:
+                    raise errors.Unavailable(
+                        f"decode worker {w.id} failed mid-stream: {exc.code().name}"
+                    ) from exc
+                last = exc
+            finally:
+                w.inflight -= 1
+                if abort_on is not None:
+                    abort_on.remove_done_callback(on_prefill)
+                if not call.done():
+                    call.cancel()
+        why = f"{last.code().name} {last.details()}" if last is not None else "no worker"
+        raise errors.Unavailable(f"decode failed on {len(tried)} worker(s): {why}")
+
+    def _worker_error(self, w: Worker, exc: grpc.aio.AioRpcError) -> None:
+        """Caller errors pass through; anything else counts against the worker."""
+        cls = _CALLER_CODES.get(exc.code())
+        if cls is not None:
+            raise cls(exc.details() or exc.code().name) from exc
+        self.pool.record_failure(w)
+
+
+class _PrefillFailed(Exception):
+    """Write mode: the parallel prefill failed everywhere, so no chunk will land."""
+
+
+def _remaining(deadline: float | None) -> float | None:
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise errors.DeadlineExceeded("request deadline passed")
+    return left
+
+
+def sampling_proto(s: Sampling) -> common_pb2.SamplingParams:
+    p = common_pb2.SamplingParams(
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        stop=list(s.stop),
+        ignore_eos=s.ignore_eos,
+    )
+    if s.seed is not None:
+        p.seed = s.seed
+    return p

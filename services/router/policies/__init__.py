@@ -1,0 +1,30 @@
+"""Prefill routing policies (one file each) and the decode choice."""
+
+from __future__ import annotations
+
+from pdserve.services.router.policies.base import PrefillPolicy, RouteContext
+from pdserve.services.router.policies.cache_aware import CacheAware
+from pdserve.services.router.policies.decode_choice import DecodeChoice
+from pdserve.services.router.policies.least_load import LeastLoad
+from pdserve.services.router.policies.round_robin import RoundRobin
+
+__all__ = [
+    "CacheAware",
+    "DecodeChoice",
+    "LeastLoad",
+    "PrefillPolicy",
+    "RoundRobin",
+    "RouteContext",
+    "make_policy",
+]
+
+
+def make_policy(name: str, **kwargs: float) -> PrefillPolicy:
+    """The policy called ``name`` in RouterConfig.policy."""
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "least_load":
+        return LeastLoad()
+    if name == "cache_aware":
+        return CacheAware(**kwargs)
+    raise ValueError(f"unknown policy {name!r}")

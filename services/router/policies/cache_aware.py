@@ -1,0 +1,38 @@
+"""Cache-aware routing: the least expected cost, where
+
+    cost(worker) = cache_weight * uncached prompt tokens + load_weight * queued prefill tokens
+
+The cached length comes from the pooled store's longest-prefix answer (shared by every
+worker), so the uncached term is what this request will cost to prefill; the queued term is
+the prefill work already waiting on the worker: the router's own in-flight uncached tokens, or
+the worker's reported queue times ``request_tokens`` when that is larger (other routers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pdserve.services.router.policies.base import PrefillPolicy, RouteContext
+from pdserve.services.router.workers import Worker
+
+
+class CacheAware(PrefillPolicy):
+    name = "cache_aware"
+
+    def __init__(
+        self, cache_weight: float = 1.0, load_weight: float = 1.0, request_tokens: float = 256.0
+    ) -> None:
+        self.cache_weight = cache_weight
+        self.load_weight = load_weight
+        self.request_tokens = request_tokens
+
+    def queued_tokens(self, w: Worker) -> float:
+        reported = (w.running + w.queue_length) * self.request_tokens
+        return max(float(w.inflight_tokens), reported)
+
+    def cost(self, w: Worker, ctx: RouteContext) -> float:
+        return self.cache_weight * ctx.uncached_tokens + self.load_weight * self.queued_tokens(w)
+
+    def choose(self, workers: Sequence[Worker], ctx: RouteContext) -> Worker:
+        # Ties (e.g. an idle cluster) go to the worker with fewer requests, then by id.
+        return min(workers, key=lambda w: (self.cost(w, ctx), w.load, w.id))

@@ -1,0 +1,141 @@
+"""Router process: gRPC RouterService and the OpenAI HTTP API (with /metrics) in one loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from pdserve import grpcutil, lifecycle
+from pdserve.engines.fingerprint import model_fingerprint
+from pdserve.services.router.admission import Admission
+from pdserve.services.router.config import RouterConfig
+from pdserve.services.router.frontend import Frontend
+from pdserve.services.router.openai_http import make_app
+from pdserve.services.router.orchestrator import Orchestrator
+from pdserve.services.router.policies import make_policy
+from pdserve.services.router.request import Limits
+from pdserve.services.router.servicer import RouterServicer
+from pdserve.services.router.workers import DECODE, PREFILL, WorkerPool
+from pdserve.v1 import router_pb2, router_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def model_folder(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.is_dir():
+        return path
+    from pdserve.model.prepare import resolve_model
+
+    return resolve_model(name_or_path)
+
+
+def build(cfg: RouterConfig, tokenizer=None) -> Frontend:
+    """Everything but the servers and background loops (tests drive it in-process)."""
+    folder = model_folder(cfg.model)
+    if tokenizer is None:
+        from pdserve.services.router.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer(folder)
+    max_len = cfg.max_model_len or getattr(tokenizer, "max_model_len", 0)
+    limits = Limits(
+        model=cfg.name,
+        vocab_size=tokenizer.vocab_size,
+        max_model_len=max_len,
+        max_tokens_limit=cfg.max_tokens_limit,
+        default_max_tokens=cfg.default_max_tokens,
+    )
+    pool = WorkerPool(
+        model=cfg.name,
+        breaker_failures=cfg.breaker_failures,
+        breaker_cooldown_s=cfg.breaker_cooldown_s,
+    )
+    pool.add_static(PREFILL, cfg.prefill)
+    pool.add_static(DECODE, cfg.decode)
+    lookup = None
+    if cfg.store_master:
+        from pdserve.store.client import AsyncStoreClient
+
+        store = AsyncStoreClient(cfg.store_master, client_id="router")
+        lookup = store.longest_prefix
+    orch = Orchestrator(
+        model=cfg.name,
+        fingerprint=model_fingerprint(folder, cfg.name, cfg.kv_dtype, cfg.chunk_size),
+        pool=pool,
+        policy=make_policy(
+            cfg.policy,
+            cache_weight=cfg.cache_weight,
+            load_weight=cfg.load_weight,
+            request_tokens=cfg.request_tokens,
+        ),
+        admission=Admission(
+            cfg.max_inflight,
+            cfg.max_queue,
+            slo_ttft_ms=cfg.slo_ttft_ms,
+            slo_tpot_ms=cfg.slo_tpot_ms,
+        ),
+        prefix_lookup=lookup,
+        detokenize=tokenizer.decode,
+        default_mode=cfg.mode,
+        local_prefill_threshold=cfg.local_prefill_threshold,
+        prefill_retries=cfg.prefill_retries,
+        chunk_wait_ms=cfg.chunk_wait_ms,
+        request_timeout_s=cfg.request_timeout_s,
+    )
+    return Frontend(tokenizer=tokenizer, limits=limits, orchestrator=orch, pool=pool)
+
+
+@dataclass
+class Running:
+    frontend: Frontend
+    grpc_port: int
+    http_port: int
+
+
+async def serve(
+    cfg: RouterConfig, stop: asyncio.Event, *, frontend: Frontend | None = None, started=None
+) -> None:
+    """Serves until ``stop`` is set, then drains. ``started(Running)`` is called once up."""
+    fe = frontend or build(cfg)
+    server = await grpcutil.start_server(
+        [
+            (
+                router_pb2_grpc.add_RouterServiceServicer_to_server,
+                RouterServicer(fe),
+                router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name,
+            )
+        ],
+        f"{cfg.host}:{cfg.port}",
+    )
+    runner, http_port = None, 0
+    if cfg.http_port >= 0:
+        runner = web.AppRunner(make_app(fe), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, cfg.host, cfg.http_port)
+        await site.start()
+        http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    tasks = [asyncio.ensure_future(fe.pool.probe_loop(stop))]
+    if cfg.meta:
+        tasks.append(asyncio.ensure_future(fe.pool.watch_meta(cfg.meta, stop)))
+    if started is not None:
+        started(Running(fe, server.port, http_port))
+    lifecycle.announce_ready(
+        "router", grpc=f"{cfg.host}:{server.port}", http=f"http://{cfg.host}:{http_port}"
+    )
+    try:
+        await stop.wait()
+    finally:
+        server.set_serving(False)
+        await server.stop(5.0)
+        if runner is not None:
+            await runner.cleanup()
+        for t in tasks:
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        await fe.pool.close()

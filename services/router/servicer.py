@@ -1,0 +1,66 @@
+"""RouterService: validate, call the orchestrator, map errors (thin)."""
+
+from __future__ import annotations
+
+import grpc
+
+from pdserve.grpcutil import rpc
+from pdserve.services.router.frontend import Frontend
+from pdserve.services.router.request import check_model
+from pdserve.telemetry import request_id_var
+from pdserve.v1 import router_pb2, router_pb2_grpc
+
+
+class RouterServicer(router_pb2_grpc.RouterServiceServicer):
+    def __init__(self, frontend: Frontend) -> None:
+        self.fe = frontend
+
+    @rpc
+    async def Generate(self, request, context: grpc.aio.ServicerContext):
+        req = self.fe.from_proto(request)
+        request_id_var.set(req.request_id)
+        ids: list[int] = []
+        parts: list[str] = []
+        out = router_pb2.GenerateResponse(request_id=req.request_id)
+        async for c in self.fe.orchestrator.generate(req, timeout_s=context.time_remaining()):
+            if c.prompt_tokens:
+                out.prompt_tokens = c.prompt_tokens
+                out.cached_tokens = c.cached_tokens
+            if c.token_ids and not ids:
+                out.ttft_ms = c.times_ms[0]
+            ids.extend(c.token_ids)
+            parts.append(c.text)
+            if c.finish:
+                out.finish_reason = c.finish
+            if c.times_ms:
+                out.total_ms = c.times_ms[-1]
+        out.token_ids.extend(ids)
+        out.text = "".join(parts)
+        return out
+
+    @rpc
+    async def GenerateStream(self, request, context: grpc.aio.ServicerContext):
+        req = self.fe.from_proto(request)
+        request_id_var.set(req.request_id)
+        async for c in self.fe.orchestrator.generate(req, timeout_s=context.time_remaining()):
+            yield router_pb2.GenerateStreamResponse(
+                request_id=req.request_id,
+                token_ids=c.token_ids,
+                text=c.text,
+                token_times_ms=c.times_ms,
+                finish_reason=c.finish,
+                prompt_tokens=c.prompt_tokens,
+                cached_tokens=c.cached_tokens,
+            )
+
+    @rpc
+    async def ListModels(self, request, context: grpc.aio.ServicerContext):
+        return router_pb2.ListModelsResponse(models=[self.fe.model_info()])
+
+    @rpc
+    async def Tokenize(self, request, context: grpc.aio.ServicerContext):
+        check_model(request.model, self.fe.limits)
+        ids = self.fe.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+        return router_pb2.TokenizeResponse(
+            token_ids=ids, tokens=self.fe.tokenizer.token_strings(ids)
+        )

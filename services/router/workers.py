@@ -1,0 +1,207 @@
+"""The router's view of the workers: who is there (static lists or meta discovery), their live
+load (meta heartbeats plus the router's own in-flight counts), channels, and a circuit breaker
+that takes a repeatedly failing worker out of rotation until a health probe says it is back."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from prometheus_client import Counter, Gauge
+
+from pdserve import grpcutil
+from pdserve.telemetry import REGISTRY
+from pdserve.v1 import common_pb2, engine_pb2_grpc, meta_pb2, meta_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+PREFILL = "prefill"
+DECODE = "decode"
+_ROLES = {common_pb2.ROLE_PREFILL: PREFILL, common_pb2.ROLE_DECODE: DECODE}
+
+BREAKER_TRIPS = Counter(
+    "pdserve_router_breaker_trips", "Workers taken out of rotation", ["role"], registry=REGISTRY
+)
+WORKERS = Gauge("pdserve_router_workers", "Workers in rotation", ["role"], registry=REGISTRY)
+
+
+@dataclass
+class Worker:
+    """One prefill or decode worker as the router sees it."""
+
+    id: str
+    address: str
+    role: str
+    max_running: int = 0
+    #: Last load reported to meta (may lag by a heartbeat).
+    queue_length: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+    #: The router's own requests on this worker now, and their uncached prefill tokens.
+    inflight: int = 0
+    inflight_tokens: int = 0
+    #: Circuit breaker: consecutive failures; broken while ``open_until`` > 0.
+    failures: int = 0
+    open_until: float = 0.0
+    _channel: grpc.aio.Channel | None = field(default=None, repr=False)
+
+    @property
+    def load(self) -> int:
+        """Requests queued or running: the fresher of meta's report and our own count."""
+        return max(self.running + self.queue_length, self.inflight)
+
+    @property
+    def broken(self) -> bool:
+        return self.open_until > 0
+
+    def channel(self) -> grpc.aio.Channel:
+        if self._channel is None:
+            self._channel = grpcutil.channel(self.address)
+        return self._channel
+
+    def prefill_stub(self) -> engine_pb2_grpc.PrefillServiceStub:
+        return engine_pb2_grpc.PrefillServiceStub(self.channel())
+
+    def decode_stub(self) -> engine_pb2_grpc.DecodeServiceStub:
+        return engine_pb2_grpc.DecodeServiceStub(self.channel())
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+
+class WorkerPool:
+    """Workers by role. Plain state plus two optional background loops (meta watch, probes)."""
+
+    def __init__(
+        self, *, model: str = "", breaker_failures: int = 3, breaker_cooldown_s: float = 5.0
+    ) -> None:
+        self.model = model
+        self.breaker_failures = breaker_failures
+        self.breaker_cooldown_s = breaker_cooldown_s
+        self.workers: dict[str, dict[str, Worker]] = {PREFILL: {}, DECODE: {}}
+
+    # --- membership -------------------------------------------------------------------------
+
+    def add_static(self, role: str, addresses: list[str]) -> None:
+        for addr in addresses:
+            self.workers[role][f"{role}@{addr}"] = Worker(f"{role}@{addr}", addr, role)
+        self._update_gauges()
+
+    def apply(self, event_type: int, inst: meta_pb2.Instance) -> None:
+        """Applies one meta InstanceEvent (JOINED / UPDATED / LEFT)."""
+        role = _ROLES.get(inst.role)
+        if role is None or (self.model and inst.model and inst.model != self.model):
+            return
+        table = self.workers[role]
+        if event_type == meta_pb2.INSTANCE_EVENT_LEFT:
+            gone = table.pop(inst.instance_id, None)
+            if gone is not None:
+                asyncio.get_event_loop().create_task(gone.close())
+        else:
+            w = table.get(inst.instance_id)
+            if w is None or w.address != inst.address:
+                w = Worker(inst.instance_id, inst.address, role)
+                table[inst.instance_id] = w
+            w.max_running = inst.max_running
+            w.queue_length = inst.load.queue_length
+            w.running = inst.load.running_requests
+            w.kv_usage = inst.load.kv_usage
+        self._update_gauges()
+
+    def candidates(self, role: str, exclude: set[str] | None = None) -> list[Worker]:
+        """Workers of ``role`` in rotation (breaker closed), minus ``exclude`` ids."""
+        return [
+            w for w in self.workers[role].values() if not w.broken and w.id not in (exclude or ())
+        ]
+
+    def count(self, role: str) -> int:
+        return len(self.workers[role])
+
+    # --- circuit breaker --------------------------------------------------------------------
+
+    def record_success(self, w: Worker) -> None:
+        w.failures = 0
+
+    def record_failure(self, w: Worker) -> None:
+        w.failures += 1
+        if w.failures >= self.breaker_failures and not w.broken:
+            w.open_until = time.monotonic() + self.breaker_cooldown_s
+            BREAKER_TRIPS.labels(w.role).inc()
+            log.warning(
+                "worker %s (%s) out of rotation after %d failures", w.id, w.address, w.failures
+            )
+            self._update_gauges()
+
+    async def probe_once(self) -> None:
+        """Health-checks broken workers whose cooldown passed; SERVING puts them back."""
+        now = time.monotonic()
+        for table in self.workers.values():
+            for w in list(table.values()):
+                if w.broken and w.open_until <= now:
+                    if await grpcutil.check_health(w.address, timeout=1.0):
+                        w.failures = 0
+                        w.open_until = 0.0
+                        log.info("worker %s (%s) back in rotation", w.id, w.address)
+                    else:
+                        w.open_until = time.monotonic() + self.breaker_cooldown_s
+        self._update_gauges()
+
+    async def probe_loop(self, stop: asyncio.Event, period_s: float = 0.5) -> None:
+        while not stop.is_set():
+            await self.probe_once()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), period_s)
+
+    # --- discovery --------------------------------------------------------------------------
+
+    async def watch_meta(self, meta_address: str, stop: asyncio.Event) -> None:
+        """Keeps membership and load current from meta's WatchInstances (reconnecting)."""
+        while not stop.is_set():
+            try:
+                async with grpcutil.channel(meta_address) as ch:
+                    stub = meta_pb2_grpc.MetaServiceStub(ch)
+                    call = stub.WatchInstances(
+                        meta_pb2.WatchInstancesRequest(include_existing=True)
+                    )
+                    async for ev in _until(call, stop):
+                        self.apply(ev.type, ev.instance)
+            except grpc.aio.AioRpcError as exc:
+                log.warning("meta watch at %s failed: %s; retrying", meta_address, exc.code())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)
+
+    async def close(self) -> None:
+        for table in self.workers.values():
+            for w in table.values():
+                await w.close()
+
+    def _update_gauges(self) -> None:
+        for role, table in self.workers.items():
+            WORKERS.labels(role).set(sum(1 for w in table.values() if not w.broken))
+
+
+async def _until(call, stop: asyncio.Event):
+    """Yields from a streaming call until it ends or ``stop`` is set (then cancels it)."""
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        it = call.__aiter__()
+        while True:
+            nxt = asyncio.ensure_future(it.__anext__())
+            done, _ = await asyncio.wait({nxt, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            if nxt not in done:
+                nxt.cancel()
+                call.cancel()
+                return
+            if nxt.exception() is not None:
+                if isinstance(nxt.exception(), StopAsyncIteration):
+                    return
+                raise nxt.exception()
+            yield nxt.result()
+    finally:
+        stopper.cancel()
