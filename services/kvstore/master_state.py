@@ -25,10 +25,11 @@ Rules it enforces:
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from pdserve import errors
@@ -185,6 +186,8 @@ class MasterState:
         self.dormant: dict[str, StoredObject] = {}
         self._dormant_by_segment: dict[str, set[str]] = {}
         self._dormant_until = 0.0
+        # (monotonic TTL deadline, key) of committed objects with a TTL.
+        self._ttl_heap: list[tuple[float, str]] = []
         self.used_bytes = 0  # bytes of committed objects (object size, not per replica)
         if store is not None:
             self._load(store)
@@ -380,7 +383,8 @@ class MasterState:
         if obj is None:
             mono, wall = self.clock.mono(), self.clock.wall_ms()
             ttl_deadline = mono + (ttl_deadline_ms - wall) / 1000 if ttl_deadline_ms else 0.0
-            obj = ObjectState(key, size, [rep], soft_pin=soft_pin, ttl_deadline=ttl_deadline)
+            obj = ObjectState(key, size, [rep], soft_pin=soft_pin)
+            self._set_ttl(obj, ttl_deadline)
             self.objects[key] = obj
             self.objects.move_to_end(key, last=False)  # restored objects are the coldest
             self.used_bytes += size
@@ -535,12 +539,19 @@ class MasterState:
     def _place(
         self, strategy: PlacementStrategy, size: int, n_rep: int, now: float
     ) -> list[ReplicaLoc] | None:
-        for _ in range(self.cfg.max_evictions_per_alloc + 1):
+        locs = self._try_place(strategy, size, n_rep)
+        if locs is not None:
+            return locs
+        # On-demand eviction: one LRU pass, retrying after each victim.
+        victims = self._eviction_candidates(now)
+        for _ in range(self.cfg.max_evictions_per_alloc):
+            victim = next(victims, None)
+            if victim is None:
+                return None
+            self._evict(victim)
             locs = self._try_place(strategy, size, n_rep)
             if locs is not None:
                 return locs
-            if not self._evict_one(now, "evict"):
-                return None
         return None
 
     def _try_place(
@@ -581,7 +592,7 @@ class MasterState:
                 )
                 continue
             obj.put_deadline = 0.0
-            obj.ttl_deadline = now + obj.ttl_ms / 1000 if obj.ttl_ms else 0.0
+            self._set_ttl(obj, now + obj.ttl_ms / 1000 if obj.ttl_ms else 0.0)
             self.objects[key] = obj
             self.used_bytes += obj.size
             self.counters.puts += 1
@@ -739,27 +750,28 @@ class MasterState:
         self._mark_deleted(obj.key)
         self.on_event(pb.KV_EVENT_REMOVED, obj.key, obj.size, reason)
 
-    def _evict_one(self, now: float, reason: str, segment_id: str | None = None) -> bool:
-        """Evicts the least recently used evictable object (on ``segment_id`` when given);
-        soft-pinned objects only when no other candidate exists."""
-        pinned_candidate: ObjectState | None = None
-        for obj in self.objects.values():
+    def _eviction_candidates(
+        self, now: float, segment_id: str | None = None
+    ) -> Iterator[ObjectState]:
+        """Evictable objects (on ``segment_id`` when given) in eviction order: least recently
+        used first, soft-pinned ones only after every other candidate; never a leased object
+        (pending puts are not in ``objects`` at all). One pass over a snapshot; objects removed
+        meanwhile are skipped."""
+        pinned: list[ObjectState] = []
+        for obj in list(self.objects.values()):
             if segment_id is not None and not _on(obj, segment_id):
                 continue
-            if obj.leased(now):
-                continue
             if obj.soft_pin:
-                if pinned_candidate is None:
-                    pinned_candidate = obj
-                continue
-            self._delete(obj, reason)
-            self.counters.evictions += 1
-            return True
-        if pinned_candidate is not None:
-            self._delete(pinned_candidate, reason)
-            self.counters.evictions += 1
-            return True
-        return False
+                pinned.append(obj)
+            elif self.objects.get(obj.key) is obj and not obj.leased(now):
+                yield obj
+        for obj in pinned:
+            if self.objects.get(obj.key) is obj and not obj.leased(now):
+                yield obj
+
+    def _evict(self, obj: ObjectState) -> None:
+        self._delete(obj, "evict")
+        self.counters.evictions += 1
 
     def _evict_to_watermarks(self, now: float) -> int:
         cfg = self.cfg
@@ -767,14 +779,17 @@ class MasterState:
         for seg in list(self.segments.values()):
             if not seg.alive or seg.capacity == 0 or seg.used <= cfg.high_watermark * seg.capacity:
                 continue
-            while seg.used > cfg.low_watermark * seg.capacity and self._evict_one(
-                now, "evict", seg.segment_id
-            ):
+            for obj in self._eviction_candidates(now, seg.segment_id):
+                if seg.used <= cfg.low_watermark * seg.capacity:
+                    break
+                self._evict(obj)
                 evicted += 1
         cap = sum(s.capacity for s in self.segments.values() if s.alive)
-        used = sum(s.used for s in self.segments.values() if s.alive)
-        if cap and used > cfg.high_watermark * cap:
-            while self._pool_used() > cfg.low_watermark * cap and self._evict_one(now, "evict"):
+        if cap and self._pool_used() > cfg.high_watermark * cap:
+            for obj in self._eviction_candidates(now):
+                if self._pool_used() <= cfg.low_watermark * cap:
+                    break
+                self._evict(obj)
                 evicted += 1
         return evicted
 
@@ -790,12 +805,7 @@ class MasterState:
         for node in list(self.nodes.values()):
             if now - node.last_heartbeat > dead_after:
                 self._node_dead(node)
-        expired = [o for o in self.objects.values() if o.ttl_deadline and o.ttl_deadline <= now]
-        for obj in expired:
-            # TTL objects stop being visible at their deadline; the space waits for leases.
-            if not obj.leased(now):
-                self._delete(obj, "ttl")
-                self.counters.ttl_expired += 1
+        self._expire_ttls(now)
         for key in [k for k, o in self.pending.items() if o.put_deadline <= now]:
             obj = self.pending.pop(key)
             self._free(obj)
@@ -814,6 +824,29 @@ class MasterState:
             self._dormant_by_segment.clear()
         self._evict_to_watermarks(now)
         self.flush()
+
+    def _expire_ttls(self, now: float) -> None:
+        """Deletes objects whose TTL ended (they are invisible from the deadline on; a leased
+        one keeps its space until the lease ends)."""
+        still_leased = []
+        heap = self._ttl_heap
+        while heap and heap[0][0] <= now:
+            deadline, key = heapq.heappop(heap)
+            obj = self.objects.get(key)
+            if obj is None or obj.ttl_deadline != deadline:
+                continue  # removed, or a newer object under the same key
+            if obj.leased(now):
+                still_leased.append((deadline, key))
+                continue
+            self._delete(obj, "ttl")
+            self.counters.ttl_expired += 1
+        for item in still_leased:
+            heapq.heappush(heap, item)
+
+    def _set_ttl(self, obj: ObjectState, deadline: float) -> None:
+        obj.ttl_deadline = deadline
+        if deadline:
+            heapq.heappush(self._ttl_heap, (deadline, obj.key))
 
     def _node_dead(self, node: NodeState) -> None:
         removed = 0
