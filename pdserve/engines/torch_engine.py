@@ -210,6 +210,7 @@ class TorchEngine(Engine):
     ) -> PrefillOutcome:
         self._require_started()
         tokens = list(prompt_token_ids)
+        sampling.validate(self.cfg.max_tokens_limit)
         self.check_prompt(tokens, sampling)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._queue.put(_PrefillJob(request_id, tokens, sampling, publish_incrementally, fut))
@@ -228,6 +229,7 @@ class TorchEngine(Engine):
         """Emits every output token, the prefill's ``first_token_id`` included (first)."""
         self._require_started()
         tokens = list(prompt_token_ids)
+        sampling.validate(self.cfg.max_tokens_limit)
         self.check_prompt(tokens, sampling)
         if first_token_id is not None and not 0 <= first_token_id < self.vocab_size:
             raise InvalidArgument(
@@ -557,7 +559,7 @@ class TorchEngine(Engine):
 
     def _fetch(self, keys: list[str], wait_ms: int) -> list[torch.Tensor | None]:
         """Gets every key's chunk; a missing one is retried for up to ``wait_ms`` (write mode,
-        the chunk may still be landing). Stops at the first miss."""
+        the chunk may still be landing). Stops after the first miss (a None)."""
         if not self._store_ok():
             return []
         out: list[torch.Tensor | None] = []
@@ -568,9 +570,9 @@ class TorchEngine(Engine):
                 while t is None and time.monotonic() < deadline:
                     time.sleep(_CHUNK_POLL_S)
                     t = self.store.get_chunk(key, self._fp)
+                out.append(t)
                 if t is None:
                     break
-                out.append(t)
         except (PdserveError, TimeoutError, OSError) as exc:
             self._store_failed("load", exc)
         return out

@@ -53,10 +53,14 @@ class MemoryStore:
             n += 1
         return n
 
-    def put_chunk(self, key: str, kv: torch.Tensor, fingerprint: bytes, options: object = None) -> bool:
+    def put_chunk(
+        self, key: str, kv: torch.Tensor, fingerprint: bytes, options: object = None
+    ) -> bool:
         return self.put(key, kvformat.encode(kv, fingerprint), options)
 
-    def batch_get_chunks(self, keys: Sequence[str], fingerprint: bytes) -> list[torch.Tensor | None]:
+    def batch_get_chunks(
+        self, keys: Sequence[str], fingerprint: bytes
+    ) -> list[torch.Tensor | None]:
         self._check()
         out: list[torch.Tensor | None] = []
         for k in keys:

@@ -1,0 +1,271 @@
+"""The torch reference engine on the tiny model with an in-memory store (chunk_size 16)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+
+from pdserve.engines.base import Finish, KVRef, Sampling
+from pdserve.engines.config import EngineConfig
+from pdserve.engines.torch_engine import TorchEngine
+from pdserve.errors import InvalidArgument
+from pdserve.telemetry import REGISTRY
+
+CS = 16
+GREEDY = Sampling(max_tokens=12, temperature=0.0)
+#: shorter than a chunk, exact multiples, and in between
+LENGTHS = [1, 5, 15, 16, 17, 31, 32, 33, 48, 50]
+
+
+def prompt(n: int, salt: int = 0) -> list[int]:
+    return [(7 * i + 3 + salt) % 500 + 5 for i in range(n)]
+
+
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir) -> Iterator[TorchEngine]:
+    eng = TorchEngine(EngineConfig(model=str(tiny_model_dir), chunk_size=CS, max_model_len=256))
+    asyncio.run(eng.start())
+    yield eng
+    asyncio.run(eng.close())
+
+
+@pytest.fixture
+def eng(engine: TorchEngine, memory_store) -> TorchEngine:
+    engine.store = memory_store
+    engine._store_down_until = 0.0
+    return engine
+
+
+async def collect(agen) -> tuple[list[int], str, list]:
+    events = [ev async for ev in agen]
+    return [t for ev in events for t in ev.token_ids], "".join(ev.text for ev in events), events
+
+
+def split_run(eng: TorchEngine, toks: list[int], sampling: Sampling = GREEDY, rid: str = "r"):
+    async def go():
+        out = await eng.prefill(rid, toks, sampling)
+        ids, text, events = await collect(
+            eng.generate(rid, toks, sampling, kv=out.kv, first_token_id=out.first_token_id)
+        )
+        return out, ids, text, events
+
+    return asyncio.run(go())
+
+
+def local_run(eng: TorchEngine, toks: list[int], sampling: Sampling = GREEDY):
+    return asyncio.run(collect(eng.generate("local", toks, sampling)))
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+def test_prefill_store_decode_is_token_exact(eng, memory_store, hf_greedy, n: int) -> None:
+    toks = prompt(n)
+    expected = hf_greedy(toks, GREEDY.max_tokens)
+    out, ids, _text, events = split_run(eng, toks)
+    assert ids == expected
+    assert out.first_token_id == expected[0]
+    assert (out.cached_tokens, out.computed_tokens) == (0, n)
+    assert len(out.kv.chunk_keys) == n // CS
+    assert bool(out.kv.tail_key) == bool(n % CS)
+    assert (events[0].loaded_tokens, events[0].recomputed_tokens) == (n, 0)
+    assert set(memory_store.objects) == {*out.kv.chunk_keys, *([out.kv.tail_key] * bool(n % CS))}
+    # and local prefill on the decode side gives the same tokens
+    assert local_run(eng, toks)[0] == expected
+
+
+def test_reuse_loads_exactly_the_shared_chunks(eng, memory_store, hf_greedy) -> None:
+    first = prompt(3 * CS + 5)
+    second = first[: 2 * CS] + prompt(CS + 7, salt=11)
+    out1, _, _, _ = split_run(eng, first, rid="a")
+    memory_store.reads.clear()
+    memory_store.writes.clear()
+    out2, ids, _, events = split_run(eng, second, rid="b")
+    assert out2.kv.chunk_keys[:2] == out1.kv.chunk_keys[:2]
+    assert out2.kv.chunk_keys[2] != out1.kv.chunk_keys[2]
+    assert (out2.cached_tokens, out2.computed_tokens) == (2 * CS, len(second) - 2 * CS)
+    prefill_reads = memory_store.reads[:2]
+    assert prefill_reads == list(out1.kv.chunk_keys[:2])
+    # prefill wrote only the new chunk and the tail; decode read everything once
+    assert memory_store.writes == [out2.kv.chunk_keys[2], out2.kv.tail_key]
+    assert memory_store.reads[2:] == [*out2.kv.chunk_keys, out2.kv.tail_key]
+    assert events[0].loaded_tokens == len(second)
+    assert ids == hf_greedy(second, GREEDY.max_tokens)
+
+
+def test_fully_cached_multiple_of_chunk_computes_only_last_token(eng, hf_greedy) -> None:
+    toks = prompt(2 * CS)
+    split_run(eng, toks, rid="x")
+    out, ids, _, _ = split_run(eng, toks, rid="y")
+    assert (out.cached_tokens, out.computed_tokens) == (2 * CS - 1, 1)
+    assert ids == hf_greedy(toks, GREEDY.max_tokens)
+
+
+def test_corrupt_chunk_is_recomputed_token_exact(eng, memory_store, hf_greedy) -> None:
+    toks = prompt(3 * CS + 4)
+    expected = hf_greedy(toks, GREEDY.max_tokens)
+
+    async def go():
+        out = await eng.prefill("c", toks, GREEDY)
+        memory_store.corrupt(out.kv.chunk_keys[1])
+        return await collect(
+            eng.generate("c", toks, GREEDY, kv=out.kv, first_token_id=out.first_token_id)
+        )
+
+    before = metric("pdserve_kv_chunk_misses_total", kind="chunk")
+    ids, _, events = asyncio.run(go())
+    assert ids == expected
+    assert memory_store.corrupt_reads == 1
+    assert (events[0].loaded_tokens, events[0].recomputed_tokens) == (CS, len(toks) - CS)
+    assert metric("pdserve_kv_chunk_misses_total", kind="chunk") == before + 1
+
+
+def test_missing_tail_and_foreign_handle_are_recomputed(eng, memory_store, hf_greedy) -> None:
+    toks = prompt(2 * CS + 9)
+    other = prompt(2 * CS + 9, salt=3)
+    expected = hf_greedy(toks, GREEDY.max_tokens)
+
+    async def go():
+        out = await eng.prefill("t", toks, GREEDY)
+        del memory_store.objects[out.kv.tail_key]
+        missing_tail = await collect(
+            eng.generate("t", toks, GREEDY, kv=out.kv, first_token_id=out.first_token_id)
+        )
+        foreign = await eng.prefill("o", other, GREEDY)
+        mismatched = await collect(
+            eng.generate("t", toks, GREEDY, kv=foreign.kv, first_token_id=out.first_token_id)
+        )
+        return missing_tail, mismatched
+
+    (ids1, _, ev1), (ids2, _, ev2) = asyncio.run(go())
+    assert ids1 == expected and ids2 == expected
+    assert (ev1[0].loaded_tokens, ev1[0].recomputed_tokens) == (2 * CS, 9)
+    assert (ev2[0].loaded_tokens, ev2[0].recomputed_tokens) == (0, len(toks))
+
+
+def test_store_unavailable_recomputes_and_counts(eng, memory_store, hf_greedy) -> None:
+    toks = prompt(2 * CS + 3)
+    memory_store.down = True
+    before = metric("pdserve_kv_store_errors_total", op="load")
+    out, ids, _, events = split_run(eng, toks)
+    assert ids == hf_greedy(toks, GREEDY.max_tokens)
+    assert (out.cached_tokens, out.computed_tokens) == (0, len(toks))
+    assert events[0].recomputed_tokens == len(toks)
+    assert metric("pdserve_kv_store_errors_total", op="load") > before
+
+
+@pytest.mark.parametrize(
+    ("toks", "sampling", "field"),
+    [
+        ([], GREEDY, "prompt"),
+        ([1, 2, 512], GREEDY, "vocabulary"),
+        (prompt(250), Sampling(max_tokens=10), "context"),
+        ([1, 2], Sampling(max_tokens=0), "max_tokens"),
+        ([1, 2], Sampling(top_p=0.0), "top_p"),
+    ],
+)
+def test_bad_input_is_invalid_argument(eng, toks, sampling, field) -> None:
+    with pytest.raises(InvalidArgument, match=field):
+        asyncio.run(eng.prefill("bad", toks, sampling))
+
+    async def gen():
+        return [ev async for ev in eng.generate("bad", toks, sampling)]
+
+    with pytest.raises(InvalidArgument, match=field):
+        asyncio.run(gen())
+
+
+def test_seeded_sampling_is_reproducible_across_split(eng) -> None:
+    toks = prompt(CS + 6)
+    s = Sampling(max_tokens=10, temperature=1.5, top_p=0.9, top_k=50, seed=1234)
+    _, split_ids, _, _ = split_run(eng, toks, s)
+    local_ids = local_run(eng, toks, s)[0]
+    assert split_ids == local_ids
+    other = local_run(eng, toks, Sampling(max_tokens=10, temperature=1.5, seed=99))[0]
+    assert other != local_ids  # the seed matters (hot temperature on random weights)
+    # top_k=1 sampling is greedy whatever the temperature
+    assert (
+        local_run(eng, toks, Sampling(max_tokens=10, temperature=2.0, top_k=1, seed=5))[0]
+        == local_run(eng, toks, Sampling(max_tokens=10, temperature=0.0))[0]
+    )
+
+
+def test_max_tokens_stop_strings_and_eos(eng) -> None:
+    toks = prompt(20)
+    ids, text, events = local_run(
+        eng, toks, Sampling(max_tokens=7, temperature=0.0, ignore_eos=True)
+    )
+    assert len(ids) == 7 and events[-1].finish == Finish.LENGTH
+    assert all(ev.finish is None for ev in events[:-1])
+    assert text == eng.decode_text(ids)
+    times = [t for ev in events for t in ev.times_ms]
+    assert len(times) == 7 and times == sorted(times)
+    # a stop string taken from the middle of the greedy text ends generation before it
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    cut = text.index(stop)
+    ids2, text2, events2 = local_run(
+        eng, toks, Sampling(max_tokens=7, temperature=0.0, ignore_eos=True, stop=(stop,))
+    )
+    assert text2 == text[:cut] and events2[-1].finish == Finish.STOP
+    assert ids2 == ids[: len(ids2)]
+
+    # EOS as the first token (forced through a prefill handle) ends at once
+    async def eos_first():
+        out = await eng.prefill("e", toks, GREEDY)
+        return await collect(
+            eng.generate("e", toks, GREEDY, kv=out.kv, first_token_id=eng.eos_token_id)
+        )
+
+    ids3, text3, events3 = asyncio.run(eos_first())
+    assert ids3 == [eng.eos_token_id] and events3[-1].finish == Finish.EOS and text3 == ""
+
+
+def test_cancel_frees_the_slot(eng) -> None:
+    toks = prompt(10)
+
+    async def go():
+        agen = eng.generate(
+            "long", toks, Sampling(max_tokens=200, temperature=0.0, ignore_eos=True)
+        )
+        got = [await agen.__anext__(), await agen.__anext__()]
+        await agen.aclose()
+        for _ in range(200):
+            if eng.load().running_requests == 0:
+                break
+            await asyncio.sleep(0.01)
+        return got, eng.load()
+
+    got, load = asyncio.run(go())
+    assert len(got) == 2 and load.running_requests == 0 and load.queue_length == 0
+
+
+def test_concurrent_generations_interleave_and_stay_exact(eng, hf_greedy) -> None:
+    prompts = [prompt(n, salt=n) for n in (4, 20, 37)]
+
+    async def go():
+        return await asyncio.gather(
+            *(collect(eng.generate(f"c{i}", p, GREEDY)) for i, p in enumerate(prompts))
+        )
+
+    results = asyncio.run(go())
+    for p, (ids, _, _) in zip(prompts, results, strict=True):
+        assert ids == hf_greedy(p, GREEDY.max_tokens)
+
+
+def test_kvref_for_other_chunk_size_is_ignored(eng, hf_greedy) -> None:
+    toks = prompt(CS + 3)
+    out, _, _, _ = split_run(eng, toks)
+    bogus = KVRef(out.kv.chunk_keys, out.kv.tail_key, out.kv.num_tokens, 32, out.kv.fingerprint)
+
+    async def go():
+        return await collect(
+            eng.generate("k", toks, GREEDY, kv=bogus, first_token_id=out.first_token_id)
+        )
+
+    ids, _, events = asyncio.run(go())
+    assert ids == hf_greedy(toks, GREEDY.max_tokens)
+    assert events[0].loaded_tokens == 0

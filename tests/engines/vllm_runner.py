@@ -1,0 +1,77 @@
+"""Runs one VllmEngine in this process over a list of jobs (a test helper, one engine per
+process): ``python tests/engines/vllm_runner.py JOBS.json RESULTS.json``.
+
+JOBS.json: ``{"config": {EngineConfig fields}, "jobs": [{"mode": "single"|"prefill"|"decode",
+"id": str, "prompt": [int], "max_tokens": int, "kv": {KVRef fields}, "first": int}]}``.
+RESULTS.json: one object per job with the tokens and the KV counters the engine reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import torch
+
+
+async def run(spec: dict) -> list[dict]:
+    from pdserve.engines.base import KVRef, Sampling
+    from pdserve.engines.config import EngineConfig
+    from pdserve.engines.vllm_engine import VllmEngine
+
+    engine = VllmEngine(EngineConfig(engine="vllm", **spec["config"]))
+    await engine.start()
+    results = []
+    try:
+        for job in spec["jobs"]:
+            sampling = Sampling(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True)
+            out: dict = {"id": job["id"], "mode": job["mode"]}
+            if job["mode"] == "prefill":
+                res = await engine.prefill(job["id"], job["prompt"], sampling)
+                kv = res.kv
+                out.update(
+                    first=res.first_token_id,
+                    cached=res.cached_tokens,
+                    computed=res.computed_tokens,
+                    kv={
+                        "chunk_keys": list(kv.chunk_keys),
+                        "tail_key": kv.tail_key,
+                        "num_tokens": kv.num_tokens,
+                        "chunk_size": kv.chunk_size,
+                        "fingerprint": kv.fingerprint.hex(),
+                    },
+                )
+            else:
+                kv = None
+                if job["mode"] == "decode":
+                    d = dict(job["kv"])
+                    d["chunk_keys"] = tuple(d["chunk_keys"])
+                    d["fingerprint"] = bytes.fromhex(d["fingerprint"])
+                    kv = KVRef(**d)
+                tokens: list[int] = []
+                loaded = recomputed = 0
+                async for ev in engine.generate(
+                    job["id"], job["prompt"], sampling, kv=kv, first_token_id=job.get("first")
+                ):
+                    tokens.extend(ev.token_ids)
+                    if ev.finish is not None:
+                        loaded, recomputed = ev.loaded_tokens, ev.recomputed_tokens
+                out.update(tokens=tokens, loaded=loaded, recomputed=recomputed)
+            results.append(out)
+    finally:
+        await engine.close()
+    return results
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    results = asyncio.run(run(spec))
+    with open(sys.argv[2], "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()
