@@ -20,13 +20,21 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
 from prometheus_client import Counter
 
-from pdserve import errors, grpcutil, kvformat
+from pdserve import errors, grpcutil
+from pdserve.store.api import (
+    CORRUPT_CHUNKS,
+    DEFAULT_OPTIONS,
+    StoreBackend,
+    StoreOptions,
+    byte_view,
+    check_keys,
+    decode_chunk,
+)
 from pdserve.store.segment import host_id as local_host_id
 from pdserve.store.transports import PREFERENCE
 from pdserve.store.transports.base import Transport, TransportError
@@ -38,11 +46,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CORRUPT_CHUNKS = Counter(
-    "pdserve_store_corrupt_chunks_total",
-    "KV chunks read from a replica that failed verification (checksum, header or fingerprint)",
-    registry=REGISTRY,
-)
 READ_FAILOVERS = Counter(
     "pdserve_store_read_failovers_total",
     "replica reads that failed and moved on to the next replica",
@@ -62,24 +65,6 @@ TRANSPORT_NAMES = {
 }
 
 
-@dataclass(frozen=True)
-class StoreOptions:
-    """Per-put options."""
-
-    replicas: int = 1
-    soft_pin: bool = False
-    ttl_ms: int = 0
-
-    def proto(self) -> kvstore_pb2.PutOptions:
-        if self.replicas < 1:
-            raise errors.InvalidArgument(f"replicas must be >= 1, got {self.replicas}")
-        if self.ttl_ms < 0:
-            raise errors.InvalidArgument(f"ttl_ms must be >= 0, got {self.ttl_ms}")
-        return kvstore_pb2.PutOptions(
-            replicas=self.replicas, soft_pin=self.soft_pin, ttl_ms=self.ttl_ms
-        )
-
-
 _STATUS_ERRORS: dict[grpc.StatusCode, type[errors.PdserveError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
     grpc.StatusCode.NOT_FOUND: errors.NotFound,
@@ -89,30 +74,7 @@ _STATUS_ERRORS: dict[grpc.StatusCode, type[errors.PdserveError]] = {
 }
 
 
-def _check_keys(keys: Sequence[str]) -> list[str]:
-    if isinstance(keys, str):
-        raise errors.InvalidArgument("keys must be a sequence of strings, not one string")
-    out = list(keys)
-    for k in out:
-        if not isinstance(k, str) or not k:
-            raise errors.InvalidArgument(f"every key must be a non-empty string, got {k!r}")
-    return out
-
-
-def _as_bytes_view(data: Any) -> memoryview:
-    try:
-        mv = memoryview(data)
-    except TypeError as exc:
-        raise errors.InvalidArgument(f"data must be bytes-like, got {type(data).__name__}") from exc
-    if not mv.c_contiguous:
-        raise errors.InvalidArgument("data must be a contiguous buffer")
-    mv = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
-    if len(mv) == 0:
-        raise errors.InvalidArgument("data must not be empty (objects have size > 0)")
-    return mv
-
-
-class StoreClient:
+class StoreClient(StoreBackend):
     """Synchronous, thread-safe client of a pdserve KV store."""
 
     def __init__(
@@ -198,7 +160,7 @@ class StoreClient:
     # -- puts -------------------------------------------------------------------------------
 
     def put(
-        self, key: str, data: bytes | memoryview, options: StoreOptions = StoreOptions()
+        self, key: str, data: bytes | memoryview, options: StoreOptions = DEFAULT_OPTIONS
     ) -> bool:
         """Stores ``data`` under ``key``. True = written now, False = the key already existed
         (or another writer is putting it). Raises InvalidArgument / ResourceExhausted /
@@ -208,15 +170,18 @@ class StoreClient:
     def batch_put(
         self,
         items: Sequence[tuple[str, bytes | memoryview]],
-        options: StoreOptions = StoreOptions(),
+        options: StoreOptions = DEFAULT_OPTIONS,
     ) -> list[bool]:
         """Puts several objects with one master round trip per phase. Items that succeed are
         committed even when another item fails; the first hard failure is then raised."""
-        keys = _check_keys([k for k, _ in items])
+        keys = check_keys([k for k, _ in items])
         if len(set(keys)) != len(keys):
             raise errors.InvalidArgument("batch_put keys must be distinct")
-        views = {k: _as_bytes_view(d) for k, d in items}
-        opts = options.proto()
+        views = {k: byte_view(d) for k, d in items}
+        options.validate()
+        opts = kvstore_pb2.PutOptions(
+            replicas=options.replicas, soft_pin=options.soft_pin, ttl_ms=options.ttl_ms
+        )
         result: dict[str, bool] = {}
         pending = list(keys)
         failure: errors.PdserveError | None = None
@@ -342,7 +307,7 @@ class StoreClient:
         return self.batch_get([key])[0]
 
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         results = self._replica_lists(keys)
         out: list[bytes | None] = []
         found = []
@@ -360,11 +325,8 @@ class StoreClient:
         """Copies the object into ``buf`` (zero-copy where the transport allows it); returns
         the number of bytes written, or None on a miss. Raises InvalidArgument when ``buf`` is
         read-only or smaller than the object."""
-        key = _check_keys([key])[0]
-        mv = memoryview(buf)
-        if mv.readonly:
-            raise errors.InvalidArgument("get_into needs a writable buffer")
-        mv = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+        key = check_keys([key])[0]
+        mv = byte_view(buf, writable=True, allow_empty=True)
         (res,) = self._replica_lists([key])
         try:
             if res.code == kvstore_pb2.KV_OK and res.replicas and res.replicas[0].size > len(mv):
@@ -379,7 +341,7 @@ class StoreClient:
                 self._release([key])
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         resp = self._call(
             "BatchExists", kvstore_pb2.BatchKeysRequest(client_id=self.client_id, keys=keys)
         )
@@ -387,14 +349,14 @@ class StoreClient:
 
     def longest_prefix(self, keys: Sequence[str]) -> int:
         """How many leading ``keys`` are committed in the store."""
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         if not keys:
             return 0
         return self._call("LongestPrefix", kvstore_pb2.LongestPrefixRequest(keys=keys)).length
 
     def remove(self, keys: Sequence[str]) -> int:
         """Removes objects; returns how many were removed (leased or absent ones are not)."""
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         if not keys:
             return 0
         resp = self._call(
@@ -407,35 +369,22 @@ class StoreClient:
 
     # -- KV chunks --------------------------------------------------------------------------
 
-    def put_chunk(
-        self, key: str, kv: torch.Tensor, fingerprint: bytes, options: StoreOptions = StoreOptions()
-    ) -> bool:
-        try:
-            data = kvformat.encode(kv, fingerprint)
-        except kvformat.ChunkFormatError as exc:
-            raise errors.InvalidArgument(str(exc)) from exc
-        return self.put(key, data, options)
-
-    def get_chunk(self, key: str, fingerprint: bytes) -> torch.Tensor | None:
-        return self.batch_get_chunks([key], fingerprint)[0]
-
     def batch_get_chunks(
         self, keys: Sequence[str], fingerprint: bytes
     ) -> list[torch.Tensor | None]:
         """Chunks verified against their checksum and ``fingerprint``; a corrupt replica is
         skipped for the next one, and a chunk with no good replica is a miss."""
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         results = self._replica_lists(keys)
         out: list[torch.Tensor | None] = []
         found = []
         decoded: dict[int, torch.Tensor] = {}
 
         def verify(view: memoryview) -> bool:
-            try:
-                decoded[0] = kvformat.decode(view, fingerprint)[1]
-            except kvformat.ChunkFormatError:
-                return False
-            return True
+            tensor = decode_chunk(view, fingerprint)
+            if tensor is not None:
+                decoded[0] = tensor
+            return tensor is not None
 
         try:
             for res in results:

@@ -49,9 +49,10 @@ def parse_size(text: str | int) -> int:
     return value
 
 
-def shm_name(node_id: str, segment_id: str) -> str:
-    """Stable shared-memory file name for a node's segment (no slashes, filesystem-safe)."""
-    return _UNSAFE.sub("_", f"pdserve-kv-{node_id}-{segment_id}")
+def shm_name(segment_id: str) -> str:
+    """Stable shared-memory file name of a segment (its id already carries the node id, see
+    :mod:`pdserve.services.kvstore.node`); filesystem-safe, no slashes."""
+    return _UNSAFE.sub("_", f"pdserve-kv-{segment_id}")
 
 
 def host_id() -> str:

@@ -13,10 +13,10 @@ import asyncio
 import logging
 
 import grpc
-from pdserve.services.kvstore.node_config import NodeConfig
 
 from pdserve import grpcutil
 from pdserve.lifecycle import announce_ready
+from pdserve.services.kvstore.node_config import NodeConfig
 from pdserve.store.segment import SegmentMemory, host_id, shm_name
 from pdserve.store.transports.base import TransportServer
 from pdserve.telemetry import serve_metrics
@@ -54,9 +54,7 @@ class KVNode:
     def start(self) -> None:
         for i, size in enumerate(self.cfg.segment_bytes()):
             seg_id = f"{self.cfg.node_id}-seg{i}"
-            self.segments.append(
-                SegmentMemory.create(seg_id, shm_name(self.cfg.node_id, seg_id), size)
-            )
+            self.segments.append(SegmentMemory.create(seg_id, shm_name(seg_id), size))
         for name in self.cfg.transports:
             server = _make_server(name, self.cfg)
             server.start(self.segments)

@@ -24,10 +24,9 @@ def add_parser(kv_subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from pdserve import lifecycle, telemetry
     from pdserve.services.kvstore.node import serve
     from pdserve.services.kvstore.node_config import NodeConfig
-
-    from pdserve import lifecycle, telemetry
 
     cfg = config.from_args(NodeConfig, "kvstore_node", args)
     telemetry.setup_logging("kvstore-node", cfg.log_level)

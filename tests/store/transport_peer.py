@@ -24,7 +24,7 @@ from pdserve.v1 import kvstore_pb2
 def main() -> None:
     names, size = sys.argv[1].split(","), int(sys.argv[2])
     node_id = f"peer-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    seg = SegmentMemory.create(f"{node_id}-seg0", shm_name(node_id, "seg0"), size)
+    seg = SegmentMemory.create(f"{node_id}-seg0", shm_name(f"{node_id}-seg0"), size)
     servers = []
     for name in names:
         if name == "shm":

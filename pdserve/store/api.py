@@ -1,0 +1,163 @@
+"""What every store backend offers (pdserve's own store, or a Mooncake Store cluster), and the
+KV-chunk helpers they share.
+
+Backends implement the raw-object methods; ``put_chunk`` / ``get_chunk`` /
+``batch_get_chunks`` encode and verify :mod:`pdserve.kvformat` chunks on top of them. A chunk
+that fails verification is a miss and counts in ``pdserve_store_corrupt_chunks_total``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import Counter
+
+from pdserve import errors, kvformat
+from pdserve.telemetry import REGISTRY
+
+if TYPE_CHECKING:
+    import torch
+
+CORRUPT_CHUNKS = Counter(
+    "pdserve_store_corrupt_chunks_total",
+    "KV chunks that failed verification (checksum, header or fingerprint) on every replica",
+    registry=REGISTRY,
+)
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """Per-put options."""
+
+    replicas: int = 1
+    soft_pin: bool = False
+    ttl_ms: int = 0
+
+    def validate(self) -> None:
+        if self.replicas < 1:
+            raise errors.InvalidArgument(f"replicas must be >= 1, got {self.replicas}")
+        if self.ttl_ms < 0:
+            raise errors.InvalidArgument(f"ttl_ms must be >= 0, got {self.ttl_ms}")
+
+
+#: The default per-put options (one replica, no pin, no TTL).
+DEFAULT_OPTIONS = StoreOptions()
+
+
+def check_keys(keys: Sequence[str]) -> list[str]:
+    """The keys as a list; InvalidArgument unless each is a non-empty string."""
+    if isinstance(keys, str):
+        raise errors.InvalidArgument("keys must be a sequence of strings, not one string")
+    out = list(keys)
+    for k in out:
+        if not isinstance(k, str) or not k:
+            raise errors.InvalidArgument(f"every key must be a non-empty string, got {k!r}")
+    return out
+
+
+def byte_view(data: Any, *, writable: bool = False, allow_empty: bool = False) -> memoryview:
+    """A flat unsigned-byte view of ``data``; InvalidArgument when it is not a contiguous
+    (writable, when asked) buffer, or empty unless ``allow_empty``."""
+    try:
+        mv = memoryview(data)
+    except TypeError as exc:
+        raise errors.InvalidArgument(
+            f"expected a bytes-like buffer, got {type(data).__name__}"
+        ) from exc
+    if not mv.c_contiguous:
+        raise errors.InvalidArgument("the buffer must be contiguous")
+    if writable and mv.readonly:
+        raise errors.InvalidArgument("the buffer must be writable")
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    if not allow_empty and len(mv) == 0:
+        raise errors.InvalidArgument("data must not be empty (objects have size > 0)")
+    return mv
+
+
+class StoreBackend(ABC):
+    """The store client API (see /work/briefs/store_api.md). Thread-safe. Read failures are
+    misses (None), never exceptions; invalid input raises InvalidArgument, an unreachable
+    master Unavailable, no space ResourceExhausted."""
+
+    @abstractmethod
+    def put(
+        self, key: str, data: bytes | memoryview, options: StoreOptions = DEFAULT_OPTIONS
+    ) -> bool:
+        """True = written now, False = the key already existed (idempotent no-op)."""
+
+    @abstractmethod
+    def batch_put(
+        self,
+        items: Sequence[tuple[str, bytes | memoryview]],
+        options: StoreOptions = DEFAULT_OPTIONS,
+    ) -> list[bool]: ...
+
+    @abstractmethod
+    def get(self, key: str) -> bytes | None: ...
+
+    @abstractmethod
+    def get_into(self, key: str, buf: memoryview) -> int | None:
+        """Bytes written into ``buf``, or None on a miss."""
+
+    @abstractmethod
+    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]: ...
+
+    @abstractmethod
+    def exists(self, keys: Sequence[str]) -> list[bool]: ...
+
+    @abstractmethod
+    def longest_prefix(self, keys: Sequence[str]) -> int:
+        """How many leading ``keys`` exist."""
+
+    @abstractmethod
+    def remove(self, keys: Sequence[str]) -> int:
+        """Removed count (absent or leased objects are not removed)."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def put_chunk(
+        self,
+        key: str,
+        kv: torch.Tensor,
+        fingerprint: bytes,
+        options: StoreOptions = DEFAULT_OPTIONS,
+    ) -> bool:
+        try:
+            data = kvformat.encode(kv, fingerprint)
+        except kvformat.ChunkFormatError as exc:
+            raise errors.InvalidArgument(str(exc)) from exc
+        return self.put(key, data, options)
+
+    def get_chunk(self, key: str, fingerprint: bytes) -> torch.Tensor | None:
+        return self.batch_get_chunks([key], fingerprint)[0]
+
+    def batch_get_chunks(
+        self, keys: Sequence[str], fingerprint: bytes
+    ) -> list[torch.Tensor | None]:
+        """Verified chunks; a corrupt or foreign chunk is a miss (counted)."""
+        out: list[torch.Tensor | None] = []
+        for data in self.batch_get(keys):
+            tensor = decode_chunk(data, fingerprint) if data is not None else None
+            if data is not None and tensor is None:
+                CORRUPT_CHUNKS.inc()
+            out.append(tensor)
+        return out
+
+    def __enter__(self) -> StoreBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def decode_chunk(data: bytes | bytearray | memoryview, fingerprint: bytes) -> torch.Tensor | None:
+    """The verified tensor of a chunk, or None when it is corrupt or foreign."""
+    try:
+        return kvformat.decode(data, fingerprint)[1]
+    except kvformat.ChunkFormatError:
+        return None
