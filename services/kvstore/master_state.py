@@ -430,13 +430,32 @@ class MasterState:
     def heartbeat(self, node_id: str, segment_ids: Sequence[str]) -> bool:
         """Records a heartbeat; returns True when the node must remount (the master does not
         know it or some of its segments, e.g. after a master restart or after it was declared
-        dead)."""
+        dead).
+
+        ``segment_ids`` is the node's full set: a segment the master holds for this node that
+        is not listed is gone (e.g. the node process restarted with new segment ids) and is
+        dropped with its replicas (event reason ``node_dead``)."""
         self._check_id("node_id", node_id)
         node = self.nodes.get(node_id)
         if node is None:
             return True
         node.last_heartbeat = self.clock.mono()
-        for sid in segment_ids:
+        listed = set(segment_ids)
+        stale = node.segment_ids - listed
+        if stale and listed:
+            for sid in sorted(stale):
+                seg = self.segments.pop(sid, None)
+                node.segment_ids.discard(sid)
+                if seg is not None and seg.alive:
+                    n = self._drop_segment(seg, "node_dead")
+                    log.warning(
+                        "node %s no longer reports segment %s: dropped (%d objects lost)",
+                        node_id,
+                        sid,
+                        n,
+                    )
+            self.flush()
+        for sid in listed:
             seg = self.segments.get(sid)
             if seg is None or not seg.alive or seg.node_id != node_id:
                 return True

@@ -331,3 +331,15 @@ def test_held_objects_on_remount(make_state) -> None:
     # Re-reporting the same objects on an idempotent remount changes nothing.
     assert mount(s, "s1", "n1", held=[("a", 0, KB)]) == 1
     assert s.stats().objects == 2
+
+
+def test_heartbeat_drops_segments_the_node_no_longer_reports(make_state, events) -> None:
+    s = make_state()
+    mount(s, "n1-seg0-boot1", "n1")
+    assert put(s, "a") == pb.KV_OK
+    # The node process restarted: new segment ids, the old bytes are gone.
+    mount(s, "n1-seg0-boot2", "n1")
+    assert s.heartbeat("n1", ["n1-seg0-boot2"]) is False
+    assert s.exists(["a"]) == [False]
+    assert (pb.KV_EVENT_REMOVED, "a", KB, "node_dead") in events.events
+    assert [seg.segment_id for seg in s.stats().segments] == ["n1-seg0-boot2"]
