@@ -6,9 +6,8 @@ import argparse
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from pdserve.services.meta.server import MetaConfig
-
     from pdserve import config
+    from pdserve.services.meta.server import MetaConfig
 
     parser = sub.add_parser(
         "meta",
@@ -26,9 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pdserve.services.meta.server import MetaConfig, serve
-
     from pdserve import config, lifecycle, telemetry
+    from pdserve.services.meta.server import MetaConfig, serve
 
     cfg = config.from_args(MetaConfig, "meta", args)
     telemetry.setup_logging("meta", cfg.log_level)

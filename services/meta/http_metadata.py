@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 
 from aiohttp import web
-from pdserve.services.meta.backends.base import Backend
 
 from pdserve.errors import PdserveError
+from pdserve.services.meta.backends.base import Backend
 
 PATH = "/metadata"
 #: Largest accepted PUT body (bytes); Mooncake segment descriptors are a few KiB.

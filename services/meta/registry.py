@@ -17,9 +17,8 @@ import re
 from collections import Counter
 from collections.abc import AsyncIterator
 
-from pdserve.services.meta.backends.base import Backend
-
 from pdserve.errors import InvalidArgument, ResourceExhausted, Unavailable
+from pdserve.services.meta.backends.base import Backend
 from pdserve.v1 import common_pb2, meta_pb2
 
 log = logging.getLogger(__name__)

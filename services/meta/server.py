@@ -7,11 +7,10 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from pdserve.services.meta.backends.base import Backend
-from pdserve.services.meta.registry import ROLE_NAMES, TTL_MAX_MS, TTL_MIN_MS, Registry
-
 from pdserve import lifecycle, telemetry
 from pdserve.config import ConfigError, help_field
+from pdserve.services.meta.backends.base import Backend
+from pdserve.services.meta.registry import ROLE_NAMES, TTL_MAX_MS, TTL_MIN_MS, Registry
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +95,9 @@ class _MetaCollector:
 
 
 async def serve(cfg: MetaConfig, stop: asyncio.Event) -> None:
+    from pdserve import grpcutil
     from pdserve.services.meta import http_metadata
     from pdserve.services.meta.servicer import MetaServicer
-
-    from pdserve import grpcutil
     from pdserve.v1 import meta_pb2, meta_pb2_grpc
 
     backend = make_backend(cfg)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import grpc
-from pdserve.services.meta.registry import Registry
 
 from pdserve.grpcutil import rpc
+from pdserve.services.meta.registry import Registry
 from pdserve.v1 import meta_pb2, meta_pb2_grpc
 
 

@@ -23,9 +23,9 @@ from typing import TypeVar
 import grpc
 from etcd3aio import Etcd3Client, EtcdError, prefix_range_end
 from google.protobuf import json_format
-from pdserve.services.meta.backends.base import Backend
 
 from pdserve.errors import NotFound, Unavailable
+from pdserve.services.meta.backends.base import Backend
 from pdserve.v1 import common_pb2, meta_pb2
 
 INSTANCES = "/pdserve/instances/"

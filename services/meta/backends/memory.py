@@ -10,9 +10,8 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from pdserve.services.meta.backends.base import Backend
-
 from pdserve.errors import NotFound
+from pdserve.services.meta.backends.base import Backend
 from pdserve.v1 import common_pb2, meta_pb2
 
 JOINED = meta_pb2.INSTANCE_EVENT_JOINED
