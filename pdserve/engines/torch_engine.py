@@ -362,25 +362,30 @@ class TorchEngine(Engine):
                 job.cache = None
 
     def _start_generation(self, job: _GenJob) -> None:
+        """Builds the prompt KV (from the handle, else by local prefill) and emits the first
+        token: the prefill's ``first_token`` when given, else one sampled here."""
         tokens = job.tokens
+        n = len(tokens)
         job.stream = TextStream(self.decode_text, job.sampling.stop)
-        if job.kv is not None and job.first_token is not None:
+        if job.kv is not None:
             job.cache, loaded = self._cache_from_handle(job)
-            if loaded < len(tokens):
-                self._forward(tokens[loaded:], job.cache)
-            recomputed = len(tokens) - loaded
+            if job.first_token is None:
+                # write mode: the handle covers a prefix; the last token is computed for logits
+                loaded = min(loaded, n - 1)
+                job.cache = self._truncated(job.cache, loaded)
+            logits = self._forward(tokens[loaded:], job.cache) if loaded < n else None
+            recomputed = n - loaded
             if recomputed:
                 metrics.KV_COMPUTED_TOKENS.labels("kv_miss").inc(recomputed)
-            first = job.first_token
         else:
             job.cache, logits, loaded, recomputed = self._compute_prompt(
                 job.request_id, tokens, write_tail=False, publish=False, phase="decode"
             )
-            first = (
-                job.first_token
-                if job.first_token is not None
-                else sample_token(logits, job.sampling, job.seed, 0)
-            )
+        if job.first_token is not None:
+            first = job.first_token
+        else:
+            assert logits is not None
+            first = sample_token(logits, job.sampling, job.seed, 0)
         self._emit(job, first, loaded=loaded, recomputed=recomputed)
 
     def _emit(self, job: _GenJob, token: int, *, loaded: int = 0, recomputed: int = 0) -> None:
@@ -495,39 +500,54 @@ class TorchEngine(Engine):
         return cache, logits, loaded, n - loaded
 
     def _cache_from_handle(self, job: _GenJob) -> tuple[Any, int]:
-        """Loads a prefill's KV by handle; returns the cache and how many leading prompt tokens
-        it holds (the rest must be recomputed). A handle that does not belong to this prompt
-        and model is ignored rather than trusted."""
+        """Loads KV by handle; returns the cache and how many leading prompt tokens it holds
+        (the rest must be computed). The handle covers the whole prompt (read mode: full
+        chunks plus the tail) or a chunk-aligned prefix of it (write mode, no tail). A handle
+        that does not belong to this prompt and model is ignored rather than trusted."""
         kv, tokens = job.kv, job.tokens
         assert kv is not None
         cs = self.cfg.chunk_size
         n = len(tokens)
         expected = hashing.chunk_keys(self.fingerprint, tokens)
+        k = len(kv.chunk_keys)
+        covered = n if kv.tail_key else k * cs
         if (
             kv.fingerprint != self._fp
             or kv.chunk_size != cs
-            or kv.num_tokens != n
-            or list(kv.chunk_keys) != expected
-            or bool(kv.tail_key) != bool(n % cs)
+            or list(kv.chunk_keys) != expected[:k]
+            or kv.num_tokens != covered
+            or covered > n
+            or (kv.tail_key and (k != n // cs or n % cs == 0))
         ):
             log.warning(
                 "request %s: KV handle does not match prompt/model; recomputing", job.request_id
             )
             metrics.KV_CHUNK_MISSES.labels("handle").inc()
             return self._new_cache(), 0
-        keys = list(expected) + ([kv.tail_key] if kv.tail_key else [])
-        got = self._fetch(keys, job.chunk_wait_ms)
+        keys = list(kv.chunk_keys) + ([kv.tail_key] if kv.tail_key else [])
+        got = self._fetch(keys, job.chunk_wait_ms) if keys else []
         chunks: list[torch.Tensor] = []
         for i, t in enumerate(got):
-            want = cs if i < len(expected) else n % cs
+            want = cs if i < k else n % cs
             if not self._valid_chunk(t, want):
-                metrics.KV_CHUNK_MISSES.labels("chunk" if i < len(expected) else "tail").inc()
+                metrics.KV_CHUNK_MISSES.labels("chunk" if i < k else "tail").inc()
                 break
             chunks.append(t)  # type: ignore[arg-type]
-        loaded = min(n, len(chunks) * cs)
+        loaded = min(covered, len(chunks) * cs)
         if loaded:
             metrics.KV_LOADED_TOKENS.labels("decode").inc(loaded)
         return self._cache_from_chunks(chunks, loaded), loaded
+
+    def _truncated(self, cache: Any, num_tokens: int) -> Any:
+        """A cache holding only the first ``num_tokens`` positions of ``cache``."""
+        if cache.get_seq_length() <= num_tokens:
+            return cache
+        out = self._new_cache()
+        for i, layer in enumerate(cache.layers):
+            out.update(
+                layer.keys[:, :, :num_tokens].clone(), layer.values[:, :, :num_tokens].clone(), i
+            )
+        return out
 
     # ----------------------------------------------------------------- store access
 

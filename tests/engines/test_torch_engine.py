@@ -269,3 +269,22 @@ def test_kvref_for_other_chunk_size_is_ignored(eng, hf_greedy) -> None:
     ids, _, events = asyncio.run(go())
     assert ids == hf_greedy(toks, GREEDY.max_tokens)
     assert events[0].loaded_tokens == 0
+
+
+def test_write_mode_prefix_handle_without_first_token(eng, hf_greedy) -> None:
+    """The router's write mode: decode gets the keys of the first (n - 1) // chunk_size chunks
+    and no first token; it loads those and computes the rest itself."""
+    toks = prompt(2 * CS + 6)
+    exact = prompt(2 * CS, salt=1)
+
+    async def go(p: list[int]):
+        out = await eng.prefill("w", p, GREEDY, publish_incrementally=True)
+        k = (len(p) - 1) // CS
+        handle = KVRef(out.kv.chunk_keys[:k], "", k * CS, CS, out.kv.fingerprint)
+        return await collect(eng.generate("w", p, GREEDY, kv=handle, chunk_wait_ms=50))
+
+    for p in (toks, exact):
+        ids, _, events = asyncio.run(go(p))
+        k = (len(p) - 1) // CS
+        assert ids == hf_greedy(p, GREEDY.max_tokens)
+        assert (events[0].loaded_tokens, events[0].recomputed_tokens) == (k * CS, len(p) - k * CS)
