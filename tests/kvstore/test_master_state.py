@@ -343,3 +343,25 @@ def test_heartbeat_drops_segments_the_node_no_longer_reports(make_state, events)
     assert s.exists(["a"]) == [False]
     assert (pb.KV_EVENT_REMOVED, "a", KB, "node_dead") in events.events
     assert [seg.segment_id for seg in s.stats().segments] == ["n1-seg0-boot2"]
+
+
+def test_restart_keeps_ttl_and_pin(make_state, clock, tmp_path) -> None:
+    s = make_state(store=MetadataStore(tmp_path))
+    mount(s, "s1", "n1")
+    assert put(s, "tail", ttl_ms=2000) == pb.KV_OK
+    assert put(s, "hot", soft_pin=True) == pb.KV_OK
+    s.store.close()
+    clock.advance(1.0)
+    s2 = make_state(store=MetadataStore(tmp_path))
+    mount(s2, "s1", "n1", held=[("huge", 60 * KB, 8 * KB)])  # beyond the segment: refused
+    assert s2.exists(["tail", "hot", "huge"]) == [True, True, False]
+    assert s2.objects["hot"].soft_pin
+    clock.advance(1.1)
+    assert s2.exists(["tail"]) == [False]  # the TTL deadline survived the restart
+    s2.heartbeat("n1", ["s1"])
+    s2.tick()
+    assert "tail" not in s2.objects
+    s2.store.close()
+    s3 = make_state(store=MetadataStore(tmp_path))
+    mount(s3, "s1", "n1")
+    assert s3.exists(["tail", "hot"]) == [False, True]
