@@ -186,3 +186,14 @@ def mooncake_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Moonc
     c = MooncakeCluster(tmp_path_factory.mktemp("mooncake"))
     yield c
     c.close()
+
+
+@pytest.fixture
+def kvprocs():
+    """The process helpers of this conftest, for tests that start masters and nodes by hand
+    (test modules cannot import a conftest reliably)."""
+    import types
+
+    return types.SimpleNamespace(
+        start_master=start_master, start_node=start_node, shm_leftovers=shm_leftovers
+    )
