@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from pdserve.config import ConfigError, help_field
 from pdserve.hashing import KV_DTYPES
@@ -23,7 +21,7 @@ class EngineConfig:
         metavar="NAME|DIR",
     )
     served_model_name: str = help_field(
-        "", "name requests use for this model (empty = the model name or directory name)"
+        "", "name requests use for this model (empty = --model as given)"
     )
     chunk_size: int = help_field(256, "KV chunk size in tokens (must match across the cluster)")
     kv_dtype: str = help_field("float32", f"dtype of stored KV chunks: {', '.join(KV_DTYPES)}")
@@ -50,11 +48,9 @@ class EngineConfig:
     )
 
     def served_name(self) -> str:
-        """The model name requests must use: ``served_model_name``, else ``model`` when it is a
-        name, else the model directory's name."""
-        if self.served_model_name:
-            return self.served_model_name
-        return Path(self.model).name if os.sep in self.model else self.model
+        """The model name requests must use (and the KV fingerprint's model id):
+        ``served_model_name``, else ``model`` as given (the router derives it the same way)."""
+        return self.served_model_name or self.model
 
     def validate(self) -> None:
         if self.engine not in ENGINES:

@@ -1,0 +1,230 @@
+"""What the prefill and decode services share: their config fields, request validation, an
+admission limit, and the serve skeleton (store client, engine, gRPC server, /metrics, meta
+registration with live load, READY line, drain on stop).
+
+Each service adds only its servicer (``services/prefill``, ``services/decode``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve import grpcutil, lifecycle, telemetry
+from pdserve.config import ConfigError, help_field
+from pdserve.engines import create_engine
+from pdserve.engines.base import Engine, KVRef, Sampling
+from pdserve.engines.config import EngineConfig
+from pdserve.errors import InvalidArgument, NotFound, ResourceExhausted
+from pdserve.v1 import common_pb2, meta_pb2
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEST_ID = 128
+
+
+@dataclass
+class WorkerConfig(EngineConfig):
+    """Engine fields plus what every model worker service needs."""
+
+    host: str = help_field("127.0.0.1", "address to bind and advertise")
+    port: int = help_field(0, "gRPC port (0 = a free port, printed in the READY line)")
+    metrics_port: int = help_field(0, "Prometheus /metrics port (0 = free port, -1 = off)")
+    meta: str = help_field("", "meta service address host:port to register with (empty = none)")
+    instance_id: str = help_field("", "id registered with meta (empty = <role>-<random>)")
+    max_queue: int = help_field(
+        64, "requests accepted at once beyond the running ones; more get RESOURCE_EXHAUSTED"
+    )
+    heartbeat_ttl_ms: int = help_field(6000, "meta lease TTL (milliseconds); heartbeats at 1/3")
+    drain_timeout_s: float = help_field(
+        30.0, "on SIGTERM, how long in-flight requests may finish (seconds)"
+    )
+    log_level: str = help_field("info", "log level: debug|info|warning|error")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.max_queue < 0:
+            raise ConfigError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.drain_timeout_s < 0:
+            raise ConfigError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+
+
+# --------------------------------------------------------------------- request validation
+
+
+def request_id_of(raw: str) -> str:
+    """The request id (a fresh one when empty); INVALID_ARGUMENT when not short ASCII."""
+    if not raw:
+        return uuid.uuid4().hex
+    if len(raw) > MAX_REQUEST_ID or not raw.isascii() or not raw.isprintable():
+        raise InvalidArgument(f"request_id must be printable ASCII of <= {MAX_REQUEST_ID} chars")
+    return raw
+
+
+def check_model(requested: str, served: str) -> None:
+    """NOT_FOUND unless ``requested`` is empty (= the served model) or the served name."""
+    if requested and requested != served:
+        raise NotFound(f"model {requested!r} is not served here (this worker serves {served!r})")
+
+
+def sampling_from_proto(
+    p: common_pb2.SamplingParams, engine: Engine, cfg: EngineConfig, prompt_len: int
+) -> Sampling:
+    """Applies the documented defaults; max_tokens 0 = as many as the limit and context allow.
+    The engine validates the result (INVALID_ARGUMENT naming the field)."""
+    max_tokens = p.max_tokens or max(
+        1, min(cfg.max_tokens_limit, engine.max_model_len - prompt_len)
+    )
+    return Sampling(
+        max_tokens=max_tokens,
+        temperature=p.temperature if p.HasField("temperature") else 1.0,
+        top_p=p.top_p if p.HasField("top_p") else 1.0,
+        top_k=p.top_k,
+        seed=p.seed if p.HasField("seed") else None,
+        stop=tuple(p.stop),
+        ignore_eos=p.ignore_eos,
+    )
+
+
+def kvref_from_proto(h: common_pb2.KVHandle) -> KVRef:
+    return KVRef(
+        chunk_keys=tuple(h.chunk_keys),
+        tail_key=h.tail_key,
+        num_tokens=h.num_tokens,
+        chunk_size=h.chunk_size,
+        fingerprint=bytes(h.fingerprint),
+    )
+
+
+def kvref_to_proto(kv: KVRef) -> common_pb2.KVHandle:
+    return common_pb2.KVHandle(
+        chunk_keys=list(kv.chunk_keys),
+        tail_key=kv.tail_key,
+        num_tokens=kv.num_tokens,
+        chunk_size=kv.chunk_size,
+        fingerprint=kv.fingerprint,
+    )
+
+
+class Admission:
+    """Caps the requests a worker holds at once (running + waiting); beyond it,
+    RESOURCE_EXHAUSTED naming the limit."""
+
+    def __init__(self, limit: int, limit_name: str) -> None:
+        self.limit = limit
+        self.limit_name = limit_name
+        self.active = 0
+
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        if self.active >= self.limit:
+            raise ResourceExhausted(
+                f"worker is full: {self.active} requests in flight ({self.limit_name} = {self.limit})"
+            )
+        self.active += 1
+        try:
+            yield
+        finally:
+            self.active -= 1
+
+
+# --------------------------------------------------------------------- serving
+
+
+@dataclass
+class WorkerSpec:
+    """What distinguishes one worker service from another."""
+
+    service: str  # "prefill" | "decode"
+    role: int  # common_pb2.Role
+    #: (add_XServicer_to_server, full gRPC service name)
+    add_servicer: Callable[[Any, Any], None]
+    grpc_name: str
+    make_servicer: Callable[[Engine, WorkerConfig], Any]
+
+
+def open_store(cfg: EngineConfig) -> Any | None:
+    """The synchronous store client for ``cfg.store_master`` (None when no store)."""
+    if not cfg.store_master:
+        return None
+    from pdserve.store.client import StoreClient
+
+    return StoreClient(
+        cfg.store_master, transport=cfg.store_transport, timeout_s=cfg.store_timeout_s
+    )
+
+
+async def serve(spec: WorkerSpec, cfg: WorkerConfig, stop: asyncio.Event) -> None:
+    """Runs one worker until ``stop`` is set, then drains: health NOT_SERVING and deregister
+    first (no new work is routed here), wait up to ``drain_timeout_s`` for in-flight RPCs,
+    then close the engine and the store client."""
+    store = open_store(cfg)
+    engine = create_engine(cfg, store)
+    meta_client = None
+    server = None
+    try:
+        await engine.start()
+        servicer = spec.make_servicer(engine, cfg)
+        server = await grpcutil.start_server(
+            [(spec.add_servicer, servicer, spec.grpc_name)], f"{cfg.host}:{cfg.port}"
+        )
+        address = f"{cfg.host}:{server.port}"
+        metrics_port = telemetry.serve_metrics(cfg.metrics_port, cfg.host)
+        instance_id = cfg.instance_id or f"{spec.service}-{uuid.uuid4().hex[:8]}"
+        if cfg.meta:
+            from pdserve.discovery import MetaClient
+
+            meta_client = MetaClient(cfg.meta)
+            labels = {"engine": cfg.engine, "chunk_size": str(cfg.chunk_size)}
+            if metrics_port:
+                labels["metrics"] = f"{cfg.host}:{metrics_port}"
+            await meta_client.register(
+                meta_pb2.Instance(
+                    instance_id=instance_id,
+                    role=spec.role,
+                    address=address,
+                    model=cfg.served_name(),
+                    max_running=cfg.max_num_seqs,
+                    labels=labels,
+                ),
+                ttl_ms=cfg.heartbeat_ttl_ms,
+                load_fn=lambda: _load_proto(engine),
+            )
+        lifecycle.announce_ready(
+            spec.service,
+            grpc=address,
+            metrics=f"{cfg.host}:{metrics_port}" if metrics_port else "",
+            instance_id=instance_id,
+            model=cfg.served_name(),
+            engine=cfg.engine,
+            pid=os.getpid(),
+        )
+        log.info("%s %s serving %s on %s", spec.service, instance_id, cfg.served_name(), address)
+        await stop.wait()
+        log.info("%s %s draining", spec.service, instance_id)
+        server.set_serving(False)
+        if meta_client is not None:
+            await meta_client.deregister()
+    finally:
+        if server is not None:
+            await server.stop(cfg.drain_timeout_s)
+        if meta_client is not None:
+            await meta_client.close()
+        await engine.close()
+        if store is not None:
+            store.close()
+
+
+def _load_proto(engine: Engine) -> common_pb2.Load:
+    load = engine.load()
+    return common_pb2.Load(
+        queue_length=load.queue_length,
+        running_requests=load.running_requests,
+        kv_usage=load.kv_usage,
+    )

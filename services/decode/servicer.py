@@ -1,0 +1,96 @@
+"""DecodeService: validate, stream the engine's tokens; client cancel or deadline stops the
+generation and frees its slot."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+from prometheus_client import Counter, Gauge
+
+from pdserve import telemetry
+from pdserve.engines.base import Engine
+from pdserve.grpcutil import rpc
+from pdserve.telemetry import REGISTRY
+from pdserve.v1 import engine_pb2, engine_pb2_grpc
+from pdserve.worker import (
+    Admission,
+    WorkerConfig,
+    check_model,
+    kvref_from_proto,
+    request_id_of,
+    sampling_from_proto,
+)
+
+RUNNING = Gauge("pdserve_decode_running_requests", "Decode streams in progress", registry=REGISTRY)
+REQUESTS = Counter(
+    "pdserve_decode_requests_total",
+    "Decode requests by outcome (finish reason, cancelled, or error name)",
+    ["outcome"],
+    registry=REGISTRY,
+)
+TOKENS = Counter("pdserve_decode_tokens_total", "Tokens streamed", registry=REGISTRY)
+PROMPT_TOKENS = Counter(
+    "pdserve_decode_prompt_tokens_total",
+    "Prompt tokens of decode requests by source: loaded (from the store) or recomputed",
+    ["source"],
+    registry=REGISTRY,
+)
+
+_FINISH_NAMES = {1: "length", 2: "eos", 3: "stop", 4: "cancelled"}
+
+
+class DecodeServicer(engine_pb2_grpc.DecodeServiceServicer):
+    def __init__(self, engine: Engine, cfg: WorkerConfig) -> None:
+        self.engine = engine
+        self.cfg = cfg
+        self.served = cfg.served_name()
+        self.admission = Admission(cfg.max_num_seqs + cfg.max_queue, "max_num_seqs + max_queue")
+
+    @rpc
+    async def Decode(
+        self, request: engine_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.DecodeResponse]:
+        rid = request_id_of(request.request_id)
+        telemetry.request_id_var.set(rid)
+        check_model(request.model, self.served)
+        tokens = list(request.prompt_token_ids)
+        sampling = sampling_from_proto(request.sampling, self.engine, self.cfg, len(tokens))
+        kv = kvref_from_proto(request.kv) if request.HasField("kv") else None
+        first = request.first_token_id if request.HasField("first_token_id") else None
+        outcome = "error"
+        async with self.admission.slot():
+            RUNNING.inc()
+            try:
+                async for ev in self.engine.generate(
+                    rid,
+                    tokens,
+                    sampling,
+                    kv=kv,
+                    first_token_id=first,
+                    chunk_wait_ms=request.chunk_wait_ms,
+                ):
+                    if ev.loaded_tokens or ev.recomputed_tokens:
+                        PROMPT_TOKENS.labels("loaded").inc(ev.loaded_tokens)
+                        PROMPT_TOKENS.labels("recomputed").inc(ev.recomputed_tokens)
+                    TOKENS.inc(len(ev.token_ids))
+                    if ev.finish is not None:
+                        outcome = _FINISH_NAMES[int(ev.finish)]
+                    yield engine_pb2.DecodeResponse(
+                        token_ids=ev.token_ids,
+                        text=ev.text,
+                        finish_reason=int(ev.finish or 0),
+                        token_times_ms=ev.times_ms,
+                        loaded_tokens=ev.loaded_tokens,
+                        recomputed_tokens=ev.recomputed_tokens,
+                    )
+            except asyncio.CancelledError:
+                outcome = "cancelled"
+                raise
+            except Exception as exc:
+                outcome = type(exc).__name__
+                raise
+            finally:
+                RUNNING.dec()
+                REQUESTS.labels(outcome).inc()

@@ -1,0 +1,12 @@
+"""``pdserve prefill`` configuration: the shared worker fields (pdserve.worker.WorkerConfig)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.worker import WorkerConfig
+
+
+@dataclass
+class PrefillConfig(WorkerConfig):
+    """Prefill worker: engine + server fields; ``max_queue`` caps concurrent Prefill calls."""

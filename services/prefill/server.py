@@ -1,0 +1,23 @@
+"""``pdserve prefill`` server: the shared worker skeleton (pdserve.worker.serve) with the
+PrefillService servicer."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pdserve import worker
+from pdserve.services.prefill.config import PrefillConfig
+from pdserve.services.prefill.servicer import PrefillServicer
+from pdserve.v1 import common_pb2, engine_pb2_grpc
+
+SPEC = worker.WorkerSpec(
+    service="prefill",
+    role=common_pb2.ROLE_PREFILL,
+    add_servicer=engine_pb2_grpc.add_PrefillServiceServicer_to_server,
+    grpc_name="pdserve.v1.PrefillService",
+    make_servicer=PrefillServicer,
+)
+
+
+async def serve(cfg: PrefillConfig, stop: asyncio.Event) -> None:
+    await worker.serve(SPEC, cfg, stop)

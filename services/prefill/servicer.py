@@ -1,0 +1,73 @@
+"""PrefillService: validate, run the engine's prefill, answer with the first token and handle."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+from prometheus_client import Counter, Histogram
+
+from pdserve import telemetry
+from pdserve.engines.base import Engine
+from pdserve.grpcutil import rpc
+from pdserve.telemetry import REGISTRY
+from pdserve.v1 import engine_pb2, engine_pb2_grpc
+from pdserve.worker import (
+    Admission,
+    WorkerConfig,
+    check_model,
+    kvref_to_proto,
+    request_id_of,
+    sampling_from_proto,
+)
+
+REQUESTS = Counter(
+    "pdserve_prefill_requests_total", "Prefill requests by outcome", ["outcome"], registry=REGISTRY
+)
+PROMPT_TOKENS = Counter(
+    "pdserve_prefill_prompt_tokens_total",
+    "Prompt tokens prefilled, by source (cached = loaded from the store)",
+    ["source"],
+    registry=REGISTRY,
+)
+LATENCY = Histogram("pdserve_prefill_seconds", "Prefill wall time in the worker", registry=REGISTRY)
+
+
+class PrefillServicer(engine_pb2_grpc.PrefillServiceServicer):
+    def __init__(self, engine: Engine, cfg: WorkerConfig) -> None:
+        self.engine = engine
+        self.cfg = cfg
+        self.served = cfg.served_name()
+        self.admission = Admission(max(1, cfg.max_queue), "max_queue")
+
+    @rpc
+    async def Prefill(
+        self, request: engine_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.PrefillResponse:
+        t0 = time.perf_counter()
+        rid = request_id_of(request.request_id)
+        telemetry.request_id_var.set(rid)
+        check_model(request.model, self.served)
+        tokens = list(request.prompt_token_ids)
+        sampling = sampling_from_proto(request.sampling, self.engine, self.cfg, len(tokens))
+        try:
+            async with self.admission.slot():
+                out = await self.engine.prefill(
+                    rid, tokens, sampling, publish_incrementally=request.publish_incrementally
+                )
+        except Exception as exc:
+            REQUESTS.labels(type(exc).__name__).inc()
+            raise
+        elapsed = time.perf_counter() - t0
+        REQUESTS.labels("ok").inc()
+        PROMPT_TOKENS.labels("cached").inc(out.cached_tokens)
+        PROMPT_TOKENS.labels("computed").inc(out.computed_tokens)
+        LATENCY.observe(elapsed)
+        return engine_pb2.PrefillResponse(
+            first_token_id=out.first_token_id,
+            kv=kvref_to_proto(out.kv),
+            cached_tokens=out.cached_tokens,
+            computed_tokens=out.computed_tokens,
+            worker_ms=elapsed * 1000.0,
+            first_token_is_eos=out.first_token_is_eos,
+        )
