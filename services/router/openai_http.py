@@ -35,7 +35,7 @@ FINISH = {
 }
 _STATUS = {
     errors.InvalidArgument: (400, "invalid_request_error", "invalid_value"),
-    errors.NotFound: (404, "invalid_request_error", "model_not_found"),
+    errors.NotFound: (404, "invalid_request_error", "not_found"),
     errors.ResourceExhausted: (429, "rate_limit_error", "rate_limit_exceeded"),
     errors.Unavailable: (503, "service_unavailable", "service_unavailable"),
     errors.DeadlineExceeded: (504, "timeout", "timeout"),
@@ -65,6 +65,8 @@ def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
             status, etype, code = info
             break
     message = str(exc) or type(exc).__name__
+    if message.startswith("model: unknown model"):
+        code = "model_not_found"
     m = _PARAM.match(message)
     param = m.group(1) if m and m.group(1).split("[")[0].split(".")[0] in _FIELDS else None
     return status, {"error": {"message": message, "type": etype, "param": param, "code": code}}
@@ -77,12 +79,43 @@ def error_response(exc: BaseException) -> web.Response:
     return web.json_response(body, status=status)
 
 
+@web.middleware
+async def _http_errors(request: web.Request, handler) -> web.StreamResponse:
+    """Unknown paths and methods answer in the OpenAI error shape too."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        etype = "not_found" if exc.status == 404 else "invalid_request_error"
+        body = {
+            "message": f"{request.method} {request.path}: {exc.reason}",
+            "type": etype,
+            "param": None,
+            "code": exc.status,
+        }
+        return web.json_response({"error": body}, status=exc.status)
+
+
 def make_app(fe: Frontend) -> web.Application:
-    app = web.Application()
-    app.router.add_post("/v1/completions", lambda r: _generate(fe, r, chat=False))
-    app.router.add_post("/v1/chat/completions", lambda r: _generate(fe, r, chat=True))
-    app.router.add_get("/v1/models", lambda r: _models(fe))
-    app.router.add_get("/health", lambda r: _health(fe))
+    app = web.Application(middlewares=[_http_errors])
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        return await _generate(fe, request, chat=False)
+
+    async def chat_completions(request: web.Request) -> web.StreamResponse:
+        return await _generate(fe, request, chat=True)
+
+    async def models(request: web.Request) -> web.Response:
+        return await _models(fe)
+
+    async def health(request: web.Request) -> web.Response:
+        return await _health(fe)
+
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
     app.router.add_get("/metrics", _metrics)
     return app
 

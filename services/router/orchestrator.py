@@ -286,19 +286,23 @@ class Orchestrator:
         )
         head = {"prompt_tokens": n, "cached_tokens": trace.cached_tokens}
         decode = self._decode(dreq, deadline, trace, head, abort_on=prefill)
+        finished = False
         try:
             async for c in decode:
                 yield c
+            finished = True
         except _PrefillFailed:
             # No chunks are coming: do not let decode wait for them; it prefills itself.
             trace.plan = "write->local"
             async for c in self._local(req, deadline, t0, trace):
                 yield c
+            finished = True
         finally:
-            if not prefill.done():
+            if finished:
+                # Decode is done; a prefill still running only publishes chunks for reuse.
+                prefill.add_done_callback(_retrieve)
+            else:
                 prefill.cancel()
-            elif not prefill.cancelled():
-                prefill.exception()  # retrieved: its failure was handled above
 
     async def _local(
         self, req: GenRequest, deadline: float, t0: float, trace: Trace
@@ -436,6 +440,11 @@ class Orchestrator:
         if cls is not None:
             raise cls(exc.details() or exc.code().name) from exc
         self.pool.record_failure(w)
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.warning("write-mode prefill failed after decode finished: %s", fut.exception())
 
 
 class _PrefillFailed(Exception):

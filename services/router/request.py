@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.engines.base import Sampling
-from pdserve.errors import InvalidArgument, NotFound
+from pdserve.errors import InvalidArgument
 
 MODES = ("read", "write", "colocated")
 _REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
@@ -42,7 +42,9 @@ class GenRequest:
 
 def check_model(model: str, limits: Limits) -> None:
     if model and model != limits.model:
-        raise NotFound(f"model: unknown model {model!r}; this cluster serves {limits.model!r}")
+        raise InvalidArgument(
+            f"model: unknown model {model!r}; this cluster serves {limits.model!r}"
+        )
 
 
 def check_request_id(request_id: str) -> str:

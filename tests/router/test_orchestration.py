@@ -1,0 +1,276 @@
+"""Orchestration through a real in-process router (gRPC) against fake Prefill/Decode workers:
+plans, retries, circuit breaker, cancellation, deadlines and admission."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from router_fakes import FakeDecode, FakePrefill, expected_tokens, fake_cluster
+
+from pdserve import grpcutil
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]  # 11 tokens: 2 full chunks of 4 + 3
+
+
+def gen_req(n=6, mode=router_pb2.DISAGG_MODE_UNSPECIFIED, prompt=PROMPT, **kw):
+    return router_pb2.GenerateRequest(
+        prompt_token_ids=prompt,
+        sampling=common_pb2.SamplingParams(max_tokens=n, temperature=0.0),
+        mode=mode,
+        **kw,
+    )
+
+
+async def stream_all(port: int, req, timeout=20.0):
+    async with grpcutil.channel(f"127.0.0.1:{port}") as ch:
+        stub = router_pb2_grpc.RouterServiceStub(ch)
+        msgs = [m async for m in stub.GenerateStream(req, timeout=timeout)]
+    return msgs
+
+
+def ids(msgs):
+    return [t for m in msgs for t in m.token_ids]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_read_mode_streams_prefill_then_decode(tiny_dir):
+    async def main():
+        p, d = FakePrefill(), FakeDecode()
+        async with fake_cluster([p], [d], tiny_dir) as (r, _):
+            msgs = await stream_all(r.grpc_port, gen_req(6, request_id="rq-1"))
+            assert ids(msgs) == expected_tokens(PROMPT, 6)
+            assert msgs[0].prompt_tokens == len(PROMPT)
+            assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+            assert all(m.request_id == "rq-1" for m in msgs)
+            times = [t for m in msgs for t in m.token_times_ms]
+            assert times == sorted(times) and len(times) == 6
+            assert len(p.calls) == 1 and not p.calls[0].publish_incrementally
+            (dreq,) = d.calls
+            assert dreq.HasField("kv") and dreq.first_token_id == expected_tokens(PROMPT, 1)[0]
+            assert r.frontend.orchestrator.traces[-1].plan == "read"
+
+    run(main())
+
+
+def test_write_mode_starts_decode_before_prefill_ends(tiny_dir):
+    async def main():
+        p, d = FakePrefill(delay_s=0.4), FakeDecode()
+        async with fake_cluster([p], [d], tiny_dir) as (r, _):
+            msgs = await stream_all(r.grpc_port, gen_req(5, router_pb2.DISAGG_MODE_WRITE))
+            assert ids(msgs) == expected_tokens(PROMPT, 5)
+            assert p.calls[0].publish_incrementally
+            (dreq,) = d.calls
+            # (11 - 1) // 4 = 2 full chunks to wait for; decode samples the first token itself
+            assert len(dreq.kv.chunk_keys) == 2 and dreq.kv.num_tokens == 8
+            assert not dreq.HasField("first_token_id") and dreq.chunk_wait_ms > 0
+            fp = r.frontend.orchestrator.fp
+            from pdserve.hashing import chunk_keys
+
+            assert list(dreq.kv.chunk_keys) == chunk_keys(fp, PROMPT)[:2]
+            assert await _wait_for(lambda: len(p.ends) == 1)  # prefill finishes publishing
+            assert d.starts[0] < p.ends[0]
+
+    run(main())
+
+
+def test_colocated_and_no_prefill_worker_run_locally(tiny_dir):
+    async def main():
+        p, d = FakePrefill(), FakeDecode()
+        async with fake_cluster([p], [d], tiny_dir) as (r, _):
+            msgs = await stream_all(r.grpc_port, gen_req(4, router_pb2.DISAGG_MODE_COLOCATED))
+            assert ids(msgs) == expected_tokens(PROMPT, 4)
+            assert not p.calls and not d.calls[0].HasField("kv")
+        d2 = FakeDecode()
+        async with fake_cluster([], [d2], tiny_dir) as (r, _):
+            msgs = await stream_all(r.grpc_port, gen_req(4))
+            assert ids(msgs) == expected_tokens(PROMPT, 4)
+            assert r.frontend.orchestrator.traces[-1].plan == "local"
+
+    run(main())
+
+
+def test_short_uncached_prompt_prefills_on_decode(tiny_dir):
+    async def main():
+        p, d = FakePrefill(), FakeDecode()
+        async with fake_cluster([p], [d], tiny_dir, local_prefill_threshold=64) as (r, _):
+            msgs = await stream_all(r.grpc_port, gen_req(3))
+            assert ids(msgs) == expected_tokens(PROMPT, 3)
+            assert not p.calls and not d.calls[0].HasField("kv")
+            long_prompt = list(range(20, 120))
+            msgs = await stream_all(r.grpc_port, gen_req(3, prompt=long_prompt))
+            assert ids(msgs) == expected_tokens(long_prompt, 3) and len(p.calls) == 1
+
+    run(main())
+
+
+def test_prefill_error_retries_once_on_another_worker(tiny_dir):
+    async def main():
+        a, b, d = FakePrefill(), FakePrefill(), FakeDecode()
+        async with fake_cluster([a, b], [d], tiny_dir, policy="round_robin") as (r, servers):
+            # round robin goes by worker id first: make exactly that worker fail once
+            first = sorted(r.frontend.pool.workers["prefill"])[0]
+            (a if first.endswith(servers[0].address) else b).fail = 1
+            msgs = await stream_all(r.grpc_port, gen_req(3))
+            assert ids(msgs) == expected_tokens(PROMPT, 3)
+            trace = r.frontend.orchestrator.traces[-1]
+            assert len(trace.retries) == 1 and len(a.calls) == len(b.calls) == 1
+            assert d.calls[0].HasField("kv") and trace.plan == "read"
+
+    run(main())
+
+
+def test_all_prefills_failing_falls_back_to_local_prefill(tiny_dir):
+    async def main():
+        a, b, d = FakePrefill(fail=9), FakePrefill(fail=9), FakeDecode()
+        async with fake_cluster([a, b], [d], tiny_dir) as (r, _):
+            msgs = await stream_all(r.grpc_port, gen_req(3))
+            assert ids(msgs) == expected_tokens(PROMPT, 3)
+            assert len(a.calls) + len(b.calls) == 2  # first try + one retry, no more
+            assert not d.calls[0].HasField("kv")
+            assert r.frontend.orchestrator.traces[-1].plan == "read->local"
+
+    run(main())
+
+
+def test_invalid_argument_from_worker_is_not_retried(tiny_dir):
+    async def main():
+        a = FakePrefill(fail=1, fail_code=grpc.StatusCode.INVALID_ARGUMENT)
+        b, d = FakePrefill(fail=1, fail_code=grpc.StatusCode.INVALID_ARGUMENT), FakeDecode()
+        async with fake_cluster([a, b], [d], tiny_dir, policy="round_robin") as (r, _):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stream_all(r.grpc_port, gen_req(3))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert len(a.calls) + len(b.calls) == 1 and not d.calls
+
+    run(main())
+
+
+def test_circuit_breaker_takes_worker_out_and_puts_it_back(tiny_dir):
+    async def main():
+        bad, good, d = FakePrefill(fail=1000), FakePrefill(), FakeDecode()
+        async with fake_cluster(
+            [bad, good],
+            [d],
+            tiny_dir,
+            policy="round_robin",
+            breaker_failures=2,
+            breaker_cooldown_s=0.3,
+        ) as (r, _):
+            for _ in range(6):
+                msgs = await stream_all(r.grpc_port, gen_req(2))
+                assert ids(msgs) == expected_tokens(PROMPT, 2)
+            assert len(bad.calls) == 2  # out of rotation after its 2nd failure
+            (w,) = [w for w in r.frontend.pool.workers["prefill"].values() if w.broken]
+            bad.fail = 0  # it recovers; the probe (health SERVING) puts it back
+            deadline = time.monotonic() + 5
+            while w.broken and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert not w.broken
+            for _ in range(4):
+                await stream_all(r.grpc_port, gen_req(2))
+            assert len(bad.calls) == 4
+
+    run(main())
+
+
+def test_decode_failure_before_first_token_retries_elsewhere(tiny_dir):
+    async def main():
+        p, d1, d2 = FakePrefill(), FakeDecode(), FakeDecode()
+        async with fake_cluster([p], [d1, d2], tiny_dir) as (r, servers):
+            first = sorted(r.frontend.pool.workers["decode"])[0]  # the idle tie-break
+            (d1 if first.endswith(servers[1].address) else d2).fail = 1
+            msgs = await stream_all(r.grpc_port, gen_req(3))
+            assert ids(msgs) == expected_tokens(PROMPT, 3)
+            assert len(d1.calls) == len(d2.calls) == 1
+            assert r.frontend.orchestrator.traces[-1].retries
+
+    run(main())
+
+
+async def _wait_for(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    return cond()
+
+
+def test_client_cancel_reaches_the_decode_worker(tiny_dir):
+    async def main():
+        p, d = FakePrefill(), FakeDecode(token_delay_s=0.05)
+        async with fake_cluster([p], [d], tiny_dir) as (r, _):
+            async with grpcutil.channel(f"127.0.0.1:{r.grpc_port}") as ch:
+                call = router_pb2_grpc.RouterServiceStub(ch).GenerateStream(gen_req(200))
+                got = 0
+                async for _m in call:
+                    got += 1
+                    if got == 3:
+                        break
+                assert d.active == 1
+                call.cancel()
+                assert await _wait_for(lambda: d.active == 0)
+            assert d.cancelled == 1
+            assert r.frontend.orchestrator.admission.inflight == 0
+
+    run(main())
+
+
+def test_deadline_reaches_the_decode_worker(tiny_dir):
+    async def main():
+        p, d = FakePrefill(), FakeDecode(token_delay_s=0.05)
+        async with fake_cluster([p], [d], tiny_dir) as (r, _):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stream_all(r.grpc_port, gen_req(200), timeout=0.5)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert await _wait_for(lambda: d.active == 0)
+            assert d.cancelled == 1
+
+    run(main())
+
+
+def test_queue_full_is_resource_exhausted_with_reason(tiny_dir):
+    async def main():
+        p, d = FakePrefill(), FakeDecode(token_delay_s=0.05)
+        async with (
+            fake_cluster([p], [d], tiny_dir, max_inflight=1, max_queue=0) as (r, _),
+            grpcutil.channel(f"127.0.0.1:{r.grpc_port}") as ch,
+        ):
+            stub = router_pb2_grpc.RouterServiceStub(ch)
+            first = stub.GenerateStream(gen_req(20))
+            await first.read()  # admitted and streaming
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Generate(gen_req(2))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "queue full" in err.value.details()
+            first.cancel()
+
+    run(main())
+
+
+def test_generate_unary_and_list_models_and_tokenize(tiny_dir):
+    async def main():
+        p, d = FakePrefill(), FakeDecode()
+        async with (
+            fake_cluster([p], [d], tiny_dir) as (r, _),
+            grpcutil.channel(f"127.0.0.1:{r.grpc_port}") as ch,
+        ):
+            stub = router_pb2_grpc.RouterServiceStub(ch)
+            out = await stub.Generate(gen_req(4))
+            want = expected_tokens(PROMPT, 4)
+            assert list(out.token_ids) == want
+            assert out.text == "".join(f"<{t}>" for t in want)
+            assert out.prompt_tokens == len(PROMPT) and out.total_ms >= out.ttft_ms > 0
+            models = await stub.ListModels(router_pb2.ListModelsRequest())
+            (m,) = models.models
+            assert m.name == "tiny" and m.prefill_workers == 1 and m.decode_workers == 1
+            tok = await stub.Tokenize(router_pb2.TokenizeRequest(text="hello world"))
+            assert len(tok.token_ids) == len(tok.tokens) > 0
+            assert "".join(tok.tokens) == "hello world"
+
+    run(main())
