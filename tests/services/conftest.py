@@ -1,0 +1,143 @@
+"""Real processes for the worker service tests: a KV store master and one node, torch-engine
+prefill and decode workers on the tiny model (chunk_size 16), all stopped by pid."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.procs import ServiceProcess, start_service
+
+CS = 16
+
+
+def start_worker(
+    role: str, log_dir: Path, master: str, model_dir: Path, *extra: str
+) -> ServiceProcess:
+    return start_service(
+        f"{role}-{uuid.uuid4().hex[:6]}",
+        [
+            role,
+            "--engine",
+            "torch",
+            "--model",
+            str(model_dir),
+            "--served-model-name",
+            "tiny",
+            "--chunk-size",
+            str(CS),
+            "--max-model-len",
+            "512",
+            "--store-master",
+            master,
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            *extra,
+        ],
+        log_dir,
+        timeout=90,
+    )
+
+
+class Stack:
+    """A store (master + one node) plus worker processes; ``close`` stops them all."""
+
+    def __init__(self, log_dir: Path, model_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.model_dir = model_dir
+        self.procs: list[ServiceProcess] = []
+        self.master = self._add(
+            start_service(
+                "master",
+                ["kvstore", "master", "--port", "0", "--metrics-port", "-1"],
+                log_dir,
+                timeout=60,
+            )
+        )
+        self.node = self._add(
+            start_service(
+                "node",
+                [
+                    "kvstore",
+                    "node",
+                    "--master-address",
+                    self.master.info["grpc"],
+                    "--node-id",
+                    "n0",
+                    "--segment-sizes",
+                    "64MiB",
+                    "--transports",
+                    "shm,tcp",
+                ],
+                log_dir,
+                env={"MC_TCP_BIND_ADDRESS": "127.0.0.1"},
+                timeout=60,
+            )
+        )
+
+    def _add(self, proc: ServiceProcess) -> ServiceProcess:
+        self.procs.append(proc)
+        return proc
+
+    @property
+    def store_address(self) -> str:
+        return self.master.info["grpc"]
+
+    def worker(self, role: str, *extra: str) -> ServiceProcess:
+        return self._add(
+            start_worker(role, self.log_dir, self.store_address, self.model_dir, *extra)
+        )
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+        for name in self.node.info.get("shm_names", []):
+            Path("/dev/shm", name).unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    from pdserve.model.prepare import build_tiny_model
+
+    return build_tiny_model()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Stack]:
+    s = Stack(tmp_path_factory.mktemp("stack"), tiny_model_dir)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(tiny_model_dir: Path):
+    """Single-process ground truth: plain transformers greedy loop, stopping after EOS."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    eos = model.config.eos_token_id
+
+    @torch.inference_mode()
+    def run(prompt: Sequence[int], n: int) -> list[int]:
+        out = model(input_ids=torch.tensor([list(prompt)]), use_cache=True)
+        toks: list[int] = []
+        for _ in range(n):
+            tok = int(out.logits[0, -1].argmax())
+            toks.append(tok)
+            if tok == eos:
+                break
+            out = model(
+                input_ids=torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True
+            )
+        return toks
+
+    return run
