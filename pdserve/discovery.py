@@ -26,21 +26,8 @@ log = logging.getLogger(__name__)
 #: Default lease TTL a service asks for (ms).
 DEFAULT_TTL_MS = 6_000
 _RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-# Reconnect quickly after a meta restart: gRPC's default first reconnect backoff is 1 s and
-# grows to minutes, longer than a heartbeat interval.
-_RECONNECT_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 300),
-]
 
 LoadFn = Callable[[], common_pb2.Load]
-
-
-def _channel(address: str) -> grpc.aio.Channel:
-    # NOTE: grpcutil.channel takes no extra options; same limits plus faster reconnects.
-    opts = [*grpcutil._options(grpcutil.DEFAULT_MAX_MESSAGE_BYTES), *_RECONNECT_OPTIONS]
-    return grpc.aio.insecure_channel(address, options=opts)
 
 
 class MetaClient:
@@ -48,7 +35,7 @@ class MetaClient:
 
     def __init__(self, address: str, *, call_timeout_s: float = 3.0) -> None:
         self.address = address
-        self._channel = _channel(address)
+        self._channel = grpcutil.channel(address)
         self._stub = meta_pb2_grpc.MetaServiceStub(self._channel)
         self._timeout = call_timeout_s
         self._instance: meta_pb2.Instance | None = None
@@ -152,7 +139,7 @@ class Discovery:
         self, address: str, role: int = 0, model: str = "", *, poll_interval_s: float = 2.0
     ) -> None:
         self.address, self.role, self.model = address, role, model
-        self._channel = _channel(address)
+        self._channel = grpcutil.channel(address)
         self._stub = meta_pb2_grpc.MetaServiceStub(self._channel)
         self._poll = poll_interval_s
         self._cache: dict[str, meta_pb2.Instance] = {}

@@ -90,18 +90,32 @@ async def start_server(
     return Server(server, port, health_servicer)
 
 
+#: Client-side reconnect backoff: gRPC's default starts at 1 s and grows to minutes, longer
+#: than a heartbeat interval; pdserve peers restart and must be found again quickly.
+_RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 300),
+]
+
+
 def channel(
     address: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 ) -> grpc.aio.Channel:
-    """An asyncio channel to ``address`` with the same limits as the servers."""
-    return grpc.aio.insecure_channel(address, options=_options(max_message_bytes))
+    """An asyncio channel to ``address`` with the same limits as the servers and fast
+    reconnects."""
+    return grpc.aio.insecure_channel(
+        address, options=[*_options(max_message_bytes), *_RECONNECT_OPTIONS]
+    )
 
 
 def sync_channel(
     address: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 ) -> grpc.Channel:
     """A blocking channel, for CLIs and code outside an event loop."""
-    return grpc.insecure_channel(address, options=_options(max_message_bytes))
+    return grpc.insecure_channel(
+        address, options=[*_options(max_message_bytes), *_RECONNECT_OPTIONS]
+    )
 
 
 async def check_health(address: str, timeout: float = 2.0) -> bool:

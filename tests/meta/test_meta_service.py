@@ -186,10 +186,16 @@ def test_meta_restart(start_meta, backend: str) -> None:
         async with grpcutil.channel(new.info["grpc"]) as ch:
             stub = meta_pb2_grpc.MetaServiceStub(ch)
             if backend == "etcd":
-                listed = await stub.ListInstances(meta_pb2.ListInstancesRequest())
+                listed = await stub.ListInstances(
+                    meta_pb2.ListInstancesRequest(), wait_for_ready=True
+                )
                 assert [i.lease_id for i in listed.instances] == leases  # nothing lost
             while True:
-                listed = await stub.ListInstances(meta_pb2.ListInstancesRequest())
+                # wait_for_ready: this observer channel shares the clients' subchannel, which
+                # may still be in reconnect backoff from the restart.
+                listed = await stub.ListInstances(
+                    meta_pb2.ListInstancesRequest(), wait_for_ready=True
+                )
                 if len(listed.instances) == 3:
                     break
                 assert time.monotonic() - ready <= interval, (  # one heartbeat interval
