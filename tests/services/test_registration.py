@@ -1,0 +1,87 @@
+"""A decode worker registers with a real meta process, reports load, and deregisters when it
+drains on SIGTERM. No store: it recomputes (and says so in its metrics)."""
+
+from __future__ import annotations
+
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pdserve import grpcutil
+from pdserve.procs import start_service
+from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc, meta_pb2, meta_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+
+def test_register_serve_without_store_and_deregister(tmp_path: Path, tiny_model_dir: Path) -> None:
+    meta = start_service(
+        "meta",
+        ["meta", "--port", "0", "--http-port", "0", "--metrics-port", "-1"],
+        tmp_path,
+        timeout=60,
+    )
+    worker = None
+    try:
+        worker = start_service(
+            "decode",
+            [
+                "decode",
+                "--engine",
+                "torch",
+                "--model",
+                str(tiny_model_dir),
+                "--served-model-name",
+                "tiny",
+                "--chunk-size",
+                "16",
+                "--meta",
+                meta.info["grpc"],
+                "--instance-id",
+                "decode-test",
+                "--port",
+                "0",
+                "--metrics-port",
+                "0",
+            ],
+            tmp_path,
+            timeout=90,
+        )
+        with grpcutil.sync_channel(meta.info["grpc"]) as ch:
+            stub = meta_pb2_grpc.MetaServiceStub(ch)
+            listed = stub.ListInstances(
+                meta_pb2.ListInstancesRequest(role=common_pb2.ROLE_DECODE)
+            ).instances
+            assert [(i.instance_id, i.address, i.model) for i in listed] == [
+                ("decode-test", worker.info["grpc"], "tiny")
+            ]
+            assert listed[0].labels["metrics"] == worker.info["metrics"]
+            # serves without a store: local prefill, every prompt token recomputed
+            with grpcutil.sync_channel(worker.info["grpc"]) as wch:
+                msgs = list(
+                    engine_pb2_grpc.DecodeServiceStub(wch).Decode(
+                        engine_pb2.DecodeRequest(
+                            model="tiny",
+                            prompt_token_ids=list(range(10, 30)),
+                            sampling=common_pb2.SamplingParams(max_tokens=3, temperature=0.0),
+                        ),
+                        timeout=30,
+                    )
+                )
+            assert (msgs[0].loaded_tokens, msgs[0].recomputed_tokens) == (0, 20)
+            text = (
+                urllib.request.urlopen(f"http://{worker.info['metrics']}/metrics", timeout=5)
+                .read()
+                .decode()
+            )
+            assert 'pdserve_kv_computed_tokens_total{reason="local"} 20.0' in text
+            assert worker.stop() == 0
+            listed = stub.ListInstances(
+                meta_pb2.ListInstancesRequest(role=common_pb2.ROLE_DECODE)
+            ).instances
+            assert list(listed) == []
+    finally:
+        if worker is not None:
+            worker.stop()
+        meta.stop()
