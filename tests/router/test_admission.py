@@ -1,0 +1,62 @@
+"""Admission control: bounded queue and SLO predictions."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdserve.errors import ResourceExhausted
+from pdserve.services.router.admission import Admission
+
+
+def test_queue_bound_and_fifo_slots():
+    async def main():
+        adm = Admission(max_inflight=1, max_queue=1)
+        order = []
+        entered = asyncio.Event()
+        release = asyncio.Event()
+
+        async def req(name):
+            async with adm.admit(10, 1):
+                order.append(name)
+                entered.set()
+                await release.wait()
+
+        t1 = asyncio.ensure_future(req("a"))
+        await entered.wait()
+        t2 = asyncio.ensure_future(req("b"))  # waits in the queue
+        await asyncio.sleep(0.01)
+        assert adm.waiting == 1 and adm.inflight == 1
+        with pytest.raises(
+            ResourceExhausted, match=r"queue full: 1 requests waiting \(max_queue=1\)"
+        ):
+            async with adm.admit(10, 1):
+                pass
+        release.set()
+        await asyncio.gather(t1, t2)
+        assert order == ["a", "b"] and adm.inflight == 0 and adm.pending_prefill_tokens == 0
+
+    asyncio.run(main())
+
+
+def test_ttft_slo_rejects_only_after_observations():
+    adm = Admission(8, 8, slo_ttft_ms=500)
+    adm.check(100_000, 1)  # nothing observed yet: admitted
+    adm.observe_prefill(computed_tokens=1000, worker_ms=1000.0)  # 1 ms per token
+    adm.observe_ttft(uncached_tokens=1000, ttft_ms=1050.0)  # base 50 ms
+    assert adm.predicted_ttft_ms(200, 1) == pytest.approx(250.0)
+    adm.check(200, 1)
+    adm.pending_prefill_tokens = 600  # queued work on 2 workers: 300 each
+    assert adm.predicted_ttft_ms(200, 2) == pytest.approx(550.0)
+    with pytest.raises(ResourceExhausted, match="predicted time to first token 550 ms exceeds"):
+        adm.check(200, 2)
+
+
+def test_tpot_slo_rejects_while_running_slow():
+    adm = Admission(8, 8, slo_tpot_ms=50)
+    adm.observe_tpot(80.0)
+    adm.check(10, 1)  # nothing running: the estimate is stale, admit
+    adm.inflight = 3
+    with pytest.raises(ResourceExhausted, match=r"time per output token is 80\.0 ms"):
+        adm.check(10, 1)

@@ -1,0 +1,166 @@
+"""Bad input on both front ends (status + a message naming the field) and the OpenAI JSON and
+SSE shapes, through an in-process router in front of fake workers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import grpc
+import openai
+import pytest
+from router_fakes import FakeDecode, FakePrefill, expected_tokens, fake_cluster
+
+from pdserve import grpcutil
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+
+def S(**kw):
+    return common_pb2.SamplingParams(**kw)
+
+
+BAD_GRPC = [
+    (dict(prompt=""), "exactly one of prompt, prompt_token_ids and messages"),
+    (dict(prompt="hi", prompt_token_ids=[1, 2]), "got prompt, prompt_token_ids"),
+    (dict(prompt_token_ids=[1, 99999]), "prompt_token_ids: token id 99999"),
+    (dict(prompt="hi", sampling=S(temperature=-1.0)), "temperature must be >= 0"),
+    (dict(prompt="hi", sampling=S(top_p=1.5)), "top_p must be in (0, 1]"),
+    (dict(prompt="hi", sampling=S(max_tokens=999999)), "max_tokens 999999 exceeds the limit"),
+    (dict(prompt="hi", model="gpt-4"), "model: unknown model 'gpt-4'"),
+    (dict(messages=[router_pb2.ChatMessage(role="bot", content="x")]), "messages[0].role"),
+    (dict(prompt="hi", request_id="x" * 200), "request_id must be 1-128"),
+]
+
+
+def test_grpc_bad_input_is_invalid_argument_naming_the_field(tiny_dir):
+    async def main():
+        async with (
+            fake_cluster([FakePrefill()], [FakeDecode()], tiny_dir) as (r, _),
+            grpcutil.channel(f"127.0.0.1:{r.grpc_port}") as ch,
+        ):
+            stub = router_pb2_grpc.RouterServiceStub(ch)
+            for kwargs, msg in BAD_GRPC:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Generate(router_pb2.GenerateRequest(**kwargs))
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, kwargs
+                assert msg in err.value.details(), (kwargs, err.value.details())
+
+    asyncio.run(main())
+
+
+BAD_HTTP = [
+    ("/v1/completions", {"model": "tiny", "prompt": ""}, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": -0.5}, "temperature"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_p": 2}, "top_p"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 10**6}, "max_tokens"),
+    ("/v1/completions", {"model": "nope", "prompt": "hi"}, "model"),
+    ("/v1/completions", {"prompt": "hi"}, "model"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": []}, "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, "messages"),
+]
+
+
+def test_http_bad_input_is_400_with_openai_error_json(tiny_dir):
+    async def main():
+        async with (
+            fake_cluster([FakePrefill()], [FakeDecode()], tiny_dir) as (r, _),
+            aiohttp.ClientSession(f"http://127.0.0.1:{r.http_port}") as http,
+        ):
+            for path, body, param in BAD_HTTP:
+                async with http.post(path, json=body) as resp:
+                    assert resp.status == 400, body
+                    err = (await resp.json())["error"]
+                    assert set(err) == {"message", "type", "param", "code"}
+                    assert err["param"] == param and param in err["message"], err
+                    assert err["type"] == "invalid_request_error"
+            async with http.post("/v1/completions", data=b"{not json") as resp:
+                assert resp.status == 400
+                assert "not valid JSON" in (await resp.json())["error"]["message"]
+            async with http.get("/v1/nothing") as resp:
+                assert resp.status == 404 and "error" in await resp.json()
+
+    asyncio.run(main())
+
+
+def test_http_429_when_queue_is_full(tiny_dir):
+    async def main():
+        d = FakeDecode(token_delay_s=0.05)
+        async with (
+            fake_cluster([FakePrefill()], [d], tiny_dir, max_inflight=1, max_queue=0) as (r, _),
+            aiohttp.ClientSession(f"http://127.0.0.1:{r.http_port}") as http,
+        ):
+            body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 40, "stream": True}
+            async with http.post("/v1/completions", json=body) as slow:
+                await slow.content.readline()  # streaming: admitted
+                async with http.post("/v1/completions", json={**body, "stream": False}) as resp:
+                    assert resp.status == 429
+                    err = (await resp.json())["error"]
+                    assert err["code"] == "rate_limit_exceeded" and "queue full" in err["message"]
+
+    asyncio.run(main())
+
+
+def test_openai_package_chat_stream_and_completion_shapes(tiny_dir):
+    async def main():
+        async with fake_cluster([FakePrefill()], [FakeDecode()], tiny_dir) as (r, _):
+            client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{r.http_port}/v1", api_key="x")
+            tok = r.frontend.tokenizer
+            msgs = [{"role": "user", "content": "hello there"}]
+            prompt = tok.apply_chat_template(msgs)
+            want = expected_tokens(prompt, 5)
+            stream = await client.chat.completions.create(
+                model="tiny",
+                messages=msgs,
+                max_tokens=5,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            chunks = [c async for c in stream]
+            assert chunks[0].choices[0].delta.role == "assistant"
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            assert text == "".join(f"<{t}>" for t in want)
+            finals = [c.choices[0].finish_reason for c in chunks if c.choices]
+            assert finals[-1] == "length" and set(finals[:-1]) == {None}
+            assert chunks[-1].usage.completion_tokens == 5
+            assert chunks[-1].usage.prompt_tokens == len(prompt)
+
+            comp = await client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=3)
+            assert comp.object == "text_completion"
+            assert comp.choices[0].text == "".join(f"<{t}>" for t in expected_tokens([5, 6, 7], 3))
+            assert comp.usage.total_tokens == 6 and comp.choices[0].finish_reason == "length"
+
+            chat = await client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2)
+            assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 2
+
+            models = await client.models.list()
+            assert [m.id for m in models.data] == ["tiny"]
+            with pytest.raises(openai.BadRequestError) as err:
+                await client.completions.create(model="tiny", prompt="hi", top_p=3)
+            assert err.value.body["param"] == "top_p"
+            await client.close()
+
+    asyncio.run(main())
+
+
+def test_sse_ends_with_done_and_health_metrics(tiny_dir):
+    async def main():
+        async with (
+            fake_cluster([FakePrefill()], [FakeDecode()], tiny_dir) as (r, _),
+            aiohttp.ClientSession(f"http://127.0.0.1:{r.http_port}") as http,
+        ):
+            body = {"model": "tiny", "prompt": "abc", "max_tokens": 3, "stream": True}
+            async with http.post("/v1/completions", json=body) as resp:
+                assert resp.headers["Content-Type"].startswith("text/event-stream")
+                lines = [ln.decode().strip() async for ln in resp.content]
+            events = [ln[len("data: ") :] for ln in lines if ln.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            assert all(json.loads(e)["object"] == "text_completion" for e in events[:-1])
+            async with http.get("/health") as resp:
+                assert resp.status == 200 and (await resp.json())["decode_workers"] == 1
+            async with http.get("/metrics") as resp:
+                assert "pdserve_router_requests" in await resp.text()
+
+    asyncio.run(main())
