@@ -1,0 +1,534 @@
+"""The pdserve KV connector for vLLM v1 (loaded with ``kv_connector_module_path``).
+
+It runs inside vLLM's engine core: one instance in the scheduler role, one in the worker role.
+Store objects are pdserve chunks (:mod:`pdserve.kvformat`, canonical layout
+``[layers, 2, kv_heads, tokens, head_dim]``) under the chain keys of :mod:`pdserve.hashing`,
+so the torch engine and this connector read each other's chunks when the fingerprints match.
+One chunk is ``chunk_size / block_size`` vLLM blocks.
+
+Flow per request:
+
+- Scheduler, ``get_num_new_matched_tokens``: the longest stored prefix of full chunks inside
+  the first ``len(prompt) - 1`` tokens (the last prompt token is always computed), plus the
+  request's partial tail when ``kv_transfer_params["pdserve"]["load_tail_key"]`` names one and
+  every chunk before it is stored. Loads are synchronous (done before the step's forward).
+- Worker, ``start_load_kv``: fetches the chunks, verifies them (checksum, fingerprint, shape)
+  and scatters them into the request's paged blocks. A chunk that is missing, corrupt or
+  unreachable is reported through ``get_block_ids_with_load_errors``; with
+  ``kv_load_failure_policy="recompute"`` vLLM then recomputes from the first failed block, so
+  a failed load costs time, never a wrong token.
+- Scheduler, ``build_connector_meta``: tracks each request's prompt progress and emits a save
+  for every prompt chunk completed in this step (and the partial tail under
+  ``save_tail_key`` once the whole prompt is computed).
+- Worker, ``wait_for_save`` (called synchronously at the end of every step, after the
+  forward): gathers each chunk's blocks across layers into the canonical layout and writes it
+  (skipping keys that already exist). When a request's output leaves the engine, its chunks
+  are committed in the store.
+- Scheduler, ``request_finished``: returns ``{"pdserve": {"loaded_tokens", "failed_tokens"}}``
+  as the request's ``kv_transfer_params`` (visible on vLLM's ``RequestOutput``).
+
+The partial tail is stored with its exact token count (the last vLLM block partially
+filled): vLLM accepts non-block-aligned external token counts, so decode loads the whole
+original prompt and computes only the position of the first generated token.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.logger import init_logger
+
+from pdserve import hashing
+from pdserve.kvformat import DTYPE_NAMES
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = init_logger(__name__)
+
+#: Key of pdserve's entry in a request's ``kv_transfer_params``.
+PARAMS_KEY = "pdserve"
+DEFAULT_STORE_CLIENT = "pdserve.store.client.StoreClient"
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """What ``kv_connector_extra_config`` carries (all JSON-serialisable)."""
+
+    master_address: str
+    fingerprint: hashing.ModelFingerprint
+    tail_ttl_ms: int = 30_000
+    transport: str = "auto"
+    store_client: str = DEFAULT_STORE_CLIENT
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
+        return cls(
+            master_address=str(extra["master_address"]),
+            fingerprint=hashing.ModelFingerprint(
+                model_id=str(extra["model_id"]),
+                revision=str(extra.get("revision", "")),
+                kv_dtype=str(extra.get("kv_dtype", "float32")),
+                chunk_size=int(extra["chunk_size"]),
+            ),
+            tail_ttl_ms=int(extra.get("tail_ttl_ms", 30_000)),
+            transport=str(extra.get("transport", "auto")),
+            store_client=str(extra.get("store_client", DEFAULT_STORE_CLIENT)),
+        )
+
+    def make_client(self) -> Any:
+        module, _, name = self.store_client.rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+        return cls(self.master_address, transport=self.transport)
+
+
+def extra_config(
+    master_address: str,
+    fingerprint: hashing.ModelFingerprint,
+    *,
+    tail_ttl_ms: int = 30_000,
+    transport: str = "auto",
+    store_client: str = DEFAULT_STORE_CLIENT,
+) -> dict[str, Any]:
+    """The ``kv_connector_extra_config`` for :class:`ConnectorSettings.from_extra`."""
+    return {
+        "master_address": master_address,
+        "model_id": fingerprint.model_id,
+        "revision": fingerprint.revision,
+        "kv_dtype": fingerprint.kv_dtype,
+        "chunk_size": fingerprint.chunk_size,
+        "tail_ttl_ms": tail_ttl_ms,
+        "transport": transport,
+        "store_client": store_client,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Metadata (scheduler -> worker, one per step)
+
+
+@dataclass
+class ChunkLoad:
+    """Store object ``key`` holds tokens ``[start, start + num_tokens)``; write the positions
+    ``>= skip_before`` (the rest is already in vLLM's local prefix cache)."""
+
+    key: str
+    start: int
+    num_tokens: int
+    skip_before: int
+
+
+@dataclass
+class RequestLoad:
+    req_id: str
+    block_ids: list[int]
+    chunks: list[ChunkLoad]
+
+
+@dataclass
+class ChunkSave:
+    key: str
+    start: int
+    num_tokens: int
+    block_ids: list[int]
+    ttl_ms: int = 0
+
+
+@dataclass
+class PdserveConnectorMetadata(KVConnectorMetadata):
+    loads: list[RequestLoad] = field(default_factory=list)
+    saves: list[ChunkSave] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scheduler-side state
+
+
+@dataclass
+class _LoadPlan:
+    start: int  # tokens vLLM already has locally (block aligned)
+    end: int  # tokens available after the load
+    keys: list[str]  # chunk keys covering [0, full_chunks * chunk_size)
+    tail_key: str  # "" when the plan ends on a chunk boundary
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _SaveTracker:
+    keys: list[str]
+    prompt_len: int
+    tail_key: str
+    block_ids: list[int]
+    computed: int = 0
+    next_chunk: int = 0
+    tail_done: bool = False
+
+
+@dataclass
+class _Outcome:
+    planned: int = 0  # tokens the load plan covered (beyond the local prefix cache)
+    plan_start: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    failed_from: int | None = None  # first token position that failed to load
+
+
+def _request_params(request: Any) -> dict[str, Any]:
+    params = getattr(request, "kv_transfer_params", None) or {}
+    inner = params.get(PARAMS_KEY) if isinstance(params, dict) else None
+    return inner if isinstance(inner, dict) else {}
+
+
+def _layer_index(name: str) -> int:
+    found = re.findall(r"\d+", name)
+    return int(found[-1]) if found else 0
+
+
+class PdserveConnector(KVConnectorBase_V1):
+    """Loads and saves pdserve KV chunks between the pdserve store and vLLM's paged cache."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self.settings = ConnectorSettings.from_extra(extra)
+        self.fp = self.settings.fingerprint
+        self.fp_digest = self.fp.digest()
+        self.block_size = vllm_config.cache_config.block_size
+        self.chunk_size = self.fp.chunk_size
+        if self.chunk_size % self.block_size:
+            raise ValueError(
+                f"chunk_size {self.chunk_size} must be a multiple of vLLM's block size "
+                f"{self.block_size}"
+            )
+        self.blocks_per_chunk = self.chunk_size // self.block_size
+        self.client = self.settings.make_client()
+        # scheduler role
+        self._plans: dict[str, _LoadPlan] = {}
+        self._trackers: dict[str, _SaveTracker] = {}
+        self._outcomes: dict[str, _Outcome] = {}
+        self._requests: dict[str, Request] = {}
+        # worker role
+        self._caches: list[torch.Tensor] = []
+        self._failed_blocks: set[int] = set()
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        tokens = list(request.prompt_token_ids or [])
+        limit = len(tokens) - 1  # the last prompt token is always computed
+        cs = self.chunk_size
+        params = _request_params(request)
+        keys = hashing.chunk_keys(self.fp, tokens[:limit])
+        try:
+            hit = self.client.longest_prefix(keys) if keys else 0
+            end = hit * cs
+            tail_key = str(params.get("load_tail_key", ""))
+            tail_end = int(params.get("load_tail_tokens", 0))
+            use_tail = (
+                bool(tail_key)
+                and cs * (tail_end // cs) == end
+                and end < tail_end <= limit
+                and self.client.exists([tail_key])[0]
+            )
+        except Exception as exc:  # store down: no external hit, vLLM computes everything
+            log.warning("pdserve store lookup failed, computing locally: %s", exc)
+            return 0, False
+        if use_tail:
+            end = tail_end
+        else:
+            tail_key = ""
+        if end <= num_computed_tokens:
+            self._plans.pop(request.request_id, None)
+            return 0, False
+        self._plans[request.request_id] = _LoadPlan(
+            start=num_computed_tokens, end=end, keys=keys[:hit], tail_key=tail_key
+        )
+        return end - num_computed_tokens, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        plan = self._plans.get(request.request_id)
+        if plan is None:
+            return
+        if num_external_tokens <= 0:
+            del self._plans[request.request_id]
+            return
+        # The scheduler may trim a sub-block local hit: re-derive where the load starts.
+        plan.start = plan.end - num_external_tokens
+        plan.block_ids = list(blocks.get_block_ids()[0])
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = PdserveConnectorMetadata()
+        for req_id in scheduler_output.finished_req_ids:
+            self._trackers.pop(req_id, None)
+            self._plans.pop(req_id, None)
+        for req_id in scheduler_output.preempted_req_ids or ():
+            self._trackers.pop(req_id, None)
+
+        for new in scheduler_output.scheduled_new_reqs:
+            plan = self._plans.pop(new.req_id, None)
+            block_ids = list(new.block_ids[0])
+            loaded_chunks = 0
+            if plan is not None:
+                meta.loads.append(self._load_meta(new.req_id, plan, block_ids))
+                loaded_chunks = len(plan.keys)
+                self._outcomes[new.req_id] = _Outcome(
+                    planned=plan.end - plan.start, plan_start=plan.start, block_ids=block_ids
+                )
+            self._track(new.req_id, new.prompt_token_ids or [], block_ids, loaded_chunks)
+            self._advance(
+                new.req_id,
+                new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id],
+                meta,
+            )
+
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracker = self._trackers.get(req_id)
+            if tracker is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                tracker.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                tracker.block_ids.extend(new_ids[0])
+            self._advance(
+                req_id,
+                cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id],
+                meta,
+            )
+        return meta
+
+    def _load_meta(self, req_id: str, plan: _LoadPlan, block_ids: list[int]) -> RequestLoad:
+        cs = self.chunk_size
+        chunks = [
+            ChunkLoad(key, i * cs, cs, plan.start)
+            for i, key in enumerate(plan.keys)
+            if (i + 1) * cs > plan.start
+        ]
+        if plan.tail_key:
+            base = len(plan.keys) * cs
+            chunks.append(ChunkLoad(plan.tail_key, base, plan.end - base, plan.start))
+        return RequestLoad(req_id, block_ids, chunks)
+
+    def _track(
+        self, req_id: str, prompt: list[int], block_ids: list[int], loaded_chunks: int
+    ) -> None:
+        params = _request_params(self._requests.get(req_id))
+        self._trackers[req_id] = _SaveTracker(
+            keys=hashing.chunk_keys(self.fp, prompt),
+            prompt_len=len(prompt),
+            tail_key=str(params.get("save_tail_key", "")),
+            block_ids=block_ids,
+            next_chunk=loaded_chunks,
+        )
+
+    def _advance(self, req_id: str, computed: int, meta: PdserveConnectorMetadata) -> None:
+        """Emits saves for the prompt chunks (and tail) that ``computed`` tokens complete."""
+        tracker = self._trackers[req_id]
+        tracker.computed = computed
+        cs, bs = self.chunk_size, self.block_size
+        done = min(computed, tracker.prompt_len) // cs
+        for i in range(tracker.next_chunk, done):
+            blocks = tracker.block_ids[i * self.blocks_per_chunk : (i + 1) * self.blocks_per_chunk]
+            meta.saves.append(ChunkSave(tracker.keys[i], i * cs, cs, blocks))
+        tracker.next_chunk = max(tracker.next_chunk, done)
+        if tracker.tail_key and not tracker.tail_done and computed >= tracker.prompt_len:
+            start = len(tracker.keys) * cs
+            n = tracker.prompt_len - start
+            if n > 0:
+                blocks = tracker.block_ids[start // bs : (tracker.prompt_len + bs - 1) // bs]
+                meta.saves.append(
+                    ChunkSave(tracker.tail_key, start, n, blocks, self.settings.tail_ttl_ms)
+                )
+            tracker.tail_done = True
+
+    def on_new_request(self, request: Request) -> None:
+        self._requests[request.request_id] = request
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if not invalid:
+            return
+        bs = self.block_size
+        for outcome in self._outcomes.values():
+            first = outcome.plan_start // bs
+            last = (outcome.plan_start + outcome.planned + bs - 1) // bs
+            for idx in range(first, min(last, len(outcome.block_ids))):
+                if outcome.block_ids[idx] in invalid:
+                    pos = idx * bs
+                    if outcome.failed_from is None or pos < outcome.failed_from:
+                        outcome.failed_from = pos
+                    break
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        self._requests.pop(req_id, None)
+        self._trackers.pop(req_id, None)
+        self._plans.pop(req_id, None)
+        outcome = self._outcomes.pop(req_id, _Outcome())
+        failed = 0
+        if outcome.failed_from is not None:
+            failed = (
+                outcome.plan_start + outcome.planned - max(outcome.failed_from, outcome.plan_start)
+            )
+        return False, {
+            PARAMS_KEY: {"loaded_tokens": outcome.planned - failed, "failed_tokens": failed}
+        }
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = sorted(kv_caches, key=_layer_index)
+        self._caches = [kv_caches[n] for n in names]
+        dtype = DTYPE_NAMES.get(self._caches[0].dtype)
+        if dtype != self.fp.kv_dtype:
+            raise ValueError(
+                f"vLLM's KV cache dtype {self._caches[0].dtype} does not match the "
+                f"fingerprint's kv_dtype {self.fp.kv_dtype!r}"
+            )
+
+    def _block_view(self, cache: torch.Tensor) -> torch.Tensor:
+        """``[num_blocks, kv_heads, 2, block_size, head_dim]`` view of one layer's cache.
+
+        CPU backend: ``[blocks, kv_heads, block_size, 2 * head_dim]`` whose memory is K rows
+        then V rows per (block, head) (cpu_attn.py views it as ``[..., 2 * block_size,
+        head_dim]`` and chunks dim 2). Flash-attention layout: ``[2, blocks, block_size,
+        kv_heads, head_dim]``.
+        """
+        bs = self.block_size
+        if cache.dim() == 4:
+            nb, heads, block, width = cache.shape
+            assert block == bs, (block, bs)
+            return cache.view(nb, heads, 2, bs, width // 2)
+        if cache.dim() == 5 and cache.shape[0] == 2:
+            return cache.permute(1, 3, 0, 2, 4)
+        raise ValueError(f"unsupported vLLM KV cache layout {tuple(cache.shape)}")
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PdserveConnectorMetadata)
+        for load in meta.loads:
+            self._load_request(load)
+
+    def _load_request(self, load: RequestLoad) -> None:
+        bs = self.block_size
+        try:
+            tensors = self.client.batch_get_chunks([c.key for c in load.chunks], self.fp_digest)
+        except Exception as exc:
+            log.warning("pdserve store read failed for %s: %s", load.req_id, exc)
+            tensors = [None] * len(load.chunks)
+        for i, (chunk, kv) in enumerate(zip(load.chunks, tensors, strict=True)):
+            if not self._valid(kv, chunk.num_tokens):
+                first = max(chunk.start, chunk.skip_before) // bs
+                last = (load.chunks[-1].start + load.chunks[-1].num_tokens + bs - 1) // bs
+                self._failed_blocks.update(load.block_ids[first:last])
+                log.warning(
+                    "pdserve chunk %d of %s missing or corrupt: recomputing from token %d",
+                    i,
+                    load.req_id,
+                    first * bs,
+                )
+                return
+            assert kv is not None
+            self._scatter(kv, chunk, load.block_ids)
+
+    def _valid(self, kv: torch.Tensor | None, num_tokens: int) -> bool:
+        if kv is None or not self._caches:
+            return False
+        view = self._block_view(self._caches[0])
+        expected = (len(self._caches), 2, view.shape[1], num_tokens, view.shape[4])
+        return tuple(kv.shape) == expected and kv.dtype == self._caches[0].dtype
+
+    def _scatter(self, kv: torch.Tensor, chunk: ChunkLoad, block_ids: list[int]) -> None:
+        bs = self.block_size
+        begin = max(chunk.start, chunk.skip_before)
+        end = chunk.start + chunk.num_tokens
+        for b in range(begin // bs, (end + bs - 1) // bs):
+            lo, hi = max(b * bs, begin), min((b + 1) * bs, end)
+            src = kv[:, :, :, lo - chunk.start : hi - chunk.start, :]  # [L, 2, H, t, D]
+            for layer, cache in enumerate(self._caches):
+                dst = self._block_view(cache)[block_ids[b], :, :, lo - b * bs : hi - b * bs, :]
+                dst.copy_(src[layer].transpose(0, 1))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        # Saves read the registered caches once per step in wait_for_save.
+        return
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PdserveConnectorMetadata)
+        if not meta.saves:
+            return
+        try:
+            exists = self.client.exists([s.key for s in meta.saves])
+        except Exception as exc:
+            log.warning("pdserve store unreachable, %d chunks not saved: %s", len(meta.saves), exc)
+            return
+        for save, present in zip(meta.saves, exists, strict=True):
+            if present:
+                continue
+            try:
+                self.client.put_chunk(
+                    save.key, self._gather(save), self.fp_digest, self._options(save.ttl_ms)
+                )
+            except Exception as exc:  # a missing chunk is a future miss, never an error
+                log.warning("pdserve chunk save failed for %s: %s", save.key, exc)
+
+    def _options(self, ttl_ms: int) -> Any:
+        from pdserve.store.client import StoreOptions
+
+        return StoreOptions(ttl_ms=ttl_ms)
+
+    def _gather(self, save: ChunkSave) -> torch.Tensor:
+        bs = self.block_size
+        nblocks = (save.num_tokens + bs - 1) // bs
+        ids = torch.tensor(save.block_ids[:nblocks], dtype=torch.long)
+        layers = []
+        for cache in self._caches:
+            view = self._block_view(cache)[ids]  # [nb, H, 2, bs, D]
+            heads, dim = view.shape[1], view.shape[4]
+            kv = view.permute(2, 1, 0, 3, 4).reshape(2, heads, nblocks * bs, dim)
+            layers.append(kv[:, :, : save.num_tokens])
+        return torch.stack(layers).contiguous()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def shutdown(self) -> None:
+        close = getattr(self.client, "close", None)
+        if close is not None:
+            close()

@@ -1,0 +1,349 @@
+"""The vLLM engine: vLLM's ``AsyncLLM`` with the pdserve KV connector
+(:mod:`pdserve.engines.vllm_connector`) moving prompt KV through the store.
+
+- ``prefill``: ``max_tokens=1``; the connector loads the cached prefix chunks, saves every
+  newly completed prompt chunk and the partial tail (under :func:`pdserve.hashing.tail_key`),
+  synchronously at the end of the step that computed them, so when vLLM returns the first
+  token every chunk is committed in the store.
+- ``generate`` with a :class:`KVRef`: the prompt becomes ``prompt + [first_token]``; the
+  connector loads the full chunks and the tail (the whole original prompt) and vLLM computes
+  only the first token's position. Without a handle, vLLM prefills locally and the connector
+  still reuses stored prefix chunks (and saves new ones).
+- A failed load (miss, corrupt chunk, store down) is recomputed by vLLM
+  (``kv_load_failure_policy="recompute"``): slower, never a different token.
+
+vLLM's own features stay on: continuous batching, chunked prefill, local prefix caching.
+The model runs in ``dtype = kv_dtype`` (float32 keeps greedy output token-exact against the
+torch engine and lets both engines share chunks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from pdserve import hashing
+from pdserve.engines import metrics
+from pdserve.engines.base import (
+    Engine,
+    EngineLoad,
+    Finish,
+    KVRef,
+    PrefillOutcome,
+    Sampling,
+    TokenEvent,
+)
+from pdserve.engines.config import EngineConfig
+from pdserve.engines.fingerprint import model_fingerprint
+from pdserve.engines.textstream import TextStream
+from pdserve.engines.vllm_connector import PARAMS_KEY, extra_config
+from pdserve.errors import InvalidArgument
+
+CONNECTOR_MODULE = "pdserve.engines.vllm_connector"
+CONNECTOR_CLASS = "PdserveConnector"
+
+
+def prepare_environment(config: EngineConfig, cache_root: str | None = None) -> None:
+    """Environment vLLM reads at engine start: KV cache size and core binding on CPU, and
+    caches kept out of the user's home. Call before building the engine."""
+    os.environ.setdefault(
+        "VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(config.vllm_kv_cache_gib)))
+    )
+    if config.vllm_cpu_cores:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.vllm_cpu_cores
+    root = Path(cache_root or os.environ.get("PDSERVE_CACHE_DIR", "/tmp/pdserve-vllm"))
+    for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
+        if var not in os.environ:
+            os.environ[var] = str(root / sub)
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+
+
+def sampling_params(sampling: Sampling, *, max_tokens: int, extra: dict[str, Any] | None) -> Any:
+    """Maps pdserve :class:`Sampling` to vLLM ``SamplingParams`` (stop strings are handled by
+    :class:`TextStream` so both engines stop identically)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        n=1,
+        max_tokens=max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k if sampling.top_k > 0 else -1,
+        seed=sampling.seed,
+        ignore_eos=sampling.ignore_eos,
+        output_kind=RequestOutputKind.DELTA,
+        detokenize=False,
+        extra_args={"kv_transfer_params": extra} if extra else None,
+    )
+
+
+class VllmEngine(Engine):
+    """One vLLM ``AsyncLLM`` with the pdserve KV connector (see the module docstring)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        self._llm: Any = None
+        self._tokenizer: Any = None
+        self._running = 0
+        self._waiting = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        from pdserve.model.prepare import resolve_model
+
+        cfg = self.config
+        model_dir = await asyncio.to_thread(resolve_model, cfg.model)
+        served = cfg.served_model_name or cfg.model
+        self.fingerprint = model_fingerprint(model_dir, served, cfg.kv_dtype, cfg.chunk_size)
+        prepare_environment(cfg)
+        self._llm = await asyncio.to_thread(self._build, model_dir, served)
+        self._tokenizer = self._llm.get_tokenizer()
+        model_config = self._llm.model_config
+        self.max_model_len = int(model_config.max_model_len)
+        self.vocab_size = int(model_config.get_vocab_size())
+        eos = self._tokenizer.eos_token_id
+        self.eos_token_id = int(eos if eos is not None else -1)
+
+    def _build(self, model_dir: Path, served: str) -> Any:
+        from vllm.config import KVTransferConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        cfg = self.config
+        kv_transfer = None
+        if cfg.store_master:
+            kv_transfer = KVTransferConfig(
+                kv_connector=CONNECTOR_CLASS,
+                kv_connector_module_path=CONNECTOR_MODULE,
+                kv_role="kv_both",
+                kv_load_failure_policy="recompute",
+                kv_connector_extra_config=extra_config(
+                    cfg.store_master,
+                    self.fingerprint,
+                    tail_ttl_ms=cfg.tail_ttl_ms,
+                    transport=cfg.store_transport,
+                    store_client=os.environ.get(
+                        "PDSERVE_STORE_CLIENT", "pdserve.store.client.StoreClient"
+                    ),
+                ),
+            )
+        args = AsyncEngineArgs(
+            model=str(model_dir),
+            served_model_name=[served],
+            dtype=cfg.kv_dtype,
+            block_size=cfg.vllm_block_size,
+            max_model_len=cfg.max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
+            enforce_eager=True,
+            enable_prefix_caching=True,
+            kv_transfer_config=kv_transfer,
+            disable_log_stats=True,
+        )
+        return AsyncLLM.from_engine_args(args)
+
+    async def close(self) -> None:
+        if self._llm is not None:
+            llm, self._llm = self._llm, None
+            await asyncio.to_thread(llm.shutdown)
+
+    # ------------------------------------------------------------------ text
+
+    def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode_text(self, token_ids: Sequence[int]) -> str:
+        return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    # ------------------------------------------------------------------ requests
+
+    async def _run(
+        self, request_id: str, prompt: list[int], params: Any
+    ) -> AsyncIterator[tuple[list[int], Any]]:
+        """Yields ``(new token ids, RequestOutput)``; aborts the request when closed early."""
+        self._waiting += 1
+        started = False
+        finished = False
+        try:
+            stream = self._llm.generate({"prompt_token_ids": prompt}, params, request_id)
+            async for out in stream:
+                if not started:
+                    started = True
+                    self._waiting -= 1
+                    self._running += 1
+                finished = out.finished
+                yield list(out.outputs[0].token_ids), out
+        finally:
+            if started:
+                self._running -= 1
+            else:
+                self._waiting -= 1
+            if not finished and self._llm is not None:
+                await self._llm.abort(request_id)
+
+    async def prefill(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: Sampling,
+        *,
+        publish_incrementally: bool = False,
+    ) -> PrefillOutcome:
+        prompt = list(prompt_token_ids)
+        sampling.validate(self.config.max_tokens_limit)
+        self.check_prompt(prompt, sampling)
+        fp = self.fingerprint
+        keys = hashing.chunk_keys(fp, prompt)
+        tail = hashing.tail_key(fp, prompt, request_id) if self.config.store_master else ""
+        params = sampling_params(
+            sampling, max_tokens=1, extra={PARAMS_KEY: {"save_tail_key": tail}} if tail else None
+        )
+        first: int | None = None
+        result: Any = None
+        async for ids, out in self._run(_vllm_id(request_id), prompt, params):
+            if ids and first is None:
+                first = ids[0]
+            result = out
+        if first is None:
+            raise RuntimeError(f"vLLM returned no token for request {request_id}")
+        loaded = _loaded_tokens(result)
+        cached = max(loaded, int(result.num_cached_tokens or 0))
+        computed = len(prompt) - cached
+        metrics.KV_LOADED_TOKENS.labels("prefill").inc(loaded)
+        metrics.KV_COMPUTED_TOKENS.labels("uncached").inc(computed)
+        _count_failures(result)
+        return PrefillOutcome(
+            first_token_id=first,
+            kv=KVRef(tuple(keys), tail, len(prompt), fp.chunk_size, fp.digest()),
+            cached_tokens=cached,
+            computed_tokens=computed,
+            first_token_is_eos=first == self.eos_token_id,
+        )
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: Sampling,
+        *,
+        kv: KVRef | None = None,
+        first_token_id: int | None = None,
+        chunk_wait_ms: int = 0,
+    ) -> AsyncIterator[TokenEvent]:
+        prompt = list(prompt_token_ids)
+        sampling.validate(self.config.max_tokens_limit)
+        self.check_prompt(prompt, sampling)
+        t0 = time.perf_counter()
+        text = TextStream(self.decode_text, sampling.stop)
+        extra: dict[str, Any] | None = None
+        max_tokens = sampling.max_tokens
+        if kv is not None:
+            if first_token_id is None:
+                raise InvalidArgument("a KV handle needs the first token from prefill")
+            if kv.num_tokens != len(prompt):
+                raise InvalidArgument(
+                    f"KV handle covers {kv.num_tokens} tokens but the prompt has {len(prompt)}"
+                )
+            piece = text.add(first_token_id)
+            stop = _first_token_finish(first_token_id, sampling, self.eos_token_id, text)
+            yield TokenEvent(
+                [first_token_id],
+                piece + (text.flush() if stop else ""),
+                [(time.perf_counter() - t0) * 1e3],
+                finish=stop,
+            )
+            metrics.GENERATED_TOKENS.inc()
+            if stop is not None:
+                return
+            if kv.tail_key:
+                extra = {
+                    PARAMS_KEY: {"load_tail_key": kv.tail_key, "load_tail_tokens": len(prompt)}
+                }
+            prompt = [*prompt, first_token_id]
+            max_tokens -= 1
+        params = sampling_params(sampling, max_tokens=max_tokens, extra=extra)
+        last: Any = None
+        async for ids, out in self._run(_vllm_id(request_id), prompt, params):
+            last = out
+            now = (time.perf_counter() - t0) * 1e3
+            pieces = "".join(text.add(t) for t in ids)
+            finish = None
+            if text.stopped:
+                finish = Finish.STOP
+            elif out.finished:
+                pieces += text.flush()
+                reason = out.outputs[0].finish_reason
+                finish = Finish.LENGTH if reason == "length" else Finish.EOS
+            metrics.GENERATED_TOKENS.inc(len(ids))
+            event = TokenEvent(ids, pieces, [now] * len(ids), finish=finish)
+            if finish is not None:
+                event.loaded_tokens = _loaded_tokens(out)
+                event.recomputed_tokens = _failed_tokens(out)
+                self._count_generate(out, kv is not None)
+            yield event
+            if finish is not None:
+                return
+        if last is None:
+            raise RuntimeError(f"vLLM returned nothing for request {request_id}")
+
+    def _count_generate(self, out: Any, with_handle: bool) -> None:
+        loaded = _loaded_tokens(out)
+        metrics.KV_LOADED_TOKENS.labels("decode").inc(loaded)
+        failed = _count_failures(out)
+        if not with_handle:
+            metrics.KV_COMPUTED_TOKENS.labels("local").inc(
+                max(0, len(out.prompt_token_ids or []) - int(out.num_cached_tokens or 0))
+            )
+        elif failed:
+            metrics.KV_COMPUTED_TOKENS.labels("kv_miss").inc(failed)
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(queue_length=self._waiting, running_requests=self._running, kv_usage=0.0)
+
+
+def _vllm_id(request_id: str) -> str:
+    # vLLM needs unique ids per engine; a retried pdserve request must not collide.
+    return f"{request_id}-{uuid.uuid4().hex[:8]}"
+
+
+def _pdserve_params(out: Any) -> dict[str, Any]:
+    params = getattr(out, "kv_transfer_params", None) or {}
+    inner = params.get(PARAMS_KEY, {}) if isinstance(params, dict) else {}
+    return inner if isinstance(inner, dict) else {}
+
+
+def _loaded_tokens(out: Any) -> int:
+    return int(_pdserve_params(out).get("loaded_tokens", 0))
+
+
+def _failed_tokens(out: Any) -> int:
+    return int(_pdserve_params(out).get("failed_tokens", 0))
+
+
+def _count_failures(out: Any) -> int:
+    failed = _failed_tokens(out)
+    if failed:
+        metrics.KV_CHUNK_MISSES.labels("chunk").inc()
+    return failed
+
+
+def _first_token_finish(
+    token: int, sampling: Sampling, eos: int, text: TextStream
+) -> Finish | None:
+    if text.stopped:
+        return Finish.STOP
+    if token == eos and not sampling.ignore_eos:
+        return Finish.EOS
+    if sampling.max_tokens <= 1:
+        return Finish.LENGTH
+    return None
