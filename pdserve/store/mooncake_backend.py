@@ -70,7 +70,7 @@ class MooncakeMaster:
     address: str
 
     @classmethod
-    def start(cls, log_path: Path, *, lease_ms: int = 200) -> MooncakeMaster:
+    def start(cls, log_path: Path, *, lease_ms: int = 5000) -> MooncakeMaster:
         port, metrics = _free_port(), _free_port()
         log = log_path.open("w")
         popen = subprocess.Popen(

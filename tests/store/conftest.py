@@ -130,7 +130,7 @@ class MooncakeCluster:
         from pdserve.store.mooncake_backend import MooncakeMaster
 
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.master = MooncakeMaster.start(log_dir / "mooncake_master.log")
+        self.master = MooncakeMaster.start(log_dir / "mooncake_master.log", lease_ms=500)
         self.address = self.master.address
         log = (log_dir / "mooncake_storage.log").open("w")
         self.storage = subprocess.Popen(
