@@ -17,6 +17,8 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 SHM_DIR = Path("/dev/shm")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 _UNITS = {
@@ -78,8 +80,12 @@ class SegmentMemory:
     mm: mmap.mmap = field(repr=False)
 
     @classmethod
-    def create(cls, segment_id: str, name: str, size: int) -> SegmentMemory:
-        """Creates (or replaces a stale leftover of) the file and maps it."""
+    def create(
+        cls, segment_id: str, name: str, size: int, *, prefault: bool = False
+    ) -> SegmentMemory:
+        """Creates (or replaces a stale leftover of) the file and maps it. ``prefault`` touches
+        every page now: the memory is committed at start (a full /dev/shm fails here, not
+        with SIGBUS on a later write) and writes do not pay page faults."""
         path = SHM_DIR / name
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -87,7 +93,15 @@ class SegmentMemory:
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        return cls(segment_id, name, size, mm)
+        seg = cls(segment_id, name, size, mm)
+        if prefault:
+            seg.prefault()
+        return seg
+
+    def prefault(self, step: int = 64 * 1024 * 1024) -> None:
+        arr = np.frombuffer(self.mm, dtype=np.uint8)
+        for off in range(0, self.size, step):
+            arr[off : off + step] = 0
 
     @property
     def view(self) -> memoryview:

@@ -54,7 +54,9 @@ class KVNode:
     def start(self) -> None:
         for i, size in enumerate(self.cfg.segment_bytes()):
             seg_id = f"{self.cfg.node_id}-seg{i}"
-            self.segments.append(SegmentMemory.create(seg_id, shm_name(seg_id), size))
+            self.segments.append(
+                SegmentMemory.create(seg_id, shm_name(seg_id), size, prefault=self.cfg.prefault)
+            )
         for name in self.cfg.transports:
             server = _make_server(name, self.cfg)
             server.start(self.segments)

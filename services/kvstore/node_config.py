@@ -29,6 +29,11 @@ class NodeConfig:
         "data-plane transports to serve, comma-separated: shm, tcp, mooncake",
         metavar="LIST",
     )
+    prefault: bool = help_field(
+        True,
+        "touch every segment page at start: commits the memory up front (fails fast when "
+        "/dev/shm is too small) and keeps page faults out of writes",
+    )
     host: str = help_field("127.0.0.1", "address the data servers and the gRPC server bind to")
     tcp_port: int = help_field(0, "port of the tcp data server (0 = any free port)")
     port: int = help_field(0, "gRPC port of the node's Stats service (0 = any free port)")
