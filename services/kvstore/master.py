@@ -91,6 +91,21 @@ async def serve(cfg: MasterConfig, stop: asyncio.Event) -> None:
     metrics_port = telemetry.serve_metrics(cfg.metrics_port, cfg.host)
     address = f"{cfg.host}:{server.port}"
     log.info("kvstore master serving on %s (state_dir=%r)", address, cfg.state_dir)
+    meta_client = None
+    if cfg.meta:
+        from pdserve.discovery import MetaClient
+        from pdserve.v1 import common_pb2, meta_pb2
+
+        meta_client = MetaClient(cfg.meta)
+        labels = {"metrics": f"{cfg.host}:{metrics_port}"} if metrics_port else {}
+        await meta_client.register(
+            meta_pb2.Instance(
+                instance_id="kvstore-master",
+                role=common_pb2.ROLE_KVSTORE_MASTER,
+                address=address,
+                labels=labels,
+            )
+        )
     announce_ready("kvstore-master", grpc=address, metrics=metrics_port)
 
     async def housekeeping() -> None:
@@ -106,6 +121,9 @@ async def serve(cfg: MasterConfig, stop: asyncio.Event) -> None:
         await stop.wait()
     finally:
         log.info("kvstore master draining")
+        if meta_client is not None:
+            await meta_client.deregister()
+            await meta_client.close()
         task.cancel()
         hub.close()
         await server.stop(grace=2.0)

@@ -19,6 +19,7 @@ class MasterConfig:
         "a restart then relies on nodes re-reporting what they hold",
     )
     log_level: str = help_field("info", "log level")
+    meta: str = help_field("", "meta service address host:port to register with (empty = none)")
     # Liveness
     heartbeat_interval_ms: int = help_field(500, "heartbeat period told to nodes (ms)")
     heartbeat_miss_limit: int = help_field(
