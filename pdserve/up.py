@@ -116,6 +116,8 @@ class Cluster:
                         str(c.master_port),
                         "--state-dir",
                         str(state_dir),
+                        "--meta",
+                        meta_addr,
                     ],
                     {},
                 )
