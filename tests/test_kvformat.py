@@ -43,7 +43,9 @@ def test_decode_aliases_a_writable_buffer():
     assert bytes(buf[HEADER_SIZE:]) == bytes(len(buf) - HEADER_SIZE)
 
 
-@pytest.mark.parametrize("offset", [0, 5, 10, 40, 70, 90, 100, HEADER_SIZE - 1, HEADER_SIZE, HEADER_SIZE + 77, -1])
+@pytest.mark.parametrize(
+    "offset", [0, 5, 10, 40, 70, 90, 100, HEADER_SIZE - 1, HEADER_SIZE, HEADER_SIZE + 77, -1]
+)
 def test_any_flipped_byte_is_detected(offset):
     buf = bytearray(kvformat.encode(_kv(), FP))
     buf[offset] ^= 0x01
