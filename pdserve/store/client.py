@@ -58,6 +58,9 @@ PUT_RETRIES = Counter(
     registry=REGISTRY,
 )
 
+#: How long lease releases wait to be sent together (seconds).
+RELEASE_DELAY_S = 0.01
+
 TRANSPORT_NAMES = {
     kvstore_pb2.TRANSPORT_SHM: "shm",
     kvstore_pb2.TRANSPORT_TCP: "tcp",
@@ -100,6 +103,11 @@ class StoreClient(StoreBackend):
         self._stub = kvstore_pb2_grpc.KVMasterServiceStub(self._channel)
         self._transports: dict[str, Transport] = {}
         self._lock = threading.Lock()
+        self._release_cv = threading.Condition()
+        self._flush_lock = threading.Lock()
+        self._pending_release: list[str] = []
+        self._releaser: threading.Thread | None = None
+        self._closing = False
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -260,17 +268,44 @@ class StoreClient(StoreBackend):
         return list(resp.results)
 
     def _release(self, keys: list[str]) -> None:
-        """Ends read leases without waiting for the answer (they expire on their own if the
-        call is lost), so a get costs one master round trip."""
+        """Queues read leases for release. A background thread sends them in batches (one
+        ``BatchReleaseLease`` per ~``RELEASE_DELAY_S``), so a get costs one master round trip
+        on its own path; a lost release only means the lease runs out on its own."""
         if not keys:
             return
-        try:
-            self._stub.BatchReleaseLease.future(
-                kvstore_pb2.BatchKeysRequest(client_id=self.client_id, keys=keys),
-                timeout=self.timeout_s,
-            )
-        except grpc.RpcError as exc:
-            log.debug("lease release failed: %s", exc)
+        with self._release_cv:
+            self._pending_release.extend(keys)
+            if self._releaser is None:
+                self._releaser = threading.Thread(
+                    target=self._release_loop, name="store-lease-release", daemon=True
+                )
+                self._releaser.start()
+            self._release_cv.notify()
+
+    def _release_loop(self) -> None:
+        while True:
+            with self._release_cv:
+                while not self._pending_release and not self._closing:
+                    self._release_cv.wait()
+                if self._closing and not self._pending_release:
+                    return
+            time.sleep(RELEASE_DELAY_S)  # let more releases coalesce
+            self._flush_releases()
+
+    def _flush_releases(self) -> None:
+        """Sends the queued releases now; returns once no release is in flight."""
+        with self._flush_lock:
+            with self._release_cv:
+                keys, self._pending_release = self._pending_release, []
+            if not keys:
+                return
+            try:
+                self._stub.BatchReleaseLease(
+                    kvstore_pb2.BatchKeysRequest(client_id=self.client_id, keys=keys),
+                    timeout=self.timeout_s,
+                )
+            except grpc.RpcError as exc:
+                log.debug("lease release of %d key(s) failed: %s", len(keys), exc)
 
     def _read(
         self,
@@ -361,6 +396,7 @@ class StoreClient(StoreBackend):
         keys = check_keys(keys)
         if not keys:
             return 0
+        self._flush_releases()  # our own read leases must not block our removal
         resp = self._call(
             "BatchRemove", kvstore_pb2.BatchKeysRequest(client_id=self.client_id, keys=keys)
         )
@@ -400,6 +436,12 @@ class StoreClient(StoreBackend):
         return out
 
     def close(self) -> None:
+        with self._release_cv:
+            self._closing = True
+            self._release_cv.notify()
+        self._flush_releases()
+        if self._releaser is not None:
+            self._releaser.join(timeout=self.timeout_s)
         with self._lock:
             transports = list(self._transports.values())
             self._transports.clear()

@@ -45,6 +45,9 @@ def test_client_put_get_roundtrip(store: StoreBackend) -> None:
     assert store.put(k, _blob(10, 2)) is False  # immutable: the second put is a no-op
     assert store.get(k) == data
     assert store.exists([k, _key("absent")]) == [True, False]
+    # Our own read leases do not block our removal.
+    assert store.remove([k]) == 1
+    assert store.get(k) is None
 
 
 def test_client_get_into(store: StoreBackend) -> None:
