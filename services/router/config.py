@@ -55,8 +55,8 @@ class RouterConfig:
     breaker_cooldown_s: float = help_field(5.0, "seconds before a broken worker is probed")
     chunk_wait_ms: int = help_field(30000, "write mode: how long decode waits for each chunk")
     request_timeout_s: float = help_field(600.0, "deadline of a request without its own (s)")
-    prefill: list[str] = help_field([], "static prefill worker addresses (instead of meta)")  # noqa: RUF009
-    decode: list[str] = help_field([], "static decode worker addresses (instead of meta)")  # noqa: RUF009
+    prefill: list[str] = help_field([], "static prefill worker addresses (instead of meta)")
+    decode: list[str] = help_field([], "static decode worker addresses (instead of meta)")
     log_level: str = help_field("info", "log level")
 
     @property

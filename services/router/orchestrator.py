@@ -21,11 +21,12 @@ cancels the worker calls, which frees their slots.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import grpc
 from prometheus_client import Counter, Histogram
@@ -109,7 +110,11 @@ class Trace:
     first_token: float = 0.0
     prefill_worker_ms: float = 0.0
     decode_worker_ms: float = 0.0
+    #: Prompt tokens the decode worker loaded from the store / computed itself.
+    decode_loaded: int = 0
+    decode_recomputed: int = 0
     total_ms: float = 0.0
+    overhead_ms: float = -1.0
     retries: list[str] = field(default_factory=list)
 
 
@@ -214,11 +219,13 @@ class Orchestrator:
                 REQUESTS.labels(plan, outcome).inc()
                 if outcome == "ok":
                     E2E.observe(trace.total_ms / 1000.0)
-                    if plan in ("read", "local"):
+                    if trace.plan in ("read", "local"):
                         over = trace.total_ms - trace.prefill_worker_ms - trace.decode_worker_ms
+                        trace.overhead_ms = over
                         OVERHEAD.observe(over)
                         self.overheads_ms.append(over)
                 self.traces.append(trace)
+                log.info("request %s %s %s", req.request_id, outcome, json.dumps(asdict(trace)))
 
     # --- plans ------------------------------------------------------------------------------
 
@@ -401,6 +408,8 @@ class Orchestrator:
                 async for resp in call:
                     if not started:
                         started = True
+                        trace.decode_loaded = resp.loaded_tokens
+                        trace.decode_recomputed = resp.recomputed_tokens
                         if head.get("cached_tokens", 0) < 0:
                             head["cached_tokens"] = resp.loaded_tokens
                             CACHED.labels("store").inc(resp.loaded_tokens)

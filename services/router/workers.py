@@ -15,13 +15,14 @@ from prometheus_client import Counter, Gauge
 
 from pdserve import grpcutil
 from pdserve.telemetry import REGISTRY
-from pdserve.v1 import common_pb2, engine_pb2_grpc, meta_pb2, meta_pb2_grpc
+from pdserve.v1 import common_pb2, engine_pb2_grpc, meta_pb2
 
 log = logging.getLogger(__name__)
 
 PREFILL = "prefill"
 DECODE = "decode"
 _ROLES = {common_pb2.ROLE_PREFILL: PREFILL, common_pb2.ROLE_DECODE: DECODE}
+_ROLE_CODES = {v: k for k, v in _ROLES.items()}
 
 BREAKER_TRIPS = Counter(
     "pdserve_router_breaker_trips", "Workers taken out of rotation", ["role"], registry=REGISTRY
@@ -160,21 +161,37 @@ class WorkerPool:
 
     # --- discovery --------------------------------------------------------------------------
 
-    async def watch_meta(self, meta_address: str, stop: asyncio.Event) -> None:
-        """Keeps membership and load current from meta's WatchInstances (reconnecting)."""
-        while not stop.is_set():
-            try:
-                async with grpcutil.channel(meta_address) as ch:
-                    stub = meta_pb2_grpc.MetaServiceStub(ch)
-                    call = stub.WatchInstances(
-                        meta_pb2.WatchInstancesRequest(include_existing=True)
+    def sync(self, instances: list[meta_pb2.Instance]) -> None:
+        """Makes membership and load match meta's current instances (joins, updates, leaves).
+        Static workers (ids ``role@address``) are left alone."""
+        present = set()
+        for inst in instances:
+            if _ROLES.get(inst.role) is not None:
+                self.apply(meta_pb2.INSTANCE_EVENT_UPDATED, inst)
+                present.add(inst.instance_id)
+        for role, table in self.workers.items():
+            for wid in list(table):
+                if wid not in present and not wid.startswith(f"{role}@"):
+                    self.apply(
+                        meta_pb2.INSTANCE_EVENT_LEFT,
+                        meta_pb2.Instance(instance_id=wid, role=_ROLE_CODES[role]),
                     )
-                    async for ev in _until(call, stop):
-                        self.apply(ev.type, ev.instance)
-            except grpc.aio.AioRpcError as exc:
-                log.warning("meta watch at %s failed: %s; retrying", meta_address, exc.code())
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 1.0)
+
+    async def watch_meta(
+        self, meta_address: str, stop: asyncio.Event, period_s: float = 0.2
+    ) -> None:
+        """Keeps the pool in step with pdserve.discovery's watch-updated cache of meta."""
+        from pdserve.discovery import Discovery
+
+        disc = Discovery(meta_address, model=self.model)
+        await disc.start()
+        try:
+            while not stop.is_set():
+                self.sync(disc.instances())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), period_s)
+        finally:
+            await disc.close()
 
     async def close(self) -> None:
         for table in self.workers.values():
@@ -184,24 +201,3 @@ class WorkerPool:
     def _update_gauges(self) -> None:
         for role, table in self.workers.items():
             WORKERS.labels(role).set(sum(1 for w in table.values() if not w.broken))
-
-
-async def _until(call, stop: asyncio.Event):
-    """Yields from a streaming call until it ends or ``stop`` is set (then cancels it)."""
-    stopper = asyncio.ensure_future(stop.wait())
-    try:
-        it = call.__aiter__()
-        while True:
-            nxt = asyncio.ensure_future(it.__anext__())
-            done, _ = await asyncio.wait({nxt, stopper}, return_when=asyncio.FIRST_COMPLETED)
-            if nxt not in done:
-                nxt.cancel()
-                call.cancel()
-                return
-            if nxt.exception() is not None:
-                if isinstance(nxt.exception(), StopAsyncIteration):
-                    return
-                raise nxt.exception()
-            yield nxt.result()
-    finally:
-        stopper.cancel()

@@ -86,3 +86,10 @@ def test_make_policy_names():
     assert isinstance(make_policy("least_load"), LeastLoad)
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("random")
+
+
+def test_cache_aware_spreads_sequential_requests_on_an_idle_cluster():
+    ws = workers(2)
+    pol = CacheAware()
+    counts = Counter(pol.choose(ws, CTX).id for _ in range(10))
+    assert counts == {"w0": 5, "w1": 5}

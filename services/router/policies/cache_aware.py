@@ -25,6 +25,7 @@ class CacheAware(PrefillPolicy):
         self.cache_weight = cache_weight
         self.load_weight = load_weight
         self.request_tokens = request_tokens
+        self._picks: dict[str, int] = {}
 
     def queued_tokens(self, w: Worker) -> float:
         reported = (w.running + w.queue_length) * self.request_tokens
@@ -34,5 +35,8 @@ class CacheAware(PrefillPolicy):
         return self.cache_weight * ctx.uncached_tokens + self.load_weight * self.queued_tokens(w)
 
     def choose(self, workers: Sequence[Worker], ctx: RouteContext) -> Worker:
-        # Ties (e.g. an idle cluster) go to the worker with fewer requests, then by id.
-        return min(workers, key=lambda w: (self.cost(w, ctx), w.load, w.id))
+        # Ties (e.g. an idle cluster between sequential requests) go to the worker with fewer
+        # requests now, then to the one this policy picked least often, then by id.
+        w = min(workers, key=lambda w: (self.cost(w, ctx), w.load, self._picks.get(w.id, 0), w.id))
+        self._picks[w.id] = self._picks.get(w.id, 0) + 1
+        return w

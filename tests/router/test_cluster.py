@@ -1,0 +1,295 @@
+"""End-to-end on real processes: meta, a KV store (master + one node), two torch prefill
+workers and one torch decode worker on the tiny model, and the router found through meta.
+Ground truth is a single-process Hugging Face greedy run."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from pdserve import grpcutil
+from pdserve.procs import ServiceProcess, start_service
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+pytestmark = pytest.mark.slow
+CS = 16
+
+
+class Cluster:
+    def __init__(self, log_dir: Path, model_dir: Path) -> None:
+        self.procs: list[ServiceProcess] = []
+        self.log_dir = log_dir
+        try:
+            self._start(model_dir)
+        except BaseException:
+            self.close()
+            raise
+
+    def _add(self, name: str, args: list[str], **kw) -> ServiceProcess:
+        proc = start_service(name, args, self.log_dir, timeout=90, **kw)
+        self.procs.append(proc)
+        return proc
+
+    def _start(self, model_dir: Path) -> None:
+        self.meta = self._add("meta", ["meta", "--port", "0", "--http-port", "-1"])
+        meta = self.meta.info["grpc"]
+        self.master = self._add("master", ["kvstore", "master", "--port", "0"])
+        master = self.master.info["grpc"]
+        self.node = self._add(
+            "node",
+            [
+                "kvstore",
+                "node",
+                "--master-address",
+                master,
+                "--node-id",
+                "n0",
+                "--segment-sizes",
+                "64MiB",
+                "--transports",
+                "shm,tcp",
+            ],
+            env={"MC_TCP_BIND_ADDRESS": "127.0.0.1"},
+        )
+        common = [
+            "--engine",
+            "torch",
+            "--model",
+            str(model_dir),
+            "--served-model-name",
+            "tiny",
+            "--chunk-size",
+            str(CS),
+            "--max-model-len",
+            "512",
+            "--store-master",
+            master,
+            "--meta",
+            meta,
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+        ]
+        self.prefills = [self._add(f"prefill{i}", ["prefill", *common]) for i in range(2)]
+        self.decode = self._add("decode", ["decode", *common])
+        self.router = self._add(
+            "router",
+            [
+                "router",
+                "--model",
+                str(model_dir),
+                "--served-name",
+                "tiny",
+                "--chunk-size",
+                str(CS),
+                "--max-model-len",
+                "512",
+                "--port",
+                "0",
+                "--http-port",
+                "0",
+                "--meta",
+                meta,
+                "--store-master",
+                master,
+                "--policy",
+                "cache_aware",
+                "--local-prefill-threshold",
+                "0",
+            ],
+        )
+        self.grpc = self.router.info["grpc"]
+        self.http = self.router.info["http"]
+        with grpcutil.sync_channel(self.grpc) as ch:
+            stub = router_pb2_grpc.RouterServiceStub(ch)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                (m,) = stub.ListModels(router_pb2.ListModelsRequest()).models
+                if m.prefill_workers == 2 and m.decode_workers == 1:
+                    break
+                time.sleep(0.2)
+            else:
+                raise RuntimeError(f"router did not discover the workers: {m}")
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+        node = getattr(self, "node", None)
+        for name in node.info.get("shm_names", []) if node else []:
+            Path("/dev/shm", name).unlink(missing_ok=True)
+
+    def traces(self) -> dict[str, dict]:
+        """The router's per-request trace lines, by request id."""
+        out = {}
+        for line in self.router.log_path.read_text().splitlines():
+            try:
+                msg = json.loads(line)["msg"]
+            except (ValueError, KeyError):
+                continue
+            if msg.startswith("request "):
+                _, rid, outcome, body = msg.split(" ", 3)
+                out[rid] = {"outcome": outcome, **json.loads(body)}
+        return out
+
+
+def metric(proc: ServiceProcess, name: str) -> float:
+    text = urllib.request.urlopen(f"http://{proc.info['metrics']}/metrics", timeout=5).read()
+    total = 0.0
+    for line in text.decode().splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_model_dir) -> Iterator[Cluster]:
+    c = Cluster(tmp_path_factory.mktemp("cluster"), tiny_model_dir)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+def stream(cluster: Cluster, **kw) -> list[router_pb2.GenerateStreamResponse]:
+    with grpcutil.sync_channel(cluster.grpc) as ch:
+        stub = router_pb2_grpc.RouterServiceStub(ch)
+        return list(stub.GenerateStream(router_pb2.GenerateRequest(**kw), timeout=120))
+
+
+def ids(msgs) -> list[int]:
+    return [t for m in msgs for t in m.token_ids]
+
+
+def greedy(n: int) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(max_tokens=n, temperature=0.0)
+
+
+def test_openai_chat_stream_matches_hf_greedy(cluster, tok, hf_greedy):
+    msgs = [{"role": "user", "content": "Tell me a story about a small robot and the sea."}]
+    text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    prompt = tok.encode(text, add_special_tokens=False)
+    want = hf_greedy(prompt, 24)
+    client = openai.OpenAI(base_url=f"{cluster.http}/v1", api_key="none")
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=msgs,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    got = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert got == tok.decode(want, skip_special_tokens=True)
+    assert chunks[-1].usage.completion_tokens == len(want)
+    assert chunks[-1].usage.prompt_tokens == len(prompt)
+
+
+def test_grpc_stream_matches_hf_greedy_in_read_and_write_mode(cluster, tok, hf_greedy):
+    salt = uuid.uuid4().hex[:8]
+    text = f"{salt} the quick brown fox jumps over the lazy dog " * 4
+    prompt = tok.encode(text)
+    assert len(prompt) > 3 * CS
+    want = hf_greedy(prompt, 20)
+    read = stream(cluster, prompt=text, sampling=greedy(20), request_id=f"read-{salt}")
+    assert ids(read) == want
+    assert read[0].prompt_tokens == len(prompt)
+    times = [t for m in read for t in m.token_times_ms]
+    assert len(times) == len(want) and times == sorted(times)
+
+    # write mode on a fresh prompt (nothing cached): same tokens, decode overlapped prefill
+    text2 = f"{salt} write mode " + text
+    prompt2 = tok.encode(text2)
+    want2 = hf_greedy(prompt2, 20)
+    rid = f"write-{salt}"
+    got = stream(
+        cluster,
+        prompt=text2,
+        sampling=greedy(20),
+        request_id=rid,
+        mode=router_pb2.DISAGG_MODE_WRITE,
+    )
+    assert ids(got) == want2
+    read2 = stream(cluster, prompt=text2, sampling=greedy(20), mode=router_pb2.DISAGG_MODE_READ)
+    assert ids(read2) == want2
+    tr = cluster.traces()[rid]
+    assert tr["plan"] == "write" and tr["cached_tokens"] == 0  # nothing stored at the start
+    assert tr["decode_start"] < tr["prefill_end"]  # decode was called before prefill returned
+    # ... and it loaded the chunks that prefill published meanwhile
+    assert tr["decode_loaded"] == (len(prompt2) - 1) // CS * CS, tr
+
+
+def test_cache_aware_shared_prefix_hits_store_and_balances(cluster, tok):
+    before = [
+        metric(p, 'pdserve_prefill_prompt_tokens_total{source="cached"}') for p in cluster.prefills
+    ]
+    reqs = [metric(p, 'pdserve_prefill_requests_total{outcome="ok"}') for p in cluster.prefills]
+    salt = uuid.uuid4().hex[:8]
+    shared = tok.encode(f"{salt} shared system prompt about routers and caches. " * 3)
+    shared = shared[: 4 * CS]
+    n = 8
+    cached = []
+    for i in range(n):
+        suffix = tok.encode(f" question {i}: what is {i} plus {i}?")
+        msgs = stream(cluster, prompt_token_ids=shared + suffix, sampling=greedy(4))
+        cached.append(msgs[0].cached_tokens)
+    assert cached[0] == 0 and cached[1:] == [4 * CS] * (n - 1)
+    gained = [
+        metric(p, 'pdserve_prefill_prompt_tokens_total{source="cached"}') - b
+        for p, b in zip(cluster.prefills, before, strict=True)
+    ]
+    assert sum(gained) == (n - 1) * 4 * CS  # loaded from the store, not recomputed
+    served = [
+        metric(p, 'pdserve_prefill_requests_total{outcome="ok"}') - r
+        for p, r in zip(cluster.prefills, reqs, strict=True)
+    ]
+    assert sum(served) == n and max(served) <= 1.5 * min(served), served
+
+
+def test_cancel_mid_stream_frees_the_decode_slot(cluster):
+    d = cluster.decode
+    cancelled = metric(d, 'pdserve_decode_requests_total{outcome="cancelled"}')
+    with grpcutil.sync_channel(cluster.grpc) as ch:
+        stub = router_pb2_grpc.RouterServiceStub(ch)
+        call = stub.GenerateStream(
+            router_pb2.GenerateRequest(
+                prompt_token_ids=list(range(40, 80)),
+                sampling=common_pb2.SamplingParams(max_tokens=400, temperature=0, ignore_eos=True),
+            ),
+            timeout=120,
+        )
+        for _ in range(3):
+            next(call)
+        assert metric(d, "pdserve_decode_running_requests") == 1
+        call.cancel()
+        with pytest.raises(grpc.RpcError):
+            next(call)
+
+    def freed() -> bool:  # the gauge and the counter move one after the other: poll both
+        return metric(d, "pdserve_decode_running_requests") == 0 and (
+            metric(d, 'pdserve_decode_requests_total{outcome="cancelled"}') == cancelled + 1
+        )
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not freed():
+        time.sleep(0.1)
+    assert metric(d, "pdserve_decode_running_requests") == 0
+    assert metric(d, 'pdserve_decode_requests_total{outcome="cancelled"}') == cancelled + 1
+    tr = [t for t in cluster.traces().values() if t["outcome"] == "cancelled"]
+    assert len(tr) == 1 and tr[0]["decode_worker"] == d.info["instance_id"]
