@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+KV_DEFAULT_SIZES = "4KiB,1MiB,16MiB,64MiB"
+
 
 def _kvstore(args: argparse.Namespace) -> int:
     from pdserve.bench.kvstore import run
@@ -26,8 +28,30 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "installed, and longest_prefix over 64 keys."
         ),
     )
-    from pdserve.bench.kvstore import add_arguments
-
-    add_arguments(kv)
+    _kvstore_arguments(kv)
     kv.set_defaults(func=_kvstore)
     bench.set_defaults(func=lambda _args: bench.print_help() or 2)
+
+
+def _kvstore_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--sizes",
+        default=KV_DEFAULT_SIZES,
+        help=f"object sizes, comma-separated (default: {KV_DEFAULT_SIZES})",
+    )
+    p.add_argument(
+        "--iterations",
+        type=int,
+        default=50,
+        help="operations per size and direction; big sizes use fewer (at most 512 MiB moved, at least 3) (default: 50)",
+    )
+    p.add_argument(
+        "--transports",
+        default="shm,tcp,mooncake",
+        help="pdserve transports to measure (default: shm,tcp,mooncake)",
+    )
+    p.add_argument(
+        "--no-mooncake-store", action="store_true", help="skip the Mooncake Store baseline"
+    )
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    p.add_argument("--log-dir", metavar="DIR", help="service logs (default: a temporary directory)")

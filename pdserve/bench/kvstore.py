@@ -27,7 +27,6 @@ import numpy as np
 
 from pdserve.store.segment import parse_size
 
-DEFAULT_SIZES = "4KiB,1MiB,16MiB,64MiB"
 #: Bytes moved per (transport, size, direction) at most; bounds the run time of big sizes.
 BYTES_BUDGET = 512 * 1024 * 1024
 
@@ -330,27 +329,3 @@ def run(args: argparse.Namespace) -> int:
             json.dumps({"rows": [asdict(r) for r in rows], "longest_prefix": prefix}, indent=2)
         )
     return 0
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--sizes",
-        default=DEFAULT_SIZES,
-        help=f"object sizes, comma-separated (default: {DEFAULT_SIZES})",
-    )
-    p.add_argument(
-        "--iterations",
-        type=int,
-        default=50,
-        help="operations per size and direction; big sizes use fewer (at most 512 MiB moved, at least 3) (default: 50)",
-    )
-    p.add_argument(
-        "--transports",
-        default="shm,tcp,mooncake",
-        help="pdserve transports to measure (default: shm,tcp,mooncake)",
-    )
-    p.add_argument(
-        "--no-mooncake-store", action="store_true", help="skip the Mooncake Store baseline"
-    )
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
-    p.add_argument("--log-dir", metavar="DIR", help="service logs (default: a temporary directory)")

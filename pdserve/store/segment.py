@@ -17,8 +17,6 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 SHM_DIR = Path("/dev/shm")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 _UNITS = {
@@ -99,6 +97,8 @@ class SegmentMemory:
         return seg
 
     def prefault(self, step: int = 64 * 1024 * 1024) -> None:
+        import numpy as np
+
         arr = np.frombuffer(self.mm, dtype=np.uint8)
         for off in range(0, self.size, step):
             arr[off : off + step] = 0

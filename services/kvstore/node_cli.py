@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from pdserve import config
 
@@ -28,6 +29,10 @@ def _run(args: argparse.Namespace) -> int:
     from pdserve.services.kvstore.node import serve
     from pdserve.services.kvstore.node_config import NodeConfig
 
-    cfg = config.from_args(NodeConfig, "kvstore_node", args)
+    try:
+        cfg = config.from_args(NodeConfig, "kvstore_node", args)
+    except config.ConfigError as exc:
+        print(f"pdserve kvstore node: error: {exc}", file=sys.stderr)
+        return 2
     telemetry.setup_logging("kvstore-node", cfg.log_level)
     return lifecycle.run(lambda stop: serve(cfg, stop))

@@ -1,0 +1,48 @@
+"""``pdserve bench kvstore`` runs end to end (tiny sizes) and writes consistent JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.slow
+def test_bench_kvstore_small_run(tmp_path: Path) -> None:
+    out_json = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "bench",
+            "kvstore",
+            "--sizes",
+            "4KiB,64KiB",
+            "--iterations",
+            "3",
+            "--transports",
+            "shm,tcp",
+            "--no-mooncake-store",
+            "--json",
+            str(out_json),
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "pdserve/tcp" in proc.stdout and "longest_prefix over 64 keys" in proc.stdout
+    data = json.loads(out_json.read_text())
+    systems = {(r["system"], r["size"]) for r in data["rows"]}
+    for system in ("memcpy", "pdserve/shm", "pdserve/tcp"):
+        assert {(system, 4096), (system, 65536)} <= systems
+    for r in data["rows"]:
+        assert r["iterations"] == 3 and r["put_gbps"] > 0 and r["get_gbps"] > 0
+        assert 0 < r["get_p50_us"] <= r["get_p99_us"]
+    assert data["longest_prefix"]["pdserve"]["keys"] == 64

@@ -1,0 +1,61 @@
+"""Storage node configuration and CLI input validation (no processes beyond the CLI)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.config import ConfigError, load
+from pdserve.services.kvstore.node_config import NodeConfig
+from pdserve.store.segment import parse_size, shm_name
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("4096", 4096),
+        ("4KiB", 4096),
+        ("1GiB", 1 << 30),
+        ("1.5MiB", 1572864),
+        ("2mb", 2_000_000),
+        (7, 7),
+    ],
+)
+def test_node_parse_size(text, want) -> None:
+    assert parse_size(text) == want
+
+
+@pytest.mark.parametrize("text", ["", "0", "-1MiB", "12XB", "MiB", "1 2"])
+def test_node_parse_size_rejects(text) -> None:
+    with pytest.raises(ValueError, match="size"):
+        parse_size(text)
+
+
+def test_node_config_validation() -> None:
+    cfg = load(NodeConfig, "kvstore_node", env={}, overrides={"segment_sizes": "1MiB,2MiB"})
+    assert cfg.segment_bytes() == [1 << 20, 2 << 20]
+    assert cfg.node_id  # defaulted
+    with pytest.raises(ConfigError, match="segment_sizes"):
+        load(NodeConfig, "kvstore_node", env={}, overrides={"segment_sizes": "lots"})
+    with pytest.raises(ConfigError, match="transports"):
+        load(NodeConfig, "kvstore_node", env={}, overrides={"transports": "shm,carrier-pigeon"})
+    with pytest.raises(ConfigError, match="master_address"):
+        load(NodeConfig, "kvstore_node", env={}, overrides={"master_address": "nowhere"})
+
+
+def test_node_shm_names_are_safe() -> None:
+    assert shm_name("a/b c-seg0") == "pdserve-kv-a_b_c-seg0"
+
+
+def test_node_cli_rejects_bad_size() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "kvstore", "node", "--segment-sizes", "12XB"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert "segment_sizes" in out.stderr and "12XB" in out.stderr
+    assert "Traceback" not in out.stderr
