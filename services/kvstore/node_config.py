@@ -19,12 +19,12 @@ class NodeConfig:
     node_id: str = help_field(
         "", "stable id of this node; segments are named <node id>-seg<i> (empty = hostname-pid)"
     )
-    segment_sizes: list[str] = help_field(  # noqa: RUF009 - help_field returns a field
+    segment_sizes: list[str] = help_field(
         ["256MiB"],
         "memory segments to contribute, comma-separated sizes (e.g. 1GiB,1GiB)",
         metavar="SIZES",
     )
-    transports: list[str] = help_field(  # noqa: RUF009
+    transports: list[str] = help_field(
         ["shm", "tcp"],
         "data-plane transports to serve, comma-separated: shm, tcp, mooncake",
         metavar="LIST",
