@@ -21,7 +21,7 @@ from pdserve.services.router.policies import make_policy
 from pdserve.services.router.request import Limits
 from pdserve.services.router.servicer import RouterServicer
 from pdserve.services.router.workers import DECODE, PREFILL, WorkerPool
-from pdserve.v1 import router_pb2, router_pb2_grpc
+from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc, router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,18 @@ def model_folder(name_or_path: str) -> Path:
     from pdserve.model.prepare import resolve_model
 
     return resolve_model(name_or_path)
+
+
+def prefix_lookup(master: str):
+    """The store master's LongestPrefix on an asyncio channel (the router only needs this
+    metadata call; StoreClient.longest_prefix is the same RPC behind a thread hop)."""
+    stub = kvstore_pb2_grpc.KVMasterServiceStub(grpcutil.channel(master))
+
+    async def lookup(keys: list[str]) -> int:
+        resp = await stub.LongestPrefix(kvstore_pb2.LongestPrefixRequest(keys=keys), timeout=2.0)
+        return resp.length
+
+    return lookup
 
 
 def build(cfg: RouterConfig, tokenizer=None) -> Frontend:
@@ -57,12 +69,7 @@ def build(cfg: RouterConfig, tokenizer=None) -> Frontend:
     )
     pool.add_static(PREFILL, cfg.prefill)
     pool.add_static(DECODE, cfg.decode)
-    lookup = None
-    if cfg.store_master:
-        from pdserve.store.client import AsyncStoreClient
-
-        store = AsyncStoreClient(cfg.store_master, client_id="router")
-        lookup = store.longest_prefix
+    lookup = prefix_lookup(cfg.store_master) if cfg.store_master else None
     orch = Orchestrator(
         model=cfg.name,
         fingerprint=model_fingerprint(folder, cfg.name, cfg.kv_dtype, cfg.chunk_size),

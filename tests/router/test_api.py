@@ -164,3 +164,23 @@ def test_sse_ends_with_done_and_health_metrics(tiny_dir):
                 assert "pdserve_router_requests" in await resp.text()
 
     asyncio.run(main())
+
+
+def test_http_client_disconnect_cancels_the_decode_stream(tiny_dir):
+    async def main():
+        d = FakeDecode(token_delay_s=0.05)
+        async with (
+            fake_cluster([FakePrefill()], [d], tiny_dir) as (r, _),
+            aiohttp.ClientSession(f"http://127.0.0.1:{r.http_port}") as http,
+        ):
+            body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 200, "stream": True}
+            resp = await http.post("/v1/completions", json=body)
+            await resp.content.readline()
+            assert d.active == 1
+            resp.close()  # the client goes away mid-stream
+            deadline = asyncio.get_running_loop().time() + 5
+            while d.active and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.02)
+            assert d.active == 0 and d.cancelled == 1
+
+    asyncio.run(main())
