@@ -408,23 +408,19 @@ class PdserveConnector(KVConnectorBase_V1):
                 f"vLLM's KV cache dtype {self._caches[0].dtype} does not match the "
                 f"fingerprint's kv_dtype {self.fp.kv_dtype!r}"
             )
+        if self._caches[0].dim() == 4:
+            check_cpu_layout(self._caches[0], self.block_size)
 
-    def _block_view(self, cache: torch.Tensor) -> torch.Tensor:
-        """``[num_blocks, kv_heads, 2, block_size, head_dim]`` view of one layer's cache.
+    def _kv_views(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V views ``[num_blocks, kv_heads, block_size, head_dim]`` of one layer's cache.
 
-        CPU backend: ``[blocks, kv_heads, block_size, 2 * head_dim]`` whose memory is K rows
-        then V rows per (block, head) (cpu_attn.py views it as ``[..., 2 * block_size,
-        head_dim]`` and chunks dim 2). Flash-attention layout: ``[2, blocks, block_size,
+        CPU backend (verified against vLLM 0.32.0's ``cpu_attn_reshape_and_cache`` by
+        :func:`check_cpu_layout`): ``[blocks, kv_heads, block_size, 2 * head_dim]`` whose memory
+        per (block, head) is K transposed (``[head_dim, block_size]``) then V
+        (``[block_size, head_dim]``). Flash-attention layout: ``[2, blocks, block_size,
         kv_heads, head_dim]``.
         """
-        bs = self.block_size
-        if cache.dim() == 4:
-            nb, heads, block, width = cache.shape
-            assert block == bs, (block, bs)
-            return cache.view(nb, heads, 2, bs, width // 2)
-        if cache.dim() == 5 and cache.shape[0] == 2:
-            return cache.permute(1, 3, 0, 2, 4)
-        raise ValueError(f"unsupported vLLM KV cache layout {tuple(cache.shape)}")
+        return kv_views(cache, self.block_size)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -457,8 +453,8 @@ class PdserveConnector(KVConnectorBase_V1):
     def _valid(self, kv: torch.Tensor | None, num_tokens: int) -> bool:
         if kv is None or not self._caches:
             return False
-        view = self._block_view(self._caches[0])
-        expected = (len(self._caches), 2, view.shape[1], num_tokens, view.shape[4])
+        k, _ = self._kv_views(self._caches[0])
+        expected = (len(self._caches), 2, k.shape[1], num_tokens, k.shape[3])
         return tuple(kv.shape) == expected and kv.dtype == self._caches[0].dtype
 
     def _scatter(self, kv: torch.Tensor, chunk: ChunkLoad, block_ids: list[int]) -> None:
@@ -469,8 +465,8 @@ class PdserveConnector(KVConnectorBase_V1):
             lo, hi = max(b * bs, begin), min((b + 1) * bs, end)
             src = kv[:, :, :, lo - chunk.start : hi - chunk.start, :]  # [L, 2, H, t, D]
             for layer, cache in enumerate(self._caches):
-                dst = self._block_view(cache)[block_ids[b], :, :, lo - b * bs : hi - b * bs, :]
-                dst.copy_(src[layer].transpose(0, 1))
+                for part, view in enumerate(self._kv_views(cache)):
+                    view[block_ids[b], :, lo - b * bs : hi - b * bs, :].copy_(src[layer, part])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -518,10 +514,13 @@ class PdserveConnector(KVConnectorBase_V1):
         ids = torch.tensor(save.block_ids[:nblocks], dtype=torch.long)
         layers = []
         for cache in self._caches:
-            view = self._block_view(cache)[ids]  # [nb, H, 2, bs, D]
-            heads, dim = view.shape[1], view.shape[4]
-            kv = view.permute(2, 1, 0, 3, 4).reshape(2, heads, nblocks * bs, dim)
-            layers.append(kv[:, :, : save.num_tokens])
+            parts = []
+            for view in self._kv_views(cache):
+                blocks = view[ids]  # [nb, H, bs, D]
+                heads, dim = blocks.shape[1], blocks.shape[3]
+                flat = blocks.transpose(0, 1).reshape(heads, nblocks * bs, dim)
+                parts.append(flat[:, : save.num_tokens])
+            layers.append(torch.stack(parts))
         return torch.stack(layers).contiguous()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -532,3 +531,48 @@ class PdserveConnector(KVConnectorBase_V1):
         close = getattr(self.client, "close", None)
         if close is not None:
             close()
+
+
+def kv_views(cache: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :meth:`PdserveConnector._kv_views`."""
+    if cache.dim() == 4:
+        nb, heads, bs, width = cache.shape
+        assert bs == block_size, (bs, block_size)
+        dim = width // 2
+        halves = cache.view(nb, heads, 2, bs * dim)
+        k = halves[:, :, 0].view(nb, heads, dim, bs).transpose(2, 3)
+        v = halves[:, :, 1].view(nb, heads, bs, dim)
+        return k, v
+    if cache.dim() == 5 and cache.shape[0] == 2:
+        return cache[0].transpose(1, 2), cache[1].transpose(1, 2)
+    raise ValueError(f"unsupported vLLM KV cache layout {tuple(cache.shape)}")
+
+
+def check_cpu_layout(cache: torch.Tensor, block_size: int) -> None:
+    """Writes known K/V through vLLM's own CPU cache kernel into a scratch block and checks
+    that :func:`kv_views` reads them back at the right token positions (the in-block layout
+    depends on the kernel's ISA). Raises instead of ever storing non-canonical chunks."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    _, heads, bs, width = cache.shape
+    dim = width // 2
+    scratch = torch.zeros((1, heads, bs, width), dtype=cache.dtype)
+    halves = scratch.view(1, heads, 2 * bs, dim)
+    key_cache, value_cache = halves.chunk(2, dim=2)
+    n = min(5, bs)
+    key = torch.arange(n * heads * dim, dtype=torch.float32).view(n, heads, dim).to(cache.dtype)
+    value = -key - 1
+    isa = _get_attn_isa(cache.dtype, bs, dim, "auto")
+    ops.cpu_attn_reshape_and_cache(
+        key, value, key_cache, value_cache, torch.arange(n), isa, kv_cache_dtype="auto"
+    )
+    k, v = kv_views(scratch, block_size)
+    if not (
+        torch.equal(k[0, :, :n], key.transpose(0, 1))
+        and torch.equal(v[0, :, :n], value.transpose(0, 1))
+    ):
+        raise ValueError(
+            f"vLLM's CPU KV block layout (isa {isa!r}) is not the one pdserve's connector "
+            "converts; refusing to store non-canonical chunks"
+        )

