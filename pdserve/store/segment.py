@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import mmap
 import os
 import re
@@ -68,40 +69,61 @@ def host_id() -> str:
     return "-".join(parts) or socket.gethostname()
 
 
+class SegmentInUse(RuntimeError):
+    """Another live process owns this segment's shared-memory file (a duplicate node id)."""
+
+
 @dataclass
 class SegmentMemory:
-    """A node's segment: an mmap of ``SHM_DIR / name`` of ``size`` bytes."""
+    """A node's segment: an mmap of ``SHM_DIR / name`` of ``size`` bytes.
+
+    The owner holds an exclusive ``flock`` on the file for its lifetime, so a second node with
+    the same id cannot clobber it. The file of a node that was killed (no clean unlink) keeps
+    its bytes; a node restarted with the same id and size maps them again (``reused``), so a
+    segment id always names the same bytes, as the master assumes on a remount."""
 
     segment_id: str
     name: str
     size: int
     mm: mmap.mmap = field(repr=False)
+    fd: int = field(repr=False, default=-1)
+    #: True when the bytes of a previous owner (same name and size) were kept.
+    reused: bool = False
 
     @classmethod
     def create(
         cls, segment_id: str, name: str, size: int, *, prefault: bool = False
     ) -> SegmentMemory:
-        """Creates (or replaces a stale leftover of) the file and maps it. ``prefault`` touches
-        every page now: the memory is committed at start (a full /dev/shm fails here, not
-        with SIGBUS on a later write) and writes do not pay page faults."""
+        """Creates the file (or takes over a leftover of a dead owner) and maps it. ``prefault``
+        allocates every page now (``posix_fallocate``: a too small /dev/shm fails here with
+        ENOSPC instead of a SIGBUS on a later write) and maps them all (``MAP_POPULATE``), so
+        copies do not pay page faults. Raises :class:`SegmentInUse` when a live process owns
+        the file."""
         path = SHM_DIR / name
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            os.ftruncate(fd, size)
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError as exc:
+                raise SegmentInUse(
+                    f"shared-memory segment {path} is owned by a running process "
+                    "(is another node running with the same node id?)"
+                ) from exc
+            reused = os.fstat(fd).st_size == size
+            if not reused:
+                # A leftover of another size holds nothing a master could still point at
+                # validly: start from zeros.
+                os.ftruncate(fd, 0)
+                os.ftruncate(fd, size)
+            flags = mmap.MAP_SHARED
+            if prefault:
+                os.posix_fallocate(fd, 0, size)
+                flags |= getattr(mmap, "MAP_POPULATE", 0)
+            mm = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
             os.close(fd)
-        seg = cls(segment_id, name, size, mm)
-        if prefault:
-            seg.prefault()
-        return seg
-
-    def prefault(self, step: int = 64 * 1024 * 1024) -> None:
-        import numpy as np
-
-        arr = np.frombuffer(self.mm, dtype=np.uint8)
-        for off in range(0, self.size, step):
-            arr[off : off + step] = 0
+            raise
+        return cls(segment_id, name, size, mm, fd, reused)
 
     @property
     def view(self) -> memoryview:

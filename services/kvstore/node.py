@@ -54,9 +54,10 @@ class KVNode:
     def start(self) -> None:
         for i, size in enumerate(self.cfg.segment_bytes()):
             seg_id = f"{self.cfg.node_id}-seg{i}"
-            self.segments.append(
-                SegmentMemory.create(seg_id, shm_name(seg_id), size, prefault=self.cfg.prefault)
-            )
+            seg = SegmentMemory.create(seg_id, shm_name(seg_id), size, prefault=self.cfg.prefault)
+            if seg.reused:
+                log.warning("segment %s: kept the bytes a killed previous run left", seg_id)
+            self.segments.append(seg)
         for name in self.cfg.transports:
             server = _make_server(name, self.cfg)
             server.start(self.segments)
@@ -130,10 +131,10 @@ async def _heartbeat_loop(
 async def serve(cfg: NodeConfig, stop: asyncio.Event) -> None:
     """Runs a node until ``stop`` is set: segments, data servers, mount, heartbeats."""
     node = KVNode(cfg)
-    node.start()
     server = None
     channel = grpcutil.channel(cfg.master_address)
     try:
+        node.start()
         stub = kvstore_pb2_grpc.KVMasterServiceStub(channel)
         server = await grpcutil.start_server(
             [

@@ -28,6 +28,7 @@ def _run(args: argparse.Namespace) -> int:
     from pdserve import lifecycle, telemetry
     from pdserve.services.kvstore.node import serve
     from pdserve.services.kvstore.node_config import NodeConfig
+    from pdserve.store.segment import SegmentInUse
 
     try:
         cfg = config.from_args(NodeConfig, "kvstore_node", args)
@@ -35,4 +36,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"pdserve kvstore node: error: {exc}", file=sys.stderr)
         return 2
     telemetry.setup_logging("kvstore-node", cfg.log_level)
-    return lifecycle.run(lambda stop: serve(cfg, stop))
+    try:
+        return lifecycle.run(lambda stop: serve(cfg, stop))
+    except SegmentInUse as exc:
+        print(f"pdserve kvstore node: error: {exc}", file=sys.stderr)
+        return 1

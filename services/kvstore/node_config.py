@@ -31,8 +31,8 @@ class NodeConfig:
     )
     prefault: bool = help_field(
         True,
-        "touch every segment page at start: commits the memory up front (fails fast when "
-        "/dev/shm is too small) and keeps page faults out of writes",
+        "allocate and map every segment page at start: fails fast when /dev/shm is too small "
+        "and keeps page faults out of the data path",
     )
     host: str = help_field("127.0.0.1", "address the data servers and the gRPC server bind to")
     tcp_port: int = help_field(0, "port of the tcp data server (0 = any free port)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -83,3 +84,25 @@ def test_node_survives_master_restart(tmp_path: Path, kvprocs) -> None:
         node.stop()
         master.stop()
     assert kvprocs.shm_leftovers(node) == []
+
+
+@pytest.mark.slow
+def test_node_duplicate_id_refused_and_restart_keeps_bytes(cluster_factory, kvprocs) -> None:
+    from pdserve.procs import ProcessStartError
+
+    c = cluster_factory()
+    node = c.add_node(node_id=f"dup{uuid.uuid4().hex[:6]}", segments="8MiB", transports="tcp")
+    node_id = node.info["node_id"]
+    # A second node with the same id must not take over (or wipe) the live node's memory.
+    with pytest.raises(ProcessStartError, match="same node id"):
+        c.add_node(node_id=node_id, segments="8MiB", transports="tcp")
+    client = StoreClient(c.address, transport="tcp")
+    data = _blob(500_000, 9)
+    assert client.put("survivor", data)
+    # SIGKILL and an immediate restart with the same id, before the master declares the node
+    # dead: the master keeps the replica, and the bytes behind it are still the same.
+    node.kill()
+    again = c.add_node(node_id=node_id, segments="8MiB", transports="tcp")
+    assert again.info["shm_names"] == node.info["shm_names"]
+    assert client.get("survivor") == data
+    client.close()
