@@ -101,3 +101,28 @@ def test_async_client(cluster) -> None:
         await client.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_client_is_thread_safe(cluster, transport: str) -> None:
+    """One client shared by several threads (as in the engines): every thread reads back
+    exactly its own bytes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = StoreClient(cluster.address, transport=transport)
+    tag = uuid.uuid4().hex
+
+    def work(t: int) -> bool:
+        ok = True
+        for i in range(15):
+            key, data = f"{tag}-{t}-{i}", _blob(20_000 + 997 * t + i, t * 100 + i)
+            client.put(key, data, StoreOptions(replicas=2))
+            buf = bytearray(len(data))
+            ok &= client.get_into(key, memoryview(buf)) == len(data) and buf == data
+            ok &= client.batch_get([key, f"{tag}-missing"]) == [data, None]
+        return ok
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(work, range(4)))
+    assert client.remove([f"{tag}-{t}-{i}" for t in range(4) for i in range(15)]) == 60
+    client.close()
