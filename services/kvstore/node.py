@@ -95,6 +95,32 @@ class NodeServicer(kvstore_pb2_grpc.KVNodeServiceServicer):
         return self.node.stats()
 
 
+def _export_metrics(node: KVNode) -> None:
+    """Data-plane byte counters and segment capacity at /metrics (read when scraped)."""
+    from prometheus_client import Gauge
+
+    from pdserve.telemetry import REGISTRY
+
+    for name, doc, fn in (
+        (
+            "pdserve_kvnode_bytes_read",
+            "payload bytes served to readers since start",
+            lambda: sum(s.bytes_read for s in node.servers),
+        ),
+        (
+            "pdserve_kvnode_bytes_written",
+            "payload bytes received from writers since start",
+            lambda: sum(s.bytes_written for s in node.servers),
+        ),
+        (
+            "pdserve_kvnode_capacity_bytes",
+            "bytes of memory segments this node contributes",
+            lambda: sum(s.size for s in node.segments),
+        ),
+    ):
+        Gauge(name, doc, registry=REGISTRY).set_function(fn)
+
+
 async def _mount_all(node: KVNode, stub: kvstore_pb2_grpc.KVMasterServiceStub) -> int:
     """Mounts every segment; returns the heartbeat interval (ms) the master asked for."""
     interval = 1000
@@ -146,6 +172,7 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event) -> None:
             ],
             f"{cfg.host}:{cfg.port}",
         )
+        _export_metrics(node)
         metrics_port = serve_metrics(cfg.metrics_port)
         while True:
             try:

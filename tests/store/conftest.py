@@ -31,6 +31,7 @@ def start_node(
     segments: str = "64MiB",
     transports: str = "shm,tcp",
     env: dict[str, str] | None = None,
+    extra: list[str] | None = None,
 ) -> ServiceProcess:
     node_id = node_id or f"n{uuid.uuid4().hex[:8]}"
     return start_service(
@@ -46,6 +47,7 @@ def start_node(
             segments,
             "--transports",
             transports,
+            *(extra or []),
         ],
         log_dir,
         env={"MC_TCP_BIND_ADDRESS": "127.0.0.1", **(env or {})},

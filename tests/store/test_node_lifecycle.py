@@ -37,9 +37,10 @@ def test_node_sigterm_unlinks_shm_and_unmounts(cluster_factory, kvprocs) -> None
     client.close()
 
 
-def test_node_stats_and_garbage_on_data_port(cluster_factory) -> None:
+def test_node_stats_and_garbage_on_data_port(cluster_factory, kvprocs) -> None:
     c = cluster_factory()
-    node = c.add_node(transports="tcp")
+    node = kvprocs.start_node(c.master, c.log_dir, transports="tcp", extra=["--metrics-port", "0"])
+    c.nodes.append(node)
     client = StoreClient(c.address, transport="tcp")
     data = _blob(1_000_000, 1)
     assert client.put("keep", data)
@@ -58,6 +59,14 @@ def test_node_stats_and_garbage_on_data_port(cluster_factory) -> None:
     assert stats.bytes_written == len(data) and stats.bytes_read == len(data)
     assert stats.segments[0].endpoints[0].transport == kvstore_pb2.TRANSPORT_TCP
     ch.close()
+    import urllib.request
+
+    metrics_url = f"http://127.0.0.1:{node.info['metrics_port']}/metrics"
+    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    values = dict(
+        line.split(" ", 1) for line in text.splitlines() if line and not line.startswith("#")
+    )
+    assert float(values["pdserve_kvnode_bytes_written"]) == len(data)
     client.close()
 
 
