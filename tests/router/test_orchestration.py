@@ -274,3 +274,19 @@ def test_generate_unary_and_list_models_and_tokenize(tiny_dir):
             assert "".join(tok.tokens) == "hello world"
 
     run(main())
+
+
+def test_ttft_slo_rejects_early_once_the_cluster_is_seen_to_be_slow(tiny_dir):
+    async def main():
+        p, d = FakePrefill(delay_s=0.3), FakeDecode()
+        async with fake_cluster([p], [d], tiny_dir, slo_ttft_ms=100) as (r, _):
+            msgs = await stream_all(r.grpc_port, gen_req(2))  # no estimate yet: admitted
+            assert ids(msgs) == expected_tokens(PROMPT, 2)
+            t0 = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stream_all(r.grpc_port, gen_req(2))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "exceeds the SLO of 100 ms" in err.value.details()
+            assert time.monotonic() - t0 < 0.3 and len(p.calls) == 1  # refused, not queued
+
+    run(main())
