@@ -8,10 +8,12 @@ One chunk is ``chunk_size / block_size`` vLLM blocks.
 
 Flow per request:
 
-- Scheduler, ``get_num_new_matched_tokens``: the longest stored prefix of full chunks inside
-  the first ``len(prompt) - 1`` tokens (the last prompt token is always computed), plus the
-  request's partial tail when ``kv_transfer_params["pdserve"]["load_tail_key"]`` names one and
-  every chunk before it is stored. Loads are synchronous (done before the step's forward).
+- Scheduler, ``get_num_new_matched_tokens``: the longest stored prefix of the prompt's full
+  chunks, capped at ``len(prompt) - 1`` tokens (the last prompt token is always computed): when
+  the chunk holding the last prompt token is stored, its first positions are loaded (a prefix
+  slice of that chunk), so a fully cached prompt computes one token. Plus the request's partial
+  tail when ``kv_transfer_params["pdserve"]["load_tail_key"]`` names one and every chunk before
+  it is stored. Loads are synchronous (done before the step's forward).
 - Worker, ``start_load_kv``: fetches the chunks, verifies them (checksum, fingerprint, shape)
   and scatters them into the request's paged blocks. A chunk that is missing, corrupt or
   unreachable is reported through ``get_block_ids_with_load_errors``; with
@@ -125,12 +127,14 @@ def extra_config(
 @dataclass
 class ChunkLoad:
     """Store object ``key`` holds tokens ``[start, start + num_tokens)``; write the positions
-    ``>= skip_before`` (the rest is already in vLLM's local prefix cache)."""
+    ``[skip_before, stop)`` of it (before ``skip_before`` vLLM's local prefix cache has them;
+    ``stop < start + num_tokens`` only for the chunk holding the last prompt token)."""
 
     key: str
     start: int
     num_tokens: int
     skip_before: int
+    stop: int
 
 
 @dataclass
@@ -162,8 +166,8 @@ class PdserveConnectorMetadata(KVConnectorMetadata):
 @dataclass
 class _LoadPlan:
     start: int  # tokens vLLM already has locally (block aligned)
-    end: int  # tokens available after the load
-    keys: list[str]  # chunk keys covering [0, full_chunks * chunk_size)
+    end: int  # tokens available after the load (<= len(prompt) - 1)
+    keys: list[str]  # stored chunk keys covering [0, len(keys) * chunk_size), maybe past end
     tail_key: str  # "" when the plan ends on a chunk boundary
     block_ids: list[int] = field(default_factory=list)
 
@@ -236,10 +240,11 @@ class PdserveConnector(KVConnectorBase_V1):
         limit = len(tokens) - 1  # the last prompt token is always computed
         cs = self.chunk_size
         params = _request_params(request)
-        keys = hashing.chunk_keys(self.fp, tokens[:limit])
+        keys = hashing.chunk_keys(self.fp, tokens)
         try:
             hit = self.client.longest_prefix(keys) if keys else 0
-            end = hit * cs
+            # a stored chunk holding the last token is loaded up to that token (a prefix slice)
+            end = min(hit * cs, limit)
             tail_key = str(params.get("load_tail_key", ""))
             tail_end = int(params.get("load_tail_tokens", 0))
             use_tail = (
@@ -321,13 +326,13 @@ class PdserveConnector(KVConnectorBase_V1):
     def _load_meta(self, req_id: str, plan: _LoadPlan, block_ids: list[int]) -> RequestLoad:
         cs = self.chunk_size
         chunks = [
-            ChunkLoad(key, i * cs, cs, plan.start)
+            ChunkLoad(key, i * cs, cs, plan.start, min((i + 1) * cs, plan.end))
             for i, key in enumerate(plan.keys)
             if (i + 1) * cs > plan.start
         ]
         if plan.tail_key:
             base = len(plan.keys) * cs
-            chunks.append(ChunkLoad(plan.tail_key, base, plan.end - base, plan.start))
+            chunks.append(ChunkLoad(plan.tail_key, base, plan.end - base, plan.start, plan.end))
         return RequestLoad(req_id, block_ids, chunks)
 
     def _track(
@@ -438,7 +443,7 @@ class PdserveConnector(KVConnectorBase_V1):
         for i, (chunk, kv) in enumerate(zip(load.chunks, tensors, strict=True)):
             if not self._valid(kv, chunk.num_tokens):
                 first = max(chunk.start, chunk.skip_before) // bs
-                last = (load.chunks[-1].start + load.chunks[-1].num_tokens + bs - 1) // bs
+                last = (load.chunks[-1].stop + bs - 1) // bs
                 self._failed_blocks.update(load.block_ids[first:last])
                 log.warning(
                     "pdserve chunk %d of %s missing or corrupt: recomputing from token %d",
@@ -459,8 +464,7 @@ class PdserveConnector(KVConnectorBase_V1):
 
     def _scatter(self, kv: torch.Tensor, chunk: ChunkLoad, block_ids: list[int]) -> None:
         bs = self.block_size
-        begin = max(chunk.start, chunk.skip_before)
-        end = chunk.start + chunk.num_tokens
+        begin, end = max(chunk.start, chunk.skip_before), chunk.stop
         for b in range(begin // bs, (end + bs - 1) // bs):
             lo, hi = max(b * bs, begin), min((b + 1) * bs, end)
             src = kv[:, :, :, lo - chunk.start : hi - chunk.start, :]  # [L, 2, H, t, D]

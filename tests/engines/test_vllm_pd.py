@@ -1,6 +1,7 @@
 """vLLM engine end to end: prefill in one process -> real KV store (master + node processes)
 -> decode in another process equals single-process vLLM greedy output (and Hugging Face
-greedy output) token for token; a corrupted chunk is recomputed; the load path is real.
+greedy output) token for token; a corrupted chunk is recomputed; the load path is real; a
+second request for a stored prompt (no handle, fresh process) loads all but its last token.
 
 Three vLLM engine processes run one after the other (2 cores): a baseline without a store,
 a prefill engine and a decode engine, each through tests/engines/vllm_runner.py.
@@ -36,6 +37,9 @@ MAX_TOKENS = 8
 # < 1 chunk, exact multiples of the chunk size, and in between
 LENGTHS = [5, 40, 63, 64, 65, 100, 128, 129, 150, 192]
 CORRUPT_LEN = 160  # 2 full chunks + tail; its second chunk gets flipped bytes
+# prompts the decode engine asks again without a handle (stored by prefill, not by decode):
+# exact multiples load the first chunk_size - 1 tokens of their last chunk
+REUSE_LENGTHS = [128, 192, 129, 150]
 
 
 def _prompts() -> dict[str, list[int]]:
@@ -43,6 +47,7 @@ def _prompts() -> dict[str, list[int]]:
     # distinct random prompts, so no prompt reuses another's chunks
     out = {f"len{n}": [rng.randrange(3, 500) for _ in range(n)] for n in LENGTHS}
     out["corrupt"] = [rng.randrange(3, 500) for _ in range(CORRUPT_LEN)]
+    out.update({f"reuse{n}": [rng.randrange(3, 500) for _ in range(n)] for n in REUSE_LENGTHS})
     return out
 
 
@@ -133,7 +138,12 @@ def pd_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         by_key = dict(zip(prompts, prefill, strict=True))
         _flip_chunk_bytes(master.info["grpc"], by_key["corrupt"]["kv"]["chunk_keys"][1])
         handles = {k: {"kv": r["kv"], "first": r["first"]} for k, r in by_key.items()}
-        decode = _run_engine(tmp, "decode", stored, jobs("decode", handles))
+        # reuse prompts: a plain generate (no handle) that finds the prompt's chunks by key
+        decode_jobs = [
+            {**j, "mode": "single", "id": f"reuse-{k}"} if k.startswith("reuse") else j
+            for k, j in zip(prompts, jobs("decode", handles), strict=True)
+        ]
+        decode = _run_engine(tmp, "decode", stored, decode_jobs)
         yield {
             "prompts": prompts,
             "single": dict(zip(prompts, single, strict=True)),
@@ -187,7 +197,7 @@ def test_decode_loads_the_whole_prompt_and_computes_one_token(pd_run: dict[str, 
     the store (full chunks + the request's tail), and it computed only the first token's
     position."""
     for k, prompt in pd_run["prompts"].items():
-        if k == "corrupt":
+        if k == "corrupt" or k.startswith("reuse"):
             continue
         pre, dec = pd_run["prefill"][k], pd_run["decode"][k]
         assert pre["cached"] == 0 and pre["computed"] == len(prompt), (k, pre)
@@ -203,3 +213,18 @@ def test_corrupted_chunk_is_recomputed_token_exact(pd_run: dict[str, Any]) -> No
     # chunk 0 loaded; from the flipped chunk 1 on (incl. the tail) vLLM recomputed
     assert dec["loaded"] == CHUNK, dec
     assert dec["recomputed"] == CORRUPT_LEN - CHUNK, dec
+
+
+def test_stored_prompt_loads_all_but_its_last_token(pd_run: dict[str, Any]) -> None:
+    """A fresh engine process asked for a prompt the prefill engine stored (no handle, nothing
+    in its local prefix cache) loads every stored chunk by key, the one holding the last
+    prompt token only up to that token: a chunk-multiple prompt (and one a token past it)
+    computes 1 token; any other length computes its partial tail."""
+    for n in REUSE_LENGTHS:
+        k = f"reuse{n}"
+        pre, again = pd_run["prefill"][k], pd_run["decode"][k]
+        assert pre["cached"] == 0 and len(pre["kv"]["chunk_keys"]) == n // CHUNK, (k, pre)
+        want = n - 1 if n % CHUNK in (0, 1) else n - n % CHUNK
+        assert again["loaded"] == want, (k, again)
+        assert again["recomputed"] == 0, (k, again)
+        assert again["tokens"] == pd_run["single"][k]["tokens"], k
