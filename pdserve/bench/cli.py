@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.bench import ttft  # stdlib imports only (vLLM loads in its engine processes)
+
 KV_DEFAULT_SIZES = "4KiB,1MiB,16MiB,64MiB"
 
 
@@ -30,6 +32,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     _kvstore_arguments(kv)
     kv.set_defaults(func=_kvstore)
+    tt = sub.add_parser(
+        "ttft",
+        help="vLLM first-token time, cold vs fully cached in the KV store (fresh engine)",
+        description=(
+            "Starts a KV store (master + node) and two vLLM engine processes one after the "
+            "other: the first computes a random prompt cold and stores its chunks, the second "
+            "(vLLM's local prefix cache reset before each timed request) loads them from the "
+            "store. Prints both first-token times, their ratio and the loaded/computed tokens."
+        ),
+    )
+    ttft.add_arguments(tt)
+    tt.set_defaults(func=ttft.run)
     bench.set_defaults(func=lambda _args: bench.print_help() or 2)
 
 
