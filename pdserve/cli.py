@@ -18,6 +18,7 @@ from pdserve import __version__
 COMMAND_MODULES = [
     "pdserve.up",
     "pdserve.status",
+    "pdserve.generate",
     "pdserve.services.router.cli",
     "pdserve.services.prefill.cli",
     "pdserve.services.decode.cli",

@@ -132,6 +132,33 @@ class MetaClient:
         await self._channel.close()
 
 
+async def register_service(
+    meta: str,
+    instance: meta_pb2.Instance,
+    *,
+    ttl_ms: int = DEFAULT_TTL_MS,
+    load_fn: LoadFn | None = None,
+) -> MetaClient | None:
+    """Registers ``instance`` with the meta service at ``meta`` and keeps it alive; returns
+    None (and does nothing) when ``meta`` is empty. Pair with :func:`leave`."""
+    if not meta:
+        return None
+    client = MetaClient(meta)
+    try:
+        await client.register(instance, ttl_ms, load_fn)
+    except BaseException:
+        await client.close()
+        raise
+    return client
+
+
+async def leave(client: MetaClient | None) -> None:
+    """Deregisters and closes a client from :func:`register_service` (None is a no-op)."""
+    if client is not None:
+        await client.deregister()
+        await client.close()
+
+
 class Discovery:
     """A local, watch-updated view of the instances matching ``role`` / ``model``."""
 

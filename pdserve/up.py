@@ -12,6 +12,7 @@ same file is handed to every service, so its ``meta``, ``kvstore_master``, ``kvs
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import signal
 import sys
@@ -39,6 +40,7 @@ class UpConfig:
     )
     host: str = help_field("127.0.0.1", "address every service binds to")
     meta_port: int = help_field(50050, "meta gRPC port")
+    meta_http_port: int = help_field(50080, "meta's Mooncake HTTP metadata port (-1 = off)")
     master_port: int = help_field(50051, "KV store master gRPC port")
     router_port: int = help_field(50060, "router gRPC port")
     http_port: int = help_field(8000, "router OpenAI-compatible HTTP port")
@@ -72,57 +74,35 @@ class Cluster:
     def _common(self) -> list[str]:
         return ["--config", self.config_path] if self.config_path else []
 
-    def _start(self, specs: list[tuple[str, list[str], dict[str, str]]]) -> list:
+    def _start(self, specs: list[tuple[str, list[str]]]) -> list:
+        from pdserve import grpcutil
         from pdserve.procs import spawn_service, wait_ready
 
         started = [
-            spawn_service(name, [*args, *self._common()], self.log_dir, env=env)
-            for name, args, env in specs
+            spawn_service(name, [*args, *self._common()], self.log_dir) for name, args in specs
         ]
         self.procs.extend(started)
         for proc in started:
             _progress(f"waiting for {proc.name} (log: {proc.log_path})")
             wait_ready(proc, self.cfg.ready_timeout_s)
+            if "grpc" in proc.info and not asyncio.run(grpcutil.check_health(proc.info["grpc"])):
+                raise RuntimeError(f"{proc.name} is up but its gRPC health check fails")
             _progress(f"{proc.name} ready: {_endpoints(proc.info)}")
         return started
 
     def start(self) -> None:
         c = self.cfg
-        meta_addr = f"{c.host}:{c.meta_port}"
-        master_addr = f"{c.host}:{c.master_port}"
-        meta_args = [
-            "meta",
-            "--host",
-            c.host,
-            "--port",
-            str(c.meta_port),
-            "--backend",
-            c.meta_backend,
-        ]
-        if c.meta_backend == "etcd":
-            meta_args += ["--etcd-endpoints", ",".join(c.etcd_endpoints)]
-        self._start([("meta", meta_args, {})])
-        state_dir = Path(c.run_dir) / "kvstore-master"
-        self._start(
-            [
-                (
-                    "kvstore-master",
-                    [
-                        "kvstore",
-                        "master",
-                        "--host",
-                        c.host,
-                        "--port",
-                        str(c.master_port),
-                        "--state-dir",
-                        str(state_dir),
-                        "--meta",
-                        meta_addr,
-                    ],
-                    {},
-                )
-            ]
+        meta = f"{c.host}:{c.meta_port}"
+        master = f"{c.host}:{c.master_port}"
+        meta_flags = _flags(
+            host=c.host, port=c.meta_port, http_port=c.meta_http_port, backend=c.meta_backend
         )
+        if c.meta_backend == "etcd":
+            meta_flags += _flags(etcd_endpoints=",".join(c.etcd_endpoints))
+        self._start([("meta", ["meta", *meta_flags])])
+        state_dir = Path(c.run_dir) / "kvstore-master"
+        master_flags = _flags(host=c.host, port=c.master_port, state_dir=state_dir, meta=meta)
+        self._start([("kvstore-master", ["kvstore", "master", *master_flags])])
         self._start(
             [
                 (
@@ -130,34 +110,26 @@ class Cluster:
                     [
                         "kvstore",
                         "node",
-                        "--master-address",
-                        master_addr,
-                        "--node-id",
-                        f"node-{i}",
-                        "--segment-sizes",
-                        c.segment_size,
-                        "--host",
-                        c.host,
+                        *_flags(
+                            master_address=master,
+                            node_id=f"node-{i}",
+                            segment_sizes=c.segment_size,
+                            host=c.host,
+                            meta=meta,
+                        ),
                     ],
-                    {},
                 )
                 for i in range(c.storage_nodes)
             ]
         )
-        engine = [
-            "--engine",
-            c.engine,
-            "--model",
-            c.model,
-            "--chunk-size",
-            str(c.chunk_size),
-            "--store-master",
-            master_addr,
-            "--meta",
-            meta_addr,
-            "--host",
-            c.host,
-        ]
+        engine = _flags(
+            engine=c.engine,
+            model=c.model,
+            chunk_size=c.chunk_size,
+            store_master=master,
+            meta=meta,
+            host=c.host,
+        )
         workers = [("prefill", i) for i in range(c.prefill_workers)]
         workers += [("decode", i) for i in range(c.decode_workers)]
         cores = os.cpu_count() or 1
@@ -168,40 +140,23 @@ class Cluster:
                     [
                         role,
                         *engine,
-                        "--instance-id",
-                        f"{role}-{i}",
-                        *(["--vllm-cpu-cores", str(n % cores)] if c.engine == "vllm" else []),
+                        *_flags(instance_id=f"{role}-{i}"),
+                        *(_flags(vllm_cpu_cores=n % cores) if c.engine == "vllm" else []),
                     ],
-                    {},
                 )
                 for n, (role, i) in enumerate(workers)
             ]
         )
-        self._start(
-            [
-                (
-                    "router",
-                    [
-                        "router",
-                        "--host",
-                        c.host,
-                        "--port",
-                        str(c.router_port),
-                        "--http-port",
-                        str(c.http_port),
-                        "--meta",
-                        meta_addr,
-                        "--store-master",
-                        master_addr,
-                        "--model",
-                        c.model,
-                        "--chunk-size",
-                        str(c.chunk_size),
-                    ],
-                    {},
-                )
-            ]
+        router_flags = _flags(
+            host=c.host,
+            port=c.router_port,
+            http_port=c.http_port,
+            meta=meta,
+            store_master=master,
+            model=c.model,
+            chunk_size=c.chunk_size,
         )
+        self._start([("router", ["router", *router_flags])])
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
@@ -231,6 +186,11 @@ class Cluster:
         return f"received {stopping[0]}"
 
 
+def _flags(**values: object) -> list[str]:
+    """``_flags(chunk_size=256)`` -> ``["--chunk-size", "256"]``."""
+    return [item for k, v in values.items() for item in (f"--{k.replace('_', '-')}", str(v))]
+
+
 def _endpoints(info: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in info.items() if k != "service")
 
@@ -251,9 +211,11 @@ pdserve is up.
 
 Try it:
   curl -s {http}/v1/completions -H 'Content-Type: application/json' \\
-    -d '{{"prompt": "Once upon a time", "max_tokens": 32, "temperature": 0}}'
+    -d '{{"model": "{cfg.model}", "prompt": "Once upon a time", "max_tokens": 32, "temperature": 0}}'
 
-  grpcurl -plaintext -d '{{"prompt": "Once upon a time", "sampling": {{"max_tokens": 32, "temperature": 0}}}}' \\
+  .venv/bin/pdserve generate --router {grpc_addr} --model {cfg.model} "Once upon a time"
+
+  grpcurl -plaintext -d '{{"model": "{cfg.model}", "prompt": "Once upon a time", "sampling": {{"max_tokens": 32, "temperature": 0}}}}' \\
     {grpc_addr} pdserve.v1.RouterService/GenerateStream
 
 Ctrl-C stops everything.

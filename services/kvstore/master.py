@@ -91,21 +91,18 @@ async def serve(cfg: MasterConfig, stop: asyncio.Event) -> None:
     metrics_port = telemetry.serve_metrics(cfg.metrics_port, cfg.host)
     address = f"{cfg.host}:{server.port}"
     log.info("kvstore master serving on %s (state_dir=%r)", address, cfg.state_dir)
-    meta_client = None
-    if cfg.meta:
-        from pdserve.discovery import MetaClient
-        from pdserve.v1 import common_pb2, meta_pb2
+    from pdserve.discovery import leave, register_service
+    from pdserve.v1 import common_pb2, meta_pb2
 
-        meta_client = MetaClient(cfg.meta)
-        labels = {"metrics": f"{cfg.host}:{metrics_port}"} if metrics_port else {}
-        await meta_client.register(
-            meta_pb2.Instance(
-                instance_id="kvstore-master",
-                role=common_pb2.ROLE_KVSTORE_MASTER,
-                address=address,
-                labels=labels,
-            )
-        )
+    meta_client = await register_service(
+        cfg.meta,
+        meta_pb2.Instance(
+            instance_id="kvstore-master",
+            role=common_pb2.ROLE_KVSTORE_MASTER,
+            address=address,
+            labels={"metrics": f"{cfg.host}:{metrics_port}"} if metrics_port else {},
+        ),
+    )
     announce_ready("kvstore-master", grpc=address, metrics=metrics_port)
 
     async def housekeeping() -> None:
@@ -121,9 +118,7 @@ async def serve(cfg: MasterConfig, stop: asyncio.Event) -> None:
         await stop.wait()
     finally:
         log.info("kvstore master draining")
-        if meta_client is not None:
-            await meta_client.deregister()
-            await meta_client.close()
+        await leave(meta_client)
         task.cancel()
         hub.close()
         await server.stop(grace=2.0)

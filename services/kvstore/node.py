@@ -15,12 +15,13 @@ import logging
 import grpc
 
 from pdserve import grpcutil
+from pdserve.discovery import leave, register_service
 from pdserve.lifecycle import announce_ready
 from pdserve.services.kvstore.node_config import NodeConfig
 from pdserve.store.segment import SegmentMemory, host_id, shm_name
 from pdserve.store.transports.base import TransportServer
 from pdserve.telemetry import serve_metrics
-from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
+from pdserve.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc, meta_pb2
 
 __all__ = ["KVNode", "NodeConfig", "serve"]
 
@@ -198,7 +199,20 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event) -> None:
             shm_names=[s.name for s in node.segments],
             transports=cfg.transports,
         )
-        await _heartbeat_loop(node, stub, interval, stop)
+        meta_client = await register_service(
+            cfg.meta,
+            meta_pb2.Instance(
+                instance_id=cfg.node_id,
+                role=common_pb2.ROLE_KVSTORE_NODE,
+                address=f"{cfg.host}:{server.port}",
+                kv_capacity_bytes=sum(s.size for s in node.segments),
+                labels={"tcp": f"{cfg.host}:{tcp_port}", "transports": ",".join(cfg.transports)},
+            ),
+        )
+        try:
+            await _heartbeat_loop(node, stub, interval, stop)
+        finally:
+            await leave(meta_client)
         for seg in node.segments:
             try:
                 await stub.UnmountSegment(

@@ -42,6 +42,7 @@ class NodeConfig:
     )
     metrics_port: int = help_field(-1, "Prometheus /metrics port (0 = any free port, -1 = off)")
     log_level: str = help_field("info", "log level")
+    meta: str = help_field("", "meta service address host:port to register with (empty = none)")
 
     def validate(self) -> None:
         if not self.master_address or ":" not in self.master_address:
