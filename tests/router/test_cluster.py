@@ -281,9 +281,11 @@ def test_cancel_mid_stream_frees_the_decode_slot(cluster):
         with pytest.raises(grpc.RpcError):
             next(call)
 
-    def freed() -> bool:  # the gauge and the counter move one after the other: poll both
-        return metric(d, "pdserve_decode_running_requests") == 0 and (
-            metric(d, 'pdserve_decode_requests_total{outcome="cancelled"}') == cancelled + 1
+    def freed() -> bool:  # gauge, counter and the router's log line land one after another
+        return (
+            metric(d, "pdserve_decode_running_requests") == 0
+            and metric(d, 'pdserve_decode_requests_total{outcome="cancelled"}') == cancelled + 1
+            and any(t["outcome"] == "cancelled" for t in cluster.traces().values())
         )
 
     deadline = time.monotonic() + 10
