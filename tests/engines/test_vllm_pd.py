@@ -40,6 +40,7 @@ CORRUPT_LEN = 160  # 2 full chunks + tail; its second chunk gets flipped bytes
 # prompts the decode engine asks again without a handle (stored by prefill, not by decode):
 # exact multiples load the first chunk_size - 1 tokens of their last chunk
 REUSE_LENGTHS = [128, 192, 129, 150]
+REUSE_CORRUPT_LEN = 128  # re-asked like the above, but its partially loaded last chunk is flipped
 
 
 def _prompts() -> dict[str, list[int]]:
@@ -48,6 +49,7 @@ def _prompts() -> dict[str, list[int]]:
     out = {f"len{n}": [rng.randrange(3, 500) for _ in range(n)] for n in LENGTHS}
     out["corrupt"] = [rng.randrange(3, 500) for _ in range(CORRUPT_LEN)]
     out.update({f"reuse{n}": [rng.randrange(3, 500) for _ in range(n)] for n in REUSE_LENGTHS})
+    out["reuse_corrupt"] = [rng.randrange(3, 500) for _ in range(REUSE_CORRUPT_LEN)]
     return out
 
 
@@ -137,6 +139,7 @@ def pd_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         prefill = _run_engine(tmp, "prefill", stored, jobs("prefill"))
         by_key = dict(zip(prompts, prefill, strict=True))
         _flip_chunk_bytes(master.info["grpc"], by_key["corrupt"]["kv"]["chunk_keys"][1])
+        _flip_chunk_bytes(master.info["grpc"], by_key["reuse_corrupt"]["kv"]["chunk_keys"][-1])
         handles = {k: {"kv": r["kv"], "first": r["first"]} for k, r in by_key.items()}
         # reuse prompts: a plain generate (no handle) that finds the prompt's chunks by key
         decode_jobs = [
@@ -228,3 +231,13 @@ def test_stored_prompt_loads_all_but_its_last_token(pd_run: dict[str, Any]) -> N
         assert again["loaded"] == want, (k, again)
         assert again["recomputed"] == 0, (k, again)
         assert again["tokens"] == pd_run["single"][k]["tokens"], k
+
+
+def test_corrupted_partially_loaded_chunk_is_recomputed_token_exact(
+    pd_run: dict[str, Any],
+) -> None:
+    again = pd_run["decode"]["reuse_corrupt"]
+    assert again["tokens"] == pd_run["single"]["reuse_corrupt"]["tokens"]
+    # chunk 0 loaded; the flipped last chunk (planned up to the last prompt token) recomputed
+    assert again["loaded"] == CHUNK, again
+    assert again["recomputed"] == REUSE_CORRUPT_LEN - 1 - CHUNK, again
