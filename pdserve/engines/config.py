@@ -35,6 +35,9 @@ class EngineConfig:
     )
     store_transport: str = help_field("auto", "store data-plane transport: auto|shm|tcp|mooncake")
     store_timeout_s: float = help_field(5.0, "timeout of one store operation (seconds)")
+    store_replicas: int = help_field(
+        1, "copies of each stored chunk, on distinct storage nodes (survives node loss when > 1)"
+    )
     tail_ttl_ms: int = help_field(
         60000, "time-to-live of a request's partial last chunk in the store (milliseconds)"
     )
@@ -66,6 +69,8 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.tail_ttl_ms <= 0:
             raise ConfigError(f"tail_ttl_ms must be positive, got {self.tail_ttl_ms}")
+        if self.store_replicas < 1:
+            raise ConfigError(f"store_replicas must be at least 1, got {self.store_replicas}")
         if self.store_timeout_s <= 0:
             raise ConfigError(f"store_timeout_s must be positive, got {self.store_timeout_s}")
         if self.engine == "vllm":

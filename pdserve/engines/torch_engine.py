@@ -611,7 +611,10 @@ class TorchEngine(Engine):
                     metrics.KV_CHUNKS_SKIPPED.inc()
                     continue
                 if self.store.put_chunk(
-                    keys[i], self._chunk_of(cache, i * cs, (i + 1) * cs), self._fp, StoreOptions()
+                    keys[i],
+                    self._chunk_of(cache, i * cs, (i + 1) * cs),
+                    self._fp,
+                    StoreOptions(replicas=self.cfg.store_replicas),
                 ):
                     metrics.KV_CHUNKS_WRITTEN.labels("chunk").inc()
                 else:
@@ -630,7 +633,7 @@ class TorchEngine(Engine):
                 key,
                 self._chunk_of(cache, start, n),
                 self._fp,
-                StoreOptions(ttl_ms=self.cfg.tail_ttl_ms),
+                StoreOptions(replicas=self.cfg.store_replicas, ttl_ms=self.cfg.tail_ttl_ms),
             )
             metrics.KV_CHUNKS_WRITTEN.labels("tail").inc()
         except (PdserveError, TimeoutError, OSError) as exc:

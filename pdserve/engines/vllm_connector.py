@@ -77,6 +77,7 @@ class ConnectorSettings:
     tail_ttl_ms: int = 30_000
     transport: str = "auto"
     store_client: str = DEFAULT_STORE_CLIENT
+    replicas: int = 1
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
@@ -91,6 +92,7 @@ class ConnectorSettings:
             tail_ttl_ms=int(extra.get("tail_ttl_ms", 30_000)),
             transport=str(extra.get("transport", "auto")),
             store_client=str(extra.get("store_client", DEFAULT_STORE_CLIENT)),
+            replicas=int(extra.get("replicas", 1)),
         )
 
     def make_client(self) -> Any:
@@ -106,6 +108,7 @@ def extra_config(
     tail_ttl_ms: int = 30_000,
     transport: str = "auto",
     store_client: str = DEFAULT_STORE_CLIENT,
+    replicas: int = 1,
 ) -> dict[str, Any]:
     """The ``kv_connector_extra_config`` for :class:`ConnectorSettings.from_extra`."""
     return {
@@ -117,6 +120,7 @@ def extra_config(
         "tail_ttl_ms": tail_ttl_ms,
         "transport": transport,
         "store_client": store_client,
+        "replicas": replicas,
     }
 
 
@@ -510,7 +514,7 @@ class PdserveConnector(KVConnectorBase_V1):
     def _options(self, ttl_ms: int) -> Any:
         from pdserve.store.client import StoreOptions
 
-        return StoreOptions(ttl_ms=ttl_ms)
+        return StoreOptions(replicas=self.settings.replicas, ttl_ms=ttl_ms)
 
     def _gather(self, save: ChunkSave) -> torch.Tensor:
         bs = self.block_size

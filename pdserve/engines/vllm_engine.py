@@ -133,6 +133,7 @@ class VllmEngine(Engine):
                     self.fingerprint,
                     tail_ttl_ms=cfg.tail_ttl_ms,
                     transport=cfg.store_transport,
+                    replicas=cfg.store_replicas,
                     store_client=os.environ.get(
                         "PDSERVE_STORE_CLIENT", "pdserve.store.client.StoreClient"
                     ),
