@@ -115,7 +115,23 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(r["healthy"] for r in report["instances"]) else 1
 
 
+def run_health(args: argparse.Namespace) -> int:
+    from pdserve import grpcutil
+
+    ok = asyncio.run(grpcutil.check_health(args.address, args.timeout))
+    print(f"{args.address}: {'SERVING' if ok else 'NOT SERVING or unreachable'}")
+    return 0 if ok else 1
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    h = subparsers.add_parser(
+        "health",
+        help="check one service's gRPC health (for container healthchecks)",
+        description="Exit code 0 when the gRPC server at ADDRESS answers grpc.health.v1 SERVING.",
+    )
+    h.add_argument("address", help="host:port of any pdserve gRPC server")
+    h.add_argument("--timeout", type=float, default=2.0, help="seconds (default: %(default)s)")
+    h.set_defaults(func=run_health)
     p = subparsers.add_parser(
         "status",
         help="show registered services, their health and load, and KV store usage",
