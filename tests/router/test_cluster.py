@@ -70,7 +70,7 @@ class Cluster:
             "--chunk-size",
             str(CS),
             "--max-model-len",
-            "512",
+            "2048",
             "--store-master",
             master,
             "--meta",
@@ -93,7 +93,7 @@ class Cluster:
                 "--chunk-size",
                 str(CS),
                 "--max-model-len",
-                "512",
+                "2048",
                 "--port",
                 "0",
                 "--http-port",
@@ -269,8 +269,10 @@ def test_cancel_mid_stream_frees_the_decode_slot(cluster):
         stub = router_pb2_grpc.RouterServiceStub(ch)
         call = stub.GenerateStream(
             router_pb2.GenerateRequest(
-                prompt_token_ids=list(range(40, 80)),
-                sampling=common_pb2.SamplingParams(max_tokens=400, temperature=0, ignore_eos=True),
+                prompt_token_ids=list(range(40, 56)),
+                # long enough that it is still running when the cancel arrives, even on a
+                # loaded machine (the tiny model decodes hundreds of tokens a second)
+                sampling=common_pb2.SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True),
             ),
             timeout=120,
         )
