@@ -156,7 +156,29 @@ class Cluster:
             model=c.model,
             chunk_size=c.chunk_size,
         )
-        self._start([("router", ["router", *router_flags])])
+        (router,) = self._start([("router", ["router", *router_flags])])
+        self._wait_for_workers(router.info["grpc"])
+
+    def _wait_for_workers(self, router: str) -> None:
+        """Ready means the router routes: it must see every worker ``up`` started."""
+        from pdserve import grpcutil
+        from pdserve.v1 import router_pb2, router_pb2_grpc
+
+        want = (self.cfg.prefill_workers, self.cfg.decode_workers)
+        deadline = time.monotonic() + self.cfg.ready_timeout_s
+        with grpcutil.sync_channel(router) as ch:
+            stub = router_pb2_grpc.RouterServiceStub(ch)
+            while True:
+                models = stub.ListModels(router_pb2.ListModelsRequest(), timeout=5).models
+                seen = (
+                    sum(m.prefill_workers for m in models),
+                    sum(m.decode_workers for m in models),
+                )
+                if seen[0] >= want[0] and seen[1] >= want[1]:
+                    return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"router sees (prefill, decode) workers {seen}, want {want}")
+                time.sleep(0.2)
 
     def stop(self) -> None:
         for proc in reversed(self.procs):

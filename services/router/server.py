@@ -11,6 +11,7 @@ from pathlib import Path
 from aiohttp import web
 
 from pdserve import grpcutil, lifecycle
+from pdserve.discovery import leave, register_service
 from pdserve.engines.fingerprint import model_fingerprint
 from pdserve.services.router.admission import Admission
 from pdserve.services.router.config import RouterConfig
@@ -21,7 +22,14 @@ from pdserve.services.router.policies import make_policy
 from pdserve.services.router.request import Limits
 from pdserve.services.router.servicer import RouterServicer
 from pdserve.services.router.workers import DECODE, PREFILL, WorkerPool
-from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc, router_pb2, router_pb2_grpc
+from pdserve.v1 import (
+    common_pb2,
+    kvstore_pb2,
+    kvstore_pb2_grpc,
+    meta_pb2,
+    router_pb2,
+    router_pb2_grpc,
+)
 
 log = logging.getLogger(__name__)
 
@@ -131,12 +139,23 @@ async def serve(
         tasks.append(asyncio.ensure_future(fe.pool.watch_meta(cfg.meta, stop)))
     if started is not None:
         started(Running(fe, server.port, http_port))
+    meta_client = await register_service(
+        cfg.meta,
+        meta_pb2.Instance(
+            instance_id=f"router-{cfg.host}-{server.port}",
+            role=common_pb2.ROLE_ROUTER,
+            address=f"{cfg.host}:{server.port}",
+            model=cfg.name,
+            labels={"http": f"{cfg.host}:{http_port}"} if http_port else {},
+        ),
+    )
     lifecycle.announce_ready(
         "router", grpc=f"{cfg.host}:{server.port}", http=f"http://{cfg.host}:{http_port}"
     )
     try:
         await stop.wait()
     finally:
+        await leave(meta_client)
         server.set_serving(False)
         await server.stop(5.0)
         if runner is not None:
