@@ -44,7 +44,37 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     ttft.add_arguments(tt)
     tt.set_defaults(func=ttft.run)
+    mb = sub.add_parser(
+        "meta",
+        help="meta registry ops/s (register + heartbeat) and watch latency",
+        description=(
+            "Starts a meta process (memory backend, or etcd against --etcd-endpoints) and "
+            "measures registry operations per second from concurrent clients and the time "
+            "from a Register to a watcher seeing the JOINED event."
+        ),
+    )
+    meta_arguments(mb)
+    mb.set_defaults(func=_meta)
     bench.set_defaults(func=lambda _args: bench.print_help() or 2)
+
+
+def meta_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``pdserve bench meta`` (kept here so ``--help`` imports no gRPC)."""
+    parser.add_argument(
+        "--backend", default="memory", choices=["memory", "etcd"], help="registry backend"
+    )
+    parser.add_argument(
+        "--etcd-endpoints", default="127.0.0.1:2379", help="a running etcd (backend=etcd)"
+    )
+    parser.add_argument("--seconds", type=float, default=5.0, help="length of the ops/s phase")
+    parser.add_argument("--workers", type=int, default=16, help="concurrent clients")
+    parser.add_argument("--watch-samples", type=int, default=200, help="registrations timed")
+
+
+def _meta(args: argparse.Namespace) -> int:
+    from pdserve.bench import meta
+
+    return meta.run(args)
 
 
 def _kvstore_arguments(p: argparse.ArgumentParser) -> None:

@@ -82,14 +82,7 @@ async def _main(args: argparse.Namespace, address: str) -> None:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", default="memory", choices=["memory", "etcd"])
-    parser.add_argument("--etcd-endpoints", default="127.0.0.1:2379")
-    parser.add_argument("--seconds", type=float, default=5.0)
-    parser.add_argument("--workers", type=int, default=16)
-    parser.add_argument("--watch-samples", type=int, default=200)
-    args = parser.parse_args()
+def run(args: argparse.Namespace) -> int:
     cli = ["meta", "--port", "0", "--http-port", "-1", "--backend", args.backend]
     if args.backend == "etcd":
         cli += ["--etcd-endpoints", args.etcd_endpoints]
@@ -98,6 +91,15 @@ def main() -> None:
         asyncio.run(_main(args, meta.info["grpc"]))
     finally:
         meta.stop()
+    return 0
+
+
+def main() -> None:
+    from pdserve.bench.cli import meta_arguments
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    meta_arguments(parser)
+    run(parser.parse_args())
 
 
 if __name__ == "__main__":
