@@ -174,7 +174,7 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event) -> None:
             f"{cfg.host}:{cfg.port}",
         )
         _export_metrics(node)
-        metrics_port = serve_metrics(cfg.metrics_port)
+        metrics_port = serve_metrics(cfg.metrics_port, cfg.host)
         while True:
             try:
                 interval = await _mount_all(node, stub)
