@@ -6,6 +6,7 @@ mapping of :mod:`pdserve.errors`; TLS and auth interceptors belong here too when
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -147,8 +148,12 @@ def rpc(method: Callable) -> Callable:
         @functools.wraps(method)
         async def stream_wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext):
             try:
-                async for item in method(self, request, context):
-                    yield item
+                # aclosing: when the client cancels, the wrapper is closed at its yield; close
+                # the service's generator right away too so it frees its resources now, not at
+                # garbage collection.
+                async with contextlib.aclosing(method(self, request, context)) as items:
+                    async for item in items:
+                        yield item
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:

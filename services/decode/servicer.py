@@ -85,7 +85,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServiceServicer):
                         loaded_tokens=ev.loaded_tokens,
                         recomputed_tokens=ev.recomputed_tokens,
                     )
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, GeneratorExit):  # client cancel or deadline
                 outcome = "cancelled"
                 raise
             except Exception as exc:
