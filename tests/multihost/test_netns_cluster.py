@@ -56,6 +56,17 @@ HOSTS = ("meta", "kvstore-master", "node-0", "node-1", "prefill", "decode", "rou
 START_TIMEOUT_S = 180.0
 
 
+def _free_subnet() -> str:
+    """A 10.231.x /24 that no interface here uses yet (another lab may run concurrently)."""
+    used = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True).stdout
+    start = os.getpid() % 200
+    for i in range(200):
+        subnet = f"10.231.{20 + (start + i) % 200}"
+        if f" {subnet}." not in used:
+            return subnet
+    raise RuntimeError("no free 10.231.x subnet for the lab")
+
+
 def _port(addr: str) -> str:
     return addr.rsplit(":", 1)[1]
 
@@ -66,7 +77,7 @@ class NetCluster:
     def __init__(self, log_dir: Path) -> None:
         tag = str(os.getpid() % 100000)
         self.run_id = uuid.uuid4().hex[:6]
-        self.lab = Lab(tag, subnet=f"10.231.{20 + os.getpid() % 200}")
+        self.lab = Lab(tag, subnet=_free_subnet())
         self.log_dir = log_dir
         self.procs: dict[str, ServiceProcess] = {}
         self.shm_names: list[str] = []
@@ -102,9 +113,11 @@ class NetCluster:
             {"meta": ["meta", "--port", "0", "--http-port", "0", "--metrics-port", "0"]}
         )
         self.meta = self.procs["meta"].info["grpc"]
-        self._start_all(
-            {"kvstore-master": ["kvstore", "master", "--port", "0", "--meta", self.meta]}
-        )
+        # a node is dead after 3 missed 900 ms heartbeats (about the longest the master allows),
+        # so a request sent right after a cut reads before the master drops the node's replicas
+        master = ["kvstore", "master", "--port", "0", "--meta", self.meta]
+        master += ["--heartbeat-interval-ms", "900", "--heartbeat-miss-limit", "3"]
+        self._start_all({"kvstore-master": master})
         self.master = self.procs["kvstore-master"].info["grpc"]
         self._start_all(
             {
