@@ -77,6 +77,10 @@ _STATUS_ERRORS: dict[grpc.StatusCode, type[errors.PdserveError]] = {
 }
 
 
+#: How long a node that failed a read is tried after the other replicas (seconds).
+SUSPECT_S = 5.0
+
+
 class StoreClient(StoreBackend):
     """Synchronous, thread-safe client of a pdserve KV store."""
 
@@ -103,6 +107,8 @@ class StoreClient(StoreBackend):
         self._stub = kvstore_pb2_grpc.KVMasterServiceStub(self._channel)
         self._transports: dict[str, Transport] = {}
         self._lock = threading.Lock()
+        # node id -> monotonic time until which reads try its replicas last (it just failed)
+        self._suspect_until: dict[str, float] = {}
         self._release_cv = threading.Condition()
         self._flush_lock = threading.Lock()
         self._pending_release: list[str] = []
@@ -162,7 +168,15 @@ class StoreClient(StoreBackend):
         """Replicas that some allowed transport reaches, best transport first."""
         routed = [(r, self._route(r)) for r in replicas]
         usable = [(r, t) for r, t in routed if t is not None]
-        usable.sort(key=lambda rt: PREFERENCE.index(rt[1].name))
+        now = time.monotonic()
+        # A node that just failed a transfer goes last until SUSPECT_S passes, so a dead or
+        # cut-off node costs one timeout, not one per object, before the master notices it.
+        usable.sort(
+            key=lambda rt: (
+                self._suspect_until.get(rt[0].node_id, 0.0) > now,
+                PREFERENCE.index(rt[1].name),
+            )
+        )
         return usable
 
     # -- puts -------------------------------------------------------------------------------
@@ -323,6 +337,7 @@ class StoreClient(StoreBackend):
             try:
                 t.read_into(rep, buf)
             except TransportError as exc:
+                self._suspect_until[rep.node_id] = time.monotonic() + SUSPECT_S
                 READ_FAILOVERS.labels(t.name).inc()
                 log.warning(
                     "read of %r from node %s over %s failed: %s", res.key, rep.node_id, t.name, exc

@@ -12,6 +12,7 @@ import pytest
 
 from pdserve import grpcutil
 from pdserve.store.client import StoreClient, StoreOptions
+from pdserve.telemetry import REGISTRY
 from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 
@@ -42,10 +43,21 @@ def test_node_sigkill_failover(cluster_factory) -> None:
     on_victim = [k for k, v in placement.items() if victim_id in v]
     assert on_victim, "placement put nothing on the victim; the test would prove nothing"
 
+    resp = stub.BatchGetReplicaList(
+        kvstore_pb2.BatchGetReplicaListRequest(client_id="probe", keys=on_victim, lease_ms=1),
+        timeout=5,
+    )
+    victim_first = sum(r.replicas[0].node_id == victim_id for r in resp.results)
+
     victim.kill()
     killed_at = time.monotonic()
-    # Reads fall over right away, before the master has even noticed.
+    # Reads fall over right away, before the master has even noticed; the client tries the
+    # failed node last from then on, so it costs one failover, not one per object.
+    before = REGISTRY.get_sample_value("pdserve_store_read_failovers_total", {"transport": "tcp"})
     assert client.batch_get(on_victim) == [blobs[k] for k in on_victim]
+    after = REGISTRY.get_sample_value("pdserve_store_read_failovers_total", {"transport": "tcp"})
+    assert victim_first >= 2, "the victim was listed first for too few objects to tell"
+    assert (after or 0) - (before or 0) == 1
     # Within 3 s the master stops handing out the dead node's replicas.
     while True:
         placement = _replica_nodes(stub, list(blobs))
