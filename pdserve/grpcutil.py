@@ -43,12 +43,15 @@ class Server:
     """A started gRPC server with its health servicer."""
 
     server: grpc.aio.Server
+    host: str
     port: int
     health: health.HealthServicer
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        """Where clients reach it: the bound host, or 127.0.0.1 for a wildcard bind."""
+        host = "127.0.0.1" if self.host in ("", "0.0.0.0", "[::]", "::") else self.host
+        return f"{host}:{self.port}"
 
     def set_serving(self, serving: bool) -> None:
         status = (
@@ -88,7 +91,7 @@ async def start_server(
     for name in names:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    return Server(server, port, health_servicer)
+    return Server(server, address.rsplit(":", 1)[0], port, health_servicer)
 
 
 #: Client-side reconnect backoff: gRPC's default starts at 1 s and grows to minutes, longer
