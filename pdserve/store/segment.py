@@ -18,6 +18,8 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve import errors
+
 SHM_DIR = Path("/dev/shm")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 _UNITS = {
@@ -69,7 +71,7 @@ def host_id() -> str:
     return "-".join(parts) or socket.gethostname()
 
 
-class SegmentInUse(RuntimeError):
+class SegmentInUse(errors.FailedPrecondition):
     """Another live process owns this segment's shared-memory file (a duplicate node id)."""
 
 

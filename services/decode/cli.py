@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.servicecli import add_service_command
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    from pdserve import config
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from pdserve.services.decode.config import DecodeConfig
 
-    parser = sub.add_parser(
+    add_service_command(
+        subparsers,
         "decode",
+        config_cls=DecodeConfig,
+        section="decode",
+        serve="pdserve.services.decode.server:serve",
         help="decode worker: loads a request's KV from the store (or prefills locally) and streams tokens",
         description=(
             "Streams tokens for a request (pdserve.v1.DecodeService): fetches its KV chunks "
@@ -21,15 +26,3 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "serves /metrics."
         ),
     )
-    config.add_arguments(parser, DecodeConfig)
-    parser.set_defaults(func=_run)
-
-
-def _run(args: argparse.Namespace) -> int:
-    from pdserve import config, lifecycle, telemetry
-    from pdserve.services.decode.config import DecodeConfig
-    from pdserve.services.decode.server import serve
-
-    cfg = config.from_args(DecodeConfig, "decode", args)
-    telemetry.setup_logging("decode", cfg.log_level)
-    return lifecycle.run(lambda stop: serve(cfg, stop))

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.servicecli import add_service_command
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    from pdserve import config
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from pdserve.services.meta.server import MetaConfig
 
-    parser = sub.add_parser(
+    add_service_command(
+        subparsers,
         "meta",
+        config_cls=MetaConfig,
+        section="meta",
+        serve="pdserve.services.meta.server:serve",
         help="service registry with TTL leases and watches; Mooncake HTTP metadata server",
         description=(
             "Instances register (role, address, model, capacity) under a TTL lease, heartbeat "
@@ -20,14 +25,3 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "after a restart) or etcd (state survives restarts)."
         ),
     )
-    config.add_arguments(parser, MetaConfig)
-    parser.set_defaults(func=_run)
-
-
-def _run(args: argparse.Namespace) -> int:
-    from pdserve import config, lifecycle, telemetry
-    from pdserve.services.meta.server import MetaConfig, serve
-
-    cfg = config.from_args(MetaConfig, "meta", args)
-    telemetry.setup_logging("meta", cfg.log_level)
-    return lifecycle.run(lambda stop: serve(cfg, stop))

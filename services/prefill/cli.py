@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.servicecli import add_service_command
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    from pdserve import config
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from pdserve.services.prefill.config import PrefillConfig
 
-    parser = sub.add_parser(
+    add_service_command(
+        subparsers,
         "prefill",
+        config_cls=PrefillConfig,
+        section="prefill",
+        serve="pdserve.services.prefill.server:serve",
         help="prefill worker: runs prompts, loads/writes KV chunks in the store, returns the first token",
         description=(
             "Runs prompts through the engine (torch or vllm). Loads the longest cached prefix "
@@ -21,15 +26,3 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "(--meta) and reports live load; serves /metrics."
         ),
     )
-    config.add_arguments(parser, PrefillConfig)
-    parser.set_defaults(func=_run)
-
-
-def _run(args: argparse.Namespace) -> int:
-    from pdserve import config, lifecycle, telemetry
-    from pdserve.services.prefill.config import PrefillConfig
-    from pdserve.services.prefill.server import serve
-
-    cfg = config.from_args(PrefillConfig, "prefill", args)
-    telemetry.setup_logging("prefill", cfg.log_level)
-    return lifecycle.run(lambda stop: serve(cfg, stop))

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.servicecli import add_service_command
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    from pdserve import config
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from pdserve.services.router.config import RouterConfig
 
-    parser = sub.add_parser(
+    add_service_command(
+        subparsers,
         "router",
+        config_cls=RouterConfig,
+        section="router",
+        serve="pdserve.services.router.server:serve",
         help="public entry: gRPC Generate/GenerateStream and an OpenAI-compatible HTTP API",
         description=(
             "Tokenizes requests, asks the KV store how much of the prompt is cached, picks a "
@@ -21,15 +26,3 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "and /metrics."
         ),
     )
-    config.add_arguments(parser, RouterConfig)
-    parser.set_defaults(func=_run)
-
-
-def _run(args: argparse.Namespace) -> int:
-    from pdserve import config, lifecycle, telemetry
-    from pdserve.services.router.config import RouterConfig
-    from pdserve.services.router.server import serve
-
-    cfg = config.from_args(RouterConfig, "router", args)
-    telemetry.setup_logging("router", cfg.log_level)
-    return lifecycle.run(lambda stop: serve(cfg, stop))

@@ -1,0 +1,50 @@
+"""The one way a service becomes a ``pdserve`` command: flags from its config dataclass,
+config errors as a clean message (exit 2), structured logging, and the service's
+``serve(cfg, stop)`` run under :func:`pdserve.lifecycle.run` (SIGTERM/SIGINT drain)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from pdserve import config, errors
+
+
+def add_service_command(
+    subparsers: argparse._SubParsersAction,
+    name: str,
+    *,
+    config_cls: type,
+    section: str,
+    serve: str,
+    help: str,
+    description: str,
+    service: str | None = None,
+) -> argparse.ArgumentParser:
+    """Registers ``name``. ``serve`` is ``"module:function"``, imported only when the command
+    runs so that ``pdserve --help`` stays light; ``service`` names it in logs (default
+    ``name``)."""
+    parser = subparsers.add_parser(name, help=help, description=description)
+    config.add_arguments(parser, config_cls)
+    label = service or name
+
+    def run(args: argparse.Namespace) -> int:
+        from pdserve import lifecycle, telemetry
+
+        try:
+            cfg = config.from_args(config_cls, section, args)
+        except config.ConfigError as exc:
+            print(f"pdserve {label}: {exc}", file=sys.stderr)
+            return 2
+        module, _, func = serve.partition(":")
+        serve_fn = getattr(importlib.import_module(module), func)
+        telemetry.setup_logging(label, cfg.log_level)
+        try:
+            return lifecycle.run(lambda stop: serve_fn(cfg, stop))
+        except errors.PdserveError as exc:  # a clear start-up refusal, not a crash
+            print(f"pdserve {label}: error: {exc}", file=sys.stderr)
+            return 1
+
+    parser.set_defaults(func=run)
+    return parser
