@@ -18,6 +18,7 @@ from typing import Any
 
 from pdserve import grpcutil, lifecycle, telemetry
 from pdserve.config import ConfigError, help_field
+from pdserve.discovery import leave, register_service
 from pdserve.engines import create_engine
 from pdserve.engines.base import Engine, KVRef, Sampling
 from pdserve.engines.config import EngineConfig
@@ -177,25 +178,22 @@ async def serve(spec: WorkerSpec, cfg: WorkerConfig, stop: asyncio.Event) -> Non
         address = f"{cfg.host}:{server.port}"
         metrics_port = telemetry.serve_metrics(cfg.metrics_port, cfg.host)
         instance_id = cfg.instance_id or f"{spec.service}-{uuid.uuid4().hex[:8]}"
-        if cfg.meta:
-            from pdserve.discovery import MetaClient
-
-            meta_client = MetaClient(cfg.meta)
-            labels = {"engine": cfg.engine, "chunk_size": str(cfg.chunk_size)}
-            if metrics_port:
-                labels["metrics"] = f"{cfg.host}:{metrics_port}"
-            await meta_client.register(
-                meta_pb2.Instance(
-                    instance_id=instance_id,
-                    role=spec.role,
-                    address=address,
-                    model=cfg.served_name(),
-                    max_running=cfg.max_num_seqs,
-                    labels=labels,
-                ),
-                ttl_ms=cfg.heartbeat_ttl_ms,
-                load_fn=lambda: _load_proto(engine),
-            )
+        labels = {"engine": cfg.engine, "chunk_size": str(cfg.chunk_size)}
+        if metrics_port:
+            labels["metrics"] = f"{cfg.host}:{metrics_port}"
+        meta_client = await register_service(
+            cfg.meta,
+            meta_pb2.Instance(
+                instance_id=instance_id,
+                role=spec.role,
+                address=address,
+                model=cfg.served_name(),
+                max_running=cfg.max_num_seqs,
+                labels=labels,
+            ),
+            ttl_ms=cfg.heartbeat_ttl_ms,
+            load_fn=lambda: _load_proto(engine),
+        )
         lifecycle.announce_ready(
             spec.service,
             grpc=address,
@@ -209,13 +207,12 @@ async def serve(spec: WorkerSpec, cfg: WorkerConfig, stop: asyncio.Event) -> Non
         await stop.wait()
         log.info("%s %s draining", spec.service, instance_id)
         server.set_serving(False)
-        if meta_client is not None:
-            await meta_client.deregister()
+        await leave(meta_client)  # first, so routers stop sending work here
+        meta_client = None
     finally:
         if server is not None:
             await server.stop(cfg.drain_timeout_s)
-        if meta_client is not None:
-            await meta_client.close()
+        await leave(meta_client)
         await engine.close()
         if store is not None:
             store.close()
