@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 
 import pytest
 import torch
@@ -88,37 +87,3 @@ class MemoryStore:
 @pytest.fixture
 def memory_store() -> MemoryStore:
     return MemoryStore()
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir() -> Path:
-    from pdserve.model.prepare import build_tiny_model
-
-    return build_tiny_model()
-
-
-@pytest.fixture(scope="session")
-def hf_greedy(tiny_model_dir: Path):
-    """``hf_greedy(prompt_ids, n)``: the first ``n`` greedy tokens of a plain transformers
-    loop (whole prompt in one forward, then one token at a time), stopping after EOS."""
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(1)
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
-    eos = model.config.eos_token_id
-
-    @torch.inference_mode()
-    def run(prompt: Sequence[int], n: int) -> list[int]:
-        out = model(input_ids=torch.tensor([list(prompt)]), use_cache=True)
-        past = out.past_key_values
-        toks: list[int] = []
-        for _ in range(n):
-            tok = int(out.logits[0, -1].argmax())
-            toks.append(tok)
-            if tok == eos:
-                break
-            out = model(input_ids=torch.tensor([[tok]]), past_key_values=past, use_cache=True)
-            past = out.past_key_values
-        return toks
-
-    return run

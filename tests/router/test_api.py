@@ -33,10 +33,10 @@ BAD_GRPC = [
 ]
 
 
-def test_grpc_bad_input_is_invalid_argument_naming_the_field(tiny_dir):
+def test_grpc_bad_input_is_invalid_argument_naming_the_field(tiny_model_dir):
     async def main():
         async with (
-            fake_cluster([FakePrefill()], [FakeDecode()], tiny_dir) as (r, _),
+            fake_cluster([FakePrefill()], [FakeDecode()], tiny_model_dir) as (r, _),
             grpcutil.channel(f"127.0.0.1:{r.grpc_port}") as ch,
         ):
             stub = router_pb2_grpc.RouterServiceStub(ch)
@@ -67,10 +67,10 @@ BAD_HTTP = [
 ]
 
 
-def test_http_bad_input_is_400_with_openai_error_json(tiny_dir):
+def test_http_bad_input_is_400_with_openai_error_json(tiny_model_dir):
     async def main():
         async with (
-            fake_cluster([FakePrefill()], [FakeDecode()], tiny_dir) as (r, _),
+            fake_cluster([FakePrefill()], [FakeDecode()], tiny_model_dir) as (r, _),
             aiohttp.ClientSession(f"http://127.0.0.1:{r.http_port}") as http,
         ):
             for path, body, param in BAD_HTTP:
@@ -89,11 +89,11 @@ def test_http_bad_input_is_400_with_openai_error_json(tiny_dir):
     asyncio.run(main())
 
 
-def test_http_429_when_queue_is_full(tiny_dir):
+def test_http_429_when_queue_is_full(tiny_model_dir):
     async def main():
         d = FakeDecode(token_delay_s=0.05)
         async with (
-            fake_cluster([FakePrefill()], [d], tiny_dir, max_inflight=1, max_queue=0) as (r, _),
+            fake_cluster([FakePrefill()], [d], tiny_model_dir, max_inflight=1, max_queue=0) as (r, _),
             aiohttp.ClientSession(f"http://127.0.0.1:{r.http_port}") as http,
         ):
             body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 40, "stream": True}
@@ -107,9 +107,9 @@ def test_http_429_when_queue_is_full(tiny_dir):
     asyncio.run(main())
 
 
-def test_openai_package_chat_stream_and_completion_shapes(tiny_dir):
+def test_openai_package_chat_stream_and_completion_shapes(tiny_model_dir):
     async def main():
-        async with fake_cluster([FakePrefill()], [FakeDecode()], tiny_dir) as (r, _):
+        async with fake_cluster([FakePrefill()], [FakeDecode()], tiny_model_dir) as (r, _):
             client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{r.http_port}/v1", api_key="x")
             tok = r.frontend.tokenizer
             msgs = [{"role": "user", "content": "hello there"}]
@@ -153,10 +153,10 @@ def test_openai_package_chat_stream_and_completion_shapes(tiny_dir):
     asyncio.run(main())
 
 
-def test_sse_ends_with_done_and_health_metrics(tiny_dir):
+def test_sse_ends_with_done_and_health_metrics(tiny_model_dir):
     async def main():
         async with (
-            fake_cluster([FakePrefill()], [FakeDecode()], tiny_dir) as (r, _),
+            fake_cluster([FakePrefill()], [FakeDecode()], tiny_model_dir) as (r, _),
             aiohttp.ClientSession(f"http://127.0.0.1:{r.http_port}") as http,
         ):
             body = {"model": "tiny", "prompt": "abc", "max_tokens": 3, "stream": True}
@@ -174,11 +174,11 @@ def test_sse_ends_with_done_and_health_metrics(tiny_dir):
     asyncio.run(main())
 
 
-def test_http_client_disconnect_cancels_the_decode_stream(tiny_dir):
+def test_http_client_disconnect_cancels_the_decode_stream(tiny_model_dir):
     async def main():
         d = FakeDecode(token_delay_s=0.05)
         async with (
-            fake_cluster([FakePrefill()], [d], tiny_dir) as (r, _),
+            fake_cluster([FakePrefill()], [d], tiny_model_dir) as (r, _),
             aiohttp.ClientSession(f"http://127.0.0.1:{r.http_port}") as http,
         ):
             body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 200, "stream": True}

@@ -40,10 +40,10 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def test_read_mode_streams_prefill_then_decode(tiny_dir):
+def test_read_mode_streams_prefill_then_decode(tiny_model_dir):
     async def main():
         p, d = FakePrefill(), FakeDecode()
-        async with fake_cluster([p], [d], tiny_dir) as (r, _):
+        async with fake_cluster([p], [d], tiny_model_dir) as (r, _):
             msgs = await stream_all(r.grpc_port, gen_req(6, request_id="rq-1"))
             assert ids(msgs) == expected_tokens(PROMPT, 6)
             assert msgs[0].prompt_tokens == len(PROMPT)
@@ -59,10 +59,10 @@ def test_read_mode_streams_prefill_then_decode(tiny_dir):
     run(main())
 
 
-def test_write_mode_starts_decode_before_prefill_ends(tiny_dir):
+def test_write_mode_starts_decode_before_prefill_ends(tiny_model_dir):
     async def main():
         p, d = FakePrefill(delay_s=0.4), FakeDecode()
-        async with fake_cluster([p], [d], tiny_dir) as (r, _):
+        async with fake_cluster([p], [d], tiny_model_dir) as (r, _):
             msgs = await stream_all(r.grpc_port, gen_req(5, router_pb2.DISAGG_MODE_WRITE))
             assert ids(msgs) == expected_tokens(PROMPT, 5)
             assert p.calls[0].publish_incrementally
@@ -80,15 +80,15 @@ def test_write_mode_starts_decode_before_prefill_ends(tiny_dir):
     run(main())
 
 
-def test_colocated_and_no_prefill_worker_run_locally(tiny_dir):
+def test_colocated_and_no_prefill_worker_run_locally(tiny_model_dir):
     async def main():
         p, d = FakePrefill(), FakeDecode()
-        async with fake_cluster([p], [d], tiny_dir) as (r, _):
+        async with fake_cluster([p], [d], tiny_model_dir) as (r, _):
             msgs = await stream_all(r.grpc_port, gen_req(4, router_pb2.DISAGG_MODE_COLOCATED))
             assert ids(msgs) == expected_tokens(PROMPT, 4)
             assert not p.calls and not d.calls[0].HasField("kv")
         d2 = FakeDecode()
-        async with fake_cluster([], [d2], tiny_dir) as (r, _):
+        async with fake_cluster([], [d2], tiny_model_dir) as (r, _):
             msgs = await stream_all(r.grpc_port, gen_req(4))
             assert ids(msgs) == expected_tokens(PROMPT, 4)
             assert r.frontend.orchestrator.traces[-1].plan == "local"
@@ -96,10 +96,10 @@ def test_colocated_and_no_prefill_worker_run_locally(tiny_dir):
     run(main())
 
 
-def test_short_uncached_prompt_prefills_on_decode(tiny_dir):
+def test_short_uncached_prompt_prefills_on_decode(tiny_model_dir):
     async def main():
         p, d = FakePrefill(), FakeDecode()
-        async with fake_cluster([p], [d], tiny_dir, local_prefill_threshold=64) as (r, _):
+        async with fake_cluster([p], [d], tiny_model_dir, local_prefill_threshold=64) as (r, _):
             msgs = await stream_all(r.grpc_port, gen_req(3))
             assert ids(msgs) == expected_tokens(PROMPT, 3)
             assert not p.calls and not d.calls[0].HasField("kv")
@@ -110,10 +110,10 @@ def test_short_uncached_prompt_prefills_on_decode(tiny_dir):
     run(main())
 
 
-def test_prefill_error_retries_once_on_another_worker(tiny_dir):
+def test_prefill_error_retries_once_on_another_worker(tiny_model_dir):
     async def main():
         a, b, d = FakePrefill(), FakePrefill(), FakeDecode()
-        async with fake_cluster([a, b], [d], tiny_dir, policy="round_robin") as (r, servers):
+        async with fake_cluster([a, b], [d], tiny_model_dir, policy="round_robin") as (r, servers):
             # round robin goes by worker id first: make exactly that worker fail once
             first = sorted(r.frontend.pool.workers["prefill"])[0]
             (a if first.endswith(servers[0].address) else b).fail = 1
@@ -126,10 +126,10 @@ def test_prefill_error_retries_once_on_another_worker(tiny_dir):
     run(main())
 
 
-def test_all_prefills_failing_falls_back_to_local_prefill(tiny_dir):
+def test_all_prefills_failing_falls_back_to_local_prefill(tiny_model_dir):
     async def main():
         a, b, d = FakePrefill(fail=9), FakePrefill(fail=9), FakeDecode()
-        async with fake_cluster([a, b], [d], tiny_dir) as (r, _):
+        async with fake_cluster([a, b], [d], tiny_model_dir) as (r, _):
             msgs = await stream_all(r.grpc_port, gen_req(3))
             assert ids(msgs) == expected_tokens(PROMPT, 3)
             assert len(a.calls) + len(b.calls) == 2  # first try + one retry, no more
@@ -139,11 +139,11 @@ def test_all_prefills_failing_falls_back_to_local_prefill(tiny_dir):
     run(main())
 
 
-def test_invalid_argument_from_worker_is_not_retried(tiny_dir):
+def test_invalid_argument_from_worker_is_not_retried(tiny_model_dir):
     async def main():
         a = FakePrefill(fail=1, fail_code=grpc.StatusCode.INVALID_ARGUMENT)
         b, d = FakePrefill(fail=1, fail_code=grpc.StatusCode.INVALID_ARGUMENT), FakeDecode()
-        async with fake_cluster([a, b], [d], tiny_dir, policy="round_robin") as (r, _):
+        async with fake_cluster([a, b], [d], tiny_model_dir, policy="round_robin") as (r, _):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stream_all(r.grpc_port, gen_req(3))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -152,13 +152,13 @@ def test_invalid_argument_from_worker_is_not_retried(tiny_dir):
     run(main())
 
 
-def test_circuit_breaker_takes_worker_out_and_puts_it_back(tiny_dir):
+def test_circuit_breaker_takes_worker_out_and_puts_it_back(tiny_model_dir):
     async def main():
         bad, good, d = FakePrefill(fail=1000), FakePrefill(), FakeDecode()
         async with fake_cluster(
             [bad, good],
             [d],
-            tiny_dir,
+            tiny_model_dir,
             policy="round_robin",
             breaker_failures=2,
             breaker_cooldown_s=0.3,
@@ -180,10 +180,10 @@ def test_circuit_breaker_takes_worker_out_and_puts_it_back(tiny_dir):
     run(main())
 
 
-def test_decode_failure_before_first_token_retries_elsewhere(tiny_dir):
+def test_decode_failure_before_first_token_retries_elsewhere(tiny_model_dir):
     async def main():
         p, d1, d2 = FakePrefill(), FakeDecode(), FakeDecode()
-        async with fake_cluster([p], [d1, d2], tiny_dir) as (r, servers):
+        async with fake_cluster([p], [d1, d2], tiny_model_dir) as (r, servers):
             first = sorted(r.frontend.pool.workers["decode"])[0]  # the idle tie-break
             (d1 if first.endswith(servers[1].address) else d2).fail = 1
             msgs = await stream_all(r.grpc_port, gen_req(3))
@@ -201,10 +201,10 @@ async def _wait_for(cond, timeout=5.0):
     return cond()
 
 
-def test_client_cancel_reaches_the_decode_worker(tiny_dir):
+def test_client_cancel_reaches_the_decode_worker(tiny_model_dir):
     async def main():
         p, d = FakePrefill(), FakeDecode(token_delay_s=0.05)
-        async with fake_cluster([p], [d], tiny_dir) as (r, _):
+        async with fake_cluster([p], [d], tiny_model_dir) as (r, _):
             async with grpcutil.channel(f"127.0.0.1:{r.grpc_port}") as ch:
                 call = router_pb2_grpc.RouterServiceStub(ch).GenerateStream(gen_req(200))
                 got = 0
@@ -221,10 +221,10 @@ def test_client_cancel_reaches_the_decode_worker(tiny_dir):
     run(main())
 
 
-def test_deadline_reaches_the_decode_worker(tiny_dir):
+def test_deadline_reaches_the_decode_worker(tiny_model_dir):
     async def main():
         p, d = FakePrefill(), FakeDecode(token_delay_s=0.05)
-        async with fake_cluster([p], [d], tiny_dir) as (r, _):
+        async with fake_cluster([p], [d], tiny_model_dir) as (r, _):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stream_all(r.grpc_port, gen_req(200), timeout=0.5)
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -234,11 +234,11 @@ def test_deadline_reaches_the_decode_worker(tiny_dir):
     run(main())
 
 
-def test_queue_full_is_resource_exhausted_with_reason(tiny_dir):
+def test_queue_full_is_resource_exhausted_with_reason(tiny_model_dir):
     async def main():
         p, d = FakePrefill(), FakeDecode(token_delay_s=0.05)
         async with (
-            fake_cluster([p], [d], tiny_dir, max_inflight=1, max_queue=0) as (r, _),
+            fake_cluster([p], [d], tiny_model_dir, max_inflight=1, max_queue=0) as (r, _),
             grpcutil.channel(f"127.0.0.1:{r.grpc_port}") as ch,
         ):
             stub = router_pb2_grpc.RouterServiceStub(ch)
@@ -253,11 +253,11 @@ def test_queue_full_is_resource_exhausted_with_reason(tiny_dir):
     run(main())
 
 
-def test_generate_unary_and_list_models_and_tokenize(tiny_dir):
+def test_generate_unary_and_list_models_and_tokenize(tiny_model_dir):
     async def main():
         p, d = FakePrefill(), FakeDecode()
         async with (
-            fake_cluster([p], [d], tiny_dir) as (r, _),
+            fake_cluster([p], [d], tiny_model_dir) as (r, _),
             grpcutil.channel(f"127.0.0.1:{r.grpc_port}") as ch,
         ):
             stub = router_pb2_grpc.RouterServiceStub(ch)
@@ -276,10 +276,10 @@ def test_generate_unary_and_list_models_and_tokenize(tiny_dir):
     run(main())
 
 
-def test_ttft_slo_rejects_early_once_the_cluster_is_seen_to_be_slow(tiny_dir):
+def test_ttft_slo_rejects_early_once_the_cluster_is_seen_to_be_slow(tiny_model_dir):
     async def main():
         p, d = FakePrefill(delay_s=0.3), FakeDecode()
-        async with fake_cluster([p], [d], tiny_dir, slo_ttft_ms=100) as (r, _):
+        async with fake_cluster([p], [d], tiny_model_dir, slo_ttft_ms=100) as (r, _):
             msgs = await stream_all(r.grpc_port, gen_req(2))  # no estimate yet: admitted
             assert ids(msgs) == expected_tokens(PROMPT, 2)
             t0 = time.monotonic()

@@ -4,11 +4,10 @@ prefill and decode workers on the tiny model (chunk_size 16), all stopped by pid
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from pdserve.procs import ServiceProcess, start_service
 
@@ -101,13 +100,6 @@ class Stack:
             Path("/dev/shm", name).unlink(missing_ok=True)
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir() -> Path:
-    from pdserve.model.prepare import build_tiny_model
-
-    return build_tiny_model()
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Stack]:
     s = Stack(tmp_path_factory.mktemp("stack"), tiny_model_dir)
@@ -115,29 +107,3 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
         yield s
     finally:
         s.close()
-
-
-@pytest.fixture(scope="session")
-def hf_greedy(tiny_model_dir: Path):
-    """Single-process ground truth: plain transformers greedy loop, stopping after EOS."""
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(1)
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
-    eos = model.config.eos_token_id
-
-    @torch.inference_mode()
-    def run(prompt: Sequence[int], n: int) -> list[int]:
-        out = model(input_ids=torch.tensor([list(prompt)]), use_cache=True)
-        toks: list[int] = []
-        for _ in range(n):
-            tok = int(out.logits[0, -1].argmax())
-            toks.append(tok)
-            if tok == eos:
-                break
-            out = model(
-                input_ids=torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True
-            )
-        return toks
-
-    return run

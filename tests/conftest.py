@@ -1,22 +1,26 @@
-"""Fixtures for the router tests (the fakes live in router_fakes.py)."""
+"""Fixtures shared by every test area: the tiny model and the single-process ground truth."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 
 @pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory) -> Path:
+def tiny_model_dir() -> Path:
+    """The deterministic tiny Llama (built once into the model cache)."""
     from pdserve.model.prepare import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("models"))
+    return Path(build_tiny_model())
 
 
 @pytest.fixture(scope="session")
 def hf_greedy(tiny_model_dir: Path):
-    """Single-process ground truth: a plain transformers greedy loop, stopping after EOS."""
+    """``hf_greedy(prompt_ids, n)``: the first ``n`` greedy tokens of a plain transformers loop
+    in this process (whole prompt in one forward, then one token at a time), stopping after
+    EOS. The ground truth every disaggregated path must match token for token."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -25,7 +29,7 @@ def hf_greedy(tiny_model_dir: Path):
     eos = model.config.eos_token_id
 
     @torch.inference_mode()
-    def run(prompt: list[int], n: int) -> list[int]:
+    def run(prompt: Sequence[int], n: int) -> list[int]:
         out = model(input_ids=torch.tensor([list(prompt)]), use_cache=True)
         toks: list[int] = []
         for _ in range(n):
@@ -39,11 +43,3 @@ def hf_greedy(tiny_model_dir: Path):
         return toks
 
     return run
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir() -> Path:
-    """The tiny model in the default cache (shared with the worker processes)."""
-    from pdserve.model.prepare import build_tiny_model
-
-    return build_tiny_model()
