@@ -151,8 +151,9 @@ class WorkerSpec:
 
 
 def open_store(cfg: EngineConfig) -> Any | None:
-    """The synchronous store client for ``cfg.store_master`` (None when no store)."""
-    if not cfg.store_master:
+    """The synchronous store client for ``cfg.store_master`` (None when no store, and for
+    the vLLM engine, whose connector opens its own clients inside vLLM's processes)."""
+    if not cfg.store_master or cfg.engine == "vllm":
         return None
     from pdserve.store.client import StoreClient
 

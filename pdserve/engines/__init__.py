@@ -10,9 +10,11 @@ from pdserve.engines.config import EngineConfig
 
 
 def create_engine(cfg: EngineConfig, store: Any | None = None) -> Engine:
-    """The engine named by ``cfg.engine`` (not started). ``store`` is a synchronous
-    :class:`pdserve.store.client.StoreClient` or None (no store: always recompute). vLLM is
-    imported only when asked for."""
+    """The engine named by ``cfg.engine`` (not started). ``store`` is the synchronous
+    :class:`pdserve.store.client.StoreClient` the torch engine uses, or None (no store: always
+    recompute); the vLLM engine ignores it, because its KV connector runs inside vLLM's own
+    processes and opens clients there from ``cfg.store_master``. vLLM is imported only when
+    asked for."""
     if cfg.engine == "torch":
         from pdserve.engines.torch_engine import TorchEngine
 
@@ -20,5 +22,5 @@ def create_engine(cfg: EngineConfig, store: Any | None = None) -> Engine:
     if cfg.engine == "vllm":
         from pdserve.engines.vllm_engine import VllmEngine
 
-        return VllmEngine(cfg, store)
+        return VllmEngine(cfg)
     raise ValueError(f"unknown engine {cfg.engine!r}: use 'torch' or 'vllm'")

@@ -406,14 +406,19 @@ class Orchestrator:
             started = False
             try:
                 async for resp in call:
-                    if not started:
-                        started = True
+                    started = True
+                    # Decode reports its prompt counts once, on the first message that knows
+                    # them (torch: the first; vLLM: the last, from its KV connector).
+                    if resp.loaded_tokens or resp.recomputed_tokens:
                         trace.decode_loaded = resp.loaded_tokens
                         trace.decode_recomputed = resp.recomputed_tokens
                         if head.get("cached_tokens", 0) < 0:
                             head["cached_tokens"] = resp.loaded_tokens
                             CACHED.labels("store").inc(resp.loaded_tokens)
                             CACHED.labels("computed").inc(resp.recomputed_tokens)
+                    elif head.get("cached_tokens", 0) < 0:
+                        # not known yet: report what the store held at routing time
+                        head["cached_tokens"] = trace.cached_tokens
                     if resp.token_times_ms:
                         trace.decode_worker_ms = resp.token_times_ms[-1]
                     chunk = StreamChunk(list(resp.token_ids), resp.text, [], resp.finish_reason)
