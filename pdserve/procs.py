@@ -6,13 +6,15 @@ log file, and it is "up" once it prints its READY line (see :mod:`pdserve.lifecy
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+import uuid
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -133,6 +135,42 @@ def start_service(
     """Starts ``pdserve <args>`` and waits for its READY line; raises
     :class:`ProcessStartError` with the log tail when it dies or times out."""
     return wait_ready(spawn_service(name, args, log_dir, env=env, prefix=prefix), timeout)
+
+
+@contextlib.contextmanager
+def local_store(
+    log_dir: Path,
+    *,
+    segment_size: str | int = "256MiB",
+    transports: str = "shm,tcp",
+    node_id: str | None = None,
+) -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
+    """A KV store on this host for benchmarks and tests: a master and one node process
+    (``(master, node)``), both stopped by pid on exit and the node's shm files removed."""
+    master = start_service(
+        f"kv-master-{uuid.uuid4().hex[:6]}",
+        ["kvstore", "master", "--port", "0", "--metrics-port", "-1"],
+        log_dir,
+        timeout=60,
+    )
+    node = None
+    try:
+        node = start_service(
+            f"kv-node-{uuid.uuid4().hex[:6]}",
+            ["kvstore", "node", "--master-address", master.info["grpc"], "--node-id",
+             node_id or f"local-{uuid.uuid4().hex[:8]}", "--segment-sizes", str(segment_size),
+             "--transports", transports],
+            log_dir,
+            env={"MC_TCP_BIND_ADDRESS": "127.0.0.1"},
+            timeout=60,
+        )  # fmt: skip
+        yield master, node
+    finally:
+        if node is not None:
+            node.stop()
+            for name in node.info.get("shm_names", []):
+                Path("/dev/shm", name).unlink(missing_ok=True)
+        master.stop()
 
 
 def _drain_stdout_to_log(popen: subprocess.Popen, log_path: Path) -> None:

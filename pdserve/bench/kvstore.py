@@ -266,7 +266,7 @@ def render(rows: list[Row], prefix: dict[str, dict[str, float]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.procs import start_service
+    from pdserve.procs import local_store
     from pdserve.store.mooncake_backend import available as mooncake_available
 
     sizes = [parse_size(s) for s in args.sizes.split(",")]
@@ -286,36 +286,12 @@ def run(args: argparse.Namespace) -> int:
     _progress(f"logs in {log_dir}; up to {n_max} iterations per size; segment {_fmt_size(segment)}")
     rows = bench_memcpy(sizes, args.iterations)
     prefix: dict[str, dict[str, float]] = {}
-    master = start_service(
-        "kv-master", ["kvstore", "master", "--port", "0", "--metrics-port", "-1"], log_dir
-    )
-    node = None
-    try:
-        node = start_service(
-            "kv-node",
-            [
-                "kvstore",
-                "node",
-                "--master-address",
-                master.info["grpc"],
-                "--node-id",
-                f"bench{os.getpid()}",
-                "--segment-sizes",
-                str(segment),
-                "--transports",
-                ",".join(["shm", "tcp", *(["mooncake"] if "mooncake" in transports else [])]),
-            ],
-            log_dir,
-            env={"MC_TCP_BIND_ADDRESS": "127.0.0.1"},
-        )
+    served = ",".join(["shm", "tcp", *(["mooncake"] if "mooncake" in transports else [])])
+    with local_store(log_dir, segment_size=segment, transports=served) as (master, _node):
         for t in transports:
             rows += bench_pdserve(master.info["grpc"], t, sizes, args.iterations)
         _progress("longest_prefix (pdserve)")
         prefix["pdserve"] = bench_longest_prefix(master.info["grpc"])
-    finally:
-        if node is not None:
-            node.stop()
-        master.stop()
     if have_mc and not args.no_mooncake_store:
         # Mooncake evicts above 90 % use and frees removed objects lazily: give it room for
         # every object of the run.

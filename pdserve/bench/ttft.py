@@ -26,7 +26,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -106,25 +105,11 @@ def _phase(tmp: Path, spec: dict[str, Any]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     from pdserve.model.prepare import resolve_model
-    from pdserve.procs import start_service
+    from pdserve.procs import local_store
 
     resolve_model(args.model)
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-ttft-"))
-    master = start_service(
-        f"master-{uuid.uuid4().hex[:6]}",
-        ["kvstore", "master", "--port", "0", "--metrics-port", "-1"],
-        tmp / "logs",
-        timeout=60,
-    )
-    node = None
-    try:
-        node = start_service(
-            f"node-{uuid.uuid4().hex[:6]}",
-            ["kvstore", "node", "--master-address", master.info["grpc"],
-             "--segment-sizes", "512MiB", "--transports", "shm,tcp"],
-            tmp / "logs",
-            timeout=60,
-        )  # fmt: skip
+    with local_store(tmp / "logs", segment_size="512MiB") as (master, _node):
         rng = random.Random(7)
         prompt = [rng.randrange(1000, 40000) for _ in range(args.prompt_tokens)]
         warmup = [rng.randrange(1000, 40000) for _ in range(64)]
@@ -140,12 +125,6 @@ def run(args: argparse.Namespace) -> int:
         base = {"config": config, "prompt": prompt, "warmup": warmup, "repeats": args.repeats}
         cold = _phase(tmp, {**base, "name": "cold"})
         cached = _phase(tmp, {**base, "name": "cached"})
-    finally:
-        if node is not None:
-            node.stop()
-            for n in node.info.get("shm_names", []):
-                Path("/dev/shm", n).unlink(missing_ok=True)
-        master.stop()
     cold_ms = cold["ttft_ms"][0]
     cached_ms = min(cached["ttft_ms"])
     print(f"model {args.model}, prompt {args.prompt_tokens} tokens, chunk {args.chunk_size}")

@@ -15,7 +15,6 @@ import os
 import random
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -94,26 +93,11 @@ def _flip_chunk_bytes(master: str, key: str) -> None:
 @pytest.fixture(scope="module")
 def pd_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     from pdserve.model.prepare import build_tiny_model
-    from pdserve.procs import start_service
+    from pdserve.procs import local_store
 
     build_tiny_model()
     tmp = tmp_path_factory.mktemp("vllm_pd")
-    master = start_service(
-        f"master-{uuid.uuid4().hex[:6]}",
-        ["kvstore", "master", "--port", "0", "--metrics-port", "-1"],
-        tmp / "logs",
-        timeout=60,
-    )
-    node = None
-    try:
-        node = start_service(
-            f"node-{uuid.uuid4().hex[:6]}",
-            ["kvstore", "node", "--master-address", master.info["grpc"],
-             "--segment-sizes", "64MiB", "--transports", "shm,tcp"],
-            tmp / "logs",
-            env={"MC_TCP_BIND_ADDRESS": "127.0.0.1"},
-            timeout=60,
-        )  # fmt: skip
+    with local_store(tmp / "logs", segment_size="64MiB") as (master, _node):
         prompts = _prompts()
         base = {
             "model": "tiny",
@@ -153,12 +137,6 @@ def pd_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
             "prefill": by_key,
             "decode": dict(zip(prompts, decode, strict=True)),
         }
-    finally:
-        if node is not None:
-            node.stop()
-            for n in node.info.get("shm_names", []):
-                Path("/dev/shm", n).unlink(missing_ok=True)
-        master.stop()
 
 
 def _hf_greedy(prompts: dict[str, list[int]]) -> dict[str, list[int]]:
