@@ -92,8 +92,9 @@ def test_http_bad_input_is_400_with_openai_error_json(tiny_model_dir):
 def test_http_429_when_queue_is_full(tiny_model_dir):
     async def main():
         d = FakeDecode(token_delay_s=0.05)
+        cluster = fake_cluster([FakePrefill()], [d], tiny_model_dir, max_inflight=1, max_queue=0)
         async with (
-            fake_cluster([FakePrefill()], [d], tiny_model_dir, max_inflight=1, max_queue=0) as (r, _),
+            cluster as (r, _),
             aiohttp.ClientSession(f"http://127.0.0.1:{r.http_port}") as http,
         ):
             body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 40, "stream": True}
