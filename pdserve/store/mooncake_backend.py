@@ -33,7 +33,6 @@ from pdserve import errors
 from pdserve.store.api import DEFAULT_OPTIONS, StoreBackend, StoreOptions, byte_view, check_keys
 
 #: Mooncake error codes this backend names (mooncake-store/include/types.h).
-OBJECT_NOT_FOUND = -704
 OBJECT_HAS_LEASE = -706
 NO_AVAILABLE_HANDLE = -200
 

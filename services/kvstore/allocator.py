@@ -42,9 +42,6 @@ class OffsetAllocator:
     def free(self) -> int:
         return self.capacity - self.used
 
-    def largest_free(self) -> int:
-        return max(self._free_len, default=0)
-
     def can_fit(self, size: int) -> bool:
         need = align_up(size)
         return any(n >= need for n in self._free_len)

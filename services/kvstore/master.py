@@ -40,6 +40,7 @@ class _StateCollector:
             ("ttl_expired", c.ttl_expired, "objects removed at the end of their TTL"),
             ("put_timeouts", c.put_timeouts, "unfinished puts reclaimed after the put timeout"),
             ("node_deaths", c.node_deaths, "nodes declared dead after missed heartbeats"),
+            ("node_dead_objects", c.node_dead_objects, "objects lost with their last replica"),
             ("prefix_queries", c.prefix_queries, "LongestPrefix calls"),
             ("prefix_hit_keys", c.prefix_hit_keys, "sum of LongestPrefix answers (keys)"),
             ("events_dropped", self.hub.dropped, "events dropped for slow watchers"),

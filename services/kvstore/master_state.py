@@ -884,9 +884,6 @@ class MasterState:
 
     # ------------------------------------------------------------------ stats
 
-    def segment_list(self) -> list[SegmentState]:
-        return list(self.segments.values())
-
     def stats(self) -> pb.StatsResponse:
         c = self.counters
         live = [s for s in self.segments.values() if s.alive]

@@ -33,10 +33,6 @@ _MAX_LABEL_CHARS = 256
 ROLE_NAMES = {v.number: v.name for v in common_pb2.Role.DESCRIPTOR.values if v.number != 0}
 
 
-def role_name(role: int) -> str:
-    return ROLE_NAMES.get(role, str(role))
-
-
 def check_role(role: int, *, allow_any: bool) -> None:
     if role == common_pb2.ROLE_UNSPECIFIED and allow_any:
         return
