@@ -25,9 +25,10 @@ CS = 16
 
 
 class Cluster:
-    def __init__(self, log_dir: Path, model_dir: Path) -> None:
+    def __init__(self, log_dir: Path, model_dir: Path, *, decodes: int = 1) -> None:
         self.procs: list[ServiceProcess] = []
         self.log_dir = log_dir
+        self.n_decodes = decodes
         try:
             self._start(model_dir)
         except BaseException:
@@ -81,7 +82,8 @@ class Cluster:
             "0",
         ]
         self.prefills = [self._add(f"prefill{i}", ["prefill", *common]) for i in range(2)]
-        self.decode = self._add("decode", ["decode", *common])
+        self.decodes = [self._add(f"decode{i}", ["decode", *common]) for i in range(self.n_decodes)]
+        self.decode = self.decodes[0]
         self.router = self._add(
             "router",
             [
@@ -115,7 +117,7 @@ class Cluster:
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
                 (m,) = stub.ListModels(router_pb2.ListModelsRequest()).models
-                if m.prefill_workers == 2 and m.decode_workers == 1:
+                if m.prefill_workers == 2 and m.decode_workers == self.n_decodes:
                     break
                 time.sleep(0.2)
             else:
