@@ -378,6 +378,10 @@ class Orchestrator:
     ) -> AsyncIterator[StreamChunk]:
         tried: set[str] = set()
         last: grpc.aio.AioRpcError | None = None
+        prompt = list(dreq.prompt_token_ids)
+        emitted: list[int] = []  # tokens already streamed to the client, across attempts
+        sent_text = ""  # their text as streamed
+        pending_text = ""  # text the failed worker held back, owed to the client
         for attempt in range(2):
             cands = self.pool.candidates(DECODE, tried)
             if not cands:
@@ -421,7 +425,11 @@ class Orchestrator:
                         head["cached_tokens"] = trace.cached_tokens
                     if resp.token_times_ms:
                         trace.decode_worker_ms = resp.token_times_ms[-1]
-                    chunk = StreamChunk(list(resp.token_ids), resp.text, [], resp.finish_reason)
+                    text = pending_text + resp.text
+                    pending_text = ""
+                    emitted.extend(resp.token_ids)
+                    sent_text += text
+                    chunk = StreamChunk(list(resp.token_ids), text, [], resp.finish_reason)
                     if head:
                         chunk.prompt_tokens = head["prompt_tokens"]
                         chunk.cached_tokens = max(0, head["cached_tokens"])
@@ -434,11 +442,21 @@ class Orchestrator:
                     raise _PrefillFailed() from exc
                 self._worker_error(w, exc)
                 log.warning("decode on %s failed: %s %s", w.id, exc.code(), exc.details())
-                if started:
-                    raise errors.Unavailable(
-                        f"decode worker {w.id} failed mid-stream: {exc.code().name}"
-                    ) from exc
                 last = exc
+                if started:
+                    resumed = _resume(dreq, prompt, emitted)
+                    if resumed is None:
+                        raise errors.Unavailable(
+                            f"decode worker {w.id} failed mid-stream: {exc.code().name}"
+                        ) from exc
+                    # Resume on another worker from the tokens already streamed: it prefills
+                    # prompt + emitted (reusing stored chunks) and continues; greedy output
+                    # is unchanged. Text the dead worker held back (a partial character) is
+                    # re-derived from the tokens.
+                    dreq = resumed
+                    full = self.detokenize(emitted)
+                    pending_text = full[len(sent_text) :] if full.startswith(sent_text) else ""
+                    trace.retries.append(f"decode-resume:{w.id}")
             finally:
                 w.inflight -= 1
                 if abort_on is not None:
@@ -454,6 +472,25 @@ class Orchestrator:
         if cls is not None:
             raise cls(exc.details() or exc.code().name) from exc
         self.pool.record_failure(w)
+
+
+def _resume(
+    dreq: engine_pb2.DecodeRequest, prompt: list[int], emitted: list[int]
+) -> engine_pb2.DecodeRequest | None:
+    """The request that continues a generation after ``emitted`` tokens, or None when it
+    cannot be resumed (no explicit max_tokens, or nothing left to generate)."""
+    left = dreq.sampling.max_tokens - len(emitted)
+    if dreq.sampling.max_tokens == 0 or left <= 0 or not emitted:
+        return None
+    sampling = common_pb2.SamplingParams()
+    sampling.CopyFrom(dreq.sampling)
+    sampling.max_tokens = left
+    return engine_pb2.DecodeRequest(
+        request_id=dreq.request_id,
+        model=dreq.model,
+        prompt_token_ids=[*prompt, *emitted],
+        sampling=sampling,
+    )
 
 
 def _retrieve(fut: asyncio.Future) -> None:

@@ -59,6 +59,7 @@ class FakePrefill(engine_pb2_grpc.PrefillServiceServicer):
 @dataclass
 class FakeDecode(engine_pb2_grpc.DecodeServiceServicer):
     fail: int = 0
+    fail_after: int = -1  # abort with UNAVAILABLE after streaming this many tokens (once)
     token_delay_s: float = 0.0
     calls: list[engine_pb2.DecodeRequest] = field(default_factory=list)
     starts: list[float] = field(default_factory=list)
@@ -81,6 +82,9 @@ class FakeDecode(engine_pb2_grpc.DecodeServiceServicer):
             else:
                 toks = expected_tokens(list(request.prompt_token_ids), n)
             for i, t in enumerate(toks):
+                if i == self.fail_after:
+                    self.fail_after = -1
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "fake decode died")
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
                 last = i == len(toks) - 1

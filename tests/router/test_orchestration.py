@@ -194,6 +194,26 @@ def test_decode_failure_before_first_token_retries_elsewhere(tiny_model_dir):
     run(main())
 
 
+def test_decode_dying_mid_stream_resumes_on_another_worker(tiny_model_dir):
+    async def main():
+        p, d1, d2 = FakePrefill(), FakeDecode(), FakeDecode()
+        async with fake_cluster([p], [d1, d2], tiny_model_dir) as (r, servers):
+            first = sorted(r.frontend.pool.workers["decode"])[0]  # the idle tie-break
+            dying, other = (d1, d2) if first.endswith(servers[1].address) else (d2, d1)
+            dying.fail_after = 4
+            msgs = await stream_all(r.grpc_port, gen_req(10))
+            # the client sees one uninterrupted, correct stream
+            assert ids(msgs) == expected_tokens(PROMPT, 10)
+            assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+            # the survivor continued from prompt + the 4 streamed tokens, for the 6 left
+            (resumed,) = other.calls
+            assert list(resumed.prompt_token_ids) == [*PROMPT, *expected_tokens(PROMPT, 4)]
+            assert resumed.sampling.max_tokens == 6 and not resumed.HasField("kv")
+            assert r.frontend.orchestrator.traces[-1].retries[0].startswith("decode-resume:")
+
+    run(main())
+
+
 async def _wait_for(cond, timeout=5.0):
     deadline = time.monotonic() + timeout
     while not cond() and time.monotonic() < deadline:

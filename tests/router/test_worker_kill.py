@@ -1,13 +1,17 @@
-"""Killing a worker loses no later request and returns no wrong token: a real cluster (meta,
-store, 2 prefill + 2 decode torch workers, router); SIGKILL one prefill worker, then one
-decode worker, and every request after each kill still completes token-exact (the router
-retries on the other worker, its circuit breaker takes the dead one out, and meta drops it
-when its lease ends)."""
+"""Killing a worker loses no request and returns no wrong token: a real cluster (meta, store,
+2 prefill + 3 decode torch workers, router). SIGKILL one prefill worker, then one decode
+worker: every later request completes token-exact (the router retries on another worker, its
+circuit breaker takes the dead one out, meta drops it when its lease ends). Then SIGKILL the
+decode worker in the middle of a stream: the router resumes it on another worker and the
+client gets the whole, exact completion."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
-from test_cluster import Cluster, ids, stream
+from test_cluster import Cluster, ids, metric, stream
 
 from pdserve.v1 import common_pb2
 
@@ -21,7 +25,7 @@ def _prompt(i: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_model_dir):
-    c = Cluster(tmp_path_factory.mktemp("kill"), tiny_model_dir, decodes=2)
+    c = Cluster(tmp_path_factory.mktemp("kill"), tiny_model_dir, decodes=3)
     try:
         yield c
     finally:
@@ -54,3 +58,35 @@ def test_kill_prefill_then_decode_worker(cluster, hf_greedy) -> None:
     retried = [r for t in traces for r in t["retries"]]
     assert any(r.startswith("prefill:") for r in retried), retried
     assert any(r.startswith("decode:") for r in retried), retried
+
+
+def test_kill_decode_mid_stream_resumes(cluster, hf_greedy) -> None:
+    toks = _prompt(300)
+    n = 300
+    expected = hf_greedy(toks, n)  # stops after EOS; the stream ignores EOS
+    assert len(expected) >= 30, "pick a prompt whose greedy run is long enough"
+    alive = [d for d in cluster.decodes if d.alive()]
+    before = {d.pid: metric(d, "pdserve_decode_tokens_total") for d in alive}
+    result: dict = {}
+
+    def run() -> None:
+        sampling = common_pb2.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        result["msgs"] = stream(cluster, model="tiny", prompt_token_ids=toks, sampling=sampling)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    busy = None
+    deadline = time.monotonic() + 30
+    while busy is None and time.monotonic() < deadline:
+        for d in alive:
+            if metric(d, "pdserve_decode_tokens_total") - before[d.pid] >= 5:
+                busy = d
+        time.sleep(0.005)
+    assert busy is not None, "no decode worker streamed the request"
+    busy.kill()
+    thread.join(120)
+    got = ids(result["msgs"])
+    assert len(got) == n and got[: len(expected)] == expected
+    assert result["msgs"][-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    resumed = [r for t in cluster.traces().values() for r in t["retries"]]
+    assert any(r.startswith("decode-resume:") for r in resumed), resumed
