@@ -29,10 +29,11 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
                 if msg.finish_reason:
                     reason = common_pb2.FinishReason.Name(msg.finish_reason)
-                    print(f"\n[{reason.removeprefix('FINISH_REASON_').lower()}]", file=sys.stderr)
+                    print(f"[{reason.removeprefix('FINISH_REASON_').lower()}]", file=sys.stderr)
         except grpc.RpcError as exc:
             print(f"\npdserve generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
+    print()
     return 0
 
 

@@ -73,7 +73,8 @@ async def collect(meta: str, store_master: str, timeout: float) -> dict:
 
 def render(report: dict) -> str:
     lines = [f"meta {report['meta']}: {len(report['instances'])} instance(s)"]
-    fmt = "  {:<18} {:<15} {:<22} {:<8} {:>5} {:>7} {:>8}  {}"
+    width = max([18, *(len(r["id"]) for r in report["instances"])])
+    fmt = "  {:<" + str(width) + "} {:<15} {:<22} {:<8} {:>5} {:>7} {:>8}  {}"
     lines.append(
         fmt.format("ID", "ROLE", "ADDRESS", "HEALTHY", "QUEUE", "RUNNING", "KV USE", "MODEL")
     )
