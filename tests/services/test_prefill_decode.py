@@ -40,11 +40,14 @@ def stubs(proc):
 def do_prefill(proc, toks, rid, **kw) -> engine_pb2.PrefillResponse:
     ch, p, _ = stubs(proc)
     with ch:
+        # wait_for_ready: a fresh channel to a worker whose cores are busy (two vLLM engines
+        # on two cores) may need more than one connection attempt.
         return p.Prefill(
             engine_pb2.PrefillRequest(
                 request_id=rid, model="tiny", prompt_token_ids=toks, sampling=GREEDY, **kw
             ),
             timeout=60,
+            wait_for_ready=True,
         )
 
 
@@ -58,7 +61,7 @@ def do_decode(proc, toks, rid, **kw) -> list[engine_pb2.DecodeResponse]:
             sampling=kw.pop("sampling", GREEDY),
             **kw,
         )
-        return list(d.Decode(req, timeout=60))
+        return list(d.Decode(req, timeout=60, wait_for_ready=True))
 
 
 def tokens_of(msgs) -> list[int]:
