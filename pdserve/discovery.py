@@ -102,13 +102,16 @@ class MetaClient:
                     log.error("heartbeat to meta failed: %s %s", exc.code().name, exc.details())
                 delay, backoff = min(backoff, interval), backoff * 2
 
-    async def deregister(self) -> None:
-        """Stops the keepalive and removes the registration (best effort if meta is down)."""
+    async def _stop_keepalive(self) -> None:
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+
+    async def deregister(self) -> None:
+        """Stops the keepalive and removes the registration (best effort if meta is down)."""
+        await self._stop_keepalive()
         if self.lease_id:
             with contextlib.suppress(grpc.aio.AioRpcError):
                 await self._stub.Deregister(
@@ -124,11 +127,7 @@ class MetaClient:
 
     async def close(self) -> None:
         """Stops the keepalive without deregistering (the lease then expires) and closes."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._stop_keepalive()
         await self._channel.close()
 
 

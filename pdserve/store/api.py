@@ -83,11 +83,11 @@ class StoreBackend(ABC):
     misses (None), never exceptions; invalid input raises InvalidArgument, an unreachable
     master Unavailable, no space ResourceExhausted."""
 
-    @abstractmethod
     def put(
         self, key: str, data: bytes | memoryview, options: StoreOptions = DEFAULT_OPTIONS
     ) -> bool:
         """True = written now, False = the key already existed (idempotent no-op)."""
+        return self.batch_put([(key, data)], options)[0]
 
     @abstractmethod
     def batch_put(
@@ -96,8 +96,9 @@ class StoreBackend(ABC):
         options: StoreOptions = DEFAULT_OPTIONS,
     ) -> list[bool]: ...
 
-    @abstractmethod
-    def get(self, key: str) -> bytes | None: ...
+    def get(self, key: str) -> bytes | None:
+        """The object's bytes, or None on a miss (absent, unreachable or failed read)."""
+        return self.batch_get([key])[0]
 
     @abstractmethod
     def get_into(self, key: str, buf: memoryview) -> int | None:

@@ -181,14 +181,6 @@ class StoreClient(StoreBackend):
 
     # -- puts -------------------------------------------------------------------------------
 
-    def put(
-        self, key: str, data: bytes | memoryview, options: StoreOptions = DEFAULT_OPTIONS
-    ) -> bool:
-        """Stores ``data`` under ``key``. True = written now, False = the key already existed
-        (or another writer is putting it). Raises InvalidArgument / ResourceExhausted /
-        Unavailable."""
-        return self.batch_put([(key, data)], options)[0]
-
     def batch_put(
         self,
         items: Sequence[tuple[str, bytes | memoryview]],
@@ -353,10 +345,6 @@ class StoreClient(StoreBackend):
         if corrupt:
             CORRUPT_CHUNKS.inc()
         return None
-
-    def get(self, key: str) -> bytes | None:
-        """The object's bytes, or None on a miss (absent, unreachable or failed read)."""
-        return self.batch_get([key])[0]
 
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
         keys = check_keys(keys)

@@ -161,11 +161,6 @@ class MooncakeStoreClient(StoreBackend):
                 raise errors.Unavailable(f"mooncake register_buffer failed: {rc}")
         return self._buf
 
-    def put(
-        self, key: str, data: bytes | memoryview, options: StoreOptions = DEFAULT_OPTIONS
-    ) -> bool:
-        return self.batch_put([(key, data)], options)[0]
-
     def batch_put(
         self,
         items: Sequence[tuple[str, bytes | memoryview]],
@@ -190,9 +185,6 @@ class MooncakeStoreClient(StoreBackend):
                     raise errors.Unavailable(f"mooncake put of {key!r} failed with code {rc}")
                 out.append(True)
         return out
-
-    def get(self, key: str) -> bytes | None:
-        return self.batch_get([key])[0]
 
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
         keys = check_keys(keys)
