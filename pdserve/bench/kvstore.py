@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -145,40 +144,15 @@ def bench_mooncake(
     """Mooncake Store's own client: put_from / get_into with registered buffers."""
     from mooncake.store import MooncakeDistributedStore
 
-    from pdserve.lifecycle import parse_ready
-    from pdserve.store.mooncake_backend import MooncakeMaster
+    from pdserve.store.mooncake_backend import MooncakeCluster
 
-    master = MooncakeMaster.start(log_dir / "mooncake_master.log")
-    log = (log_dir / "mooncake_storage.log").open("w")
-    storage = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pdserve.store.mooncake_backend",
-            "serve",
-            "--master",
-            master.address,
-            "--segment-size",
-            str(segment),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=log,
-        text=True,
-        start_new_session=True,
-        env={**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"},
-    )
-    log.close()
+    cluster = MooncakeCluster.start(log_dir, segment)
     rows = []
     try:
-        assert storage.stdout is not None
-        while parse_ready(storage.stdout.readline() or "PDSERVE_READY {}") is None:
-            pass
-        if storage.poll() is not None:
-            raise RuntimeError("the mooncake storage process exited")
         store = MooncakeDistributedStore()
         if (
             store.setup(
-                "127.0.0.1", "P2PHANDSHAKE", 0, max(sizes) + (1 << 20), "tcp", "", master.address
+                "127.0.0.1", "P2PHANDSHAKE", 0, max(sizes) + (1 << 20), "tcp", "", cluster.address
             )
             != 0
         ):
@@ -224,10 +198,7 @@ def bench_mooncake(
         store.close()
         return rows, {"keys": 64, "p50_us": _pct(lat, 0.5) * 1e6, "p99_us": _pct(lat, 0.99) * 1e6}
     finally:
-        if storage.poll() is None:
-            storage.terminate()
-            storage.wait(10)
-        master.stop()
+        cluster.stop()
 
 
 def _fmt_size(n: int) -> str:
@@ -294,8 +265,10 @@ def run(args: argparse.Namespace) -> int:
         prefix["pdserve"] = bench_longest_prefix(master.info["grpc"])
     if have_mc and not args.no_mooncake_store:
         # Mooncake evicts above 90 % use and frees removed objects lazily: give it room for
-        # every object of the run.
-        mc_segment = 2 * sum(s * (iterations_for(s, args.iterations) + 1) for s in sizes)
+        # every object of the run (and at least 64 MiB: its setup fails on tiny segments).
+        mc_segment = max(
+            64 << 20, 2 * sum(s * (iterations_for(s, args.iterations) + 1) for s in sizes)
+        )
         mc_rows, mc_prefix = bench_mooncake(sizes, args.iterations, log_dir, mc_segment)
         rows += mc_rows
         prefix["mooncake-store batch_is_exist"] = mc_prefix

@@ -21,6 +21,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -30,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from pdserve import errors
+from pdserve.lifecycle import parse_ready
 from pdserve.store.api import DEFAULT_OPTIONS, StoreBackend, StoreOptions, byte_view, check_keys
 
 #: Mooncake error codes this backend names (mooncake-store/include/types.h).
@@ -106,6 +108,58 @@ class MooncakeMaster:
             except subprocess.TimeoutExpired:
                 os.killpg(self.popen.pid, signal.SIGKILL)
                 self.popen.wait()
+
+
+@dataclass
+class MooncakeCluster:
+    """A local Mooncake Store: ``mooncake_master`` plus one process contributing a segment
+    (``python -m pdserve.store.mooncake_backend serve``), for tests and benchmarks."""
+
+    master: MooncakeMaster
+    storage: subprocess.Popen
+
+    @property
+    def address(self) -> str:
+        return self.master.address
+
+    @classmethod
+    def start(
+        cls, log_dir: Path, segment_size: str | int, *, lease_ms: int = 5000
+    ) -> MooncakeCluster:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        master = MooncakeMaster.start(log_dir / "mooncake_master.log", lease_ms=lease_ms)
+        with (log_dir / "mooncake_storage.log").open("w") as log:
+            storage = subprocess.Popen(
+                [sys.executable, "-m", "pdserve.store.mooncake_backend", "serve",
+                 "--master", master.address, "--segment-size", str(segment_size)],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                start_new_session=True,
+                env={**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"},
+            )  # fmt: skip
+        cluster = cls(master, storage)
+        deadline = time.monotonic() + 60
+        assert storage.stdout is not None
+        while time.monotonic() < deadline:
+            line = storage.stdout.readline()
+            if not line:
+                cluster.stop()
+                raise RuntimeError("mooncake storage process exited before READY")
+            if parse_ready(line) is not None:
+                return cluster
+        cluster.stop()
+        raise RuntimeError("mooncake storage process not ready in 60 s")
+
+    def stop(self) -> None:
+        if self.storage.poll() is None:
+            os.killpg(self.storage.pid, signal.SIGTERM)
+            try:
+                self.storage.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.storage.pid, signal.SIGKILL)
+                self.storage.wait()
+        self.master.stop()
 
 
 class MooncakeStoreClient(StoreBackend):

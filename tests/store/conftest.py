@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.procs import ServiceProcess, start_service
+from pdserve.store.mooncake_backend import MooncakeCluster
 
 SHM = Path("/dev/shm")
 
@@ -118,66 +119,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         c.close()
 
 
-class MooncakeCluster:
-    """``mooncake_master`` plus one process contributing a segment (Mooncake's storage)."""
-
-    def __init__(self, log_dir: Path, segment_size: str = "128MiB") -> None:
-        import json
-        import os
-        import subprocess
-        import sys
-        import time
-
-        from pdserve.lifecycle import parse_ready
-        from pdserve.store.mooncake_backend import MooncakeMaster
-
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.master = MooncakeMaster.start(log_dir / "mooncake_master.log", lease_ms=500)
-        self.address = self.master.address
-        log = (log_dir / "mooncake_storage.log").open("w")
-        self.storage = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pdserve.store.mooncake_backend",
-                "serve",
-                "--master",
-                self.address,
-                "--segment-size",
-                segment_size,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-            start_new_session=True,
-            env={**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"},
-        )
-        log.close()
-        deadline = time.monotonic() + 60
-        assert self.storage.stdout is not None
-        while time.monotonic() < deadline:
-            line = self.storage.stdout.readline()
-            if not line:
-                raise RuntimeError("mooncake storage process exited before READY")
-            if parse_ready(line) is not None:
-                json.loads(line.split(" ", 1)[1])
-                return
-        raise RuntimeError("mooncake storage process not ready in 60 s")
-
-    def close(self) -> None:
-        import os
-        import signal
-
-        if self.storage.poll() is None:
-            os.killpg(self.storage.pid, signal.SIGTERM)
-            try:
-                self.storage.wait(10)
-            except Exception:
-                os.killpg(self.storage.pid, signal.SIGKILL)
-                self.storage.wait()
-        self.master.stop()
-
-
 @pytest.fixture(scope="module")
 def mooncake_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeCluster]:
     """A Mooncake Store cluster; skipped with the reason when mooncake does not import."""
@@ -185,9 +126,9 @@ def mooncake_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Moonc
 
     if not available():
         pytest.skip("mooncake-transfer-engine is not installed (mooncake.store does not import)")
-    c = MooncakeCluster(tmp_path_factory.mktemp("mooncake"))
+    c = MooncakeCluster.start(tmp_path_factory.mktemp("mooncake"), "128MiB", lease_ms=500)
     yield c
-    c.close()
+    c.stop()
 
 
 @pytest.fixture
