@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 #: Default lease TTL a service asks for (ms).
 DEFAULT_TTL_MS = 6_000
+#: How often a registered instance checks whether its load changed (seconds).
+LOAD_POLL_S = 0.02
 _RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 LoadFn = Callable[[], common_pb2.Load]
@@ -76,31 +78,46 @@ class MetaClient:
         self.registrations += 1
 
     async def _keepalive(self) -> None:
+        """Heartbeats every ttl/3, and also as soon as the reported load changes (polled every
+        LOAD_POLL_S), so routers see a worker go busy or idle within milliseconds instead of
+        acting on a load up to ttl/3 old. While meta fails, retries back off instead."""
         interval = self._ttl_ms / 3000
         delay, backoff = interval, 0.1
+        last_load: common_pb2.Load | None = None
+        healthy = True
+        next_beat = time.monotonic() + delay
         while True:
-            await asyncio.sleep(delay)
+            await asyncio.sleep(max(0.0, min(LOAD_POLL_S, next_beat - time.monotonic())))
+            load = self._load_fn() if self._load_fn is not None else None
+            changed = healthy and load is not None and load != last_load
+            if not changed and time.monotonic() < next_beat:
+                continue
             interval = self._ttl_ms / 3000
             try:
                 req = meta_pb2.MetaHeartbeatRequest(lease_id=self.lease_id)
-                if self._load_fn is not None:
-                    req.load.CopyFrom(self._load_fn())
+                if load is not None:
+                    req.load.CopyFrom(load)
                 await self._stub.Heartbeat(req, timeout=min(self._timeout, interval))
+                last_load, healthy = load, True
                 delay, backoff = interval, 0.1
             except grpc.aio.AioRpcError as exc:
+                healthy = False
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
                     log.warning(
                         "meta lost lease %s (%s); registering again", self.lease_id, exc.details()
                     )
                     try:
                         await self._register()
+                        last_load, healthy = None, True
                         delay, backoff = interval, 0.1
+                        next_beat = time.monotonic() + delay
                         continue
                     except grpc.aio.AioRpcError as exc2:
                         exc = exc2
                 if exc.code() not in (*_RETRY_CODES, grpc.StatusCode.NOT_FOUND):
                     log.error("heartbeat to meta failed: %s %s", exc.code().name, exc.details())
                 delay, backoff = min(backoff, interval), backoff * 2
+            next_beat = time.monotonic() + delay
 
     async def _stop_keepalive(self) -> None:
         if self._task is not None:
@@ -195,6 +212,13 @@ class Discovery:
         async with asyncio.timeout(timeout), self._changed:
             await self._changed.wait_for(lambda: predicate(self.instances()))
         return self.instances()
+
+    async def next_change(self, timeout: float) -> None:
+        """Returns at the cache's next change (a watch event or a relist), or after
+        ``timeout`` seconds."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout), self._changed:
+                await self._changed.wait()
 
     async def _notify(self) -> None:
         async with self._changed:

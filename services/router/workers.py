@@ -180,7 +180,8 @@ class WorkerPool:
     async def watch_meta(
         self, meta_address: str, stop: asyncio.Event, period_s: float = 0.2
     ) -> None:
-        """Keeps the pool in step with pdserve.discovery's watch-updated cache of meta."""
+        """Keeps the pool in step with pdserve.discovery's watch-updated cache of meta: on
+        every change (joins, leaves, load updates), and every ``period_s`` at the latest."""
         from pdserve.discovery import Discovery
 
         disc = Discovery(meta_address, model=self.model)
@@ -188,8 +189,7 @@ class WorkerPool:
         try:
             while not stop.is_set():
                 self.sync(disc.instances())
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), period_s)
+                await disc.next_change(period_s)
         finally:
             await disc.close()
 
