@@ -48,16 +48,20 @@ def _last_used(cluster: Cluster, field: str, procs):
 
 def test_kill_prefill_then_decode_worker(cluster, hf_greedy) -> None:
     _all_exact(cluster, hf_greedy, 0)
-    _last_used(cluster, "prefill_worker", cluster.prefills).kill()
+    dead_prefill = _last_used(cluster, "prefill_worker", cluster.prefills)
+    dead_prefill.kill()
     _all_exact(cluster, hf_greedy, 100)
-    _last_used(cluster, "decode_worker", cluster.decodes).kill()
+    dead_decode = _last_used(cluster, "decode_worker", cluster.decodes)
+    dead_decode.kill()
     _all_exact(cluster, hf_greedy, 200)
-    traces = cluster.traces().values()
+    traces = list(cluster.traces().values())
     assert {t["outcome"] for t in traces} == {"ok"}
-    # the dead workers really were tried and routed around (not just absent from the start)
-    retried = [r for t in traces for r in t["retries"]]
-    assert any(r.startswith("prefill:") for r in retried), retried
-    assert any(r.startswith("decode:") for r in retried), retried
+    # The 12 requests after the kills were all served by survivors. Whether the router first
+    # tried a dead worker (a retry in the trace) or its health probe took it out first is a
+    # race, so either is fine; a request answered by a dead worker is not.
+    after = sorted(traces, key=lambda t: t["first_token"])[-12:]
+    assert all(t["prefill_worker"] != dead_prefill.info["instance_id"] for t in after)
+    assert all(t["decode_worker"] != dead_decode.info["instance_id"] for t in after[6:])
 
 
 def test_kill_decode_mid_stream_resumes(cluster, hf_greedy) -> None:
