@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import os
 import signal
 import sys
@@ -26,13 +27,27 @@ from pdserve.config import ConfigError, help_field
 
 @dataclass
 class UpConfig:
-    prefill_workers: int = help_field(1, "prefill workers (0 = colocated serving on decode)")
-    decode_workers: int = help_field(1, "decode workers")
+    prefill_workers: int = help_field(
+        -1,
+        "prefill-only workers (-1 = auto: none, every worker prefills and decodes; >0 = "
+        "disaggregated prefill pool)",
+    )
+    decode_workers: int = help_field(
+        0,
+        "decode workers, which also prefill what the router places on them (0 = auto: one per "
+        "core, at most 8, when there are no prefill workers; else one)",
+    )
     storage_nodes: int = help_field(1, "KV store storage nodes")
-    segment_size: str = help_field("1GiB", "memory each storage node contributes", metavar="SIZE")
-    engine: str = help_field("torch", "model backend of the workers: torch or vllm")
+    segment_size: str = help_field("2GiB", "memory each storage node contributes", metavar="SIZE")
+    engine: str = help_field(
+        "auto", "model backend of the workers: auto (vllm when installed, else torch), torch, vllm"
+    )
     model: str = help_field("smollm2", "model name ('smollm2', 'tiny') or a model directory")
-    chunk_size: int = help_field(256, "KV chunk size (tokens)")
+    chunk_size: int = help_field(
+        32,
+        "KV chunk size in tokens: the unit of prefix reuse through the store (vllm: a multiple "
+        "of its 32-token block)",
+    )
     meta_backend: str = help_field("memory", "meta registry backend: memory or etcd")
     etcd_endpoints: list[str] = field(
         default_factory=lambda: ["127.0.0.1:2379"],
@@ -48,15 +63,28 @@ class UpConfig:
     ready_timeout_s: float = help_field(600.0, "how long to wait for each service to be ready")
 
     def validate(self) -> None:
-        for name in ("decode_workers", "storage_nodes"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.prefill_workers < 0:
-            raise ConfigError(f"prefill_workers must be >= 0, got {self.prefill_workers}")
-        if self.engine not in ("torch", "vllm"):
-            raise ConfigError(f"engine must be 'torch' or 'vllm', got {self.engine!r}")
+        if self.storage_nodes < 1:
+            raise ConfigError(f"storage_nodes must be at least 1, got {self.storage_nodes}")
+        if self.decode_workers < 0:
+            raise ConfigError(f"decode_workers must be >= 0 (0 = auto), got {self.decode_workers}")
+        if self.prefill_workers < -1:
+            raise ConfigError(
+                f"prefill_workers must be >= 0 (or -1 = auto), got {self.prefill_workers}"
+            )
+        if self.engine not in ("auto", "torch", "vllm"):
+            raise ConfigError(f"engine must be 'auto', 'torch' or 'vllm', got {self.engine!r}")
         if self.meta_backend not in ("memory", "etcd"):
             raise ConfigError(f"meta_backend must be 'memory' or 'etcd', got {self.meta_backend!r}")
+
+    def resolve(self) -> None:
+        """Replaces the auto values (engine, topology) with what they mean on this machine."""
+        if self.engine == "auto":
+            self.engine = "vllm" if importlib.util.find_spec("vllm") is not None else "torch"
+        if self.prefill_workers < 0:
+            self.prefill_workers = 0
+        if self.decode_workers == 0:
+            cores = os.cpu_count() or 1
+            self.decode_workers = min(cores, 8) if self.prefill_workers == 0 else 1
 
 
 @dataclass
@@ -247,6 +275,7 @@ Ctrl-C stops everything.
 def run(args: argparse.Namespace) -> int:
     try:
         cfg = config.from_args(UpConfig, "up", args)
+        cfg.resolve()
     except ConfigError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2

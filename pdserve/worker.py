@@ -179,7 +179,12 @@ async def serve(spec: WorkerSpec, cfg: WorkerConfig, stop: asyncio.Event) -> Non
         address = f"{cfg.host}:{server.port}"
         metrics_port = telemetry.serve_metrics(cfg.metrics_port, cfg.host)
         instance_id = cfg.instance_id or f"{spec.service}-{uuid.uuid4().hex[:8]}"
-        labels = {"engine": cfg.engine, "chunk_size": str(cfg.chunk_size)}
+        labels = {
+            "engine": cfg.engine,
+            "chunk_size": str(cfg.chunk_size),
+            "kv_dtype": cfg.resolved_kv_dtype(),
+            "max_model_len": str(engine.max_model_len),
+        }
         if metrics_port:
             labels["metrics"] = f"{cfg.host}:{metrics_port}"
         meta_client = await register_service(
@@ -189,7 +194,7 @@ async def serve(spec: WorkerSpec, cfg: WorkerConfig, stop: asyncio.Event) -> Non
                 role=spec.role,
                 address=address,
                 model=cfg.served_name(),
-                max_running=cfg.max_num_seqs,
+                max_running=cfg.resolved_max_num_seqs(),
                 labels=labels,
             ),
             ttl_ms=cfg.heartbeat_ttl_ms,

@@ -36,7 +36,7 @@ def test_up_serves_the_printed_examples_and_stops_cleanly(tmp_path: Path):
     meta, meta_http, master, router, http = _free_ports(5)
     run_dir = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "pdserve.cli", "up", "--model", "tiny", "--chunk-size", "16",
+        sys.executable, "-m", "pdserve.cli", "up", "--engine", "torch", "--model", "tiny", "--chunk-size", "16",
         "--meta-port", str(meta), "--meta-http-port", str(meta_http), "--master-port",
         str(master), "--router-port", str(router), "--http-port", str(http),
         "--segment-size", "64MiB", "--run-dir", str(run_dir),

@@ -89,6 +89,8 @@ class TokenEvent:
     finish: Finish | None = None
     loaded_tokens: int = 0
     recomputed_tokens: int = 0
+    #: Prompt tokens the engine's own prefix cache held (vLLM's local block cache).
+    prefix_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,8 @@ from pdserve.config import ConfigError, help_field
 from pdserve.hashing import KV_DTYPES
 
 ENGINES = ("torch", "vllm")
+#: Auto ``max_num_batched_tokens`` of the vLLM engine on CPU (see the field's help).
+VLLM_STEP_TOKENS = 128
 
 
 @dataclass
@@ -24,12 +26,28 @@ class EngineConfig:
         "", "name requests use for this model (empty = --model as given)"
     )
     chunk_size: int = help_field(256, "KV chunk size in tokens (must match across the cluster)")
-    kv_dtype: str = help_field("float32", f"dtype of stored KV chunks: {', '.join(KV_DTYPES)}")
-    max_model_len: int = help_field(
-        2048, "context limit in tokens (prompt + output); capped by the model's own limit"
+    kv_dtype: str = help_field(
+        "auto",
+        f"dtype of the model and its stored KV chunks: auto, {', '.join(KV_DTYPES)} "
+        "(auto = bfloat16 on vllm, like `vllm serve --dtype bfloat16`; float32 on torch, the "
+        "token-exact reference)",
     )
-    max_tokens_limit: int = help_field(1024, "largest max_tokens a request may ask for")
-    max_num_seqs: int = help_field(8, "generations running at once (more wait in the queue)")
+    max_model_len: int = help_field(
+        4096, "context limit in tokens (prompt + output); capped by the model's own limit"
+    )
+    max_tokens_limit: int = help_field(4096, "largest max_tokens a request may ask for")
+    max_num_seqs: int = help_field(
+        0,
+        "generations running at once, more wait in the queue (0 = auto: 128 on vllm, as "
+        "`vllm serve` on CPU; 8 on torch)",
+    )
+    max_num_batched_tokens: int = help_field(
+        0,
+        "vllm: tokens scheduled per engine step (prefill chunks + decodes). It bounds each "
+        "step, and so the time per output token of running streams while prompts prefill "
+        f"(0 = auto: {VLLM_STEP_TOKENS} on CPU, measured to keep TPOT near 150 ms on one core "
+        "with SmolLM2; vLLM's own CPU default is 2048)",
+    )
     store_master: str = help_field(
         "", "KV store master address host:port (empty = no store: always recompute)"
     )
@@ -45,10 +63,22 @@ class EngineConfig:
     vllm_block_size: int = help_field(
         32, "vLLM KV block size in tokens (CPU: a multiple of 32; chunk_size a multiple of it)"
     )
-    vllm_kv_cache_gib: float = help_field(1.0, "vLLM KV cache size (GiB)")
+    vllm_kv_cache_gib: float = help_field(2.0, "vLLM KV cache size (GiB)")
     vllm_cpu_cores: str = help_field(
         "", "cores vLLM's CPU worker binds to, e.g. '0' or '0-1' (empty = vLLM's default)"
     )
+
+    def resolved_kv_dtype(self) -> str:
+        """``kv_dtype`` with ``auto`` resolved for this engine."""
+        if self.kv_dtype != "auto":
+            return self.kv_dtype
+        return "bfloat16" if self.engine == "vllm" else "float32"
+
+    def resolved_max_num_seqs(self) -> int:
+        """``max_num_seqs`` with ``0`` (auto) resolved for this engine."""
+        if self.max_num_seqs:
+            return self.max_num_seqs
+        return 128 if self.engine == "vllm" else 8
 
     def served_name(self) -> str:
         """The model name requests must use (and the KV fingerprint's model id):
@@ -62,11 +92,14 @@ class EngineConfig:
             raise ConfigError("model must not be empty")
         if self.chunk_size <= 0:
             raise ConfigError(f"chunk_size must be positive, got {self.chunk_size}")
-        if self.kv_dtype not in KV_DTYPES:
-            raise ConfigError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
-        for name in ("max_model_len", "max_tokens_limit", "max_num_seqs", "torch_threads"):
+        if self.kv_dtype != "auto" and self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"kv_dtype must be auto or one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        for name in ("max_model_len", "max_tokens_limit", "torch_threads"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0 (0 = auto), got {getattr(self, name)}")
         if self.tail_ttl_ms <= 0:
             raise ConfigError(f"tail_ttl_ms must be positive, got {self.tail_ttl_ms}")
         if self.store_replicas < 1:

@@ -132,7 +132,7 @@ class TorchEngine(Engine):
         self._running: list[_GenJob] = []
         self._busy_prefill = 0
         self._store_down_until = 0.0
-        self._kv_dtype = _KV_DTYPES[cfg.kv_dtype]
+        self._kv_dtype = _KV_DTYPES[cfg.resolved_kv_dtype()]
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -166,7 +166,7 @@ class TorchEngine(Engine):
         self.eos_token_id = int(eos)
         self.served_model_name = self.cfg.served_name()
         self.fingerprint = model_fingerprint(
-            path, self.served_model_name, self.cfg.kv_dtype, self.cfg.chunk_size
+            path, self.served_model_name, self.cfg.resolved_kv_dtype(), self.cfg.chunk_size
         )
         self._fp = self.fingerprint.digest()
         log.info(
@@ -197,7 +197,7 @@ class TorchEngine(Engine):
         return EngineLoad(
             queue_length=self._queue.qsize() + len(self._waiting),
             running_requests=len(self._running) + self._busy_prefill,
-            kv_usage=len(self._running) / self.cfg.max_num_seqs,
+            kv_usage=len(self._running) / self.cfg.resolved_max_num_seqs(),
         )
 
     async def prefill(
@@ -331,7 +331,7 @@ class TorchEngine(Engine):
         return PrefillOutcome(first, kv, cached, computed, first == self.eos_token_id)
 
     def _admit(self) -> None:
-        while self._waiting and len(self._running) < self.cfg.max_num_seqs:
+        while self._waiting and len(self._running) < self.cfg.resolved_max_num_seqs():
             job = self._waiting.popleft()
             if job.cancelled.is_set():
                 continue

@@ -39,7 +39,7 @@ from pdserve.engines.base import (
     Sampling,
     TokenEvent,
 )
-from pdserve.engines.config import EngineConfig
+from pdserve.engines.config import VLLM_STEP_TOKENS, EngineConfig
 from pdserve.engines.fingerprint import model_fingerprint
 from pdserve.engines.textstream import TextStream
 from pdserve.engines.vllm_connector import PARAMS_KEY, extra_config
@@ -105,7 +105,9 @@ class VllmEngine(Engine):
         cfg = self.config
         model_dir = await asyncio.to_thread(resolve_model, cfg.model)
         served = cfg.served_model_name or cfg.model
-        self.fingerprint = model_fingerprint(model_dir, served, cfg.kv_dtype, cfg.chunk_size)
+        self.fingerprint = model_fingerprint(
+            model_dir, served, cfg.resolved_kv_dtype(), cfg.chunk_size
+        )
         prepare_environment(cfg)
         self._llm = await asyncio.to_thread(self._build, model_dir, served)
         self._tokenizer = self._llm.get_tokenizer()
@@ -142,10 +144,11 @@ class VllmEngine(Engine):
         args = AsyncEngineArgs(
             model=str(model_dir),
             served_model_name=[served],
-            dtype=cfg.kv_dtype,
+            dtype=cfg.resolved_kv_dtype(),
             block_size=cfg.vllm_block_size,
             max_model_len=cfg.max_model_len,
-            max_num_seqs=cfg.max_num_seqs,
+            max_num_seqs=cfg.resolved_max_num_seqs(),
+            max_num_batched_tokens=cfg.max_num_batched_tokens or VLLM_STEP_TOKENS,
             enforce_eager=True,
             enable_prefix_caching=True,
             kv_transfer_config=kv_transfer,
@@ -288,8 +291,11 @@ class VllmEngine(Engine):
             metrics.GENERATED_TOKENS.inc(len(ids))
             event = TokenEvent(ids, pieces, [now] * len(ids), finish=finish)
             if finish is not None:
-                event.loaded_tokens = _loaded_tokens(out)
-                event.recomputed_tokens = _failed_tokens(out)
+                loaded = _loaded_tokens(out)
+                local = max(0, int(out.num_cached_tokens or 0) - loaded)
+                event.loaded_tokens = loaded
+                event.prefix_cached_tokens = local
+                event.recomputed_tokens = max(0, len(prompt) - loaded - local)
                 self._count_generate(out, kv is not None)
             yield event
             if finish is not None:

@@ -56,17 +56,19 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., first_token_id: _Optional[int] = ..., chunk_wait_ms: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "token_times_ms", "loaded_tokens", "recomputed_tokens")
+    __slots__ = ("token_ids", "text", "finish_reason", "token_times_ms", "loaded_tokens", "recomputed_tokens", "prefix_cached_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TOKEN_TIMES_MS_FIELD_NUMBER: _ClassVar[int]
     LOADED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: _common_pb2.FinishReason
     token_times_ms: _containers.RepeatedScalarFieldContainer[float]
     loaded_tokens: int
     recomputed_tokens: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., token_times_ms: _Optional[_Iterable[float]] = ..., loaded_tokens: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ...) -> None: ...
+    prefix_cached_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., token_times_ms: _Optional[_Iterable[float]] = ..., loaded_tokens: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., prefix_cached_tokens: _Optional[int] = ...) -> None: ...

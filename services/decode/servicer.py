@@ -33,7 +33,8 @@ REQUESTS = Counter(
 TOKENS = Counter("pdserve_decode_tokens_total", "Tokens streamed", registry=REGISTRY)
 PROMPT_TOKENS = Counter(
     "pdserve_decode_prompt_tokens_total",
-    "Prompt tokens of decode requests by source: loaded (from the store) or recomputed",
+    "Prompt tokens of decode requests by source: loaded (from the store), prefix_cache (the "
+    "engine's own cache) or recomputed",
     ["source"],
     registry=REGISTRY,
 )
@@ -46,7 +47,9 @@ class DecodeServicer(engine_pb2_grpc.DecodeServiceServicer):
         self.engine = engine
         self.cfg = cfg
         self.served = cfg.served_name()
-        self.admission = Admission(cfg.max_num_seqs + cfg.max_queue, "max_num_seqs + max_queue")
+        self.admission = Admission(
+            cfg.resolved_max_num_seqs() + cfg.max_queue, "max_num_seqs + max_queue"
+        )
 
     @rpc
     async def Decode(
@@ -71,9 +74,10 @@ class DecodeServicer(engine_pb2_grpc.DecodeServiceServicer):
                     first_token_id=first,
                     chunk_wait_ms=request.chunk_wait_ms,
                 ):
-                    if ev.loaded_tokens or ev.recomputed_tokens:
+                    if ev.loaded_tokens or ev.recomputed_tokens or ev.prefix_cached_tokens:
                         PROMPT_TOKENS.labels("loaded").inc(ev.loaded_tokens)
                         PROMPT_TOKENS.labels("recomputed").inc(ev.recomputed_tokens)
+                        PROMPT_TOKENS.labels("prefix_cache").inc(ev.prefix_cached_tokens)
                     TOKENS.inc(len(ev.token_ids))
                     if ev.finish is not None:
                         outcome = _FINISH_NAMES[int(ev.finish)]
@@ -84,6 +88,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServiceServicer):
                         token_times_ms=ev.times_ms,
                         loaded_tokens=ev.loaded_tokens,
                         recomputed_tokens=ev.recomputed_tokens,
+                        prefix_cached_tokens=ev.prefix_cached_tokens,
                     )
             except (asyncio.CancelledError, GeneratorExit):  # client cancel or deadline
                 outcome = "cancelled"

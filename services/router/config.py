@@ -25,9 +25,18 @@ class RouterConfig:
         "tiny", "model folder, or a name that pdserve.model.prepare.resolve_model knows"
     )
     served_name: str = help_field("", "model name in requests and on workers ('' = --model)")
-    kv_dtype: str = help_field("float32", "KV dtype of the workers (part of the fingerprint)")
-    chunk_size: int = help_field(256, "tokens per KV chunk; must match the workers")
-    max_model_len: int = help_field(0, "prompt + output limit in tokens (0 = from the model)")
+    kv_dtype: str = help_field(
+        "auto",
+        "KV dtype of the workers, part of the chunk keys (auto = what the workers registered)",
+    )
+    chunk_size: int = help_field(
+        0, "tokens per KV chunk, part of the chunk keys (0 = what the workers registered)"
+    )
+    max_model_len: int = help_field(
+        0,
+        "prompt + output limit in tokens (0 = the model's); never above the smallest limit the "
+        "workers registered, so a prompt no worker can take is refused here, not deep inside",
+    )
     max_tokens_limit: int = help_field(4096, "largest max_tokens a request may ask for")
     default_max_tokens: int = help_field(256, "max_tokens when a request leaves it unset")
     policy: str = help_field("cache_aware", f"prefill routing policy: {', '.join(POLICIES)}")
@@ -68,12 +77,17 @@ class RouterConfig:
             raise ConfigError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.chunk_size <= 0:
-            raise ConfigError("chunk_size must be positive")
+        if self.chunk_size < 0:
+            raise ConfigError("chunk_size must be positive (or 0 = from the workers)")
         if self.max_inflight <= 0 or self.max_queue < 0:
             raise ConfigError("max_inflight must be positive and max_queue >= 0")
         if not self.meta and not self.decode:
             raise ConfigError("give --meta or at least one --decode worker address")
+        if not self.meta and self.store_master and (self.kv_dtype == "auto" or not self.chunk_size):
+            raise ConfigError(
+                "with static worker addresses (no --meta) the router cannot learn the workers' "
+                "KV settings: give --kv-dtype and --chunk-size as the workers have them"
+            )
         if self.prefill_retries < 0 or self.breaker_failures <= 0:
             raise ConfigError("prefill_retries must be >= 0 and breaker_failures positive")
         if self.default_max_tokens <= 0 or self.max_tokens_limit <= 0:

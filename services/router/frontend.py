@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from pdserve.errors import InvalidArgument
@@ -37,10 +37,21 @@ class Frontend:
     orchestrator: Orchestrator
     pool: WorkerPool
 
+    def current_limits(self) -> rq.Limits:
+        """The configured limits, with ``max_model_len`` lowered to the smallest context any
+        registered worker takes (a longer prompt would be refused deep inside a worker)."""
+        worker_lens = [int(v) for v in self.pool.label_values("max_model_len") if v.isdigit()]
+        if not worker_lens:
+            return self.limits
+        smallest = min(worker_lens)
+        if self.limits.max_model_len and self.limits.max_model_len <= smallest:
+            return self.limits
+        return replace(self.limits, max_model_len=smallest)
+
     def model_info(self) -> router_pb2.ModelInfo:
         return router_pb2.ModelInfo(
             name=self.limits.model,
-            max_model_len=self.limits.max_model_len,
+            max_model_len=self.current_limits().max_model_len,
             prefill_workers=len(self.pool.candidates(PREFILL)),
             decode_workers=len(self.pool.candidates(DECODE)),
         )
@@ -48,7 +59,8 @@ class Frontend:
     # --- gRPC -------------------------------------------------------------------------------
 
     def from_proto(self, req: router_pb2.GenerateRequest) -> rq.GenRequest:
-        rq.check_model(req.model, self.limits)
+        limits = self.current_limits()
+        rq.check_model(req.model, limits)
         rid = rq.check_request_id(req.request_id)
         given = [
             name
@@ -65,15 +77,15 @@ class Frontend:
                 + (f"; got {', '.join(given)}" if given else "; got none (or an empty prompt)")
             )
         if req.prompt:
-            ids = rq.check_token_ids(self.tokenizer.encode(req.prompt), self.limits, "prompt")
+            ids = rq.check_token_ids(self.tokenizer.encode(req.prompt), limits, "prompt")
         elif req.prompt_token_ids:
-            ids = rq.check_token_ids(list(req.prompt_token_ids), self.limits, "prompt_token_ids")
+            ids = rq.check_token_ids(list(req.prompt_token_ids), limits, "prompt_token_ids")
         else:
             msgs = rq.check_messages([{"role": m.role, "content": m.content} for m in req.messages])
             ids = self.tokenizer.apply_chat_template(msgs)
         s = req.sampling
         sampling = rq.make_sampling(
-            self.limits,
+            limits,
             len(ids),
             max_tokens=s.max_tokens or None,
             temperature=s.temperature if s.HasField("temperature") else None,
@@ -97,7 +109,8 @@ class Frontend:
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise InvalidArgument("model is required (a string)")
-        rq.check_model(model, self.limits)
+        limits = self.current_limits()
+        rq.check_model(model, limits)
         n = body.get("n", 1)
         if n not in (1, None):
             raise InvalidArgument("n: only n=1 is supported")
@@ -107,7 +120,7 @@ class Frontend:
                 raise InvalidArgument("messages must be a list of {role, content} objects")
             ids = self.tokenizer.apply_chat_template(rq.check_messages(msgs))
         else:
-            ids = self._openai_prompt(body.get("prompt"))
+            ids = self._openai_prompt(body.get("prompt"), limits)
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if max_tokens is None and not chat:
             max_tokens = 16  # the OpenAI completions default
@@ -117,7 +130,7 @@ class Frontend:
         if not isinstance(stop, list):
             raise InvalidArgument("stop must be a string or a list of strings")
         sampling = rq.make_sampling(
-            self.limits,
+            limits,
             len(ids),
             max_tokens=max_tokens,
             temperature=body.get("temperature"),
@@ -132,15 +145,15 @@ class Frontend:
             raise InvalidArgument("request_id must be a string")
         return rq.GenRequest(rq.check_request_id(rid), ids, sampling, "")
 
-    def _openai_prompt(self, prompt: Any) -> list[int]:
+    def _openai_prompt(self, prompt: Any, limits: rq.Limits) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidArgument("prompt must not be empty")
-            return rq.check_token_ids(self.tokenizer.encode(prompt), self.limits, "prompt")
+            return rq.check_token_ids(self.tokenizer.encode(prompt), limits, "prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            return rq.check_token_ids(prompt, self.limits, "prompt")
+            return rq.check_token_ids(prompt, limits, "prompt")
         if isinstance(prompt, list) and len(prompt) > 1:
             raise InvalidArgument("prompt: batches of several prompts are not supported")
         raise InvalidArgument("prompt must be a non-empty string or a list of token ids")

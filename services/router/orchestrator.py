@@ -35,7 +35,13 @@ from pdserve import errors
 from pdserve.engines.base import Sampling
 from pdserve.hashing import ModelFingerprint, chunk_keys
 from pdserve.services.router.admission import Admission
-from pdserve.services.router.policies import DecodeChoice, PrefillPolicy, RouteContext
+from pdserve.services.router.fingerprint import FingerprintSource
+from pdserve.services.router.policies import (
+    ColocatedPlacement,
+    DecodeChoice,
+    PrefillPolicy,
+    RouteContext,
+)
 from pdserve.services.router.request import GenRequest
 from pdserve.services.router.workers import DECODE, PREFILL, Worker, WorkerPool
 from pdserve.telemetry import REGISTRY
@@ -72,6 +78,16 @@ OVERHEAD = Histogram(
 CACHED = Counter(
     "pdserve_router_prompt_tokens", "Prompt tokens by source", ["source"], registry=REGISTRY
 )
+PHASE = Histogram(
+    "pdserve_router_phase_seconds",
+    "Time per request phase as the router sees it: queue (waiting for admission), prefill "
+    "(admitted to first token: the prefill call, or the worker's local prefill with its store "
+    "load), kv_transfer (disaggregated plans: prefill answer to the decode worker's first new "
+    "token, i.e. its KV load plus one step), decode (first token to the last)",
+    ["phase"],
+    buckets=_S_BUCKETS,
+    registry=REGISTRY,
+)
 
 #: Worker status codes that are the caller's fault or choice: passed through, never retried.
 _CALLER_CODES = {
@@ -101,18 +117,23 @@ class Trace:
     """What happened to one request (for tests, logs and the overhead figure)."""
 
     plan: str = ""
+    admitted: float = 0.0
     prefill_worker: str = ""
     decode_worker: str = ""
     cached_tokens: int = 0
     prefill_start: float = 0.0
     prefill_end: float = 0.0
     decode_start: float = 0.0
+    #: When the decode worker streamed its first token of its own (after any KV load).
+    decode_first: float = 0.0
     first_token: float = 0.0
     prefill_worker_ms: float = 0.0
     decode_worker_ms: float = 0.0
-    #: Prompt tokens the decode worker loaded from the store / computed itself.
+    #: Prompt tokens the decode worker loaded from the store / computed itself / found in its
+    #: own prefix cache.
     decode_loaded: int = 0
     decode_recomputed: int = 0
+    decode_prefix_cached: int = 0
     total_ms: float = 0.0
     overhead_ms: float = -1.0
     retries: list[str] = field(default_factory=list)
@@ -123,12 +144,13 @@ class Orchestrator:
         self,
         *,
         model: str,
-        fingerprint: ModelFingerprint,
+        fingerprint: ModelFingerprint | FingerprintSource,
         pool: WorkerPool,
         policy: PrefillPolicy,
         admission: Admission,
         prefix_lookup: PrefixLookup | None = None,
         decode_choice: DecodeChoice | None = None,
+        placement: ColocatedPlacement | None = None,
         detokenize: Callable[[list[int]], str] = lambda ids: "",
         default_mode: str = "read",
         local_prefill_threshold: int = 0,
@@ -137,12 +159,17 @@ class Orchestrator:
         request_timeout_s: float = 600.0,
     ) -> None:
         self.model = model
-        self.fp = fingerprint
+        self.fingerprints = (
+            fingerprint
+            if isinstance(fingerprint, FingerprintSource)
+            else FingerprintSource.fixed(fingerprint)
+        )
         self.pool = pool
         self.policy = policy
         self.admission = admission
         self.prefix_lookup = prefix_lookup
         self.decode_choice = decode_choice or DecodeChoice()
+        self.placement = placement or ColocatedPlacement()
         self.detokenize = detokenize
         self.default_mode = default_mode
         self.local_prefill_threshold = local_prefill_threshold
@@ -153,9 +180,17 @@ class Orchestrator:
         self.overheads_ms: deque[float] = deque(maxlen=10000)
         self.traces: deque[Trace] = deque(maxlen=1000)
 
+    @property
+    def fp(self) -> ModelFingerprint | None:
+        """The KV fingerprint agreed with the workers (None until one has registered)."""
+        return self.fingerprints.current()
+
     async def cached_tokens(self, tokens: list[int]) -> tuple[list[str], int]:
         """Chain keys of the prompt's full chunks and how many prompt tokens the store holds."""
-        keys = chunk_keys(self.fp, tokens)
+        fp = self.fp
+        if fp is None:
+            return [], 0
+        keys = chunk_keys(fp, tokens)
         if not keys or self.prefix_lookup is None:
             return keys, 0
         try:
@@ -163,7 +198,7 @@ class Orchestrator:
         except Exception as exc:  # the store is an optimisation: never fail a request on it
             log.warning("longest-prefix lookup failed: %s", exc)
             found = 0
-        return keys, min(found, len(keys)) * self.fp.chunk_size
+        return keys, min(found, len(keys)) * fp.chunk_size
 
     async def generate(
         self, req: GenRequest, *, timeout_s: float | None = None
@@ -179,7 +214,8 @@ class Orchestrator:
         n_prefill = len(self.pool.candidates(PREFILL))
         trace = Trace(cached_tokens=cached)
         plan = "local"
-        if mode == "write" and n_prefill and (n - 1) // self.fp.chunk_size > 0:
+        chunk = self.fp.chunk_size if self.fp is not None else 0
+        if mode == "write" and n_prefill and chunk and (n - 1) // chunk > 0:
             plan = "write"
         elif mode in ("read", "write") and n_prefill:
             below = self.local_prefill_threshold and uncached < self.local_prefill_threshold
@@ -187,13 +223,14 @@ class Orchestrator:
         trace.plan = plan
         outcome = "error"
         async with self.admission.admit(uncached if plan != "local" else 0, n_prefill) as ticket:
+            trace.admitted = time.monotonic()
             try:
                 if plan == "read":
-                    stream = self._read(req, uncached, deadline, t0, trace)
+                    stream = self._read(req, keys, uncached, deadline, t0, trace)
                 elif plan == "write":
                     stream = self._write(req, keys, uncached, deadline, t0, trace)
                 else:
-                    stream = self._local(req, deadline, t0, trace)
+                    stream = self._local(req, keys, deadline, t0, trace)
                 first = True
                 last_t = 0.0
                 async for chunk in stream:
@@ -219,6 +256,7 @@ class Orchestrator:
                 REQUESTS.labels(plan, outcome).inc()
                 if outcome == "ok":
                     E2E.observe(trace.total_ms / 1000.0)
+                    _observe_phases(trace, t0)
                     if trace.plan in ("read", "local"):
                         over = trace.total_ms - trace.prefill_worker_ms - trace.decode_worker_ms
                         trace.overhead_ms = over
@@ -230,16 +268,22 @@ class Orchestrator:
     # --- plans ------------------------------------------------------------------------------
 
     async def _read(
-        self, req: GenRequest, uncached: int, deadline: float, t0: float, trace: Trace
+        self,
+        req: GenRequest,
+        keys: list[str],
+        uncached: int,
+        deadline: float,
+        t0: float,
+        trace: Trace,
     ) -> AsyncIterator[StreamChunk]:
         resp = await self._prefill(req, uncached, deadline, trace, publish=False)
         if resp is None:  # every prefill attempt failed: the decode worker prefills itself
             trace.plan = "read->local"
-            async for c in self._local(req, deadline, t0, trace):
+            async for c in self._local(req, keys, deadline, t0, trace):
                 yield c
             return
         n = len(req.prompt_token_ids)
-        CACHED.labels("store").inc(resp.cached_tokens)
+        CACHED.labels("store").inc(resp.cached_tokens)  # prefill reports store + its own cache
         CACHED.labels("computed").inc(resp.computed_tokens)
         head = {"prompt_tokens": n, "cached_tokens": resp.cached_tokens}
         first = resp.first_token_id
@@ -261,7 +305,7 @@ class Orchestrator:
             kv=resp.kv,
             first_token_id=first,
         )
-        async for c in self._decode(dreq, deadline, trace, head):
+        async for c in self._decode(dreq, deadline, trace, head, keys=keys):
             yield c
 
     async def _write(
@@ -292,7 +336,7 @@ class Orchestrator:
             chunk_wait_ms=self.chunk_wait_ms,
         )
         head = {"prompt_tokens": n, "cached_tokens": trace.cached_tokens}
-        decode = self._decode(dreq, deadline, trace, head, abort_on=prefill)
+        decode = self._decode(dreq, deadline, trace, head, keys=keys, abort_on=prefill)
         finished = False
         try:
             async for c in decode:
@@ -301,7 +345,7 @@ class Orchestrator:
         except _PrefillFailed:
             # No chunks are coming: do not let decode wait for them; it prefills itself.
             trace.plan = "write->local"
-            async for c in self._local(req, deadline, t0, trace):
+            async for c in self._local(req, keys, deadline, t0, trace):
                 yield c
             finished = True
         finally:
@@ -312,7 +356,7 @@ class Orchestrator:
                 prefill.cancel()
 
     async def _local(
-        self, req: GenRequest, deadline: float, t0: float, trace: Trace
+        self, req: GenRequest, keys: list[str], deadline: float, t0: float, trace: Trace
     ) -> AsyncIterator[StreamChunk]:
         dreq = engine_pb2.DecodeRequest(
             request_id=req.request_id,
@@ -320,8 +364,17 @@ class Orchestrator:
             prompt_token_ids=req.prompt_token_ids,
             sampling=sampling_proto(req.sampling),
         )
-        head = {"prompt_tokens": len(req.prompt_token_ids), "cached_tokens": -1}
-        async for c in self._decode(dreq, deadline, trace, head):
+        n = len(req.prompt_token_ids)
+        head = {"prompt_tokens": n, "cached_tokens": -1}
+        ctx = RouteContext(n, min(trace.cached_tokens, n - 1))
+        chunk = self.fp.chunk_size if self.fp is not None else 0
+
+        def place(cands: list[Worker]) -> Worker:
+            return self.placement.choose(cands, ctx, keys, chunk)
+
+        async for c in self._decode(
+            dreq, deadline, trace, head, keys=keys, choose=place, prefill_tokens=ctx.uncached_tokens
+        ):
             yield c
 
     # --- worker calls -----------------------------------------------------------------------
@@ -374,8 +427,16 @@ class Orchestrator:
         deadline: float,
         trace: Trace,
         head: dict[str, int],
+        *,
+        keys: list[str],
         abort_on: asyncio.Future | None = None,
+        choose: Callable[[list[Worker]], Worker] | None = None,
+        prefill_tokens: int = 0,
     ) -> AsyncIterator[StreamChunk]:
+        """Streams from a decode worker (``choose``, else the decode choice), retrying once on
+        another worker before the first token and resuming on another one after it.
+        ``prefill_tokens`` is the prompt work the worker does before its first token (the local
+        plan), counted on the worker until that token arrives, for placement."""
         tried: set[str] = set()
         last: grpc.aio.AioRpcError | None = None
         prompt = list(dreq.prompt_token_ids)
@@ -388,8 +449,9 @@ class Orchestrator:
                 if attempt:
                     break
                 raise errors.Unavailable("no decode worker is in rotation")
-            w = self.decode_choice.choose(cands)
+            w = choose(cands) if choose is not None else self.decode_choice.choose(cands)
             tried.add(w.id)
+            self.placement.affinity.record(w.id, keys)
             if attempt:
                 RETRIES.labels(DECODE).inc()
                 trace.retries.append(f"decode:{w.id}")
@@ -407,19 +469,33 @@ class Orchestrator:
             if abort_on is not None:
                 abort_on.add_done_callback(on_prefill)
             w.inflight += 1
+            pending = prefill_tokens
+            w.inflight_tokens += pending
             started = False
+            # with a KV handle the worker's first message echoes prefill's first token
+            echoes = 1 if dreq.HasField("first_token_id") else 0
+            local_plan = not dreq.HasField("kv")
             try:
                 async for resp in call:
+                    if not started:
+                        w.inflight_tokens -= pending
+                        pending = 0
+                    if not echoes and not trace.decode_first:
+                        trace.decode_first = time.monotonic()
+                    echoes = max(0, echoes - 1)
                     started = True
                     # Decode reports its prompt counts once, on the first message that knows
                     # them (torch: the first; vLLM: the last, from its KV connector).
-                    if resp.loaded_tokens or resp.recomputed_tokens:
+                    if resp.loaded_tokens or resp.recomputed_tokens or resp.prefix_cached_tokens:
                         trace.decode_loaded = resp.loaded_tokens
                         trace.decode_recomputed = resp.recomputed_tokens
-                        if head.get("cached_tokens", 0) < 0:
-                            head["cached_tokens"] = resp.loaded_tokens
+                        trace.decode_prefix_cached = resp.prefix_cached_tokens
+                        if local_plan:  # the decode worker did the whole prompt
                             CACHED.labels("store").inc(resp.loaded_tokens)
+                            CACHED.labels("prefix_cache").inc(resp.prefix_cached_tokens)
                             CACHED.labels("computed").inc(resp.recomputed_tokens)
+                        if head.get("cached_tokens", 0) < 0:
+                            head["cached_tokens"] = resp.loaded_tokens + resp.prefix_cached_tokens
                     elif head.get("cached_tokens", 0) < 0:
                         # not known yet: report what the store held at routing time
                         head["cached_tokens"] = trace.cached_tokens
@@ -459,6 +535,7 @@ class Orchestrator:
                     trace.retries.append(f"decode-resume:{w.id}")
             finally:
                 w.inflight -= 1
+                w.inflight_tokens -= pending
                 if abort_on is not None:
                     abort_on.remove_done_callback(on_prefill)
                 if not call.done():
@@ -491,6 +568,17 @@ def _resume(
         prompt_token_ids=[*prompt, *emitted],
         sampling=sampling,
     )
+
+
+def _observe_phases(trace: Trace, t0: float) -> None:
+    """Feeds PHASE from a finished request's timestamps (see its help for the phases)."""
+    if not trace.first_token:
+        return
+    PHASE.labels("queue").observe(max(0.0, trace.admitted - t0))
+    PHASE.labels("prefill").observe(max(0.0, trace.first_token - trace.admitted))
+    if trace.prefill_end and trace.decode_first > trace.prefill_end:
+        PHASE.labels("kv_transfer").observe(trace.decode_first - trace.prefill_end)
+    PHASE.labels("decode").observe(max(0.0, t0 + trace.total_ms / 1000.0 - trace.first_token))
 
 
 def _retrieve(fut: asyncio.Future) -> None:

@@ -12,9 +12,10 @@ from aiohttp import web
 
 from pdserve import grpcutil, lifecycle
 from pdserve.discovery import leave, register_service
-from pdserve.engines.fingerprint import model_fingerprint
+from pdserve.engines.fingerprint import model_revision
 from pdserve.services.router.admission import Admission
 from pdserve.services.router.config import RouterConfig
+from pdserve.services.router.fingerprint import FingerprintSource
 from pdserve.services.router.frontend import Frontend
 from pdserve.services.router.openai_http import make_app
 from pdserve.services.router.orchestrator import Orchestrator
@@ -80,7 +81,13 @@ def build(cfg: RouterConfig, tokenizer=None) -> Frontend:
     lookup = prefix_lookup(cfg.store_master) if cfg.store_master else None
     orch = Orchestrator(
         model=cfg.name,
-        fingerprint=model_fingerprint(folder, cfg.name, cfg.kv_dtype, cfg.chunk_size),
+        fingerprint=FingerprintSource(
+            cfg.name,
+            model_revision(folder),
+            kv_dtype=cfg.kv_dtype,
+            chunk_size=cfg.chunk_size,
+            labels=pool.label_values,
+        ),
         pool=pool,
         policy=make_policy(
             cfg.policy,

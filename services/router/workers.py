@@ -42,6 +42,8 @@ class Worker:
     queue_length: int = 0
     running: int = 0
     kv_usage: float = 0.0
+    #: What the worker registered about itself (engine, chunk_size, kv_dtype, max_model_len).
+    labels: dict[str, str] = field(default_factory=dict)
     #: The router's own requests on this worker now, and their uncached prefill tokens.
     inflight: int = 0
     inflight_tokens: int = 0
@@ -110,6 +112,7 @@ class WorkerPool:
                 w = Worker(inst.instance_id, inst.address, role)
                 table[inst.instance_id] = w
             w.max_running = inst.max_running
+            w.labels = dict(inst.labels)
             w.queue_length = inst.load.queue_length
             w.running = inst.load.running_requests
             w.kv_usage = inst.load.kv_usage
@@ -123,6 +126,15 @@ class WorkerPool:
 
     def count(self, role: str) -> int:
         return len(self.workers[role])
+
+    def label_values(self, name: str) -> set[str]:
+        """The values workers of any role registered for label ``name`` (empty when none)."""
+        return {
+            w.labels[name]
+            for table in self.workers.values()
+            for w in table.values()
+            if name in w.labels
+        }
 
     # --- circuit breaker --------------------------------------------------------------------
 

@@ -103,6 +103,7 @@ def pd_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
             "model": "tiny",
             "chunk_size": CHUNK,
             "vllm_block_size": 32,
+            "kv_dtype": "float32",  # token-exact against the torch engine and HF
             "max_model_len": 512,
             "max_num_seqs": 4,
             "vllm_kv_cache_gib": 1,

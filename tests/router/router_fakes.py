@@ -121,7 +121,7 @@ async def fake_cluster(prefills: list[FakePrefill], decodes: list[FakeDecode], t
 
     servers = [await start_fake(s) for s in [*prefills, *decodes]]
     addrs = [s.address for s in servers]
-    settings = {"chunk_size": 4, "local_prefill_threshold": 0, **cfg}
+    settings = {"chunk_size": 4, "kv_dtype": "float32", "local_prefill_threshold": 0, **cfg}
     config = RouterConfig(
         port=0,
         http_port=0,

@@ -20,7 +20,16 @@ pytestmark = [
 ]
 
 CHUNK = 64
-VLLM = ["--engine", "vllm", "--chunk-size", str(CHUNK), "--vllm-kv-cache-gib", "0.25"]
+VLLM = [
+    "--engine",
+    "vllm",
+    "--kv-dtype",
+    "float32",
+    "--chunk-size",
+    str(CHUNK),
+    "--vllm-kv-cache-gib",
+    "0.25",
+]
 
 
 @pytest.fixture(scope="module")

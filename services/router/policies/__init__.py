@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+from pdserve.services.router.policies.affinity import PrefixAffinity
 from pdserve.services.router.policies.base import PrefillPolicy, RouteContext
 from pdserve.services.router.policies.cache_aware import CacheAware
+from pdserve.services.router.policies.colocated import ColocatedPlacement
 from pdserve.services.router.policies.decode_choice import DecodeChoice
 from pdserve.services.router.policies.least_load import LeastLoad
 from pdserve.services.router.policies.round_robin import RoundRobin
 
 __all__ = [
     "CacheAware",
+    "ColocatedPlacement",
     "DecodeChoice",
     "LeastLoad",
     "PrefillPolicy",
+    "PrefixAffinity",
     "RoundRobin",
     "RouteContext",
     "make_policy",
