@@ -50,7 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from pdserve import hashing
-from pdserve.kvformat import DTYPE_NAMES
+from pdserve.kvformat import DTYPE_NAMES, HEADER_SIZE
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -234,6 +234,7 @@ class PdserveConnector(KVConnectorBase_V1):
         # worker role
         self._caches: list[torch.Tensor] = []
         self._failed_blocks: set[int] = set()
+        self._arena = bytearray()
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -440,7 +441,9 @@ class PdserveConnector(KVConnectorBase_V1):
     def _load_request(self, load: RequestLoad) -> None:
         bs = self.block_size
         try:
-            tensors = self.client.batch_get_chunks([c.key for c in load.chunks], self.fp_digest)
+            tensors = self.client.batch_get_chunks(
+                [c.key for c in load.chunks], self.fp_digest, arena=self._arena_for(load)
+            )
         except Exception as exc:
             log.warning("pdserve store read failed for %s: %s", load.req_id, exc)
             tensors = [None] * len(load.chunks)
@@ -458,6 +461,16 @@ class PdserveConnector(KVConnectorBase_V1):
                 return
             assert kv is not None
             self._scatter(kv, chunk, load.block_ids)
+
+    def _arena_for(self, load: RequestLoad) -> memoryview:
+        """The reusable read buffer, grown to hold every chunk of ``load`` (the chunks are
+        scattered into the paged cache before the next load reuses it)."""
+        k, _ = self._kv_views(self._caches[0])
+        per_token = len(self._caches) * 2 * k.shape[1] * k.shape[3] * self._caches[0].itemsize
+        need = sum(HEADER_SIZE + c.num_tokens * per_token for c in load.chunks)
+        if len(self._arena) < need:
+            self._arena = bytearray(need)
+        return memoryview(self._arena)
 
     def _valid(self, kv: torch.Tensor | None, num_tokens: int) -> bool:
         if kv is None or not self._caches:

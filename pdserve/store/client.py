@@ -1,8 +1,9 @@
-"""The store client used by prefill, decode and router (contract: /work/briefs/store_api.md).
+"""The client of pdserve's own KV store, used by the engines (contract:
+:class:`pdserve.store.api.StoreBackend`).
 
-The core :class:`StoreClient` is synchronous and thread-safe; :class:`AsyncStoreClient` wraps
-it with ``asyncio.to_thread``. Control goes to the master over gRPC; payload bytes move over
-a data-plane transport chosen per replica: shm when the node is on this host, else tcp, else
+:class:`StoreClient` is synchronous and thread-safe (asyncio code calls it through
+``asyncio.to_thread``). Control goes to the master over gRPC; payload bytes move over a
+data-plane transport chosen per replica: shm when the node is on this host, else tcp, else
 mooncake (``transport=`` forces one).
 
 Put: ``BatchPutStart`` -> write every replica -> ``BatchPutEnd`` (``BatchPutRevoke`` when a
@@ -13,7 +14,6 @@ corrupt chunk) are misses, never exceptions.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import threading
@@ -34,6 +34,7 @@ from pdserve.store.api import (
     byte_view,
     check_keys,
     decode_chunk,
+    kv_error,
 )
 from pdserve.store.segment import host_id as local_host_id
 from pdserve.store.transports import PREFERENCE
@@ -65,15 +66,6 @@ TRANSPORT_NAMES = {
     kvstore_pb2.TRANSPORT_SHM: "shm",
     kvstore_pb2.TRANSPORT_TCP: "tcp",
     kvstore_pb2.TRANSPORT_MOONCAKE: "mooncake",
-}
-
-
-_STATUS_ERRORS: dict[grpc.StatusCode, type[errors.PdserveError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
-    grpc.StatusCode.NOT_FOUND: errors.NotFound,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
-    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
-    grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
 }
 
 
@@ -123,9 +115,8 @@ class StoreClient(StoreBackend):
         except grpc.RpcError as exc:
             code = exc.code()  # type: ignore[attr-defined]
             detail = exc.details()  # type: ignore[attr-defined]
-            cls = _STATUS_ERRORS.get(code, errors.Unavailable)
-            raise cls(
-                f"kvstore master {self.master_address} {method}: {code.name}: {detail}"
+            raise errors.from_status(
+                code, f"kvstore master {self.master_address} {method}: {code.name}: {detail}"
             ) from exc
 
     def _get_transport(self, name: str) -> Transport:
@@ -220,7 +211,7 @@ class StoreClient(StoreBackend):
                 ) or res.code == kvstore_pb2.KV_PUT_IN_PROGRESS:
                     result[res.key] = False
                 elif res.code != kvstore_pb2.KV_OK:
-                    failure = failure or _put_error(res)
+                    failure = failure or kv_error(res.code, f"put of {res.key!r}", res.message)
                     result[res.key] = False
                 elif self._write_replicas(res.replicas, views[res.key]):
                     written.append(res.key)
@@ -411,15 +402,29 @@ class StoreClient(StoreBackend):
     # -- KV chunks --------------------------------------------------------------------------
 
     def batch_get_chunks(
-        self, keys: Sequence[str], fingerprint: bytes
+        self, keys: Sequence[str], fingerprint: bytes, *, arena: memoryview | None = None
     ) -> list[torch.Tensor | None]:
         """Chunks verified against their checksum and ``fingerprint``; a corrupt replica is
-        skipped for the next one, and a chunk with no good replica is a miss."""
+        skipped for the next one, and a chunk with no good replica is a miss.
+
+        ``arena``: a writable byte buffer the caller reuses across calls (e.g. a KV connector
+        loading a prompt's chunks every step). The chunks are read into consecutive slices of
+        it instead of fresh buffers (no allocation, no page faults: fresh buffers cost about as
+        much as the read itself), and the returned tensors are views of it, valid until the
+        caller reuses the arena. Chunks that do not fit get fresh buffers."""
         keys = check_keys(keys)
         results = self._replica_lists(keys)
         out: list[torch.Tensor | None] = []
         found = []
         decoded: dict[int, torch.Tensor] = {}
+        used = 0
+
+        def buffer(n: int) -> memoryview:
+            nonlocal used
+            if arena is not None and used + n <= len(arena):
+                used += n
+                return arena[used - n : used]
+            return memoryview(bytearray(n))
 
         def verify(view: memoryview) -> bool:
             tensor = decode_chunk(view, fingerprint)
@@ -430,7 +435,7 @@ class StoreClient(StoreBackend):
         try:
             for res in results:
                 decoded.clear()
-                view = self._read(res, lambda n: memoryview(bytearray(n)), verify)
+                view = self._read(res, buffer, verify)
                 out.append(None if view is None else decoded[0])
                 if res.code == kvstore_pb2.KV_OK:
                     found.append(res.key)
@@ -457,30 +462,3 @@ class StoreClient(StoreBackend):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _put_error(res: kvstore_pb2.PutStartResult) -> errors.PdserveError:
-    msg = f"put of {res.key!r}: {kvstore_pb2.KVErrorCode.Name(res.code)}: {res.message}"
-    if res.code == kvstore_pb2.KV_INVALID:
-        return errors.InvalidArgument(msg)
-    if res.code == kvstore_pb2.KV_NO_SPACE:
-        return errors.ResourceExhausted(msg)
-    return errors.Unavailable(msg)
-
-
-class AsyncStoreClient:
-    """:class:`StoreClient` for asyncio code: every call runs in a worker thread."""
-
-    def __init__(self, master_address: str, **kwargs: Any) -> None:
-        self.sync = StoreClient(master_address, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self.sync, name)
-        if not callable(method):
-            return method
-
-        async def call(*args: Any, **kwargs: Any) -> Any:
-            return await asyncio.to_thread(method, *args, **kwargs)
-
-        call.__name__ = name
-        return call
