@@ -26,6 +26,7 @@ COMMAND_MODULES = [
     "pdserve.services.meta.cli",
     "pdserve.model.cli",
     "pdserve.bench.cli",
+    "pdserve.vllm_cli",
 ]
 
 

@@ -55,6 +55,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     meta_arguments(mb)
     mb.set_defaults(func=_meta)
+    from pdserve.bench import serve  # stdlib imports only; the rest loads when it runs
+
+    sv = sub.add_parser(
+        "serve",
+        help="online serving benchmark like 'vllm bench serve' (optionally vs colocated vLLM)",
+        description=serve.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serve.add_arguments(sv)
     bench.set_defaults(func=lambda _args: bench.print_help() or 2)
 
 

@@ -1,0 +1,97 @@
+"""PNG figures of ``pdserve bench serve`` (matplotlib, Agg backend, imported on first use).
+
+Each function takes ``{system name: records}`` and draws one line per system, so a comparison
+run shows both systems on one plot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from pdserve.bench.serve_metrics import (
+    RequestRecord,
+    completions_per_window,
+    duration_s,
+    inflight_steps,
+)
+
+Runs = Mapping[str, Sequence[RequestRecord]]
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _cdf(path: Path, runs: Runs, metric: str, title: str) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, records in runs.items():
+        values = [getattr(r, metric) for r in records if r.success]
+        ms = np.sort([v * 1000.0 for v in values if v is not None])
+        if ms.size:
+            ax.step(ms, np.arange(1, ms.size + 1) / ms.size, where="post", label=name)
+    ax.set_xlabel(f"{title} (ms)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(f"{title} CDF")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _throughput(path: Path, runs: Runs, window_s: float) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, records in runs.items():
+        points = completions_per_window(records, window_s)
+        if points:
+            edges = [x for x, _ in points] + [duration_s(records)]
+            ax.stairs([y for _, y in points], edges, label=name, baseline=None)
+    ax.set_xlabel("time since first request (s)")
+    ax.set_ylabel(f"completed requests/s ({window_s:g} s windows)")
+    ax.set_title("Throughput over time")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _inflight(path: Path, runs: Runs) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, records in runs.items():
+        steps = inflight_steps(records)
+        if steps:
+            xs, ys = zip(*steps, strict=True)
+            ax.step(xs, ys, where="post", label=name)
+    ax.set_xlabel("time since first request (s)")
+    ax.set_ylabel("requests in flight (sent, not finished)")
+    ax.set_title("In-flight requests over time")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_plots(out_dir: str | Path, runs: Runs, window_s: float = 5.0) -> list[Path]:
+    """Writes ``ttft_cdf.png``, ``tpot_cdf.png``, ``throughput.png`` and ``inflight.png``
+    into ``out_dir`` (created) and returns their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / n for n in ("ttft_cdf.png", "tpot_cdf.png", "throughput.png", "inflight.png")]
+    _cdf(paths[0], runs, "ttft_s", "TTFT")
+    _cdf(paths[1], runs, "tpot_s", "TPOT")
+    _throughput(paths[2], runs, window_s)
+    _inflight(paths[3], runs)
+    return paths
