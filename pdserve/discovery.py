@@ -1,7 +1,8 @@
 """The meta client every service uses.
 
 - :class:`MetaClient`: register under a TTL lease and keep it alive in the background
-  (heartbeat every ttl/3 carrying the load a callback reports). When meta answers NOT_FOUND for
+  (heartbeat every ttl/3 carrying the load a callback reports, and at once when the load
+  provider signals a change through an ``asyncio.Event``). When meta answers NOT_FOUND for
   the lease (meta restarted with the memory backend, or the lease expired while meta was
   unreachable) the client registers again by itself.
 - :class:`Discovery`: a local cache of instances (optionally one role/model) kept current by a
@@ -25,8 +26,6 @@ log = logging.getLogger(__name__)
 
 #: Default lease TTL a service asks for (ms).
 DEFAULT_TTL_MS = 6_000
-#: How often a registered instance checks whether its load changed (seconds).
-LOAD_POLL_S = 0.02
 _RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 LoadFn = Callable[[], common_pb2.Load]
@@ -43,6 +42,7 @@ class MetaClient:
         self._instance: meta_pb2.Instance | None = None
         self._ttl_ms = DEFAULT_TTL_MS
         self._load_fn: LoadFn | None = None
+        self._load_changed: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self.lease_id = ""
         #: Times the client registered (1 after :meth:`register`; more after meta restarts).
@@ -53,12 +53,15 @@ class MetaClient:
         instance: meta_pb2.Instance,
         ttl_ms: int = DEFAULT_TTL_MS,
         load_fn: LoadFn | None = None,
+        load_changed: asyncio.Event | None = None,
     ) -> str:
         """Registers (errors such as INVALID_ARGUMENT raise here as ``grpc.aio.AioRpcError``) and
-        starts the background keepalive; returns the lease id."""
+        starts the background keepalive; returns the lease id. The load provider sets
+        ``load_changed`` whenever ``load_fn``'s answer may have changed (the client clears it)."""
         if self._task is not None:
             raise RuntimeError("this MetaClient already registered an instance")
         self._instance, self._ttl_ms, self._load_fn = instance, ttl_ms, load_fn
+        self._load_changed = load_changed
         await self._register()
         self._task = asyncio.create_task(
             self._keepalive(), name=f"meta-keepalive-{instance.instance_id}"
@@ -77,17 +80,31 @@ class MetaClient:
         self.lease_id, self._ttl_ms = resp.lease_id, resp.ttl_ms
         self.registrations += 1
 
+    async def _wait(self, until: float, wake_on_load: bool) -> None:
+        """Sleeps until monotonic time ``until``, or (``wake_on_load``) until the load
+        provider signals a change, whichever comes first."""
+        timeout = max(0.0, until - time.monotonic())
+        event = self._load_changed
+        if event is None or not wake_on_load:
+            await asyncio.sleep(timeout)
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await event.wait()
+        event.clear()  # before reading the load: a later change sets it again
+
     async def _keepalive(self) -> None:
-        """Heartbeats every ttl/3, and also as soon as the reported load changes (polled every
-        LOAD_POLL_S), so routers see a worker go busy or idle within milliseconds instead of
-        acting on a load up to ttl/3 old. While meta fails, retries back off instead."""
+        """Heartbeats every ttl/3, and also as soon as the load provider signals a change and
+        the load differs from the last one sent, so routers see a worker go busy or idle
+        within milliseconds instead of acting on a load up to ttl/3 old. While meta fails,
+        retries back off instead."""
         interval = self._ttl_ms / 3000
         delay, backoff = interval, 0.1
         last_load: common_pb2.Load | None = None
         healthy = True
         next_beat = time.monotonic() + delay
         while True:
-            await asyncio.sleep(max(0.0, min(LOAD_POLL_S, next_beat - time.monotonic())))
+            await self._wait(next_beat, wake_on_load=healthy)
             load = self._load_fn() if self._load_fn is not None else None
             changed = healthy and load is not None and load != last_load
             if not changed and time.monotonic() < next_beat:
@@ -154,14 +171,16 @@ async def register_service(
     *,
     ttl_ms: int = DEFAULT_TTL_MS,
     load_fn: LoadFn | None = None,
+    load_changed: asyncio.Event | None = None,
 ) -> MetaClient | None:
-    """Registers ``instance`` with the meta service at ``meta`` and keeps it alive; returns
-    None (and does nothing) when ``meta`` is empty. Pair with :func:`leave`."""
+    """Registers ``instance`` with the meta service at ``meta`` and keeps it alive (see
+    :meth:`MetaClient.register`); returns None (and does nothing) when ``meta`` is empty.
+    Pair with :func:`leave`."""
     if not meta:
         return None
     client = MetaClient(meta)
     try:
-        await client.register(instance, ttl_ms, load_fn)
+        await client.register(instance, ttl_ms, load_fn, load_changed)
     except BaseException:
         await client.close()
         raise

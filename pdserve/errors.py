@@ -1,7 +1,10 @@
 """Errors that map to gRPC status codes, in one place.
 
 Service logic raises these (plain Python, no gRPC imports); :func:`pdserve.grpcutil.rpc`
-turns them into the matching status with the message intact.
+turns them into the matching status with the message intact. Only these are the caller's
+fault: any other exception is a bug (or a failed dependency) and becomes INTERNAL, so that it
+is logged and counts against the server (the router's circuit breaker), never against the
+client.
 """
 
 from __future__ import annotations
@@ -10,9 +13,16 @@ import grpc
 
 
 class PdserveError(Exception):
-    """Base class: an error with a gRPC status code and a message for the caller."""
+    """Base class: an error with a gRPC status code and a message for the caller.
+
+    ``param`` optionally names the request field at fault (``"top_p"``, ``"messages[0].role"``);
+    the OpenAI front end reports it as the error's ``param``."""
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str = "", *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class InvalidArgument(PdserveError):
@@ -21,6 +31,10 @@ class InvalidArgument(PdserveError):
 
 class NotFound(PdserveError):
     code = grpc.StatusCode.NOT_FOUND
+
+
+class ModelNotFound(NotFound):
+    """The request names a model this cluster (or worker) does not serve."""
 
 
 class AlreadyExists(PdserveError):
@@ -44,11 +58,32 @@ class DeadlineExceeded(PdserveError):
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
-    """The status code for any exception raised by service logic."""
+    """The status code for any exception raised by service logic: a :class:`PdserveError`'s
+    own code, DEADLINE_EXCEEDED for a timeout, INTERNAL for anything else (a ``ValueError``
+    too: input checks raise :class:`InvalidArgument`, so any other one is a bug)."""
     if isinstance(exc, PdserveError):
         return exc.code
     if isinstance(exc, TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED
-    if isinstance(exc, ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT
     return grpc.StatusCode.INTERNAL
+
+
+#: gRPC status -> the error class that carries it (the inverse of ``code``).
+_BY_STATUS: dict[grpc.StatusCode, type[PdserveError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidArgument,
+        NotFound,
+        AlreadyExists,
+        FailedPrecondition,
+        ResourceExhausted,
+        Unavailable,
+        DeadlineExceeded,
+    )
+}
+
+
+def from_status(code: grpc.StatusCode, message: str) -> PdserveError:
+    """The error a client raises for a peer's gRPC status ``code``: the class that carries
+    it, or :class:`Unavailable` for any other code (the peer failed, not the caller)."""
+    return _BY_STATUS.get(code, Unavailable)(message)

@@ -16,7 +16,7 @@ def run(args: argparse.Namespace) -> int:
     if args.chat:
         req = router_pb2.GenerateRequest(
             model=args.model,
-            messages=[router_pb2.ChatMessage(role="user", content=args.prompt)],
+            messages=[router_pb2.ChatMessage(role=router_pb2.CHAT_ROLE_USER, content=args.prompt)],
             sampling=sampling,
         )
     else:

@@ -1,4 +1,4 @@
-"""Chunking and chain hashing of token prefixes (DESIGN.md, "Keys").
+"""Chunking and chain hashing of token prefixes (docs/architecture.md, "Keys").
 
 ``h_0 = H(model fingerprint)``, ``h_i = H(h_{i-1} || chunk_i tokens as uint32 LE)`` with H =
 BLAKE3-256. Keys depend only on the model fingerprint and the tokens, so they are identical

@@ -1,4 +1,4 @@
-"""The KV chunk codec (DESIGN.md, "KV chunk format").
+"""The KV chunk codec (docs/architecture.md, "KV chunk format").
 
 A chunk is a fixed 128-byte header followed by raw tensor bytes in the canonical layout
 ``[layers, 2 (K, V), kv_heads, tokens, head_dim]``, little-endian, C order. No pickle.

@@ -137,6 +137,80 @@ def start_service(
     return wait_ready(spawn_service(name, args, log_dir, env=env, prefix=prefix), timeout)
 
 
+#: The ``pdserve`` subcommand that runs each service.
+SERVICE_COMMANDS: dict[str, tuple[str, ...]] = {
+    "meta": ("meta",),
+    "kvstore-master": ("kvstore", "master"),
+    "kvstore-node": ("kvstore", "node"),
+    "prefill": ("prefill",),
+    "decode": ("decode",),
+    "router": ("router",),
+}
+
+
+def flag_args(**values: object) -> list[str]:
+    """``flag_args(chunk_size=256, meta=None)`` -> ``["--chunk-size", "256"]``: one
+    ``--flag value`` pair per value, underscores as dashes; None leaves the flag out."""
+    return [
+        item
+        for k, v in values.items()
+        if v is not None
+        for item in (f"--{k.replace('_', '-')}", str(v))
+    ]
+
+
+def service_args(service: str, *extra: str, **flags: object) -> list[str]:
+    """The ``pdserve`` arguments that start ``service`` (a :data:`SERVICE_COMMANDS` key) with
+    ``flags`` (see :func:`flag_args`), then ``extra`` verbatim: the one place a service's
+    command line is spelled, for ``pdserve up``, benchmarks and tests."""
+    return [*SERVICE_COMMANDS[service], *flag_args(**flags), *extra]
+
+
+def start_master(log_dir: Path, *extra: str, name: str = "", **flags: object) -> ServiceProcess:
+    """A ``pdserve kvstore master`` on a free port without /metrics (unless ``flags`` say
+    otherwise), READY."""
+    flags = {"port": 0, "metrics_port": -1, **flags}
+    return start_service(
+        name or f"kv-master-{uuid.uuid4().hex[:6]}",
+        service_args("kvstore-master", *extra, **flags),
+        log_dir,
+        timeout=60,
+    )
+
+
+def start_node(
+    master_address: str,
+    log_dir: Path,
+    *extra: str,
+    node_id: str = "",
+    segment_sizes: str | int = "64MiB",
+    transports: str = "shm,tcp",
+    env: dict[str, str] | None = None,
+    **flags: object,
+) -> ServiceProcess:
+    """A ``pdserve kvstore node`` of ``master_address`` (Mooncake's TE bound to 127.0.0.1),
+    READY; its log is ``log_dir/<node_id>.log``."""
+    node_id = node_id or f"n{uuid.uuid4().hex[:8]}"
+    args = service_args(
+        "kvstore-node",
+        *extra,
+        master_address=master_address,
+        node_id=node_id,
+        segment_sizes=segment_sizes,
+        transports=transports,
+        **flags,
+    )
+    env = {"MC_TCP_BIND_ADDRESS": "127.0.0.1", **(env or {})}
+    return start_service(node_id, args, log_dir, env=env, timeout=60)
+
+
+def remove_shm(node: ServiceProcess) -> None:
+    """Unlinks a node's shared-memory files (a cleanly stopped node removes its own; this is
+    for one that was killed)."""
+    for name in node.info.get("shm_names", []):
+        Path("/dev/shm", name).unlink(missing_ok=True)
+
+
 @contextlib.contextmanager
 def local_store(
     log_dir: Path,
@@ -147,29 +221,21 @@ def local_store(
 ) -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
     """A KV store on this host for benchmarks and tests: a master and one node process
     (``(master, node)``), both stopped by pid on exit and the node's shm files removed."""
-    master = start_service(
-        f"kv-master-{uuid.uuid4().hex[:6]}",
-        ["kvstore", "master", "--port", "0", "--metrics-port", "-1"],
-        log_dir,
-        timeout=60,
-    )
+    master = start_master(log_dir)
     node = None
     try:
-        node = start_service(
-            f"kv-node-{uuid.uuid4().hex[:6]}",
-            ["kvstore", "node", "--master-address", master.info["grpc"], "--node-id",
-             node_id or f"local-{uuid.uuid4().hex[:8]}", "--segment-sizes", str(segment_size),
-             "--transports", transports],
+        node = start_node(
+            master.info["grpc"],
             log_dir,
-            env={"MC_TCP_BIND_ADDRESS": "127.0.0.1"},
-            timeout=60,
-        )  # fmt: skip
+            node_id=node_id or f"local-{uuid.uuid4().hex[:8]}",
+            segment_sizes=segment_size,
+            transports=transports,
+        )
         yield master, node
     finally:
         if node is not None:
             node.stop()
-            for name in node.info.get("shm_names", []):
-                Path("/dev/shm", name).unlink(missing_ok=True)
+            remove_shm(node)
         master.stop()
 
 

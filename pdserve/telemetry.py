@@ -1,8 +1,10 @@
 """One metrics registry and one structured logger per process.
 
-The request id travels in a context variable (set from the ``x-request-id`` gRPC metadata or
-the request message) and appears on every log line, so one grep follows a request across
-services.
+The request id travels in a context variable and appears on every log line, so one grep
+follows a request across services. The router takes it from the request (``request_id``),
+else from the caller's :data:`REQUEST_ID_HEADER` (HTTP header or gRPC metadata), else makes
+one, echoes it back under the same header, and passes it to the workers in their request
+messages; each service sets the variable from the message it handles.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import time
 from prometheus_client import CollectorRegistry, start_http_server
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
+#: HTTP header / gRPC metadata key carrying a caller's request id (lowercase, as gRPC needs).
+REQUEST_ID_HEADER = "x-request-id"
 
 #: The process-wide registry every service's metrics live in; served at /metrics.
 REGISTRY = CollectorRegistry(auto_describe=True)

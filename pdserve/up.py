@@ -140,7 +140,9 @@ class Cluster:
                         "node",
                         *_flags(
                             master_address=master,
-                            node_id=f"node-{i}",
+                            # unique per cluster: node ids name /dev/shm segments, so two
+                            # `pdserve up` on one host must not share them
+                            node_id=f"node-{i}-{c.master_port}",
                             segment_sizes=c.segment_size,
                             host=c.host,
                             meta=meta,

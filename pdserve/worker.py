@@ -1,6 +1,7 @@
-"""What the prefill and decode services share: their config fields, request validation, an
-admission limit, and the serve skeleton (store client, engine, gRPC server, /metrics, meta
-registration with live load, READY line, drain on stop).
+"""What the prefill and decode services share: their config fields, proto mapping, a slot
+limit, and the serve skeleton (store client, engine, gRPC server, /metrics, meta registration
+with live load, READY line, drain on stop). Request ids and model names are checked by
+:mod:`pdserve.validation`, the same rules as the router's.
 
 Each service adds only its servicer (``services/prefill``, ``services/decode``).
 """
@@ -22,12 +23,10 @@ from pdserve.discovery import leave, register_service
 from pdserve.engines import create_engine
 from pdserve.engines.base import Engine, KVRef, Sampling
 from pdserve.engines.config import EngineConfig
-from pdserve.errors import InvalidArgument, NotFound, ResourceExhausted
+from pdserve.errors import ResourceExhausted
 from pdserve.v1 import common_pb2, meta_pb2
 
 log = logging.getLogger(__name__)
-
-MAX_REQUEST_ID = 128
 
 
 @dataclass
@@ -56,22 +55,7 @@ class WorkerConfig(EngineConfig):
             raise ConfigError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
 
 
-# --------------------------------------------------------------------- request validation
-
-
-def request_id_of(raw: str) -> str:
-    """The request id (a fresh one when empty); INVALID_ARGUMENT when not short ASCII."""
-    if not raw:
-        return uuid.uuid4().hex
-    if len(raw) > MAX_REQUEST_ID or not raw.isascii() or not raw.isprintable():
-        raise InvalidArgument(f"request_id must be printable ASCII of <= {MAX_REQUEST_ID} chars")
-    return raw
-
-
-def check_model(requested: str, served: str) -> None:
-    """NOT_FOUND unless ``requested`` is empty (= the served model) or the served name."""
-    if requested and requested != served:
-        raise NotFound(f"model {requested!r} is not served here (this worker serves {served!r})")
+# --------------------------------------------------------------------- proto mapping
 
 
 def sampling_from_proto(
@@ -113,14 +97,16 @@ def kvref_to_proto(kv: KVRef) -> common_pb2.KVHandle:
     )
 
 
-class Admission:
+class SlotLimit:
     """Caps the requests a worker holds at once (running + waiting); beyond it,
-    RESOURCE_EXHAUSTED naming the limit."""
+    RESOURCE_EXHAUSTED naming the limit. ``changed`` is set whenever a request takes or frees
+    a slot: the meta heartbeat waits on it to report the new load at once."""
 
     def __init__(self, limit: int, limit_name: str) -> None:
         self.limit = limit
         self.limit_name = limit_name
         self.active = 0
+        self.changed = asyncio.Event()
 
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
@@ -129,10 +115,12 @@ class Admission:
                 f"worker is full: {self.active} requests in flight ({self.limit_name} = {self.limit})"
             )
         self.active += 1
+        self.changed.set()
         try:
             yield
         finally:
             self.active -= 1
+            self.changed.set()
 
 
 # --------------------------------------------------------------------- serving
@@ -147,17 +135,19 @@ class WorkerSpec:
     #: (add_XServicer_to_server, full gRPC service name)
     add_servicer: Callable[[Any, Any], None]
     grpc_name: str
+    #: Builds the servicer; it holds its :class:`SlotLimit` as ``slots``.
     make_servicer: Callable[[Engine, WorkerConfig], Any]
 
 
-def open_store(cfg: EngineConfig) -> Any | None:
-    """The synchronous store client for ``cfg.store_master`` (None when no store, and for
-    the vLLM engine, whose connector opens its own clients inside vLLM's processes)."""
+def engine_store(cfg: EngineConfig) -> Any | None:
+    """The store client the engine is handed (:func:`create_engine`): None when there is no
+    store, and for the vLLM engine, whose connector opens its own clients inside vLLM's
+    processes from ``cfg.store_master``."""
     if not cfg.store_master or cfg.engine == "vllm":
         return None
-    from pdserve.store.client import StoreClient
+    from pdserve.store import open_store
 
-    return StoreClient(
+    return open_store(
         cfg.store_master, transport=cfg.store_transport, timeout_s=cfg.store_timeout_s
     )
 
@@ -166,7 +156,7 @@ async def serve(spec: WorkerSpec, cfg: WorkerConfig, stop: asyncio.Event) -> Non
     """Runs one worker until ``stop`` is set, then drains: health NOT_SERVING and deregister
     first (no new work is routed here), wait up to ``drain_timeout_s`` for in-flight RPCs,
     then close the engine and the store client."""
-    store = open_store(cfg)
+    store = engine_store(cfg)
     engine = create_engine(cfg, store)
     meta_client = None
     server = None
@@ -198,7 +188,8 @@ async def serve(spec: WorkerSpec, cfg: WorkerConfig, stop: asyncio.Event) -> Non
                 labels=labels,
             ),
             ttl_ms=cfg.heartbeat_ttl_ms,
-            load_fn=lambda: _load_proto(engine),
+            load_fn=lambda: _load_proto(engine, servicer.slots),
+            load_changed=servicer.slots.changed,
         )
         lifecycle.announce_ready(
             spec.service,
@@ -224,10 +215,15 @@ async def serve(spec: WorkerSpec, cfg: WorkerConfig, stop: asyncio.Event) -> Non
             store.close()
 
 
-def _load_proto(engine: Engine) -> common_pb2.Load:
+def _load_proto(engine: Engine, slots: SlotLimit) -> common_pb2.Load:
+    """The load to report: the requests this worker holds (``slots.active``, exact at every
+    slot change), split into running and queued as the engine sees them. The engine's own
+    counts may lag a request's start or end by a step (they change on its thread), so they
+    only split the total, never change it."""
     load = engine.load()
+    running = min(load.running_requests, slots.active)
     return common_pb2.Load(
-        queue_length=load.queue_length,
-        running_requests=load.running_requests,
+        queue_length=slots.active - running,
+        running_requests=running,
         kv_usage=load.kv_usage,
     )

@@ -1,11 +1,15 @@
-"""Fixtures shared by every test area: the tiny model and the single-process ground truth."""
+"""Fixtures shared by every test area: the tiny model, the single-process ground truth, and
+a KV store as real processes (master + storage nodes, for the store client tests under
+tests/store and the storage node tests under tests/kvstore)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
+
+from pdserve import procs
 
 
 @pytest.fixture(scope="session")
@@ -43,3 +47,58 @@ def hf_greedy(tiny_model_dir: Path):
         return toks
 
     return run
+
+
+class StoreCluster:
+    """A KV store master plus storage nodes (:mod:`pdserve.procs`); ``close`` stops all."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.master = procs.start_master(log_dir)
+        self.nodes: list[procs.ServiceProcess] = []
+
+    @property
+    def address(self) -> str:
+        return self.master.info["grpc"]
+
+    def add_node(self, **kwargs) -> procs.ServiceProcess:
+        """Starts a node (``kwargs`` as :func:`pdserve.procs.start_node`) stopped at close."""
+        node = procs.start_node(self.address, self.log_dir, **kwargs)
+        self.nodes.append(node)
+        return node
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.stop()
+            procs.remove_shm(node)
+        self.master.stop()
+
+
+@pytest.fixture
+def cluster_factory(tmp_path: Path) -> Iterator[Callable[[], StoreCluster]]:
+    """``cluster_factory()``: a fresh master (add nodes with ``add_node``), stopped after."""
+    made: list[StoreCluster] = []
+
+    def make() -> StoreCluster:
+        c = StoreCluster(tmp_path / f"logs{len(made)}")
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreCluster]:
+    """One master and two nodes serving shm, tcp and (when installed) mooncake."""
+    from pdserve.store.transports.mooncake import available
+
+    c = StoreCluster(tmp_path_factory.mktemp("cluster"))
+    transports = "shm,tcp,mooncake" if available() else "shm,tcp"
+    try:
+        c.add_node(transports=transports)
+        c.add_node(transports=transports)
+        yield c
+    finally:
+        c.close()

@@ -23,6 +23,8 @@ class _Servicer(meta_pb2_grpc.MetaServiceServicer):
 
     @grpcutil.rpc
     async def ListInstances(self, request, context):
+        if request.model:  # a ValueError is a bug like any other, not the caller's fault
+            raise ValueError(f"bad internal state for {request.model}")
         raise RuntimeError("boom")
 
     @grpcutil.rpc
@@ -68,6 +70,12 @@ def test_errors_map_to_status_codes_with_messages():
             await stub.ListInstances(meta_pb2.ListInstancesRequest())
         assert err.value.code() == grpc.StatusCode.INTERNAL
         assert "boom" in err.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.ListInstances(meta_pb2.ListInstancesRequest(model="m"))
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+        assert err.value.details() == (
+            "internal error in _Servicer.ListInstances: ValueError: bad internal state for m"
+        )
         events = []
         with pytest.raises(grpc.aio.AioRpcError) as err:
             async for ev in stub.WatchInstances(meta_pb2.WatchInstancesRequest()):
@@ -115,3 +123,15 @@ def test_unbindable_address_raises():
             await grpcutil.start_server([], "256.0.0.1:1")
 
     _run(body())
+
+
+def test_status_for_and_from_status_are_inverse():
+    from pdserve import errors
+
+    for cls in (InvalidArgument, NotFound, ResourceExhausted, errors.Unavailable):
+        exc = errors.from_status(errors.status_for(cls("x")), "x")
+        assert type(exc) is cls and str(exc) == "x"
+    assert errors.status_for(ValueError("x")) == grpc.StatusCode.INTERNAL
+    assert errors.status_for(TimeoutError()) == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert type(errors.from_status(grpc.StatusCode.INTERNAL, "x")) is errors.Unavailable
+    assert InvalidArgument("top_p must be in (0, 1]", param="top_p").param == "top_p"

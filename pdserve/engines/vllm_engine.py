@@ -13,8 +13,10 @@
   (``kv_load_failure_policy="recompute"``): slower, never a different token.
 
 vLLM's own features stay on: continuous batching, chunked prefill, local prefix caching.
-The model runs in ``dtype = kv_dtype`` (float32 keeps greedy output token-exact against the
-torch engine and lets both engines share chunks).
+Its scheduler is :class:`pdserve.engines.vllm_scheduler.StreamFirstScheduler`, which bounds a
+step's prompt tokens while streams decode (``decode_step_tokens``). The model runs in
+``dtype = kv_dtype`` (auto: bfloat16; float32 keeps greedy output token-exact against the torch
+engine and lets both engines share chunks).
 """
 
 from __future__ import annotations
@@ -47,6 +49,10 @@ from pdserve.errors import InvalidArgument
 
 CONNECTOR_MODULE = "pdserve.engines.vllm_connector"
 CONNECTOR_CLASS = "PdserveConnector"
+SCHEDULER_CLASS = "pdserve.engines.vllm_scheduler.StreamFirstScheduler"
+#: ``additional_config`` key of the scheduler's budget (the scheduler module imports vLLM, so
+#: it is repeated here rather than imported).
+SCHEDULER_CONFIG_KEY = "pdserve_decode_step_tokens"
 
 
 def prepare_environment(config: EngineConfig, cache_root: str | None = None) -> None:
@@ -149,6 +155,8 @@ class VllmEngine(Engine):
             max_model_len=cfg.max_model_len,
             max_num_seqs=cfg.resolved_max_num_seqs(),
             max_num_batched_tokens=cfg.max_num_batched_tokens or VLLM_STEP_TOKENS,
+            scheduler_cls=SCHEDULER_CLASS,
+            additional_config={SCHEDULER_CONFIG_KEY: cfg.decode_step_tokens},
             enforce_eager=True,
             enable_prefix_caching=True,
             kv_transfer_config=kv_transfer,

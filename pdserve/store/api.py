@@ -17,6 +17,7 @@ from prometheus_client import Counter
 
 from pdserve import errors, kvformat
 from pdserve.telemetry import REGISTRY
+from pdserve.v1 import kvstore_pb2
 
 if TYPE_CHECKING:
     import torch
@@ -45,6 +46,24 @@ class StoreOptions:
 
 #: The default per-put options (one replica, no pin, no TTL).
 DEFAULT_OPTIONS = StoreOptions()
+
+#: The exception a backend raises for a failed item's KVErrorCode: the one table, for the
+#: pdserve master's per-item codes and (mapped onto these codes) Mooncake's return codes.
+#: Any other code is the store's failure, not the caller's: Unavailable.
+_KV_ERRORS: dict[int, type[errors.PdserveError]] = {
+    kvstore_pb2.KV_INVALID: errors.InvalidArgument,
+    kvstore_pb2.KV_NOT_FOUND: errors.NotFound,
+    kvstore_pb2.KV_NO_SPACE: errors.ResourceExhausted,
+}
+
+
+def kv_error(code: int | None, what: str, detail: str = "") -> errors.PdserveError:
+    """The exception for ``what`` (e.g. ``"put of 'k'"``) failing with KVErrorCode ``code``
+    (None: a failure with no KVErrorCode, such as an unknown Mooncake return code)."""
+    if code is None:
+        return errors.Unavailable(f"{what} failed: {detail}")
+    message = f"{what}: {kvstore_pb2.KVErrorCode.Name(code)}" + (f": {detail}" if detail else "")
+    return _KV_ERRORS.get(code, errors.Unavailable)(message)
 
 
 def check_keys(keys: Sequence[str]) -> list[str]:
@@ -79,7 +98,7 @@ def byte_view(data: Any, *, writable: bool = False, allow_empty: bool = False) -
 
 
 class StoreBackend(ABC):
-    """The store client API (see /work/briefs/store_api.md). Thread-safe. Read failures are
+    """The store client API (docs/architecture.md, "KV store"). Thread-safe. Read failures are
     misses (None), never exceptions; invalid input raises InvalidArgument, an unreachable
     master Unavailable, no space ResourceExhausted."""
 

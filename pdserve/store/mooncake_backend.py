@@ -32,11 +32,22 @@ import numpy as np
 
 from pdserve import errors
 from pdserve.lifecycle import parse_ready
-from pdserve.store.api import DEFAULT_OPTIONS, StoreBackend, StoreOptions, byte_view, check_keys
+from pdserve.store.api import (
+    DEFAULT_OPTIONS,
+    StoreBackend,
+    StoreOptions,
+    byte_view,
+    check_keys,
+    kv_error,
+)
+from pdserve.v1 import kvstore_pb2
 
 #: Mooncake error codes this backend names (mooncake-store/include/types.h).
 OBJECT_HAS_LEASE = -706
 NO_AVAILABLE_HANDLE = -200
+#: Mooncake return codes as pdserve's KVErrorCode (the exceptions come from one table,
+#: :func:`pdserve.store.api.kv_error`); any other nonzero code is a failure of the cluster.
+_KV_CODES = {NO_AVAILABLE_HANDLE: kvstore_pb2.KV_NO_SPACE}
 
 
 def available() -> bool:
@@ -233,10 +244,8 @@ class MooncakeStoreClient(StoreBackend):
                 staging = self._staging(len(view))
                 staging[: len(view)] = np.frombuffer(view, dtype=np.uint8)
                 rc = self._store.put_from(key, staging.ctypes.data, len(view), cfg)
-                if rc == NO_AVAILABLE_HANDLE:
-                    raise errors.ResourceExhausted(f"mooncake put of {key!r}: no space ({rc})")
                 if rc != 0:
-                    raise errors.Unavailable(f"mooncake put of {key!r} failed with code {rc}")
+                    raise kv_error(_KV_CODES.get(rc), f"mooncake put of {key!r}", f"code {rc}")
                 out.append(True)
         return out
 

@@ -36,6 +36,15 @@ class KVEventType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_EVENT_UNSPECIFIED: _ClassVar[KVEventType]
     KV_EVENT_STORED: _ClassVar[KVEventType]
     KV_EVENT_REMOVED: _ClassVar[KVEventType]
+
+class KVEventReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_EVENT_REASON_UNSPECIFIED: _ClassVar[KVEventReason]
+    KV_EVENT_REASON_REMOVE: _ClassVar[KVEventReason]
+    KV_EVENT_REASON_EVICT: _ClassVar[KVEventReason]
+    KV_EVENT_REASON_TTL: _ClassVar[KVEventReason]
+    KV_EVENT_REASON_NODE_DEAD: _ClassVar[KVEventReason]
+    KV_EVENT_REASON_UNMOUNT: _ClassVar[KVEventReason]
 KV_OK: KVErrorCode
 KV_NOT_FOUND: KVErrorCode
 KV_PUT_IN_PROGRESS: KVErrorCode
@@ -54,6 +63,12 @@ PLACEMENT_RANDOM: PlacementStrategy
 KV_EVENT_UNSPECIFIED: KVEventType
 KV_EVENT_STORED: KVEventType
 KV_EVENT_REMOVED: KVEventType
+KV_EVENT_REASON_UNSPECIFIED: KVEventReason
+KV_EVENT_REASON_REMOVE: KVEventReason
+KV_EVENT_REASON_EVICT: KVEventReason
+KV_EVENT_REASON_TTL: KVEventReason
+KV_EVENT_REASON_NODE_DEAD: KVEventReason
+KV_EVENT_REASON_UNMOUNT: KVEventReason
 
 class Endpoint(_message.Message):
     __slots__ = ("transport", "address", "shm_name", "host_id", "remote_base")
@@ -327,9 +342,9 @@ class KVEvent(_message.Message):
     type: KVEventType
     key: str
     size: int
-    reason: str
+    reason: KVEventReason
     time_ms: int
-    def __init__(self, type: _Optional[_Union[KVEventType, str]] = ..., key: _Optional[str] = ..., size: _Optional[int] = ..., reason: _Optional[str] = ..., time_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, type: _Optional[_Union[KVEventType, str]] = ..., key: _Optional[str] = ..., size: _Optional[int] = ..., reason: _Optional[_Union[KVEventReason, str]] = ..., time_ms: _Optional[int] = ...) -> None: ...
 
 class NodeStatsRequest(_message.Message):
     __slots__ = ()

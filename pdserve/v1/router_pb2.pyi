@@ -14,18 +14,29 @@ class DisaggMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DISAGG_MODE_READ: _ClassVar[DisaggMode]
     DISAGG_MODE_WRITE: _ClassVar[DisaggMode]
     DISAGG_MODE_COLOCATED: _ClassVar[DisaggMode]
+
+class ChatRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CHAT_ROLE_UNSPECIFIED: _ClassVar[ChatRole]
+    CHAT_ROLE_SYSTEM: _ClassVar[ChatRole]
+    CHAT_ROLE_USER: _ClassVar[ChatRole]
+    CHAT_ROLE_ASSISTANT: _ClassVar[ChatRole]
 DISAGG_MODE_UNSPECIFIED: DisaggMode
 DISAGG_MODE_READ: DisaggMode
 DISAGG_MODE_WRITE: DisaggMode
 DISAGG_MODE_COLOCATED: DisaggMode
+CHAT_ROLE_UNSPECIFIED: ChatRole
+CHAT_ROLE_SYSTEM: ChatRole
+CHAT_ROLE_USER: ChatRole
+CHAT_ROLE_ASSISTANT: ChatRole
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
-    role: str
+    role: ChatRole
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    def __init__(self, role: _Optional[_Union[ChatRole, str]] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "model", "prompt", "prompt_token_ids", "messages", "sampling", "mode")

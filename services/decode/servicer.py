@@ -14,12 +14,11 @@ from pdserve.engines.base import Engine
 from pdserve.grpcutil import rpc
 from pdserve.telemetry import REGISTRY
 from pdserve.v1 import engine_pb2, engine_pb2_grpc
+from pdserve.validation import check_model, check_request_id
 from pdserve.worker import (
-    Admission,
+    SlotLimit,
     WorkerConfig,
-    check_model,
     kvref_from_proto,
-    request_id_of,
     sampling_from_proto,
 )
 
@@ -47,7 +46,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServiceServicer):
         self.engine = engine
         self.cfg = cfg
         self.served = cfg.served_name()
-        self.admission = Admission(
+        self.slots = SlotLimit(
             cfg.resolved_max_num_seqs() + cfg.max_queue, "max_num_seqs + max_queue"
         )
 
@@ -55,7 +54,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServiceServicer):
     async def Decode(
         self, request: engine_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.DecodeResponse]:
-        rid = request_id_of(request.request_id)
+        rid = check_request_id(request.request_id)
         telemetry.request_id_var.set(rid)
         check_model(request.model, self.served)
         tokens = list(request.prompt_token_ids)
@@ -63,7 +62,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServiceServicer):
         kv = kvref_from_proto(request.kv) if request.HasField("kv") else None
         first = request.first_token_id if request.HasField("first_token_id") else None
         outcome = "error"
-        async with self.admission.slot():
+        async with self.slots.slot():
             RUNNING.inc()
             try:
                 async for ev in self.engine.generate(

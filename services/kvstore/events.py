@@ -17,7 +17,6 @@ class Subscription:
         self._events: collections.deque[pb.KVEvent] = collections.deque()
         self._maxlen = maxlen
         self._ready = asyncio.Event()
-        self.dropped = 0
         self.closed = False
 
     def push(self, event: pb.KVEvent) -> bool:
@@ -25,7 +24,6 @@ class Subscription:
         dropped = False
         if len(self._events) >= self._maxlen:
             self._events.popleft()
-            self.dropped += 1
             dropped = True
         self._events.append(event)
         self._ready.set()
@@ -49,11 +47,10 @@ class EventHub:
     def __init__(self, queue_size: int) -> None:
         self.queue_size = queue_size
         self.subscribers: set[Subscription] = set()
+        #: Events dropped for slow subscribers, all subscribers together.
         self.dropped = 0
-        self.published = 0
 
-    def publish(self, type_: int, key: str, size: int, reason: str, time_ms: int) -> None:
-        self.published += 1
+    def publish(self, type_: int, key: str, size: int, reason: int, time_ms: int) -> None:
         if not self.subscribers:
             return
         event = pb.KVEvent(type=type_, key=key, size=size, reason=reason, time_ms=time_ms)

@@ -73,7 +73,7 @@ async def serve(cfg: MasterConfig, stop: asyncio.Event) -> None:
     hub = EventHub(cfg.event_queue_size)
     store = MetadataStore(cfg.state_dir) if cfg.state_dir else None
 
-    def on_event(type_: int, key: str, size: int, reason: str) -> None:
+    def on_event(type_: int, key: str, size: int, reason: int) -> None:
         hub.publish(type_, key, size, reason, int(telemetry.now_ms()))
 
     state = MasterState(cfg, store=store, on_event=on_event)

@@ -14,8 +14,8 @@ Rules it enforces:
   it runs when a segment or the pool passes ``high_watermark`` (down to ``low_watermark``) and
   on demand when an allocation fails.
 * A node that misses ``heartbeat_miss_limit`` heartbeats is dead: its replicas are dropped at
-  once, objects left without a replica are deleted (event reason ``node_dead``), and nothing
-  new is placed on it until it remounts.
+  once, objects left without a replica are deleted (event reason ``KV_EVENT_REASON_NODE_DEAD``),
+  and nothing new is placed on it until it remounts.
 * Restart: with a :class:`~pdserve.services.kvstore.persistence.MetadataStore` every commit and
   removal is written (one transaction per call); on start the rows come back as *dormant*
   replicas that revive when their segment remounts (same segment id and node id, offsets
@@ -153,8 +153,9 @@ class GetOutcome:
     lease_expires_ms: int = 0
 
 
-#: on_event(type, key, size, reason) with type pb.KV_EVENT_STORED / pb.KV_EVENT_REMOVED.
-EventSink = Callable[[int, str, int, str], None]
+#: on_event(type, key, size, reason) with type pb.KV_EVENT_STORED / pb.KV_EVENT_REMOVED and
+#: reason a pb.KVEventReason (unspecified for stored events).
+EventSink = Callable[[int, str, int, int], None]
 
 
 class MasterState:
@@ -312,7 +313,7 @@ class MasterState:
             seg.endpoints = list(endpoints)  # idempotent remount: refresh the endpoints
         else:
             if seg is not None:
-                self._drop_segment(seg, "node_dead")
+                self._drop_segment(seg, pb.KV_EVENT_REASON_NODE_DEAD)
             seg = SegmentState(segment_id, node_id, size, list(endpoints), OffsetAllocator(size))
             self.segments[segment_id] = seg
         node = self.nodes.get(node_id)
@@ -395,12 +396,12 @@ class MasterState:
 
     def unmount(self, segment_id: str) -> int:
         """Removes a segment and every replica in it; returns how many objects lost their last
-        replica (deleted, event reason ``unmount``)."""
+        replica (deleted, event reason ``KV_EVENT_REASON_UNMOUNT``)."""
         self._check_id("segment_id", segment_id)
         seg = self.segments.get(segment_id)
         if seg is None or not seg.alive:
             raise errors.NotFound(f"segment {segment_id!r} is not mounted")
-        removed = self._drop_segment(seg, "unmount")
+        removed = self._drop_segment(seg, pb.KV_EVENT_REASON_UNMOUNT)
         del self.segments[segment_id]
         node = self.nodes.get(seg.node_id)
         if node is not None:
@@ -410,7 +411,7 @@ class MasterState:
         self.flush()
         return removed
 
-    def _drop_segment(self, seg: SegmentState, reason: str) -> int:
+    def _drop_segment(self, seg: SegmentState, reason: int) -> int:
         """Drops every replica (committed and pending) in ``seg`` and marks it dead."""
         seg.alive = False
         removed = 0
@@ -434,7 +435,7 @@ class MasterState:
 
         ``segment_ids`` is the node's full set: a segment the master holds for this node that
         is not listed is gone (e.g. the node process restarted with new segment ids) and is
-        dropped with its replicas (event reason ``node_dead``)."""
+        dropped with its replicas (event reason ``KV_EVENT_REASON_NODE_DEAD``)."""
         self._check_id("node_id", node_id)
         node = self.nodes.get(node_id)
         if node is None:
@@ -447,7 +448,7 @@ class MasterState:
                 seg = self.segments.pop(sid, None)
                 node.segment_ids.discard(sid)
                 if seg is not None and seg.alive:
-                    n = self._drop_segment(seg, "node_dead")
+                    n = self._drop_segment(seg, pb.KV_EVENT_REASON_NODE_DEAD)
                     log.warning(
                         "node %s no longer reports segment %s: dropped (%d objects lost)",
                         node_id,
@@ -511,7 +512,7 @@ class MasterState:
                         )
                     )
                     continue
-                self._delete(old, "ttl")
+                self._delete(old, pb.KV_EVENT_REASON_TTL)
                 self.counters.ttl_expired += 1
             if key in self.pending:
                 out.append(
@@ -616,7 +617,7 @@ class MasterState:
             self.used_bytes += obj.size
             self.counters.puts += 1
             self._mark(obj)
-            self.on_event(pb.KV_EVENT_STORED, key, obj.size, "")
+            self.on_event(pb.KV_EVENT_STORED, key, obj.size, pb.KV_EVENT_REASON_UNSPECIFIED)
             out.append(KeyOutcome(key, OK))
         self.flush()
         return out
@@ -749,7 +750,7 @@ class MasterState:
                     )
                 )
                 continue
-            self._delete(obj, "remove")
+            self._delete(obj, pb.KV_EVENT_REASON_REMOVE)
             self.counters.removals += 1
             out.append(KeyOutcome(key, OK))
         self.flush()
@@ -761,7 +762,7 @@ class MasterState:
             if seg is not None and seg.alive:
                 seg.allocator.release(r.offset)
 
-    def _delete(self, obj: ObjectState, reason: str, *, free: bool = True) -> None:
+    def _delete(self, obj: ObjectState, reason: int, *, free: bool = True) -> None:
         if free:
             self._free(obj)
         del self.objects[obj.key]
@@ -789,7 +790,7 @@ class MasterState:
                 yield obj
 
     def _evict(self, obj: ObjectState) -> None:
-        self._delete(obj, "evict")
+        self._delete(obj, pb.KV_EVENT_REASON_EVICT)
         self.counters.evictions += 1
 
     def _evict_to_watermarks(self, now: float) -> int:
@@ -857,7 +858,7 @@ class MasterState:
             if obj.leased(now):
                 still_leased.append((deadline, key))
                 continue
-            self._delete(obj, "ttl")
+            self._delete(obj, pb.KV_EVENT_REASON_TTL)
             self.counters.ttl_expired += 1
         for item in still_leased:
             heapq.heappush(heap, item)
@@ -872,7 +873,7 @@ class MasterState:
         for sid in sorted(node.segment_ids):
             seg = self.segments.get(sid)
             if seg is not None and seg.alive:
-                removed += self._drop_segment(seg, "node_dead")
+                removed += self._drop_segment(seg, pb.KV_EVENT_REASON_NODE_DEAD)
         del self.nodes[node.node_id]
         self.counters.node_deaths += 1
         self.counters.node_dead_objects += removed

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from pdserve.errors import InvalidArgument
 from pdserve.grpcutil import rpc
 from pdserve.services.meta.registry import Registry
 from pdserve.v1 import meta_pb2, meta_pb2_grpc
@@ -18,7 +19,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     @rpc
     async def Register(self, request, context):
         if not request.HasField("instance"):
-            raise ValueError("instance is required")
+            raise InvalidArgument("instance is required", param="instance")
         lease_id, ttl = await self.registry.register(request.instance, request.ttl_ms)
         return meta_pb2.RegisterResponse(lease_id=lease_id, ttl_ms=ttl)
 

@@ -12,12 +12,11 @@ from pdserve.engines.base import Engine
 from pdserve.grpcutil import rpc
 from pdserve.telemetry import REGISTRY
 from pdserve.v1 import engine_pb2, engine_pb2_grpc
+from pdserve.validation import check_model, check_request_id
 from pdserve.worker import (
-    Admission,
+    SlotLimit,
     WorkerConfig,
-    check_model,
     kvref_to_proto,
-    request_id_of,
     sampling_from_proto,
 )
 
@@ -38,20 +37,20 @@ class PrefillServicer(engine_pb2_grpc.PrefillServiceServicer):
         self.engine = engine
         self.cfg = cfg
         self.served = cfg.served_name()
-        self.admission = Admission(max(1, cfg.max_queue), "max_queue")
+        self.slots = SlotLimit(max(1, cfg.max_queue), "max_queue")
 
     @rpc
     async def Prefill(
         self, request: engine_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.PrefillResponse:
         t0 = time.perf_counter()
-        rid = request_id_of(request.request_id)
+        rid = check_request_id(request.request_id)
         telemetry.request_id_var.set(rid)
         check_model(request.model, self.served)
         tokens = list(request.prompt_token_ids)
         sampling = sampling_from_proto(request.sampling, self.engine, self.cfg, len(tokens))
         try:
-            async with self.admission.slot():
+            async with self.slots.slot():
                 out = await self.engine.prefill(
                     rid, tokens, sampling, publish_incrementally=request.publish_incrementally
                 )

@@ -3,6 +3,10 @@ and not), /v1/models, /health, /metrics.
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` with 400 (bad
 input), 404 (unknown model), 429 (admission refused), 503 (no worker), 504 (deadline).
+
+Request ids: a request's id is its body's ``request_id``, else the ``x-request-id`` header,
+else a fresh one; the response echoes it in ``x-request-id`` (and in the logs of every
+service the request passes through).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from pdserve import errors
 from pdserve.services.router.frontend import Frontend
 from pdserve.services.router.orchestrator import StreamChunk
 from pdserve.services.router.workers import DECODE
-from pdserve.telemetry import REGISTRY, request_id_var
+from pdserve.telemetry import REGISTRY, REQUEST_ID_HEADER, request_id_var
 from pdserve.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -33,13 +37,17 @@ FINISH = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_CANCELLED: "abort",
 }
+#: Error class -> HTTP status, OpenAI type and code; the first match wins (subclasses first).
 _STATUS = {
     errors.InvalidArgument: (400, "invalid_request_error", "invalid_value"),
+    errors.ModelNotFound: (404, "invalid_request_error", "model_not_found"),
     errors.NotFound: (404, "invalid_request_error", "not_found"),
     errors.ResourceExhausted: (429, "rate_limit_error", "rate_limit_exceeded"),
     errors.Unavailable: (503, "service_unavailable", "service_unavailable"),
     errors.DeadlineExceeded: (504, "timeout", "timeout"),
 }
+#: Fallback for errors raised without ``param`` (frontend.py's and Sampling.validate's checks
+#: do not name it yet): the field a message starts with, if it is a request field.
 _PARAM = re.compile(r"^([a-z_]+(?:\[\d+\])?(?:\.[a-z_]+)?)\b")
 _FIELDS = {
     "model",
@@ -65,18 +73,18 @@ def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
             status, etype, code = info
             break
     message = str(exc) or type(exc).__name__
-    if message.startswith("model: unknown model"):
-        code = "model_not_found"
-    m = _PARAM.match(message)
-    param = m.group(1) if m and m.group(1).split("[")[0].split(".")[0] in _FIELDS else None
+    param = exc.param if isinstance(exc, errors.PdserveError) else None
+    if param is None and isinstance(exc, errors.InvalidArgument):
+        m = _PARAM.match(message)
+        param = m.group(1) if m and m.group(1).split("[")[0].split(".")[0] in _FIELDS else None
     return status, {"error": {"message": message, "type": etype, "param": param, "code": code}}
 
 
-def error_response(exc: BaseException) -> web.Response:
+def error_response(exc: BaseException, headers: dict[str, str] | None = None) -> web.Response:
     status, body = error_body(exc)
     if status == 500:
         log.error("internal error: %r", exc, exc_info=exc)
-    return web.json_response(body, status=status)
+    return web.json_response(body, status=status, headers=headers)
 
 
 @web.middleware
@@ -155,11 +163,15 @@ async def _generate(fe: Frontend, request: web.Request, *, chat: bool) -> web.St
         body = json.loads(await request.read())
     except ValueError as exc:
         return error_response(errors.InvalidArgument(f"request body is not valid JSON: {exc}"))
+    header_id = request.headers.get(REQUEST_ID_HEADER, "")
+    if header_id and isinstance(body, dict) and not body.get("request_id"):
+        body = {**body, "request_id": header_id}
     try:
         req = fe.from_openai(body, chat=chat)
     except Exception as exc:
         return error_response(exc)
     request_id_var.set(req.request_id)
+    headers = {REQUEST_ID_HEADER: req.request_id}
     stream = bool(body.get("stream", False))
     usage_in_stream = bool((body.get("stream_options") or {}).get("include_usage", False))
     meta = {
@@ -174,10 +186,10 @@ async def _generate(fe: Frontend, request: web.Request, *, chat: bool) -> web.St
         except StopAsyncIteration:
             first = StreamChunk([], "", [], common_pb2.FINISH_REASON_STOP)
         except Exception as exc:
-            return error_response(exc)
+            return error_response(exc, headers)
         if stream:
-            return await _sse(request, gen, first, meta, chat=chat, usage=usage_in_stream)
-        return await _whole(gen, first, meta, chat=chat)
+            return await _sse(request, gen, first, meta, headers, chat=chat, usage=usage_in_stream)
+        return await _whole(gen, first, meta, headers, chat=chat)
 
 
 def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
@@ -189,7 +201,9 @@ def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
     }
 
 
-async def _whole(gen, first: StreamChunk, meta: dict[str, Any], *, chat: bool) -> web.Response:
+async def _whole(
+    gen, first: StreamChunk, meta: dict[str, Any], headers: dict[str, str], *, chat: bool
+) -> web.Response:
     texts, count, finish, c = [], 0, None, first
     prompt, cached = first.prompt_tokens, first.cached_tokens
     try:
@@ -203,7 +217,7 @@ async def _whole(gen, first: StreamChunk, meta: dict[str, Any], *, chat: bool) -
             except StopAsyncIteration:
                 break
     except Exception as exc:
-        return error_response(exc)
+        return error_response(exc, headers)
     text = "".join(texts)
     if chat:
         choice = {
@@ -217,7 +231,8 @@ async def _whole(gen, first: StreamChunk, meta: dict[str, Any], *, chat: bool) -
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         obj = "text_completion"
     return web.json_response(
-        {**meta, "object": obj, "choices": [choice], "usage": _usage(prompt, count, cached)}
+        {**meta, "object": obj, "choices": [choice], "usage": _usage(prompt, count, cached)},
+        headers=headers,
     )
 
 
@@ -226,12 +241,13 @@ async def _sse(
     gen,
     first: StreamChunk,
     meta: dict[str, Any],
+    headers: dict[str, str],
     *,
     chat: bool,
     usage: bool,
 ) -> web.StreamResponse:
     resp = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
     )
     await resp.prepare(request)
     obj = "chat.completion.chunk" if chat else "text_completion"

@@ -1,23 +1,33 @@
 """A validated generation request, built from the gRPC or the OpenAI form.
 
-Every check raises :class:`pdserve.errors.InvalidArgument` (or ``NotFound`` for an unknown
-model) with a message that names the offending field.
+Every check raises :class:`pdserve.errors.InvalidArgument` (or ``ModelNotFound`` for an
+unknown model) with a message that names the offending field, and the field as ``param``.
+The request id and model checks are :mod:`pdserve.validation`'s, shared with the workers.
 """
 
 from __future__ import annotations
 
 import math
-import re
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from pdserve import validation
 from pdserve.engines.base import Sampling
 from pdserve.errors import InvalidArgument
+from pdserve.v1 import router_pb2
+
+# Re-exported: the front ends call rq.check_request_id, the rule shared with the workers.
+from pdserve.validation import check_request_id as check_request_id
 
 MODES = ("read", "write", "colocated")
-_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
-_ROLES = ("system", "user", "assistant")
+#: ChatMessage.role (the gRPC enum) -> the role name chat templates and OpenAI use.
+ROLE_NAMES = {
+    router_pb2.CHAT_ROLE_SYSTEM: "system",
+    router_pb2.CHAT_ROLE_USER: "user",
+    router_pb2.CHAT_ROLE_ASSISTANT: "assistant",
+}
+_ROLES = tuple(ROLE_NAMES.values())
 
 
 @dataclass(frozen=True)
@@ -41,50 +51,65 @@ class GenRequest:
 
 
 def check_model(model: str, limits: Limits) -> None:
-    if model and model != limits.model:
-        raise InvalidArgument(
-            f"model: unknown model {model!r}; this cluster serves {limits.model!r}"
-        )
+    """NOT_FOUND unless ``model`` is empty or the served one (:func:`validation.check_model`)."""
+    validation.check_model(model, limits.model)
 
 
-def check_request_id(request_id: str) -> str:
-    if not request_id:
-        return uuid.uuid4().hex
-    if not _REQUEST_ID.match(request_id):
-        raise InvalidArgument("request_id must be 1-128 printable ASCII characters")
-    return request_id
-
-
-def check_messages(messages: Sequence[dict[str, str]]) -> list[dict[str, str]]:
+def check_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
+    """Validated ``{role, content}`` dicts with role names; a role may be the OpenAI string
+    or the gRPC ``ChatRole`` enum value."""
     if not messages:
-        raise InvalidArgument("messages must not be empty")
+        raise InvalidArgument("messages must not be empty", param="messages")
     out = []
     for i, m in enumerate(messages):
         role, content = m.get("role"), m.get("content")
+        if isinstance(role, int) and not isinstance(role, bool):
+            if role not in ROLE_NAMES:
+                known = role in router_pb2.ChatRole.values()
+                raise InvalidArgument(
+                    f"messages[{i}].role must be one of "
+                    f"{[router_pb2.ChatRole.Name(r) for r in ROLE_NAMES]}, got "
+                    f"{router_pb2.ChatRole.Name(role) if known else role}",
+                    param=f"messages[{i}].role",
+                )
+            role = ROLE_NAMES[role]
         if role not in _ROLES:
-            raise InvalidArgument(f"messages[{i}].role must be one of {_ROLES}, got {role!r}")
+            raise InvalidArgument(
+                f"messages[{i}].role must be one of {_ROLES}, got {role!r}",
+                param=f"messages[{i}].role",
+            )
         if isinstance(content, list):  # OpenAI content parts: only text parts are supported
             parts = []
             for part in content:
                 if not isinstance(part, dict) or part.get("type") != "text":
-                    raise InvalidArgument(f"messages[{i}].content: only text parts are supported")
+                    raise InvalidArgument(
+                        f"messages[{i}].content: only text parts are supported",
+                        param=f"messages[{i}].content",
+                    )
                 if not isinstance(part.get("text"), str):
-                    raise InvalidArgument(f"messages[{i}].content: a text part needs 'text'")
+                    raise InvalidArgument(
+                        f"messages[{i}].content: a text part needs 'text'",
+                        param=f"messages[{i}].content",
+                    )
                 parts.append(part["text"])
             content = "".join(parts)
         if not isinstance(content, str):
-            raise InvalidArgument(f"messages[{i}].content must be a string or text parts")
+            raise InvalidArgument(
+                f"messages[{i}].content must be a string or text parts",
+                param=f"messages[{i}].content",
+            )
         out.append({"role": role, "content": content})
     return out
 
 
 def check_token_ids(ids: Sequence[int], limits: Limits, field: str) -> list[int]:
     if not ids:
-        raise InvalidArgument(f"{field} must not be empty")
+        raise InvalidArgument(f"{field} must not be empty", param=field)
     for t in ids:
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < limits.vocab_size:
             raise InvalidArgument(
-                f"{field}: token id {t!r} is outside the vocabulary [0, {limits.vocab_size})"
+                f"{field}: token id {t!r} is outside the vocabulary [0, {limits.vocab_size})",
+                param=field,
             )
     return list(ids)
 
@@ -108,20 +133,23 @@ def make_sampling(
             or not isinstance(value, int | float)
             or not math.isfinite(value)
         ):
-            raise InvalidArgument(f"{name} must be a finite number, got {value!r}")
+            raise InvalidArgument(f"{name} must be a finite number, got {value!r}", param=name)
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)):
-        raise InvalidArgument(f"max_tokens must be an integer, got {max_tokens!r}")
+        raise InvalidArgument(
+            f"max_tokens must be an integer, got {max_tokens!r}", param="max_tokens"
+        )
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)):
-        raise InvalidArgument(f"top_k must be an integer, got {top_k!r}")
+        raise InvalidArgument(f"top_k must be an integer, got {top_k!r}", param="top_k")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        raise InvalidArgument(f"seed must be a non-negative integer, got {seed!r}")
+        raise InvalidArgument(f"seed must be a non-negative integer, got {seed!r}", param="seed")
     if any(not isinstance(s, str) for s in stop):
-        raise InvalidArgument("stop must be a string or a list of strings")
+        raise InvalidArgument("stop must be a string or a list of strings", param="stop")
     room = limits.max_model_len - prompt_len if limits.max_model_len else limits.max_tokens_limit
     if room <= 0:
         raise InvalidArgument(
             f"prompt: {prompt_len} tokens leave no room in the model context of "
-            f"{limits.max_model_len} tokens"
+            f"{limits.max_model_len} tokens",
+            param="prompt",
         )
     if max_tokens is None:
         max_tokens = min(limits.default_max_tokens, room)
@@ -138,6 +166,7 @@ def make_sampling(
     if max_tokens > room:
         raise InvalidArgument(
             f"max_tokens {max_tokens} + prompt {prompt_len} tokens exceeds the model context "
-            f"of {limits.max_model_len} tokens"
+            f"of {limits.max_model_len} tokens",
+            param="max_tokens",
         )
     return sampling

@@ -6,8 +6,8 @@ import grpc
 
 from pdserve.grpcutil import rpc
 from pdserve.services.router.frontend import Frontend
-from pdserve.services.router.request import check_model
-from pdserve.telemetry import request_id_var
+from pdserve.services.router.request import GenRequest, check_model
+from pdserve.telemetry import REQUEST_ID_HEADER, request_id_var
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
 
@@ -15,10 +15,21 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     def __init__(self, frontend: Frontend) -> None:
         self.fe = frontend
 
-    @rpc
-    async def Generate(self, request, context: grpc.aio.ServicerContext):
+    async def _validated(self, request, context: grpc.aio.ServicerContext) -> GenRequest:
+        """The validated request; its id is the request's ``request_id``, else the caller's
+        ``x-request-id`` metadata, else a fresh one, and goes back as ``x-request-id``."""
+        if not request.request_id:
+            for key, value in context.invocation_metadata() or ():
+                if key == REQUEST_ID_HEADER and isinstance(value, str):
+                    request.request_id = value
         req = self.fe.from_proto(request)
         request_id_var.set(req.request_id)
+        await context.send_initial_metadata(((REQUEST_ID_HEADER, req.request_id),))
+        return req
+
+    @rpc
+    async def Generate(self, request, context: grpc.aio.ServicerContext):
+        req = await self._validated(request, context)
         ids: list[int] = []
         parts: list[str] = []
         out = router_pb2.GenerateResponse(request_id=req.request_id)
@@ -40,8 +51,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
     @rpc
     async def GenerateStream(self, request, context: grpc.aio.ServicerContext):
-        req = self.fe.from_proto(request)
-        request_id_var.set(req.request_id)
+        req = await self._validated(request, context)
         async for c in self.fe.orchestrator.generate(req, timeout_s=context.time_remaining()):
             yield router_pb2.GenerateStreamResponse(
                 request_id=req.request_id,

@@ -24,9 +24,9 @@ class FakeClock(Clock):
 
 class Recorder:
     def __init__(self) -> None:
-        self.events: list[tuple[int, str, int, str]] = []
+        self.events: list[tuple[int, str, int, int]] = []
 
-    def __call__(self, type_: int, key: str, size: int, reason: str) -> None:
+    def __call__(self, type_: int, key: str, size: int, reason: int) -> None:
         self.events.append((type_, key, size, reason))
 
 

@@ -63,12 +63,7 @@ class FakeNode:
 
 
 def start_master(tmp_path: Path, *extra: str, name: str = "master") -> procs.ServiceProcess:
-    return procs.start_service(
-        name,
-        ["kvstore", "master", "--port", "0", "--metrics-port", "-1", *extra],
-        tmp_path / "logs",
-        timeout=60,
-    )
+    return procs.start_master(tmp_path / "logs", *extra, name=name)
 
 
 @pytest.fixture
@@ -217,7 +212,7 @@ def test_events_and_dead_node(master) -> None:
                 removed.append((ev.key, ev.reason))
             if len(removed) == len(on_n1):
                 break
-        assert sorted(removed) == sorted((k, "node_dead") for k in on_n1)
+        assert sorted(removed) == sorted((k, pb.KV_EVENT_REASON_NODE_DEAD) for k in on_n1)
         # No new placement on the dead node.
         assert all(r.replicas[0].node_id == "n2" for r in put(stub, [f"new{i}" for i in range(6)]))
     finally:

@@ -35,7 +35,7 @@ def test_put_get_and_idempotent_put(make_state, events) -> None:
     assert again.code == pb.KV_OK and again.already_exists and not again.replicas
     (g,) = s.get_replicas("c", ["a"])
     assert g.code == pb.KV_OK and g.replicas[0].segment_id == "s1"
-    assert events.events == [(pb.KV_EVENT_STORED, "a", KB, "")]
+    assert events.events == [(pb.KV_EVENT_STORED, "a", KB, pb.KV_EVENT_REASON_UNSPECIFIED)]
     assert s.stats().puts == 1
 
 
@@ -171,7 +171,9 @@ def test_eviction_under_2x_pressure_keeps_leased_and_is_lru(make_state, clock, e
         assert put(s, k) == pb.KV_OK
     assert all(s.exists(leased))
     evicted = [e[1] for e in events.events if e[0] == pb.KV_EVENT_REMOVED]
-    assert all(e[3] == "evict" for e in events.events if e[0] == pb.KV_EVENT_REMOVED)
+    assert all(
+        e[3] == pb.KV_EVENT_REASON_EVICT for e in events.events if e[0] == pb.KV_EVENT_REMOVED
+    )
     assert not set(evicted) & set(leased)
     # Unleased originals go first, in put order, and k01 (touched) last among them.
     unleased = [k for k in keys if k not in leased and k != "k01"] + ["k01"]
@@ -217,7 +219,7 @@ def test_ttl_expiry(make_state, clock, events) -> None:
     assert s.exists(["tail"]) == [False]  # invisible at the deadline, before the tick
     assert s.get_replicas("c", ["tail"])[0].code == pb.KV_NOT_FOUND
     s.tick()
-    assert (pb.KV_EVENT_REMOVED, "tail", KB, "ttl") in events.events
+    assert (pb.KV_EVENT_REMOVED, "tail", KB, pb.KV_EVENT_REASON_TTL) in events.events
     assert "tail" not in s.objects and s.exists(["chunk"]) == [True]
     assert put(s, "tail", ttl_ms=500) == pb.KV_OK  # the key can be written again
 
@@ -253,7 +255,7 @@ def test_dead_node(make_state, clock, events) -> None:
         assert s.heartbeat(alive_node, [f"s{alive_node[-1]}"]) is False
         s.tick()
     assert s.stats().alive_nodes == 1
-    assert (pb.KV_EVENT_REMOVED, "only1", KB, "node_dead") in events.events
+    assert (pb.KV_EVENT_REMOVED, "only1", KB, pb.KV_EVENT_REASON_NODE_DEAD) in events.events
     (g,) = s.get_replicas("c", ["both"])
     assert [rep.node_id for rep in g.replicas] == [alive_node]
     for i in range(5):
@@ -270,7 +272,7 @@ def test_unmount_removes_replicas(make_state, events) -> None:
     assert put(s, "a") == pb.KV_OK
     assert s.unmount("s1") == 1
     assert s.exists(["a"]) == [False]
-    assert events.events[-1] == (pb.KV_EVENT_REMOVED, "a", KB, "unmount")
+    assert events.events[-1] == (pb.KV_EVENT_REMOVED, "a", KB, pb.KV_EVENT_REASON_UNMOUNT)
     with pytest.raises(errors.NotFound):
         s.unmount("s1")
 
@@ -341,7 +343,7 @@ def test_heartbeat_drops_segments_the_node_no_longer_reports(make_state, events)
     mount(s, "n1-seg0-boot2", "n1")
     assert s.heartbeat("n1", ["n1-seg0-boot2"]) is False
     assert s.exists(["a"]) == [False]
-    assert (pb.KV_EVENT_REMOVED, "a", KB, "node_dead") in events.events
+    assert (pb.KV_EVENT_REMOVED, "a", KB, pb.KV_EVENT_REASON_NODE_DEAD) in events.events
     assert [seg.segment_id for seg in s.stats().segments] == ["n1-seg0-boot2"]
 
 

@@ -28,7 +28,7 @@ def _replica_nodes(stub, keys: list[str]) -> dict[str, set[str]]:
 @pytest.mark.slow
 def test_node_sigkill_failover(cluster_factory) -> None:
     c = cluster_factory()
-    nodes = [c.add_node(segments="32MiB", transports="tcp") for _ in range(3)]
+    nodes = [c.add_node(segment_sizes="32MiB", transports="tcp") for _ in range(3)]
     stub = kvstore_pb2_grpc.KVMasterServiceStub(grpcutil.sync_channel(c.address))
     client = StoreClient(c.address, transport="tcp", timeout_s=2.0)
     rng = np.random.default_rng(5)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pdserve import grpcutil
+from pdserve import grpcutil, procs
 from pdserve.store.client import StoreClient, StoreOptions
 from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 
@@ -21,15 +21,19 @@ def _blob(n: int, seed: int) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
-def test_node_sigterm_unlinks_shm_and_unmounts(cluster_factory, kvprocs) -> None:
+def shm_leftovers(node: procs.ServiceProcess) -> list[str]:
+    return [n for n in node.info.get("shm_names", []) if (Path("/dev/shm") / n).exists()]
+
+
+def test_node_sigterm_unlinks_shm_and_unmounts(cluster_factory) -> None:
     c = cluster_factory()
-    node = c.add_node(segments="16MiB,8MiB")
+    node = c.add_node(segment_sizes="16MiB,8MiB")
     names = node.info["shm_names"]
     assert len(names) == 2 and all((Path("/dev/shm") / n).exists() for n in names)
     client = StoreClient(c.address)
     assert client.stats().capacity_bytes == 24 * 1024 * 1024
     assert node.stop() == 0
-    assert kvprocs.shm_leftovers(node) == []
+    assert shm_leftovers(node) == []
     deadline = time.monotonic() + 3
     while client.stats().capacity_bytes != 0:
         assert time.monotonic() < deadline, "the master still counts the stopped node"
@@ -37,10 +41,9 @@ def test_node_sigterm_unlinks_shm_and_unmounts(cluster_factory, kvprocs) -> None
     client.close()
 
 
-def test_node_stats_and_garbage_on_data_port(cluster_factory, kvprocs) -> None:
+def test_node_stats_and_garbage_on_data_port(cluster_factory) -> None:
     c = cluster_factory()
-    node = kvprocs.start_node(c.master, c.log_dir, transports="tcp", extra=["--metrics-port", "0"])
-    c.nodes.append(node)
+    node = c.add_node(transports="tcp", metrics_port=0)
     client = StoreClient(c.address, transport="tcp")
     data = _blob(1_000_000, 1)
     assert client.put("keep", data)
@@ -71,17 +74,17 @@ def test_node_stats_and_garbage_on_data_port(cluster_factory, kvprocs) -> None:
 
 
 @pytest.mark.slow
-def test_node_survives_master_restart(tmp_path: Path, kvprocs) -> None:
+def test_node_survives_master_restart(tmp_path: Path) -> None:
     state = tmp_path / "state"
-    master = kvprocs.start_master(tmp_path / "logs", "--state-dir", str(state))
+    master = procs.start_master(tmp_path / "logs", state_dir=state)
     port = master.info["grpc"].rsplit(":", 1)[1]
-    node = kvprocs.start_node(master, tmp_path / "logs", segments="16MiB")
+    node = procs.start_node(master.info["grpc"], tmp_path / "logs", segment_sizes="16MiB")
     try:
         client = StoreClient(master.info["grpc"], transport="tcp")
         data = {f"k{i}": _blob(200_000 + i, i) for i in range(5)}
         client.batch_put(list(data.items()), StoreOptions(replicas=1))
         master.stop()
-        master = kvprocs.start_master(tmp_path / "logs2", "--state-dir", str(state), "--port", port)
+        master = procs.start_master(tmp_path / "logs2", state_dir=state, port=port)
         deadline = time.monotonic() + 10
         while client.batch_get(list(data)) != list(data.values()):
             assert time.monotonic() < deadline, "objects did not come back after the restart"
@@ -92,26 +95,26 @@ def test_node_survives_master_restart(tmp_path: Path, kvprocs) -> None:
     finally:
         node.stop()
         master.stop()
-    assert kvprocs.shm_leftovers(node) == []
+    assert shm_leftovers(node) == []
 
 
 @pytest.mark.slow
-def test_node_duplicate_id_refused_and_restart_keeps_bytes(cluster_factory, kvprocs) -> None:
+def test_node_duplicate_id_refused_and_restart_keeps_bytes(cluster_factory) -> None:
     from pdserve.procs import ProcessStartError
 
     c = cluster_factory()
-    node = c.add_node(node_id=f"dup{uuid.uuid4().hex[:6]}", segments="8MiB", transports="tcp")
+    node = c.add_node(node_id=f"dup{uuid.uuid4().hex[:6]}", segment_sizes="8MiB", transports="tcp")
     node_id = node.info["node_id"]
     # A second node with the same id must not take over (or wipe) the live node's memory.
     with pytest.raises(ProcessStartError, match="same node id"):
-        c.add_node(node_id=node_id, segments="8MiB", transports="tcp")
+        c.add_node(node_id=node_id, segment_sizes="8MiB", transports="tcp")
     client = StoreClient(c.address, transport="tcp")
     data = _blob(500_000, 9)
     assert client.put("survivor", data)
     # SIGKILL and an immediate restart with the same id, before the master declares the node
     # dead: the master keeps the replica, and the bytes behind it are still the same.
     node.kill()
-    again = c.add_node(node_id=node_id, segments="8MiB", transports="tcp")
+    again = c.add_node(node_id=node_id, segment_sizes="8MiB", transports="tcp")
     assert again.info["shm_names"] == node.info["shm_names"]
     assert client.get("survivor") == data
     client.close()

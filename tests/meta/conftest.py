@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.procs import ServiceProcess, start_service
+from pdserve.procs import ServiceProcess, service_args, start_service
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 
@@ -92,10 +92,15 @@ def start_meta(
     endpoint = request.getfixturevalue("etcd_endpoint") if backend == "etcd" else ""
 
     def start(port: int = 0, http_port: int = 0, *extra: str) -> ServiceProcess:
-        args = ["meta", "--port", str(port), "--http-port", str(http_port), "--backend", backend]
-        if endpoint:
-            args += ["--etcd-endpoints", endpoint]
-        proc = start_service(f"meta-{len(started)}", [*args, *extra], tmp_path, timeout=60)
+        args = service_args(
+            "meta",
+            *extra,
+            port=port,
+            http_port=http_port,
+            backend=backend,
+            etcd_endpoints=endpoint or None,
+        )
+        proc = start_service(f"meta-{len(started)}", args, tmp_path, timeout=60)
         started.append(proc)
         return proc
 

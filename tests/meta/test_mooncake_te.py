@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.procs import start_service
+from pdserve.procs import service_args, start_service
 
 pytestmark = pytest.mark.mooncake
 PEER = Path(__file__).with_name("te_peer.py")
@@ -39,9 +39,8 @@ def _mooncake_missing() -> str:
 def test_two_transfer_engines_move_bytes_via_meta(
     backend: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    args = ["meta", "--port", "0", "--http-port", "0", "--backend", backend]
-    if backend == "etcd":
-        args += ["--etcd-endpoints", request.getfixturevalue("etcd_endpoint")]
+    endpoint = request.getfixturevalue("etcd_endpoint") if backend == "etcd" else None
+    args = service_args("meta", port=0, http_port=0, backend=backend, etcd_endpoints=endpoint)
     meta = start_service("meta", args, tmp_path, timeout=60)
     env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
     url = meta.info["http"]

@@ -31,7 +31,7 @@ from netns import Lab, can_create_namespaces
 from transformers import AutoTokenizer
 
 from pdserve import grpcutil
-from pdserve.procs import ServiceProcess, spawn_service, wait_ready
+from pdserve.procs import ServiceProcess, service_args, spawn_service, wait_ready
 from pdserve.v1 import (
     common_pb2,
     kvstore_pb2,
@@ -109,88 +109,66 @@ class NetCluster:
             wait_ready(proc, START_TIMEOUT_S)
 
     def _start(self) -> None:
-        self._start_all(
-            {"meta": ["meta", "--port", "0", "--http-port", "0", "--metrics-port", "0"]}
-        )
+        self._start_all({"meta": service_args("meta", port=0, http_port=0, metrics_port=0)})
         self.meta = self.procs["meta"].info["grpc"]
         # a node is dead after 3 missed 900 ms heartbeats (about the longest the master allows),
         # so a request sent right after a cut reads before the master drops the node's replicas
-        master = ["kvstore", "master", "--port", "0", "--meta", self.meta]
-        master += ["--heartbeat-interval-ms", "900", "--heartbeat-miss-limit", "3"]
+        master = service_args(
+            "kvstore-master",
+            port=0,
+            meta=self.meta,
+            heartbeat_interval_ms=900,
+            heartbeat_miss_limit=3,
+        )
         self._start_all({"kvstore-master": master})
         self.master = self.procs["kvstore-master"].info["grpc"]
         self._start_all(
             {
-                h: [
-                    "kvstore",
-                    "node",
-                    "--master-address",
-                    self.master,
-                    "--node-id",
-                    self.node_id(h),
-                    "--segment-sizes",
-                    "64MiB",
-                    "--transports",
-                    "tcp",
-                    "--metrics-port",
-                    "0",
-                    "--meta",
-                    self.meta,
-                ]
+                h: service_args(
+                    "kvstore-node",
+                    master_address=self.master,
+                    node_id=self.node_id(h),
+                    segment_sizes="64MiB",
+                    transports="tcp",
+                    metrics_port=0,
+                    meta=self.meta,
+                )
                 for h in ("node-0", "node-1")
             }
         )
         for h in ("node-0", "node-1"):
             self.shm_names += self.procs[h].info.get("shm_names", [])
-        engine = [
-            "--engine",
-            "torch",
-            "--model",
-            "tiny",
-            "--chunk-size",
-            str(CS),
-            "--max-model-len",
-            "512",
-            "--store-master",
-            self.master,
-            "--store-replicas",
-            "2",
-            "--store-timeout-s",
-            str(STORE_TIMEOUT_S),
-            "--meta",
-            self.meta,
-            "--port",
-            "0",
-            "--metrics-port",
-            "0",
-        ]
+        engine = dict(
+            engine="torch",
+            model="tiny",
+            chunk_size=CS,
+            max_model_len=512,
+            store_master=self.master,
+            store_replicas=2,
+            store_timeout_s=STORE_TIMEOUT_S,
+            meta=self.meta,
+            port=0,
+            metrics_port=0,
+        )
         self._start_all(
             {
-                "prefill": ["prefill", *engine, "--instance-id", f"prefill-{self.run_id}"],
-                "decode": ["decode", *engine, "--instance-id", f"decode-{self.run_id}"],
+                role: service_args(role, **engine, instance_id=f"{role}-{self.run_id}")
+                for role in ("prefill", "decode")
             }
         )
         self._start_all(
             {
-                "router": [
+                "router": service_args(
                     "router",
-                    "--model",
-                    "tiny",
-                    "--chunk-size",
-                    str(CS),
-                    "--max-model-len",
-                    "512",
-                    "--port",
-                    "0",
-                    "--http-port",
-                    "0",
-                    "--meta",
-                    self.meta,
-                    "--store-master",
-                    self.master,
-                    "--local-prefill-threshold",
-                    "0",
-                ]
+                    model="tiny",
+                    chunk_size=CS,
+                    max_model_len=512,
+                    port=0,
+                    http_port=0,
+                    meta=self.meta,
+                    store_master=self.master,
+                    local_prefill_threshold=0,
+                )
             }
         )
         self.grpc = self.procs["router"].info["grpc"]

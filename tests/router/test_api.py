@@ -27,8 +27,7 @@ BAD_GRPC = [
     (dict(prompt="hi", sampling=S(temperature=-1.0)), "temperature must be >= 0"),
     (dict(prompt="hi", sampling=S(top_p=1.5)), "top_p must be in (0, 1]"),
     (dict(prompt="hi", sampling=S(max_tokens=999999)), "max_tokens 999999 exceeds the limit"),
-    (dict(prompt="hi", model="gpt-4"), "model: unknown model 'gpt-4'"),
-    (dict(messages=[router_pb2.ChatMessage(role="bot", content="x")]), "messages[0].role"),
+    (dict(messages=[router_pb2.ChatMessage(content="x")]), "messages[0].role"),
     (dict(prompt="hi", request_id="x" * 200), "request_id must be 1-128"),
 ]
 
@@ -45,6 +44,11 @@ def test_grpc_bad_input_is_invalid_argument_naming_the_field(tiny_model_dir):
                     await stub.Generate(router_pb2.GenerateRequest(**kwargs))
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, kwargs
                 assert msg in err.value.details(), (kwargs, err.value.details())
+            # An unknown model is NOT_FOUND, as in the workers (one shared check).
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Generate(router_pb2.GenerateRequest(prompt="hi", model="gpt-4"))
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+            assert "model: unknown model 'gpt-4'" in err.value.details()
 
     asyncio.run(main())
 
@@ -55,7 +59,6 @@ BAD_HTTP = [
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_p": 2}, "top_p"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 10**6}, "max_tokens"),
-    ("/v1/completions", {"model": "nope", "prompt": "hi"}, "model"),
     ("/v1/completions", {"prompt": "hi"}, "model"),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, "messages"),
@@ -80,6 +83,11 @@ def test_http_bad_input_is_400_with_openai_error_json(tiny_model_dir):
                     assert set(err) == {"message", "type", "param", "code"}
                     assert err["param"] == param and param in err["message"], err
                     assert err["type"] == "invalid_request_error"
+            async with http.post("/v1/completions", json={"model": "nope", "prompt": "hi"}) as resp:
+                assert resp.status == 404
+                err = (await resp.json())["error"]
+                assert (err["code"], err["param"]) == ("model_not_found", "model")
+                assert "unknown model 'nope'" in err["message"]
             async with http.post("/v1/completions", data=b"{not json") as resp:
                 assert resp.status == 400
                 assert "not valid JSON" in (await resp.json())["error"]["message"]
@@ -193,3 +201,60 @@ def test_http_client_disconnect_cancels_the_decode_stream(tiny_model_dir):
             assert d.active == 0 and d.cancelled == 1
 
     asyncio.run(main())
+
+
+def test_request_id_from_the_header_or_metadata_is_used_and_echoed(tiny_model_dir):
+    async def main():
+        d = FakeDecode()
+        async with (
+            fake_cluster([FakePrefill()], [d], tiny_model_dir) as (r, _),
+            aiohttp.ClientSession(f"http://127.0.0.1:{r.http_port}") as http,
+            grpcutil.channel(f"127.0.0.1:{r.grpc_port}") as ch,
+        ):
+            body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2}
+            for stream in (False, True):
+                rid = f"http-{stream}"
+                headers = {"x-request-id": rid}
+                async with http.post(
+                    "/v1/completions", json={**body, "stream": stream}, headers=headers
+                ) as resp:
+                    assert resp.status == 200 and resp.headers["x-request-id"] == rid
+                    await resp.read()
+                assert d.calls[-1].request_id == rid
+            # The body's request_id wins over the header; a fresh id is echoed when none.
+            async with http.post(
+                "/v1/completions", json={**body, "request_id": "mine"}, headers=headers
+            ) as resp:
+                assert resp.headers["x-request-id"] == "mine" == d.calls[-1].request_id
+            async with http.post("/v1/completions", json=body) as resp:
+                assert resp.headers["x-request-id"] == d.calls[-1].request_id != ""
+
+            stub = router_pb2_grpc.RouterServiceStub(ch)
+            req = router_pb2.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=S(max_tokens=2))
+            call = stub.Generate(req, metadata=(("x-request-id", "grpc-1"),))
+            out = await call
+            assert out.request_id == "grpc-1" == d.calls[-1].request_id
+            assert ("x-request-id", "grpc-1") in tuple(await call.initial_metadata())
+            stream_call = stub.GenerateStream(req, metadata=(("x-request-id", "grpc-2"),))
+            assert {m.request_id async for m in stream_call} == {"grpc-2"}
+            assert d.calls[-1].request_id == "grpc-2"
+
+    asyncio.run(main())
+
+
+def test_chat_roles_are_the_enum_on_grpc_and_strings_on_http():
+    from pdserve.errors import InvalidArgument
+    from pdserve.services.router import request as rq
+
+    msgs = [
+        {"role": router_pb2.CHAT_ROLE_SYSTEM, "content": "be brief"},
+        {"role": "user", "content": "hi"},
+    ]
+    assert rq.check_messages(msgs) == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+    ]
+    for bad in (router_pb2.CHAT_ROLE_UNSPECIFIED, 42, "bot"):
+        with pytest.raises(InvalidArgument) as err:
+            rq.check_messages([{"role": bad, "content": "x"}])
+        assert err.value.param == "messages[0].role"

@@ -17,7 +17,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from pdserve import grpcutil
-from pdserve.procs import ServiceProcess, start_service
+from pdserve.procs import ServiceProcess, service_args, start_service
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 pytestmark = pytest.mark.slow
@@ -41,74 +41,54 @@ class Cluster:
         return proc
 
     def _start(self, model_dir: Path) -> None:
-        self.meta = self._add("meta", ["meta", "--port", "0", "--http-port", "-1"])
+        self.meta = self._add("meta", service_args("meta", port=0, http_port=-1))
         meta = self.meta.info["grpc"]
-        self.master = self._add("master", ["kvstore", "master", "--port", "0"])
+        self.master = self._add("master", service_args("kvstore-master", port=0))
         master = self.master.info["grpc"]
         self.node = self._add(
             "node",
-            [
-                "kvstore",
-                "node",
-                "--master-address",
-                master,
-                "--node-id",
-                "n0",
-                "--segment-sizes",
-                "64MiB",
-                "--transports",
-                "shm,tcp",
-            ],
+            service_args(
+                "kvstore-node",
+                master_address=master,
+                node_id="n0",
+                segment_sizes="64MiB",
+                transports="shm,tcp",
+            ),
             env={"MC_TCP_BIND_ADDRESS": "127.0.0.1"},
         )
-        common = [
-            "--engine",
-            "torch",
-            "--model",
-            str(model_dir),
-            "--served-model-name",
-            "tiny",
-            "--chunk-size",
-            str(CS),
-            "--max-model-len",
-            "2048",
-            "--store-master",
-            master,
-            "--meta",
-            meta,
-            "--port",
-            "0",
-            "--metrics-port",
-            "0",
+        common = dict(
+            engine="torch",
+            model=model_dir,
+            served_model_name="tiny",
+            chunk_size=CS,
+            max_model_len=2048,
+            store_master=master,
+            meta=meta,
+            port=0,
+            metrics_port=0,
+        )
+        self.prefills = [
+            self._add(f"prefill{i}", service_args("prefill", **common)) for i in range(2)
         ]
-        self.prefills = [self._add(f"prefill{i}", ["prefill", *common]) for i in range(2)]
-        self.decodes = [self._add(f"decode{i}", ["decode", *common]) for i in range(self.n_decodes)]
+        self.decodes = [
+            self._add(f"decode{i}", service_args("decode", **common)) for i in range(self.n_decodes)
+        ]
         self.decode = self.decodes[0]
         self.router = self._add(
             "router",
-            [
+            service_args(
                 "router",
-                "--model",
-                str(model_dir),
-                "--served-name",
-                "tiny",
-                "--chunk-size",
-                str(CS),
-                "--max-model-len",
-                "2048",
-                "--port",
-                "0",
-                "--http-port",
-                "0",
-                "--meta",
-                meta,
-                "--store-master",
-                master,
-                "--policy",
-                "cache_aware",
-                "--local-prefill-threshold",
-                "0",
-            ],
+                model=model_dir,
+                served_name="tiny",
+                chunk_size=CS,
+                max_model_len=2048,
+                port=0,
+                http_port=0,
+                meta=meta,
+                store_master=master,
+                policy="cache_aware",
+                local_prefill_threshold=0,
+            ),
         )
         self.grpc = self.router.info["grpc"]
         self.http = self.router.info["http"]

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.procs import ServiceProcess, start_service
+from pdserve.procs import (
+    ServiceProcess,
+    remove_shm,
+    service_args,
+    start_master,
+    start_node,
+    start_service,
+)
 
 CS = 16
 
@@ -19,26 +26,18 @@ def start_worker(
 ) -> ServiceProcess:
     return start_service(
         f"{role}-{uuid.uuid4().hex[:6]}",
-        [
+        service_args(
             role,
-            "--engine",
-            "torch",
-            "--model",
-            str(model_dir),
-            "--served-model-name",
-            "tiny",
-            "--chunk-size",
-            str(CS),
-            "--max-model-len",
-            "512",
-            "--store-master",
-            master,
-            "--port",
-            "0",
-            "--metrics-port",
-            "0",
             *extra,
-        ],
+            engine="torch",
+            model=model_dir,
+            served_model_name="tiny",
+            chunk_size=CS,
+            max_model_len=512,
+            store_master=master,
+            port=0,
+            metrics_port=0,
+        ),
         log_dir,
         timeout=90,
     )
@@ -51,34 +50,8 @@ class Stack:
         self.log_dir = log_dir
         self.model_dir = model_dir
         self.procs: list[ServiceProcess] = []
-        self.master = self._add(
-            start_service(
-                "master",
-                ["kvstore", "master", "--port", "0", "--metrics-port", "-1"],
-                log_dir,
-                timeout=60,
-            )
-        )
-        self.node = self._add(
-            start_service(
-                "node",
-                [
-                    "kvstore",
-                    "node",
-                    "--master-address",
-                    self.master.info["grpc"],
-                    "--node-id",
-                    "n0",
-                    "--segment-sizes",
-                    "64MiB",
-                    "--transports",
-                    "shm,tcp",
-                ],
-                log_dir,
-                env={"MC_TCP_BIND_ADDRESS": "127.0.0.1"},
-                timeout=60,
-            )
-        )
+        self.master = self._add(start_master(log_dir, name="master"))
+        self.node = self._add(start_node(self.store_address, log_dir, node_id="n0"))
 
     def _add(self, proc: ServiceProcess) -> ServiceProcess:
         self.procs.append(proc)
@@ -96,8 +69,7 @@ class Stack:
     def close(self) -> None:
         for proc in reversed(self.procs):
             proc.stop()
-        for name in self.node.info.get("shm_names", []):
-            Path("/dev/shm", name).unlink(missing_ok=True)
+        remove_shm(self.node)
 
 
 @pytest.fixture(scope="module")

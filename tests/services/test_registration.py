@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pdserve import grpcutil
-from pdserve.procs import start_service
+from pdserve.procs import service_args, start_service
 from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc, meta_pb2, meta_pb2_grpc
 
 pytestmark = pytest.mark.slow
@@ -17,34 +17,23 @@ pytestmark = pytest.mark.slow
 
 def test_register_serve_without_store_and_deregister(tmp_path: Path, tiny_model_dir: Path) -> None:
     meta = start_service(
-        "meta",
-        ["meta", "--port", "0", "--http-port", "0", "--metrics-port", "-1"],
-        tmp_path,
-        timeout=60,
+        "meta", service_args("meta", port=0, http_port=0, metrics_port=-1), tmp_path, timeout=60
     )
     worker = None
     try:
         worker = start_service(
             "decode",
-            [
+            service_args(
                 "decode",
-                "--engine",
-                "torch",
-                "--model",
-                str(tiny_model_dir),
-                "--served-model-name",
-                "tiny",
-                "--chunk-size",
-                "16",
-                "--meta",
-                meta.info["grpc"],
-                "--instance-id",
-                "decode-test",
-                "--port",
-                "0",
-                "--metrics-port",
-                "0",
-            ],
+                engine="torch",
+                model=tiny_model_dir,
+                served_model_name="tiny",
+                chunk_size=16,
+                meta=meta.info["grpc"],
+                instance_id="decode-test",
+                port=0,
+                metrics_port=0,
+            ),
             tmp_path,
             timeout=90,
         )

@@ -1,10 +1,9 @@
 """pdserve's StoreClient on real processes: a round trip over each transport (node in
 another process), chunk verification with per-replica fallback and the corruption counter,
-errors for an unreachable master, and the asyncio wrapper."""
+and errors for an unreachable master."""
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 
 import numpy as np
@@ -13,7 +12,7 @@ import torch
 
 from pdserve import errors, grpcutil
 from pdserve.store.api import CORRUPT_CHUNKS
-from pdserve.store.client import AsyncStoreClient, StoreClient, StoreOptions
+from pdserve.store.client import StoreClient, StoreOptions
 from pdserve.store.transports.mooncake import available as mooncake_available
 from pdserve.store.transports.shm import ShmTransport
 from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
@@ -89,18 +88,6 @@ def test_client_no_space_is_resource_exhausted(cluster) -> None:
     with pytest.raises(errors.ResourceExhausted):
         client.put(f"huge-{uuid.uuid4().hex}", bytes(200 * 1024 * 1024))
     client.close()
-
-
-def test_async_client(cluster) -> None:
-    async def main() -> None:
-        client = AsyncStoreClient(cluster.address)
-        key = f"async-{uuid.uuid4().hex}"
-        assert await client.put(key, b"async bytes")
-        assert await client.get(key) == b"async bytes"
-        assert await client.longest_prefix([key, "nope"]) == 1
-        await client.close()
-
-    asyncio.run(main())
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])

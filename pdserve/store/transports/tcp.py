@@ -103,7 +103,6 @@ class TcpServer(TransportServer):
         self._lock = threading.Lock()
         self._read = 0
         self._written = 0
-        self.errors = 0
 
     @property
     def bytes_read(self) -> int:
@@ -179,7 +178,6 @@ class TcpServer(TransportServer):
         """Answers ``status``, then closes gracefully: the stream cannot be trusted after a
         bad header. Unread input is drained (bounded) so the peer receives the reply instead
         of a connection reset."""
-        self.errors += 1
         log.warning("tcp data port: rejected request: %s (%s)", STATUS_TEXT[status], detail)
         try:
             self._reply(conn, status)
