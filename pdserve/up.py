@@ -119,47 +119,43 @@ class Cluster:
         return started
 
     def start(self) -> None:
+        from pdserve.procs import service_args
+
         c = self.cfg
         meta = f"{c.host}:{c.meta_port}"
         master = f"{c.host}:{c.master_port}"
-        meta_flags = _flags(
-            host=c.host, port=c.meta_port, http_port=c.meta_http_port, backend=c.meta_backend
-        )
-        if c.meta_backend == "etcd":
-            meta_flags += _flags(etcd_endpoints=",".join(c.etcd_endpoints))
-        self._start([("meta", ["meta", *meta_flags])])
-        state_dir = Path(c.run_dir) / "kvstore-master"
-        master_flags = _flags(host=c.host, port=c.master_port, state_dir=state_dir, meta=meta)
-        self._start([("kvstore-master", ["kvstore", "master", *master_flags])])
-        self._start(
-            [
-                (
-                    f"kvstore-node-{i}",
-                    [
-                        "kvstore",
-                        "node",
-                        *_flags(
-                            master_address=master,
-                            # unique per cluster: node ids name /dev/shm segments, so two
-                            # `pdserve up` on one host must not share them
-                            node_id=f"node-{i}-{c.master_port}",
-                            segment_sizes=c.segment_size,
-                            host=c.host,
-                            meta=meta,
-                        ),
-                    ],
-                )
-                for i in range(c.storage_nodes)
-            ]
-        )
-        engine = _flags(
-            engine=c.engine,
-            model=c.model,
-            chunk_size=c.chunk_size,
-            store_master=master,
-            meta=meta,
+        etcd = ",".join(c.etcd_endpoints) if c.meta_backend == "etcd" else None
+        meta_args = service_args(
+            "meta",
             host=c.host,
+            port=c.meta_port,
+            http_port=c.meta_http_port,
+            backend=c.meta_backend,
+            etcd_endpoints=etcd,
         )
+        self._start([("meta", meta_args)])
+        state_dir = Path(c.run_dir) / "kvstore-master"
+        master_args = service_args(
+            "kvstore-master", host=c.host, port=c.master_port, state_dir=state_dir, meta=meta
+        )
+        self._start([("kvstore-master", master_args)])
+        nodes = [
+            (
+                f"kvstore-node-{i}",
+                service_args(
+                    "kvstore-node",
+                    master_address=master,
+                    # unique per cluster: node ids name /dev/shm segments, so two `pdserve up`
+                    # on one host must not share them
+                    node_id=f"node-{i}-{c.master_port}",
+                    segment_sizes=c.segment_size,
+                    host=c.host,
+                    meta=meta,
+                ),
+            )
+            for i in range(c.storage_nodes)
+        ]
+        self._start(nodes)
         workers = [("prefill", i) for i in range(c.prefill_workers)]
         workers += [("decode", i) for i in range(c.decode_workers)]
         cores = os.cpu_count() or 1
@@ -167,17 +163,24 @@ class Cluster:
             [
                 (
                     f"{role}-{i}",
-                    [
+                    service_args(
                         role,
-                        *engine,
-                        *_flags(instance_id=f"{role}-{i}"),
-                        *(_flags(vllm_cpu_cores=n % cores) if c.engine == "vllm" else []),
-                    ],
+                        engine=c.engine,
+                        model=c.model,
+                        chunk_size=c.chunk_size,
+                        store_master=master,
+                        meta=meta,
+                        host=c.host,
+                        instance_id=f"{role}-{i}",
+                        # one engine per core: vLLM pins its OpenMP threads
+                        vllm_cpu_cores=n % cores if c.engine == "vllm" else None,
+                    ),
                 )
                 for n, (role, i) in enumerate(workers)
             ]
         )
-        router_flags = _flags(
+        router_args = service_args(
+            "router",
             host=c.host,
             port=c.router_port,
             http_port=c.http_port,
@@ -186,7 +189,7 @@ class Cluster:
             model=c.model,
             chunk_size=c.chunk_size,
         )
-        (router,) = self._start([("router", ["router", *router_flags])])
+        (router,) = self._start([("router", router_args)])
         self._wait_for_workers(router.info["grpc"])
 
     def _wait_for_workers(self, router: str) -> None:
@@ -236,11 +239,6 @@ class Cluster:
                     )
             time.sleep(0.5)
         return f"received {stopping[0]}"
-
-
-def _flags(**values: object) -> list[str]:
-    """``_flags(chunk_size=256)`` -> ``["--chunk-size", "256"]``."""
-    return [item for k, v in values.items() for item in (f"--{k.replace('_', '-')}", str(v))]
 
 
 def _endpoints(info: dict) -> str:

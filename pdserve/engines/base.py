@@ -40,19 +40,24 @@ class Sampling:
 
     def validate(self, max_tokens_limit: int) -> None:
         if self.max_tokens <= 0:
-            raise InvalidArgument(f"max_tokens must be positive, got {self.max_tokens}")
+            raise InvalidArgument(
+                f"max_tokens must be positive, got {self.max_tokens}", param="max_tokens"
+            )
         if self.max_tokens > max_tokens_limit:
             raise InvalidArgument(
-                f"max_tokens {self.max_tokens} exceeds the limit of {max_tokens_limit}"
+                f"max_tokens {self.max_tokens} exceeds the limit of {max_tokens_limit}",
+                param="max_tokens",
             )
         if not self.temperature >= 0.0:
-            raise InvalidArgument(f"temperature must be >= 0, got {self.temperature}")
+            raise InvalidArgument(
+                f"temperature must be >= 0, got {self.temperature}", param="temperature"
+            )
         if not 0.0 < self.top_p <= 1.0:
-            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
         if self.top_k < 0:
-            raise InvalidArgument(f"top_k must be >= 0, got {self.top_k}")
+            raise InvalidArgument(f"top_k must be >= 0, got {self.top_k}", param="top_k")
         if any(not s for s in self.stop):
-            raise InvalidArgument("stop strings must not be empty")
+            raise InvalidArgument("stop strings must not be empty", param="stop")
 
     @property
     def greedy(self) -> bool:

@@ -46,12 +46,17 @@ class EngineConfig:
         "vllm: tokens one engine step may schedule while no stream is decoding "
         f"(0 = auto: {VLLM_STEP_TOKENS}, vLLM's CPU serving default)",
     )
-    decode_step_tokens: int = help_field(
-        64,
-        "vllm: prompt tokens one engine step may schedule beside decoding streams. Every "
-        "stream waits for the whole step, so this bounds time per output token while prompts "
-        "prefill (SmolLM2 bf16 on one core: ~25 ms + 1.7 ms per token, so 64 keeps TPOT near "
-        "135 ms); 0 = vLLM's behaviour (up to max_num_batched_tokens beside streams)",
+    tpot_target_ms: float = help_field(
+        150.0,
+        "vllm: time per output token the scheduler keeps decoding streams within while prompts "
+        "prefill beside them: each step takes the most prompt tokens that keeps every stream "
+        "on target, from a step-cost model learnt online (0 = vLLM's behaviour: up to "
+        "max_num_batched_tokens beside streams)",
+    )
+    ttft_urgent_ms: float = help_field(
+        1000.0,
+        "vllm: a prompt that has waited this long since it arrived prefills in the next step "
+        "whatever the streams' target (a late first token cannot be made up; 0 = never)",
     )
     store_master: str = help_field(
         "", "KV store master address host:port (empty = no store: always recompute)"
@@ -102,7 +107,10 @@ class EngineConfig:
         for name in ("max_model_len", "max_tokens_limit", "torch_threads"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "decode_step_tokens"):
+        for name in ("tpot_target_ms", "ttft_urgent_ms"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0 (0 = off), got {getattr(self, name)}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0 (0 = auto), got {getattr(self, name)}")
         if self.tail_ttl_ms <= 0:

@@ -13,8 +13,8 @@
   (``kv_load_failure_policy="recompute"``): slower, never a different token.
 
 vLLM's own features stay on: continuous batching, chunked prefill, local prefix caching.
-Its scheduler is :class:`pdserve.engines.vllm_scheduler.StreamFirstScheduler`, which bounds a
-step's prompt tokens while streams decode (``decode_step_tokens``). The model runs in
+Its scheduler is :class:`pdserve.engines.vllm_scheduler.StreamFirstScheduler`, which sizes a
+step's prompt tokens to keep decoding streams within ``tpot_target_ms``. The model runs in
 ``dtype = kv_dtype`` (auto: bfloat16; float32 keeps greedy output token-exact against the torch
 engine and lets both engines share chunks).
 """
@@ -50,9 +50,10 @@ from pdserve.errors import InvalidArgument
 CONNECTOR_MODULE = "pdserve.engines.vllm_connector"
 CONNECTOR_CLASS = "PdserveConnector"
 SCHEDULER_CLASS = "pdserve.engines.vllm_scheduler.StreamFirstScheduler"
-#: ``additional_config`` key of the scheduler's budget (the scheduler module imports vLLM, so
-#: it is repeated here rather than imported).
-SCHEDULER_CONFIG_KEY = "pdserve_decode_step_tokens"
+#: ``additional_config`` keys of the scheduler's targets (the scheduler module imports vLLM, so
+#: they are repeated here rather than imported).
+SCHEDULER_TPOT_KEY = "pdserve_tpot_target_ms"
+SCHEDULER_URGENT_KEY = "pdserve_ttft_urgent_ms"
 
 
 def prepare_environment(config: EngineConfig, cache_root: str | None = None) -> None:
@@ -156,7 +157,10 @@ class VllmEngine(Engine):
             max_num_seqs=cfg.resolved_max_num_seqs(),
             max_num_batched_tokens=cfg.max_num_batched_tokens or VLLM_STEP_TOKENS,
             scheduler_cls=SCHEDULER_CLASS,
-            additional_config={SCHEDULER_CONFIG_KEY: cfg.decode_step_tokens},
+            additional_config={
+                SCHEDULER_TPOT_KEY: cfg.tpot_target_ms,
+                SCHEDULER_URGENT_KEY: cfg.ttft_urgent_ms,
+            },
             enforce_eager=True,
             enable_prefix_caching=True,
             kv_transfer_config=kv_transfer,

@@ -1,40 +1,98 @@
-"""vLLM's scheduler with a step budget that protects streams: while any request is decoding,
-a step schedules every decode plus at most ``decode_step_tokens`` prompt tokens; with no
-stream decoding, prompts prefill in full ``max_num_batched_tokens`` steps.
+"""vLLM's scheduler with a step budget sized to the streams' time-per-output-token target.
 
-Why: on a CPU core a step costs about its scheduled tokens (SmolLM2 bf16, one core: ~1.7 ms
-per prompt token plus ~25 ms fixed), and every running stream waits for the whole step. vLLM's
-CPU default of 2048 tokens per step makes a stream's time per output token jump to seconds
-whenever another prompt prefills beside it; a small static budget instead slows every prefill,
-even on an idle worker. Bounding the budget only while streams decode keeps TPOT near
-``25 ms + decode_step_tokens * 1.7 ms`` and leaves idle-time prefill at full speed.
+On a CPU core a step costs about ``fixed + per_token * prompt tokens`` (SmolLM2 bf16 on one
+core: ~30 ms to stream the weights once, ~1.7 ms per prompt token), and every running stream
+waits for the whole step. vLLM's CPU default of 2048 tokens per step lets one prompt's prefill
+stretch a step beside running streams to half a second; a small static budget instead slows
+every prefill, even when the streams are far ahead of their target.
 
-Loaded inside vLLM's engine core through ``scheduler_cls``; the budget comes from
-``additional_config["pdserve_decode_step_tokens"]`` (0 = vLLM's behaviour).
+So each step gets the largest prompt budget that keeps every decoding stream's time per
+output token, measured from its first token, within ``tpot_target_ms`` after the step:
+
+    allowed step time = min over streams (target * tokens after this step - time since first)
+    prompt tokens     = (allowed - fixed) / per_token        (at least one block, for progress)
+
+A stream that just started allows about one target's worth of prefill; one that ran a few
+short decode-only steps has banked slack, and a waiting prompt then prefills in one step. With
+no stream decoding, prompts prefill in full ``max_num_batched_tokens`` steps. ``fixed`` and
+``per_token`` are learnt from the engine's own step times (EWMA), so the budget follows the
+model and the machine.
+
+Prompts are not starved for it: one that has waited ``ttft_urgent_ms`` since it arrived gets
+its whole remaining prompt into the next step, streams or not (a stream absorbs one long step
+over all its tokens; a first token that misses its target is lost for good).
+
+Loaded inside vLLM's engine core through ``scheduler_cls``; the targets come from
+``additional_config`` (``pdserve_tpot_target_ms``, ``pdserve_ttft_urgent_ms``; 0 = off).
 """
 
 from __future__ import annotations
 
+import itertools
+import time
 from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-CONFIG_KEY = "pdserve_decode_step_tokens"
+from pdserve.engines.step_budget import StepCost, prompt_budget
+
+CONFIG_KEY = "pdserve_tpot_target_ms"
+URGENT_KEY = "pdserve_ttft_urgent_ms"
 
 
 class StreamFirstScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         extra = getattr(self.vllm_config, "additional_config", None) or {}
-        self.decode_step_tokens = int(extra.get(CONFIG_KEY, 0))
+        self.tpot_target_s = float(extra.get(CONFIG_KEY, 0)) / 1000.0
+        self.ttft_urgent_s = float(extra.get(URGENT_KEY, 0)) / 1000.0
         self.full_step_tokens = self.max_num_scheduled_tokens
+        self.cost = StepCost()
+        self._first_token_at: dict[str, float] = {}
+        self._step_started = 0.0
+        self._step_prompt_tokens = 0
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        if self.decode_step_tokens > 0:
-            decoding = sum(1 for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens)
-            self.max_num_scheduled_tokens = (
-                min(self.full_step_tokens, decoding + self.decode_step_tokens)
-                if decoding
-                else self.full_step_tokens
+        now = time.monotonic()
+        streams = []
+        prompts = 0
+        if self.tpot_target_s > 0:
+            seen = self._first_token_at
+            live = {}
+            for r in self.running:
+                if r.num_computed_tokens >= r.num_prompt_tokens and r.num_output_tokens > 0:
+                    first = live[r.request_id] = seen.get(r.request_id, now)
+                    streams.append((first, r.num_output_tokens))
+            self._first_token_at = live
+        if streams:
+            budget = prompt_budget(
+                streams, now, self.tpot_target_s, self.cost, self.cache_config.block_size
             )
-        return super().schedule(*args, **kwargs)
+            budget = max(budget, self._urgent_prompt_tokens())
+            self.max_num_scheduled_tokens = min(self.full_step_tokens, len(streams) + budget)
+        else:
+            self.max_num_scheduled_tokens = self.full_step_tokens
+        out = super().schedule(*args, **kwargs)
+        if self.tpot_target_s > 0:
+            total = sum(out.num_scheduled_tokens.values())
+            prompts = max(0, total - len(streams))
+            self._step_started, self._step_prompt_tokens = time.monotonic(), prompts
+        return out
+
+    def _urgent_prompt_tokens(self) -> int:
+        """Prompt tokens still to compute of the prompts waiting longer than ttft_urgent_ms
+        (arrival times are wall-clock, stamped by vLLM's front end on this host)."""
+        if self.ttft_urgent_s <= 0:
+            return 0
+        late = time.time() - self.ttft_urgent_s
+        return sum(
+            r.num_prompt_tokens - r.num_computed_tokens
+            for r in itertools.chain(self.running, self.waiting)
+            if r.num_computed_tokens < r.num_prompt_tokens and r.arrival_time < late
+        )
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        if self._step_started and scheduler_output.total_num_scheduled_tokens:
+            self.cost.observe(time.monotonic() - self._step_started, self._step_prompt_tokens)
+        self._step_started = 0.0
+        return super().update_from_output(scheduler_output, model_runner_output)

@@ -74,7 +74,8 @@ class Frontend:
         if len(given) != 1:
             raise InvalidArgument(
                 "exactly one of prompt, prompt_token_ids and messages must be set"
-                + (f"; got {', '.join(given)}" if given else "; got none (or an empty prompt)")
+                + (f"; got {', '.join(given)}" if given else "; got none (or an empty prompt)"),
+                param="prompt",
             )
         if req.prompt:
             ids = rq.check_token_ids(self.tokenizer.encode(req.prompt), limits, "prompt")
@@ -97,7 +98,7 @@ class Frontend:
         )
         mode = _MODES.get(req.mode)
         if mode is None:
-            raise InvalidArgument(f"mode: unknown value {req.mode}")
+            raise InvalidArgument(f"mode: unknown value {req.mode}", param="mode")
         return rq.GenRequest(rid, ids, sampling, mode)
 
     # --- OpenAI -----------------------------------------------------------------------------
@@ -108,16 +109,18 @@ class Frontend:
             raise InvalidArgument("request body must be a JSON object")
         model = body.get("model")
         if not isinstance(model, str) or not model:
-            raise InvalidArgument("model is required (a string)")
+            raise InvalidArgument("model is required (a string)", param="model")
         limits = self.current_limits()
         rq.check_model(model, limits)
         n = body.get("n", 1)
         if n not in (1, None):
-            raise InvalidArgument("n: only n=1 is supported")
+            raise InvalidArgument("n: only n=1 is supported", param="n")
         if chat:
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
-                raise InvalidArgument("messages must be a list of {role, content} objects")
+                raise InvalidArgument(
+                    "messages must be a list of {role, content} objects", param="messages"
+                )
             ids = self.tokenizer.apply_chat_template(rq.check_messages(msgs))
         else:
             ids = self._openai_prompt(body.get("prompt"), limits)
@@ -128,7 +131,7 @@ class Frontend:
         if isinstance(stop, str):
             stop = [stop]
         if not isinstance(stop, list):
-            raise InvalidArgument("stop must be a string or a list of strings")
+            raise InvalidArgument("stop must be a string or a list of strings", param="stop")
         sampling = rq.make_sampling(
             limits,
             len(ids),
@@ -142,7 +145,7 @@ class Frontend:
         )
         rid = body.get("request_id", "")
         if not isinstance(rid, str):
-            raise InvalidArgument("request_id must be a string")
+            raise InvalidArgument("request_id must be a string", param="request_id")
         return rq.GenRequest(rq.check_request_id(rid), ids, sampling, "")
 
     def _openai_prompt(self, prompt: Any, limits: rq.Limits) -> list[int]:
@@ -150,10 +153,14 @@ class Frontend:
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
             if not prompt:
-                raise InvalidArgument("prompt must not be empty")
+                raise InvalidArgument("prompt must not be empty", param="prompt")
             return rq.check_token_ids(self.tokenizer.encode(prompt), limits, "prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return rq.check_token_ids(prompt, limits, "prompt")
         if isinstance(prompt, list) and len(prompt) > 1:
-            raise InvalidArgument("prompt: batches of several prompts are not supported")
-        raise InvalidArgument("prompt must be a non-empty string or a list of token ids")
+            raise InvalidArgument(
+                "prompt: batches of several prompts are not supported", param="prompt"
+            )
+        raise InvalidArgument(
+            "prompt must be a non-empty string or a list of token ids", param="prompt"
+        )

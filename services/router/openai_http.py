@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import re
 import time
 import uuid
 from typing import Any
@@ -46,23 +45,6 @@ _STATUS = {
     errors.Unavailable: (503, "service_unavailable", "service_unavailable"),
     errors.DeadlineExceeded: (504, "timeout", "timeout"),
 }
-#: Fallback for errors raised without ``param`` (frontend.py's and Sampling.validate's checks
-#: do not name it yet): the field a message starts with, if it is a request field.
-_PARAM = re.compile(r"^([a-z_]+(?:\[\d+\])?(?:\.[a-z_]+)?)\b")
-_FIELDS = {
-    "model",
-    "prompt",
-    "messages",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "n",
-    "seed",
-    "stop",
-    "request_id",
-    "max_completion_tokens",
-}
 
 
 def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
@@ -74,9 +56,6 @@ def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
             break
     message = str(exc) or type(exc).__name__
     param = exc.param if isinstance(exc, errors.PdserveError) else None
-    if param is None and isinstance(exc, errors.InvalidArgument):
-        m = _PARAM.match(message)
-        param = m.group(1) if m and m.group(1).split("[")[0].split(".")[0] in _FIELDS else None
     return status, {"error": {"message": message, "type": etype, "param": param, "code": code}}
 
 

@@ -91,10 +91,10 @@ PHASE = Histogram(
 
 #: Worker status codes that are the caller's fault or choice: passed through, never retried.
 _CALLER_CODES = {
-    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
-    grpc.StatusCode.NOT_FOUND: errors.NotFound,
-    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
-    grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 PrefixLookup = Callable[[list[str]], Awaitable[int]]
@@ -544,11 +544,13 @@ class Orchestrator:
         raise errors.Unavailable(f"decode failed on {len(tried)} worker(s): {why}")
 
     def _worker_error(self, w: Worker, exc: grpc.aio.AioRpcError) -> None:
-        """Caller errors pass through; anything else counts against the worker."""
-        cls = _CALLER_CODES.get(exc.code())
-        if cls is not None:
-            raise cls(exc.details() or exc.code().name) from exc
-        self.pool.record_failure(w)
+        """Caller errors pass through; a busy worker (RESOURCE_EXHAUSTED) is tried elsewhere
+        without counting against it; anything else counts against the worker's breaker."""
+        code = exc.code()
+        if code in _CALLER_CODES:
+            raise errors.from_status(code, exc.details() or code.name) from exc
+        if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            self.pool.record_failure(w)
 
 
 def _resume(
