@@ -1,6 +1,6 @@
 """Orchestrates one request across the workers (plain logic; the servicers call it).
 
-Plans, chosen per request:
+Plans (:class:`Plan`, chosen per request by :func:`choose_plan`):
 - read (default): Prefill on a prefill worker (retried once on another worker), then Decode
   on a decode worker with the returned KV handle; decode pulls the chunks from the store.
 - write: Prefill (publishing each chunk as it is computed) and Decode start together. Decode
@@ -14,8 +14,10 @@ Plans, chosen per request:
 
 Failures: worker errors other than the caller's own (invalid argument, deadline, cancel) count
 against the worker's circuit breaker; a decode that fails before its first token is retried
-once on another decode worker. Cancelling the consumer of :meth:`generate` (or its deadline)
-cancels the worker calls, which frees their slots.
+once on another decode worker, one that fails after it is resumed on another one
+(:class:`DecodeSession`). Cancelling the consumer of :meth:`Orchestrator.generate` (or its
+deadline) cancels the worker calls, which frees their slots. Workers are called only through
+a :class:`WorkerClient`, so tests drive all of this in-process.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from pdserve.engines.base import Sampling
 from pdserve.hashing import ModelFingerprint, chunk_keys
 from pdserve.services.router.admission import Admission
 from pdserve.services.router.fingerprint import FingerprintSource
+from pdserve.services.router.plan import Plan, choose_plan
 from pdserve.services.router.policies import (
     ColocatedPlacement,
     DecodeChoice,
@@ -43,6 +46,7 @@ from pdserve.services.router.policies import (
     RouteContext,
 )
 from pdserve.services.router.request import GenRequest
+from pdserve.services.router.worker_client import DecodeCall, WorkerCallError, WorkerClient
 from pdserve.services.router.workers import DECODE, PREFILL, Worker, WorkerPool
 from pdserve.telemetry import REGISTRY
 from pdserve.v1 import common_pb2, engine_pb2
@@ -100,6 +104,24 @@ _CALLER_CODES = {
 PrefixLookup = Callable[[list[str]], Awaitable[int]]
 
 
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    """The router settings the orchestrator acts on (built from RouterConfig)."""
+
+    #: Served model name, sent with every worker request.
+    model: str
+    #: Mode of requests that leave it unset: read, write or colocated.
+    default_mode: str = "read"
+    #: Uncached prompt tokens below which the decode worker prefills (0 = never).
+    local_prefill_threshold: int = 0
+    #: Retries of a failed prefill on another prefill worker.
+    prefill_retries: int = 1
+    #: Write plan: how long decode waits for each chunk (ms).
+    chunk_wait_ms: int = 30000
+    #: Deadline of a request that has none of its own (s).
+    request_timeout_s: float = 600.0
+
+
 @dataclass
 class StreamChunk:
     """Tokens for the client; ``finish`` is set on the last chunk only."""
@@ -116,7 +138,7 @@ class StreamChunk:
 class Trace:
     """What happened to one request (for tests, logs and the overhead figure)."""
 
-    plan: str = ""
+    plan: Plan
     admitted: float = 0.0
     prefill_worker: str = ""
     decode_worker: str = ""
@@ -139,12 +161,142 @@ class Trace:
     retries: list[str] = field(default_factory=list)
 
 
+@dataclass
+class _Job:
+    """One admitted request as the plans see it."""
+
+    req: GenRequest
+    #: Chain keys of the prompt's full chunks.
+    keys: list[str]
+    #: Prompt tokens the store does not hold (at least 1).
+    uncached: int
+    #: ``time.monotonic()`` by which the request must end.
+    deadline: float
+    trace: Trace
+
+
+class DecodeSession:
+    """One generation streamed from decode workers, across attempts (a retry before the first
+    token, a resume after it): the request of the next attempt, what the client has got, and
+    the prompt counts it gets once, with the first chunk."""
+
+    def __init__(
+        self,
+        request: engine_pb2.DecodeRequest,
+        trace: Trace,
+        *,
+        cached_tokens: int | None,
+        prefill: asyncio.Future | None = None,
+    ) -> None:
+        self.request = request
+        self.trace = trace
+        self._first_request = request
+        #: Prompt tokens the client is told were cached: fixed by the plan, or None when the
+        #: decode worker prefills (local plan) and its own counts tell.
+        self.cached_tokens = cached_tokens
+        self.reported = False
+        #: Tokens streamed to the client across attempts, their text as streamed, and text a
+        #: failed worker held back (a partial character), owed to the client.
+        self.emitted: list[int] = []
+        self.sent_text = ""
+        self.pending_text = ""
+        #: Messages of this attempt still to come that echo prefill's first token.
+        self.echoes = 1 if request.HasField("first_token_id") else 0
+        #: Write plan: the parallel prefill. Failing before decode's first token means no
+        #: chunk will land: the watched call is cancelled and ``prefill_failed`` set.
+        self.prefill = prefill
+        self.prefill_failed = False
+        self._watched: DecodeCall | None = None
+
+    @property
+    def local(self) -> bool:
+        """The attempt's worker prefills the whole prompt itself (no KV handle)."""
+        return not self.request.HasField("kv")
+
+    def watch(self, call: DecodeCall) -> None:
+        """Cancels ``call`` when the prefill fails, until :meth:`unwatch`."""
+        if self.prefill is not None:
+            self._watched = call
+            self.prefill.add_done_callback(self._on_prefill)
+
+    def unwatch(self) -> None:
+        if self.prefill is not None and self._watched is not None:
+            self._watched = None
+            self.prefill.remove_done_callback(self._on_prefill)
+
+    def _on_prefill(self, fut: asyncio.Future) -> None:
+        if self._watched is None:
+            return
+        if fut.cancelled() or fut.exception() is not None or fut.result() is None:
+            self.prefill_failed = True
+            self._watched.cancel()
+
+    def on_response(self, resp: engine_pb2.DecodeResponse) -> StreamChunk:
+        """The client's chunk for one decode message; records the worker's counts."""
+        trace = self.trace
+        if not self.echoes and not trace.decode_first:
+            trace.decode_first = time.monotonic()
+        self.echoes = max(0, self.echoes - 1)
+        # Decode reports its prompt counts once, on the first message that knows them
+        # (torch: the first; vLLM: the last, from its KV connector).
+        counted = resp.loaded_tokens or resp.recomputed_tokens or resp.prefix_cached_tokens
+        if counted:
+            trace.decode_loaded = resp.loaded_tokens
+            trace.decode_recomputed = resp.recomputed_tokens
+            trace.decode_prefix_cached = resp.prefix_cached_tokens
+            if self.local:
+                CACHED.labels("store").inc(resp.loaded_tokens)
+                CACHED.labels("prefix_cache").inc(resp.prefix_cached_tokens)
+                CACHED.labels("computed").inc(resp.recomputed_tokens)
+        if resp.token_times_ms:
+            trace.decode_worker_ms = resp.token_times_ms[-1]
+        text = self.pending_text + resp.text
+        self.pending_text = ""
+        self.emitted.extend(resp.token_ids)
+        self.sent_text += text
+        chunk = StreamChunk(list(resp.token_ids), text, [], resp.finish_reason)
+        if not self.reported:
+            self.reported = True
+            chunk.prompt_tokens = len(self._first_request.prompt_token_ids)
+            if self.cached_tokens is not None:
+                chunk.cached_tokens = self.cached_tokens
+            elif counted:
+                chunk.cached_tokens = resp.loaded_tokens + resp.prefix_cached_tokens
+            else:  # not known yet: what the store held at routing time
+                chunk.cached_tokens = trace.cached_tokens
+        return chunk
+
+    def resume(self, detokenize: Callable[[list[int]], str]) -> bool:
+        """Makes the next attempt continue after the tokens already streamed: the worker
+        prefills prompt + emitted (reusing stored chunks) and generates the tokens left, so
+        greedy output is unchanged; text the failed worker held back is re-derived from the
+        tokens. False when it cannot be resumed (no max_tokens, or nothing left)."""
+        first = self._first_request
+        left = first.sampling.max_tokens - len(self.emitted)
+        if first.sampling.max_tokens == 0 or left <= 0 or not self.emitted:
+            return False
+        sampling = common_pb2.SamplingParams()
+        sampling.CopyFrom(first.sampling)
+        sampling.max_tokens = left
+        self.request = engine_pb2.DecodeRequest(
+            request_id=first.request_id,
+            model=first.model,
+            prompt_token_ids=[*first.prompt_token_ids, *self.emitted],
+            sampling=sampling,
+        )
+        self.echoes = 0
+        full = detokenize(self.emitted)
+        self.pending_text = full[len(self.sent_text) :] if full.startswith(self.sent_text) else ""
+        return True
+
+
 class Orchestrator:
     def __init__(
         self,
+        config: OrchestratorConfig,
         *,
-        model: str,
-        fingerprint: ModelFingerprint | FingerprintSource,
+        client: WorkerClient,
+        fingerprints: FingerprintSource,
         pool: WorkerPool,
         policy: PrefillPolicy,
         admission: Admission,
@@ -152,18 +304,10 @@ class Orchestrator:
         decode_choice: DecodeChoice | None = None,
         placement: ColocatedPlacement | None = None,
         detokenize: Callable[[list[int]], str] = lambda ids: "",
-        default_mode: str = "read",
-        local_prefill_threshold: int = 0,
-        prefill_retries: int = 1,
-        chunk_wait_ms: int = 30000,
-        request_timeout_s: float = 600.0,
     ) -> None:
-        self.model = model
-        self.fingerprints = (
-            fingerprint
-            if isinstance(fingerprint, FingerprintSource)
-            else FingerprintSource.fixed(fingerprint)
-        )
+        self.config = config
+        self.client = client
+        self.fingerprints = fingerprints
         self.pool = pool
         self.policy = policy
         self.admission = admission
@@ -171,11 +315,6 @@ class Orchestrator:
         self.decode_choice = decode_choice or DecodeChoice()
         self.placement = placement or ColocatedPlacement()
         self.detokenize = detokenize
-        self.default_mode = default_mode
-        self.local_prefill_threshold = local_prefill_threshold
-        self.prefill_retries = prefill_retries
-        self.chunk_wait_ms = chunk_wait_ms
-        self.request_timeout_s = request_timeout_s
         #: Recent router overheads (ms), for the benchmark figure.
         self.overheads_ms: deque[float] = deque(maxlen=10000)
         self.traces: deque[Trace] = deque(maxlen=1000)
@@ -205,32 +344,32 @@ class Orchestrator:
     ) -> AsyncIterator[StreamChunk]:
         """Streams the request's tokens. Raises pdserve errors (mapped to status codes)."""
         t0 = time.monotonic()
-        deadline = t0 + (timeout_s if timeout_s is not None else self.request_timeout_s)
-        tokens = req.prompt_token_ids
-        n = len(tokens)
-        keys, cached = await self.cached_tokens(tokens)
-        uncached = max(1, n - cached)
-        mode = req.mode or self.default_mode
+        deadline = t0 + (timeout_s if timeout_s is not None else self.config.request_timeout_s)
+        n = len(req.prompt_token_ids)
+        keys, cached = await self.cached_tokens(req.prompt_token_ids)
         n_prefill = len(self.pool.candidates(PREFILL))
-        trace = Trace(cached_tokens=cached)
-        plan = "local"
-        chunk = self.fp.chunk_size if self.fp is not None else 0
-        if mode == "write" and n_prefill and chunk and (n - 1) // chunk > 0:
-            plan = "write"
-        elif mode in ("read", "write") and n_prefill:
-            below = self.local_prefill_threshold and uncached < self.local_prefill_threshold
-            plan = "local" if below else "read"
-        trace.plan = plan
+        fp = self.fp
+        plan = choose_plan(
+            mode=req.mode or self.config.default_mode,
+            prompt_tokens=n,
+            cached_tokens=cached,
+            chunk_size=fp.chunk_size if fp is not None else 0,
+            prefill_workers=n_prefill,
+            local_threshold=self.config.local_prefill_threshold,
+        )
+        job = _Job(req, keys, max(1, n - cached), deadline, Trace(plan, cached_tokens=cached))
+        trace = job.trace
         outcome = "error"
-        async with self.admission.admit(uncached if plan != "local" else 0, n_prefill) as ticket:
+        admit_tokens = job.uncached if plan != Plan.LOCAL else 0
+        async with self.admission.admit(admit_tokens, n_prefill) as ticket:
             trace.admitted = time.monotonic()
             try:
-                if plan == "read":
-                    stream = self._read(req, keys, uncached, deadline, t0, trace)
-                elif plan == "write":
-                    stream = self._write(req, keys, uncached, deadline, t0, trace)
+                if plan == Plan.READ:
+                    stream = self._read(job)
+                elif plan == Plan.WRITE:
+                    stream = self._write(job)
                 else:
-                    stream = self._local(req, keys, deadline, t0, trace)
+                    stream = self._local(job)
                 first = True
                 last_t = 0.0
                 async for chunk in stream:
@@ -241,7 +380,7 @@ class Orchestrator:
                         trace.first_token = time.monotonic()
                         ticket.first_token()
                         TTFT.observe(now_ms / 1000.0)
-                        self.admission.observe_ttft(uncached, now_ms)
+                        self.admission.observe_ttft(job.uncached, now_ms)
                     elif chunk.token_ids and last_t:
                         self.admission.observe_tpot((now_ms - last_t) / len(chunk.token_ids))
                     if chunk.token_ids:
@@ -253,11 +392,11 @@ class Orchestrator:
                 raise
             finally:
                 trace.total_ms = (time.monotonic() - t0) * 1000.0
-                REQUESTS.labels(plan, outcome).inc()
+                REQUESTS.labels(plan.value, outcome).inc()
                 if outcome == "ok":
                     E2E.observe(trace.total_ms / 1000.0)
                     _observe_phases(trace, t0)
-                    if trace.plan in ("read", "local"):
+                    if trace.plan in (Plan.READ, Plan.LOCAL):
                         over = trace.total_ms - trace.prefill_worker_ms - trace.decode_worker_ms
                         trace.overhead_ms = over
                         OVERHEAD.observe(over)
@@ -267,85 +406,60 @@ class Orchestrator:
 
     # --- plans ------------------------------------------------------------------------------
 
-    async def _read(
-        self,
-        req: GenRequest,
-        keys: list[str],
-        uncached: int,
-        deadline: float,
-        t0: float,
-        trace: Trace,
-    ) -> AsyncIterator[StreamChunk]:
-        resp = await self._prefill(req, uncached, deadline, trace, publish=False)
+    async def _read(self, job: _Job) -> AsyncIterator[StreamChunk]:
+        resp = await self._prefill(job, publish=False)
         if resp is None:  # every prefill attempt failed: the decode worker prefills itself
-            trace.plan = "read->local"
-            async for c in self._local(req, keys, deadline, t0, trace):
+            job.trace.plan = Plan.READ_THEN_LOCAL
+            async for c in self._local(job):
                 yield c
             return
-        n = len(req.prompt_token_ids)
         CACHED.labels("store").inc(resp.cached_tokens)  # prefill reports store + its own cache
         CACHED.labels("computed").inc(resp.computed_tokens)
-        head = {"prompt_tokens": n, "cached_tokens": resp.cached_tokens}
         first = resp.first_token_id
-        s = req.sampling
-        if (resp.first_token_is_eos and not s.ignore_eos) or s.max_tokens == 1:
-            finish = (
-                common_pb2.FINISH_REASON_LENGTH
-                if s.max_tokens == 1 and not (resp.first_token_is_eos and not s.ignore_eos)
-                else common_pb2.FINISH_REASON_EOS
+        s = job.req.sampling
+        eos = resp.first_token_is_eos and not s.ignore_eos
+        if eos or s.max_tokens == 1:
+            yield StreamChunk(
+                [first],
+                "" if eos else self.detokenize([first]),
+                [],
+                common_pb2.FINISH_REASON_EOS if eos else common_pb2.FINISH_REASON_LENGTH,
+                prompt_tokens=len(job.req.prompt_token_ids),
+                cached_tokens=resp.cached_tokens,
             )
-            text = "" if finish == common_pb2.FINISH_REASON_EOS else self.detokenize([first])
-            yield StreamChunk([first], text, [], finish, **head)
             return
-        dreq = engine_pb2.DecodeRequest(
-            request_id=req.request_id,
-            model=self.model,
-            prompt_token_ids=req.prompt_token_ids,
-            sampling=sampling_proto(s),
-            kv=resp.kv,
-            first_token_id=first,
+        session = DecodeSession(
+            self._decode_request(job.req, kv=resp.kv, first_token_id=first),
+            job.trace,
+            cached_tokens=resp.cached_tokens,
         )
-        async for c in self._decode(dreq, deadline, trace, head, keys=keys):
+        async for c in self._decode(session, job, self.decode_choice.choose):
             yield c
 
-    async def _write(
-        self,
-        req: GenRequest,
-        keys: list[str],
-        uncached: int,
-        deadline: float,
-        t0: float,
-        trace: Trace,
-    ) -> AsyncIterator[StreamChunk]:
-        n = len(req.prompt_token_ids)
-        cs = self.fp.chunk_size
-        k = (n - 1) // cs
+    async def _write(self, job: _Job) -> AsyncIterator[StreamChunk]:
+        fp = self.fp
+        assert fp is not None, "the write plan needs the chunk size"
+        cs = fp.chunk_size
+        k = (len(job.req.prompt_token_ids) - 1) // cs
         handle = common_pb2.KVHandle(
-            chunk_keys=keys[:k],
-            num_tokens=k * cs,
-            chunk_size=cs,
-            fingerprint=self.fp.digest(),
+            chunk_keys=job.keys[:k], num_tokens=k * cs, chunk_size=cs, fingerprint=fp.digest()
         )
-        prefill = asyncio.ensure_future(self._prefill(req, uncached, deadline, trace, publish=True))
-        dreq = engine_pb2.DecodeRequest(
-            request_id=req.request_id,
-            model=self.model,
-            prompt_token_ids=req.prompt_token_ids,
-            sampling=sampling_proto(req.sampling),
-            kv=handle,
-            chunk_wait_ms=self.chunk_wait_ms,
+        prefill = asyncio.ensure_future(self._prefill(job, publish=True))
+        session = DecodeSession(
+            self._decode_request(job.req, kv=handle, chunk_wait_ms=self.config.chunk_wait_ms),
+            job.trace,
+            cached_tokens=job.trace.cached_tokens,
+            prefill=prefill,
         )
-        head = {"prompt_tokens": n, "cached_tokens": trace.cached_tokens}
-        decode = self._decode(dreq, deadline, trace, head, keys=keys, abort_on=prefill)
         finished = False
         try:
-            async for c in decode:
+            async for c in self._decode(session, job, self.decode_choice.choose):
                 yield c
             finished = True
         except _PrefillFailed:
             # No chunks are coming: do not let decode wait for them; it prefills itself.
-            trace.plan = "write->local"
-            async for c in self._local(req, keys, deadline, t0, trace):
+            job.trace.plan = Plan.WRITE_THEN_LOCAL
+            async for c in self._local(job):
                 yield c
             finished = True
         finally:
@@ -355,44 +469,44 @@ class Orchestrator:
             else:
                 prefill.cancel()
 
-    async def _local(
-        self, req: GenRequest, keys: list[str], deadline: float, t0: float, trace: Trace
-    ) -> AsyncIterator[StreamChunk]:
-        dreq = engine_pb2.DecodeRequest(
-            request_id=req.request_id,
-            model=self.model,
-            prompt_token_ids=req.prompt_token_ids,
-            sampling=sampling_proto(req.sampling),
-        )
-        n = len(req.prompt_token_ids)
-        head = {"prompt_tokens": n, "cached_tokens": -1}
-        ctx = RouteContext(n, min(trace.cached_tokens, n - 1))
-        chunk = self.fp.chunk_size if self.fp is not None else 0
-
-        def place(cands: list[Worker]) -> Worker:
-            return self.placement.choose(cands, ctx, keys, chunk)
-
+    async def _local(self, job: _Job) -> AsyncIterator[StreamChunk]:
+        n = len(job.req.prompt_token_ids)
+        ctx = RouteContext(n, min(job.trace.cached_tokens, n - 1))
+        fp = self.fp
+        chunk = fp.chunk_size if fp is not None else 0
+        session = DecodeSession(self._decode_request(job.req), job.trace, cached_tokens=None)
         async for c in self._decode(
-            dreq, deadline, trace, head, keys=keys, choose=place, prefill_tokens=ctx.uncached_tokens
+            session,
+            job,
+            lambda cands: self.placement.choose(cands, ctx, job.keys, chunk),
+            prefill_tokens=ctx.uncached_tokens,
         ):
             yield c
 
+    def _decode_request(self, req: GenRequest, **fields) -> engine_pb2.DecodeRequest:
+        return engine_pb2.DecodeRequest(
+            request_id=req.request_id,
+            model=self.config.model,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling=sampling_proto(req.sampling),
+            **fields,
+        )
+
     # --- worker calls -----------------------------------------------------------------------
 
-    async def _prefill(
-        self, req: GenRequest, uncached: int, deadline: float, trace: Trace, *, publish: bool
-    ) -> engine_pb2.PrefillResponse | None:
+    async def _prefill(self, job: _Job, *, publish: bool) -> engine_pb2.PrefillResponse | None:
         """Prefill with retries on other workers; None when every attempt failed."""
+        req, trace, uncached = job.req, job.trace, job.uncached
         preq = engine_pb2.PrefillRequest(
             request_id=req.request_id,
-            model=self.model,
+            model=self.config.model,
             prompt_token_ids=req.prompt_token_ids,
             sampling=sampling_proto(req.sampling),
             publish_incrementally=publish,
         )
         ctx = RouteContext(len(req.prompt_token_ids), len(req.prompt_token_ids) - uncached)
         tried: set[str] = set()
-        for attempt in range(1 + self.prefill_retries):
+        for attempt in range(1 + self.config.prefill_retries):
             cands = self.pool.candidates(PREFILL, tried)
             if not cands:
                 break
@@ -406,10 +520,10 @@ class Orchestrator:
             trace.prefill_worker = w.id
             trace.prefill_start = time.monotonic()
             try:
-                resp = await w.prefill_stub().Prefill(preq, timeout=_remaining(deadline))
-            except grpc.aio.AioRpcError as exc:
+                resp = await self.client.prefill(w, preq, _remaining(job.deadline))
+            except WorkerCallError as exc:
                 self._worker_error(w, exc)
-                log.warning("prefill on %s failed: %s %s", w.id, exc.code(), exc.details())
+                log.warning("prefill on %s failed: %s %s", w.id, exc.code, exc.details)
                 continue
             finally:
                 w.inflight -= 1
@@ -423,153 +537,76 @@ class Orchestrator:
 
     async def _decode(
         self,
-        dreq: engine_pb2.DecodeRequest,
-        deadline: float,
-        trace: Trace,
-        head: dict[str, int],
+        session: DecodeSession,
+        job: _Job,
+        choose: Callable[[list[Worker]], Worker],
         *,
-        keys: list[str],
-        abort_on: asyncio.Future | None = None,
-        choose: Callable[[list[Worker]], Worker] | None = None,
         prefill_tokens: int = 0,
     ) -> AsyncIterator[StreamChunk]:
-        """Streams from a decode worker (``choose``, else the decode choice), retrying once on
+        """Streams ``session`` from a decode worker that ``choose`` picks, retrying once on
         another worker before the first token and resuming on another one after it.
         ``prefill_tokens`` is the prompt work the worker does before its first token (the local
         plan), counted on the worker until that token arrives, for placement."""
+        trace = session.trace
         tried: set[str] = set()
-        last: grpc.aio.AioRpcError | None = None
-        prompt = list(dreq.prompt_token_ids)
-        emitted: list[int] = []  # tokens already streamed to the client, across attempts
-        sent_text = ""  # their text as streamed
-        pending_text = ""  # text the failed worker held back, owed to the client
+        last: WorkerCallError | None = None
         for attempt in range(2):
             cands = self.pool.candidates(DECODE, tried)
             if not cands:
                 if attempt:
                     break
                 raise errors.Unavailable("no decode worker is in rotation")
-            w = choose(cands) if choose is not None else self.decode_choice.choose(cands)
+            w = choose(cands)
             tried.add(w.id)
-            self.placement.affinity.record(w.id, keys)
+            self.placement.affinity.record(w.id, job.keys)
             if attempt:
                 RETRIES.labels(DECODE).inc()
                 trace.retries.append(f"decode:{w.id}")
             trace.decode_worker = w.id
             trace.decode_start = time.monotonic()
-            call = w.decode_stub().Decode(dreq, timeout=_remaining(deadline))
-            prefill_failed = False
-
-            def on_prefill(fut: asyncio.Future, call=call) -> None:
-                nonlocal prefill_failed
-                if fut.cancelled() or fut.exception() is not None or fut.result() is None:
-                    prefill_failed = True
-                    call.cancel()
-
-            if abort_on is not None:
-                abort_on.add_done_callback(on_prefill)
+            call = self.client.decode(w, session.request, _remaining(job.deadline))
+            session.watch(call)
             w.inflight += 1
             pending = prefill_tokens
             w.inflight_tokens += pending
             started = False
-            # with a KV handle the worker's first message echoes prefill's first token
-            echoes = 1 if dreq.HasField("first_token_id") else 0
-            local_plan = not dreq.HasField("kv")
             try:
                 async for resp in call:
-                    if not started:
+                    if not started:  # the prompt is done: chunks and placement no longer matter
+                        started = True
+                        session.unwatch()
                         w.inflight_tokens -= pending
                         pending = 0
-                    if not echoes and not trace.decode_first:
-                        trace.decode_first = time.monotonic()
-                    echoes = max(0, echoes - 1)
-                    started = True
-                    # Decode reports its prompt counts once, on the first message that knows
-                    # them (torch: the first; vLLM: the last, from its KV connector).
-                    if resp.loaded_tokens or resp.recomputed_tokens or resp.prefix_cached_tokens:
-                        trace.decode_loaded = resp.loaded_tokens
-                        trace.decode_recomputed = resp.recomputed_tokens
-                        trace.decode_prefix_cached = resp.prefix_cached_tokens
-                        if local_plan:  # the decode worker did the whole prompt
-                            CACHED.labels("store").inc(resp.loaded_tokens)
-                            CACHED.labels("prefix_cache").inc(resp.prefix_cached_tokens)
-                            CACHED.labels("computed").inc(resp.recomputed_tokens)
-                        if head.get("cached_tokens", 0) < 0:
-                            head["cached_tokens"] = resp.loaded_tokens + resp.prefix_cached_tokens
-                    elif head.get("cached_tokens", 0) < 0:
-                        # not known yet: report what the store held at routing time
-                        head["cached_tokens"] = trace.cached_tokens
-                    if resp.token_times_ms:
-                        trace.decode_worker_ms = resp.token_times_ms[-1]
-                    text = pending_text + resp.text
-                    pending_text = ""
-                    emitted.extend(resp.token_ids)
-                    sent_text += text
-                    chunk = StreamChunk(list(resp.token_ids), text, [], resp.finish_reason)
-                    if head:
-                        chunk.prompt_tokens = head["prompt_tokens"]
-                        chunk.cached_tokens = max(0, head["cached_tokens"])
-                        head = {}
-                    yield chunk
+                    yield session.on_response(resp)
                 self.pool.record_success(w)
                 return
-            except grpc.aio.AioRpcError as exc:
-                if prefill_failed and exc.code() == grpc.StatusCode.CANCELLED:
+            except WorkerCallError as exc:
+                if session.prefill_failed and exc.code == grpc.StatusCode.CANCELLED:
                     raise _PrefillFailed() from exc
                 self._worker_error(w, exc)
-                log.warning("decode on %s failed: %s %s", w.id, exc.code(), exc.details())
+                log.warning("decode on %s failed: %s %s", w.id, exc.code, exc.details)
                 last = exc
                 if started:
-                    resumed = _resume(dreq, prompt, emitted)
-                    if resumed is None:
+                    if not session.resume(self.detokenize):
                         raise errors.Unavailable(
-                            f"decode worker {w.id} failed mid-stream: {exc.code().name}"
+                            f"decode worker {w.id} failed mid-stream: {exc.code.name}"
                         ) from exc
-                    # Resume on another worker from the tokens already streamed: it prefills
-                    # prompt + emitted (reusing stored chunks) and continues; greedy output
-                    # is unchanged. Text the dead worker held back (a partial character) is
-                    # re-derived from the tokens.
-                    dreq = resumed
-                    full = self.detokenize(emitted)
-                    pending_text = full[len(sent_text) :] if full.startswith(sent_text) else ""
                     trace.retries.append(f"decode-resume:{w.id}")
             finally:
                 w.inflight -= 1
                 w.inflight_tokens -= pending
-                if abort_on is not None:
-                    abort_on.remove_done_callback(on_prefill)
-                if not call.done():
-                    call.cancel()
-        why = f"{last.code().name} {last.details()}" if last is not None else "no worker"
+                session.unwatch()
+                call.cancel()
+        why = f"{last.code.name} {last.details}" if last is not None else "no worker"
         raise errors.Unavailable(f"decode failed on {len(tried)} worker(s): {why}")
 
-    def _worker_error(self, w: Worker, exc: grpc.aio.AioRpcError) -> None:
+    def _worker_error(self, w: Worker, exc: WorkerCallError) -> None:
         """Caller errors pass through; a busy worker (RESOURCE_EXHAUSTED) is tried elsewhere
         without counting against it; anything else counts against the worker's breaker."""
-        code = exc.code()
-        if code in _CALLER_CODES:
-            raise errors.from_status(code, exc.details() or code.name) from exc
-        if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        if exc.code in _CALLER_CODES:
+            raise errors.from_status(exc.code, exc.details or exc.code.name) from exc
+        if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
             self.pool.record_failure(w)
-
-
-def _resume(
-    dreq: engine_pb2.DecodeRequest, prompt: list[int], emitted: list[int]
-) -> engine_pb2.DecodeRequest | None:
-    """The request that continues a generation after ``emitted`` tokens, or None when it
-    cannot be resumed (no explicit max_tokens, or nothing left to generate)."""
-    left = dreq.sampling.max_tokens - len(emitted)
-    if dreq.sampling.max_tokens == 0 or left <= 0 or not emitted:
-        return None
-    sampling = common_pb2.SamplingParams()
-    sampling.CopyFrom(dreq.sampling)
-    sampling.max_tokens = left
-    return engine_pb2.DecodeRequest(
-        request_id=dreq.request_id,
-        model=dreq.model,
-        prompt_token_ids=[*prompt, *emitted],
-        sampling=sampling,
-    )
 
 
 def _observe_phases(trace: Trace, t0: float) -> None:
@@ -592,9 +629,7 @@ class _PrefillFailed(Exception):
     """Write mode: the parallel prefill failed everywhere, so no chunk will land."""
 
 
-def _remaining(deadline: float | None) -> float | None:
-    if deadline is None:
-        return None
+def _remaining(deadline: float) -> float:
     left = deadline - time.monotonic()
     if left <= 0:
         raise errors.DeadlineExceeded("request deadline passed")

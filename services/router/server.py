@@ -17,8 +17,9 @@ from pdserve.services.router.admission import Admission
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.fingerprint import FingerprintSource
 from pdserve.services.router.frontend import Frontend
+from pdserve.services.router.grpc_worker_client import GrpcWorkerClient
 from pdserve.services.router.openai_http import make_app
-from pdserve.services.router.orchestrator import Orchestrator
+from pdserve.services.router.orchestrator import Orchestrator, OrchestratorConfig
 from pdserve.services.router.policies import make_policy
 from pdserve.services.router.request import Limits
 from pdserve.services.router.servicer import RouterServicer
@@ -78,10 +79,17 @@ def build(cfg: RouterConfig, tokenizer=None) -> Frontend:
     )
     pool.add_static(PREFILL, cfg.prefill)
     pool.add_static(DECODE, cfg.decode)
-    lookup = prefix_lookup(cfg.store_master) if cfg.store_master else None
     orch = Orchestrator(
-        model=cfg.name,
-        fingerprint=FingerprintSource(
+        OrchestratorConfig(
+            model=cfg.name,
+            default_mode=cfg.mode,
+            local_prefill_threshold=cfg.local_prefill_threshold,
+            prefill_retries=cfg.prefill_retries,
+            chunk_wait_ms=cfg.chunk_wait_ms,
+            request_timeout_s=cfg.request_timeout_s,
+        ),
+        client=GrpcWorkerClient(),
+        fingerprints=FingerprintSource(
             cfg.name,
             model_revision(folder),
             kv_dtype=cfg.kv_dtype,
@@ -101,13 +109,8 @@ def build(cfg: RouterConfig, tokenizer=None) -> Frontend:
             slo_ttft_ms=cfg.slo_ttft_ms,
             slo_tpot_ms=cfg.slo_tpot_ms,
         ),
-        prefix_lookup=lookup,
+        prefix_lookup=prefix_lookup(cfg.store_master) if cfg.store_master else None,
         detokenize=tokenizer.decode,
-        default_mode=cfg.mode,
-        local_prefill_threshold=cfg.local_prefill_threshold,
-        prefill_retries=cfg.prefill_retries,
-        chunk_wait_ms=cfg.chunk_wait_ms,
-        request_timeout_s=cfg.request_timeout_s,
     )
     return Frontend(tokenizer=tokenizer, limits=limits, orchestrator=orch, pool=pool)
 

@@ -11,6 +11,7 @@ import pytest
 from router_fakes import FakeDecode, FakePrefill, expected_tokens, fake_cluster
 
 from pdserve import grpcutil
+from pdserve.services.router.plan import Plan
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]  # 11 tokens: 2 full chunks of 4 + 3
@@ -54,7 +55,7 @@ def test_read_mode_streams_prefill_then_decode(tiny_model_dir):
             assert len(p.calls) == 1 and not p.calls[0].publish_incrementally
             (dreq,) = d.calls
             assert dreq.HasField("kv") and dreq.first_token_id == expected_tokens(PROMPT, 1)[0]
-            assert r.frontend.orchestrator.traces[-1].plan == "read"
+            assert r.frontend.orchestrator.traces[-1].plan == Plan.READ
 
     run(main())
 
@@ -91,7 +92,7 @@ def test_colocated_and_no_prefill_worker_run_locally(tiny_model_dir):
         async with fake_cluster([], [d2], tiny_model_dir) as (r, _):
             msgs = await stream_all(r.grpc_port, gen_req(4))
             assert ids(msgs) == expected_tokens(PROMPT, 4)
-            assert r.frontend.orchestrator.traces[-1].plan == "local"
+            assert r.frontend.orchestrator.traces[-1].plan == Plan.LOCAL
 
     run(main())
 
@@ -121,7 +122,7 @@ def test_prefill_error_retries_once_on_another_worker(tiny_model_dir):
             assert ids(msgs) == expected_tokens(PROMPT, 3)
             trace = r.frontend.orchestrator.traces[-1]
             assert len(trace.retries) == 1 and len(a.calls) == len(b.calls) == 1
-            assert d.calls[0].HasField("kv") and trace.plan == "read"
+            assert d.calls[0].HasField("kv") and trace.plan == Plan.READ
 
     run(main())
 
@@ -134,7 +135,22 @@ def test_all_prefills_failing_falls_back_to_local_prefill(tiny_model_dir):
             assert ids(msgs) == expected_tokens(PROMPT, 3)
             assert len(a.calls) + len(b.calls) == 2  # first try + one retry, no more
             assert not d.calls[0].HasField("kv")
-            assert r.frontend.orchestrator.traces[-1].plan == "read->local"
+            assert r.frontend.orchestrator.traces[-1].plan == Plan.READ_THEN_LOCAL
+
+    run(main())
+
+
+def test_write_mode_prefill_failing_everywhere_falls_back_to_local(tiny_model_dir):
+    async def main():
+        # decode's first token comes well after both prefill attempts have failed
+        a, b, d = FakePrefill(fail=9), FakePrefill(fail=9), FakeDecode(token_delay_s=0.5)
+        async with fake_cluster([a, b], [d], tiny_model_dir) as (r, _):
+            msgs = await stream_all(r.grpc_port, gen_req(3, router_pb2.DISAGG_MODE_WRITE))
+            assert ids(msgs) == expected_tokens(PROMPT, 3)
+            # the waiting decode is cancelled before its first token, then prefills itself
+            waiting, local = d.calls
+            assert waiting.HasField("kv") and not local.HasField("kv") and d.cancelled == 1
+            assert r.frontend.orchestrator.traces[-1].plan == Plan.WRITE_THEN_LOCAL
 
     run(main())
 
