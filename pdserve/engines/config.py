@@ -54,7 +54,7 @@ class EngineConfig:
         "max_num_batched_tokens beside streams)",
     )
     ttft_urgent_ms: float = help_field(
-        1000.0,
+        1500.0,
         "vllm: a prompt that has waited this long since it arrived prefills in the next step "
         "whatever the streams' target (a late first token cannot be made up; 0 = never)",
     )

@@ -303,11 +303,14 @@ class VllmEngine(Engine):
             metrics.GENERATED_TOKENS.inc(len(ids))
             event = TokenEvent(ids, pieces, [now] * len(ids), finish=finish)
             if finish is not None:
-                loaded = _loaded_tokens(out)
-                local = max(0, int(out.num_cached_tokens or 0) - loaded)
+                # vLLM's num_cached_tokens counts the local hits plus every planned external
+                # token, failed loads included; the prompt is the caller's (without prefill's
+                # first token, whose position is generation, not prompt)
+                loaded, failed = _loaded_tokens(out), _failed_tokens(out)
+                local = max(0, int(out.num_cached_tokens or 0) - loaded - failed)
                 event.loaded_tokens = loaded
                 event.prefix_cached_tokens = local
-                event.recomputed_tokens = max(0, len(prompt) - loaded - local)
+                event.recomputed_tokens = max(0, len(prompt_token_ids) - loaded - local)
                 self._count_generate(out, kv is not None)
             yield event
             if finish is not None:
