@@ -9,16 +9,22 @@ from pdserve.engines.base import Engine
 from pdserve.engines.config import EngineConfig
 
 
-def create_engine(cfg: EngineConfig, store: Any | None = None) -> Engine:
-    """The engine named by ``cfg.engine`` (not started). ``store`` is the synchronous
-    :class:`pdserve.store.client.StoreClient` the torch engine uses, or None (no store: always
-    recompute); the vLLM engine ignores it, because its KV connector runs inside vLLM's own
-    processes and opens clients there from ``cfg.store_master``. vLLM is imported only when
-    asked for."""
+def create_engine(cfg: EngineConfig) -> Engine:
+    """The engine named by ``cfg.engine`` (not started), reaching the store at
+    ``cfg.store_master`` its own way: the torch engine opens one synchronous client in this
+    process (closed with the engine); vLLM's KV connector opens its clients inside vLLM's own
+    processes. No store address: always recompute. vLLM is imported only when asked for."""
     if cfg.engine == "torch":
         from pdserve.engines.torch_engine import TorchEngine
 
-        return TorchEngine(cfg, store)
+        store: Any | None = None
+        if cfg.store_master:
+            from pdserve.store import open_store
+
+            store = open_store(
+                cfg.store_master, transport=cfg.store_transport, timeout_s=cfg.store_timeout_s
+            )
+        return TorchEngine(cfg, store, owns_store=True)
     if cfg.engine == "vllm":
         from pdserve.engines.vllm_engine import VllmEngine
 

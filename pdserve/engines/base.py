@@ -13,6 +13,7 @@ import enum
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
+from pdserve.engines.textstream import TextStream
 from pdserve.errors import InvalidArgument
 from pdserve.hashing import ModelFingerprint
 
@@ -179,3 +180,27 @@ class Engine(abc.ABC):
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) "
                 f"exceeds the model context of {self.max_model_len} tokens"
             )
+
+
+def next_text(
+    stream: TextStream,
+    token: int,
+    generated: int,
+    sampling: Sampling,
+    eos_token_id: int,
+    *,
+    context_full: bool = False,
+) -> tuple[str, Finish | None]:
+    """The one finish rule for a token an engine produced itself (the torch engine's every
+    token, the vLLM engine's first token from prefill): the text it adds to the stream and
+    whether it ends the generation. ``generated`` counts tokens so far, this one included.
+    EOS (unless ignored) ends it without text; a stop string ends it with the text before the
+    stop; ``max_tokens`` or a full context ends it with any held-back text flushed."""
+    if token == eos_token_id and not sampling.ignore_eos:
+        return stream.flush(), Finish.EOS
+    text = stream.add(token)
+    if stream.stopped:
+        return text, Finish.STOP
+    if generated >= sampling.max_tokens or context_full:
+        return text + stream.flush(), Finish.LENGTH
+    return text, None

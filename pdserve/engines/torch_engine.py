@@ -43,11 +43,11 @@ from pdserve.engines import metrics
 from pdserve.engines.base import (
     Engine,
     EngineLoad,
-    Finish,
     KVRef,
     PrefillOutcome,
     Sampling,
     TokenEvent,
+    next_text,
 )
 from pdserve.engines.config import EngineConfig
 from pdserve.engines.fingerprint import model_fingerprint
@@ -121,11 +121,15 @@ _STOP = object()
 
 class TorchEngine(Engine):
     """See the module docstring. ``store`` is a synchronous, thread-safe store client
-    (:class:`pdserve.store.client.StoreClient`) or None for no store."""
+    (:class:`pdserve.store.client.StoreClient`) or None for no store; ``owns_store``: close it
+    with the engine."""
 
-    def __init__(self, cfg: EngineConfig, store: Any | None = None) -> None:
+    def __init__(
+        self, cfg: EngineConfig, store: Any | None = None, *, owns_store: bool = False
+    ) -> None:
         self.cfg = cfg
         self.store = store
+        self._owns_store = owns_store
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._waiting: collections.deque[_GenJob] = collections.deque()
@@ -184,6 +188,9 @@ class TorchEngine(Engine):
             self._queue.put(_STOP)
             await asyncio.to_thread(self._thread.join)
             self._thread = None
+        if self._owns_store and self.store is not None:
+            self.store.close()
+            self.store = None
 
     # ----------------------------------------------------------------- public API
 
@@ -393,20 +400,14 @@ class TorchEngine(Engine):
         job.out_ids.append(token)
         job.last_token = token
         metrics.GENERATED_TOKENS.inc()
-        finish: Finish | None = None
-        if token == self.eos_token_id and not job.sampling.ignore_eos:
-            finish = Finish.EOS
-            text = job.stream.flush()
-        else:
-            text = job.stream.add(token)
-            if job.stream.stopped:
-                finish = Finish.STOP
-            elif (
-                len(job.out_ids) >= job.sampling.max_tokens
-                or len(job.tokens) + len(job.out_ids) >= self.max_model_len
-            ):
-                finish = Finish.LENGTH
-                text += job.stream.flush()
+        text, finish = next_text(
+            job.stream,
+            token,
+            len(job.out_ids),
+            job.sampling,
+            self.eos_token_id,
+            context_full=len(job.tokens) + len(job.out_ids) >= self.max_model_len,
+        )
         job.done = finish is not None
         job.deliver(
             TokenEvent(

@@ -40,6 +40,7 @@ from pdserve.engines.base import (
     PrefillOutcome,
     Sampling,
     TokenEvent,
+    next_text,
 )
 from pdserve.engines.config import VLLM_STEP_TOKENS, EngineConfig
 from pdserve.engines.fingerprint import model_fingerprint
@@ -270,13 +271,9 @@ class VllmEngine(Engine):
                 raise InvalidArgument(
                     f"KV handle covers {kv.num_tokens} tokens but the prompt has {len(prompt)}"
                 )
-            piece = text.add(first_token_id)
-            stop = _first_token_finish(first_token_id, sampling, self.eos_token_id, text)
+            piece, stop = next_text(text, first_token_id, 1, sampling, self.eos_token_id)
             yield TokenEvent(
-                [first_token_id],
-                piece + (text.flush() if stop else ""),
-                [(time.perf_counter() - t0) * 1e3],
-                finish=stop,
+                [first_token_id], piece, [(time.perf_counter() - t0) * 1e3], finish=stop
             )
             metrics.GENERATED_TOKENS.inc()
             if stop is not None:
@@ -357,15 +354,3 @@ def _count_failures(out: Any) -> int:
     if failed:
         metrics.KV_CHUNK_MISSES.labels("chunk").inc()
     return failed
-
-
-def _first_token_finish(
-    token: int, sampling: Sampling, eos: int, text: TextStream
-) -> Finish | None:
-    if text.stopped:
-        return Finish.STOP
-    if token == eos and not sampling.ignore_eos:
-        return Finish.EOS
-    if sampling.max_tokens <= 1:
-        return Finish.LENGTH
-    return None

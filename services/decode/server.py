@@ -1,11 +1,11 @@
-"""``pdserve decode`` server: the shared worker skeleton (pdserve.worker.serve) with the
+"""``pdserve decode`` server: the shared worker skeleton (pdserve.services.worker.serve) with the
 DecodeService servicer."""
 
 from __future__ import annotations
 
 import asyncio
 
-from pdserve import worker
+from pdserve.services import worker
 from pdserve.services.decode.config import DecodeConfig
 from pdserve.services.decode.servicer import DecodeServicer
 from pdserve.v1 import common_pb2, engine_pb2_grpc

@@ -12,15 +12,15 @@ from prometheus_client import Counter, Gauge
 from pdserve import telemetry
 from pdserve.engines.base import Engine
 from pdserve.grpcutil import rpc
-from pdserve.telemetry import REGISTRY
-from pdserve.v1 import engine_pb2, engine_pb2_grpc
-from pdserve.validation import check_model, check_request_id
-from pdserve.worker import (
+from pdserve.services.worker import (
     SlotLimit,
     WorkerConfig,
     kvref_from_proto,
     sampling_from_proto,
 )
+from pdserve.telemetry import REGISTRY
+from pdserve.v1 import engine_pb2, engine_pb2_grpc
+from pdserve.validation import check_model, check_request_id
 
 RUNNING = Gauge("pdserve_decode_running_requests", "Decode streams in progress", registry=REGISTRY)
 REQUESTS = Counter(

@@ -1,10 +1,10 @@
-"""``pdserve prefill`` configuration: the shared worker fields (pdserve.worker.WorkerConfig)."""
+"""``pdserve prefill`` configuration: the shared worker fields (pdserve.services.worker.WorkerConfig)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.worker import WorkerConfig
+from pdserve.services.worker import WorkerConfig
 
 
 @dataclass

@@ -1,11 +1,11 @@
-"""``pdserve prefill`` server: the shared worker skeleton (pdserve.worker.serve) with the
+"""``pdserve prefill`` server: the shared worker skeleton (pdserve.services.worker.serve) with the
 PrefillService servicer."""
 
 from __future__ import annotations
 
 import asyncio
 
-from pdserve import worker
+from pdserve.services import worker
 from pdserve.services.prefill.config import PrefillConfig
 from pdserve.services.prefill.servicer import PrefillServicer
 from pdserve.v1 import common_pb2, engine_pb2_grpc

@@ -10,15 +10,15 @@ from prometheus_client import Counter, Histogram
 from pdserve import telemetry
 from pdserve.engines.base import Engine
 from pdserve.grpcutil import rpc
-from pdserve.telemetry import REGISTRY
-from pdserve.v1 import engine_pb2, engine_pb2_grpc
-from pdserve.validation import check_model, check_request_id
-from pdserve.worker import (
+from pdserve.services.worker import (
     SlotLimit,
     WorkerConfig,
     kvref_to_proto,
     sampling_from_proto,
 )
+from pdserve.telemetry import REGISTRY
+from pdserve.v1 import engine_pb2, engine_pb2_grpc
+from pdserve.validation import check_model, check_request_id
 
 REQUESTS = Counter(
     "pdserve_prefill_requests_total", "Prefill requests by outcome", ["outcome"], registry=REGISTRY

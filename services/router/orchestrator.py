@@ -416,18 +416,9 @@ class Orchestrator:
         CACHED.labels("store").inc(resp.cached_tokens)  # prefill reports store + its own cache
         CACHED.labels("computed").inc(resp.computed_tokens)
         first = resp.first_token_id
-        s = job.req.sampling
-        eos = resp.first_token_is_eos and not s.ignore_eos
-        if eos or s.max_tokens == 1:
-            yield StreamChunk(
-                [first],
-                "" if eos else self.detokenize([first]),
-                [],
-                common_pb2.FINISH_REASON_EOS if eos else common_pb2.FINISH_REASON_LENGTH,
-                prompt_tokens=len(job.req.prompt_token_ids),
-                cached_tokens=resp.cached_tokens,
-            )
-            return
+        # Whether the first token already ends the generation (EOS, a stop string, max_tokens
+        # 1) is the engine's decision (engines.base.next_text): the decode worker streams it
+        # as its first message, with the finish when it is the last, before touching the KV.
         session = DecodeSession(
             self._decode_request(job.req, kv=resp.kv, first_token_id=first),
             job.trace,

@@ -139,25 +139,11 @@ class WorkerSpec:
     make_servicer: Callable[[Engine, WorkerConfig], Any]
 
 
-def engine_store(cfg: EngineConfig) -> Any | None:
-    """The store client the engine is handed (:func:`create_engine`): None when there is no
-    store, and for the vLLM engine, whose connector opens its own clients inside vLLM's
-    processes from ``cfg.store_master``."""
-    if not cfg.store_master or cfg.engine == "vllm":
-        return None
-    from pdserve.store import open_store
-
-    return open_store(
-        cfg.store_master, transport=cfg.store_transport, timeout_s=cfg.store_timeout_s
-    )
-
-
 async def serve(spec: WorkerSpec, cfg: WorkerConfig, stop: asyncio.Event) -> None:
     """Runs one worker until ``stop`` is set, then drains: health NOT_SERVING and deregister
     first (no new work is routed here), wait up to ``drain_timeout_s`` for in-flight RPCs,
-    then close the engine and the store client."""
-    store = engine_store(cfg)
-    engine = create_engine(cfg, store)
+    then close the engine (and with it its store clients)."""
+    engine = create_engine(cfg)
     meta_client = None
     server = None
     try:
@@ -211,8 +197,6 @@ async def serve(spec: WorkerSpec, cfg: WorkerConfig, stop: asyncio.Event) -> Non
             await server.stop(cfg.drain_timeout_s)
         await leave(meta_client)
         await engine.close()
-        if store is not None:
-            store.close()
 
 
 def _load_proto(engine: Engine, slots: SlotLimit) -> common_pb2.Load:

@@ -1,4 +1,4 @@
-"""pdserve/worker.py without processes: the slot limit and the load it reports."""
+"""services/worker.py without processes: the slot limit and the load it reports."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from pdserve.errors import ResourceExhausted
-from pdserve.worker import SlotLimit, _load_proto
+from pdserve.services.worker import SlotLimit, _load_proto
 
 
 def test_slot_limit_refuses_beyond_the_limit_and_signals_every_change() -> None:
