@@ -4,6 +4,8 @@ decoding stream within its time-per-output-token target."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 #: Starting cost model (seconds): SmolLM2-135M bf16 on one AVX-512 core.
 FIXED_S = 0.030
 PER_TOKEN_S = 0.0017
@@ -28,11 +30,36 @@ class StepCost:
         return int(max(0.0, seconds - self.fixed_s) / self.per_token_s)
 
 
+#: A stream is expected to last as long again as it has so far, and at least this many more
+#: tokens (capped by its max_tokens): the future short steps a long step is averaged over.
+MIN_FUTURE_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class Stream:
+    """A decoding stream as the scheduler sees it."""
+
+    first_token_at: float  # seconds, the scheduler's clock
+    tokens: int  # output tokens so far (>= 1)
+    max_tokens: int
+
+
+def future_tokens(stream: Stream) -> int:
+    """Tokens the stream is expected to produce after the next one."""
+    left = max(0, stream.max_tokens - stream.tokens - 1)
+    return min(left, max(MIN_FUTURE_TOKENS, stream.tokens))
+
+
 def prompt_budget(
-    streams: list[tuple[float, int]], now: float, target_s: float, cost: StepCost, block: int
+    streams: list[Stream], now: float, target_s: float, cost: StepCost, block: int
 ) -> int:
-    """Prompt tokens the next step may take beside ``streams`` ((first-token time, output
-    tokens so far) of each decoding stream) so that every stream's time per output token stays
-    within ``target_s`` after the step; at least ``block``."""
-    allowed = min(target_s * n - (now - first) for first, n in streams)
-    return max(block, cost.tokens_within(allowed))
+    """Prompt tokens the next step may take beside ``streams`` so that every stream's time
+    per output token (vLLM's TPOT: from its first token to its last, over the tokens after the
+    first) is projected within ``target_s``: its time so far, plus this step, plus its expected
+    future tokens at a decode-only step each. At least ``block``, so prompts always progress."""
+
+    def allowed(s: Stream) -> float:
+        future = future_tokens(s)
+        return target_s * (s.tokens + future) - (now - s.first_token_at) - future * cost.fixed_s
+
+    return max(block, cost.tokens_within(min(allowed(s) for s in streams)))

@@ -7,16 +7,20 @@ stretch a step beside running streams to half a second; a small static budget in
 every prefill, even when the streams are far ahead of their target.
 
 So each step gets the largest prompt budget that keeps every decoding stream's time per
-output token, measured from its first token, within ``tpot_target_ms`` after the step:
+output token (vLLM's TPOT: first to last token, over the tokens after the first) projected
+within ``tpot_target_ms``: its time so far, plus this step, plus the tokens it is expected to
+produce next (as many again as so far, at least 4, at most its ``max_tokens``) at a
+decode-only step each:
 
-    allowed step time = min over streams (target * tokens after this step - time since first)
-    prompt tokens     = (allowed - fixed) / per_token        (at least one block, for progress)
+    allowed step = min over streams (target * (tokens + future) - time since first
+                                     - future * fixed)
+    prompt tokens = (allowed - fixed) / per_token        (at least one block, for progress)
 
-A stream that just started allows about one target's worth of prefill; one that ran a few
-short decode-only steps has banked slack, and a waiting prompt then prefills in one step. With
-no stream decoding, prompts prefill in full ``max_num_batched_tokens`` steps. ``fixed`` and
-``per_token`` are learnt from the engine's own step times (EWMA), so the budget follows the
-model and the machine.
+A young stream with tokens to come absorbs one long prefill step over all of them, as vLLM's
+prefill-first default does; a stream that is behind, or about to end, gets short steps until
+it is done. With no stream decoding, prompts prefill in full ``max_num_batched_tokens`` steps.
+``fixed`` and ``per_token`` are learnt from the engine's own step times (EWMA), so the budget
+follows the model and the machine.
 
 Prompts are not starved for it: one that has waited ``ttft_urgent_ms`` since it arrived gets
 its whole remaining prompt into the next step, streams or not (a stream absorbs one long step
@@ -34,7 +38,7 @@ from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from pdserve.engines.step_budget import StepCost, prompt_budget
+from pdserve.engines.step_budget import StepCost, Stream, prompt_budget
 
 CONFIG_KEY = "pdserve_tpot_target_ms"
 URGENT_KEY = "pdserve_ttft_urgent_ms"
@@ -62,7 +66,7 @@ class StreamFirstScheduler(Scheduler):
             for r in self.running:
                 if r.num_computed_tokens >= r.num_prompt_tokens and r.num_output_tokens > 0:
                     first = live[r.request_id] = seen.get(r.request_id, now)
-                    streams.append((first, r.num_output_tokens))
+                    streams.append(Stream(first, r.num_output_tokens, r.max_tokens))
             self._first_token_at = live
         if streams:
             budget = prompt_budget(

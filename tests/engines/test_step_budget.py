@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engines.step_budget import StepCost, prompt_budget
+from pdserve.engines.step_budget import StepCost, Stream, future_tokens, prompt_budget
 
 TARGET = 0.150  # seconds per output token
 
@@ -23,20 +23,28 @@ def test_cost_model_learns_fixed_and_per_token_cost():
     assert cost.per_token_s == pytest.approx(0.002, rel=0.01)
 
 
-def test_new_stream_allows_one_target_of_prefill():
-    cost = StepCost(fixed_s=0.030, per_token_s=0.0015)
-    # a stream whose first token came out just now, one token so far
-    assert prompt_budget([(10.0, 1)], 10.0, TARGET, cost, 32) == 80  # (150 - 30) / 1.5
+def test_expected_future_tokens():
+    assert future_tokens(Stream(0.0, 1, 9)) == 4  # at least 4 more
+    assert future_tokens(Stream(0.0, 6, 100)) == 6  # as many again as so far
+    assert future_tokens(Stream(0.0, 6, 9)) == 2  # capped by max_tokens (after the next one)
+    assert future_tokens(Stream(0.0, 9, 9)) == 0
 
 
-def test_slack_banked_by_fast_steps_lets_a_whole_prompt_through():
+def test_a_stream_about_to_end_allows_one_target_of_prefill():
     cost = StepCost(fixed_s=0.030, per_token_s=0.0015)
-    # 5 tokens after 4 fast steps of 30 ms: 5 * 150 - 120 = 630 ms allowed
-    assert prompt_budget([(10.0, 5)], 10.120, TARGET, cost, 32) == 400
+    # one token so far and one to go: only this step to stay within target
+    assert prompt_budget([Stream(10.0, 1, 2)], 10.0, TARGET, cost, 32) == 80  # (150-30)/1.5
+
+
+def test_a_young_stream_absorbs_a_long_step_over_its_future_tokens():
+    cost = StepCost(fixed_s=0.030, per_token_s=0.0015)
+    # 1 token, 4 expected after the next: 150 * 5 - 0 - 4 * 30 = 630 ms -> (630 - 30) / 1.5
+    assert prompt_budget([Stream(10.0, 1, 16)], 10.0, TARGET, cost, 32) == 400
 
 
 def test_the_stream_with_least_slack_decides_and_progress_is_guaranteed():
     cost = StepCost(fixed_s=0.030, per_token_s=0.0015)
-    ahead, behind = (10.0, 5), (10.0, 2)  # behind: 2 tokens in 0.5 s, over target
+    ahead = Stream(10.0, 5, 6)  # 5 tokens in 0.5 s, ends after the next
+    behind = Stream(10.0, 2, 3)  # 2 tokens in 0.5 s: over target, ends after the next
     assert prompt_budget([ahead, behind], 10.5, TARGET, cost, 32) == 32
     assert prompt_budget([ahead], 10.5, TARGET, cost, 32) == 146  # (750 - 500 - 30) / 1.5
