@@ -147,11 +147,21 @@ class StoreBackend(ABC):
         fingerprint: bytes,
         options: StoreOptions = DEFAULT_OPTIONS,
     ) -> bool:
+        return self.batch_put_chunks([(key, kv)], fingerprint, options)[0]
+
+    def batch_put_chunks(
+        self,
+        items: Sequence[tuple[str, torch.Tensor]],
+        fingerprint: bytes,
+        options: StoreOptions = DEFAULT_OPTIONS,
+    ) -> list[bool]:
+        """Encodes each chunk and puts them all with one :meth:`batch_put` (one master round
+        trip per phase, whatever the count; existing keys are skipped, no pre-check)."""
         try:
-            data = kvformat.encode(kv, fingerprint)
+            encoded = [(key, kvformat.encode(kv, fingerprint)) for key, kv in items]
         except kvformat.ChunkFormatError as exc:
             raise errors.InvalidArgument(str(exc)) from exc
-        return self.put(key, data, options)
+        return self.batch_put(encoded, options)
 
     def get_chunk(self, key: str, fingerprint: bytes) -> torch.Tensor | None:
         return self.batch_get_chunks([key], fingerprint)[0]
