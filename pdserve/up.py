@@ -272,6 +272,10 @@ Ctrl-C stops everything.
 """
 
 
+def _interrupt(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         cfg = config.from_args(UpConfig, "up", args)
@@ -281,6 +285,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     cluster = Cluster(cfg, args.config)
     t0 = time.monotonic()
+    # SIGTERM while starting stops what already started, as Ctrl-C does (the services run in
+    # their own sessions: an `up` killed outright would leave them running)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         cluster.start()
     except (OSError, RuntimeError) as exc:

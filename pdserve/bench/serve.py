@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import http.client
 import itertools
 import json
 import math
@@ -513,7 +514,8 @@ def wait_http_ready(
                 f"{proc.name} exited with code {proc.popen.returncode} before it was ready "
                 f"(log {proc.log}):\n{proc.tail()}"
             )
-        with contextlib.suppress(OSError, BenchError):
+        # HTTPException: something else answers on the port (a port race): not ready yet
+        with contextlib.suppress(OSError, BenchError, http.client.HTTPException):
             ready = http_get(f"{base}/health", 2.0)[0] == 200 and model in served_models(base)
             if ready and (marker is None or marker in proc.log.read_text(errors="replace")):
                 return
