@@ -53,7 +53,9 @@ class ServiceProcess:
             self.popen.wait()
 
     def stop(self, timeout: float = 15.0) -> int | None:
-        """SIGTERM, wait for a clean exit, SIGKILL after ``timeout`` seconds."""
+        """SIGTERM the process group, wait for a clean exit, SIGKILL after ``timeout``
+        seconds; then SIGKILL whatever is left in the group (helpers such as vLLM's engine
+        core must not outlive their service)."""
         if self.alive():
             try:
                 os.killpg(self.popen.pid, signal.SIGTERM)
@@ -63,6 +65,8 @@ class ServiceProcess:
                 self.popen.wait()
             except ProcessLookupError:
                 pass
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
         return self.popen.returncode
 
 

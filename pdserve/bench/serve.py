@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pdserve.procs import ServiceProcess
+
 if TYPE_CHECKING:
     import aiohttp
     from tqdm import tqdm
@@ -449,41 +451,9 @@ def free_port() -> int:
 # --- started systems ------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Started:
-    """A process group this benchmark started (``name`` for messages, output in ``log``)."""
-
-    name: str
-    popen: subprocess.Popen
-    log: Path
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    def stop(self, timeout: float) -> None:
-        """SIGTERM the process group, wait ``timeout`` s, then SIGKILL the group."""
-        if self.alive():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.popen.pid, signal.SIGTERM)
-        try:
-            self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            _say(f"{self.name} still running {timeout:.0f}s after SIGTERM: SIGKILL")
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.popen.pid, signal.SIGKILL)
-            self.popen.wait()
-        # NOTE: helpers left in the group (e.g. vLLM's engine core) must not outlive it.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.popen.pid, signal.SIGKILL)
-
-
-def spawn(name: str, argv: Sequence[str], log: Path, env: dict[str, str] | None = None) -> Started:
+def spawn(
+    name: str, argv: Sequence[str], log: Path, env: dict[str, str] | None = None
+) -> ServiceProcess:
     """Starts ``argv`` in its own session (process group), output to ``log``."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as f:
@@ -495,11 +465,11 @@ def spawn(name: str, argv: Sequence[str], log: Path, env: dict[str, str] | None 
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             start_new_session=True,
         )
-    return Started(name, popen, log)
+    return ServiceProcess(name, popen, log)
 
 
 def wait_http_ready(
-    proc: Started, base: str, model: str, timeout: float, marker: str | None = None
+    proc: ServiceProcess, base: str, model: str, timeout: float, marker: str | None = None
 ) -> None:
     """Waits until ``base/health`` is 200 and ``base/v1/models`` lists ``model`` (and, if
     given, ``marker`` appears in the log).
@@ -512,16 +482,16 @@ def wait_http_ready(
         if not proc.alive():
             raise BenchError(
                 f"{proc.name} exited with code {proc.popen.returncode} before it was ready "
-                f"(log {proc.log}):\n{proc.tail()}"
+                f"(log {proc.log_path}):\n{proc.log_tail()}"
             )
         # HTTPException: something else answers on the port (a port race): not ready yet
         with contextlib.suppress(OSError, BenchError, http.client.HTTPException):
             ready = http_get(f"{base}/health", 2.0)[0] == 200 and model in served_models(base)
-            if ready and (marker is None or marker in proc.log.read_text(errors="replace")):
+            if ready and (marker is None or marker in proc.log_path.read_text(errors="replace")):
                 return
         if time.monotonic() > deadline:
             raise BenchError(
-                f"{proc.name} not ready within {timeout:.0f}s (log {proc.log}):\n{proc.tail()}"
+                f"{proc.name} not ready within {timeout:.0f}s (log {proc.log_path}):\n{proc.log_tail()}"
             )
         time.sleep(0.5)
 
@@ -601,7 +571,7 @@ def started_colocated(args: argparse.Namespace, work: Path) -> Iterator[str]:
 
     model_dir = resolve_model(args.model)
     cores = os.cpu_count() or 1
-    procs: list[Started] = []
+    procs: list[ServiceProcess] = []
     try:
         bases = []
         t0 = time.monotonic()
