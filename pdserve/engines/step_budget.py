@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: ``additional_config`` keys that carry the scheduler's targets (milliseconds; 0 = off).
+TPOT_TARGET_KEY = "pdserve_tpot_target_ms"
+TTFT_URGENT_KEY = "pdserve_ttft_urgent_ms"
+
 #: Starting cost model (seconds): SmolLM2-135M bf16 on one AVX-512 core.
 FIXED_S = 0.030
 PER_TOKEN_S = 0.0017

@@ -44,6 +44,7 @@ from pdserve.engines.base import (
 )
 from pdserve.engines.config import VLLM_STEP_TOKENS, EngineConfig
 from pdserve.engines.fingerprint import model_fingerprint
+from pdserve.engines.step_budget import TPOT_TARGET_KEY, TTFT_URGENT_KEY
 from pdserve.engines.textstream import TextStream
 from pdserve.engines.vllm_connector import PARAMS_KEY, extra_config
 from pdserve.errors import InvalidArgument
@@ -51,10 +52,6 @@ from pdserve.errors import InvalidArgument
 CONNECTOR_MODULE = "pdserve.engines.vllm_connector"
 CONNECTOR_CLASS = "PdserveConnector"
 SCHEDULER_CLASS = "pdserve.engines.vllm_scheduler.StreamFirstScheduler"
-#: ``additional_config`` keys of the scheduler's targets (the scheduler module imports vLLM, so
-#: they are repeated here rather than imported).
-SCHEDULER_TPOT_KEY = "pdserve_tpot_target_ms"
-SCHEDULER_URGENT_KEY = "pdserve_ttft_urgent_ms"
 
 
 def prepare_environment(config: EngineConfig, cache_root: str | None = None) -> None:
@@ -159,8 +156,8 @@ class VllmEngine(Engine):
             max_num_batched_tokens=cfg.max_num_batched_tokens or VLLM_STEP_TOKENS,
             scheduler_cls=SCHEDULER_CLASS,
             additional_config={
-                SCHEDULER_TPOT_KEY: cfg.tpot_target_ms,
-                SCHEDULER_URGENT_KEY: cfg.ttft_urgent_ms,
+                TPOT_TARGET_KEY: cfg.tpot_target_ms,
+                TTFT_URGENT_KEY: cfg.ttft_urgent_ms,
             },
             enforce_eager=True,
             enable_prefix_caching=True,

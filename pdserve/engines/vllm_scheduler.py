@@ -38,18 +38,23 @@ from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from pdserve.engines.step_budget import StepCost, Stream, prompt_budget
-
-CONFIG_KEY = "pdserve_tpot_target_ms"
-URGENT_KEY = "pdserve_ttft_urgent_ms"
+from pdserve.engines.step_budget import (
+    TPOT_TARGET_KEY,
+    TTFT_URGENT_KEY,
+    StepCost,
+    Stream,
+    prompt_budget,
+)
 
 
 class StreamFirstScheduler(Scheduler):
+    """vLLM's scheduler with the step budget of the module docstring."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         extra = getattr(self.vllm_config, "additional_config", None) or {}
-        self.tpot_target_s = float(extra.get(CONFIG_KEY, 0)) / 1000.0
-        self.ttft_urgent_s = float(extra.get(URGENT_KEY, 0)) / 1000.0
+        self.tpot_target_s = float(extra.get(TPOT_TARGET_KEY, 0)) / 1000.0
+        self.ttft_urgent_s = float(extra.get(TTFT_URGENT_KEY, 0)) / 1000.0
         self.full_step_tokens = self.max_num_scheduled_tokens
         self.cost = StepCost()
         self._first_token_at: dict[str, float] = {}
@@ -59,7 +64,6 @@ class StreamFirstScheduler(Scheduler):
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         now = time.monotonic()
         streams = []
-        prompts = 0
         if self.tpot_target_s > 0:
             seen = self._first_token_at
             live = {}
