@@ -30,58 +30,53 @@ def _pyplot():
     return plt
 
 
+def _figure():
+    """A new figure and its axes, in the size every plot here uses."""
+    return _pyplot().subplots(figsize=(7, 4.5))
+
+
+def _save(fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> None:
+    """Labels, grid and legend, then writes ``path`` and frees the figure."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+
+
 def _cdf(path: Path, runs: Runs, metric: str, title: str) -> None:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = _figure()
     for name, records in runs.items():
         values = [getattr(r, metric) for r in records if r.success]
         ms = np.sort([v * 1000.0 for v in values if v is not None])
         if ms.size:
             ax.step(ms, np.arange(1, ms.size + 1) / ms.size, where="post", label=name)
-    ax.set_xlabel(f"{title} (ms)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title(f"{title} CDF")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, ax, path, f"{title} (ms)", "fraction of requests", f"{title} CDF")
 
 
 def _throughput(path: Path, runs: Runs, window_s: float) -> None:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = _figure()
     for name, records in runs.items():
         points = completions_per_window(records, window_s)
         if points:
             edges = [x for x, _ in points] + [duration_s(records)]
             ax.stairs([y for _, y in points], edges, label=name, baseline=None)
-    ax.set_xlabel("time since first request (s)")
-    ax.set_ylabel(f"completed requests/s ({window_s:g} s windows)")
-    ax.set_title("Throughput over time")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    ylabel = f"completed requests/s ({window_s:g} s windows)"
+    _save(fig, ax, path, "time since first request (s)", ylabel, "Throughput over time")
 
 
 def _inflight(path: Path, runs: Runs) -> None:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = _figure()
     for name, records in runs.items():
         steps = inflight_steps(records)
         if steps:
             xs, ys = zip(*steps, strict=True)
             ax.step(xs, ys, where="post", label=name)
-    ax.set_xlabel("time since first request (s)")
-    ax.set_ylabel("requests in flight (sent, not finished)")
-    ax.set_title("In-flight requests over time")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    ylabel = "requests in flight (sent, not finished)"
+    _save(fig, ax, path, "time since first request (s)", ylabel, "In-flight requests over time")
 
 
 def write_plots(out_dir: str | Path, runs: Runs, window_s: float = 5.0) -> list[Path]:
