@@ -2,9 +2,11 @@
 :class:`pdserve.store.api.StoreBackend`).
 
 :class:`StoreClient` is synchronous and thread-safe (asyncio code calls it through
-``asyncio.to_thread``). Control goes to the master over gRPC; payload bytes move over a
-data-plane transport chosen per replica: shm when the node is on this host, else tcp, else
-mooncake (``transport=`` forces one).
+``asyncio.to_thread``). Control goes to the master over its control wire
+(:mod:`pdserve.store.wire`, the same messages without HTTP/2), or gRPC when the wire is off
+or unreachable (``control="grpc"`` forces gRPC); payload bytes move over a data-plane
+transport chosen per replica: shm when the node is on this host, else tcp, else mooncake
+(``transport=`` forces one).
 
 Put: ``BatchPutStart`` -> write every replica -> ``BatchPutEnd`` (``BatchPutRevoke`` when a
 write fails). Get: ``BatchGetReplicaList`` (grants a read lease) -> read the best replica,
@@ -39,6 +41,8 @@ from pdserve.store.api import (
 from pdserve.store.segment import host_id as local_host_id
 from pdserve.store.transports import PREFERENCE
 from pdserve.store.transports.base import Transport, TransportError
+from pdserve.store.wire import VERSION as WIRE_VERSION
+from pdserve.store.wire import WireClient, WireUnreachable
 from pdserve.telemetry import REGISTRY
 from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 
@@ -69,6 +73,10 @@ TRANSPORT_NAMES = {
 }
 
 
+#: How long a client uses gRPC before it looks for the master's control wire again after the
+#: wire was off or unreachable (seconds).
+WIRE_RETRY_S = 1.0
+
 #: How long a node that failed a read is tried after the other replicas (seconds).
 SUSPECT_S = 5.0
 
@@ -84,21 +92,27 @@ class StoreClient(StoreBackend):
         transport: str = "auto",
         timeout_s: float = 5.0,
         put_retries: int = 2,
+        control: str = "auto",
     ) -> None:
         if transport not in ("auto", *PREFERENCE):
             raise errors.InvalidArgument(
                 f"transport must be auto, shm, tcp or mooncake, got {transport!r}"
             )
+        if control not in ("auto", "grpc"):
+            raise errors.InvalidArgument(f"control must be auto or grpc, got {control!r}")
         self.master_address = master_address
         self.client_id = client_id or f"client-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.transport = transport
         self.timeout_s = timeout_s
         self.put_retries = put_retries
+        self.control = control
         self.host_id = local_host_id()
         self._channel = grpcutil.sync_channel(master_address)
         self._stub = kvstore_pb2_grpc.KVMasterServiceStub(self._channel)
         self._transports: dict[str, Transport] = {}
         self._lock = threading.Lock()
+        self._wire: WireClient | None = None
+        self._wire_checked = -WIRE_RETRY_S
         # node id -> monotonic time until which reads try its replicas last (it just failed)
         self._suspect_until: dict[str, float] = {}
         self._release_cv = threading.Condition()
@@ -110,6 +124,18 @@ class StoreClient(StoreBackend):
     # -- plumbing ---------------------------------------------------------------------------
 
     def _call(self, method: str, request: Any) -> Any:
+        wire = self._wire_client()
+        if wire is not None:
+            try:
+                return wire.call(method, request)
+            except WireUnreachable as exc:
+                # The master restarted (a new wire port) or its wire is cut off: gRPC says
+                # which, and the wire is looked up again after WIRE_RETRY_S.
+                log.info("%s; using gRPC", exc)
+                with self._lock:
+                    if self._wire is wire:
+                        self._wire, self._wire_checked = None, time.monotonic()
+                wire.close()
         try:
             return getattr(self._stub, method)(request, timeout=self.timeout_s)
         except grpc.RpcError as exc:
@@ -118,6 +144,33 @@ class StoreClient(StoreBackend):
             raise errors.from_status(
                 code, f"kvstore master {self.master_address} {method}: {code.name}: {detail}"
             ) from exc
+
+    def _wire_client(self) -> WireClient | None:
+        """The master's control wire, looked up with ``GetControlWire`` at first use and
+        again WIRE_RETRY_S after it was off or unreachable; None means gRPC."""
+        if self.control != "auto":
+            return None
+        with self._lock:
+            if self._wire is not None or time.monotonic() - self._wire_checked < WIRE_RETRY_S:
+                return self._wire
+            self._wire_checked = time.monotonic()
+        try:
+            info = self._stub.GetControlWire(
+                kvstore_pb2.ControlWireRequest(), timeout=self.timeout_s
+            )
+        except grpc.RpcError as exc:
+            log.debug("GetControlWire failed: %s", exc)
+            return None
+        if not info.port or info.version != WIRE_VERSION:
+            return None
+        host = self.master_address.rpartition(":")[0]
+        wire = WireClient(host, info.port, self.timeout_s)
+        with self._lock:
+            if self._wire is None:
+                self._wire = wire
+                return wire
+        wire.close()
+        return self._wire
 
     def _get_transport(self, name: str) -> Transport:
         with self._lock:
@@ -297,11 +350,11 @@ class StoreClient(StoreBackend):
             if not keys:
                 return
             try:
-                self._stub.BatchReleaseLease(
+                self._call(
+                    "BatchReleaseLease",
                     kvstore_pb2.BatchKeysRequest(client_id=self.client_id, keys=keys),
-                    timeout=self.timeout_s,
                 )
-            except grpc.RpcError as exc:
+            except errors.PdserveError as exc:
                 log.debug("lease release of %d key(s) failed: %s", len(keys), exc)
 
     def _read(
@@ -455,6 +508,8 @@ class StoreClient(StoreBackend):
             self._transports.clear()
         for t in transports:
             t.close()
+        if self._wire is not None:
+            self._wire.close()
         self._channel.close()
 
     def __enter__(self) -> StoreClient:

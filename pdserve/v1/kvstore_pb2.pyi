@@ -346,6 +346,18 @@ class KVEvent(_message.Message):
     time_ms: int
     def __init__(self, type: _Optional[_Union[KVEventType, str]] = ..., key: _Optional[str] = ..., size: _Optional[int] = ..., reason: _Optional[_Union[KVEventReason, str]] = ..., time_ms: _Optional[int] = ...) -> None: ...
 
+class ControlWireRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ControlWireResponse(_message.Message):
+    __slots__ = ("port", "version")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    version: int
+    def __init__(self, port: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+
 class NodeStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

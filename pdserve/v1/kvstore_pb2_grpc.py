@@ -99,6 +99,11 @@ class KVMasterServiceStub:
                 request_serializer=pdserve_dot_v1_dot_kvstore__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_kvstore__pb2.KVEvent.FromString,
                 _registered_method=True)
+        self.GetControlWire = channel.unary_unary(
+                '/pdserve.v1.KVMasterService/GetControlWire',
+                request_serializer=pdserve_dot_v1_dot_kvstore__pb2.ControlWireRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kvstore__pb2.ControlWireResponse.FromString,
+                _registered_method=True)
 
 
 class KVMasterServiceServicer:
@@ -188,6 +193,15 @@ class KVMasterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetControlWire(self, request, context):
+        """Where the master's control wire listens: the unary client calls of this service
+        (BatchPutStart .. Stats) framed without HTTP/2 on a plain TCP port (see
+        pdserve/store/wire.py). Store clients use it for their hot path and fall back to gRPC.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVMasterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -255,6 +269,11 @@ def add_KVMasterServiceServicer_to_server(servicer, server):
                     servicer.WatchEvents,
                     request_deserializer=pdserve_dot_v1_dot_kvstore__pb2.WatchEventsRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_kvstore__pb2.KVEvent.SerializeToString,
+            ),
+            'GetControlWire': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetControlWire,
+                    request_deserializer=pdserve_dot_v1_dot_kvstore__pb2.ControlWireRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kvstore__pb2.ControlWireResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -608,6 +627,33 @@ class KVMasterService:
             '/pdserve.v1.KVMasterService/WatchEvents',
             pdserve_dot_v1_dot_kvstore__pb2.WatchEventsRequest.SerializeToString,
             pdserve_dot_v1_dot_kvstore__pb2.KVEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetControlWire(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVMasterService/GetControlWire',
+            pdserve_dot_v1_dot_kvstore__pb2.ControlWireRequest.SerializeToString,
+            pdserve_dot_v1_dot_kvstore__pb2.ControlWireResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,13 +1,15 @@
 """The KV store master process: serves KVMasterService, runs housekeeping, exports metrics.
 
-``serve(cfg, stop)`` starts the gRPC server, announces READY (grpc address, metrics port),
-ticks :meth:`MasterState.tick` every ``tick_interval_ms`` until ``stop`` is set, then drains.
+``serve(cfg, stop)`` starts the control wire and the gRPC server, announces READY (grpc
+address, metrics port, wire port), ticks :meth:`MasterState.tick` every
+``tick_interval_ms`` until ``stop`` is set, then drains.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 
 from pdserve.services.kvstore.master_config import MasterConfig
 
@@ -19,14 +21,19 @@ log = logging.getLogger(__name__)
 class _StateCollector:
     """Prometheus view of a MasterState (read at scrape time; no double bookkeeping)."""
 
-    def __init__(self, state, hub) -> None:
+    def __init__(self, state, hub, lock) -> None:
         self.state = state
         self.hub = hub
+        self.lock = lock
 
     def describe(self):
         return []
 
     def collect(self):
+        with self.lock:  # scrapes run on the metrics server's thread
+            return list(self._collect())
+
+    def _collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         s, c = self.state, self.state.counters
@@ -65,25 +72,38 @@ async def serve(cfg: MasterConfig, stop: asyncio.Event) -> None:
     from pdserve import grpcutil, telemetry
     from pdserve.lifecycle import announce_ready
     from pdserve.services.kvstore.events import EventHub
-    from pdserve.services.kvstore.master_servicer import KVMasterServicer
+    from pdserve.services.kvstore.master_servicer import KVMasterServicer, MasterHandlers
     from pdserve.services.kvstore.master_state import MasterState
+    from pdserve.services.kvstore.master_wire import WireServer
     from pdserve.services.kvstore.persistence import MetadataStore
     from pdserve.v1 import kvstore_pb2_grpc
 
     hub = EventHub(cfg.event_queue_size)
     store = MetadataStore(cfg.state_dir) if cfg.state_dir else None
 
+    loop = asyncio.get_running_loop()
+    loop_thread = threading.get_ident()
+
     def on_event(type_: int, key: str, size: int, reason: int) -> None:
-        hub.publish(type_, key, size, reason, int(telemetry.now_ms()))
+        args = (type_, key, size, reason, int(telemetry.now_ms()))
+        if threading.get_ident() == loop_thread:
+            hub.publish(*args)
+        else:  # a control-wire thread: the hub's subscribers wake on the loop
+            loop.call_soon_threadsafe(hub.publish, *args)
 
     state = MasterState(cfg, store=store, on_event=on_event)
-    collector = _StateCollector(state, hub)
+    handlers = MasterHandlers(state)
+    collector = _StateCollector(state, hub, handlers.lock)
     telemetry.REGISTRY.register(collector)
+    wire = None
+    if cfg.wire_port >= 0:
+        wire = WireServer(handlers, cfg.host, cfg.wire_port)
+        handlers.wire_port = wire.port
     server = await grpcutil.start_server(
         [
             (
                 kvstore_pb2_grpc.add_KVMasterServiceServicer_to_server,
-                KVMasterServicer(state, hub),
+                KVMasterServicer(handlers, hub),
                 "pdserve.v1.KVMasterService",
             )
         ],
@@ -91,7 +111,12 @@ async def serve(cfg: MasterConfig, stop: asyncio.Event) -> None:
     )
     metrics_port = telemetry.serve_metrics(cfg.metrics_port, cfg.host)
     address = f"{cfg.host}:{server.port}"
-    log.info("kvstore master serving on %s (state_dir=%r)", address, cfg.state_dir)
+    log.info(
+        "kvstore master serving on %s, control wire port %s (state_dir=%r)",
+        address,
+        handlers.wire_port or "off",
+        cfg.state_dir,
+    )
     from pdserve.discovery import leave, register_service
     from pdserve.v1 import common_pb2, meta_pb2
 
@@ -104,13 +129,14 @@ async def serve(cfg: MasterConfig, stop: asyncio.Event) -> None:
             labels={"metrics": f"{cfg.host}:{metrics_port}"} if metrics_port else {},
         ),
     )
-    announce_ready("kvstore-master", grpc=address, metrics=metrics_port)
+    announce_ready("kvstore-master", grpc=address, metrics=metrics_port, wire=handlers.wire_port)
 
     async def housekeeping() -> None:
         while True:
             await asyncio.sleep(cfg.tick_interval_ms / 1000)
             try:
-                state.tick()
+                with handlers.lock:
+                    state.tick()
             except Exception:  # keep the master up; the next tick retries
                 log.exception("housekeeping pass failed")
 
@@ -122,8 +148,11 @@ async def serve(cfg: MasterConfig, stop: asyncio.Event) -> None:
         await leave(meta_client)
         task.cancel()
         hub.close()
+        if wire is not None:
+            wire.close()
         await server.stop(grace=2.0)
-        state.flush()
+        with handlers.lock:
+            state.flush()
         if store is not None:
             store.close()
         telemetry.REGISTRY.unregister(collector)

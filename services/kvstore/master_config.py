@@ -13,6 +13,11 @@ class MasterConfig:
     host: str = help_field("127.0.0.1", "address to bind the gRPC server to")
     port: int = help_field(50051, "gRPC port (0 = any free port)")
     metrics_port: int = help_field(0, "Prometheus /metrics port (0 = any free port, -1 = off)")
+    wire_port: int = help_field(
+        0,
+        "control wire port: the store clients' hot calls without HTTP/2, found through "
+        "GetControlWire (0 = any free port, -1 = off: clients use gRPC)",
+    )
     state_dir: str = help_field(
         "",
         "directory for the committed-object metadata (SQLite); empty = in memory only, "

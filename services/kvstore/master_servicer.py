@@ -1,27 +1,48 @@
-"""KVMasterService: a thin gRPC layer over :class:`MasterState`.
+"""KVMasterService: :class:`MasterHandlers` turns requests into :class:`MasterState` calls and
+results into responses (plain, synchronous, no gRPC); :class:`KVMasterServicer` is the thin
+gRPC layer over it, and the control wire (:mod:`.master_wire`) serves the same handlers.
 
 Whole-call problems (empty batch, too many keys, bad options, unknown segment, duplicate
-mount) are gRPC statuses raised as :mod:`pdserve.errors`; per-item outcomes are KVErrorCode
-values in the results.
+mount) are raised as :mod:`pdserve.errors` and become statuses; per-item outcomes are
+KVErrorCode values in the results.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
 from pdserve.grpcutil import rpc
 from pdserve.services.kvstore.events import EventHub
 from pdserve.services.kvstore.master_state import MasterState, ReplicaLoc
+from pdserve.store.wire import VERSION as WIRE_VERSION
 from pdserve.v1 import kvstore_pb2 as pb
 from pdserve.v1 import kvstore_pb2_grpc
 
 
-class KVMasterServicer(kvstore_pb2_grpc.KVMasterServiceServicer):
-    def __init__(self, state: MasterState, hub: EventHub) -> None:
+def _keys(outcomes) -> pb.BatchKeysResponse:
+    return pb.BatchKeysResponse(
+        results=[pb.KeyResult(key=r.key, code=r.code, message=r.message) for r in outcomes]
+    )
+
+
+class MasterHandlers:
+    """One synchronous method per unary RPC, named as in the proto. Callers go through
+    :meth:`call`: gRPC runs on the event loop and the control wire on its own threads, and
+    :attr:`lock` lets one of them at a time touch the state (housekeeping takes it too)."""
+
+    def __init__(self, state: MasterState) -> None:
         self.state = state
-        self.hub = hub
+        self.lock = threading.Lock()
+        #: The control wire's port once it listens (0 = off).
+        self.wire_port = 0
+
+    def call(self, method: str, request: Any) -> Any:
+        with self.lock:
+            return getattr(self, method)(request)
 
     def _replicas(self, locs: tuple[ReplicaLoc, ...] | list[ReplicaLoc], size: int) -> list:
         segs = self.state.segments
@@ -36,10 +57,7 @@ class KVMasterServicer(kvstore_pb2_grpc.KVMasterServiceServicer):
             for r in locs
         ]
 
-    @rpc
-    async def MountSegment(
-        self, request: pb.MountSegmentRequest, context
-    ) -> pb.MountSegmentResponse:
+    def MountSegment(self, request: pb.MountSegmentRequest) -> pb.MountSegmentResponse:
         seg = request.segment
         restored = self.state.mount(
             seg.segment_id,
@@ -52,24 +70,15 @@ class KVMasterServicer(kvstore_pb2_grpc.KVMasterServiceServicer):
             heartbeat_interval_ms=self.state.cfg.heartbeat_interval_ms, restored_objects=restored
         )
 
-    @rpc
-    async def UnmountSegment(
-        self, request: pb.UnmountSegmentRequest, context
-    ) -> pb.UnmountSegmentResponse:
+    def UnmountSegment(self, request: pb.UnmountSegmentRequest) -> pb.UnmountSegmentResponse:
         return pb.UnmountSegmentResponse(removed_objects=self.state.unmount(request.segment_id))
 
-    @rpc
-    async def Heartbeat(
-        self, request: pb.NodeHeartbeatRequest, context
-    ) -> pb.NodeHeartbeatResponse:
+    def Heartbeat(self, request: pb.NodeHeartbeatRequest) -> pb.NodeHeartbeatResponse:
         return pb.NodeHeartbeatResponse(
             remount_required=self.state.heartbeat(request.node_id, list(request.segment_ids))
         )
 
-    @rpc
-    async def BatchPutStart(
-        self, request: pb.BatchPutStartRequest, context
-    ) -> pb.BatchPutStartResponse:
+    def BatchPutStart(self, request: pb.BatchPutStartRequest) -> pb.BatchPutStartResponse:
         o = request.options
         outcomes = self.state.put_start(
             request.client_id,
@@ -92,23 +101,14 @@ class KVMasterServicer(kvstore_pb2_grpc.KVMasterServiceServicer):
             ]
         )
 
-    @staticmethod
-    def _keys(outcomes) -> pb.BatchKeysResponse:
-        return pb.BatchKeysResponse(
-            results=[pb.KeyResult(key=r.key, code=r.code, message=r.message) for r in outcomes]
-        )
+    def BatchPutEnd(self, request: pb.BatchKeysRequest) -> pb.BatchKeysResponse:
+        return _keys(self.state.put_end(request.client_id, list(request.keys)))
 
-    @rpc
-    async def BatchPutEnd(self, request: pb.BatchKeysRequest, context) -> pb.BatchKeysResponse:
-        return self._keys(self.state.put_end(request.client_id, list(request.keys)))
+    def BatchPutRevoke(self, request: pb.BatchKeysRequest) -> pb.BatchKeysResponse:
+        return _keys(self.state.put_revoke(request.client_id, list(request.keys)))
 
-    @rpc
-    async def BatchPutRevoke(self, request: pb.BatchKeysRequest, context) -> pb.BatchKeysResponse:
-        return self._keys(self.state.put_revoke(request.client_id, list(request.keys)))
-
-    @rpc
-    async def BatchGetReplicaList(
-        self, request: pb.BatchGetReplicaListRequest, context
+    def BatchGetReplicaList(
+        self, request: pb.BatchGetReplicaListRequest
     ) -> pb.BatchGetReplicaListResponse:
         outcomes = self.state.get_replicas(request.client_id, list(request.keys), request.lease_ms)
         objs = self.state.objects
@@ -124,29 +124,83 @@ class KVMasterServicer(kvstore_pb2_grpc.KVMasterServiceServicer):
             ]
         )
 
-    @rpc
-    async def BatchReleaseLease(
-        self, request: pb.BatchKeysRequest, context
-    ) -> pb.BatchKeysResponse:
-        return self._keys(self.state.release(request.client_id, list(request.keys)))
+    def BatchReleaseLease(self, request: pb.BatchKeysRequest) -> pb.BatchKeysResponse:
+        return _keys(self.state.release(request.client_id, list(request.keys)))
 
-    @rpc
-    async def BatchExists(self, request: pb.BatchKeysRequest, context) -> pb.BatchExistsResponse:
+    def BatchExists(self, request: pb.BatchKeysRequest) -> pb.BatchExistsResponse:
         return pb.BatchExistsResponse(exists=self.state.exists(request.keys))
 
-    @rpc
-    async def LongestPrefix(
-        self, request: pb.LongestPrefixRequest, context
-    ) -> pb.LongestPrefixResponse:
+    def LongestPrefix(self, request: pb.LongestPrefixRequest) -> pb.LongestPrefixResponse:
         return pb.LongestPrefixResponse(length=self.state.longest_prefix(request.keys))
 
-    @rpc
-    async def BatchRemove(self, request: pb.BatchKeysRequest, context) -> pb.BatchKeysResponse:
-        return self._keys(self.state.remove(list(request.keys)))
+    def BatchRemove(self, request: pb.BatchKeysRequest) -> pb.BatchKeysResponse:
+        return _keys(self.state.remove(list(request.keys)))
+
+    def Stats(self, request: pb.StatsRequest) -> pb.StatsResponse:
+        return self.state.stats()
+
+    def GetControlWire(self, request: pb.ControlWireRequest) -> pb.ControlWireResponse:
+        return pb.ControlWireResponse(
+            port=self.wire_port, version=WIRE_VERSION if self.wire_port else 0
+        )
+
+
+class KVMasterServicer(kvstore_pb2_grpc.KVMasterServiceServicer):
+    def __init__(self, handlers: MasterHandlers, hub: EventHub) -> None:
+        self.h = handlers
+        self.hub = hub
 
     @rpc
-    async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
-        return self.state.stats()
+    async def MountSegment(self, request, context):
+        return self.h.call("MountSegment", request)
+
+    @rpc
+    async def UnmountSegment(self, request, context):
+        return self.h.call("UnmountSegment", request)
+
+    @rpc
+    async def Heartbeat(self, request, context):
+        return self.h.call("Heartbeat", request)
+
+    @rpc
+    async def BatchPutStart(self, request, context):
+        return self.h.call("BatchPutStart", request)
+
+    @rpc
+    async def BatchPutEnd(self, request, context):
+        return self.h.call("BatchPutEnd", request)
+
+    @rpc
+    async def BatchPutRevoke(self, request, context):
+        return self.h.call("BatchPutRevoke", request)
+
+    @rpc
+    async def BatchGetReplicaList(self, request, context):
+        return self.h.call("BatchGetReplicaList", request)
+
+    @rpc
+    async def BatchReleaseLease(self, request, context):
+        return self.h.call("BatchReleaseLease", request)
+
+    @rpc
+    async def BatchExists(self, request, context):
+        return self.h.call("BatchExists", request)
+
+    @rpc
+    async def LongestPrefix(self, request, context):
+        return self.h.call("LongestPrefix", request)
+
+    @rpc
+    async def BatchRemove(self, request, context):
+        return self.h.call("BatchRemove", request)
+
+    @rpc
+    async def Stats(self, request, context):
+        return self.h.call("Stats", request)
+
+    @rpc
+    async def GetControlWire(self, request, context):
+        return self.h.call("GetControlWire", request)
 
     @rpc
     async def WatchEvents(

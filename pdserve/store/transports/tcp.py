@@ -11,7 +11,10 @@ reply is followed by ``length`` payload bytes. The node validates every header (
 version, op, known segment, ``offset + length`` inside the segment) before touching memory;
 on a bad header it answers with an error status and closes the connection, because the byte
 stream can no longer be trusted. Payloads go straight from / into the segment mapping and
-the caller's buffer (``socket.recv_into``), never through an intermediate copy.
+the caller's buffer, never through an intermediate copy: a header and its payload leave in
+one ``sendmsg`` and a read's reply lands with ``recvmsg_into`` (header and payload in one
+call). Objects from :data:`PARALLEL_MIN_BYTES` on move as sub-range requests on parallel
+connections.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import socket
 import struct
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import blake3
 
@@ -55,13 +59,18 @@ STATUS_TEXT = {
     ST_OUT_OF_BOUNDS: "range outside the segment",
     ST_SHORT_PAYLOAD: "connection closed before the payload was complete",
 }
-#: Explicit SO_SNDBUF/SO_RCVBUF (bytes); 0 = leave the buffers to the kernel's autotuning.
-#: Setting them disables autotuning and is capped at net.core.[rw]mem_max (4 MiB here), while
-#: autotuning grows them up to net.ipv4.tcp_[rw]mem's maximum (32 MiB here): on Linux the
-#: large buffers come from *not* setting them. Measured on loopback: no worse, often better.
-SOCK_BUF = 0
+#: Explicit SO_SNDBUF/SO_RCVBUF (bytes; the kernel doubles it); 0 = kernel autotuning.
+#: Small buffers keep the bytes in flight inside the CPU caches: the receiver copies out what
+#: the sender just copied in. Measured on loopback (2 cores, 64 MiB objects): 256 KiB about
+#: 4.5-5.4 GB/s; 512 KiB-1 MiB and autotuning (which grows to 32 MiB) 2.6-3.0 GB/s.
+SOCK_BUF = 256 * 1024
 #: Largest slice handed to one send/recv call (keeps each syscall bounded).
 _IO_SLICE = 4 * 1024 * 1024
+#: Objects from this size on move as PARALLEL_STREAMS sub-range requests on separate
+#: connections at once. Measured on loopback (2 cores): 16-64 MiB reads 4.0 -> 5.2 GB/s with
+#: two streams; four streams are slower than two.
+PARALLEL_MIN_BYTES = 8 * 1024 * 1024
+PARALLEL_STREAMS = 2
 
 
 def segment_key(segment_id: str) -> int:
@@ -74,6 +83,25 @@ def _tune(sock: socket.socket) -> None:
     if SOCK_BUF:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCK_BUF)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCK_BUF)
+
+
+def send_parts(sock: socket.socket, parts: list[memoryview]) -> None:
+    """Sends every byte of ``parts`` in as few syscalls as possible (``sendmsg`` gathers
+    them, so a header and its payload leave in one call and reach the peer together)."""
+    parts = [p for p in parts if len(p)]
+    while parts:
+        sent = sock.sendmsg(parts[:8] if len(parts) > 8 else parts)
+        while sent:
+            if sent >= len(parts[0]):
+                sent -= len(parts[0])
+                parts.pop(0)
+            else:
+                parts[0] = parts[0][sent:]
+                sent = 0
+
+
+def _slices(view: memoryview) -> list[memoryview]:
+    return [view[i : i + _IO_SLICE] for i in range(0, len(view), _IO_SLICE)]
 
 
 def recv_exact(sock: socket.socket, buf: memoryview) -> bool:
@@ -116,6 +144,7 @@ class TcpServer(TransportServer):
         self._segments = {segment_key(s.segment_id): s.view for s in segments}
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        _tune(sock)  # accepted connections inherit the buffer sizes
         sock.bind((self.host, self.requested_port))
         sock.listen(128)
         self.port = sock.getsockname()[1]
@@ -206,8 +235,7 @@ class TcpServer(TransportServer):
             return self._fail(conn, ST_OUT_OF_BOUNDS, f"offset {offset} length {length}")
         region = mem[offset : offset + length]
         if op == OP_READ:
-            self._reply(conn, ST_OK, length)
-            conn.sendall(region)
+            send_parts(conn, [memoryview(REP.pack(REP_MAGIC, ST_OK, length)), *_slices(region)])
             self._read += length
             return True
         if not recv_exact(conn, region):
@@ -223,11 +251,12 @@ class TcpTransport(Transport):
     name = "tcp"
     kind = kvstore_pb2.TRANSPORT_TCP
 
-    def __init__(self, timeout_s: float = 5.0, pool_size: int = 4) -> None:
+    def __init__(self, timeout_s: float = 5.0, pool_size: int = 8) -> None:
         self.timeout_s = timeout_s
         self.pool_size = pool_size
         self._pools: dict[str, queue.LifoQueue[socket.socket]] = {}
         self._lock = threading.Lock()
+        self._pool_threads: ThreadPoolExecutor | None = None
         self._closed = False
 
     def _pool(self, address: str) -> queue.LifoQueue[socket.socket]:
@@ -239,84 +268,129 @@ class TcpTransport(Transport):
 
     def _connect(self, address: str) -> socket.socket:
         host, _, port = address.rpartition(":")
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        _tune(sock)  # before connect: the receive window is sized at the handshake
+        sock.settimeout(self.timeout_s)
         try:
-            sock = socket.create_connection((host, int(port)), timeout=self.timeout_s)
+            sock.connect((host, int(port)))
         except (OSError, ValueError) as exc:
+            sock.close()
             raise TransportError(f"cannot connect to {address}: {exc}") from exc
-        _tune(sock)
         return sock
 
     def _request(
         self,
-        replica: kvstore_pb2.Replica,
-        op: int,
+        address: str,
+        head: bytes,
+        length: int,
         payload: memoryview | None,
         out: memoryview | None,
     ) -> None:
-        ep = self.endpoint(replica)
-        if ep is None:
-            raise TransportError("replica has no tcp endpoint")
-        pool = self._pool(ep.address)
+        """One request on a pooled connection: ``payload`` for a write, ``out`` (exactly
+        ``length`` bytes) for a read."""
+        pool = self._pool(address)
         try:
             sock = pool.get_nowait()
         except queue.Empty:
-            sock = self._connect(ep.address)
+            sock = self._connect(address)
         ok = False
         try:
-            head = REQ.pack(
-                REQ_MAGIC,
-                VERSION,
-                op,
-                0,
-                segment_key(replica.segment_id),
-                replica.offset,
-                replica.size,
+            send_parts(
+                sock, [memoryview(head), *_slices(payload)] if payload is not None else [head]
             )
-            if payload is not None:
-                sock.sendall(head)
-                for i in range(0, len(payload), _IO_SLICE):
-                    sock.sendall(payload[i : i + _IO_SLICE])
-            else:
-                sock.sendall(head)
             rep = bytearray(REP.size)
-            if not recv_exact(sock, memoryview(rep)):
-                raise TransportError(f"node {ep.address} closed the connection")
-            magic, status, length = REP.unpack(rep)
+            got = 0
+            if out is not None:
+                # One syscall for the reply and the start of the payload, straight into the
+                # caller's buffer.
+                got = sock.recvmsg_into([memoryview(rep), out[:_IO_SLICE]])[0]
+                if got == 0:
+                    raise TransportError(f"node {address} closed the connection")
+            if got < REP.size:
+                if not recv_exact(sock, memoryview(rep)[got:]):
+                    raise TransportError(f"node {address} closed the connection")
+                got = REP.size
+            magic, status, rlength = REP.unpack(rep)
             if magic != REP_MAGIC:
-                raise TransportError(f"node {ep.address} sent a malformed reply")
+                raise TransportError(f"node {address} sent a malformed reply")
             if status != ST_OK:
                 raise TransportError(
-                    f"node {ep.address} rejected the request: {STATUS_TEXT.get(status, status)}"
+                    f"node {address} rejected the request: {STATUS_TEXT.get(status, status)}"
                 )
-            if length != replica.size:
-                raise TransportError(
-                    f"node {ep.address} replied {length} bytes, want {replica.size}"
-                )
-            if out is not None and not recv_exact(sock, out[: replica.size]):
-                raise TransportError(f"node {ep.address} closed the connection mid-payload")
+            if rlength != length:
+                raise TransportError(f"node {address} replied {rlength} bytes, want {length}")
+            if out is not None and not recv_exact(sock, out[got - REP.size : length]):
+                raise TransportError(f"node {address} closed the connection mid-payload")
             ok = True
         except OSError as exc:
-            raise TransportError(f"tcp transfer with {ep.address} failed: {exc}") from exc
+            raise TransportError(f"tcp transfer with {address} failed: {exc}") from exc
         finally:
             if ok and not self._closed and pool.qsize() < self.pool_size:
                 pool.put(sock)
             else:
                 sock.close()
 
+    def _transfer(
+        self,
+        replica: kvstore_pb2.Replica,
+        op: int,
+        payload: memoryview | None,
+        out: memoryview | None,
+    ) -> None:
+        """Moves the replica's bytes; large ones as PARALLEL_STREAMS sub-range requests."""
+        ep = self.endpoint(replica)
+        if ep is None:
+            raise TransportError("replica has no tcp endpoint")
+        seg = segment_key(replica.segment_id)
+        size = replica.size
+        streams = PARALLEL_STREAMS if size >= PARALLEL_MIN_BYTES else 1
+        bounds = [size * i // streams for i in range(streams + 1)]
+
+        def part(i: int) -> None:
+            lo, hi = bounds[i], bounds[i + 1]
+            head = REQ.pack(REQ_MAGIC, VERSION, op, 0, seg, replica.offset + lo, hi - lo)
+            self._request(
+                ep.address,
+                head,
+                hi - lo,
+                None if payload is None else payload[lo:hi],
+                None if out is None else out[lo:hi],
+            )
+
+        if streams == 1:
+            part(0)
+            return
+        others = [self._executor().submit(part, i) for i in range(1, streams)]
+        try:
+            part(0)
+        finally:
+            for f in others:
+                f.result()
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool_threads is None:
+                self._pool_threads = ThreadPoolExecutor(
+                    max_workers=4 * (PARALLEL_STREAMS - 1), thread_name_prefix="kv-tcp-stream"
+                )
+            return self._pool_threads
+
     def write(self, replica: kvstore_pb2.Replica, data: memoryview) -> None:
         if len(data) != replica.size:
             raise TransportError(f"write of {len(data)} bytes into a {replica.size}-byte replica")
-        self._request(replica, OP_WRITE, data, None)
+        self._transfer(replica, OP_WRITE, data, None)
 
     def read_into(self, replica: kvstore_pb2.Replica, buf: memoryview) -> None:
         check_range(replica, len(buf), "tcp read")
-        self._request(replica, OP_READ, None, buf)
+        self._transfer(replica, OP_READ, None, buf)
 
     def close(self) -> None:
         self._closed = True
         with self._lock:
             pools = list(self._pools.values())
             self._pools.clear()
+            if self._pool_threads is not None:
+                self._pool_threads.shutdown(wait=False)
         for pool in pools:
             while True:
                 try:

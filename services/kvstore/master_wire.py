@@ -1,0 +1,94 @@
+"""The master's side of the control wire (framing in :mod:`pdserve.store.wire`).
+
+One thread per connection with blocking sockets: measured on loopback, a call answered this
+way costs about 30 us less than through an asyncio protocol on the event loop. Every call
+runs :meth:`MasterHandlers.call`, which holds the state lock, so wire and gRPC calls see
+:class:`MasterState` one at a time; errors map to statuses as for gRPC
+(:func:`pdserve.errors.status_for`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from pdserve.errors import status_for
+from pdserve.services.kvstore.master_servicer import MasterHandlers
+from pdserve.store.wire import FRAME, HELLO, MAX_BODY, METHODS, read_exact
+
+log = logging.getLogger(__name__)
+
+
+def answer(handlers: MasterHandlers, mid: int, body: bytes) -> tuple[grpc.StatusCode, bytes]:
+    """The status and reply body for one request frame."""
+    if not 1 <= mid <= len(METHODS):
+        return grpc.StatusCode.UNIMPLEMENTED, f"unknown method id {mid}".encode()
+    name, req_type, _resp = METHODS[mid - 1]
+    try:
+        request = req_type.FromString(body)
+    except DecodeError:
+        return grpc.StatusCode.INVALID_ARGUMENT, f"{name}: malformed {req_type.__name__}".encode()
+    try:
+        return grpc.StatusCode.OK, handlers.call(name, request).SerializeToString()
+    except Exception as exc:
+        code = status_for(exc)
+        if code == grpc.StatusCode.INTERNAL:
+            log.exception("unhandled error in control wire %s", name, exc_info=exc)
+            return code, f"internal error in {name}: {type(exc).__name__}: {exc}".encode()
+        return code, (str(exc) or type(exc).__name__).encode()
+
+
+class WireServer:
+    def __init__(self, handlers: MasterHandlers, host: str, port: int) -> None:
+        self.handlers = handlers
+        self._sock = socket.create_server((host, port), backlog=128)
+        self.port: int = self._sock.getsockname()[1]
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept_loop, name="kv-wire-accept", daemon=True).start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="kv-wire", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            if read_exact(conn, len(HELLO)) != HELLO:
+                log.warning("control wire: a peer sent a bad hello; closing")
+                return
+            while True:
+                length, mid, _ = FRAME.unpack(read_exact(conn, FRAME.size))
+                if length > MAX_BODY:
+                    msg = f"request of {length} bytes is over the {MAX_BODY}-byte limit".encode()
+                    conn.sendall(
+                        FRAME.pack(len(msg), grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], 0) + msg
+                    )
+                    return
+                status, reply = answer(self.handlers, mid, read_exact(conn, length))
+                conn.sendall(FRAME.pack(len(reply), status.value[0], 0) + reply)
+        except OSError:
+            return
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def close(self) -> None:
+        self._sock.close()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
