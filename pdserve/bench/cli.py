@@ -26,8 +26,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Starts a KV store master and a storage node, then measures from this process put "
             "and get GB/s and p50/p99 latency per transport (shm, tcp, mooncake) and object "
-            "size, numpy memcpy as the local limit, Mooncake Store's own client when Mooncake is "
-            "installed, and longest_prefix over 64 keys."
+            "size, one object per call and in batches (one prompt's chunks per call), numpy "
+            "memcpy as the local limit, Mooncake Store's own client when Mooncake is installed, "
+            "longest_prefix over 64 keys, and one master round trip over gRPC and over the "
+            "control wire. Run it on a quiet machine: the figures are wall-clock."
         ),
     )
     _kvstore_arguments(kv)
@@ -104,7 +106,15 @@ def _kvstore_arguments(p: argparse.ArgumentParser) -> None:
         help="pdserve transports to measure (default: shm,tcp,mooncake)",
     )
     p.add_argument(
+        "--batch",
+        type=int,
+        default=16,
+        help="objects per call in the batched runs (one prompt's chunks); fewer for big "
+        "objects, at most 256 MiB per batch; 1 = single-object runs only (default: 16)",
+    )
+    p.add_argument(
         "--no-mooncake-store", action="store_true", help="skip the Mooncake Store baseline"
     )
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    p.add_argument("--plot", metavar="PNG", help="also draw get GB/s per size per system to PNG")
     p.add_argument("--log-dir", metavar="DIR", help="service logs (default: a temporary directory)")

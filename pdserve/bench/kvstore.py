@@ -1,13 +1,23 @@
 """``pdserve bench kvstore``: data-plane throughput and latency of the KV store.
 
 Starts a ``pdserve kvstore master`` and a ``pdserve kvstore node`` as real processes and
-measures from this (a different) process, per transport and object size: put and get GB/s
-(bytes moved / wall time of sequential operations) and p50/p99 latency of each operation.
-A put is the whole client flow (BatchPutStart, write, BatchPutEnd); a get is ``get_into`` a
-preallocated buffer (BatchGetReplicaList, read, BatchReleaseLease). Alongside: numpy memcpy
-of the same sizes (the local limit), Mooncake Store's own client (``put_from`` / ``get_into``
-with registered buffers against ``mooncake_master`` and a storage process) when Mooncake is
-installed, and ``longest_prefix`` over 64 keys.
+measures from this (a different) process, per transport and object size, in two modes:
+
+* ``single``: one object per operation. A put is the whole client flow (BatchPutStart,
+  write, BatchPutEnd); a get is ``get_into`` a preallocated buffer (BatchGetReplicaList,
+  read, lease release).
+* ``batch``: N objects per operation, as an engine saves and loads one prompt's chunks:
+  ``batch_put`` (one BatchPutStart and one BatchPutEnd for all) and ``batch_get_into`` (one
+  lookup, network reads pipelined). N is ``--batch``, fewer for big objects
+  (:data:`BATCH_BYTES`).
+
+Reported: put and get GB/s (bytes moved / wall time of sequential operations) and p50/p99
+latency per operation. Alongside: numpy memcpy of the same bytes (the local limit; in batch
+mode N distinct objects, so the source is as cold as the store's), Mooncake Store's own client
+(``put_from`` / ``get_into`` and ``batch_put_from`` / ``batch_get_into`` with registered
+buffers against ``mooncake_master`` and a storage process) when Mooncake is installed,
+``longest_prefix`` over 64 keys, and the control path alone: one master round trip over gRPC
+and over the control wire.
 """
 
 from __future__ import annotations
@@ -28,13 +38,17 @@ from pdserve.store.segment import parse_size
 
 #: Bytes moved per (transport, size, direction) at most; bounds the run time of big sizes.
 BYTES_BUDGET = 512 * 1024 * 1024
+#: Bytes in one batch at most (a batch of 64 MiB objects has 4).
+BATCH_BYTES = 256 * 1024 * 1024
 
 
 @dataclass
 class Row:
     system: str  # "pdserve/shm", "pdserve/tcp", "pdserve/mooncake", "mooncake-store", "memcpy"
-    size: int
-    iterations: int
+    size: int  # bytes per object
+    iterations: int  # operations timed per direction
+    mode: str  # "single" or "batch"
+    batch: int  # objects per operation (1 in single mode)
     put_gbps: float
     put_p50_us: float
     put_p99_us: float
@@ -59,31 +73,45 @@ def _measure(n: int, op: Callable[[int], object]) -> tuple[list[float], float]:
 
 
 def _row(
-    system: str, size: int, n: int, put: tuple[list[float], float], get: tuple[list[float], float]
+    system: str,
+    size: int,
+    n: int,
+    put: tuple[list[float], float],
+    get: tuple[list[float], float],
+    batch: int = 1,
 ) -> Row:
     (pl, pt), (gl, gt) = put, get
+    moved = size * batch * n
     return Row(
         system,
         size,
         n,
-        size * n / pt / 1e9,
+        "single" if batch == 1 else "batch",
+        batch,
+        moved / pt / 1e9,
         _pct(pl, 0.5) * 1e6,
         _pct(pl, 0.99) * 1e6,
-        size * n / gt / 1e9,
+        moved / gt / 1e9,
         _pct(gl, 0.5) * 1e6,
         _pct(gl, 0.99) * 1e6,
     )
 
 
 def iterations_for(size: int, iterations: int) -> int:
+    """Operations of ``size`` bytes each timed per direction."""
     return max(3, min(iterations, BYTES_BUDGET // size))
+
+
+def batch_for(size: int, batch: int) -> int:
+    """Objects per batch of ``size``-byte objects."""
+    return max(1, min(batch, BATCH_BYTES // size))
 
 
 def _progress(msg: str) -> None:
     print(f"[bench kvstore] {msg}", file=sys.stderr, flush=True)
 
 
-def bench_memcpy(sizes: list[int], iterations: int) -> list[Row]:
+def bench_memcpy(sizes: list[int], iterations: int, batch: int) -> list[Row]:
     rows = []
     for size in sizes:
         n = iterations_for(size, iterations)
@@ -92,34 +120,105 @@ def bench_memcpy(sizes: list[int], iterations: int) -> list[Row]:
         np.copyto(dst, src)
         res = _measure(n, lambda _i, d=dst, s=src: np.copyto(d, s))
         rows.append(_row("memcpy", size, n, res, res))
+        if batch > 1:
+            nb = batch_for(size, batch)
+            nbatch = iterations_for(size * nb, iterations)
+            srcs = np.random.default_rng(1).integers(0, 256, (nb, size), dtype=np.uint8)
+            dsts = np.empty_like(srcs)
+
+            def copy_all(_i: int, d: np.ndarray = dsts, s: np.ndarray = srcs) -> None:
+                for j in range(len(s)):  # one copy per object, as a store reads them
+                    np.copyto(d[j], s[j])
+
+            copy_all(0)
+            res = _measure(nbatch, copy_all)
+            rows.append(_row("memcpy", size, nbatch, res, res, nb))
     return rows
 
 
-def bench_pdserve(address: str, transport: str, sizes: list[int], iterations: int) -> list[Row]:
+def bench_pdserve(
+    address: str, transport: str, sizes: list[int], iterations: int, batch: int
+) -> list[Row]:
     from pdserve.store.client import StoreClient
 
     client = StoreClient(address, transport=transport, timeout_s=30)
     rows = []
+    tag = f"{transport}-{os.getpid()}"
     try:
         for size in sizes:
             n = iterations_for(size, iterations)
-            _progress(f"pdserve/{transport} {size} B x {n}")
+            _progress(f"pdserve/{transport} {_fmt_size(size)} x {n}")
             data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
             view = memoryview(data)
             buf = np.empty(size, dtype=np.uint8)
-            keys = [f"bench-{transport}-{size}-{i}-{os.getpid()}" for i in range(n)]
-            client.put(f"warm-{transport}-{size}", view)  # connections, mappings
-            client.get_into(f"warm-{transport}-{size}", memoryview(buf))
+            keys = [f"bench-{tag}-{size}-{i}" for i in range(n)]
+            client.put(f"warm-{tag}-{size}", view)  # connections, mappings
+            client.get_into(f"warm-{tag}-{size}", memoryview(buf))
             put = _measure(n, lambda i, k=keys, v=view: client.put(k[i], v))
             bview = memoryview(buf)
             get = _measure(n, lambda i, k=keys, b=bview: client.get_into(k[i], b))
             if not np.array_equal(buf, data):
                 raise RuntimeError(f"pdserve/{transport}: read back different bytes")
-            client.remove([*keys, f"warm-{transport}-{size}"])
+            client.remove([*keys, f"warm-{tag}-{size}"])
             rows.append(_row(f"pdserve/{transport}", size, n, put, get))
+            if batch > 1:
+                rows.append(_bench_pdserve_batch(client, transport, tag, size, iterations, batch))
     finally:
         client.close()
     return rows
+
+
+def _bench_pdserve_batch(
+    client, transport: str, tag: str, size: int, iterations: int, batch: int
+) -> Row:
+    nb = batch_for(size, batch)
+    n = iterations_for(size * nb, iterations)
+    _progress(f"pdserve/{transport} batches of {nb} x {_fmt_size(size)}, {n} batches")
+    data = np.random.default_rng(size + 1).integers(0, 256, (nb, size), dtype=np.uint8)
+    srcs = [memoryview(row) for row in data]
+    out = np.empty_like(data)
+    dsts = [memoryview(row) for row in out]
+    keys = [[f"batch-{tag}-{size}-{i}-{j}" for j in range(nb)] for i in range(n + 1)]
+    client.batch_put(list(zip(keys[n], srcs, strict=True)))  # warm-up batch
+    client.batch_get_into(keys[n], dsts)
+    put = _measure(n, lambda i: client.batch_put(list(zip(keys[i], srcs, strict=True))))
+    get = _measure(n, lambda i: client.batch_get_into(keys[i], dsts))
+    if not np.array_equal(out, data):
+        raise RuntimeError(f"pdserve/{transport} batch: read back different bytes")
+    client.remove([k for ks in keys for k in ks])
+    return _row(f"pdserve/{transport}", size, n, put, get, nb)
+
+
+def bench_control(address: str, rounds: int = 500) -> dict[str, dict[str, float]]:
+    """One master round trip, over gRPC and over the control wire: BatchGetReplicaList of
+    one key (what a get waits for before its data moves) and LongestPrefix of 64 keys."""
+    from pdserve.store.client import StoreClient
+
+    out: dict[str, dict[str, float]] = {}
+    keys = [f"control-{os.getpid()}-{i}" for i in range(64)]
+    for control in ("grpc", "auto"):
+        client = StoreClient(address, control=control)
+        try:
+            if control == "auto" and client.control_path != "wire":
+                _progress("the master's control wire is off: skipping it")
+                continue
+            client.batch_put([(k, b"c" * 256) for k in keys[:48]])
+            for _ in range(50):
+                client._replica_lists(keys[:1])
+                client.longest_prefix(keys)
+            lookup, _ = _measure(rounds, lambda _i, c=client: c._replica_lists(keys[:1]))
+            prefix, _ = _measure(rounds, lambda _i, c=client: c.longest_prefix(keys))
+            client._release(keys[:1])  # the lookups' lease (remove flushes it first)
+            client.remove(keys)
+        finally:
+            client.close()
+        out["grpc" if control == "grpc" else "wire"] = {
+            "lookup_p50_us": _pct(lookup, 0.5) * 1e6,
+            "lookup_p99_us": _pct(lookup, 0.99) * 1e6,
+            "prefix64_p50_us": _pct(prefix, 0.5) * 1e6,
+            "prefix64_p99_us": _pct(prefix, 0.99) * 1e6,
+        }
+    return out
 
 
 def bench_longest_prefix(address: str, rounds: int = 300) -> dict[str, float]:
@@ -139,9 +238,10 @@ def bench_longest_prefix(address: str, rounds: int = 300) -> dict[str, float]:
 
 
 def bench_mooncake(
-    sizes: list[int], iterations: int, log_dir: Path, segment: int
+    sizes: list[int], iterations: int, batch: int, log_dir: Path, segment: int
 ) -> tuple[list[Row], dict[str, float]]:
-    """Mooncake Store's own client: put_from / get_into with registered buffers."""
+    """Mooncake Store's own client: put_from / get_into and batch_put_from /
+    batch_get_into with registered buffers."""
     from mooncake.store import MooncakeDistributedStore
 
     from pdserve.store.mooncake_backend import MooncakeCluster
@@ -150,21 +250,22 @@ def bench_mooncake(
     rows = []
     try:
         store = MooncakeDistributedStore()
+        biggest = max(max(sizes), max(s * batch_for(s, batch) for s in sizes))
         if (
             store.setup(
-                "127.0.0.1", "P2PHANDSHAKE", 0, max(sizes) + (1 << 20), "tcp", "", cluster.address
+                "127.0.0.1", "P2PHANDSHAKE", 0, biggest + (1 << 20), "tcp", "", cluster.address
             )
             != 0
         ):
             raise RuntimeError("MooncakeDistributedStore.setup failed")
-        src = np.empty(max(sizes), dtype=np.uint8)
-        dst = np.empty(max(sizes), dtype=np.uint8)
+        src = np.empty(biggest, dtype=np.uint8)
+        dst = np.empty(biggest, dtype=np.uint8)
         for arr in (src, dst):
             if store.register_buffer(arr.ctypes.data, arr.nbytes) != 0:
                 raise RuntimeError("register_buffer failed")
         for size in sizes:
             n = iterations_for(size, iterations)
-            _progress(f"mooncake-store {size} B x {n}")
+            _progress(f"mooncake-store {_fmt_size(size)} x {n}")
             src[:size] = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
             keys = [f"mc-{size}-{i}" for i in range(n)]
             store.put_from(f"warm-{size}", src.ctypes.data, size)
@@ -182,10 +283,10 @@ def bench_mooncake(
             p, g = _measure(n, put), _measure(n, get)
             if not np.array_equal(src[:size], dst[:size]):
                 raise RuntimeError("mooncake-store read back different bytes")
-            time.sleep(0.25)  # let read leases lapse
-            for k in [*keys, f"warm-{size}"]:
-                store.remove(k, True)
+            _mooncake_remove(store, [*keys, f"warm-{size}"])
             rows.append(_row("mooncake-store", size, n, p, g))
+            if batch > 1:
+                rows.append(_bench_mooncake_batch(store, src, dst, size, iterations, batch))
         pkeys = [f"mcprefix-{i}" for i in range(64)]
         for k in pkeys[:48]:
             store.put(k, b"p" * 256)
@@ -201,6 +302,43 @@ def bench_mooncake(
         cluster.stop()
 
 
+def _mooncake_remove(store, keys: list[str]) -> None:
+    time.sleep(0.25)  # let read leases lapse
+    for k in keys:
+        store.remove(k, True)
+
+
+def _bench_mooncake_batch(
+    store, src: np.ndarray, dst: np.ndarray, size: int, iterations: int, batch: int
+) -> Row:
+    nb = batch_for(size, batch)
+    n = iterations_for(size * nb, iterations)
+    _progress(f"mooncake-store batches of {nb} x {_fmt_size(size)}, {n} batches")
+    src[: size * nb] = np.random.default_rng(size + 1).integers(0, 256, size * nb, dtype=np.uint8)
+    sptrs = [src.ctypes.data + j * size for j in range(nb)]
+    dptrs = [dst.ctypes.data + j * size for j in range(nb)]
+    sizes = [size] * nb
+    keys = [[f"mcb-{size}-{i}-{j}" for j in range(nb)] for i in range(n + 1)]
+
+    def put(i: int) -> None:
+        rcs = store.batch_put_from(keys[i], sptrs, sizes)
+        if any(rc != 0 for rc in rcs):
+            raise RuntimeError(f"mooncake batch_put_from failed: {rcs}")
+
+    def get(i: int) -> None:
+        got = store.batch_get_into(keys[i], dptrs, sizes)
+        if any(g != size for g in got):
+            raise RuntimeError(f"mooncake batch_get_into failed: {got}")
+
+    put(n)  # warm-up batch
+    get(n)
+    p, g = _measure(n, put), _measure(n, get)
+    if not np.array_equal(src[: size * nb], dst[: size * nb]):
+        raise RuntimeError("mooncake-store batch read back different bytes")
+    _mooncake_remove(store, [k for ks in keys for k in ks])
+    return _row("mooncake-store", size, n, p, g, nb)
+
+
 def _fmt_size(n: int) -> str:
     for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= div and n % div == 0:
@@ -208,32 +346,84 @@ def _fmt_size(n: int) -> str:
     return f"{n} B"
 
 
-def render(rows: list[Row], prefix: dict[str, dict[str, float]]) -> str:
-    head = f"{'system':<18}{'size':>8}{'n':>5}  {'put GB/s':>9}{'p50 us':>10}{'p99 us':>10}  {'get GB/s':>9}{'p50 us':>10}{'p99 us':>10}"
+def render(
+    rows: list[Row], prefix: dict[str, dict[str, float]], control: dict[str, dict[str, float]]
+) -> str:
+    head = (
+        f"{'system':<18}{'size':>8}{'batch':>6}{'n':>5}  {'put GB/s':>9}{'p50 us':>10}"
+        f"{'p99 us':>10}  {'get GB/s':>9}{'p50 us':>10}{'p99 us':>10}"
+    )
     lines = [head, "-" * len(head)]
-    for r in sorted(rows, key=lambda r: (r.size, r.system)):
+    for r in sorted(rows, key=lambda r: (r.mode != "single", r.size, r.system)):
         lines.append(
-            f"{r.system:<18}{_fmt_size(r.size):>8}{r.iterations:>5}  {r.put_gbps:>9.2f}{r.put_p50_us:>10.0f}"
-            f"{r.put_p99_us:>10.0f}  {r.get_gbps:>9.2f}{r.get_p50_us:>10.0f}{r.get_p99_us:>10.0f}"
+            f"{r.system:<18}{_fmt_size(r.size):>8}{r.batch:>6}{r.iterations:>5}  "
+            f"{r.put_gbps:>9.2f}{r.put_p50_us:>10.0f}{r.put_p99_us:>10.0f}  "
+            f"{r.get_gbps:>9.2f}{r.get_p50_us:>10.0f}{r.get_p99_us:>10.0f}"
         )
     lines.append("")
+    for name, c in control.items():
+        lines.append(
+            f"one master round trip over {name}: lookup of 1 key p50 {c['lookup_p50_us']:.0f} us"
+            f" (p99 {c['lookup_p99_us']:.0f}), longest_prefix of 64 p50 "
+            f"{c['prefix64_p50_us']:.0f} us (p99 {c['prefix64_p99_us']:.0f})"
+        )
     for name, p in prefix.items():
         lines.append(
-            f"longest_prefix over {p['keys']:.0f} keys ({name}): p50 {p['p50_us']:.0f} us, p99 {p['p99_us']:.0f} us"
+            f"longest_prefix over {p['keys']:.0f} keys ({name}): p50 {p['p50_us']:.0f} us, "
+            f"p99 {p['p99_us']:.0f} us"
         )
-    by = {(r.system, r.size): r for r in rows}
-    for r in rows:
-        mc = by.get(("mooncake-store", r.size))
-        mem = by.get(("memcpy", r.size))
+    lines += ratios(rows)
+    return "\n".join(lines)
+
+
+def ratios(rows: list[Row]) -> list[str]:
+    """The comparisons the issue's targets name, one line each."""
+    by = {(r.system, r.size, r.mode): r for r in rows}
+    lines = []
+    for r in sorted(rows, key=lambda r: (r.mode, r.size)):
+        mc = by.get(("mooncake-store", r.size, r.mode))
+        mem = by.get(("memcpy", r.size, r.mode))
+        where = f"{_fmt_size(r.size)} {r.mode}"
         if r.system == "pdserve/tcp" and mc is not None:
             lines.append(
-                f"tcp get / mooncake-store get at {_fmt_size(r.size)}: {r.get_gbps / mc.get_gbps:.2f}x"
+                f"tcp / mooncake-store at {where}: get {r.get_gbps / mc.get_gbps:.2f}x "
+                f"(p50 {r.get_p50_us:.0f} vs {mc.get_p50_us:.0f} us), "
+                f"put {r.put_gbps / mc.put_gbps:.2f}x"
             )
         if r.system == "pdserve/shm" and mem is not None:
             lines.append(
-                f"shm / memcpy at {_fmt_size(r.size)}: put {r.put_gbps / mem.put_gbps:.0%}, get {r.get_gbps / mem.get_gbps:.0%}"
+                f"shm / memcpy at {where}: put {r.put_gbps / mem.put_gbps:.0%}, "
+                f"get {r.get_gbps / mem.get_gbps:.0%}"
             )
-    return "\n".join(lines)
+    return lines
+
+
+def plot(rows: list[Row], path: Path) -> Path:
+    """get GB/s per object size, one line per system, single and batch side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = [m for m in ("single", "batch") if any(r.mode == m for r in rows)]
+    fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes), 4.5), squeeze=False)
+    for ax, mode in zip(axes[0], modes, strict=True):
+        for system in sorted({r.system for r in rows if r.mode == mode}):
+            pts = sorted(
+                (r.size, r.get_gbps) for r in rows if r.mode == mode and r.system == system
+            )
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=system)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("object size (bytes)")
+        ax.set_ylabel("get GB/s")
+        ax.set_title(f"KV store get, {'one object' if mode == 'single' else 'batched'} per call")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def run(args: argparse.Namespace) -> int:
@@ -250,31 +440,48 @@ def run(args: argparse.Namespace) -> int:
         _progress("mooncake is not installed: skipping the mooncake transport and Mooncake Store")
         transports = [t for t in transports if t != "mooncake"]
     n_max = max(iterations_for(s, args.iterations) for s in sizes)
-    segment = max(
-        64 << 20, max(s * (iterations_for(s, args.iterations) + 1) for s in sizes) + (16 << 20)
-    )
+    segment = max(64 << 20, max(_bytes_per_size(s, args) for s in sizes) + (16 << 20))
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-bench-kvstore-"))
     _progress(f"logs in {log_dir}; up to {n_max} iterations per size; segment {_fmt_size(segment)}")
-    rows = bench_memcpy(sizes, args.iterations)
+    if args.batch < 1:
+        raise SystemExit("--batch must be >= 1 (1 = no batched runs)")
+    rows = bench_memcpy(sizes, args.iterations, args.batch)
     prefix: dict[str, dict[str, float]] = {}
     served = ",".join(["shm", "tcp", *(["mooncake"] if "mooncake" in transports else [])])
     with local_store(log_dir, segment_size=segment, transports=served) as (master, _node):
         for t in transports:
-            rows += bench_pdserve(master.info["grpc"], t, sizes, args.iterations)
-        _progress("longest_prefix (pdserve)")
+            rows += bench_pdserve(master.info["grpc"], t, sizes, args.iterations, args.batch)
+        _progress("longest_prefix and the control path (pdserve)")
         prefix["pdserve"] = bench_longest_prefix(master.info["grpc"])
+        control = bench_control(master.info["grpc"])
     if have_mc and not args.no_mooncake_store:
         # Mooncake evicts above 90 % use and frees removed objects lazily: give it room for
         # every object of the run (and at least 64 MiB: its setup fails on tiny segments).
-        mc_segment = max(
-            64 << 20, 2 * sum(s * (iterations_for(s, args.iterations) + 1) for s in sizes)
-        )
-        mc_rows, mc_prefix = bench_mooncake(sizes, args.iterations, log_dir, mc_segment)
+        mc_segment = max(64 << 20, 2 * sum(_bytes_per_size(s, args) for s in sizes))
+        mc_rows, mc_prefix = bench_mooncake(sizes, args.iterations, args.batch, log_dir, mc_segment)
         rows += mc_rows
         prefix["mooncake-store batch_is_exist"] = mc_prefix
-    print(render(rows, prefix))
+    print(render(rows, prefix, control))
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"rows": [asdict(r) for r in rows], "longest_prefix": prefix}, indent=2)
+            json.dumps(
+                {
+                    "rows": [asdict(r) for r in rows],
+                    "longest_prefix": prefix,
+                    "control": control,
+                },
+                indent=2,
+            )
         )
+    if args.plot:
+        print(f"plot: {plot(rows, Path(args.plot))}")
     return 0
+
+
+def _bytes_per_size(size: int, args: argparse.Namespace) -> int:
+    """Bytes stored at once while one size runs (single-mode objects plus the warm-up)."""
+    single = size * (iterations_for(size, args.iterations) + 1)
+    if args.batch <= 1:
+        return single
+    nb = batch_for(size, args.batch)
+    return max(single, size * nb * (iterations_for(size * nb, args.iterations) + 1))

@@ -123,6 +123,16 @@ class StoreBackend(ABC):
     def get_into(self, key: str, buf: memoryview) -> int | None:
         """Bytes written into ``buf``, or None on a miss."""
 
+    def batch_get_into(
+        self, keys: Sequence[str], buffers: Sequence[memoryview]
+    ) -> list[int | None]:
+        """:meth:`get_into` for each key and its buffer (backends batch the lookups)."""
+        if len(buffers) != len(keys):
+            raise errors.InvalidArgument(
+                f"batch_get_into: {len(keys)} keys but {len(buffers)} buffers"
+            )
+        return [self.get_into(k, b) for k, b in zip(keys, buffers, strict=True)]
+
     @abstractmethod
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None]: ...
 

@@ -53,7 +53,8 @@ log = logging.getLogger(__name__)
 
 READ_FAILOVERS = Counter(
     "pdserve_store_read_failovers_total",
-    "replica reads that failed and moved on to the next replica",
+    "reads from a replica (one request, which may carry a batch of objects) that failed, "
+    "or objects that failed verification, and moved on to other replicas",
     ["transport"],
     registry=REGISTRY,
 )
@@ -76,6 +77,8 @@ TRANSPORT_NAMES = {
 #: How long a client uses gRPC before it looks for the master's control wire again after the
 #: wire was off or unreachable (seconds).
 WIRE_RETRY_S = 1.0
+
+_UNROUTED: Any = object()
 
 #: How long a node that failed a read is tried after the other replicas (seconds).
 SUSPECT_S = 5.0
@@ -145,6 +148,11 @@ class StoreClient(StoreBackend):
                 code, f"kvstore master {self.master_address} {method}: {code.name}: {detail}"
             ) from exc
 
+    @property
+    def control_path(self) -> str:
+        """``"wire"`` when calls go to the master's control wire, else ``"grpc"``."""
+        return "wire" if self._wire_client() is not None else "grpc"
+
     def _wire_client(self) -> WireClient | None:
         """The master's control wire, looked up with ``GetControlWire`` at first use and
         again WIRE_RETRY_S after it was off or unreachable; None means gRPC."""
@@ -207,21 +215,34 @@ class StoreClient(StoreBackend):
         return None
 
     def _ordered(
-        self, replicas: Sequence[kvstore_pb2.Replica]
+        self,
+        replicas: Sequence[kvstore_pb2.Replica],
+        routes: dict[str, Transport | None] | None = None,
     ) -> list[tuple[kvstore_pb2.Replica, Transport]]:
-        """Replicas that some allowed transport reaches, best transport first."""
-        routed = [(r, self._route(r)) for r in replicas]
-        usable = [(r, t) for r, t in routed if t is not None]
-        now = time.monotonic()
-        # A node that just failed a transfer goes last until SUSPECT_S passes, so a dead or
-        # cut-off node costs one timeout, not one per object, before the master notices it.
-        usable.sort(
-            key=lambda rt: (
-                self._suspect_until.get(rt[0].node_id, 0.0) > now,
-                PREFERENCE.index(rt[1].name),
+        """Replicas that some allowed transport reaches, best transport first. ``routes``
+        memoizes the route per segment within one batch (its endpoints cannot change there)."""
+        routed = []
+        for r in replicas:
+            if routes is None:
+                t = self._route(r)
+            else:
+                t = routes.get(r.segment_id, _UNROUTED)  # type: ignore[arg-type]
+                if t is _UNROUTED:
+                    t = routes[r.segment_id] = self._route(r)
+            if t is not None:
+                routed.append((r, t))
+        if len(routed) > 1:
+            now = time.monotonic()
+            # A node that just failed a transfer goes last until SUSPECT_S passes, so a dead
+            # or cut-off node costs one timeout, not one per object, before the master
+            # notices it.
+            routed.sort(
+                key=lambda rt: (
+                    self._suspect_until.get(rt[0].node_id, 0.0) > now,
+                    PREFERENCE.index(rt[1].name),
+                )
             )
-        )
-        return usable
+        return routed
 
     # -- puts -------------------------------------------------------------------------------
 
@@ -360,16 +381,20 @@ class StoreClient(StoreBackend):
     def _read(
         self,
         res: kvstore_pb2.ReplicaListResult,
-        buf_for: Callable[[int], memoryview],
-        verify: Callable[[memoryview], bool] | None = None,
-    ) -> memoryview | None:
-        """Reads one found object from its best replica, falling over to the others. Returns
-        the filled view or None when every replica failed (or failed ``verify``)."""
+        buf: memoryview,
+        decode: Callable[[memoryview], Any] | None = None,
+        skip: kvstore_pb2.Replica | None = None,
+        corrupt: bool = False,
+    ) -> Any:
+        """Reads one found object from its best replica (other than ``skip``, already
+        tried; ``corrupt``: it failed ``decode``) into ``buf``, falling over to the others.
+        Returns the filled view (or ``decode(view)``), or None when every replica failed (or
+        decoded to None)."""
         if res.code != kvstore_pb2.KV_OK or not res.replicas:
             return None
-        corrupt = False
         for rep, t in self._ordered(res.replicas):
-            buf = buf_for(rep.size)
+            if rep is skip:
+                continue
             try:
                 t.read_into(rep, buf)
             except TransportError as exc:
@@ -380,49 +405,128 @@ class StoreClient(StoreBackend):
                 )
                 continue
             view = buf[: rep.size]
-            if verify is not None and not verify(view):
-                corrupt = True
-                READ_FAILOVERS.labels(t.name).inc()
-                log.warning("replica of %r on node %s failed verification", res.key, rep.node_id)
-                continue
-            return view
+            if decode is None:
+                return view
+            value = decode(view)
+            if value is not None:
+                return value
+            corrupt = True
+            READ_FAILOVERS.labels(t.name).inc()
+            log.warning("replica of %r on node %s failed verification", res.key, rep.node_id)
         if corrupt:
             CORRUPT_CHUNKS.inc()
         return None
 
+    def _read_all(
+        self,
+        results: Sequence[kvstore_pb2.ReplicaListResult],
+        buffers: Sequence[memoryview | None],
+        decode: Callable[[memoryview], Any] | None = None,
+    ) -> list[Any]:
+        """:meth:`_read` of every result into its buffer (None = a miss, not read). The best
+        replica of every object is read first in one :meth:`Transport.read_many` per
+        transport (tcp: one request per node for the whole batch); an object whose read or
+        ``decode`` failed then falls over to its other replicas one by one."""
+        out: list[Any] = [None] * len(results)
+        first: dict[str, list[tuple[int, kvstore_pb2.Replica, memoryview]]] = {}
+        transports: dict[str, Transport] = {}
+        routes: dict[str, Transport | None] = {}
+        for i, (res, buf) in enumerate(zip(results, buffers, strict=True)):
+            if buf is None:
+                continue
+            ordered = self._ordered(res.replicas, routes)
+            if not ordered:
+                continue
+            rep, t = ordered[0]
+            transports[t.name] = t
+            first.setdefault(t.name, []).append((i, rep, buf))
+        for name, jobs in first.items():
+            t = transports[name]
+            errs = t.read_many([(rep, buf) for _i, rep, buf in jobs])
+            # One failed request (say, to a dead node) counts once, however many objects
+            # it carried.
+            for err in {id(e): e for e in errs if e is not None}.values():
+                READ_FAILOVERS.labels(t.name).inc()
+                log.warning("read from %s failed: %s", t.name, err)
+            for (i, rep, buf), err in zip(jobs, errs, strict=True):
+                if err is None:
+                    view = buf[: rep.size]
+                    out[i] = view if decode is None else decode(view)
+                    if out[i] is not None:
+                        continue
+                    READ_FAILOVERS.labels(t.name).inc()
+                    log.warning(
+                        "replica of %r on node %s failed verification", results[i].key, rep.node_id
+                    )
+                else:
+                    self._suspect_until[rep.node_id] = time.monotonic() + SUSPECT_S
+                out[i] = self._read(results[i], buf, decode, skip=rep, corrupt=err is None)
+        return out
+
+    def _lookup(
+        self, keys: Sequence[str], buffer_for: Callable[[int, int], memoryview]
+    ) -> tuple[list[kvstore_pb2.ReplicaListResult], list[memoryview | None]]:
+        """Replica lists of ``keys`` (read leases granted) and, for each found object, the
+        buffer ``buffer_for(index, size)`` gives. A raise here releases the leases."""
+        results = self._replica_lists(list(keys))
+        try:
+            buffers = [
+                buffer_for(i, res.replicas[0].size)
+                if res.code == kvstore_pb2.KV_OK and res.replicas
+                else None
+                for i, res in enumerate(results)
+            ]
+        except BaseException:
+            self._release([r.key for r in results if r.code == kvstore_pb2.KV_OK])
+            raise
+        return results, buffers
+
+    def _finish(self, results: Sequence[kvstore_pb2.ReplicaListResult]) -> None:
+        self._release([r.key for r in results if r.code == kvstore_pb2.KV_OK])
+
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
         keys = check_keys(keys)
-        results = self._replica_lists(keys)
-        out: list[bytes | None] = []
-        found = []
+        results, buffers = self._lookup(keys, lambda _i, n: memoryview(bytearray(n)))
         try:
-            for res in results:
-                view = self._read(res, lambda n: memoryview(bytearray(n)))
-                out.append(None if view is None else bytes(view))
-                if res.code == kvstore_pb2.KV_OK:
-                    found.append(res.key)
+            views = self._read_all(results, buffers)
         finally:
-            self._release(found)
-        return out
+            self._finish(results)
+        return [None if v is None else bytes(v) for v in views]
 
     def get_into(self, key: str, buf: memoryview) -> int | None:
         """Copies the object into ``buf`` (zero-copy where the transport allows it); returns
         the number of bytes written, or None on a miss. Raises InvalidArgument when ``buf`` is
         read-only or smaller than the object."""
-        key = check_keys([key])[0]
-        mv = byte_view(buf, writable=True, allow_empty=True)
-        (res,) = self._replica_lists([key])
-        try:
-            if res.code == kvstore_pb2.KV_OK and res.replicas and res.replicas[0].size > len(mv):
+        return self.batch_get_into([key], [buf])[0]
+
+    def batch_get_into(
+        self, keys: Sequence[str], buffers: Sequence[memoryview]
+    ) -> list[int | None]:
+        """Reads each object into its buffer with one master lookup for all of them (and
+        one lease release, sent in the background); returns the bytes written per key, or
+        None for a miss. Raises InvalidArgument, before anything is read, when a buffer is
+        read-only or smaller than its object."""
+        keys = check_keys(keys)
+        if len(buffers) != len(keys):
+            raise errors.InvalidArgument(
+                f"batch_get_into: {len(keys)} keys but {len(buffers)} buffers"
+            )
+        views = [byte_view(b, writable=True, allow_empty=True) for b in buffers]
+
+        def buffer_for(i: int, size: int) -> memoryview:
+            if size > len(views[i]):
                 raise errors.InvalidArgument(
-                    f"buffer of {len(mv)} bytes is smaller than object {key!r} "
-                    f"({res.replicas[0].size} bytes)"
+                    f"buffer of {len(views[i])} bytes is smaller than object {keys[i]!r} "
+                    f"({size} bytes)"
                 )
-            view = self._read(res, lambda n: mv)
-            return None if view is None else len(view)
+            return views[i]
+
+        results, bufs = self._lookup(keys, buffer_for)
+        try:
+            read = self._read_all(results, bufs)
         finally:
-            if res.code == kvstore_pb2.KV_OK:
-                self._release([key])
+            self._finish(results)
+        return [None if v is None else len(v) for v in read]
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         keys = check_keys(keys)
@@ -466,35 +570,20 @@ class StoreClient(StoreBackend):
         much as the read itself), and the returned tensors are views of it, valid until the
         caller reuses the arena. Chunks that do not fit get fresh buffers."""
         keys = check_keys(keys)
-        results = self._replica_lists(keys)
-        out: list[torch.Tensor | None] = []
-        found = []
-        decoded: dict[int, torch.Tensor] = {}
         used = 0
 
-        def buffer(n: int) -> memoryview:
+        def buffer_for(_i: int, n: int) -> memoryview:
             nonlocal used
             if arena is not None and used + n <= len(arena):
                 used += n
                 return arena[used - n : used]
             return memoryview(bytearray(n))
 
-        def verify(view: memoryview) -> bool:
-            tensor = decode_chunk(view, fingerprint)
-            if tensor is not None:
-                decoded[0] = tensor
-            return tensor is not None
-
+        results, buffers = self._lookup(keys, buffer_for)
         try:
-            for res in results:
-                decoded.clear()
-                view = self._read(res, buffer, verify)
-                out.append(None if view is None else decoded[0])
-                if res.code == kvstore_pb2.KV_OK:
-                    found.append(res.key)
+            return self._read_all(results, buffers, lambda v: decode_chunk(v, fingerprint))
         finally:
-            self._release(found)
-        return out
+            self._finish(results)
 
     def close(self) -> None:
         with self._release_cv:

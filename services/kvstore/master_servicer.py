@@ -10,7 +10,7 @@ KVErrorCode values in the results.
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -39,23 +39,31 @@ class MasterHandlers:
         self.lock = threading.Lock()
         #: The control wire's port once it listens (0 = off).
         self.wire_port = 0
+        # segment id -> (the endpoint list it was made from, Replica template)
+        self._templates: dict[str, tuple[list, pb.Replica]] = {}
 
     def call(self, method: str, request: Any) -> Any:
         with self.lock:
             return getattr(self, method)(request)
 
-    def _replicas(self, locs: tuple[ReplicaLoc, ...] | list[ReplicaLoc], size: int) -> list:
+    def _fill(self, out, locs: Sequence[ReplicaLoc], size: int) -> None:
+        """Appends a Replica per location to the repeated field ``out``: a copy of the
+        segment's cached template (node, segment, endpoints) plus offset and size, about
+        three times cheaper than building each one with its endpoints."""
         segs = self.state.segments
-        return [
-            pb.Replica(
-                node_id=r.node_id,
-                segment_id=r.segment_id,
-                offset=r.offset,
-                size=size,
-                endpoints=segs[r.segment_id].endpoints,
-            )
-            for r in locs
-        ]
+        for r in locs:
+            seg = segs[r.segment_id]
+            cached = self._templates.get(r.segment_id)
+            # A remount replaces the endpoint list: the template is rebuilt from the new one.
+            if cached is None or cached[0] is not seg.endpoints:
+                tmpl = pb.Replica(
+                    node_id=r.node_id, segment_id=r.segment_id, endpoints=seg.endpoints
+                )
+                cached = self._templates[r.segment_id] = (seg.endpoints, tmpl)
+            rep = out.add()
+            rep.CopyFrom(cached[1])
+            rep.offset = r.offset
+            rep.size = size
 
     def MountSegment(self, request: pb.MountSegmentRequest) -> pb.MountSegmentResponse:
         seg = request.segment
@@ -88,18 +96,13 @@ class MasterHandlers:
             ttl_ms=o.ttl_ms,
             placement=o.placement,
         )
-        return pb.BatchPutStartResponse(
-            results=[
-                pb.PutStartResult(
-                    key=r.key,
-                    code=r.code,
-                    message=r.message,
-                    already_exists=r.already_exists,
-                    replicas=self._replicas(r.replicas, item.size),
-                )
-                for item, r in zip(request.items, outcomes, strict=True)
-            ]
-        )
+        resp = pb.BatchPutStartResponse()
+        for item, r in zip(request.items, outcomes, strict=True):
+            res = resp.results.add(
+                key=r.key, code=r.code, message=r.message, already_exists=r.already_exists
+            )
+            self._fill(res.replicas, r.replicas, item.size)
+        return resp
 
     def BatchPutEnd(self, request: pb.BatchKeysRequest) -> pb.BatchKeysResponse:
         return _keys(self.state.put_end(request.client_id, list(request.keys)))
@@ -112,17 +115,12 @@ class MasterHandlers:
     ) -> pb.BatchGetReplicaListResponse:
         outcomes = self.state.get_replicas(request.client_id, list(request.keys), request.lease_ms)
         objs = self.state.objects
-        return pb.BatchGetReplicaListResponse(
-            results=[
-                pb.ReplicaListResult(
-                    key=r.key,
-                    code=r.code,
-                    lease_expires_ms=r.lease_expires_ms,
-                    replicas=self._replicas(r.replicas, objs[r.key].size) if r.replicas else [],
-                )
-                for r in outcomes
-            ]
-        )
+        resp = pb.BatchGetReplicaListResponse()
+        for r in outcomes:
+            res = resp.results.add(key=r.key, code=r.code, lease_expires_ms=r.lease_expires_ms)
+            if r.replicas:
+                self._fill(res.replicas, r.replicas, objs[r.key].size)
+        return resp
 
     def BatchReleaseLease(self, request: pb.BatchKeysRequest) -> pb.BatchKeysResponse:
         return _keys(self.state.release(request.client_id, list(request.keys)))

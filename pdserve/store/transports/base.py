@@ -54,6 +54,20 @@ class Transport(ABC):
         must be writable and at least that long). Raises :class:`TransportError` on failure
         (contents of ``buf`` are then undefined)."""
 
+    def read_many(
+        self, items: Sequence[tuple[kvstore_pb2.Replica, memoryview]]
+    ) -> list[TransportError | None]:
+        """Reads each replica into its buffer; returns each item's error (None = read).
+        Transports that can batch (tcp: one request per node) override this."""
+        out: list[TransportError | None] = []
+        for replica, buf in items:
+            try:
+                self.read_into(replica, buf)
+                out.append(None)
+            except TransportError as exc:
+                out.append(exc)
+        return out
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Releases connections and mappings. Idempotent."""
 

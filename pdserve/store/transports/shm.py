@@ -62,7 +62,9 @@ class ShmTransport(Transport):
         ep = self.endpoint(replica)
         return ep is not None and ep.host_id == self.host_id and bool(ep.shm_name)
 
-    def _region(self, replica: kvstore_pb2.Replica) -> np.ndarray:
+    def _mapping(self, replica: kvstore_pb2.Replica) -> _Mapping:
+        """The current mapping of the replica's segment file (re-mapped when the file was
+        replaced by a restarted node)."""
         ep = self.endpoint(replica)
         if ep is None or ep.host_id != self.host_id:
             raise TransportError("replica has no shared-memory endpoint on this host")
@@ -72,7 +74,7 @@ class ShmTransport(Transport):
         with self._lock:
             m = self._maps.get(name)
             try:
-                inode = os.stat(SHM_DIR / name).st_ino
+                inode = os.stat(f"{SHM_DIR}/{name}").st_ino
             except OSError as exc:
                 self._maps.pop(name, None)
                 raise TransportError(f"shm segment {name} is gone: {exc}") from exc
@@ -82,22 +84,51 @@ class ShmTransport(Transport):
                 except (OSError, ValueError) as exc:
                     raise TransportError(f"cannot map shm segment {name}: {exc}") from exc
                 self._maps[name] = m
+        return m
+
+    @staticmethod
+    def _slice(m: _Mapping, replica: kvstore_pb2.Replica) -> np.ndarray:
         end = replica.offset + replica.size
         if end > m.size:
             raise TransportError(
-                f"replica [{replica.offset}, {end}) is outside shm segment {name} ({m.size} B)"
+                f"replica [{replica.offset}, {end}) is outside an shm segment of {m.size} B"
             )
         return m.array[replica.offset : end]
 
     def write(self, replica: kvstore_pb2.Replica, data: memoryview) -> None:
         if len(data) != replica.size:
             raise TransportError(f"write of {len(data)} bytes into a {replica.size}-byte replica")
-        self._region(replica)[:] = np.frombuffer(data, dtype=np.uint8)
+        self._slice(self._mapping(replica), replica)[:] = np.frombuffer(data, dtype=np.uint8)
 
     def read_into(self, replica: kvstore_pb2.Replica, buf: memoryview) -> None:
-        check_range(replica, len(buf), "shm read")
-        dst = np.frombuffer(buf, dtype=np.uint8, count=replica.size)
-        dst[:] = self._region(replica)
+        (err,) = self.read_many([(replica, buf)])
+        if err is not None:
+            raise err
+
+    def read_many(
+        self, items: Sequence[tuple[kvstore_pb2.Replica, memoryview]]
+    ) -> list[TransportError | None]:
+        """One memcpy per item, the segment file checked once per batch."""
+        maps: dict[str, _Mapping | TransportError] = {}
+        out: list[TransportError | None] = []
+        for replica, buf in items:
+            try:
+                check_range(replica, len(buf), "shm read")
+                seg = replica.segment_id
+                m = maps.get(seg)
+                if m is None:
+                    try:
+                        m = maps[seg] = self._mapping(replica)
+                    except TransportError as exc:
+                        m = maps[seg] = exc
+                if isinstance(m, TransportError):
+                    raise m
+                dst = np.frombuffer(buf, dtype=np.uint8, count=replica.size)
+                dst[:] = self._slice(m, replica)
+                out.append(None)
+            except TransportError as exc:
+                out.append(exc)
+        return out
 
     def close(self) -> None:
         with self._lock:

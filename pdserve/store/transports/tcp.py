@@ -2,30 +2,38 @@
 
 Request header (little-endian, 32 bytes)::
 
-    magic b"PDKT" | version u8 | op u8 (1 READ, 2 WRITE) | reserved u16
+    magic b"PDKT" | version u8 | op u8 (1 READ, 2 WRITE, 3 READV) | reserved u16
     | segment key u64 (first 8 bytes of BLAKE3(segment id)) | offset u64 | length u64
 
-A WRITE header is followed by ``length`` payload bytes. The node answers every request with
-a 16-byte reply ``magic b"PDKR" | status u8 | reserved 3 | length u64``; a successful READ
-reply is followed by ``length`` payload bytes. The node validates every header (magic,
-version, op, known segment, ``offset + length`` inside the segment) before touching memory;
-on a bad header it answers with an error status and closes the connection, because the byte
-stream can no longer be trusted. Payloads go straight from / into the segment mapping and
-the caller's buffer, never through an intermediate copy: a header and its payload leave in
-one ``sendmsg`` and a read's reply lands with ``recvmsg_into`` (header and payload in one
-call). Objects from :data:`PARALLEL_MIN_BYTES` on move as sub-range requests on parallel
-connections.
+A WRITE header is followed by ``length`` payload bytes. A READV header has segment key and
+offset 0 and ``length`` = the number of ranges (1..:data:`MAX_RANGES`), and is followed by
+that many 24-byte ranges ``segment key u64 | offset u64 | length u64``: one request reads
+many objects (a prompt's chunks) in one round trip. The node answers every request with a
+16-byte reply ``magic b"PDKR" | status u8 | reserved 3 | length u64``; a successful READ or
+READV reply is followed by ``length`` payload bytes (READV: the ranges back to back, in
+request order). The node validates every header and range (magic, version, op, known
+segment, ``offset + length`` inside the segment) before touching memory; on a bad one it
+answers with an error status and closes the connection, because the byte stream can no
+longer be trusted.
+
+Payloads go straight from / into the segment mapping and the caller's buffers, never
+through an intermediate copy: a header and its payload leave in one ``sendmsg`` and a reply
+lands with ``recvmsg_into`` (header and payloads scattered into the callers' buffers). The
+client reads with READV only; objects from :data:`PARALLEL_MIN_BYTES` on, and batches that
+large, are split over :data:`PARALLEL_STREAMS` connections at once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 import logging
 import queue
 import socket
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import blake3
@@ -38,11 +46,15 @@ log = logging.getLogger(__name__)
 
 REQ = struct.Struct("<4sBBHQQQ")
 REP = struct.Struct("<4sB3xQ")
+RANGE = struct.Struct("<QQQ")
 REQ_MAGIC = b"PDKT"
 REP_MAGIC = b"PDKR"
 VERSION = 1
 OP_READ = 1
 OP_WRITE = 2
+OP_READV = 3
+#: Most ranges in one READV request.
+MAX_RANGES = 4096
 
 ST_OK = 0
 ST_BAD_MAGIC = 1
@@ -51,6 +63,7 @@ ST_BAD_OP = 3
 ST_UNKNOWN_SEGMENT = 4
 ST_OUT_OF_BOUNDS = 5
 ST_SHORT_PAYLOAD = 6
+ST_BAD_COUNT = 7
 STATUS_TEXT = {
     ST_BAD_MAGIC: "bad magic",
     ST_BAD_VERSION: "unsupported protocol version",
@@ -58,6 +71,7 @@ STATUS_TEXT = {
     ST_UNKNOWN_SEGMENT: "unknown segment",
     ST_OUT_OF_BOUNDS: "range outside the segment",
     ST_SHORT_PAYLOAD: "connection closed before the payload was complete",
+    ST_BAD_COUNT: f"a READV needs 1 to {MAX_RANGES} ranges",
 }
 #: Explicit SO_SNDBUF/SO_RCVBUF (bytes; the kernel doubles it); 0 = kernel autotuning.
 #: Small buffers keep the bytes in flight inside the CPU caches: the receiver copies out what
@@ -66,9 +80,9 @@ STATUS_TEXT = {
 SOCK_BUF = 256 * 1024
 #: Largest slice handed to one send/recv call (keeps each syscall bounded).
 _IO_SLICE = 4 * 1024 * 1024
-#: Objects from this size on move as PARALLEL_STREAMS sub-range requests on separate
+#: Reads of this many bytes on (one object or a batch) are split over PARALLEL_STREAMS
 #: connections at once. Measured on loopback (2 cores): 16-64 MiB reads 4.0 -> 5.2 GB/s with
-#: two streams; four streams are slower than two.
+#: two streams; four streams are slower than two, and splitting 1 MiB reads is slower.
 PARALLEL_MIN_BYTES = 8 * 1024 * 1024
 PARALLEL_STREAMS = 2
 
@@ -85,12 +99,16 @@ def _tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCK_BUF)
 
 
-def send_parts(sock: socket.socket, parts: list[memoryview]) -> None:
+#: Most buffers handed to one sendmsg / recvmsg_into (below Linux's IOV_MAX of 1024).
+_IOV = 512
+
+
+def send_parts(sock: socket.socket, parts: list) -> None:
     """Sends every byte of ``parts`` in as few syscalls as possible (``sendmsg`` gathers
     them, so a header and its payload leave in one call and reach the peer together)."""
-    parts = [p for p in parts if len(p)]
+    parts = [memoryview(p) for p in parts if len(p)]
     while parts:
-        sent = sock.sendmsg(parts[:8] if len(parts) > 8 else parts)
+        sent = sock.sendmsg(parts[:_IOV])
         while sent:
             if sent >= len(parts[0]):
                 sent -= len(parts[0])
@@ -100,8 +118,38 @@ def send_parts(sock: socket.socket, parts: list[memoryview]) -> None:
                 sent = 0
 
 
-def _slices(view: memoryview) -> list[memoryview]:
-    return [view[i : i + _IO_SLICE] for i in range(0, len(view), _IO_SLICE)]
+def _split(ranges: list, streams: int) -> list[list]:
+    """``ranges`` (4th field: bytes) cut into at most ``streams`` consecutive groups of
+    about equal bytes; one group below PARALLEL_MIN_BYTES in all."""
+    total = sum(r[3] for r in ranges)
+    if total < PARALLEL_MIN_BYTES or len(ranges) == 1:
+        return [ranges]
+    groups: list[list] = [[]]
+    done = 0
+    for r in ranges:
+        if groups[-1] and done >= total * len(groups) / streams:
+            groups.append([])
+        groups[-1].append(r)
+        done += r[3]
+    return groups
+
+
+def recv_parts(sock: socket.socket, parts: list[memoryview]) -> bool:
+    """Fills every buffer of ``parts`` in order (``recvmsg_into`` scatters one receive over
+    several of them); False when the peer closed first."""
+    parts = [p for p in parts if len(p)]
+    while parts:
+        got = sock.recvmsg_into([p[:_IO_SLICE] for p in parts[:_IOV]])[0]
+        if got == 0:
+            return False
+        while got:
+            if got >= len(parts[0]):
+                got -= len(parts[0])
+                parts.pop(0)
+            else:
+                parts[0] = parts[0][got:]
+                got = 0
+    return True
 
 
 def recv_exact(sock: socket.socket, buf: memoryview) -> bool:
@@ -226,22 +274,47 @@ class TcpServer(TransportServer):
             return self._fail(conn, ST_BAD_MAGIC, repr(bytes(head[:4])))
         if version != VERSION:
             return self._fail(conn, ST_BAD_VERSION, str(version))
-        if op not in (OP_READ, OP_WRITE):
+        if op not in (OP_READ, OP_WRITE, OP_READV):
             return self._fail(conn, ST_BAD_OP, str(op))
-        mem = self._segments.get(seg)
-        if mem is None:
-            return self._fail(conn, ST_UNKNOWN_SEGMENT, f"{seg:#x}")
-        if length == 0 or offset > len(mem) or length > len(mem) - offset:
-            return self._fail(conn, ST_OUT_OF_BOUNDS, f"offset {offset} length {length}")
-        region = mem[offset : offset + length]
+        if op == OP_READV:
+            return self._readv(conn, length)
+        region = self._region(seg, offset, length)
+        if isinstance(region, int):
+            return self._fail(conn, region, f"segment {seg:#x} offset {offset} length {length}")
         if op == OP_READ:
-            send_parts(conn, [memoryview(REP.pack(REP_MAGIC, ST_OK, length)), *_slices(region)])
+            send_parts(conn, [REP.pack(REP_MAGIC, ST_OK, length), region])
             self._read += length
             return True
         if not recv_exact(conn, region):
             return self._fail(conn, ST_SHORT_PAYLOAD, f"expected {length} bytes")
         self._written += length
         self._reply(conn, ST_OK, length)
+        return True
+
+    def _region(self, seg: int, offset: int, length: int) -> memoryview | int:
+        """The segment bytes a request names, or the status that refuses it."""
+        mem = self._segments.get(seg)
+        if mem is None:
+            return ST_UNKNOWN_SEGMENT
+        if length == 0 or offset > len(mem) or length > len(mem) - offset:
+            return ST_OUT_OF_BOUNDS
+        return mem[offset : offset + length]
+
+    def _readv(self, conn: socket.socket, count: int) -> bool:
+        if not 1 <= count <= MAX_RANGES:
+            return self._fail(conn, ST_BAD_COUNT, str(count))
+        table = bytearray(count * RANGE.size)
+        if not recv_exact(conn, memoryview(table)):
+            return False
+        regions = []
+        for seg, offset, length in RANGE.iter_unpack(table):
+            region = self._region(seg, offset, length)
+            if isinstance(region, int):
+                return self._fail(conn, region, f"segment {seg:#x} offset {offset} length {length}")
+            regions.append(region)
+        total = sum(len(r) for r in regions)
+        send_parts(conn, [REP.pack(REP_MAGIC, ST_OK, total), *regions])
+        self._read += total
         return True
 
 
@@ -279,15 +352,11 @@ class TcpTransport(Transport):
         return sock
 
     def _request(
-        self,
-        address: str,
-        head: bytes,
-        length: int,
-        payload: memoryview | None,
-        out: memoryview | None,
+        self, address: str, request: list, length: int, out: list[memoryview] | None
     ) -> None:
-        """One request on a pooled connection: ``payload`` for a write, ``out`` (exactly
-        ``length`` bytes) for a read."""
+        """One request on a pooled connection: ``request`` (header, then ranges or payload)
+        goes out in one sendmsg; a read's ``length`` payload bytes land in ``out`` (buffers
+        filled in order), the reply header with them in one recvmsg_into."""
         pool = self._pool(address)
         try:
             sock = pool.get_nowait()
@@ -295,21 +364,11 @@ class TcpTransport(Transport):
             sock = self._connect(address)
         ok = False
         try:
-            send_parts(
-                sock, [memoryview(head), *_slices(payload)] if payload is not None else [head]
-            )
-            rep = bytearray(REP.size)
-            got = 0
-            if out is not None:
-                # One syscall for the reply and the start of the payload, straight into the
-                # caller's buffer.
-                got = sock.recvmsg_into([memoryview(rep), out[:_IO_SLICE]])[0]
-                if got == 0:
-                    raise TransportError(f"node {address} closed the connection")
-            if got < REP.size:
-                if not recv_exact(sock, memoryview(rep)[got:]):
-                    raise TransportError(f"node {address} closed the connection")
-                got = REP.size
+            send_parts(sock, request)
+            rep = memoryview(bytearray(REP.size))
+            received = recv_parts(sock, [rep]) if out is None else self._recv_reply(sock, rep, out)
+            if not received:
+                raise TransportError(f"node {address} closed the connection")
             magic, status, rlength = REP.unpack(rep)
             if magic != REP_MAGIC:
                 raise TransportError(f"node {address} sent a malformed reply")
@@ -319,7 +378,7 @@ class TcpTransport(Transport):
                 )
             if rlength != length:
                 raise TransportError(f"node {address} replied {rlength} bytes, want {length}")
-            if out is not None and not recv_exact(sock, out[got - REP.size : length]):
+            if out is not None and not recv_parts(sock, out):
                 raise TransportError(f"node {address} closed the connection mid-payload")
             ok = True
         except OSError as exc:
@@ -330,59 +389,113 @@ class TcpTransport(Transport):
             else:
                 sock.close()
 
-    def _transfer(
-        self,
-        replica: kvstore_pb2.Replica,
-        op: int,
-        payload: memoryview | None,
-        out: memoryview | None,
-    ) -> None:
-        """Moves the replica's bytes; large ones as PARALLEL_STREAMS sub-range requests."""
-        ep = self.endpoint(replica)
-        if ep is None:
-            raise TransportError("replica has no tcp endpoint")
-        seg = segment_key(replica.segment_id)
-        size = replica.size
-        streams = PARALLEL_STREAMS if size >= PARALLEL_MIN_BYTES else 1
-        bounds = [size * i // streams for i in range(streams + 1)]
+    @staticmethod
+    def _recv_reply(sock: socket.socket, rep: memoryview, out: list[memoryview]) -> bool:
+        """Receives the reply header and whatever payload came with it; trims ``out`` to
+        what is still missing. False when the peer closed first."""
+        got = sock.recvmsg_into([rep, *[o[:_IO_SLICE] for o in out[: _IOV - 1]]])[0]
+        if got < REP.size:
+            return got > 0 and recv_parts(sock, [rep[got:]])
+        got -= REP.size
+        while got:
+            if got >= len(out[0]):
+                got -= len(out.pop(0))
+            else:
+                out[0] = out[0][got:]
+                got = 0
+        return True
 
-        def part(i: int) -> None:
-            lo, hi = bounds[i], bounds[i + 1]
-            head = REQ.pack(REQ_MAGIC, VERSION, op, 0, seg, replica.offset + lo, hi - lo)
-            self._request(
-                ep.address,
-                head,
-                hi - lo,
-                None if payload is None else payload[lo:hi],
-                None if out is None else out[lo:hi],
-            )
+    def _run(self, jobs: list[Callable[[], None]]) -> list[TransportError | None]:
+        """Runs the callables in ``jobs`` at once (the first on this thread); the error of
+        each, or None."""
 
-        if streams == 1:
-            part(0)
-            return
-        others = [self._executor().submit(part, i) for i in range(1, streams)]
-        try:
-            part(0)
-        finally:
-            for f in others:
-                f.result()
+        def attempt(job: Callable[[], None]) -> TransportError | None:
+            try:
+                job()
+            except TransportError as exc:
+                return exc
+            return None
 
-    def _executor(self) -> ThreadPoolExecutor:
+        if len(jobs) == 1:
+            return [attempt(jobs[0])]
         with self._lock:
             if self._pool_threads is None:
                 self._pool_threads = ThreadPoolExecutor(
                     max_workers=4 * (PARALLEL_STREAMS - 1), thread_name_prefix="kv-tcp-stream"
                 )
-            return self._pool_threads
+            pool = self._pool_threads
+        others = [pool.submit(attempt, job) for job in jobs[1:]]
+        first = attempt(jobs[0])
+        return [first, *(f.result() for f in others)]
 
-    def write(self, replica: kvstore_pb2.Replica, data: memoryview) -> None:
-        if len(data) != replica.size:
-            raise TransportError(f"write of {len(data)} bytes into a {replica.size}-byte replica")
-        self._transfer(replica, OP_WRITE, data, None)
+    def read_many(
+        self, items: Sequence[tuple[kvstore_pb2.Replica, memoryview]]
+    ) -> list[TransportError | None]:
+        """One READV round trip per node for all ``items``; reads of PARALLEL_MIN_BYTES or
+        more in all are split over PARALLEL_STREAMS connections. Returns each item's error
+        (None = read)."""
+        errors: list[TransportError | None] = [None] * len(items)
+        by_node: dict[str, list[tuple[int, int, int, int, memoryview]]] = {}
+        for i, (rep, buf) in enumerate(items):
+            ep = self.endpoint(rep)
+            if ep is None:
+                errors[i] = TransportError("replica has no tcp endpoint")
+                continue
+            check_range(rep, len(buf), "tcp read")
+            seg = segment_key(rep.segment_id)
+            parts = PARALLEL_STREAMS if rep.size >= PARALLEL_MIN_BYTES else 1
+            for k in range(parts):
+                lo, hi = rep.size * k // parts, rep.size * (k + 1) // parts
+                by_node.setdefault(ep.address, []).append(
+                    (i, seg, rep.offset + lo, hi - lo, buf[lo:hi])
+                )
+        for address, ranges in by_node.items():
+            groups = _split(ranges, PARALLEL_STREAMS)
+            jobs = [functools.partial(self._readv, address, g) for g in groups]
+            for group, err in zip(groups, self._run(jobs), strict=True):
+                if err is not None:
+                    for i, *_ in group:
+                        errors[i] = errors[i] or err
+        return errors
+
+    def _readv(self, address: str, ranges: list[tuple[int, int, int, int, memoryview]]) -> None:
+        for lo in range(0, len(ranges), MAX_RANGES):
+            batch = ranges[lo : lo + MAX_RANGES]
+            head = REQ.pack(REQ_MAGIC, VERSION, OP_READV, 0, 0, 0, len(batch))
+            table = b"".join(RANGE.pack(seg, off, n) for _i, seg, off, n, _b in batch)
+            self._request(address, [head, table], sum(r[3] for r in batch), [r[4] for r in batch])
 
     def read_into(self, replica: kvstore_pb2.Replica, buf: memoryview) -> None:
-        check_range(replica, len(buf), "tcp read")
-        self._transfer(replica, OP_READ, None, buf)
+        (err,) = self.read_many([(replica, buf)])
+        if err is not None:
+            raise err
+
+    def write(self, replica: kvstore_pb2.Replica, data: memoryview) -> None:
+        """A WRITE per range; from PARALLEL_MIN_BYTES on, PARALLEL_STREAMS ranges at once."""
+        if len(data) != replica.size:
+            raise TransportError(f"write of {len(data)} bytes into a {replica.size}-byte replica")
+        ep = self.endpoint(replica)
+        if ep is None:
+            raise TransportError("replica has no tcp endpoint")
+        seg = segment_key(replica.segment_id)
+        parts = PARALLEL_STREAMS if replica.size >= PARALLEL_MIN_BYTES else 1
+        bounds = [replica.size * k // parts for k in range(parts + 1)]
+        jobs = [
+            functools.partial(
+                self._request,
+                ep.address,
+                [
+                    REQ.pack(REQ_MAGIC, VERSION, OP_WRITE, 0, seg, replica.offset + lo, hi - lo),
+                    data[lo:hi],
+                ],
+                hi - lo,
+                None,
+            )
+            for lo, hi in itertools.pairwise(bounds)
+        ]
+        for err in self._run(jobs):
+            if err is not None:
+                raise err
 
     def close(self) -> None:
         self._closed = True
