@@ -278,7 +278,7 @@ class StoreClient(StoreBackend):
                     options=opts,
                 ),
             )
-            written, revoke, retry = [], [], []
+            allocated = []
             for res in resp.results:
                 if (
                     res.code == kvstore_pb2.KV_OK and res.already_exists
@@ -287,11 +287,11 @@ class StoreClient(StoreBackend):
                 elif res.code != kvstore_pb2.KV_OK:
                     failure = failure or kv_error(res.code, f"put of {res.key!r}", res.message)
                     result[res.key] = False
-                elif self._write_replicas(res.replicas, views[res.key]):
-                    written.append(res.key)
                 else:
-                    revoke.append(res.key)
-                    retry.append(res.key)
+                    allocated.append(res)
+            failed = self._write_all(allocated, views)
+            written = [r.key for r in allocated if r.key not in failed]
+            revoke = [r.key for r in allocated if r.key in failed]  # and retry them
             if revoke:
                 self._call(
                     "BatchPutRevoke",
@@ -304,7 +304,7 @@ class StoreClient(StoreBackend):
                 )
                 for r in end.results:
                     result[r.key] = r.code == kvstore_pb2.KV_OK
-            pending = retry
+            pending = revoke
         for k in pending:
             result[k] = False
             failure = failure or errors.Unavailable(
@@ -314,20 +314,34 @@ class StoreClient(StoreBackend):
             raise failure
         return [result.get(k, False) for k in keys]
 
-    def _write_replicas(self, replicas: Sequence[kvstore_pb2.Replica], data: memoryview) -> bool:
-        if not replicas:
-            return False
-        for rep in replicas:
-            t = self._route(rep)
-            if t is None:
-                log.warning("no allowed transport reaches node %s", rep.node_id)
-                return False
-            try:
-                t.write(rep, data)
-            except TransportError as exc:
-                log.warning("write to node %s over %s failed: %s", rep.node_id, t.name, exc)
-                return False
-        return True
+    def _write_all(
+        self, allocated: Sequence[kvstore_pb2.PutStartResult], views: dict[str, memoryview]
+    ) -> set[str]:
+        """Writes every replica of every allocated put, one :meth:`Transport.write_many`
+        per transport (tcp: one request per node for the whole batch); returns the keys of
+        which some replica could not be written."""
+        failed: set[str] = set()
+        jobs: dict[str, list[tuple[str, kvstore_pb2.Replica]]] = {}
+        transports: dict[str, Transport] = {}
+        for res in allocated:
+            if not res.replicas:
+                failed.add(res.key)
+            for rep in res.replicas:
+                t = self._route(rep)
+                if t is None:
+                    log.warning("no allowed transport reaches node %s", rep.node_id)
+                    failed.add(res.key)
+                    continue
+                transports[t.name] = t
+                jobs.setdefault(t.name, []).append((res.key, rep))
+        for name, items in jobs.items():
+            t = transports[name]
+            errs = t.write_many([(rep, views[key]) for key, rep in items])
+            for (key, rep), err in zip(items, errs, strict=True):
+                if err is not None:
+                    failed.add(key)
+                    log.warning("write to node %s over %s failed: %s", rep.node_id, t.name, err)
+        return failed
 
     # -- gets -------------------------------------------------------------------------------
 

@@ -24,6 +24,8 @@ def test_bench_kvstore_small_run(tmp_path: Path) -> None:
             "4KiB,64KiB",
             "--iterations",
             "3",
+            "--batch",
+            "4",
             "--transports",
             "shm,tcp",
             "--no-mooncake-store",
@@ -38,11 +40,15 @@ def test_bench_kvstore_small_run(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "pdserve/tcp" in proc.stdout and "longest_prefix over 64 keys" in proc.stdout
+    assert "one master round trip over wire" in proc.stdout
     data = json.loads(out_json.read_text())
-    systems = {(r["system"], r["size"]) for r in data["rows"]}
+    systems = {(r["system"], r["size"], r["batch"]) for r in data["rows"]}
     for system in ("memcpy", "pdserve/shm", "pdserve/tcp"):
-        assert {(system, 4096), (system, 65536)} <= systems
+        assert {(system, 4096, 1), (system, 65536, 1), (system, 4096, 4)} <= systems
     for r in data["rows"]:
         assert r["iterations"] == 3 and r["put_gbps"] > 0 and r["get_gbps"] > 0
         assert 0 < r["get_p50_us"] <= r["get_p99_us"]
+        assert r["mode"] == ("single" if r["batch"] == 1 else "batch")
     assert data["longest_prefix"]["pdserve"]["keys"] == 64
+    assert set(data["control"]) == {"grpc", "wire"}
+    assert all(c["lookup_p50_us"] > 0 for c in data["control"].values())

@@ -75,6 +75,26 @@ def test_client_batched_ops(store: StoreBackend) -> None:
     assert store.exists([k for k, _ in items[:3]]) == [True, False, True]
 
 
+def test_client_batch_get_into(store: StoreBackend) -> None:
+    items = [(_key(f"bi{i}"), _blob(1 + i * 300_000, 20 + i)) for i in range(4)]
+    store.batch_put(items)
+    missing = _key("absent")
+    keys = [items[2][0], missing, items[0][0], items[3][0]]
+    bufs = [bytearray(1_000_000) for _ in keys]
+    got = store.batch_get_into(keys, [memoryview(b) for b in bufs])
+    assert got == [len(items[2][1]), None, 1, len(items[3][1])]
+    assert bytes(bufs[0][: got[0]]) == items[2][1]
+    assert bytes(bufs[3][: got[3]]) == items[3][1]
+    with pytest.raises(errors.InvalidArgument, match="2 keys but 1 buffers"):
+        store.batch_get_into(keys[:2], [memoryview(bufs[0])])
+    # A buffer too small for its object refuses the whole call before reading, and leaves
+    # no lease behind that would block removal.
+    small = [memoryview(bytearray(1_000_000)), memoryview(bytearray(10))]
+    with pytest.raises(errors.InvalidArgument, match="smaller"):
+        store.batch_get_into([items[0][0], items[3][0]], small)
+    assert store.remove([items[3][0]]) == 1
+
+
 def test_client_longest_prefix(store: StoreBackend) -> None:
     keys = [_key(f"chain{i}") for i in range(64)]
     assert store.longest_prefix(keys) == 0

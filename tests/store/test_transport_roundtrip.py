@@ -209,3 +209,100 @@ def test_transport_tcp_client_rejects_a_garbage_node() -> None:
     with pytest.raises(TransportError, match="malformed"):
         tcp.TcpTransport(timeout_s=2).read_into(rep, memoryview(bytearray(10)))
     srv.close()
+
+
+@pytest.mark.parametrize("peer", ["tcp"], indirect=True)
+def test_transport_tcp_batches_and_parallel_streams_roundtrip(peer: Peer, monkeypatch) -> None:
+    """write_many / read_many: many objects per request (WRITEV / READV) and objects big
+    enough to travel over parallel connections; bytes checked on both sides."""
+    t = tcp.TcpTransport()
+    rng = np.random.default_rng(11)
+    sizes = [1, 4096, 70_000, 1]
+    offsets = [0, 4096, 16384, 100_000]
+    reps = [peer.replica(o, n) for o, n in zip(offsets, sizes, strict=True)]
+    blobs = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+    assert (
+        t.write_many([(r, memoryview(b)) for r, b in zip(reps, blobs, strict=True)]) == [None] * 4
+    )
+    for r, b in zip(reps, blobs, strict=True):
+        assert peer.ask(f"sum {r.offset} {r.size}") == blake3.blake3(b).hexdigest()
+    bufs = [bytearray(n) for n in sizes]
+    assert t.read_many([(r, memoryview(b)) for r, b in zip(reps, bufs, strict=True)]) == [None] * 4
+    assert [bytes(b) for b in bufs] == blobs
+    # Past PARALLEL_MIN_BYTES (lowered to fit the 8 MiB segment) an object moves as
+    # PARALLEL_STREAMS sub-ranges, and a batch as groups, on separate connections.
+    monkeypatch.setattr(tcp, "PARALLEL_MIN_BYTES", 1 << 20)
+    big = [peer.replica(1 << 20, 3 * (1 << 20) + 5), peer.replica(5 << 20, 700_001)]
+    data = [rng.integers(0, 256, r.size, dtype=np.uint8).tobytes() for r in big]
+    assert t.write_many([(r, memoryview(d)) for r, d in zip(big, data, strict=True)]) == [None] * 2
+    for r, d in zip(big, data, strict=True):
+        assert peer.ask(f"sum {r.offset} {r.size}") == blake3.blake3(d).hexdigest()
+    out = [bytearray(r.size) for r in big]
+    assert t.read_many([(r, memoryview(o)) for r, o in zip(big, out, strict=True)]) == [None] * 2
+    assert [bytes(o) for o in out] == data
+    one = bytearray(big[0].size)
+    t.read_into(big[0], memoryview(one))
+    assert bytes(one) == data[0]
+    # A bad range in a batch fails that request's objects and leaves the others' bytes.
+    bad = peer.replica(SEG_BYTES - 2, 4)
+    errs = t.read_many([(reps[1], memoryview(bytearray(4096))), (bad, memoryview(bytearray(4)))])
+    assert all(isinstance(e, TransportError) for e in errs)
+    assert "range outside" in str(errs[1])
+    assert peer.ask(f"sum {reps[1].offset} {reps[1].size}") == blake3.blake3(blobs[1]).hexdigest()
+    t.close()
+
+
+@pytest.mark.parametrize("peer", ["tcp"], indirect=True)
+def test_transport_tcp_vector_requests_are_checked_before_any_byte_moves(peer: Peer) -> None:
+    before = peer.ask("fill 0 65536 5")
+    seg_key = tcp.segment_key(peer.segment.segment_id)
+
+    def vector(op: int, ranges: list[tuple[int, int, int]], count: int | None = None) -> int:
+        head = tcp.REQ.pack(
+            tcp.REQ_MAGIC, tcp.VERSION, op, 0, 0, 0, len(ranges) if count is None else count
+        )
+        table = b"".join(tcp.RANGE.pack(*r) for r in ranges)
+        reply = _raw(peer.tcp_port, head + table + b"\xee" * 64)
+        assert len(reply) == tcp.REP.size  # an error status and nothing else
+        return tcp.REP.unpack(reply)[1]
+
+    assert vector(tcp.OP_READV, [], count=0) == tcp.ST_BAD_COUNT
+    assert vector(tcp.OP_READV, [], count=tcp.MAX_RANGES + 1) == tcp.ST_BAD_COUNT
+    good = (seg_key, 0, 32)
+    assert vector(tcp.OP_WRITEV, [good, (seg_key, SEG_BYTES - 1, 2)]) == tcp.ST_OUT_OF_BOUNDS
+    assert vector(tcp.OP_WRITEV, [good, (seg_key + 1, 0, 2)]) == tcp.ST_UNKNOWN_SEGMENT
+    assert vector(tcp.OP_READV, [good, (seg_key, 0, 0)]) == tcp.ST_OUT_OF_BOUNDS
+    assert peer.ask("sum 0 65536") == before  # the good first range was not written either
+
+
+def test_split_groups_by_bytes() -> None:
+    ranges = [(i, 0, 0, n, None) for i, n in enumerate([4, 4, 4, 4])]
+    assert tcp._split(ranges, 2) == [ranges]  # below PARALLEL_MIN_BYTES: one stream
+    big = tcp.PARALLEL_MIN_BYTES
+    ranges = [(i, 0, 0, n, None) for i, n in enumerate([big // 2, big // 2, big // 2, big // 2])]
+    assert tcp._split(ranges, 2) == [ranges[:2], ranges[2:]]
+    one = [(0, 0, 0, 4 * big, None)]
+    assert tcp._split(one, 2) == [one]
+
+
+def test_send_parts_and_recv_parts_survive_partial_transfers() -> None:
+    """Many small buffers through a socket pair with tiny kernel buffers: every byte lands
+    in its buffer in order, whatever the kernel splits."""
+    import threading
+
+    a, b = socket.socketpair()
+    for s in (a, b):
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    rng = np.random.default_rng(2)
+    parts = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in [1, 0, 5000, 3, 70_000]]
+    parts += [bytes([i % 256]) * 7 for i in range(600)]  # more buffers than one sendmsg takes
+    sender = threading.Thread(target=tcp.send_parts, args=(a, list(parts)))
+    sender.start()
+    bufs = [bytearray(len(p)) for p in parts]
+    assert tcp.recv_parts(b, [memoryview(x) for x in bufs])
+    sender.join(10)
+    assert [bytes(x) for x in bufs] == parts
+    a.close()
+    assert not tcp.recv_parts(b, [memoryview(bytearray(1))])  # peer closed
+    b.close()

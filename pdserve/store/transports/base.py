@@ -68,6 +68,20 @@ class Transport(ABC):
                 out.append(exc)
         return out
 
+    def write_many(
+        self, items: Sequence[tuple[kvstore_pb2.Replica, memoryview]]
+    ) -> list[TransportError | None]:
+        """Writes each buffer into its replica; returns each item's error (None = written).
+        Transports that can batch (tcp: one request per node) override this."""
+        out: list[TransportError | None] = []
+        for replica, data in items:
+            try:
+                self.write(replica, data)
+                out.append(None)
+            except TransportError as exc:
+                out.append(exc)
+        return out
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Releases connections and mappings. Idempotent."""
 

@@ -96,9 +96,9 @@ class ShmTransport(Transport):
         return m.array[replica.offset : end]
 
     def write(self, replica: kvstore_pb2.Replica, data: memoryview) -> None:
-        if len(data) != replica.size:
-            raise TransportError(f"write of {len(data)} bytes into a {replica.size}-byte replica")
-        self._slice(self._mapping(replica), replica)[:] = np.frombuffer(data, dtype=np.uint8)
+        (err,) = self.write_many([(replica, data)])
+        if err is not None:
+            raise err
 
     def read_into(self, replica: kvstore_pb2.Replica, buf: memoryview) -> None:
         (err,) = self.read_many([(replica, buf)])
@@ -108,23 +108,41 @@ class ShmTransport(Transport):
     def read_many(
         self, items: Sequence[tuple[kvstore_pb2.Replica, memoryview]]
     ) -> list[TransportError | None]:
-        """One memcpy per item, the segment file checked once per batch."""
+        """One memcpy per item, each segment file checked once per batch."""
+        return self._copy_many(items, read=True)
+
+    def write_many(
+        self, items: Sequence[tuple[kvstore_pb2.Replica, memoryview]]
+    ) -> list[TransportError | None]:
+        return self._copy_many(items, read=False)
+
+    def _copy_many(
+        self, items: Sequence[tuple[kvstore_pb2.Replica, memoryview]], read: bool
+    ) -> list[TransportError | None]:
         maps: dict[str, _Mapping | TransportError] = {}
         out: list[TransportError | None] = []
         for replica, buf in items:
             try:
-                check_range(replica, len(buf), "shm read")
-                seg = replica.segment_id
-                m = maps.get(seg)
+                if read:
+                    check_range(replica, len(buf), "shm read")
+                elif len(buf) != replica.size:
+                    raise TransportError(
+                        f"write of {len(buf)} bytes into a {replica.size}-byte replica"
+                    )
+                m = maps.get(replica.segment_id)
                 if m is None:
                     try:
-                        m = maps[seg] = self._mapping(replica)
+                        m = self._mapping(replica)
                     except TransportError as exc:
-                        m = maps[seg] = exc
+                        m = exc
+                    maps[replica.segment_id] = m
                 if isinstance(m, TransportError):
                     raise m
-                dst = np.frombuffer(buf, dtype=np.uint8, count=replica.size)
-                dst[:] = self._slice(m, replica)
+                mine = np.frombuffer(buf, dtype=np.uint8, count=replica.size)
+                if read:
+                    mine[:] = self._slice(m, replica)
+                else:
+                    self._slice(m, replica)[:] = mine
                 out.append(None)
             except TransportError as exc:
                 out.append(exc)

@@ -2,16 +2,17 @@
 
 Request header (little-endian, 32 bytes)::
 
-    magic b"PDKT" | version u8 | op u8 (1 READ, 2 WRITE, 3 READV) | reserved u16
+    magic b"PDKT" | version u8 | op u8 (1 READ, 2 WRITE, 3 READV, 4 WRITEV) | reserved u16
     | segment key u64 (first 8 bytes of BLAKE3(segment id)) | offset u64 | length u64
 
 A WRITE header is followed by ``length`` payload bytes. A READV header has segment key and
 offset 0 and ``length`` = the number of ranges (1..:data:`MAX_RANGES`), and is followed by
 that many 24-byte ranges ``segment key u64 | offset u64 | length u64``: one request reads
-many objects (a prompt's chunks) in one round trip. The node answers every request with a
+many objects (a prompt's chunks) in one round trip. A WRITEV is the same with the ranges'
+payloads back to back after the table. The node answers every request with a
 16-byte reply ``magic b"PDKR" | status u8 | reserved 3 | length u64``; a successful READ or
 READV reply is followed by ``length`` payload bytes (READV: the ranges back to back, in
-request order). The node validates every header and range (magic, version, op, known
+request order); a WRITE or WRITEV is answered once every byte is in place. The node validates every header and range (magic, version, op, known
 segment, ``offset + length`` inside the segment) before touching memory; on a bad one it
 answers with an error status and closes the connection, because the byte stream can no
 longer be trusted.
@@ -19,15 +20,14 @@ longer be trusted.
 Payloads go straight from / into the segment mapping and the caller's buffers, never
 through an intermediate copy: a header and its payload leave in one ``sendmsg`` and a reply
 lands with ``recvmsg_into`` (header and payloads scattered into the callers' buffers). The
-client reads with READV only; objects from :data:`PARALLEL_MIN_BYTES` on, and batches that
-large, are split over :data:`PARALLEL_STREAMS` connections at once.
+client moves bytes with READV and WRITEV only; objects from :data:`PARALLEL_MIN_BYTES` on,
+and batches that large, are split over :data:`PARALLEL_STREAMS` connections at once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import logging
 import queue
 import socket
@@ -53,6 +53,7 @@ VERSION = 1
 OP_READ = 1
 OP_WRITE = 2
 OP_READV = 3
+OP_WRITEV = 4
 #: Most ranges in one READV request.
 MAX_RANGES = 4096
 
@@ -71,7 +72,7 @@ STATUS_TEXT = {
     ST_UNKNOWN_SEGMENT: "unknown segment",
     ST_OUT_OF_BOUNDS: "range outside the segment",
     ST_SHORT_PAYLOAD: "connection closed before the payload was complete",
-    ST_BAD_COUNT: f"a READV needs 1 to {MAX_RANGES} ranges",
+    ST_BAD_COUNT: f"a READV or WRITEV needs 1 to {MAX_RANGES} ranges",
 }
 #: Explicit SO_SNDBUF/SO_RCVBUF (bytes; the kernel doubles it); 0 = kernel autotuning.
 #: Small buffers keep the bytes in flight inside the CPU caches: the receiver copies out what
@@ -274,10 +275,10 @@ class TcpServer(TransportServer):
             return self._fail(conn, ST_BAD_MAGIC, repr(bytes(head[:4])))
         if version != VERSION:
             return self._fail(conn, ST_BAD_VERSION, str(version))
-        if op not in (OP_READ, OP_WRITE, OP_READV):
+        if op not in (OP_READ, OP_WRITE, OP_READV, OP_WRITEV):
             return self._fail(conn, ST_BAD_OP, str(op))
-        if op == OP_READV:
-            return self._readv(conn, length)
+        if op in (OP_READV, OP_WRITEV):
+            return self._vector(conn, op, length)
         region = self._region(seg, offset, length)
         if isinstance(region, int):
             return self._fail(conn, region, f"segment {seg:#x} offset {offset} length {length}")
@@ -300,7 +301,8 @@ class TcpServer(TransportServer):
             return ST_OUT_OF_BOUNDS
         return mem[offset : offset + length]
 
-    def _readv(self, conn: socket.socket, count: int) -> bool:
+    def _vector(self, conn: socket.socket, op: int, count: int) -> bool:
+        """A READV or WRITEV of ``count`` ranges; all are checked before any byte moves."""
         if not 1 <= count <= MAX_RANGES:
             return self._fail(conn, ST_BAD_COUNT, str(count))
         table = bytearray(count * RANGE.size)
@@ -313,8 +315,14 @@ class TcpServer(TransportServer):
                 return self._fail(conn, region, f"segment {seg:#x} offset {offset} length {length}")
             regions.append(region)
         total = sum(len(r) for r in regions)
-        send_parts(conn, [REP.pack(REP_MAGIC, ST_OK, total), *regions])
-        self._read += total
+        if op == OP_READV:
+            send_parts(conn, [REP.pack(REP_MAGIC, ST_OK, total), *regions])
+            self._read += total
+            return True
+        if not recv_parts(conn, regions):
+            return self._fail(conn, ST_SHORT_PAYLOAD, f"expected {total} bytes")
+        self._written += total
+        self._reply(conn, ST_OK, total)
         return True
 
 
@@ -428,12 +436,12 @@ class TcpTransport(Transport):
         first = attempt(jobs[0])
         return [first, *(f.result() for f in others)]
 
-    def read_many(
-        self, items: Sequence[tuple[kvstore_pb2.Replica, memoryview]]
-    ) -> list[TransportError | None]:
-        """One READV round trip per node for all ``items``; reads of PARALLEL_MIN_BYTES or
-        more in all are split over PARALLEL_STREAMS connections. Returns each item's error
-        (None = read)."""
+    def _ranges(
+        self, items: Sequence[tuple[kvstore_pb2.Replica, memoryview]], what: str
+    ) -> tuple[dict[str, list[tuple[int, int, int, int, memoryview]]], list]:
+        """Per node address, the ranges ``(item, segment key, offset, length, buffer)`` that
+        move ``items`` (objects from PARALLEL_MIN_BYTES on in PARALLEL_STREAMS pieces), and
+        each item's error so far."""
         errors: list[TransportError | None] = [None] * len(items)
         by_node: dict[str, list[tuple[int, int, int, int, memoryview]]] = {}
         for i, (rep, buf) in enumerate(items):
@@ -441,7 +449,13 @@ class TcpTransport(Transport):
             if ep is None:
                 errors[i] = TransportError("replica has no tcp endpoint")
                 continue
-            check_range(rep, len(buf), "tcp read")
+            if what == "read":
+                check_range(rep, len(buf), "tcp read")
+            elif len(buf) != rep.size:
+                errors[i] = TransportError(
+                    f"write of {len(buf)} bytes into a {rep.size}-byte replica"
+                )
+                continue
             seg = segment_key(rep.segment_id)
             parts = PARALLEL_STREAMS if rep.size >= PARALLEL_MIN_BYTES else 1
             for k in range(parts):
@@ -449,21 +463,48 @@ class TcpTransport(Transport):
                 by_node.setdefault(ep.address, []).append(
                     (i, seg, rep.offset + lo, hi - lo, buf[lo:hi])
                 )
+        return by_node, errors
+
+    def _many(
+        self, op: int, items: Sequence[tuple[kvstore_pb2.Replica, memoryview]]
+    ) -> list[TransportError | None]:
+        by_node, errors = self._ranges(items, "read" if op == OP_READV else "write")
         for address, ranges in by_node.items():
             groups = _split(ranges, PARALLEL_STREAMS)
-            jobs = [functools.partial(self._readv, address, g) for g in groups]
+            jobs = [functools.partial(self._vector, op, address, g) for g in groups]
             for group, err in zip(groups, self._run(jobs), strict=True):
                 if err is not None:
                     for i, *_ in group:
                         errors[i] = errors[i] or err
         return errors
 
-    def _readv(self, address: str, ranges: list[tuple[int, int, int, int, memoryview]]) -> None:
+    def _vector(
+        self, op: int, address: str, ranges: list[tuple[int, int, int, int, memoryview]]
+    ) -> None:
+        """READV / WRITEV requests for ``ranges`` on one connection."""
         for lo in range(0, len(ranges), MAX_RANGES):
             batch = ranges[lo : lo + MAX_RANGES]
-            head = REQ.pack(REQ_MAGIC, VERSION, OP_READV, 0, 0, 0, len(batch))
+            head = REQ.pack(REQ_MAGIC, VERSION, op, 0, 0, 0, len(batch))
             table = b"".join(RANGE.pack(seg, off, n) for _i, seg, off, n, _b in batch)
-            self._request(address, [head, table], sum(r[3] for r in batch), [r[4] for r in batch])
+            bufs = [r[4] for r in batch]
+            total = sum(r[3] for r in batch)
+            if op == OP_READV:
+                self._request(address, [head, table], total, bufs)
+            else:
+                self._request(address, [head, table, *bufs], total, None)
+
+    def read_many(
+        self, items: Sequence[tuple[kvstore_pb2.Replica, memoryview]]
+    ) -> list[TransportError | None]:
+        """One READV round trip per node for all ``items`` (split over PARALLEL_STREAMS
+        connections from PARALLEL_MIN_BYTES in all)."""
+        return self._many(OP_READV, items)
+
+    def write_many(
+        self, items: Sequence[tuple[kvstore_pb2.Replica, memoryview]]
+    ) -> list[TransportError | None]:
+        """One WRITEV round trip per node for all ``items``, split as reads are."""
+        return self._many(OP_WRITEV, items)
 
     def read_into(self, replica: kvstore_pb2.Replica, buf: memoryview) -> None:
         (err,) = self.read_many([(replica, buf)])
@@ -471,31 +512,9 @@ class TcpTransport(Transport):
             raise err
 
     def write(self, replica: kvstore_pb2.Replica, data: memoryview) -> None:
-        """A WRITE per range; from PARALLEL_MIN_BYTES on, PARALLEL_STREAMS ranges at once."""
-        if len(data) != replica.size:
-            raise TransportError(f"write of {len(data)} bytes into a {replica.size}-byte replica")
-        ep = self.endpoint(replica)
-        if ep is None:
-            raise TransportError("replica has no tcp endpoint")
-        seg = segment_key(replica.segment_id)
-        parts = PARALLEL_STREAMS if replica.size >= PARALLEL_MIN_BYTES else 1
-        bounds = [replica.size * k // parts for k in range(parts + 1)]
-        jobs = [
-            functools.partial(
-                self._request,
-                ep.address,
-                [
-                    REQ.pack(REQ_MAGIC, VERSION, OP_WRITE, 0, seg, replica.offset + lo, hi - lo),
-                    data[lo:hi],
-                ],
-                hi - lo,
-                None,
-            )
-            for lo, hi in itertools.pairwise(bounds)
-        ]
-        for err in self._run(jobs):
-            if err is not None:
-                raise err
+        (err,) = self.write_many([(replica, data)])
+        if err is not None:
+            raise err
 
     def close(self) -> None:
         self._closed = True
