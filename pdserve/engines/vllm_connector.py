@@ -494,7 +494,8 @@ class PdserveConnector(KVConnectorBase_V1):
         whole: dict[tuple[int, ...], list[tuple[ChunkLoad, torch.Tensor]]] = {}
         for chunk, kv in loaded:
             begin, end = max(chunk.start, chunk.skip_before), chunk.stop
-            if begin == chunk.start and end == chunk.start + chunk.num_tokens:
+            whole_blocks = chunk.num_tokens % bs == 0  # not a request's partial tail
+            if whole_blocks and begin == chunk.start and end == chunk.start + chunk.num_tokens:
                 whole.setdefault(tuple(kv.shape), []).append((chunk, kv))
             else:
                 self._scatter(kv, chunk, block_ids)

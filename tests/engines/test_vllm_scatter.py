@@ -33,12 +33,15 @@ def test_batched_scatter_matches_per_block(in_arena: bool) -> None:
     fp = bytes(32)
     torch.manual_seed(0)
     kvs = [torch.randn(L, 2, H, CHUNK, D).to(torch.bfloat16) for _ in range(4)]
-    # chunk 0 overlaps the local cache up to token 5; chunk 3 stops before the last token.
+    # chunk 0 overlaps the local cache up to token 5; chunk 3 stops before the last token;
+    # chunk 4 is a request's tail of 5 tokens, written whole.
     chunks = [
         ChunkLoad(f"k{i}", i * CHUNK, CHUNK, 5 if i == 0 else 0, (i + 1) * CHUNK - (i == 3))
         for i in range(4)
     ]
-    block_ids = [3, 9, 1, 14, 7, 2, 11, 5]
+    kvs.append(torch.randn(L, 2, H, 5, D).to(torch.bfloat16))
+    chunks.append(ChunkLoad("tail", 4 * CHUNK, 5, 0, 4 * CHUNK + 5))
+    block_ids = [3, 9, 1, 14, 7, 2, 11, 5, 8, 4]
     fast = _connector(_caches())
     if in_arena:  # laid out as StoreClient.batch_get_chunks reads them: back to back
         blobs = [kvformat.encode(kv, fp) for kv in kvs]
