@@ -59,22 +59,29 @@ METHOD_IDS = {name: i for i, (name, _req, _resp) in enumerate(METHODS, 1)}
 _STATUS = {c.value[0]: c for c in grpc.StatusCode}
 
 
+class FrameReader:
+    """Buffered reads from a socket: a reply (or request) that arrived whole costs one recv,
+    not one for its header and one for its body."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+
+    def read(self, n: int) -> bytes:
+        """``n`` bytes; ConnectionResetError when the peer closes first."""
+        while len(self.buf) < n:
+            chunk = self.sock.recv(max(65536, n - len(self.buf)))
+            if not chunk:
+                raise ConnectionResetError("the peer closed the control wire")
+            self.buf += chunk
+        out = bytes(self.buf[:n])
+        del self.buf[:n]
+        return out
+
+
 class WireUnreachable(Exception):
     """No connection to the wire could be made (nothing was sent): the caller may retry the
     call over gRPC."""
-
-
-def read_exact(sock: socket.socket, n: int) -> bytes:
-    """``n`` bytes from ``sock``; ConnectionResetError when the peer closes first."""
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionResetError("the peer closed the control wire")
-        got += k
-    return bytes(buf)
 
 
 class WireClient:
@@ -87,17 +94,17 @@ class WireClient:
         self._port = port
         self.timeout_s = timeout_s
         self.pool_size = pool_size
-        self._pool: queue.LifoQueue[socket.socket] = queue.LifoQueue()
+        self._pool: queue.LifoQueue[FrameReader] = queue.LifoQueue()
         self._closed = threading.Event()
 
-    def _connect(self) -> socket.socket:
+    def _connect(self) -> FrameReader:
         try:
             sock = socket.create_connection((self._host, self._port), timeout=self.timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(HELLO)
         except OSError as exc:
             raise WireUnreachable(f"control wire {self.address}: {exc}") from exc
-        return sock
+        return FrameReader(sock)
 
     def call(self, method: str, request: Message, timeout_s: float | None = None) -> Message:
         """One call; raises the :mod:`pdserve.errors` class of the status the master
@@ -110,23 +117,25 @@ class WireClient:
         # A pooled connection may have been closed by the master (it restarted): a call that
         # fails on one before any reply byte is tried once more on a fresh connection.
         for pooled in (True, False):
-            sock = None
+            conn = None
             if pooled:
                 try:
-                    sock = self._pool.get_nowait()
+                    conn = self._pool.get_nowait()
                 except queue.Empty:
                     pooled = False
-            if sock is None:
-                sock = self._connect()
-            sock.settimeout(timeout_s or self.timeout_s)
+            if conn is None:
+                conn = self._connect()
+            sock = conn.sock
+            if timeout_s is not None:
+                sock.settimeout(timeout_s)
             replied = False
             try:
                 sock.sendall(frame)
-                length, status, _ = FRAME.unpack(read_exact(sock, FRAME.size))
+                length, status, _ = FRAME.unpack(conn.read(FRAME.size))
                 replied = True
                 if length > MAX_BODY:
                     raise ConnectionError(f"reply of {length} bytes is over the limit")
-                payload = read_exact(sock, length)
+                payload = conn.read(length)
             except TimeoutError as exc:
                 sock.close()
                 raise errors.DeadlineExceeded(
@@ -140,10 +149,12 @@ class WireClient:
                 raise errors.Unavailable(
                     f"kvstore master wire {self.address} {method}: {exc}"
                 ) from exc
+            if timeout_s is not None:
+                sock.settimeout(self.timeout_s)
             if self._closed.is_set() or self._pool.qsize() >= self.pool_size:
                 sock.close()
             else:
-                self._pool.put(sock)
+                self._pool.put(conn)
             if status:
                 code = _STATUS.get(status, grpc.StatusCode.UNKNOWN)
                 raise errors.from_status(
@@ -163,6 +174,6 @@ class WireClient:
         self._closed.set()
         while True:
             try:
-                self._pool.get_nowait().close()
+                self._pool.get_nowait().sock.close()
             except queue.Empty:
                 return

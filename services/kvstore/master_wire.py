@@ -19,7 +19,7 @@ from google.protobuf.message import DecodeError
 
 from pdserve.errors import status_for
 from pdserve.services.kvstore.master_servicer import MasterHandlers
-from pdserve.store.wire import FRAME, HELLO, MAX_BODY, METHODS, read_exact
+from pdserve.store.wire import FRAME, HELLO, MAX_BODY, METHODS, FrameReader
 
 log = logging.getLogger(__name__)
 
@@ -64,19 +64,20 @@ class WireServer:
             threading.Thread(target=self._serve, args=(conn,), name="kv-wire", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        reader = FrameReader(conn)
         try:
-            if read_exact(conn, len(HELLO)) != HELLO:
+            if reader.read(len(HELLO)) != HELLO:
                 log.warning("control wire: a peer sent a bad hello; closing")
                 return
             while True:
-                length, mid, _ = FRAME.unpack(read_exact(conn, FRAME.size))
+                length, mid, _ = FRAME.unpack(reader.read(FRAME.size))
                 if length > MAX_BODY:
                     msg = f"request of {length} bytes is over the {MAX_BODY}-byte limit".encode()
                     conn.sendall(
                         FRAME.pack(len(msg), grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], 0) + msg
                     )
                     return
-                status, reply = answer(self.handlers, mid, read_exact(conn, length))
+                status, reply = answer(self.handlers, mid, reader.read(length))
                 conn.sendall(FRAME.pack(len(reply), status.value[0], 0) + reply)
         except OSError:
             return

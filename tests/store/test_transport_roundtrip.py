@@ -13,6 +13,7 @@ import blake3
 import numpy as np
 import pytest
 
+from pdserve.store import netio
 from pdserve.store.transports import tcp
 from pdserve.store.transports.base import TransportError
 from pdserve.v1 import kvstore_pb2
@@ -297,12 +298,12 @@ def test_send_parts_and_recv_parts_survive_partial_transfers() -> None:
     rng = np.random.default_rng(2)
     parts = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in [1, 0, 5000, 3, 70_000]]
     parts += [bytes([i % 256]) * 7 for i in range(600)]  # more buffers than one sendmsg takes
-    sender = threading.Thread(target=tcp.send_parts, args=(a, list(parts)))
+    sender = threading.Thread(target=netio.send_parts, args=(a, list(parts)))
     sender.start()
     bufs = [bytearray(len(p)) for p in parts]
-    assert tcp.recv_parts(b, [memoryview(x) for x in bufs])
+    assert netio.recv_parts(b, [memoryview(x) for x in bufs])
     sender.join(10)
     assert [bytes(x) for x in bufs] == parts
     a.close()
-    assert not tcp.recv_parts(b, [memoryview(bytearray(1))])  # peer closed
+    assert not netio.recv_parts(b, [memoryview(bytearray(1))])  # peer closed
     b.close()

@@ -38,6 +38,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import blake3
 
+from pdserve.store.netio import (
+    IO_SLICE,
+    IOV,
+    recv_exact,
+    recv_parts,
+    send_parts,
+)
 from pdserve.store.segment import SegmentMemory
 from pdserve.store.transports.base import Transport, TransportError, TransportServer, check_range
 from pdserve.v1 import kvstore_pb2
@@ -79,8 +86,6 @@ STATUS_TEXT = {
 #: the sender just copied in. Measured on loopback (2 cores, 64 MiB objects): 256 KiB about
 #: 4.5-5.4 GB/s; 512 KiB-1 MiB and autotuning (which grows to 32 MiB) 2.6-3.0 GB/s.
 SOCK_BUF = 256 * 1024
-#: Largest slice handed to one send/recv call (keeps each syscall bounded).
-_IO_SLICE = 4 * 1024 * 1024
 #: Reads of this many bytes on (one object or a batch) are split over PARALLEL_STREAMS
 #: connections at once. Measured on loopback (2 cores): 16-64 MiB reads 4.0 -> 5.2 GB/s with
 #: two streams; four streams are slower than two, and splitting 1 MiB reads is slower.
@@ -100,25 +105,6 @@ def _tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCK_BUF)
 
 
-#: Most buffers handed to one sendmsg / recvmsg_into (below Linux's IOV_MAX of 1024).
-_IOV = 512
-
-
-def send_parts(sock: socket.socket, parts: list) -> None:
-    """Sends every byte of ``parts`` in as few syscalls as possible (``sendmsg`` gathers
-    them, so a header and its payload leave in one call and reach the peer together)."""
-    parts = [memoryview(p) for p in parts if len(p)]
-    while parts:
-        sent = sock.sendmsg(parts[:_IOV])
-        while sent:
-            if sent >= len(parts[0]):
-                sent -= len(parts[0])
-                parts.pop(0)
-            else:
-                parts[0] = parts[0][sent:]
-                sent = 0
-
-
 def _split(ranges: list, streams: int) -> list[list]:
     """``ranges`` (4th field: bytes) cut into at most ``streams`` consecutive groups of
     about equal bytes; one group below PARALLEL_MIN_BYTES in all."""
@@ -133,35 +119,6 @@ def _split(ranges: list, streams: int) -> list[list]:
         groups[-1].append(r)
         done += r[3]
     return groups
-
-
-def recv_parts(sock: socket.socket, parts: list[memoryview]) -> bool:
-    """Fills every buffer of ``parts`` in order (``recvmsg_into`` scatters one receive over
-    several of them); False when the peer closed first."""
-    parts = [p for p in parts if len(p)]
-    while parts:
-        got = sock.recvmsg_into([p[:_IO_SLICE] for p in parts[:_IOV]])[0]
-        if got == 0:
-            return False
-        while got:
-            if got >= len(parts[0]):
-                got -= len(parts[0])
-                parts.pop(0)
-            else:
-                parts[0] = parts[0][got:]
-                got = 0
-    return True
-
-
-def recv_exact(sock: socket.socket, buf: memoryview) -> bool:
-    """Fills ``buf`` from ``sock``; False when the peer closed first."""
-    got, n = 0, len(buf)
-    while got < n:
-        k = sock.recv_into(buf[got : min(n, got + _IO_SLICE)])
-        if k == 0:
-            return False
-        got += k
-    return True
 
 
 class TcpServer(TransportServer):
@@ -401,7 +358,7 @@ class TcpTransport(Transport):
     def _recv_reply(sock: socket.socket, rep: memoryview, out: list[memoryview]) -> bool:
         """Receives the reply header and whatever payload came with it; trims ``out`` to
         what is still missing. False when the peer closed first."""
-        got = sock.recvmsg_into([rep, *[o[:_IO_SLICE] for o in out[: _IOV - 1]]])[0]
+        got = sock.recvmsg_into([rep, *[o[:IO_SLICE] for o in out[: IOV - 1]]])[0]
         if got < REP.size:
             return got > 0 and recv_parts(sock, [rep[got:]])
         got -= REP.size
