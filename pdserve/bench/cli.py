@@ -97,8 +97,9 @@ def _kvstore_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--iterations",
         type=int,
-        default=50,
-        help="operations per size and direction; big sizes use fewer (at most 512 MiB moved, at least 3) (default: 50)",
+        default=200,
+        help="operations per size and direction; big sizes use fewer (at most 512 MiB moved, "
+        "at least 3) (default: 200)",
     )
     p.add_argument(
         "--transports",

@@ -12,8 +12,10 @@ measures from this (a different) process, per transport and object size, in two 
   (:data:`BATCH_BYTES`).
 
 Reported: put and get GB/s (bytes moved / wall time of sequential operations) and p50/p99
-latency per operation. Alongside: numpy memcpy of the same bytes (the local limit; in batch
-mode N distinct objects, so the source is as cold as the store's), Mooncake Store's own client
+latency per operation. Alongside: numpy memcpy of the same objects (the local limit: as many
+distinct sources as the store run reads, so they are as far from the CPU caches), plain
+loopback TCP with the same socket settings (``tcp-limit``, the ceiling of any tcp
+transport here), Mooncake Store's own client
 (``put_from`` / ``get_into`` and ``batch_put_from`` / ``batch_get_into`` with registered
 buffers against ``mooncake_master`` and a storage process) when Mooncake is installed,
 ``longest_prefix`` over 64 keys, and the control path alone: one master round trip over gRPC
@@ -112,27 +114,104 @@ def _progress(msg: str) -> None:
 
 
 def bench_memcpy(sizes: list[int], iterations: int, batch: int) -> list[Row]:
+    """numpy memcpy of what a get moves: as many distinct objects as the store run reads
+    (so a source is as far from the CPU caches as a stored object), into the same
+    destination buffers the store run reuses."""
     rows = []
     for size in sizes:
-        n = iterations_for(size, iterations)
-        src = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
-        dst = np.empty_like(src)
-        np.copyto(dst, src)
-        res = _measure(n, lambda _i, d=dst, s=src: np.copyto(d, s))
-        rows.append(_row("memcpy", size, n, res, res))
-        if batch > 1:
-            nb = batch_for(size, batch)
-            nbatch = iterations_for(size * nb, iterations)
-            srcs = np.random.default_rng(1).integers(0, 256, (nb, size), dtype=np.uint8)
-            dsts = np.empty_like(srcs)
+        for nb in (1, batch_for(size, batch)) if batch > 1 else (1,):
+            n = iterations_for(size * nb, iterations)
+            src = np.full((n, nb, size), 7, dtype=np.uint8)  # touches every page
+            dst = np.empty((nb, size), dtype=np.uint8)
 
-            def copy_all(_i: int, d: np.ndarray = dsts, s: np.ndarray = srcs) -> None:
-                for j in range(len(s)):  # one copy per object, as a store reads them
-                    np.copyto(d[j], s[j])
+            def copy(i: int, d: np.ndarray = dst, s: np.ndarray = src) -> None:
+                for j in range(len(d)):  # one copy per object, as a store reads them
+                    np.copyto(d[j], s[i, j])
 
-            copy_all(0)
-            res = _measure(nbatch, copy_all)
-            rows.append(_row("memcpy", size, nbatch, res, res, nb))
+            copy(0)
+            res = _measure(n, copy)
+            rows.append(_row("memcpy", size, n, res, res, nb))
+            del src
+    return rows
+
+
+def _tcp_limit_peer(port_out, size: int, streams: int) -> None:
+    """Child process of :func:`bench_tcp_limit`: sends a /dev/shm-backed buffer on request."""
+    import mmap
+    import socket
+    import threading
+
+    from pdserve.store.transports.tcp import _tune
+
+    mm = mmap.mmap(-1, size)
+    mm.write(b"\x07" * size)
+    view = memoryview(mm)
+    listener = socket.socket()
+    _tune(listener)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(streams)
+    port_out.put(listener.getsockname()[1])
+    part = size // streams
+
+    def serve(conn: socket.socket, i: int) -> None:
+        lo, hi = i * part, size if i == streams - 1 else (i + 1) * part
+        while conn.recv(1):
+            conn.sendall(view[lo:hi])
+
+    conns = [listener.accept()[0] for _ in range(streams)]
+    threads = [threading.Thread(target=serve, args=(c, i)) for i, c in enumerate(conns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def bench_tcp_limit(sizes: list[int], iterations: int) -> list[Row]:
+    """Loopback TCP with nothing else: one process sends a buffer, this one receives it
+    into a reused buffer, with pdserve's socket settings and stream count. The ceiling of
+    any tcp transport on this machine (gets only)."""
+    import multiprocessing
+    import socket
+
+    from pdserve.store.transports import tcp
+
+    rows = []
+    ctx = multiprocessing.get_context("spawn")
+    for size in sizes:
+        streams = tcp.PARALLEL_STREAMS if size >= tcp.PARALLEL_MIN_BYTES else 1
+        q = ctx.Queue()
+        peer = ctx.Process(target=_tcp_limit_peer, args=(q, size, streams), daemon=True)
+        peer.start()
+        try:
+            port = q.get(timeout=60)
+            socks = []
+            for _ in range(streams):
+                sock = socket.socket()
+                tcp._tune(sock)
+                sock.connect(("127.0.0.1", port))
+                socks.append(sock)
+            buf = memoryview(np.empty(size, dtype=np.uint8))
+            part = size // streams
+            views = [
+                buf[i * part : size if i == streams - 1 else (i + 1) * part] for i in range(streams)
+            ]
+
+            def get(_i: int, socks: list = socks, views: list = views) -> None:
+                for s in socks:
+                    s.sendall(b"r")
+                for s, v in zip(socks, views, strict=True):  # the kernel fills all at once
+                    tcp.recv_exact(s, v)
+
+            get(0)
+            n = iterations_for(size, iterations)
+            res = _measure(n, get)
+            rows.append(_row("tcp-limit", size, n, res, res))
+            for s in socks:
+                s.close()
+        finally:
+            peer.join(10)
+            if peer.is_alive():
+                peer.kill()
     return rows
 
 
@@ -383,12 +462,17 @@ def ratios(rows: list[Row]) -> list[str]:
     for r in sorted(rows, key=lambda r: (r.mode, r.size)):
         mc = by.get(("mooncake-store", r.size, r.mode))
         mem = by.get(("memcpy", r.size, r.mode))
+        wire = by.get(("tcp-limit", r.size, "single"))
         where = f"{_fmt_size(r.size)} {r.mode}"
         if r.system == "pdserve/tcp" and mc is not None:
             lines.append(
                 f"tcp / mooncake-store at {where}: get {r.get_gbps / mc.get_gbps:.2f}x "
                 f"(p50 {r.get_p50_us:.0f} vs {mc.get_p50_us:.0f} us), "
                 f"put {r.put_gbps / mc.put_gbps:.2f}x"
+            )
+        if r.system == "pdserve/tcp" and wire is not None and r.size >= 1 << 20:
+            lines.append(
+                f"tcp / loopback tcp ceiling at {where}: get {r.get_gbps / wire.get_gbps:.0%}"
             )
         if r.system == "pdserve/shm" and mem is not None:
             lines.append(
@@ -446,6 +530,9 @@ def run(args: argparse.Namespace) -> int:
     if args.batch < 1:
         raise SystemExit("--batch must be >= 1 (1 = no batched runs)")
     rows = bench_memcpy(sizes, args.iterations, args.batch)
+    if "tcp" in transports:
+        _progress("loopback tcp ceiling")
+        rows += bench_tcp_limit(sizes, args.iterations)
     prefix: dict[str, dict[str, float]] = {}
     served = ",".join(["shm", "tcp", *(["mooncake"] if "mooncake" in transports else [])])
     with local_store(log_dir, segment_size=segment, transports=served) as (master, _node):
