@@ -307,3 +307,30 @@ def test_send_parts_and_recv_parts_survive_partial_transfers() -> None:
     a.close()
     assert not netio.recv_parts(b, [memoryview(bytearray(1))])  # peer closed
     b.close()
+
+
+@pytest.mark.parametrize("peer", ["shm"], indirect=True)
+def test_transport_shm_batches_copy_on_two_threads(peer: Peer) -> None:
+    """A batch past PARALLEL_MIN_BYTES (and one object that large, cut in two) is copied on
+    two threads; every byte lands where it belongs, on both sides."""
+    from pdserve.store.transports import shm
+
+    t = shm.ShmTransport("peer-host")
+    rng = np.random.default_rng(4)
+    sizes = [1_500_000, 1, 1_300_001, 1_800_000, shm.PARALLEL_MIN_BYTES + 11]
+    offsets = [0, 1_600_000, 1_700_000, 3_100_000, 3 * 1024 * 1024 + 1]
+    reps = [peer.replica(o, n) for o, n in zip(offsets[:4], sizes[:4], strict=True)]
+    reps.append(peer.replica(SEG_BYTES - sizes[4], sizes[4]))
+    assert sum(sizes[:4]) >= shm.PARALLEL_MIN_BYTES
+    for batch in (reps[:4], reps[4:]):
+        blobs = [rng.integers(0, 256, r.size, dtype=np.uint8).tobytes() for r in batch]
+        assert t.write_many([(r, memoryview(b)) for r, b in zip(batch, blobs, strict=True)]) == [
+            None
+        ] * len(batch)
+        for r, b in zip(batch, blobs, strict=True):
+            assert peer.ask(f"sum {r.offset} {r.size}") == blake3.blake3(b).hexdigest()
+        bufs = [bytearray(r.size) for r in batch]
+        errs = t.read_many([(r, memoryview(b)) for r, b in zip(batch, bufs, strict=True)])
+        assert errs == [None] * len(batch)
+        assert [bytes(b) for b in bufs] == blobs
+    t.close()
