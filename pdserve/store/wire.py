@@ -35,6 +35,7 @@ from google.protobuf.message import DecodeError, Message
 
 from pdserve import errors
 from pdserve.grpcutil import DEFAULT_MAX_MESSAGE_BYTES
+from pdserve.store.netio import kernel_timeouts
 from pdserve.v1 import kvstore_pb2 as pb
 
 VERSION = 1
@@ -101,12 +102,13 @@ class WireClient:
         try:
             sock = socket.create_connection((self._host, self._port), timeout=self.timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            kernel_timeouts(sock, self.timeout_s)
             sock.sendall(HELLO)
         except OSError as exc:
             raise WireUnreachable(f"control wire {self.address}: {exc}") from exc
         return FrameReader(sock)
 
-    def call(self, method: str, request: Message, timeout_s: float | None = None) -> Message:
+    def call(self, method: str, request: Message) -> Message:
         """One call; raises the :mod:`pdserve.errors` class of the status the master
         answered, :class:`WireUnreachable` when no connection could be made, or
         Unavailable / DeadlineExceeded when the connection failed mid-call."""
@@ -126,8 +128,6 @@ class WireClient:
             if conn is None:
                 conn = self._connect()
             sock = conn.sock
-            if timeout_s is not None:
-                sock.settimeout(timeout_s)
             replied = False
             try:
                 sock.sendall(frame)
@@ -136,11 +136,11 @@ class WireClient:
                 if length > MAX_BODY:
                     raise ConnectionError(f"reply of {length} bytes is over the limit")
                 payload = conn.read(length)
-            except TimeoutError as exc:
+            except (TimeoutError, BlockingIOError) as exc:  # BlockingIOError: SO_RCVTIMEO ran out
                 sock.close()
                 raise errors.DeadlineExceeded(
                     f"kvstore master wire {self.address} {method}: no answer within "
-                    f"{timeout_s or self.timeout_s:g} s"
+                    f"{self.timeout_s:g} s"
                 ) from exc
             except OSError as exc:
                 sock.close()
@@ -149,8 +149,6 @@ class WireClient:
                 raise errors.Unavailable(
                     f"kvstore master wire {self.address} {method}: {exc}"
                 ) from exc
-            if timeout_s is not None:
-                sock.settimeout(self.timeout_s)
             if self._closed.is_set() or self._pool.qsize() >= self.pool_size:
                 sock.close()
             else:

@@ -195,3 +195,18 @@ def test_events_of_wire_calls_reach_watchers(cluster) -> None:
         events.cancel()
         client.close()
         channel.close()
+
+
+def test_wire_client_times_out_on_a_silent_master() -> None:
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    held = []
+    threading.Thread(target=lambda: held.append(srv.accept()), daemon=True).start()
+    client = WireClient("127.0.0.1", srv.getsockname()[1], timeout_s=0.5)
+    start = time.monotonic()
+    with pytest.raises(errors.DeadlineExceeded, match=r"no answer within 0\.5 s"):
+        client.call("Stats", pb.StatsRequest())
+    assert 0.4 < time.monotonic() - start < 3.0
+    client.close()
+    srv.close()

@@ -334,3 +334,30 @@ def test_transport_shm_batches_copy_on_two_threads(peer: Peer) -> None:
         assert errs == [None] * len(batch)
         assert [bytes(b) for b in bufs] == blobs
     t.close()
+
+
+def test_transport_tcp_times_out_on_a_silent_node() -> None:
+    """A node that accepts and never answers costs the client's timeout, not a hang (the
+    kernel's SO_RCVTIMEO on a blocking socket)."""
+    import threading
+    import time
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    held = []
+    threading.Thread(target=lambda: held.append(srv.accept()), daemon=True).start()
+    rep = kvstore_pb2.Replica(
+        segment_id="s",
+        size=10,
+        endpoints=[
+            kvstore_pb2.Endpoint(
+                transport=kvstore_pb2.TRANSPORT_TCP, address=f"127.0.0.1:{srv.getsockname()[1]}"
+            )
+        ],
+    )
+    start = time.monotonic()
+    with pytest.raises(TransportError):
+        tcp.TcpTransport(timeout_s=0.5).read_into(rep, memoryview(bytearray(10)))
+    assert 0.4 < time.monotonic() - start < 3.0
+    srv.close()

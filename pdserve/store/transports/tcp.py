@@ -41,6 +41,7 @@ import blake3
 from pdserve.store.netio import (
     IO_SLICE,
     IOV,
+    kernel_timeouts,
     recv_exact,
     recv_parts,
     send_parts,
@@ -314,6 +315,7 @@ class TcpTransport(Transport):
         except (OSError, ValueError) as exc:
             sock.close()
             raise TransportError(f"cannot connect to {address}: {exc}") from exc
+        kernel_timeouts(sock, self.timeout_s)
         return sock
 
     def _request(
