@@ -45,7 +45,7 @@ def test_bench_kvstore_small_run(tmp_path: Path) -> None:
     systems = {(r["system"], r["size"], r["batch"]) for r in data["rows"]}
     for system in ("memcpy", "pdserve/shm", "pdserve/tcp"):
         assert {(system, 4096, 1), (system, 65536, 1), (system, 4096, 4)} <= systems
-    assert {("tcp-limit", 4096, 1), ("tcp-limit", 65536, 1)} <= systems
+    assert {("tcp-plain", 4096, 1), ("tcp-plain", 65536, 1)} <= systems
     for r in data["rows"]:
         assert r["iterations"] == 3 and r["put_gbps"] > 0 and r["get_gbps"] > 0
         assert 0 < r["get_p50_us"] <= r["get_p99_us"]
