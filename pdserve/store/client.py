@@ -116,6 +116,7 @@ class StoreClient(StoreBackend):
         self._lock = threading.Lock()
         self._wire: WireClient | None = None
         self._wire_checked = -WIRE_RETRY_S
+        self._inline_max = 0  # from GetControlWire
         # node id -> monotonic time until which reads try its replicas last (it just failed)
         self._suspect_until: dict[str, float] = {}
         self._release_cv = threading.Condition()
@@ -155,9 +156,8 @@ class StoreClient(StoreBackend):
 
     def _wire_client(self) -> WireClient | None:
         """The master's control wire, looked up with ``GetControlWire`` at first use and
-        again WIRE_RETRY_S after it was off or unreachable; None means gRPC."""
-        if self.control != "auto":
-            return None
+        again WIRE_RETRY_S after it was off or unreachable; None means gRPC. The same answer
+        says how large an object may travel inline with its put."""
         with self._lock:
             if self._wire is not None or time.monotonic() - self._wire_checked < WIRE_RETRY_S:
                 return self._wire
@@ -168,6 +168,10 @@ class StoreClient(StoreBackend):
             )
         except grpc.RpcError as exc:
             log.debug("GetControlWire failed: %s", exc)
+            return None
+        self._inline_max = info.inline_max_bytes
+        if self.control != "auto":
+            self._wire_checked = float("inf")  # gRPC by choice: no need to ask again
             return None
         if not info.port or info.version != WIRE_VERSION:
             return None
@@ -270,11 +274,12 @@ class StoreClient(StoreBackend):
             if attempt:
                 PUT_RETRIES.inc(len(pending))
                 time.sleep(0.25 * attempt)
+            self._wire_client()  # learns inline_max_bytes at first use
             resp = self._call(
                 "BatchPutStart",
                 kvstore_pb2.BatchPutStartRequest(
                     client_id=self.client_id,
-                    items=[kvstore_pb2.PutStartItem(key=k, size=len(views[k])) for k in pending],
+                    items=[self._put_item(k, views[k]) for k in pending],
                     options=opts,
                 ),
             )
@@ -313,6 +318,13 @@ class StoreClient(StoreBackend):
         if failure is not None:
             raise failure
         return [result.get(k, False) for k in keys]
+
+    def _put_item(self, key: str, data: memoryview) -> kvstore_pb2.PutStartItem:
+        """The start of a put; small objects travel inline, so the master can serve their
+        gets without a data-plane read."""
+        if len(data) <= self._inline_max:
+            return kvstore_pb2.PutStartItem(key=key, size=len(data), inline_data=bytes(data))
+        return kvstore_pb2.PutStartItem(key=key, size=len(data))
 
     def _write_all(
         self, allocated: Sequence[kvstore_pb2.PutStartResult], views: dict[str, memoryview]
@@ -448,6 +460,14 @@ class StoreClient(StoreBackend):
         for i, (res, buf) in enumerate(zip(results, buffers, strict=True)):
             if buf is None:
                 continue
+            if res.inline_data:  # kept by the master: no replica to read
+                n = len(res.inline_data)
+                buf[:n] = res.inline_data
+                out[i] = buf[:n] if decode is None else decode(buf[:n])
+                if out[i] is not None:
+                    continue
+                CORRUPT_CHUNKS.inc()
+                log.warning("inline copy of %r failed verification; reading a replica", res.key)
             ordered = self._ordered(res.replicas, routes)
             if not ordered:
                 continue

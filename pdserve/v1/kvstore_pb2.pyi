@@ -175,12 +175,14 @@ class NodeHeartbeatResponse(_message.Message):
     def __init__(self, remount_required: _Optional[bool] = ...) -> None: ...
 
 class PutStartItem(_message.Message):
-    __slots__ = ("key", "size")
+    __slots__ = ("key", "size", "inline_data")
     KEY_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
+    INLINE_DATA_FIELD_NUMBER: _ClassVar[int]
     key: str
     size: int
-    def __init__(self, key: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+    inline_data: bytes
+    def __init__(self, key: _Optional[str] = ..., size: _Optional[int] = ..., inline_data: _Optional[bytes] = ...) -> None: ...
 
 class BatchPutStartRequest(_message.Message):
     __slots__ = ("client_id", "items", "options")
@@ -247,16 +249,18 @@ class BatchGetReplicaListRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class ReplicaListResult(_message.Message):
-    __slots__ = ("key", "code", "replicas", "lease_expires_ms")
+    __slots__ = ("key", "code", "replicas", "lease_expires_ms", "inline_data")
     KEY_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_MS_FIELD_NUMBER: _ClassVar[int]
+    INLINE_DATA_FIELD_NUMBER: _ClassVar[int]
     key: str
     code: KVErrorCode
     replicas: _containers.RepeatedCompositeFieldContainer[Replica]
     lease_expires_ms: int
-    def __init__(self, key: _Optional[str] = ..., code: _Optional[_Union[KVErrorCode, str]] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., lease_expires_ms: _Optional[int] = ...) -> None: ...
+    inline_data: bytes
+    def __init__(self, key: _Optional[str] = ..., code: _Optional[_Union[KVErrorCode, str]] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., lease_expires_ms: _Optional[int] = ..., inline_data: _Optional[bytes] = ...) -> None: ...
 
 class BatchGetReplicaListResponse(_message.Message):
     __slots__ = ("results",)
@@ -351,12 +355,14 @@ class ControlWireRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ControlWireResponse(_message.Message):
-    __slots__ = ("port", "version")
+    __slots__ = ("port", "version", "inline_max_bytes")
     PORT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    INLINE_MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     port: int
     version: int
-    def __init__(self, port: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+    inline_max_bytes: int
+    def __init__(self, port: _Optional[int] = ..., version: _Optional[int] = ..., inline_max_bytes: _Optional[int] = ...) -> None: ...
 
 class NodeStatsRequest(_message.Message):
     __slots__ = ()

@@ -58,6 +58,11 @@ class _StateCollector:
             ("objects", len(s.objects), "committed objects"),
             ("pending_puts", len(s.pending), "puts started and not ended"),
             ("used_bytes", s.used_bytes, "bytes in committed objects"),
+            (
+                "inline_bytes",
+                s.inline_bytes,
+                "bytes of small objects kept in memory, served inline",
+            ),
             ("allocated_bytes", sum(x.used for x in live), "bytes allocated in alive segments"),
             ("capacity_bytes", sum(x.capacity for x in live), "bytes of alive segments"),
             ("alive_nodes", len(s.nodes), "storage nodes alive"),

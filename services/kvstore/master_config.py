@@ -45,6 +45,14 @@ class MasterConfig:
         30.0, "an unfinished put's reserved space is reclaimed after this long (s)"
     )
     default_lease_ms: int = help_field(5000, "read lease granted by a get when the request says 0")
+    inline_max_bytes: int = help_field(
+        16384,
+        "objects up to this size may be sent inline with their put and are then also kept in "
+        "the master's memory, so a get of them needs no data-plane read (0 = off)",
+    )
+    inline_capacity_bytes: int = help_field(
+        64 << 20, "bytes of inline objects the master keeps at most; later ones are not inlined"
+    )
     max_lease_ms: int = help_field(60000, "longest read lease a get may ask for (ms)")
     max_ttl_ms: int = help_field(86_400_000, "longest TTL a put may ask for (ms)")
     # Eviction
@@ -91,5 +99,7 @@ class MasterConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
+        if self.inline_max_bytes < 0 or self.inline_capacity_bytes < 0:
+            raise ConfigError("inline_max_bytes and inline_capacity_bytes must be >= 0")
         if self.default_lease_ms > self.max_lease_ms:
             raise ConfigError("default_lease_ms must be <= max_lease_ms")

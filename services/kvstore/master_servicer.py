@@ -95,6 +95,7 @@ class MasterHandlers:
             soft_pin=o.soft_pin,
             ttl_ms=o.ttl_ms,
             placement=o.placement,
+            inline=[i.inline_data for i in request.items],
         )
         resp = pb.BatchPutStartResponse()
         for item, r in zip(request.items, outcomes, strict=True):
@@ -117,7 +118,9 @@ class MasterHandlers:
         objs = self.state.objects
         resp = pb.BatchGetReplicaListResponse()
         for r in outcomes:
-            res = resp.results.add(key=r.key, code=r.code, lease_expires_ms=r.lease_expires_ms)
+            res = resp.results.add(
+                key=r.key, code=r.code, lease_expires_ms=r.lease_expires_ms, inline_data=r.inline
+            )
             if r.replicas:
                 self._fill(res.replicas, r.replicas, objs[r.key].size)
         return resp
@@ -139,7 +142,9 @@ class MasterHandlers:
 
     def GetControlWire(self, request: pb.ControlWireRequest) -> pb.ControlWireResponse:
         return pb.ControlWireResponse(
-            port=self.wire_port, version=WIRE_VERSION if self.wire_port else 0
+            port=self.wire_port,
+            version=WIRE_VERSION if self.wire_port else 0,
+            inline_max_bytes=self.state.cfg.inline_max_bytes,
         )
 
 

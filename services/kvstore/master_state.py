@@ -104,6 +104,8 @@ class ObjectState:
     client_id: str = ""
     # client id -> monotonic lease end.
     leases: dict[str, float] = field(default_factory=dict)
+    # The object's bytes, kept in memory for small objects (b"" = not inlined).
+    inline: bytes = b""
 
     def leased(self, now: float) -> bool:
         if not self.leases:
@@ -151,6 +153,7 @@ class GetOutcome:
     code: int
     replicas: tuple[ReplicaLoc, ...] = ()
     lease_expires_ms: int = 0
+    inline: bytes = b""
 
 
 #: on_event(type, key, size, reason) with type pb.KV_EVENT_STORED / pb.KV_EVENT_REMOVED and
@@ -190,6 +193,7 @@ class MasterState:
         # (monotonic TTL deadline, key) of committed objects with a TTL.
         self._ttl_heap: list[tuple[float, str]] = []
         self.used_bytes = 0  # bytes of committed objects (object size, not per replica)
+        self.inline_bytes = 0  # bytes of committed objects kept inline
         if store is not None:
             self._load(store)
 
@@ -475,8 +479,13 @@ class MasterState:
         soft_pin: bool = False,
         ttl_ms: int = 0,
         placement: int = pb.PLACEMENT_UNSPECIFIED,
+        inline: Sequence[bytes] = (),
     ) -> list[PutStartOutcome]:
+        """Allocates each ``(key, size)``. ``inline``, when given, holds each item's bytes
+        for objects up to ``inline_max_bytes`` (b"" = not inlined)."""
         self.check_batch(len(items), "items")
+        if inline and len(inline) != len(items):
+            raise errors.InvalidArgument(f"{len(inline)} inline payloads for {len(items)} items")
         n_rep = replicas or self.cfg.default_replicas
         if n_rep > self.cfg.max_replicas:
             raise errors.InvalidArgument(
@@ -491,12 +500,20 @@ class MasterState:
             raise errors.InvalidArgument(f"options.placement={placement} is not a known strategy")
         now = self.clock.mono()
         out = []
-        for key, size in items:
+        for i, (key, size) in enumerate(items):
+            data = inline[i] if inline else b""
             problem = self.key_problem(key)
             if not problem and size <= 0:
                 problem = f"size must be > 0, got {size}"
             if not problem and size > self.cfg.max_object_bytes:
                 problem = f"size {size} exceeds max_object_bytes={self.cfg.max_object_bytes}"
+            if not problem and data and len(data) != size:
+                problem = f"inline_data has {len(data)} bytes, the object {size}"
+            if not problem and len(data) > self.cfg.inline_max_bytes:
+                problem = (
+                    f"inline_data of {len(data)} bytes exceeds inline_max_bytes="
+                    f"{self.cfg.inline_max_bytes}"
+                )
             if problem:
                 out.append(PutStartOutcome(key, pb.KV_INVALID, problem))
                 continue
@@ -550,6 +567,7 @@ class MasterState:
                 ttl_ms=ttl_ms,
                 put_deadline=now + self.cfg.put_timeout_s,
                 client_id=client_id,
+                inline=data,
             )
             out.append(PutStartOutcome(key, OK, replicas=tuple(locs)))
         self._evict_to_watermarks(now)
@@ -613,6 +631,9 @@ class MasterState:
                 continue
             obj.put_deadline = 0.0
             self._set_ttl(obj, now + obj.ttl_ms / 1000 if obj.ttl_ms else 0.0)
+            if self.inline_bytes + len(obj.inline) > self.cfg.inline_capacity_bytes:
+                obj.inline = b""  # full: served from its replicas like any other
+            self.inline_bytes += len(obj.inline)
             self.objects[key] = obj
             self.used_bytes += obj.size
             self.counters.puts += 1
@@ -681,6 +702,7 @@ class MasterState:
                     OK,
                     tuple(obj.replicas),
                     int(wall + (obj.leases[client_id] - now) * 1000),
+                    obj.inline,
                 )
             )
         self.counters.gets += len(keys)
@@ -767,6 +789,7 @@ class MasterState:
             self._free(obj)
         del self.objects[obj.key]
         self.used_bytes -= obj.size
+        self.inline_bytes -= len(obj.inline)
         self._mark_deleted(obj.key)
         self.on_event(pb.KV_EVENT_REMOVED, obj.key, obj.size, reason)
 

@@ -210,3 +210,35 @@ def test_wire_client_times_out_on_a_silent_master() -> None:
     assert 0.4 < time.monotonic() - start < 3.0
     client.close()
     srv.close()
+
+
+def test_small_gets_are_served_inline_without_touching_a_node(cluster) -> None:
+    """An object up to inline_max_bytes travels with its put and comes back with the lookup:
+    the node serves no bytes for it; a larger one is read from the node as before."""
+    from pdserve import grpcutil
+    from pdserve.v1 import kvstore_pb2_grpc
+
+    stubs = [
+        kvstore_pb2_grpc.KVNodeServiceStub(grpcutil.sync_channel(f"127.0.0.1:{n.info['port']}"))
+        for n in cluster.nodes
+    ]
+
+    def served() -> int:  # tcp bytes the nodes sent to readers
+        return sum(s.Stats(pb.NodeStatsRequest(), timeout=5).bytes_read for s in stubs)
+
+    client = StoreClient(cluster.address, transport="tcp")
+    small, big = b"s" * 4096, b"b" * 20000
+    client.batch_put([("inline-small", small), ("inline-big", big)])
+    before = served()
+    assert client.get("inline-small") == small
+    assert served() == before
+    assert client.get("inline-big") == big
+    assert served() == before + len(big)
+    client.close()
+    # A client kept on gRPC (control="grpc") learns the limit from GetControlWire too.
+    forced = StoreClient(cluster.address, transport="tcp", control="grpc")
+    forced.put("inline-grpc", b"g" * 100)
+    before = served()
+    assert forced.get("inline-grpc") == b"g" * 100
+    assert served() == before
+    forced.close()

@@ -367,3 +367,31 @@ def test_restart_keeps_ttl_and_pin(make_state, clock, tmp_path) -> None:
     s3 = make_state(store=MetadataStore(tmp_path))
     mount(s3, "s1", "n1")
     assert s3.exists(["tail", "hot"]) == [False, True]
+
+
+def test_small_objects_are_kept_inline_within_the_cap(make_state) -> None:
+    s = make_state(inline_max_bytes=100, inline_capacity_bytes=150)
+    mount(s, "s1", "n1")
+    for key, data in (("a", b"x" * 100), ("b", b"y" * 60)):
+        (r,) = s.put_start("c", [(key, len(data))], inline=[data])
+        assert r.code == pb.KV_OK
+        s.put_end("c", [key])
+    a, b = s.get_replicas("c", ["a", "b"])
+    assert a.inline == b"x" * 100 and a.replicas  # the replica exists as well
+    assert b.inline == b""  # 160 bytes would pass inline_capacity_bytes: served from replicas
+    assert s.inline_bytes == 100
+    s.release("c", ["a", "b"])
+    assert s.remove(["a"])[0].code == pb.KV_OK
+    assert s.inline_bytes == 0
+    # The inline copy must be the object and fit the limit; each item is judged alone.
+    bad = s.put_start(
+        "c", [("short", 10), ("big", 101), ("ok", 3)], inline=[b"x" * 9, b"x" * 101, b"abc"]
+    )
+    assert [r.code for r in bad] == [pb.KV_INVALID, pb.KV_INVALID, pb.KV_OK]
+    assert "inline_data has 9 bytes" in bad[0].message
+    assert "inline_max_bytes=100" in bad[1].message
+    with pytest.raises(errors.InvalidArgument, match="2 inline payloads for 1 items"):
+        s.put_start("c", [("z", 1)], inline=[b"a", b"b"])
+    # A revoked or timed-out put never counts.
+    s.put_revoke("c", ["ok"])
+    assert s.inline_bytes == 0

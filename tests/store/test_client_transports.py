@@ -44,7 +44,7 @@ def test_client_roundtrip_over_each_transport(cluster, transport: str) -> None:
 
 def test_client_corrupt_replica_falls_over_then_misses(cluster) -> None:
     client = StoreClient(cluster.address, transport="shm")
-    kv = torch.randn(2, 2, 2, 8, 16)
+    kv = torch.randn(2, 2, 2, 64, 16)  # 32 KiB: above inline_max_bytes, read from replicas
     key = f"chunk-{uuid.uuid4().hex}"
     assert client.put_chunk(key, kv, FP, StoreOptions(replicas=2))
     stub = kvstore_pb2_grpc.KVMasterServiceStub(grpcutil.sync_channel(cluster.address))
