@@ -535,22 +535,26 @@ class Orchestrator:
         prefill_tokens: int = 0,
     ) -> AsyncIterator[StreamChunk]:
         """Streams ``session`` from a decode worker that ``choose`` picks, retrying once on
-        another worker before the first token and resuming on another one after it.
+        another worker before the first token and resuming on another one after it. A worker
+        that could not be reached at all (UNAVAILABLE before it answered: dead, not yet out of
+        rotation) does not use up that try; every worker is tried at most once.
         ``prefill_tokens`` is the prompt work the worker does before its first token (the local
         plan), counted on the worker until that token arrives, for placement."""
         trace = session.trace
         tried: set[str] = set()
         last: WorkerCallError | None = None
-        for attempt in range(2):
+        tries = 2
+        while tries > 0:
             cands = self.pool.candidates(DECODE, tried)
             if not cands:
-                if attempt:
+                if tried:
                     break
                 raise errors.Unavailable("no decode worker is in rotation")
             w = choose(cands)
+            retry = bool(tried)
             tried.add(w.id)
             self.placement.affinity.record(w.id, job.keys)
-            if attempt:
+            if retry:
                 RETRIES.labels(DECODE).inc()
                 trace.retries.append(f"decode:{w.id}")
             trace.decode_worker = w.id
@@ -577,6 +581,8 @@ class Orchestrator:
                 self._worker_error(w, exc)
                 log.warning("decode on %s failed: %s %s", w.id, exc.code, exc.details)
                 last = exc
+                if started or exc.code != grpc.StatusCode.UNAVAILABLE:
+                    tries -= 1
                 if started:
                     if not session.resume(self.detokenize):
                         raise errors.Unavailable(

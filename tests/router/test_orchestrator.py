@@ -10,6 +10,7 @@ import grpc
 import pytest
 from router_fakes import expected_tokens, next_token
 
+from pdserve import errors
 from pdserve.engines.base import Sampling
 from pdserve.hashing import ModelFingerprint, chunk_keys
 from pdserve.services.router.admission import Admission
@@ -152,6 +153,20 @@ def test_decode_failing_before_its_first_token_is_retried_on_the_other_worker(co
     # a busy worker (RESOURCE_EXHAUSTED) is tried elsewhere without counting against it
     assert orch.pool.workers[DECODE][first].failures == failures
     assert chunks[0].prompt_tokens == len(PROMPT)  # reported once, by the worker that answered
+
+
+def test_unreachable_decode_workers_do_not_use_up_the_retry():
+    """Dead workers still in rotation (UNAVAILABLE before answering) are skipped without
+    spending the one retry; each is tried once, and a real failure ends it."""
+    client = FakeWorkers(decode_failures=[grpc.StatusCode.UNAVAILABLE] * 2)
+    orch = orchestrator(client, decode=3)
+    chunks = generate(orch, 4)
+    assert [t for c in chunks for t in c.token_ids] == expected_tokens(PROMPT, 4)
+    assert len({wid for kind, wid, _ in client.calls if kind == DECODE}) == 3
+    client = FakeWorkers(decode_failures=[grpc.StatusCode.INTERNAL] * 2)
+    orch = orchestrator(client, decode=3)
+    with pytest.raises(errors.Unavailable, match="decode failed on 2 worker"):
+        generate(orch, 4)
 
 
 def test_decode_dying_mid_stream_resumes_from_the_streamed_tokens():
