@@ -1,9 +1,13 @@
-"""Blocking-socket helpers of the tcp data plane: gathered sends, scattered receives."""
+"""Blocking-socket helpers of the store's own protocols (the tcp data plane, the master's
+control wire): a thread-per-connection server, gathered sends, scattered receives."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
+import threading
+from collections.abc import Callable
 
 #: Largest slice handed to one send/recv call (keeps each syscall bounded).
 IO_SLICE = 4 * 1024 * 1024
@@ -23,36 +27,36 @@ def kernel_timeouts(sock: socket.socket, timeout_s: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
+def advance(parts: list[memoryview], n: int) -> None:
+    """Drops the first ``n`` bytes of ``parts`` (a list of buffers, consumed in place)."""
+    done = 0
+    while n and done < len(parts):
+        if n >= len(parts[done]):
+            n -= len(parts[done])
+            done += 1
+        else:
+            parts[done] = parts[done][n:]
+            n = 0
+    del parts[:done]
+
+
 def send_parts(sock: socket.socket, parts: list) -> None:
     """Sends every byte of ``parts`` in as few syscalls as possible (``sendmsg`` gathers
     them, so a header and its payload leave in one call and reach the peer together)."""
-    parts = [memoryview(p) for p in parts if len(p)]
-    while parts:
-        sent = sock.sendmsg(parts[:IOV])
-        while sent:
-            if sent >= len(parts[0]):
-                sent -= len(parts[0])
-                parts.pop(0)
-            else:
-                parts[0] = parts[0][sent:]
-                sent = 0
+    views = [memoryview(p) for p in parts if len(p)]
+    while views:
+        advance(views, sock.sendmsg(views[:IOV]))
 
 
 def recv_parts(sock: socket.socket, parts: list[memoryview]) -> bool:
     """Fills every buffer of ``parts`` in order (``recvmsg_into`` scatters one receive over
     several of them); False when the peer closed first."""
-    parts = [p for p in parts if len(p)]
-    while parts:
-        got = sock.recvmsg_into([p[:IO_SLICE] for p in parts[:IOV]])[0]
+    views = [p for p in parts if len(p)]
+    while views:
+        got = sock.recvmsg_into([p[:IO_SLICE] for p in views[:IOV]])[0]
         if got == 0:
             return False
-        while got:
-            if got >= len(parts[0]):
-                got -= len(parts[0])
-                parts.pop(0)
-            else:
-                parts[0] = parts[0][got:]
-                got = 0
+        advance(views, got)
     return True
 
 
@@ -65,3 +69,62 @@ def recv_exact(sock: socket.socket, buf: memoryview) -> bool:
             return False
         got += k
     return True
+
+
+class ConnectionServer:
+    """A listening socket with one thread per accepted connection running ``serve(conn)``;
+    the connection is closed when it returns or raises OSError. ``tune`` (if given) is
+    applied to the listener, before any connection, and to every accepted socket."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        serve: Callable[[socket.socket], None],
+        name: str,
+        tune: Callable[[socket.socket], None] | None = None,
+    ) -> None:
+        self._serve = serve
+        self._tune = tune
+        self._name = name
+        self._sock = socket.create_server((host, port), backlog=128)
+        if tune is not None:
+            tune(self._sock)  # accepted connections inherit buffer sizes
+        self.port: int = self._sock.getsockname()[1]
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True).start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tune is not None:
+                self._tune(conn)
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._run, args=(conn,), name=self._name, daemon=True).start()
+
+    def _run(self, conn: socket.socket) -> None:
+        try:
+            self._serve(conn)
+        except OSError:
+            pass
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def close(self) -> None:
+        """Stops accepting and shuts every open connection down. Idempotent."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)

@@ -9,16 +9,15 @@ runs :meth:`MasterHandlers.call`, which holds the state lock, so wire and gRPC c
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import socket
-import threading
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from pdserve.errors import status_for
 from pdserve.services.kvstore.master_servicer import MasterHandlers
+from pdserve.store.netio import ConnectionServer
 from pdserve.store.wire import FRAME, HELLO, MAX_BODY, METHODS, FrameReader
 
 log = logging.getLogger(__name__)
@@ -44,52 +43,28 @@ def answer(handlers: MasterHandlers, mid: int, body: bytes) -> tuple[grpc.Status
 
 
 class WireServer:
+    """The control wire's listener: a thread per connection answering its frames in turn."""
+
     def __init__(self, handlers: MasterHandlers, host: str, port: int) -> None:
         self.handlers = handlers
-        self._sock = socket.create_server((host, port), backlog=128)
-        self.port: int = self._sock.getsockname()[1]
-        self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()
-        threading.Thread(target=self._accept_loop, name="kv-wire-accept", daemon=True).start()
-
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="kv-wire", daemon=True).start()
+        self._server = ConnectionServer(host, port, self._serve, "kv-wire")
+        self.port = self._server.port
 
     def _serve(self, conn: socket.socket) -> None:
-        reader = FrameReader(conn)
-        try:
-            if reader.read(len(HELLO)) != HELLO:
-                log.warning("control wire: a peer sent a bad hello; closing")
-                return
-            while True:
-                length, mid, _ = FRAME.unpack(reader.read(FRAME.size))
-                if length > MAX_BODY:
-                    msg = f"request of {length} bytes is over the {MAX_BODY}-byte limit".encode()
-                    conn.sendall(
-                        FRAME.pack(len(msg), grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], 0) + msg
-                    )
-                    return
-                status, reply = answer(self.handlers, mid, reader.read(length))
-                conn.sendall(FRAME.pack(len(reply), status.value[0], 0) + reply)
-        except OSError:
+        reader = FrameReader(conn)  # the peer closing ends it with ConnectionResetError
+        if reader.read(len(HELLO)) != HELLO:
+            log.warning("control wire: a peer sent a bad hello; closing")
             return
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
+        while True:
+            length, mid, _ = FRAME.unpack(reader.read(FRAME.size))
+            if length > MAX_BODY:
+                msg = f"request of {length} bytes is over the {MAX_BODY}-byte limit".encode()
+                conn.sendall(
+                    FRAME.pack(len(msg), grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], 0) + msg
+                )
+                return
+            status, reply = answer(self.handlers, mid, reader.read(length))
+            conn.sendall(FRAME.pack(len(reply), status.value[0], 0) + reply)
 
     def close(self) -> None:
-        self._sock.close()
-        with self._lock:
-            conns = list(self._conns)
-        for c in conns:
-            with contextlib.suppress(OSError):
-                c.shutdown(socket.SHUT_RDWR)
+        self._server.close()

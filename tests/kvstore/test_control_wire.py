@@ -22,19 +22,17 @@ from pdserve.store.wire import FRAME, HELLO, MAX_BODY, METHOD_IDS, WireClient, W
 from pdserve.v1 import kvstore_pb2 as pb
 
 
+def _mount(handlers: MasterHandlers, tcp_address: str) -> None:
+    """(Re)mounts segment s0 of node n0 with one tcp endpoint."""
+    endpoint = pb.Endpoint(transport=pb.TRANSPORT_TCP, address=tcp_address)
+    segment = pb.Segment(segment_id="s0", node_id="n0", size=1 << 20, endpoints=[endpoint])
+    handlers.MountSegment(pb.MountSegmentRequest(segment=segment))
+
+
 @pytest.fixture
 def wire() -> Iterator[tuple[MasterHandlers, WireServer]]:
     handlers = MasterHandlers(MasterState(MasterConfig()))
-    handlers.MountSegment(
-        pb.MountSegmentRequest(
-            segment=pb.Segment(
-                segment_id="s0",
-                node_id="n0",
-                size=1 << 20,
-                endpoints=[pb.Endpoint(transport=pb.TRANSPORT_TCP, address="127.0.0.1:1")],
-            )
-        )
-    )
+    _mount(handlers, "127.0.0.1:1")
     server = WireServer(handlers, "127.0.0.1", 0)
     yield handlers, server
     server.close()
@@ -67,16 +65,7 @@ def test_wire_calls_answer_like_grpc(wire) -> None:
     client.call("BatchPutEnd", pb.BatchKeysRequest(client_id="c", keys=["k"]))
     assert client.call("LongestPrefix", pb.LongestPrefixRequest(keys=["k", "x"])).length == 1
     # A remount with a new endpoint is what the next lookup hands out.
-    handlers.MountSegment(
-        pb.MountSegmentRequest(
-            segment=pb.Segment(
-                segment_id="s0",
-                node_id="n0",
-                size=1 << 20,
-                endpoints=[pb.Endpoint(transport=pb.TRANSPORT_TCP, address="127.0.0.1:2")],
-            )
-        )
-    )
+    _mount(handlers, "127.0.0.1:2")
     got = client.call(
         "BatchGetReplicaList", pb.BatchGetReplicaListRequest(client_id="c", keys=["k"])
     )

@@ -9,7 +9,7 @@ locations (segment id, offset, size, endpoints).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pdserve.store.segment import SegmentMemory
 from pdserve.v1 import kvstore_pb2
@@ -59,28 +59,14 @@ class Transport(ABC):
     ) -> list[TransportError | None]:
         """Reads each replica into its buffer; returns each item's error (None = read).
         Transports that can batch (tcp: one request per node) override this."""
-        out: list[TransportError | None] = []
-        for replica, buf in items:
-            try:
-                self.read_into(replica, buf)
-                out.append(None)
-            except TransportError as exc:
-                out.append(exc)
-        return out
+        return _each(self.read_into, items)
 
     def write_many(
         self, items: Sequence[tuple[kvstore_pb2.Replica, memoryview]]
     ) -> list[TransportError | None]:
         """Writes each buffer into its replica; returns each item's error (None = written).
         Transports that can batch (tcp: one request per node) override this."""
-        out: list[TransportError | None] = []
-        for replica, data in items:
-            try:
-                self.write(replica, data)
-                out.append(None)
-            except TransportError as exc:
-                out.append(exc)
-        return out
+        return _each(self.write, items)
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Releases connections and mappings. Idempotent."""
@@ -117,3 +103,18 @@ def check_range(replica: kvstore_pb2.Replica, length: int, what: str) -> None:
     """Raises TransportError when ``length`` does not match the replica size."""
     if length < replica.size:
         raise TransportError(f"{what}: buffer of {length} bytes for a {replica.size}-byte object")
+
+
+def _each(
+    op: Callable[[kvstore_pb2.Replica, memoryview], None],
+    items: Sequence[tuple[kvstore_pb2.Replica, memoryview]],
+) -> list[TransportError | None]:
+    """``op`` on every item in turn; each item's TransportError, or None."""
+    out: list[TransportError | None] = []
+    for replica, buf in items:
+        try:
+            op(replica, buf)
+            out.append(None)
+        except TransportError as exc:
+            out.append(exc)
+    return out

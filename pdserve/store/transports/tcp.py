@@ -26,7 +26,6 @@ and batches that large, are split over :data:`PARALLEL_STREAMS` connections at o
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import queue
@@ -41,6 +40,8 @@ import blake3
 from pdserve.store.netio import (
     IO_SLICE,
     IOV,
+    ConnectionServer,
+    advance,
     kernel_timeouts,
     recv_exact,
     recv_parts,
@@ -132,10 +133,7 @@ class TcpServer(TransportServer):
         self.requested_port = port
         self.port = 0
         self._segments: dict[int, memoryview] = {}
-        self._sock: socket.socket | None = None
-        self._stopping = threading.Event()
-        self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()
+        self._server: ConnectionServer | None = None
         self._read = 0
         self._written = 0
 
@@ -149,14 +147,10 @@ class TcpServer(TransportServer):
 
     def start(self, segments: Sequence[SegmentMemory]) -> None:
         self._segments = {segment_key(s.segment_id): s.view for s in segments}
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        _tune(sock)  # accepted connections inherit the buffer sizes
-        sock.bind((self.host, self.requested_port))
-        sock.listen(128)
-        self.port = sock.getsockname()[1]
-        self._sock = sock
-        threading.Thread(target=self._accept_loop, name="kv-tcp-accept", daemon=True).start()
+        self._server = ConnectionServer(
+            self.host, self.requested_port, self._serve, "kv-tcp-conn", tune=_tune
+        )
+        self.port = self._server.port
 
     def endpoint(self, segment: SegmentMemory, host_id: str) -> kvstore_pb2.Endpoint:
         return kvstore_pb2.Endpoint(
@@ -164,48 +158,15 @@ class TcpServer(TransportServer):
         )
 
     def stop(self) -> None:
-        self._stopping.set()
-        if self._sock is not None:
-            with contextlib.suppress(OSError):
-                self._sock.shutdown(socket.SHUT_RDWR)
-            self._sock.close()
-            self._sock = None
-        with self._lock:
-            conns = list(self._conns)
-        for c in conns:
-            with contextlib.suppress(OSError):
-                c.shutdown(socket.SHUT_RDWR)
-
-    def _accept_loop(self) -> None:
-        assert self._sock is not None
-        sock = self._sock
-        while not self._stopping.is_set():
-            try:
-                conn, _ = sock.accept()
-            except OSError:
-                return
-            _tune(conn)
-            with self._lock:
-                self._conns.add(conn)
-            threading.Thread(
-                target=self._serve, args=(conn,), name="kv-tcp-conn", daemon=True
-            ).start()
+        if self._server is not None:
+            self._server.close()
+            self._server = None
 
     def _serve(self, conn: socket.socket) -> None:
         head = bytearray(REQ.size)
         hview = memoryview(head)
-        try:
-            while not self._stopping.is_set():
-                if not recv_exact(conn, hview):
-                    return
-                if not self._handle(conn, head):
-                    return
-        except OSError:
-            return
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
+        while recv_exact(conn, hview) and self._handle(conn, head):
+            pass
 
     def _reply(self, conn: socket.socket, status: int, length: int = 0) -> None:
         conn.sendall(REP.pack(REP_MAGIC, status, length))
@@ -363,13 +324,7 @@ class TcpTransport(Transport):
         got = sock.recvmsg_into([rep, *[o[:IO_SLICE] for o in out[: IOV - 1]]])[0]
         if got < REP.size:
             return got > 0 and recv_parts(sock, [rep[got:]])
-        got -= REP.size
-        while got:
-            if got >= len(out[0]):
-                got -= len(out.pop(0))
-            else:
-                out[0] = out[0][got:]
-                got = 0
+        advance(out, got - REP.size)
         return True
 
     def _run(self, jobs: list[Callable[[], None]]) -> list[TransportError | None]:
