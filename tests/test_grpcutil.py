@@ -85,6 +85,31 @@ def test_errors_map_to_status_codes_with_messages():
     _run(_with_server(body))
 
 
+def test_malformed_request_bytes_are_invalid_argument():
+    """Bytes that do not parse as the method's message: INVALID_ARGUMENT saying so, for a
+    unary and a server-streaming method; the server keeps serving."""
+
+    async def body(ch, _server):
+        for method in ("Heartbeat", "WatchInstances"):
+            path = f"/{SERVICE}/{method}"
+            call = ch.unary_unary(path) if method == "Heartbeat" else ch.unary_stream(path)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                result = call(b"\xff\xff\xff\xff")
+                if method == "Heartbeat":
+                    await result
+                else:
+                    async for _ in result:
+                        pass
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "not a valid message" in err.value.details()
+        ok = await meta_pb2_grpc.MetaServiceStub(ch).Heartbeat(
+            meta_pb2.MetaHeartbeatRequest(lease_id="abc")
+        )
+        assert ok.ttl_ms == 3
+
+    _run(_with_server(body))
+
+
 def test_health_and_reflection_on_every_server():
     async def body(ch, server):
         health = health_pb2_grpc.HealthStub(ch)

@@ -11,6 +11,7 @@ service the request passes through).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -140,13 +141,22 @@ async def _metrics(request: web.Request) -> web.Response:
 async def _generate(fe: Frontend, request: web.Request, *, chat: bool) -> web.StreamResponse:
     try:
         body = json.loads(await request.read())
+        # JSON may spell a lone surrogate (\ud800) that no UTF-8 text can hold; the tokenizer
+        # would fail on it deep inside. Refuse it here, whatever field it is in.
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return error_response(
+            errors.InvalidArgument("request body holds invalid Unicode (a lone surrogate)")
+        )
     except ValueError as exc:
         return error_response(errors.InvalidArgument(f"request body is not valid JSON: {exc}"))
     header_id = request.headers.get(REQUEST_ID_HEADER, "")
     if header_id and isinstance(body, dict) and not body.get("request_id"):
         body = {**body, "request_id": header_id}
     try:
-        req = fe.from_openai(body, chat=chat)
+        # Tokenizing a long prompt takes a while: off the event loop, so /health and other
+        # requests keep being answered meanwhile.
+        req = await asyncio.to_thread(fe.from_openai, body, chat=chat)
     except Exception as exc:
         return error_response(exc)
     request_id_var.set(req.request_id)

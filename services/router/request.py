@@ -114,6 +114,24 @@ def check_token_ids(ids: Sequence[int], limits: Limits, field: str) -> list[int]
     return list(ids)
 
 
+U32 = 2**32 - 1
+U64 = 2**64 - 1
+
+
+def _finite(value: object) -> bool:
+    """A real number that is finite as a float (a huge integer is not: it overflows)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
+def _int_in(value: object, lo: int, hi: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
+
+
 def make_sampling(
     limits: Limits,
     prompt_len: int,
@@ -128,20 +146,20 @@ def make_sampling(
 ) -> Sampling:
     """Validated sampling controls; ``max_tokens`` None = the default, capped by the context."""
     for name, value in (("temperature", temperature), ("top_p", top_p)):
-        if value is not None and (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not math.isfinite(value)
-        ):
+        if value is not None and not _finite(value):
             raise InvalidArgument(f"{name} must be a finite number, got {value!r}", param=name)
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)):
+    # Integers must fit their proto fields (uint32 max_tokens and top_k, uint64 seed).
+    if max_tokens is not None and not _int_in(max_tokens, 0, U32):
         raise InvalidArgument(
-            f"max_tokens must be an integer, got {max_tokens!r}", param="max_tokens"
+            f"max_tokens must be an integer in [0, {U32}], got {max_tokens!r}", param="max_tokens"
         )
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)):
-        raise InvalidArgument(f"top_k must be an integer, got {top_k!r}", param="top_k")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        raise InvalidArgument(f"seed must be a non-negative integer, got {seed!r}", param="seed")
+    if top_k is not None and not _int_in(top_k, 0, U32):
+        raise InvalidArgument(
+            f"top_k must be an integer in [0, {U32}] (or -1 for off), got {top_k!r}",
+            param="top_k",
+        )
+    if seed is not None and not _int_in(seed, 0, U64):
+        raise InvalidArgument(f"seed must be an integer in [0, {U64}], got {seed!r}", param="seed")
     if any(not isinstance(s, str) for s in stop):
         raise InvalidArgument("stop must be a string or a list of strings", param="stop")
     room = limits.max_model_len - prompt_len if limits.max_model_len else limits.max_tokens_limit

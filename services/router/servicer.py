@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from pdserve.grpcutil import rpc
@@ -22,7 +24,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             for key, value in context.invocation_metadata() or ():
                 if key == REQUEST_ID_HEADER and isinstance(value, str):
                     request.request_id = value
-        req = self.fe.from_proto(request)
+        req = await asyncio.to_thread(self.fe.from_proto, request)  # tokenizing: off the loop
         request_id_var.set(req.request_id)
         await context.send_initial_metadata(((REQUEST_ID_HEADER, req.request_id),))
         return req

@@ -60,6 +60,11 @@ BAD_HTTP = [
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 10**6}, "max_tokens"),
     ("/v1/completions", {"prompt": "hi"}, "model"),
+    # numbers their proto fields (uint32, uint64, float) cannot hold
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_k": 2**32}, "top_k"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "seed": 2**64}, "seed"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": 10**400}, "temperature"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2**40}, "max_tokens"),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, "messages"),
     (
@@ -91,6 +96,10 @@ def test_http_bad_input_is_400_with_openai_error_json(tiny_model_dir):
             async with http.post("/v1/completions", data=b"{not json") as resp:
                 assert resp.status == 400
                 assert "not valid JSON" in (await resp.json())["error"]["message"]
+            lone = b'{"model": "tiny", "prompt": "a\\ud800b"}'  # a lone surrogate
+            async with http.post("/v1/completions", data=lone) as resp:
+                assert resp.status == 400
+                assert "lone surrogate" in (await resp.json())["error"]["message"]
             async with http.get("/v1/nothing") as resp:
                 assert resp.status == 404 and "error" in await resp.json()
 
