@@ -309,6 +309,8 @@ class StoreClient(StoreBackend):
                 )
                 for r in end.results:
                     result[r.key] = r.code == kvstore_pb2.KV_OK
+                    if r.code != kvstore_pb2.KV_OK:  # not "already existed": the put failed
+                        failure = failure or kv_error(r.code, f"put of {r.key!r}", r.message)
             pending = revoke
         for k in pending:
             result[k] = False

@@ -21,7 +21,7 @@ class MasterConfig:
     state_dir: str = help_field(
         "",
         "directory for the committed-object metadata (SQLite); empty = in memory only, "
-        "a restart then relies on nodes re-reporting what they hold",
+        "a restart then forgets every object (nodes keep the bytes but do not re-report them)",
     )
     log_level: str = help_field("info", "log level")
     meta: str = help_field("", "meta service address host:port to register with (empty = none)")

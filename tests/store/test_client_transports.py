@@ -113,3 +113,29 @@ def test_client_is_thread_safe(cluster, transport: str) -> None:
         assert all(pool.map(work, range(4)))
     assert client.remove([f"{tag}-{t}-{i}" for t in range(4) for i in range(15)]) == 60
     client.close()
+
+
+def test_client_reports_a_failed_put_end_as_a_failure(cluster) -> None:
+    """A put whose commit fails (every replica's node died meanwhile) raises; it is not the
+    "already existed" False of an idempotent put."""
+    from pdserve import errors
+
+    client = StoreClient(cluster.address)
+    real = client._call
+
+    def call(method, request):
+        if method == "BatchPutEnd":
+            return kvstore_pb2.BatchKeysResponse(
+                results=[
+                    kvstore_pb2.KeyResult(
+                        key=k, code=kvstore_pb2.KV_NOT_ENOUGH_NODES, message="nodes died"
+                    )
+                    for k in request.keys
+                ]
+            )
+        return real(method, request)
+
+    client._call = call
+    with pytest.raises(errors.PdserveError, match="KV_NOT_ENOUGH_NODES: nodes died"):
+        client.put(f"end-fails-{uuid.uuid4().hex}", b"x" * 100)
+    client.close()
