@@ -115,6 +115,7 @@ class Frontend:
         n = body.get("n", 1)
         if n not in (1, None):
             raise InvalidArgument("n: only n=1 is supported", param="n")
+        _refuse_unsupported(body)
         if chat:
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
@@ -164,3 +165,32 @@ class Frontend:
         raise InvalidArgument(
             "prompt must be a non-empty string or a list of token ids", param="prompt"
         )
+
+
+#: OpenAI parameters pdserve does not implement yet, with the values that mean "off". A request
+#: that sets one to anything else gets 400 naming it, never an answer that ignores it.
+UNSUPPORTED_OPENAI: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+}
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for name, off in UNSUPPORTED_OPENAI.items():
+        if name in body and not any(body[name] == v and type(body[name]) is type(v) for v in off):
+            raise InvalidArgument(
+                f"{name}: not supported by this server (got {body[name]!r}); leave it unset",
+                param=name,
+            )

@@ -65,6 +65,33 @@ BAD_HTTP = [
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "seed": 2**64}, "seed"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": 10**400}, "temperature"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2**40}, "max_tokens"),
+    # parameters not implemented yet: refused by name, never silently ignored
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "echo": True}, "echo"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "best_of": True}, "best_of"),
+    (
+        "/v1/completions",
+        {"model": "tiny", "prompt": "hi", "presence_penalty": 0.5},
+        "presence_penalty",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_object"},
+        },
+        "response_format",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+        },
+        "tools",
+    ),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, "messages"),
     (
@@ -102,6 +129,20 @@ def test_http_bad_input_is_400_with_openai_error_json(tiny_model_dir):
                 assert "lone surrogate" in (await resp.json())["error"]["message"]
             async with http.get("/v1/nothing") as resp:
                 assert resp.status == 404 and "error" in await resp.json()
+            # The same parameters at their "off" values are fine.
+            off = {
+                "logprobs": False,
+                "presence_penalty": 0,
+                "frequency_penalty": 0.0,
+                "logit_bias": {},
+                "response_format": {"type": "text"},
+                "tools": [],
+                "echo": False,
+                "best_of": 1,
+            }
+            body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, **off}
+            async with http.post("/v1/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
 
     asyncio.run(main())
 
