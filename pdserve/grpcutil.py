@@ -199,12 +199,18 @@ async def check_health(address: str, timeout: float = 2.0) -> bool:
         return resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, name: str) -> None:
+def error_status(exc: BaseException, name: str) -> tuple[grpc.StatusCode, str]:
+    """The status and message an error raised by the handler ``name`` answers with (gRPC
+    and the KV master's control wire alike); an INTERNAL one is logged with its traceback."""
     code = status_for(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("unhandled error in %s", name, exc_info=exc)
-        await context.abort(code, f"internal error in {name}: {type(exc).__name__}: {exc}")
-    await context.abort(code, str(exc) or type(exc).__name__)
+        return code, f"internal error in {name}: {type(exc).__name__}: {exc}"
+    return code, str(exc) or type(exc).__name__
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, name: str) -> None:
+    await context.abort(*error_status(exc, name))
 
 
 def rpc(method: Callable) -> Callable:

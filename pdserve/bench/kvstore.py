@@ -174,6 +174,7 @@ def bench_tcp_limit(sizes: list[int], iterations: int) -> list[Row]:
     import multiprocessing
     import socket
 
+    from pdserve.store import netio
     from pdserve.store.transports import tcp
 
     rows = []
@@ -201,7 +202,7 @@ def bench_tcp_limit(sizes: list[int], iterations: int) -> list[Row]:
 
             def one(i: int, socks: list = socks, views: list = views) -> None:
                 socks[i].sendall(b"r")
-                tcp.recv_exact(socks[i], views[i])
+                netio.recv_parts(socks[i], [views[i]])
 
             def get(_i: int, streams: int = streams, pool: ThreadPoolExecutor = pool) -> None:
                 others = [pool.submit(one, i) for i in range(1, streams)]  # as pdserve's client

@@ -432,18 +432,31 @@ class StoreClient(StoreBackend):
                     "read of %r from node %s over %s failed: %s", res.key, rep.node_id, t.name, exc
                 )
                 continue
-            view = buf[: rep.size]
-            if decode is None:
-                return view
-            value = decode(view)
+            value = self._verified(buf[: rep.size], decode, res.key, rep, t)
             if value is not None:
                 return value
             corrupt = True
-            READ_FAILOVERS.labels(t.name).inc()
-            log.warning("replica of %r on node %s failed verification", res.key, rep.node_id)
         if corrupt:
             CORRUPT_CHUNKS.inc()
         return None
+
+    @staticmethod
+    def _verified(
+        view: memoryview,
+        decode: Callable[[memoryview], Any] | None,
+        key: str,
+        rep: kvstore_pb2.Replica,
+        t: Transport,
+    ) -> Any:
+        """The read bytes, or ``decode(view)``; None when ``decode`` rejects them (a
+        failover, counted and logged)."""
+        if decode is None:
+            return view
+        value = decode(view)
+        if value is None:
+            READ_FAILOVERS.labels(t.name).inc()
+            log.warning("replica of %r on node %s failed verification", key, rep.node_id)
+        return value
 
     def _read_all(
         self,
@@ -485,14 +498,9 @@ class StoreClient(StoreBackend):
                 log.warning("read from %s failed: %s", t.name, err)
             for (i, rep, buf), err in zip(jobs, errs, strict=True):
                 if err is None:
-                    view = buf[: rep.size]
-                    out[i] = view if decode is None else decode(view)
+                    out[i] = self._verified(buf[: rep.size], decode, results[i].key, rep, t)
                     if out[i] is not None:
                         continue
-                    READ_FAILOVERS.labels(t.name).inc()
-                    log.warning(
-                        "replica of %r on node %s failed verification", results[i].key, rep.node_id
-                    )
                 else:
                     self._suspect_until[rep.node_id] = time.monotonic() + SUSPECT_S
                 out[i] = self._read(results[i], buf, decode, skip=rep, corrupt=err is None)

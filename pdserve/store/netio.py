@@ -60,17 +60,6 @@ def recv_parts(sock: socket.socket, parts: list[memoryview]) -> bool:
     return True
 
 
-def recv_exact(sock: socket.socket, buf: memoryview) -> bool:
-    """Fills ``buf`` from ``sock``; False when the peer closed first."""
-    got, n = 0, len(buf)
-    while got < n:
-        k = sock.recv_into(buf[got : min(n, got + IO_SLICE)])
-        if k == 0:
-            return False
-        got += k
-    return True
-
-
 class ConnectionServer:
     """A listening socket with one thread per accepted connection running ``serve(conn)``;
     the connection is closed when it returns or raises OSError. ``tune`` (if given) is

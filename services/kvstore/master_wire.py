@@ -4,7 +4,7 @@ One thread per connection with blocking sockets: measured on loopback, a call an
 way costs about 30 us less than through an asyncio protocol on the event loop. Every call
 runs :meth:`MasterHandlers.call`, which holds the state lock, so wire and gRPC calls see
 :class:`MasterState` one at a time; errors map to statuses as for gRPC
-(:func:`pdserve.errors.status_for`).
+(:func:`pdserve.grpcutil.error_status`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import socket
 import grpc
 from google.protobuf.message import DecodeError
 
-from pdserve.errors import status_for
+from pdserve.grpcutil import error_status
 from pdserve.services.kvstore.master_servicer import MasterHandlers
 from pdserve.store.netio import ConnectionServer
 from pdserve.store.wire import FRAME, HELLO, MAX_BODY, METHODS, FrameReader
@@ -35,11 +35,8 @@ def answer(handlers: MasterHandlers, mid: int, body: bytes) -> tuple[grpc.Status
     try:
         return grpc.StatusCode.OK, handlers.call(name, request).SerializeToString()
     except Exception as exc:
-        code = status_for(exc)
-        if code == grpc.StatusCode.INTERNAL:
-            log.exception("unhandled error in control wire %s", name, exc_info=exc)
-            return code, f"internal error in {name}: {type(exc).__name__}: {exc}".encode()
-        return code, (str(exc) or type(exc).__name__).encode()
+        code, message = error_status(exc, name)
+        return code, message.encode()
 
 
 class WireServer:

@@ -8,11 +8,17 @@ locations (segment id, offset, size, endpoints).
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from pdserve.store.segment import SegmentMemory
 from pdserve.v1 import kvstore_pb2
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 class TransportError(Exception):
@@ -100,9 +106,61 @@ class TransportServer(ABC):
 
 
 def check_range(replica: kvstore_pb2.Replica, length: int, what: str) -> None:
-    """Raises TransportError when ``length`` does not match the replica size."""
+    """Raises TransportError when a read buffer of ``length`` bytes cannot hold the replica."""
     if length < replica.size:
         raise TransportError(f"{what}: buffer of {length} bytes for a {replica.size}-byte object")
+
+
+def check_write(replica: kvstore_pb2.Replica, length: int) -> None:
+    """Raises TransportError unless a write of ``length`` bytes is exactly the replica."""
+    if length != replica.size:
+        raise TransportError(f"write of {length} bytes into a {replica.size}-byte replica")
+
+
+def balanced_groups(items: Sequence[T], sizes: Sequence[int], groups: int) -> list[list[T]]:
+    """``items`` cut into at most ``groups`` consecutive groups of about equal total size
+    (``sizes[i]`` is the size of ``items[i]``), for transfers split over threads."""
+    total = sum(sizes)
+    out: list[list[T]] = [[]]
+    done = 0
+    for item, size in zip(items, sizes, strict=True):
+        if out[-1] and done >= total * len(out) / groups:
+            out.append([])
+        out[-1].append(item)
+        done += size
+    return out
+
+
+class TransferThreads:
+    """Runs the parts of one transfer at once: the first on the caller's thread, the others
+    on a pool started at first use (socket I/O and numpy copies release the GIL)."""
+
+    def __init__(self, workers: int, name: str) -> None:
+        self._workers = workers
+        self._name = name
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def run(self, jobs: Sequence[Callable[[], R]]) -> list[R]:
+        """Each job's result, in order; a job's exception propagates after all finished."""
+        if len(jobs) == 1:
+            return [jobs[0]()]
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix=self._name)
+            pool = self._pool
+        others = [pool.submit(job) for job in jobs[1:]]
+        try:
+            first = jobs[0]()
+        finally:
+            rest = [f.result() for f in others]
+        return [first, *rest]
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+                self._pool = None
 
 
 def _each(

@@ -17,7 +17,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from pdserve.store.segment import SegmentMemory
-from pdserve.store.transports.base import Transport, TransportError, TransportServer, check_range
+from pdserve.store.transports.base import (
+    Transport,
+    TransportError,
+    TransportServer,
+    check_range,
+    check_write,
+)
 from pdserve.v1 import kvstore_pb2
 
 
@@ -111,8 +117,7 @@ class MooncakeTransport(Transport):
         return ep.address, ep.remote_base + replica.offset
 
     def write(self, replica: kvstore_pb2.Replica, data: memoryview) -> None:
-        if len(data) != replica.size:
-            raise TransportError(f"write of {len(data)} bytes into a {replica.size}-byte replica")
+        check_write(replica, len(data))
         session, remote = self._target(replica)
         with self._lock:
             staging = self._ready(replica.size)

@@ -33,7 +33,6 @@ import socket
 import struct
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import blake3
 
@@ -43,12 +42,19 @@ from pdserve.store.netio import (
     ConnectionServer,
     advance,
     kernel_timeouts,
-    recv_exact,
     recv_parts,
     send_parts,
 )
 from pdserve.store.segment import SegmentMemory
-from pdserve.store.transports.base import Transport, TransportError, TransportServer, check_range
+from pdserve.store.transports.base import (
+    TransferThreads,
+    Transport,
+    TransportError,
+    TransportServer,
+    balanced_groups,
+    check_range,
+    check_write,
+)
 from pdserve.v1 import kvstore_pb2
 
 log = logging.getLogger(__name__)
@@ -110,17 +116,10 @@ def _tune(sock: socket.socket) -> None:
 def _split(ranges: list, streams: int) -> list[list]:
     """``ranges`` (4th field: bytes) cut into at most ``streams`` consecutive groups of
     about equal bytes; one group below PARALLEL_MIN_BYTES in all."""
-    total = sum(r[3] for r in ranges)
-    if total < PARALLEL_MIN_BYTES or len(ranges) == 1:
+    sizes = [r[3] for r in ranges]
+    if sum(sizes) < PARALLEL_MIN_BYTES or len(ranges) == 1:
         return [ranges]
-    groups: list[list] = [[]]
-    done = 0
-    for r in ranges:
-        if groups[-1] and done >= total * len(groups) / streams:
-            groups.append([])
-        groups[-1].append(r)
-        done += r[3]
-    return groups
+    return balanced_groups(ranges, sizes, streams)
 
 
 class TcpServer(TransportServer):
@@ -165,7 +164,7 @@ class TcpServer(TransportServer):
     def _serve(self, conn: socket.socket) -> None:
         head = bytearray(REQ.size)
         hview = memoryview(head)
-        while recv_exact(conn, hview) and self._handle(conn, head):
+        while recv_parts(conn, [hview]) and self._handle(conn, head):
             pass
 
     def _reply(self, conn: socket.socket, status: int, length: int = 0) -> None:
@@ -201,15 +200,7 @@ class TcpServer(TransportServer):
         region = self._region(seg, offset, length)
         if isinstance(region, int):
             return self._fail(conn, region, f"segment {seg:#x} offset {offset} length {length}")
-        if op == OP_READ:
-            send_parts(conn, [REP.pack(REP_MAGIC, ST_OK, length), region])
-            self._read += length
-            return True
-        if not recv_exact(conn, region):
-            return self._fail(conn, ST_SHORT_PAYLOAD, f"expected {length} bytes")
-        self._written += length
-        self._reply(conn, ST_OK, length)
-        return True
+        return self._move(conn, op == OP_READ, [region])
 
     def _region(self, seg: int, offset: int, length: int) -> memoryview | int:
         """The segment bytes a request names, or the status that refuses it."""
@@ -225,7 +216,7 @@ class TcpServer(TransportServer):
         if not 1 <= count <= MAX_RANGES:
             return self._fail(conn, ST_BAD_COUNT, str(count))
         table = bytearray(count * RANGE.size)
-        if not recv_exact(conn, memoryview(table)):
+        if not recv_parts(conn, [memoryview(table)]):
             return False
         regions = []
         for seg, offset, length in RANGE.iter_unpack(table):
@@ -233,8 +224,13 @@ class TcpServer(TransportServer):
             if isinstance(region, int):
                 return self._fail(conn, region, f"segment {seg:#x} offset {offset} length {length}")
             regions.append(region)
+        return self._move(conn, op == OP_READV, regions)
+
+    def _move(self, conn: socket.socket, read: bool, regions: list[memoryview]) -> bool:
+        """Sends the regions after an OK reply (a read), or receives into them and then
+        replies OK (a write); the same for one range and for a vector of them."""
         total = sum(len(r) for r in regions)
-        if op == OP_READV:
+        if read:
             send_parts(conn, [REP.pack(REP_MAGIC, ST_OK, total), *regions])
             self._read += total
             return True
@@ -256,7 +252,7 @@ class TcpTransport(Transport):
         self.pool_size = pool_size
         self._pools: dict[str, queue.LifoQueue[socket.socket]] = {}
         self._lock = threading.Lock()
-        self._pool_threads: ThreadPoolExecutor | None = None
+        self._threads = TransferThreads(4 * (PARALLEL_STREAMS - 1), "kv-tcp-stream")
         self._closed = False
 
     def _pool(self, address: str) -> queue.LifoQueue[socket.socket]:
@@ -338,17 +334,7 @@ class TcpTransport(Transport):
                 return exc
             return None
 
-        if len(jobs) == 1:
-            return [attempt(jobs[0])]
-        with self._lock:
-            if self._pool_threads is None:
-                self._pool_threads = ThreadPoolExecutor(
-                    max_workers=4 * (PARALLEL_STREAMS - 1), thread_name_prefix="kv-tcp-stream"
-                )
-            pool = self._pool_threads
-        others = [pool.submit(attempt, job) for job in jobs[1:]]
-        first = attempt(jobs[0])
-        return [first, *(f.result() for f in others)]
+        return self._threads.run([functools.partial(attempt, job) for job in jobs])
 
     def _ranges(
         self, items: Sequence[tuple[kvstore_pb2.Replica, memoryview]], what: str
@@ -363,12 +349,13 @@ class TcpTransport(Transport):
             if ep is None:
                 errors[i] = TransportError("replica has no tcp endpoint")
                 continue
-            if what == "read":
-                check_range(rep, len(buf), "tcp read")
-            elif len(buf) != rep.size:
-                errors[i] = TransportError(
-                    f"write of {len(buf)} bytes into a {rep.size}-byte replica"
-                )
+            try:
+                if what == "read":
+                    check_range(rep, len(buf), "tcp read")
+                else:
+                    check_write(rep, len(buf))
+            except TransportError as exc:
+                errors[i] = exc
                 continue
             seg = segment_key(rep.segment_id)
             parts = PARALLEL_STREAMS if rep.size >= PARALLEL_MIN_BYTES else 1
@@ -435,8 +422,7 @@ class TcpTransport(Transport):
         with self._lock:
             pools = list(self._pools.values())
             self._pools.clear()
-            if self._pool_threads is not None:
-                self._pool_threads.shutdown(wait=False)
+        self._threads.close()
         for pool in pools:
             while True:
                 try:
