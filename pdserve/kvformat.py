@@ -14,8 +14,12 @@ Header (little-endian)::
      28     8  payload length (bytes)
      36    32  model fingerprint digest
      68    16  payload checksum (BLAKE3, first 16 bytes)
-     84     8  header checksum (BLAKE3 of bytes 0..84, first 8 bytes)
-     92    36  zero padding (keeps the payload 64-byte aligned)
+     84    16  key digest (BLAKE3 of the store key, first 16 bytes)
+    100     8  header checksum (BLAKE3 of bytes 0..100, first 8 bytes)
+    108    20  zero padding (keeps the payload 64-byte aligned)
+
+The key digest binds a chunk to the key it was stored under: a whole, valid chunk found under
+another key (a late writer's bytes in a reused region, a copy) is refused like a corrupt one.
 """
 
 from __future__ import annotations
@@ -27,9 +31,9 @@ import blake3
 import torch
 
 MAGIC = b"PDKV"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 HEADER_SIZE = 128
-_HEAD = struct.Struct("<4sHBB5IQ32s16s")  # bytes 0..84
+_HEAD = struct.Struct("<4sHBB5IQ32s16s16s")  # bytes 0..100
 _HEADER_SUM = struct.Struct("<8s")
 
 DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
@@ -48,6 +52,7 @@ class ChunkHeader:
     payload_len: int
     fingerprint: bytes
     checksum: bytes
+    key_digest: bytes
 
     @property
     def num_tokens(self) -> int:
@@ -60,6 +65,11 @@ class ChunkHeader:
 
 def _sum16(data: memoryview | bytes) -> bytes:
     return blake3.blake3(data).digest(length=16)
+
+
+def key_digest(key: str) -> bytes:
+    """What a chunk's header records of the key it is stored under."""
+    return _sum16(key.encode())
 
 
 def encoded_size(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -78,9 +88,9 @@ def _check_tensor(kv: torch.Tensor) -> None:
         raise ChunkFormatError(f"unsupported KV dtype {kv.dtype}")
 
 
-def encode_into(buf: memoryview | bytearray, kv: torch.Tensor, fingerprint: bytes) -> int:
-    """Writes the chunk for ``kv`` into ``buf`` (at least :func:`encoded_size` bytes); returns
-    the number of bytes written."""
+def encode_into(buf: memoryview | bytearray, kv: torch.Tensor, fingerprint: bytes, key: str) -> int:
+    """Writes the chunk for ``kv``, to be stored under ``key``, into ``buf`` (at least
+    :func:`encoded_size` bytes); returns the number of bytes written."""
     _check_tensor(kv)
     if len(fingerprint) != 32:
         raise ChunkFormatError(f"fingerprint must be 32 bytes, got {len(fingerprint)}")
@@ -99,6 +109,7 @@ def encode_into(buf: memoryview | bytearray, kv: torch.Tensor, fingerprint: byte
         payload.nbytes,
         fingerprint,
         _sum16(out[HEADER_SIZE:total]),
+        key_digest(key),
     )
     out[: _HEAD.size] = head
     out[_HEAD.size : _HEAD.size + 8] = _sum16(head)[:8]
@@ -106,9 +117,9 @@ def encode_into(buf: memoryview | bytearray, kv: torch.Tensor, fingerprint: byte
     return total
 
 
-def encode(kv: torch.Tensor, fingerprint: bytes) -> bytes:
+def encode(kv: torch.Tensor, fingerprint: bytes, key: str) -> bytes:
     buf = bytearray(encoded_size(tuple(kv.shape), kv.dtype))
-    encode_into(buf, kv, fingerprint)
+    encode_into(buf, kv, fingerprint, key)
     return bytes(buf)
 
 
@@ -129,17 +140,19 @@ def parse_header(buf: memoryview | bytes | bytearray) -> ChunkHeader:
     if code not in CODE_DTYPES:
         raise ChunkFormatError(f"unknown dtype code {code}")
     shape = tuple(rest[:5])
-    payload_len, fingerprint, checksum = rest[5:]
-    return ChunkHeader(CODE_DTYPES[code], shape, payload_len, fingerprint, checksum)  # type: ignore[arg-type]
+    payload_len, fingerprint, checksum, digest = rest[5:]
+    return ChunkHeader(CODE_DTYPES[code], shape, payload_len, fingerprint, checksum, digest)  # type: ignore[arg-type]
 
 
 def decode(
     buf: memoryview | bytes | bytearray,
     expected_fingerprint: bytes | None = None,
     *,
+    key: str | None = None,
     verify: bool = True,
 ) -> tuple[ChunkHeader, torch.Tensor]:
-    """Parses and checks a chunk; returns its header and the KV tensor.
+    """Parses and checks a chunk (against ``key`` when given: the key it was read from);
+    returns its header and the KV tensor.
 
     The tensor aliases ``buf`` when it is writable (zero copy) and is a copy otherwise.
     Raises :class:`ChunkFormatError` on a truncated, corrupt or foreign chunk.
@@ -148,6 +161,8 @@ def decode(
     mv = memoryview(buf).cast("B")
     if expected_fingerprint is not None and header.fingerprint != expected_fingerprint:
         raise ChunkFormatError("chunk belongs to a different model fingerprint")
+    if key is not None and header.key_digest != key_digest(key):
+        raise ChunkFormatError("chunk was stored under another key")
     elem = torch.empty((), dtype=header.dtype).element_size()
     expected_len = elem
     for d in header.shape:

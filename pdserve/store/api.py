@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter
@@ -36,6 +36,10 @@ class StoreOptions:
     replicas: int = 1
     soft_pin: bool = False
     ttl_ms: int = 0
+    #: Record a BLAKE3 checksum of the bytes with the object, so every read verifies them
+    #: (a torn write or a late writer's bytes read as a miss, never as data). Off for objects
+    #: that carry their own check: KV chunks (checksum and key in their header).
+    checksum: bool = True
 
     def validate(self) -> None:
         if self.replicas < 1:
@@ -168,10 +172,10 @@ class StoreBackend(ABC):
         """Encodes each chunk and puts them all with one :meth:`batch_put` (one master round
         trip per phase, whatever the count; existing keys are skipped, no pre-check)."""
         try:
-            encoded = [(key, kvformat.encode(kv, fingerprint)) for key, kv in items]
+            encoded = [(key, kvformat.encode(kv, fingerprint, key)) for key, kv in items]
         except kvformat.ChunkFormatError as exc:
             raise errors.InvalidArgument(str(exc)) from exc
-        return self.batch_put(encoded, options)
+        return self.batch_put(encoded, replace(options, checksum=False))
 
     def get_chunk(self, key: str, fingerprint: bytes) -> torch.Tensor | None:
         return self.batch_get_chunks([key], fingerprint)[0]
@@ -179,10 +183,11 @@ class StoreBackend(ABC):
     def batch_get_chunks(
         self, keys: Sequence[str], fingerprint: bytes
     ) -> list[torch.Tensor | None]:
-        """Verified chunks; a corrupt or foreign chunk is a miss (counted)."""
+        """Verified chunks; a corrupt or foreign chunk (or one stored under another key) is a
+        miss (counted)."""
         out: list[torch.Tensor | None] = []
-        for data in self.batch_get(keys):
-            tensor = decode_chunk(data, fingerprint) if data is not None else None
+        for key, data in zip(keys, self.batch_get(keys), strict=True):
+            tensor = decode_chunk(data, fingerprint, key) if data is not None else None
             if data is not None and tensor is None:
                 CORRUPT_CHUNKS.inc()
             out.append(tensor)
@@ -195,9 +200,12 @@ class StoreBackend(ABC):
         self.close()
 
 
-def decode_chunk(data: bytes | bytearray | memoryview, fingerprint: bytes) -> torch.Tensor | None:
-    """The verified tensor of a chunk, or None when it is corrupt or foreign."""
+def decode_chunk(
+    data: bytes | bytearray | memoryview, fingerprint: bytes, key: str
+) -> torch.Tensor | None:
+    """The verified tensor of the chunk read from ``key``, or None when it is corrupt,
+    foreign, or was stored under another key."""
     try:
-        return kvformat.decode(data, fingerprint)[1]
+        return kvformat.decode(data, fingerprint, key=key)[1]
     except kvformat.ChunkFormatError:
         return None

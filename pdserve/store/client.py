@@ -8,10 +8,12 @@ or unreachable (``control="grpc"`` forces gRPC); payload bytes move over a data-
 transport chosen per replica: shm when the node is on this host, else tcp, else mooncake
 (``transport=`` forces one).
 
-Put: ``BatchPutStart`` -> write every replica -> ``BatchPutEnd`` (``BatchPutRevoke`` when a
-write fails). Get: ``BatchGetReplicaList`` (grants a read lease) -> read the best replica,
-falling over to the next on failure -> ``BatchReleaseLease``. Read failures (dead replica,
-corrupt chunk) are misses, never exceptions.
+Put: ``BatchPutStart`` (with the object's checksum) -> write every replica -> ``BatchPutEnd``
+(``BatchPutRevoke`` when a write fails). Get: ``BatchGetReplicaList`` (grants a read lease)
+-> read the best replica, falling over to the next on failure -> ``BatchReleaseLease``. A
+read is handed out only if it ended within its lease and matches the writer's checksum (KV
+chunks: their header's checksum, fingerprint and key). Read failures (dead replica, corrupt
+or misplaced bytes) are misses, never exceptions.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import blake3
 import grpc
 from prometheus_client import Counter
 
@@ -82,6 +85,11 @@ _UNROUTED: Any = object()
 
 #: How long a node that failed a read is tried after the other replicas (seconds).
 SUSPECT_S = 5.0
+
+
+def _checksum(data: memoryview) -> bytes:
+    """An object's checksum: BLAKE3, first 16 bytes (the GIL is released while it runs)."""
+    return blake3.blake3(data).digest(length=16)
 
 
 class StoreClient(StoreBackend):
@@ -279,7 +287,7 @@ class StoreClient(StoreBackend):
                 "BatchPutStart",
                 kvstore_pb2.BatchPutStartRequest(
                     client_id=self.client_id,
-                    items=[self._put_item(k, views[k]) for k in pending],
+                    items=[self._put_item(k, views[k], options.checksum) for k in pending],
                     options=opts,
                 ),
             )
@@ -321,12 +329,15 @@ class StoreClient(StoreBackend):
             raise failure
         return [result.get(k, False) for k in keys]
 
-    def _put_item(self, key: str, data: memoryview) -> kvstore_pb2.PutStartItem:
-        """The start of a put; small objects travel inline, so the master can serve their
-        gets without a data-plane read."""
+    def _put_item(self, key: str, data: memoryview, checksum: bool) -> kvstore_pb2.PutStartItem:
+        """The start of a put: its checksum (when asked for); small objects travel inline, so
+        the master can serve their gets without a data-plane read."""
+        item = kvstore_pb2.PutStartItem(key=key, size=len(data))
+        if checksum:
+            item.checksum = _checksum(data)
         if len(data) <= self._inline_max:
-            return kvstore_pb2.PutStartItem(key=key, size=len(data), inline_data=bytes(data))
-        return kvstore_pb2.PutStartItem(key=key, size=len(data))
+            item.inline_data = bytes(data)
+        return item
 
     def _write_all(
         self, allocated: Sequence[kvstore_pb2.PutStartResult], views: dict[str, memoryview]
@@ -410,14 +421,14 @@ class StoreClient(StoreBackend):
         self,
         res: kvstore_pb2.ReplicaListResult,
         buf: memoryview,
-        decode: Callable[[memoryview], Any] | None = None,
+        check: Callable[[kvstore_pb2.ReplicaListResult, memoryview], Any],
         skip: kvstore_pb2.Replica | None = None,
         corrupt: bool = False,
     ) -> Any:
         """Reads one found object from its best replica (other than ``skip``, already
-        tried; ``corrupt``: it failed ``decode``) into ``buf``, falling over to the others.
-        Returns the filled view (or ``decode(view)``), or None when every replica failed (or
-        decoded to None)."""
+        tried; ``corrupt``: it failed ``check``) into ``buf``, falling over to the others.
+        Returns ``check(res, filled view)``, or None when every replica failed (or was
+        rejected by the check)."""
         if res.code != kvstore_pb2.KV_OK or not res.replicas:
             return None
         for rep, t in self._ordered(res.replicas):
@@ -432,7 +443,7 @@ class StoreClient(StoreBackend):
                     "read of %r from node %s over %s failed: %s", res.key, rep.node_id, t.name, exc
                 )
                 continue
-            value = self._verified(buf[: rep.size], decode, res.key, rep, t)
+            value = self._verified(check, res, buf[: rep.size], rep, t)
             if value is not None:
                 return value
             corrupt = True
@@ -442,32 +453,49 @@ class StoreClient(StoreBackend):
 
     @staticmethod
     def _verified(
+        check: Callable[[kvstore_pb2.ReplicaListResult, memoryview], Any],
+        res: kvstore_pb2.ReplicaListResult,
         view: memoryview,
-        decode: Callable[[memoryview], Any] | None,
-        key: str,
         rep: kvstore_pb2.Replica,
         t: Transport,
     ) -> Any:
-        """The read bytes, or ``decode(view)``; None when ``decode`` rejects them (a
-        failover, counted and logged)."""
-        if decode is None:
-            return view
-        value = decode(view)
+        """``check(res, view)``; None when it rejects the bytes (a failover, counted and
+        logged)."""
+        value = check(res, view)
         if value is None:
             READ_FAILOVERS.labels(t.name).inc()
-            log.warning("replica of %r on node %s failed verification", key, rep.node_id)
+            log.warning("replica of %r on node %s failed verification", res.key, rep.node_id)
         return value
+
+    def _checker(
+        self, deadline: float, decode: Callable[[str, memoryview], Any] | None = None
+    ) -> Callable[[kvstore_pb2.ReplicaListResult, memoryview], Any]:
+        """What a read must pass before it is handed out: it ended within its read lease
+        (``deadline``, monotonic: past it the region may hold another object), its bytes
+        match the writer's checksum (when one was recorded), and ``decode(key, view)``
+        accepts them (when given). The check returns the view (or the decoded value), or
+        None."""
+
+        def check(res: kvstore_pb2.ReplicaListResult, view: memoryview) -> Any:
+            if time.monotonic() > deadline:
+                log.warning("read of %r outlived its lease: discarded", res.key)
+                return None
+            if res.checksum and _checksum(view) != res.checksum:
+                return None
+            return view if decode is None else decode(res.key, view)
+
+        return check
 
     def _read_all(
         self,
         results: Sequence[kvstore_pb2.ReplicaListResult],
         buffers: Sequence[memoryview | None],
-        decode: Callable[[memoryview], Any] | None = None,
+        check: Callable[[kvstore_pb2.ReplicaListResult, memoryview], Any],
     ) -> list[Any]:
         """:meth:`_read` of every result into its buffer (None = a miss, not read). The best
         replica of every object is read first in one :meth:`Transport.read_many` per
         transport (tcp: one request per node for the whole batch); an object whose read or
-        ``decode`` failed then falls over to its other replicas one by one."""
+        ``check`` failed then falls over to its other replicas one by one."""
         out: list[Any] = [None] * len(results)
         first: dict[str, list[tuple[int, kvstore_pb2.Replica, memoryview]]] = {}
         transports: dict[str, Transport] = {}
@@ -478,7 +506,7 @@ class StoreClient(StoreBackend):
             if res.inline_data:  # kept by the master: no replica to read
                 n = len(res.inline_data)
                 buf[:n] = res.inline_data
-                out[i] = buf[:n] if decode is None else decode(buf[:n])
+                out[i] = check(res, buf[:n])
                 if out[i] is not None:
                     continue
                 log.warning("inline copy of %r failed verification; reading a replica", res.key)
@@ -498,20 +526,24 @@ class StoreClient(StoreBackend):
                 log.warning("read from %s failed: %s", t.name, err)
             for (i, rep, buf), err in zip(jobs, errs, strict=True):
                 if err is None:
-                    out[i] = self._verified(buf[: rep.size], decode, results[i].key, rep, t)
+                    out[i] = self._verified(check, results[i], buf[: rep.size], rep, t)
                     if out[i] is not None:
                         continue
                 else:
                     self._suspect_until[rep.node_id] = time.monotonic() + SUSPECT_S
-                out[i] = self._read(results[i], buf, decode, skip=rep, corrupt=err is None)
+                out[i] = self._read(results[i], buf, check, skip=rep, corrupt=err is None)
         return out
 
     def _lookup(
         self, keys: Sequence[str], buffer_for: Callable[[int, int], memoryview]
-    ) -> tuple[list[kvstore_pb2.ReplicaListResult], list[memoryview | None]]:
-        """Replica lists of ``keys`` (read leases granted) and, for each found object, the
-        buffer ``buffer_for(index, size)`` gives. A raise here releases the leases."""
+    ) -> tuple[list[kvstore_pb2.ReplicaListResult], list[memoryview | None], float]:
+        """Replica lists of ``keys`` (read leases granted), for each found object the buffer
+        ``buffer_for(index, size)`` gives, and the monotonic time the leases end (counted
+        from before the request). A raise here releases the leases."""
+        sent = time.monotonic()
         results = self._replica_lists(list(keys))
+        leases = [r.lease_ms for r in results if r.code == kvstore_pb2.KV_OK]
+        deadline = sent + (min(leases) / 1000 if leases else 0.0)
         try:
             buffers = [
                 buffer_for(i, res.replicas[0].size)
@@ -522,16 +554,16 @@ class StoreClient(StoreBackend):
         except BaseException:
             self._release([r.key for r in results if r.code == kvstore_pb2.KV_OK])
             raise
-        return results, buffers
+        return results, buffers, deadline
 
     def _finish(self, results: Sequence[kvstore_pb2.ReplicaListResult]) -> None:
         self._release([r.key for r in results if r.code == kvstore_pb2.KV_OK])
 
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
         keys = check_keys(keys)
-        results, buffers = self._lookup(keys, lambda _i, n: memoryview(bytearray(n)))
+        results, buffers, deadline = self._lookup(keys, lambda _i, n: memoryview(bytearray(n)))
         try:
-            views = self._read_all(results, buffers)
+            views = self._read_all(results, buffers, self._checker(deadline))
         finally:
             self._finish(results)
         return [None if v is None else bytes(v) for v in views]
@@ -564,9 +596,9 @@ class StoreClient(StoreBackend):
                 )
             return views[i]
 
-        results, bufs = self._lookup(keys, buffer_for)
+        results, bufs, deadline = self._lookup(keys, buffer_for)
         try:
-            read = self._read_all(results, bufs)
+            read = self._read_all(results, bufs, self._checker(deadline))
         finally:
             self._finish(results)
         return [None if v is None else len(v) for v in read]
@@ -622,9 +654,10 @@ class StoreClient(StoreBackend):
                 return arena[used - n : used]
             return memoryview(bytearray(n))
 
-        results, buffers = self._lookup(keys, buffer_for)
+        results, buffers, deadline = self._lookup(keys, buffer_for)
         try:
-            return self._read_all(results, buffers, lambda v: decode_chunk(v, fingerprint))
+            check = self._checker(deadline, lambda key, v: decode_chunk(v, fingerprint, key))
+            return self._read_all(results, buffers, check)
         finally:
             self._finish(results)
 

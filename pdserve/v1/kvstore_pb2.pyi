@@ -123,12 +123,14 @@ class PutOptions(_message.Message):
     def __init__(self, replicas: _Optional[int] = ..., soft_pin: _Optional[bool] = ..., ttl_ms: _Optional[int] = ..., placement: _Optional[_Union[PlacementStrategy, str]] = ...) -> None: ...
 
 class MountSegmentRequest(_message.Message):
-    __slots__ = ("segment", "held")
+    __slots__ = ("segment", "held", "keeps_bytes")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
+    KEEPS_BYTES_FIELD_NUMBER: _ClassVar[int]
     segment: Segment
     held: _containers.RepeatedCompositeFieldContainer[HeldObject]
-    def __init__(self, segment: _Optional[_Union[Segment, _Mapping]] = ..., held: _Optional[_Iterable[_Union[HeldObject, _Mapping]]] = ...) -> None: ...
+    keeps_bytes: bool
+    def __init__(self, segment: _Optional[_Union[Segment, _Mapping]] = ..., held: _Optional[_Iterable[_Union[HeldObject, _Mapping]]] = ..., keeps_bytes: _Optional[bool] = ...) -> None: ...
 
 class HeldObject(_message.Message):
     __slots__ = ("key", "offset", "size")
@@ -175,14 +177,16 @@ class NodeHeartbeatResponse(_message.Message):
     def __init__(self, remount_required: _Optional[bool] = ...) -> None: ...
 
 class PutStartItem(_message.Message):
-    __slots__ = ("key", "size", "inline_data")
+    __slots__ = ("key", "size", "inline_data", "checksum")
     KEY_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     INLINE_DATA_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     key: str
     size: int
     inline_data: bytes
-    def __init__(self, key: _Optional[str] = ..., size: _Optional[int] = ..., inline_data: _Optional[bytes] = ...) -> None: ...
+    checksum: bytes
+    def __init__(self, key: _Optional[str] = ..., size: _Optional[int] = ..., inline_data: _Optional[bytes] = ..., checksum: _Optional[bytes] = ...) -> None: ...
 
 class BatchPutStartRequest(_message.Message):
     __slots__ = ("client_id", "items", "options")
@@ -249,18 +253,22 @@ class BatchGetReplicaListRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class ReplicaListResult(_message.Message):
-    __slots__ = ("key", "code", "replicas", "lease_expires_ms", "inline_data")
+    __slots__ = ("key", "code", "replicas", "lease_expires_ms", "inline_data", "checksum", "lease_ms")
     KEY_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_MS_FIELD_NUMBER: _ClassVar[int]
     INLINE_DATA_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     key: str
     code: KVErrorCode
     replicas: _containers.RepeatedCompositeFieldContainer[Replica]
     lease_expires_ms: int
     inline_data: bytes
-    def __init__(self, key: _Optional[str] = ..., code: _Optional[_Union[KVErrorCode, str]] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., lease_expires_ms: _Optional[int] = ..., inline_data: _Optional[bytes] = ...) -> None: ...
+    checksum: bytes
+    lease_ms: int
+    def __init__(self, key: _Optional[str] = ..., code: _Optional[_Union[KVErrorCode, str]] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., lease_expires_ms: _Optional[int] = ..., inline_data: _Optional[bytes] = ..., checksum: _Optional[bytes] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class BatchGetReplicaListResponse(_message.Message):
     __slots__ = ("results",)

@@ -67,33 +67,70 @@ class OffsetAllocator:
         return None
 
     def reserve(self, offset: int, size: int) -> None:
-        """Marks ``[offset, offset + size)`` as allocated (objects re-reported by a node after a
-        master restart). Raises :class:`AllocatorError` when the range is misaligned, does not
-        fit in the segment or overlaps an allocated range."""
+        """Marks ``[offset, offset + size)`` as allocated (an object a node re-reports, or a
+        dormant replica coming back). Raises :class:`AllocatorError` when the range is
+        misaligned, does not fit in the segment or overlaps an allocated range."""
+        problem = self.reserve_many([(offset, size)])[0]
+        if problem:
+            raise AllocatorError(problem)
+
+    def _reserve_problem(self, offset: int, size: int) -> str:
         if size <= 0:
-            raise AllocatorError(f"size must be > 0, got {size}")
+            return f"size must be > 0, got {size}"
         if offset % ALIGNMENT:
-            raise AllocatorError(f"offset {offset} is not {ALIGNMENT}-byte aligned")
+            return f"offset {offset} is not {ALIGNMENT}-byte aligned"
         need = align_up(size)
         if offset + need > self.capacity:
-            raise AllocatorError(
+            return (
                 f"range [{offset}, {offset + need}) does not fit in a segment of "
                 f"{self.capacity} usable bytes"
             )
         i = bisect.bisect_right(self._free_off, offset) - 1
         if i < 0 or self._free_off[i] + self._free_len[i] < offset + need:
-            raise AllocatorError(f"range [{offset}, {offset + need}) overlaps an allocated range")
-        f_off, f_len = self._free_off[i], self._free_len[i]
-        pieces = []
-        if offset > f_off:
-            pieces.append((f_off, offset - f_off))
-        end, f_end = offset + need, f_off + f_len
-        if f_end > end:
-            pieces.append((end, f_end - end))
-        self._free_off[i : i + 1] = [p[0] for p in pieces]
-        self._free_len[i : i + 1] = [p[1] for p in pieces]
-        self._allocated[offset] = need
-        self.used += need
+            return f"range [{offset}, {offset + need}) overlaps an allocated range"
+        return ""
+
+    def reserve_many(self, ranges: list[tuple[int, int]]) -> list[str]:
+        """Marks every valid ``(offset, size)`` of ``ranges`` as allocated, in one pass over
+        the free list (linear after sorting, whatever the count); returns per range why it was
+        refused ("" = reserved): as :meth:`reserve`, or overlapping an earlier range of the
+        same call."""
+        problems = [""] * len(ranges)
+        accepted: list[tuple[int, int]] = []
+        end = -1
+        for i in sorted(range(len(ranges)), key=lambda i: ranges[i][0]):
+            offset, size = ranges[i]
+            problem = self._reserve_problem(offset, size)
+            if not problem and offset < end:
+                problem = f"range at offset {offset} overlaps another range being reserved"
+            if problem:
+                problems[i] = problem
+                continue
+            accepted.append((offset, align_up(size)))
+            end = offset + accepted[-1][1]
+        if not accepted:
+            return problems
+        # Each accepted range lies inside one free range: cut them all out in one walk.
+        free_off: list[int] = []
+        free_len: list[int] = []
+        j = 0
+        for f_off, f_len in zip(self._free_off, self._free_len, strict=True):
+            cur, f_end = f_off, f_off + f_len
+            while j < len(accepted) and accepted[j][0] < f_end:
+                a_off, a_need = accepted[j]
+                if a_off > cur:
+                    free_off.append(cur)
+                    free_len.append(a_off - cur)
+                cur = a_off + a_need
+                j += 1
+            if cur < f_end:
+                free_off.append(cur)
+                free_len.append(f_end - cur)
+        self._free_off, self._free_len = free_off, free_len
+        for offset, need in accepted:
+            self._allocated[offset] = need
+            self.used += need
+        return problems
 
     def release(self, offset: int) -> None:
         """Frees the range that starts at ``offset`` and merges it with free neighbours."""

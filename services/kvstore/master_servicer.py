@@ -73,6 +73,7 @@ class MasterHandlers:
             seg.size,
             list(seg.endpoints),
             [(h.key, h.offset, h.size) for h in request.held],
+            keeps_bytes=request.keeps_bytes,
         )
         return pb.MountSegmentResponse(
             heartbeat_interval_ms=self.state.cfg.heartbeat_interval_ms, restored_objects=restored
@@ -96,6 +97,7 @@ class MasterHandlers:
             ttl_ms=o.ttl_ms,
             placement=o.placement,
             inline=[i.inline_data for i in request.items],
+            checksums=[i.checksum for i in request.items],
         )
         resp = pb.BatchPutStartResponse()
         for item, r in zip(request.items, outcomes, strict=True):
@@ -119,7 +121,12 @@ class MasterHandlers:
         resp = pb.BatchGetReplicaListResponse()
         for r in outcomes:
             res = resp.results.add(
-                key=r.key, code=r.code, lease_expires_ms=r.lease_expires_ms, inline_data=r.inline
+                key=r.key,
+                code=r.code,
+                lease_expires_ms=r.lease_expires_ms,
+                inline_data=r.inline,
+                checksum=r.checksum,
+                lease_ms=r.lease_ms,
             )
             if r.replicas:
                 self._fill(res.replicas, r.replicas, objs[r.key].size)

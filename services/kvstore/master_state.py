@@ -13,18 +13,24 @@ Rules it enforces:
 * Eviction is LRU (last put end / get), soft-pinned objects only when nothing else can go;
   it runs when a segment or the pool passes ``high_watermark`` (down to ``low_watermark``) and
   on demand when an allocation fails.
-* A node that misses ``heartbeat_miss_limit`` heartbeats is dead: its replicas are dropped at
-  once, objects left without a replica are deleted (event reason ``KV_EVENT_REASON_NODE_DEAD``),
-  and nothing new is placed on it until it remounts.
+* A node that misses ``heartbeat_miss_limit`` heartbeats is dead: nothing new is placed on
+  it, and its replicas go *dormant*: invisible to readers (an object left without a live
+  replica is gone for them: event reason ``KV_EVENT_REASON_NODE_DEAD``) but remembered, with
+  their persisted rows, so a remount of the same segment with its bytes kept revives them.
+  Time the master itself did not run (a stall: SIGSTOP, swap, a long pause) does not count as
+  missed heartbeats.
 * Restart: with a :class:`~pdserve.services.kvstore.persistence.MetadataStore` every commit and
-  removal is written (one transaction per call); on start the rows come back as *dormant*
-  replicas that revive when their segment remounts (same segment id and node id, offsets
-  re-validated against the allocator), and are dropped after ``dormant_grace_s``. A node may
-  also re-report ``held`` objects on mount; unknown keys are then accepted as committed.
+  removal is written (one transaction per call); on start the rows come back as dormant
+  replicas the same way.
+* Dormant replicas revive when their segment remounts (same segment id and node id, the node
+  saying it kept the bytes; offsets re-validated against the allocator) and are dropped, with
+  their dead segment, after ``dormant_grace_s``. A node may also re-report ``held`` objects on
+  mount; unknown keys are then accepted as committed. Both are processed in linear time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 import time
@@ -33,7 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from pdserve import errors
-from pdserve.services.kvstore.allocator import AllocatorError, OffsetAllocator
+from pdserve.services.kvstore.allocator import OffsetAllocator
 from pdserve.services.kvstore.master_config import MasterConfig
 from pdserve.services.kvstore.persistence import MetadataStore, StoredObject, StoredReplica
 from pdserve.services.kvstore.placement import PlacementStrategy, make_strategies
@@ -42,6 +48,8 @@ from pdserve.v1 import kvstore_pb2 as pb
 log = logging.getLogger(__name__)
 
 OK = pb.KV_OK
+#: Bytes of an object checksum (BLAKE3, truncated).
+CHECKSUM_BYTES = 16
 
 
 class Clock:
@@ -106,6 +114,8 @@ class ObjectState:
     leases: dict[str, float] = field(default_factory=dict)
     # The object's bytes, kept in memory for small objects (b"" = not inlined).
     inline: bytes = b""
+    # The writer's BLAKE3-16 of the bytes (b"" = none), handed to readers.
+    checksum: bytes = b""
 
     def leased(self, now: float) -> bool:
         if not self.leases:
@@ -128,6 +138,7 @@ class Counters:
     ttl_expired: int = 0
     put_timeouts: int = 0
     node_deaths: int = 0
+    stalls: int = 0
     node_dead_objects: int = 0
 
 
@@ -154,6 +165,9 @@ class GetOutcome:
     replicas: tuple[ReplicaLoc, ...] = ()
     lease_expires_ms: int = 0
     inline: bytes = b""
+    checksum: bytes = b""
+    # How long the granted lease lasts from now (milliseconds).
+    lease_ms: int = 0
 
 
 #: on_event(type, key, size, reason) with type pb.KV_EVENT_STORED / pb.KV_EVENT_REMOVED and
@@ -189,7 +203,9 @@ class MasterState:
         # Restart: persisted objects waiting for their segments.
         self.dormant: dict[str, StoredObject] = {}
         self._dormant_by_segment: dict[str, set[str]] = {}
-        self._dormant_until = 0.0
+        # segment id -> monotonic time its dormant replicas (and, if dead, itself) are dropped
+        self._dormant_deadline: dict[str, float] = {}
+        self._last_tick = self.clock.mono()
         # (monotonic TTL deadline, key) of committed objects with a TTL.
         self._ttl_heap: list[tuple[float, str]] = []
         self.used_bytes = 0  # bytes of committed objects (object size, not per replica)
@@ -206,11 +222,8 @@ class MasterState:
             if obj.ttl_deadline_ms and obj.ttl_deadline_ms <= wall:
                 expired.append(obj.key)
                 continue
-            self.dormant[obj.key] = obj
-            for rep in obj.replicas:
-                self._dormant_by_segment.setdefault(rep.segment_id, set()).add(obj.key)
+            self._add_dormant(obj)
         store.apply([], expired)
-        self._dormant_until = self.clock.mono() + self.cfg.dormant_grace_s
         if self.dormant:
             log.info(
                 "loaded %d committed objects from %s; waiting up to %.0fs for %d segments",
@@ -219,6 +232,38 @@ class MasterState:
                 self.cfg.dormant_grace_s,
                 len(self._dormant_by_segment),
             )
+
+    def _add_dormant(self, stored: StoredObject) -> None:
+        """Remembers ``stored``'s replicas until their segments remount or their grace ends."""
+        old = self.dormant.get(stored.key)
+        if old is not None:
+            have = {(r.segment_id, r.offset) for r in old.replicas}
+            extra = tuple(r for r in stored.replicas if (r.segment_id, r.offset) not in have)
+            stored = dataclasses.replace(old, replicas=old.replicas + extra)
+        self.dormant[stored.key] = stored
+        deadline = self.clock.mono() + self.cfg.dormant_grace_s
+        for r in stored.replicas:
+            self._dormant_by_segment.setdefault(r.segment_id, set()).add(stored.key)
+            self._dormant_deadline.setdefault(r.segment_id, deadline)
+
+    def _forget_dormant(self, segment_id: str) -> list[tuple[StoredObject, StoredReplica]]:
+        """Takes the dormant replicas of ``segment_id`` out; returns them with their objects.
+        A key left with no dormant replica and no live object loses its persisted row."""
+        self._dormant_deadline.pop(segment_id, None)
+        out = []
+        for key in sorted(self._dormant_by_segment.pop(segment_id, ())):
+            stored = self.dormant.get(key)
+            if stored is None:
+                continue
+            rest = tuple(r for r in stored.replicas if r.segment_id != segment_id)
+            out.extend((stored, r) for r in stored.replicas if r.segment_id == segment_id)
+            if rest:
+                self.dormant[key] = dataclasses.replace(stored, replicas=rest)
+            else:
+                del self.dormant[key]
+                if key not in self.objects and key not in self.pending:
+                    self._mark_deleted(key)
+        return out
 
     def _mark(self, obj: ObjectState) -> None:
         if self.store is not None:
@@ -243,6 +288,7 @@ class MasterState:
                 o.soft_pin,
                 int(wall + (o.ttl_deadline - mono) * 1000) if o.ttl_deadline else 0,
                 tuple(StoredReplica(r.segment_id, r.node_id, r.offset) for r in o.replicas),
+                o.checksum,
             )
             for o in self._dirty.values()
         ]
@@ -288,9 +334,12 @@ class MasterState:
         size: int,
         endpoints: Sequence[pb.Endpoint],
         held: Sequence[tuple[str, int, int]] = (),
+        *,
+        keeps_bytes: bool = True,
     ) -> int:
         """Mounts (or idempotently remounts) a segment; returns how many replicas of ``held``
-        and of persisted dormant objects were restored on it."""
+        and of dormant objects were restored on it. ``keeps_bytes`` False says the segment's
+        memory is new (zeroed): nothing remembered on it survives."""
         self._check_id("segment.segment_id", segment_id)
         self._check_id("segment.node_id", node_id)
         if size <= 0:
@@ -308,16 +357,20 @@ class MasterState:
             raise errors.InvalidArgument(f"segment.size {size} is smaller than one 64-byte block")
         now = self.clock.mono()
         seg = self.segments.get(segment_id)
-        if seg is not None and seg.alive:
-            if seg.node_id != node_id or seg.size != size:
-                raise errors.AlreadyExists(
-                    f"segment {segment_id!r} is already mounted by node {seg.node_id!r} with "
-                    f"size {seg.size}; unmount it first or use another segment id"
-                )
+        if seg is not None and seg.alive and (seg.node_id != node_id or seg.size != size):
+            raise errors.AlreadyExists(
+                f"segment {segment_id!r} is already mounted by node {seg.node_id!r} with "
+                f"size {seg.size}; unmount it first or use another segment id"
+            )
+        revive: list[tuple[StoredObject, StoredReplica]] = []
+        if seg is not None and seg.alive and keeps_bytes:
             seg.endpoints = list(endpoints)  # idempotent remount: refresh the endpoints
         else:
-            if seg is not None:
+            if seg is not None and seg.alive:  # its memory was made anew: the objects are gone
                 self._drop_segment(seg, pb.KV_EVENT_REASON_NODE_DEAD)
+            revive = self._forget_dormant(segment_id)
+            if not keeps_bytes:
+                revive = []
             seg = SegmentState(segment_id, node_id, size, list(endpoints), OffsetAllocator(size))
             self.segments[segment_id] = seg
         node = self.nodes.get(node_id)
@@ -325,25 +378,16 @@ class MasterState:
             node = self.nodes[node_id] = NodeState(node_id, now)
         node.last_heartbeat = now
         node.segment_ids.add(segment_id)
-        restored = 0
-        for key, offset, hsize in held:
-            if self._restore(seg, key, offset, hsize, soft_pin=False, ttl_deadline_ms=0):
-                restored += 1
-        for key in sorted(self._dormant_by_segment.pop(segment_id, set())):
-            stored = self.dormant.get(key)
-            if stored is None:
-                continue
-            for rep in stored.replicas:
-                if (
-                    rep.segment_id == segment_id
-                    and rep.node_id == node_id
-                    and self._restore(
-                        seg, key, rep.offset, stored.size, stored.soft_pin, stored.ttl_deadline_ms
-                    )
-                ):
-                    restored += 1
-            if not any(key in s for s in self._dormant_by_segment.values()):
-                del self.dormant[key]
+        candidates = [
+            StoredObject(k, n, False, 0, (StoredReplica(segment_id, node_id, o),))
+            for k, o, n in held
+        ]
+        candidates += [
+            dataclasses.replace(stored, replicas=(r,))
+            for stored, r in revive
+            if r.node_id == node_id
+        ]
+        restored = self._restore_all(seg, candidates)
         self.flush()
         log.info(
             "mounted segment %s of node %s (%d bytes), restored %d replicas",
@@ -354,49 +398,60 @@ class MasterState:
         )
         return restored
 
-    def _restore(
-        self,
-        seg: SegmentState,
-        key: str,
-        offset: int,
-        size: int,
-        soft_pin: bool,
-        ttl_deadline_ms: int,
-    ) -> bool:
-        if self.key_problem(key) or size <= 0 or size > self.cfg.max_object_bytes:
-            log.warning("segment %s re-reported an invalid object %r", seg.segment_id, key)
+    def _restore_all(self, seg: SegmentState, candidates: Sequence[StoredObject]) -> int:
+        """Restores the candidates' replicas (one each, on ``seg``) that are valid and fit;
+        returns how many. Linear: the ranges are reserved in one pass over the allocator."""
+        ok: list[StoredObject] = []
+        seen: set[str] = set()
+        n = 0
+        for c in candidates:
+            if c.key in seen:
+                continue
+            seen.add(c.key)
+            obj = self.objects.get(c.key)
+            here = (
+                [] if obj is None else [r for r in obj.replicas if r.segment_id == seg.segment_id]
+            )
+            if here:  # already restored (an idempotent remount): fine if it is the same place
+                n += here[0].offset == c.replicas[0].offset
+            elif self._restorable(seg, c):
+                ok.append(c)
+        reserved = seg.allocator.reserve_many([(c.replicas[0].offset, c.size) for c in ok])
+        mono, wall = self.clock.mono(), self.clock.wall_ms()
+        for c, problem in zip(ok, reserved, strict=True):
+            if problem:
+                log.warning("cannot restore %r on segment %s: %s", c.key, seg.segment_id, problem)
+                continue
+            rep = ReplicaLoc(seg.segment_id, seg.node_id, c.replicas[0].offset)
+            obj = self.objects.get(c.key)
+            if obj is None:
+                ttl = mono + (c.ttl_deadline_ms - wall) / 1000 if c.ttl_deadline_ms else 0.0
+                obj = ObjectState(c.key, c.size, [rep], soft_pin=c.soft_pin, checksum=c.checksum)
+                self._set_ttl(obj, ttl)
+                self.objects[c.key] = obj
+                self.objects.move_to_end(c.key, last=False)  # restored objects are the coldest
+                self.used_bytes += c.size
+                self.on_event(pb.KV_EVENT_STORED, c.key, c.size, pb.KV_EVENT_REASON_UNSPECIFIED)
+            else:
+                obj.replicas.append(rep)
+            self._mark(obj)
+            n += 1
+        return n
+
+    def _restorable(self, seg: SegmentState, c: StoredObject) -> bool:
+        """Whether candidate ``c`` may get its replica back on ``seg`` (before allocation)."""
+        if self.key_problem(c.key) or c.size <= 0 or c.size > self.cfg.max_object_bytes:
+            log.warning("segment %s re-reported an invalid object %r", seg.segment_id, c.key)
             return False
-        obj = self.objects.get(key)
-        if obj is not None:
-            if obj.size != size:
-                log.warning("held %r has size %d, the committed object %d", key, size, obj.size)
-                return False
-            if any(r.segment_id == seg.segment_id for r in obj.replicas):
-                return any(
-                    r.segment_id == seg.segment_id and r.offset == offset for r in obj.replicas
-                )
-            if any(r.node_id == seg.node_id for r in obj.replicas):
-                return False
-        if key in self.pending:
+        if c.key in self.pending:
             return False
-        try:
-            seg.allocator.reserve(offset, size)
-        except AllocatorError as exc:
-            log.warning("cannot restore %r on segment %s: %s", key, seg.segment_id, exc)
-            return False
-        rep = ReplicaLoc(seg.segment_id, seg.node_id, offset)
+        obj = self.objects.get(c.key)
         if obj is None:
-            mono, wall = self.clock.mono(), self.clock.wall_ms()
-            ttl_deadline = mono + (ttl_deadline_ms - wall) / 1000 if ttl_deadline_ms else 0.0
-            obj = ObjectState(key, size, [rep], soft_pin=soft_pin)
-            self._set_ttl(obj, ttl_deadline)
-            self.objects[key] = obj
-            self.objects.move_to_end(key, last=False)  # restored objects are the coldest
-            self.used_bytes += size
-        else:
-            obj.replicas.append(rep)
-        self._mark(obj)
-        return True
+            return True
+        if obj.size != c.size or (c.checksum and obj.checksum and c.checksum != obj.checksum):
+            log.warning("%r on segment %s differs from the committed object", c.key, seg.segment_id)
+            return False
+        return not any(r.node_id == seg.node_id for r in obj.replicas)
 
     def unmount(self, segment_id: str) -> int:
         """Removes a segment and every replica in it; returns how many objects lost their last
@@ -406,6 +461,7 @@ class MasterState:
         if seg is None or not seg.alive:
             raise errors.NotFound(f"segment {segment_id!r} is not mounted")
         removed = self._drop_segment(seg, pb.KV_EVENT_REASON_UNMOUNT)
+        self._forget_dormant(segment_id)
         del self.segments[segment_id]
         node = self.nodes.get(seg.node_id)
         if node is not None:
@@ -415,17 +471,28 @@ class MasterState:
         self.flush()
         return removed
 
-    def _drop_segment(self, seg: SegmentState, reason: int) -> int:
-        """Drops every replica (committed and pending) in ``seg`` and marks it dead."""
+    def _drop_segment(self, seg: SegmentState, reason: int, *, dormant: bool = False) -> int:
+        """Drops every replica (committed and pending) in ``seg`` and marks it dead; returns
+        how many objects lost their last live replica. ``dormant``: remember the committed
+        replicas until the segment remounts or its grace ends (a node presumed dead)."""
         seg.alive = False
         removed = 0
+        mono, wall = self.clock.mono(), self.clock.wall_ms()
         for key in [k for k, o in self.objects.items() if _on(o, seg.segment_id)]:
             obj = self.objects[key]
+            mine = [r for r in obj.replicas if r.segment_id == seg.segment_id]
             obj.replicas = [r for r in obj.replicas if r.segment_id != seg.segment_id]
+            if dormant:
+                ttl_ms = int(wall + (obj.ttl_deadline - mono) * 1000) if obj.ttl_deadline else 0
+                reps = tuple(StoredReplica(r.segment_id, r.node_id, r.offset) for r in mine)
+                self._add_dormant(
+                    StoredObject(key, obj.size, obj.soft_pin, ttl_ms, reps, obj.checksum)
+                )
             if obj.replicas:
                 self._mark(obj)
             else:
-                self._delete(obj, reason, free=False)
+                # A dormant object keeps its persisted row (it lists the dormant replicas).
+                self._delete(obj, reason, free=False, persist=not dormant)
                 removed += 1
         for obj in self.pending.values():
             obj.replicas = [r for r in obj.replicas if r.segment_id != seg.segment_id]
@@ -451,6 +518,7 @@ class MasterState:
             for sid in sorted(stale):
                 seg = self.segments.pop(sid, None)
                 node.segment_ids.discard(sid)
+                self._forget_dormant(sid)
                 if seg is not None and seg.alive:
                     n = self._drop_segment(seg, pb.KV_EVENT_REASON_NODE_DEAD)
                     log.warning(
@@ -480,12 +548,16 @@ class MasterState:
         ttl_ms: int = 0,
         placement: int = pb.PLACEMENT_UNSPECIFIED,
         inline: Sequence[bytes] = (),
+        checksums: Sequence[bytes] = (),
     ) -> list[PutStartOutcome]:
         """Allocates each ``(key, size)``. ``inline``, when given, holds each item's bytes
-        for objects up to ``inline_max_bytes`` (b"" = not inlined)."""
+        for objects up to ``inline_max_bytes`` (b"" = not inlined); ``checksums`` each
+        item's BLAKE3-16 (b"" = none)."""
         self.check_batch(len(items), "items")
         if inline and len(inline) != len(items):
             raise errors.InvalidArgument(f"{len(inline)} inline payloads for {len(items)} items")
+        if checksums and len(checksums) != len(items):
+            raise errors.InvalidArgument(f"{len(checksums)} checksums for {len(items)} items")
         n_rep = replicas or self.cfg.default_replicas
         if n_rep > self.cfg.max_replicas:
             raise errors.InvalidArgument(
@@ -502,11 +574,14 @@ class MasterState:
         out = []
         for i, (key, size) in enumerate(items):
             data = inline[i] if inline else b""
+            checksum = checksums[i] if checksums else b""
             problem = self.key_problem(key)
             if not problem and size <= 0:
                 problem = f"size must be > 0, got {size}"
             if not problem and size > self.cfg.max_object_bytes:
                 problem = f"size {size} exceeds max_object_bytes={self.cfg.max_object_bytes}"
+            if not problem and len(checksum) not in (0, CHECKSUM_BYTES):
+                problem = f"checksum has {len(checksum)} bytes; want {CHECKSUM_BYTES} or none"
             if not problem and data and len(data) != size:
                 problem = f"inline_data has {len(data)} bytes, the object {size}"
             if not problem and len(data) > self.cfg.inline_max_bytes:
@@ -568,6 +643,7 @@ class MasterState:
                 put_deadline=now + self.cfg.put_timeout_s,
                 client_id=client_id,
                 inline=data,
+                checksum=checksum,
             )
             out.append(PutStartOutcome(key, OK, replicas=tuple(locs)))
         self._evict_to_watermarks(now)
@@ -694,15 +770,16 @@ class MasterState:
                 continue
             hits += 1
             self.objects.move_to_end(key)
-            prev = obj.leases.get(client_id, 0.0)
-            obj.leases[client_id] = max(prev, until)
+            lease = obj.leases[client_id] = max(obj.leases.get(client_id, 0.0), until)
             out.append(
                 GetOutcome(
                     key,
                     OK,
                     tuple(obj.replicas),
-                    int(wall + (obj.leases[client_id] - now) * 1000),
+                    int(wall + (lease - now) * 1000),
                     obj.inline,
+                    obj.checksum,
+                    int((lease - now) * 1000),
                 )
             )
         self.counters.gets += len(keys)
@@ -784,13 +861,18 @@ class MasterState:
             if seg is not None and seg.alive:
                 seg.allocator.release(r.offset)
 
-    def _delete(self, obj: ObjectState, reason: int, *, free: bool = True) -> None:
+    def _delete(
+        self, obj: ObjectState, reason: int, *, free: bool = True, persist: bool = True
+    ) -> None:
         if free:
             self._free(obj)
         del self.objects[obj.key]
         self.used_bytes -= obj.size
         self.inline_bytes -= len(obj.inline)
-        self._mark_deleted(obj.key)
+        if persist:
+            self._mark_deleted(obj.key)
+        else:
+            self._dirty.pop(obj.key, None)
         self.on_event(pb.KV_EVENT_REMOVED, obj.key, obj.size, reason)
 
     def _eviction_candidates(
@@ -844,6 +926,17 @@ class MasterState:
     def tick(self) -> None:
         """Periodic pass: dead nodes, TTL expiry, put timeouts, dormant grace, watermarks."""
         now = self.clock.mono()
+        stalled = now - self._last_tick - self.cfg.tick_interval_ms / 1000
+        self._last_tick = now
+        if stalled > self.cfg.heartbeat_interval_ms / 1000:
+            # The master did not run (stopped, swapped out, a long pause): heartbeats sent
+            # meanwhile were not heard. That time does not count against the nodes.
+            log.warning(
+                "housekeeping ran %.1fs late; not counting it as missed heartbeats", stalled
+            )
+            self.counters.stalls += 1
+            for node in self.nodes.values():
+                node.last_heartbeat = min(now, node.last_heartbeat + stalled)
         dead_after = self.cfg.heartbeat_interval_ms * self.cfg.heartbeat_miss_limit / 1000
         for node in list(self.nodes.values()):
             if now - node.last_heartbeat > dead_after:
@@ -854,17 +947,18 @@ class MasterState:
             self._free(obj)
             self.counters.put_timeouts += 1
             log.warning("put of %r by %r timed out; space reclaimed", key, obj.client_id)
-        if self.dormant and now >= self._dormant_until:
+        for sid in [s for s, t in self._dormant_deadline.items() if t <= now]:
+            lost = self._forget_dormant(sid)
+            seg = self.segments.get(sid)
+            if seg is not None and not seg.alive:
+                del self.segments[sid]
             log.warning(
-                "dropping %d persisted objects whose segments did not remount: %s",
-                len(self.dormant),
-                sorted(self._dormant_by_segment),
+                "segment %s did not come back within dormant_grace_s=%.0fs: dropped it and "
+                "%d dormant replicas",
+                sid,
+                self.cfg.dormant_grace_s,
+                len(lost),
             )
-            for key in self.dormant:
-                if key not in self.objects:
-                    self._mark_deleted(key)
-            self.dormant.clear()
-            self._dormant_by_segment.clear()
         self._evict_to_watermarks(now)
         self.flush()
 
@@ -893,15 +987,18 @@ class MasterState:
 
     def _node_dead(self, node: NodeState) -> None:
         removed = 0
+        deadline = self.clock.mono() + self.cfg.dormant_grace_s
         for sid in sorted(node.segment_ids):
             seg = self.segments.get(sid)
             if seg is not None and seg.alive:
-                removed += self._drop_segment(seg, pb.KV_EVENT_REASON_NODE_DEAD)
+                removed += self._drop_segment(seg, pb.KV_EVENT_REASON_NODE_DEAD, dormant=True)
+                self._dormant_deadline.setdefault(sid, deadline)
         del self.nodes[node.node_id]
         self.counters.node_deaths += 1
         self.counters.node_dead_objects += removed
         log.warning(
-            "node %s missed its heartbeats: declared dead; %d objects lost their last replica",
+            "node %s missed its heartbeats: declared dead; %d objects lost their last live "
+            "replica (dormant until it remounts)",
             node.node_id,
             removed,
         )

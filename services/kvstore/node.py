@@ -51,6 +51,9 @@ class KVNode:
         self.host_id = cfg.host_id or host_id()
         self.segments: list[SegmentMemory] = []
         self.servers: list[TransportServer] = []
+        # Segments whose memory holds what the master may remember (mounted before, or a
+        # file a killed previous run left intact).
+        self.kept: set[str] = set()
 
     def start(self) -> None:
         for i, size in enumerate(self.cfg.segment_bytes()):
@@ -58,6 +61,7 @@ class KVNode:
             seg = SegmentMemory.create(seg_id, shm_name(seg_id), size, prefault=self.cfg.prefault)
             if seg.reused:
                 log.warning("segment %s: kept the bytes a killed previous run left", seg_id)
+                self.kept.add(seg_id)
             self.segments.append(seg)
         for name in self.cfg.transports:
             server = _make_server(name, self.cfg)
@@ -127,8 +131,12 @@ async def _mount_all(node: KVNode, stub: kvstore_pb2_grpc.KVMasterServiceStub) -
     interval = 1000
     for seg in node.segments:
         resp = await stub.MountSegment(
-            kvstore_pb2.MountSegmentRequest(segment=node.segment_proto(seg)), timeout=RPC_TIMEOUT_S
+            kvstore_pb2.MountSegmentRequest(
+                segment=node.segment_proto(seg), keeps_bytes=seg.segment_id in node.kept
+            ),
+            timeout=RPC_TIMEOUT_S,
         )
+        node.kept.add(seg.segment_id)
         interval = resp.heartbeat_interval_ms or interval
     log.info("mounted %d segment(s) at %s", len(node.segments), node.cfg.master_address)
     return interval

@@ -3,7 +3,8 @@
 Why persist instead of only trusting node re-reports: a node re-reports what it holds, but only
 the master knows each object's soft pin and TTL deadline, and a node cannot tell a committed
 object from a put that was abandoned half-written. So the master keeps one row per committed
-object (key, size, pin, TTL deadline, replicas as segment id + node id + offset) and re-loads
+object (key, size, pin, TTL deadline, replicas as segment id + node id + offset,
+checksum) and re-loads
 them on start as *dormant* replicas, which become visible again when their segment (same stable
 segment id, same node) remounts. Nodes may still re-report ``held`` objects on mount; the master
 accepts both paths (see :mod:`pdserve.services.kvstore.master_state`).
@@ -21,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,8 @@ class StoredObject:
     # Unix milliseconds when the TTL ends; 0 = no TTL.
     ttl_deadline_ms: int
     replicas: tuple[StoredReplica, ...]
+    # The writer's checksum of the bytes (b"" = none).
+    checksum: bytes = b""
 
 
 class MetadataStore:
@@ -59,9 +62,14 @@ class MetadataStore:
         self._db.execute(
             "CREATE TABLE IF NOT EXISTS objects ("
             " key TEXT PRIMARY KEY, size INTEGER NOT NULL, soft_pin INTEGER NOT NULL,"
-            " ttl_deadline_ms INTEGER NOT NULL, replicas TEXT NOT NULL)"
+            " ttl_deadline_ms INTEGER NOT NULL, replicas TEXT NOT NULL,"
+            " checksum BLOB NOT NULL DEFAULT x'')"
         )
         row = self._db.execute("SELECT value FROM meta WHERE name='schema'").fetchone()
+        if row is not None and int(row[0]) == 1:  # version 1 had no checksums
+            self._db.execute("ALTER TABLE objects ADD COLUMN checksum BLOB NOT NULL DEFAULT x''")
+            self._db.execute("UPDATE meta SET value=? WHERE name='schema'", (str(SCHEMA_VERSION),))
+            row = (str(SCHEMA_VERSION),)
         if row is None:
             self._db.execute(
                 "INSERT INTO meta (name, value) VALUES ('schema', ?)", (str(SCHEMA_VERSION),)
@@ -73,11 +81,11 @@ class MetadataStore:
 
     def load(self) -> list[StoredObject]:
         out = []
-        for key, size, pin, ttl, reps in self._db.execute(
-            "SELECT key, size, soft_pin, ttl_deadline_ms, replicas FROM objects"
+        for key, size, pin, ttl, reps, checksum in self._db.execute(
+            "SELECT key, size, soft_pin, ttl_deadline_ms, replicas, checksum FROM objects"
         ):
             replicas = tuple(StoredReplica(str(s), str(n), int(o)) for s, n, o in json.loads(reps))
-            out.append(StoredObject(key, int(size), bool(pin), int(ttl), replicas))
+            out.append(StoredObject(key, int(size), bool(pin), int(ttl), replicas, bytes(checksum)))
         return out
 
     def apply(self, upserts: Iterable[StoredObject], deletes: Iterable[str]) -> None:
@@ -89,6 +97,7 @@ class MetadataStore:
                 int(o.soft_pin),
                 o.ttl_deadline_ms,
                 json.dumps([[r.segment_id, r.node_id, r.offset] for r in o.replicas]),
+                o.checksum,
             )
             for o in upserts
         ]
@@ -101,8 +110,9 @@ class MetadataStore:
                 self._db.executemany("DELETE FROM objects WHERE key=?", dels)
             if up:
                 self._db.executemany(
-                    "INSERT OR REPLACE INTO objects (key, size, soft_pin, ttl_deadline_ms, replicas)"
-                    " VALUES (?, ?, ?, ?, ?)",
+                    "INSERT OR REPLACE INTO objects"
+                    " (key, size, soft_pin, ttl_deadline_ms, replicas, checksum)"
+                    " VALUES (?, ?, ?, ?, ?, ?)",
                     up,
                 )
             self._db.execute("COMMIT")

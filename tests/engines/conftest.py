@@ -55,7 +55,7 @@ class MemoryStore:
     def put_chunk(
         self, key: str, kv: torch.Tensor, fingerprint: bytes, options: object = None
     ) -> bool:
-        return self.put(key, kvformat.encode(kv, fingerprint), options)
+        return self.put(key, kvformat.encode(kv, fingerprint, key), options)
 
     def batch_get_chunks(
         self, keys: Sequence[str], fingerprint: bytes
@@ -69,7 +69,7 @@ class MemoryStore:
                 out.append(None)
                 continue
             try:
-                out.append(kvformat.decode(bytearray(data), fingerprint)[1])
+                out.append(kvformat.decode(bytearray(data), fingerprint, key=k)[1])
             except kvformat.ChunkFormatError:
                 self.corrupt_reads += 1
                 out.append(None)

@@ -44,7 +44,7 @@ def test_batched_scatter_matches_per_block(in_arena: bool) -> None:
     block_ids = [3, 9, 1, 14, 7, 2, 11, 5, 8, 4]
     fast = _connector(_caches())
     if in_arena:  # laid out as StoreClient.batch_get_chunks reads them: back to back
-        blobs = [kvformat.encode(kv, fp) for kv in kvs]
+        blobs = [kvformat.encode(kv, fp, f"k{i}") for i, kv in enumerate(kvs)]
         fast._arena = bytearray(b"".join(blobs))
         fast._arena_tensor = torch.frombuffer(fast._arena, dtype=torch.uint8)
         view, got, off = memoryview(fast._arena), [], 0

@@ -134,3 +134,24 @@ def test_property_never_overlaps_and_coalesces(size: int, ops: list) -> None:
     # Everything freed: one single free range again.
     assert a.free_ranges() == ([(0, a.capacity)] if a.capacity else [])
     assert a.used == 0
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 63), st.integers(1, 300)), max_size=40))
+def test_reserve_many_matches_reserving_one_by_one(ranges) -> None:
+    """One pass over the free list leaves the allocator as sequential reserves (in offset
+    order) do, and refuses the same ranges."""
+    ranges = [(slot * ALIGNMENT, size) for slot, size in ranges]
+    batch, single = OffsetAllocator(64 * ALIGNMENT), OffsetAllocator(64 * ALIGNMENT)
+    batch.allocate(100)
+    single.allocate(100)
+    problems = batch.reserve_many(ranges)
+    expected = [""] * len(ranges)
+    for i in sorted(range(len(ranges)), key=lambda i: ranges[i][0]):
+        try:
+            single.reserve(*ranges[i])
+        except AllocatorError:
+            expected[i] = "refused"
+    assert [bool(p) for p in problems] == [bool(e) for e in expected]
+    assert batch.free_ranges() == single.free_ranges()
+    assert batch.allocated_ranges() == single.allocated_ranges()

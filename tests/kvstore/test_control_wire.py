@@ -26,7 +26,7 @@ def _mount(handlers: MasterHandlers, tcp_address: str) -> None:
     """(Re)mounts segment s0 of node n0 with one tcp endpoint."""
     endpoint = pb.Endpoint(transport=pb.TRANSPORT_TCP, address=tcp_address)
     segment = pb.Segment(segment_id="s0", node_id="n0", size=1 << 20, endpoints=[endpoint])
-    handlers.MountSegment(pb.MountSegmentRequest(segment=segment))
+    handlers.MountSegment(pb.MountSegmentRequest(segment=segment, keeps_bytes=True))
 
 
 @pytest.fixture

@@ -38,7 +38,8 @@ class FakeNode:
         for sid, size in self.segments.items():
             self.stub.MountSegment(
                 pb.MountSegmentRequest(
-                    segment=pb.Segment(segment_id=sid, node_id=self.node_id, size=size)
+                    segment=pb.Segment(segment_id=sid, node_id=self.node_id, size=size),
+                    keeps_bytes=True,
                 ),
                 timeout=5,
             )
@@ -162,7 +163,7 @@ def test_bad_input_statuses_and_messages(master) -> None:
             "no items",
         )
         # The same node remounting the same segment is idempotent.
-        stub.MountSegment(pb.MountSegmentRequest(segment=seg), timeout=5)
+        stub.MountSegment(pb.MountSegmentRequest(segment=seg, keeps_bytes=True), timeout=5)
         # Per-item problems are KVErrorCodes with messages.
         res = put(stub, ["", "x" * 33], size=KB) + put(stub, ["zero"], size=0)
         res += put(stub, ["huge"], size=64 * KB + 1)

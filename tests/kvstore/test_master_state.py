@@ -395,3 +395,96 @@ def test_small_objects_are_kept_inline_within_the_cap(make_state) -> None:
     # A revoked or timed-out put never counts.
     s.put_revoke("c", ["ok"])
     assert s.inline_bytes == 0
+
+
+def _silence(s: MasterState, clock, seconds: float, step: float = 0.1) -> None:
+    """Time passes with the master running (ticking) and no node heartbeating."""
+    for _ in range(round(seconds / step)):
+        clock.advance(step)
+        s.tick()
+
+
+def test_a_stalled_master_does_not_declare_nodes_dead(make_state, clock) -> None:
+    """A master that did not run for 3 s (SIGSTOP) heard no heartbeats: that is its own
+    stall, not the node's death."""
+    s = make_state(heartbeat_interval_ms=500, heartbeat_miss_limit=3)
+    mount(s, "s1", "n1")
+    assert put(s, "a") == pb.KV_OK
+    clock.advance(3.0)  # stopped: no tick ran
+    s.tick()
+    assert s.stats().alive_nodes == 1 and s.exists(["a"]) == [True]
+    assert s.counters.stalls == 1
+    # A node that really stays silent while the master runs is still declared dead.
+    _silence(s, clock, 2.0)
+    assert s.stats().alive_nodes == 0
+
+
+def test_a_dead_nodes_objects_revive_when_it_remounts_with_its_bytes(make_state, clock, events):
+    s = make_state(heartbeat_interval_ms=500, heartbeat_miss_limit=3)
+    mount(s, "s1", "n1")
+    for k in ("a", "b"):
+        assert put(s, k) == pb.KV_OK
+    before = {g.key: g.replicas[0].offset for g in s.get_replicas("c", ["a", "b"])}
+    _silence(s, clock, 2.0)
+    assert s.exists(["a", "b"]) == [False, False]  # invisible while the node is presumed dead
+    assert (pb.KV_EVENT_REMOVED, "a", KB, pb.KV_EVENT_REASON_NODE_DEAD) in events.events
+    assert s.heartbeat("n1", ["s1"]) is True  # it was only paused: remount
+    assert mount(s, "s1", "n1") == 2
+    got = s.get_replicas("c", ["a", "b"])
+    assert {g.key: g.replicas[0].offset for g in got} == before
+    assert events.events[-1][0] == pb.KV_EVENT_STORED
+    (r,) = s.put_start("c", [("new", KB)])  # the revived ranges are allocated again
+    assert r.replicas[0].offset not in before.values()
+
+
+def test_a_segment_with_new_memory_forgets_its_dormant_objects(make_state, clock) -> None:
+    s = make_state(heartbeat_interval_ms=500, heartbeat_miss_limit=3)
+    mount(s, "s1", "n1")
+    assert put(s, "a") == pb.KV_OK
+    _silence(s, clock, 2.0)
+    assert s.mount("s1", "n1", 64 * KB, [], keeps_bytes=False) == 0
+    assert s.exists(["a"]) == [False] and not s.dormant
+    # The same holds for a live segment whose node restarted with zeroed memory.
+    assert put(s, "b") == pb.KV_OK
+    assert s.mount("s1", "n1", 64 * KB, [], keeps_bytes=False) == 0
+    assert s.exists(["b"]) == [False]
+
+
+def test_a_dead_segment_is_dropped_after_its_grace(make_state, clock, tmp_path) -> None:
+    s = make_state(
+        store=MetadataStore(tmp_path),
+        heartbeat_interval_ms=500,
+        heartbeat_miss_limit=3,
+        dormant_grace_s=10,
+    )
+    mount(s, "s1", "n1")
+    mount(s, "s2", "n2")
+    assert put(s, "a", placement=pb.PLACEMENT_FREE_RATIO_FIRST) == pb.KV_OK
+    (g,) = s.get_replicas("c", ["a"])
+    dead_seg, dead_node = g.replicas[0].segment_id, g.replicas[0].node_id
+    alive = "n2" if dead_node == "n1" else "n1"
+    for _ in range(20):  # only the other node heartbeats
+        clock.advance(0.1)
+        s.heartbeat(alive, ["s2" if alive == "n2" else "s1"])
+        s.tick()
+    assert s.exists(["a"]) == [False] and "a" in s.dormant
+    # While dormant, the object's persisted row survives a master restart too.
+    assert [o.key for o in MetadataStore(tmp_path).load()] == ["a"]
+    for _ in range(100):
+        clock.advance(0.1)
+        s.heartbeat(alive, ["s2" if alive == "n2" else "s1"])
+        s.tick()
+    assert dead_seg not in {x.segment_id for x in s.stats().segments}
+    assert not s.dormant and MetadataStore(tmp_path).load() == []
+    assert mount(s, dead_seg, dead_node) == 0
+
+
+def test_a_large_held_list_is_restored_whole(make_state) -> None:
+    """Re-reported objects are reserved in one pass (the old per-object reservation was
+    quadratic: one mount of many objects stalled the master for seconds)."""
+    n = 50_000
+    s = make_state(max_held_objects=n)
+    held = [(f"h{i}", i * 128, 100) for i in range(n)]
+    assert mount(s, "s1", "n1", size=n * 128, held=held) == n
+    assert s.stats().objects == n
+    assert s.segments["s1"].allocator.used == n * 128  # every range is taken

@@ -135,7 +135,7 @@ def test_corrupt_chunk_is_detected_and_recomputed(stack, workers, hf_greedy) -> 
     fp = model_fingerprint(stack.model_dir, "tiny", "float32", CS)
     keys = hashing.chunk_keys(fp, toks)
     # a well-formed chunk of the right shape whose payload bytes are then flipped
-    good = kvformat.encode(torch.ones(2, 2, 2, CS, 32), fp.digest())
+    good = kvformat.encode(torch.ones(2, 2, 2, CS, 32), fp.digest(), keys[1])
     bad = bytearray(good)
     bad[-10] ^= 0xFF
     with StoreClient(stack.store_address) as sc:
