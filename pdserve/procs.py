@@ -171,11 +171,14 @@ def service_args(service: str, *extra: str, **flags: object) -> list[str]:
 
 
 def start_master(log_dir: Path, *extra: str, name: str = "", **flags: object) -> ServiceProcess:
-    """A ``pdserve kvstore master`` on a free port without /metrics (unless ``flags`` say
-    otherwise), READY."""
+    """A ``pdserve kvstore master`` on a free port without /metrics, its state dir in
+    ``log_dir`` (unless ``flags`` say otherwise), READY."""
+    name = name or f"kv-master-{uuid.uuid4().hex[:6]}"
     flags = {"port": 0, "metrics_port": -1, **flags}
+    if "--state-dir" not in extra:
+        flags.setdefault("state_dir", log_dir / f"{name}-state")
     return start_service(
-        name or f"kv-master-{uuid.uuid4().hex[:6]}",
+        name,
         service_args("kvstore-master", *extra, **flags),
         log_dir,
         timeout=60,

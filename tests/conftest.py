@@ -52,9 +52,9 @@ def hf_greedy(tiny_model_dir: Path):
 class StoreCluster:
     """A KV store master plus storage nodes (:mod:`pdserve.procs`); ``close`` stops all."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, **master_flags: object) -> None:
         self.log_dir = log_dir
-        self.master = procs.start_master(log_dir)
+        self.master = procs.start_master(log_dir, **master_flags)
         self.nodes: list[procs.ServiceProcess] = []
 
     @property
@@ -76,11 +76,12 @@ class StoreCluster:
 
 @pytest.fixture
 def cluster_factory(tmp_path: Path) -> Iterator[Callable[[], StoreCluster]]:
-    """``cluster_factory()``: a fresh master (add nodes with ``add_node``), stopped after."""
+    """``cluster_factory(**master_flags)``: a fresh master (add nodes with ``add_node``),
+    stopped after."""
     made: list[StoreCluster] = []
 
-    def make() -> StoreCluster:
-        c = StoreCluster(tmp_path / f"logs{len(made)}")
+    def make(**master_flags: object) -> StoreCluster:
+        c = StoreCluster(tmp_path / f"logs{len(made)}", **master_flags)
         made.append(c)
         return c
 

@@ -29,7 +29,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Runs the KV store master: segments, objects, replicas, read leases, soft pins, "
             "TTLs, LRU eviction between watermarks, dead-node detection and an event stream. "
-            "With --state-dir, committed-object metadata survives a restart (SQLite)."
+            "Committed-object metadata is kept in SQLite under --state-dir (default "
+            "~/.local/state/pdserve/kvstore-master), so a restarted master serves every object "
+            "again once its node remounts; a node that misses its heartbeats has its objects "
+            "hidden, not deleted, until it remounts or dormant_grace_s passes."
         ),
     )
     add_service_command(

@@ -136,12 +136,16 @@ async def serve(cfg: MasterConfig, stop: asyncio.Event) -> None:
     )
     announce_ready("kvstore-master", grpc=address, metrics=metrics_port, wire=handlers.wire_port)
 
+    def tick() -> None:
+        with handlers.lock:
+            state.tick()
+
     async def housekeeping() -> None:
+        # Off the event loop, like every call: the pass may commit to SQLite.
         while True:
             await asyncio.sleep(cfg.tick_interval_ms / 1000)
             try:
-                with handlers.lock:
-                    state.tick()
+                await asyncio.to_thread(tick)
             except Exception:  # keep the master up; the next tick retries
                 log.exception("housekeeping pass failed")
 

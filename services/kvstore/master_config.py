@@ -19,9 +19,10 @@ class MasterConfig:
         "GetControlWire (0 = any free port, -1 = off: clients use gRPC)",
     )
     state_dir: str = help_field(
-        "",
-        "directory for the committed-object metadata (SQLite); empty = in memory only, "
-        "a restart then forgets every object (nodes keep the bytes but do not re-report them)",
+        "~/.local/state/pdserve/kvstore-master",
+        "directory for the committed-object metadata (SQLite), so a restarted master finds "
+        "every object again when the nodes remount; one master per directory (locked). "
+        "Empty = in memory only: a restart then forgets every object",
     )
     log_level: str = help_field("info", "log level")
     meta: str = help_field("", "meta service address host:port to register with (empty = none)")

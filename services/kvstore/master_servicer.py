@@ -9,6 +9,7 @@ KVErrorCode values in the results.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -156,61 +157,67 @@ class MasterHandlers:
 
 
 class KVMasterServicer(kvstore_pb2_grpc.KVMasterServiceServicer):
+    """Each call runs on a worker thread, so the event loop never waits for the state lock
+    or a SQLite commit (a slow disk stalls callers, not heartbeats or the event stream)."""
+
     def __init__(self, handlers: MasterHandlers, hub: EventHub) -> None:
         self.h = handlers
         self.hub = hub
 
+    async def _call(self, method: str, request: Any) -> Any:
+        return await asyncio.to_thread(self.h.call, method, request)
+
     @rpc
     async def MountSegment(self, request, context):
-        return self.h.call("MountSegment", request)
+        return await self._call("MountSegment", request)
 
     @rpc
     async def UnmountSegment(self, request, context):
-        return self.h.call("UnmountSegment", request)
+        return await self._call("UnmountSegment", request)
 
     @rpc
     async def Heartbeat(self, request, context):
-        return self.h.call("Heartbeat", request)
+        return await self._call("Heartbeat", request)
 
     @rpc
     async def BatchPutStart(self, request, context):
-        return self.h.call("BatchPutStart", request)
+        return await self._call("BatchPutStart", request)
 
     @rpc
     async def BatchPutEnd(self, request, context):
-        return self.h.call("BatchPutEnd", request)
+        return await self._call("BatchPutEnd", request)
 
     @rpc
     async def BatchPutRevoke(self, request, context):
-        return self.h.call("BatchPutRevoke", request)
+        return await self._call("BatchPutRevoke", request)
 
     @rpc
     async def BatchGetReplicaList(self, request, context):
-        return self.h.call("BatchGetReplicaList", request)
+        return await self._call("BatchGetReplicaList", request)
 
     @rpc
     async def BatchReleaseLease(self, request, context):
-        return self.h.call("BatchReleaseLease", request)
+        return await self._call("BatchReleaseLease", request)
 
     @rpc
     async def BatchExists(self, request, context):
-        return self.h.call("BatchExists", request)
+        return await self._call("BatchExists", request)
 
     @rpc
     async def LongestPrefix(self, request, context):
-        return self.h.call("LongestPrefix", request)
+        return await self._call("LongestPrefix", request)
 
     @rpc
     async def BatchRemove(self, request, context):
-        return self.h.call("BatchRemove", request)
+        return await self._call("BatchRemove", request)
 
     @rpc
     async def Stats(self, request, context):
-        return self.h.call("Stats", request)
+        return await self._call("Stats", request)
 
     @rpc
     async def GetControlWire(self, request, context):
-        return self.h.call("GetControlWire", request)
+        return await self._call("GetControlWire", request)
 
     @rpc
     async def WatchEvents(

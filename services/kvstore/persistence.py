@@ -16,13 +16,21 @@ stored; no pickle.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import sqlite3
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve import errors
+
 SCHEMA_VERSION = 2
+
+
+class StateDirInUse(errors.FailedPrecondition):
+    """Another live master holds the state directory."""
 
 
 @dataclass(frozen=True)
@@ -48,9 +56,19 @@ class MetadataStore:
     """The SQLite file ``<state_dir>/kvstore-master.sqlite3``. Single-threaded use only."""
 
     def __init__(self, state_dir: str | Path) -> None:
-        path = Path(state_dir)
+        path = Path(state_dir).expanduser()
         path.mkdir(parents=True, exist_ok=True)
         self.path = path / "kvstore-master.sqlite3"
+        # One master per directory: two writing the same rows would corrupt each other.
+        self._lock_fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise StateDirInUse(
+                f"state dir {path} is in use by another running kvstore master; give this one "
+                "its own --state-dir (or --state-dir '' to keep metadata in memory only)"
+            ) from None
         self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         # NORMAL in WAL mode: a commit survives a process crash (SIGKILL); only an OS crash
@@ -122,3 +140,4 @@ class MetadataStore:
 
     def close(self) -> None:
         self._db.close()
+        os.close(self._lock_fd)
