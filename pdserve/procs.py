@@ -77,14 +77,16 @@ def spawn_service(
     *,
     env: dict[str, str] | None = None,
     prefix: Sequence[str] = (),
+    append: bool = False,
 ) -> ServiceProcess:
     """Starts ``pdserve <args>`` in its own process group without waiting for it; stderr goes
-    to ``log_dir/<name>.log``. ``prefix`` runs it through a wrapper that execs it (e.g.
-    ``ip netns exec NS``), so the pid stays the service's. Call :func:`wait_ready` next."""
+    to ``log_dir/<name>.log`` (``append``: after what an earlier run wrote). ``prefix`` runs it
+    through a wrapper that execs it (e.g. ``ip netns exec NS``), so the pid stays the
+    service's. Call :func:`wait_ready` next."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    with log_path.open("w") as log:
+    with log_path.open("a" if append else "w") as log:
         popen = subprocess.Popen(
             [*prefix, sys.executable, "-m", "pdserve.cli", *args],
             stdout=subprocess.PIPE,

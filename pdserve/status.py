@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
+from pathlib import Path
 
 import grpc
 
@@ -103,15 +105,41 @@ def render(report: dict) -> str:
         )
     else:
         lines.append("KV store: no master registered")
+    up = report.get("supervised")
+    if up:
+        lines.append(
+            f"pdserve up (pid {up['up_pid']}) supervises {len(up['services'])} service(s):"
+        )
+        fmt = "  {:<22} {:>8} {:<11} {:>8}  {}"
+        lines.append(fmt.format("SERVICE", "PID", "STATE", "RESTARTS", "LAST EXIT"))
+        for r in up["services"]:
+            last = "-" if r["last_exit"] is None else str(r["last_exit"])
+            lines.append(fmt.format(r["name"], r["pid"], r["state"], r["restarts"], last))
     return "\n".join(lines)
 
 
+def supervised(run_dir: str) -> dict | None:
+    """What a running ``pdserve up`` wrote about its services (None when none runs there)."""
+    from pdserve.up import SERVICES_FILE
+
+    try:
+        data = json.loads((Path(run_dir) / SERVICES_FILE).read_text())
+        os.kill(int(data["up_pid"]), 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return data
+
+
 def run(args: argparse.Namespace) -> int:
+    up = supervised(args.run_dir)
     try:
         report = asyncio.run(collect(args.meta, args.store_master, args.timeout))
     except grpc.aio.AioRpcError as exc:
         print(f"pdserve status: cannot reach {args.meta}: {exc.details()}", file=sys.stderr)
+        if up:
+            print(render({"meta": args.meta, "instances": [], "store": None, "supervised": up}))
         return 1
+    report["supervised"] = up
     print(json.dumps(report, indent=2) if args.json else render(report))
     return 0 if all(r["healthy"] for r in report["instances"]) else 1
 
@@ -139,7 +167,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Lists every instance registered with meta (role, address, health, queue, running "
             "requests, KV usage) and the KV store's fill level. Exit code 1 when any "
-            "registered instance is unhealthy."
+            "registered instance is unhealthy. With a `pdserve up` running from --run-dir, also "
+            "each service it supervises: pid, state, restarts and last exit code."
         ),
     )
     p.add_argument(
@@ -151,5 +180,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="KV store master address (default: the one registered with meta)",
     )
     p.add_argument("--timeout", type=float, default=3.0, help="per-call timeout in seconds")
+    p.add_argument(
+        "--run-dir",
+        default=".pdserve/run",
+        help="run dir of a `pdserve up` whose supervision (restarts, last exits) to show too "
+        "(default: %(default)s)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run)

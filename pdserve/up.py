@@ -2,9 +2,12 @@
 
 Starts, in order, meta (memory backend, or etcd), the KV store master, the storage nodes, the
 prefill and decode workers (in parallel) and the router; waits until each is healthy; prints
-the endpoints and a ready-to-paste example; streams each service's log to its own file; and on
-Ctrl-C / SIGTERM stops everything in reverse order, leaving no process or shared-memory segment
-behind. ``--config cluster.yaml`` scales it: its ``up`` section holds the fields below, and the
+the endpoints and a ready-to-paste example; streams each service's log to its own file. It
+then supervises: a service that dies is logged and restarted with backoff (1 s doubling to
+30 s, reset once it has run for a minute) while the rest keeps serving, and
+``<run_dir>/services.json`` (shown by ``pdserve status``) says what runs, its restarts and
+last exit. On Ctrl-C / SIGTERM it stops everything in reverse order, leaving no process or
+shared-memory segment behind. ``--config cluster.yaml`` scales it: its ``up`` section holds the fields below, and the
 same file is handed to every service, so its ``meta``, ``kvstore_master``, ``kvstore_node``,
 ``prefill``, ``decode`` and ``router`` sections tune each one.
 """
@@ -14,9 +17,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import json
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,6 +92,29 @@ class UpConfig:
             self.decode_workers = min(cores, 8) if self.prefill_workers == 0 else 1
 
 
+#: Seconds before the n-th restart in a row of a service (the last value repeats).
+RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+#: A service that ran this long (seconds) starts its backoff over.
+STABLE_S = 60.0
+#: What ``up`` writes for ``pdserve status``, in the run dir.
+SERVICES_FILE = "services.json"
+
+
+@dataclass
+class Supervised:
+    """One service's supervision record."""
+
+    args: list[str]
+    started: float = field(default_factory=time.monotonic)
+    restarts: int = 0
+    in_a_row: int = 0
+    last_exit: int | None = None
+    #: "running", "restarting" (waiting out its backoff) or "starting" (not ready yet).
+    state: str = "running"
+    #: monotonic time of the next start while restarting.
+    next_start: float = 0.0
+
+
 @dataclass
 class Cluster:
     """The services of one ``pdserve up``, in start order."""
@@ -94,6 +122,8 @@ class Cluster:
     cfg: UpConfig
     config_path: str | None
     procs: list = field(default_factory=list)
+    supervised: dict[str, Supervised] = field(default_factory=dict)
+    stopping: bool = False
 
     @property
     def log_dir(self) -> Path:
@@ -106,9 +136,11 @@ class Cluster:
         from pdserve import grpcutil
         from pdserve.procs import spawn_service, wait_ready
 
-        started = [
-            spawn_service(name, [*args, *self._common()], self.log_dir) for name, args in specs
-        ]
+        started = []
+        for name, args in specs:
+            full = [*args, *self._common()]
+            started.append(spawn_service(name, full, self.log_dir))
+            self.supervised[name] = Supervised(full)
         self.procs.extend(started)
         for proc in started:
             _progress(f"waiting for {proc.name} (log: {proc.log_path})")
@@ -214,6 +246,11 @@ class Cluster:
                 time.sleep(0.2)
 
     def stop(self) -> None:
+        self.stopping = True
+        for t in threading.enumerate():
+            if t.name.startswith("restart-"):
+                t.join()  # a restart in flight: its process is in self.procs once it returns
+        (Path(self.cfg.run_dir) / SERVICES_FILE).unlink(missing_ok=True)
         for proc in reversed(self.procs):
             if proc.alive():
                 _progress(f"stopping {proc.name} (pid {proc.pid})")
@@ -223,7 +260,7 @@ class Cluster:
         self.procs.clear()
 
     def wait(self) -> str:
-        """Blocks until a service dies or a signal arrives; returns why."""
+        """Supervises until a signal arrives (returns its name): restarts what dies."""
         stopping: list[str] = []
 
         def on_signal(signum: int, _frame: object) -> None:
@@ -231,14 +268,80 @@ class Cluster:
 
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
+        self.write_status()
         while not stopping:
-            for proc in self.procs:
-                if not proc.alive():
-                    return (
-                        f"{proc.name} exited with code {proc.popen.returncode}:\n{proc.log_tail()}"
-                    )
+            if self.supervise_once():
+                self.write_status()
             time.sleep(0.5)
         return f"received {stopping[0]}"
+
+    def supervise_once(self) -> bool:
+        """One supervision pass; True when some service changed state."""
+        now = time.monotonic()
+        changed = False
+        for i, proc in enumerate(self.procs):
+            sup = self.supervised[proc.name]
+            if sup.state == "starting":
+                continue  # a restart thread owns it
+            if sup.state == "running":
+                if proc.alive():
+                    if sup.in_a_row and now - sup.started > STABLE_S:
+                        sup.in_a_row = 0
+                    continue
+                sup.last_exit = proc.popen.returncode
+                delay = RESTART_BACKOFF_S[min(sup.in_a_row, len(RESTART_BACKOFF_S) - 1)]
+                sup.state, sup.next_start = "restarting", now + delay
+                _progress(
+                    f"{proc.name} exited with code {sup.last_exit}; restarting it in {delay:.0f}s "
+                    f"(restart {sup.restarts + 1}); the rest keeps serving. Log tail:\n"
+                    f"{proc.log_tail(10)}"
+                )
+                changed = True
+            elif now >= sup.next_start:
+                sup.state = "starting"
+                threading.Thread(
+                    target=self._restart, args=(i, proc.name), name=f"restart-{proc.name}"
+                ).start()
+                changed = True
+        return changed
+
+    def _restart(self, index: int, name: str) -> None:
+        from pdserve.procs import ProcessStartError, spawn_service, wait_ready
+
+        sup = self.supervised[name]
+        if self.stopping:
+            return
+        proc = spawn_service(name, sup.args, self.log_dir, append=True)
+        self.procs[index] = proc
+        sup.restarts += 1
+        sup.in_a_row += 1
+        sup.started = time.monotonic()
+        try:
+            wait_ready(proc, self.cfg.ready_timeout_s)
+        except ProcessStartError as exc:
+            _progress(f"{name} did not come back: {exc}")
+            sup.state = "running"  # dead: the next pass schedules another try
+            return
+        _progress(f"{name} restarted (pid {proc.pid}): {_endpoints(proc.info)}")
+        sup.state = "running"
+        self.write_status()
+
+    def write_status(self) -> None:
+        """``<run_dir>/services.json``: each service's pid, state, restarts and last exit."""
+        rows = [
+            {
+                "name": p.name,
+                "pid": p.pid,
+                "state": self.supervised[p.name].state,
+                "restarts": self.supervised[p.name].restarts,
+                "last_exit": self.supervised[p.name].last_exit,
+            }
+            for p in list(self.procs)
+        ]
+        path = Path(self.cfg.run_dir) / SERVICES_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"up_pid": os.getpid(), "services": rows}, indent=2))
+        tmp.replace(path)
 
 
 def _endpoints(info: dict) -> str:
