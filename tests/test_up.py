@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -32,7 +34,8 @@ def _children(pid: int) -> set[int]:
     return {int(x) for x in out.stdout.split()}
 
 
-def test_up_serves_the_printed_examples_and_stops_cleanly(tmp_path: Path):
+def _up(tmp_path: Path) -> tuple[subprocess.Popen, str, dict[str, int], Path]:
+    """A `pdserve up` (torch engine, tiny model) on free ports, once its banner is out."""
     meta, meta_http, master, router, http = _free_ports(5)
     run_dir = tmp_path / "run"
     cmd = [
@@ -42,14 +45,21 @@ def test_up_serves_the_printed_examples_and_stops_cleanly(tmp_path: Path):
         "--segment-size", "64MiB", "--run-dir", str(run_dir),
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    banner = ""
+    deadline = time.monotonic() + 300
+    while "Ctrl-C stops everything" not in banner:
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            raise AssertionError(f"pdserve up did not come up: {proc.stderr.read()}")
+        banner += proc.stdout.readline()
+    ports = {"meta": meta, "master": master, "http": http}
+    return proc, banner, ports, run_dir
+
+
+def test_up_serves_the_printed_examples_and_stops_cleanly(tmp_path: Path):
+    proc, banner, ports, run_dir = _up(tmp_path)
+    meta, master = ports["meta"], ports["master"]
     try:
-        banner = ""
-        deadline = time.monotonic() + 300
-        while "Ctrl-C stops everything" not in banner:
-            assert time.monotonic() < deadline, "pdserve up did not come up"
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, f"pdserve up exited: {proc.stderr.read()}"
-            banner += line
         children = _children(proc.pid)
         # meta, master, node, router and the default topology: one worker per core (at most
         # 8), each prefilling and decoding
@@ -88,3 +98,63 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
     except OSError:
         return True
+
+
+def _complete(http: int, prompt: str) -> dict:
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{http}/v1/completions",
+        data=body.encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return json.loads(resp.read())
+
+
+def _services(run_dir: Path) -> dict[str, dict]:
+    data = json.loads((run_dir / "services.json").read_text())
+    return {r["name"]: r for r in data["services"]}
+
+
+def test_up_restarts_a_killed_service_while_the_rest_keeps_serving(tmp_path: Path):
+    """SIGKILL of the storage node, the store master, meta and a worker, one at a time:
+    every request meanwhile completes, `up` restarts each (shown in services.json and
+    `pdserve status`), and the store keeps its objects across the node's and the master's
+    restart."""
+    proc, _banner, ports, run_dir = _up(tmp_path)
+    http = ports["http"]
+    prompts = [f"shared prefix number {i % 2} " * 6 for i in range(4)]
+    try:
+        want = [_complete(http, p)["choices"][0]["text"] for p in prompts]
+        for victim in ("kvstore-node-0", "kvstore-master", "meta", "decode-0"):
+            before = _services(run_dir)[victim]
+            os.kill(before["pid"], signal.SIGKILL)
+            # Served while it is down and while it comes back, token for token.
+            assert [_complete(http, p)["choices"][0]["text"] for p in prompts] == want
+            deadline = time.monotonic() + 120
+            while True:
+                now = _services(run_dir)[victim]
+                if now["restarts"] == 1 and now["state"] == "running":
+                    break
+                assert time.monotonic() < deadline, f"{victim} was not restarted: {now}"
+                time.sleep(0.5)
+            assert now["last_exit"] == -signal.SIGKILL and now["pid"] != before["pid"]
+            assert [_complete(http, p)["choices"][0]["text"] for p in prompts] == want
+        status = subprocess.run(
+            [sys.executable, "-m", "pdserve.cli", "status", "--meta", f"127.0.0.1:{ports['meta']}",
+             "--run-dir", str(run_dir)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert "kvstore-master" in status.stdout and "-9" in status.stdout, status.stdout
+        # The prompts' chunks survived both store restarts: they are still read from it.
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics", timeout=10).read()
+        hits = re.search(rb'pdserve_router_prompt_tokens_total\{source="store"\} (\S+)', metrics)
+        before_last = float(hits.group(1))
+        _complete(http, prompts[0])
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics", timeout=10).read()
+        hits = re.search(rb'pdserve_router_prompt_tokens_total\{source="store"\} (\S+)', metrics)
+        assert float(hits.group(1)) > before_last
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+    assert not (run_dir / "services.json").exists()
