@@ -78,11 +78,13 @@ class Frontend:
                 param="prompt",
             )
         if req.prompt:
+            rq.check_text_size(len(req.prompt), limits, "prompt")
             ids = rq.check_token_ids(self.tokenizer.encode(req.prompt), limits, "prompt")
         elif req.prompt_token_ids:
             ids = rq.check_token_ids(list(req.prompt_token_ids), limits, "prompt_token_ids")
         else:
             msgs = rq.check_messages([{"role": m.role, "content": m.content} for m in req.messages])
+            rq.check_text_size(sum(len(m["content"]) for m in msgs), limits, "messages")
             ids = self.tokenizer.apply_chat_template(msgs)
         s = req.sampling
         sampling = rq.make_sampling(
@@ -122,7 +124,9 @@ class Frontend:
                 raise InvalidArgument(
                     "messages must be a list of {role, content} objects", param="messages"
                 )
-            ids = self.tokenizer.apply_chat_template(rq.check_messages(msgs))
+            msgs = rq.check_messages(msgs)
+            rq.check_text_size(sum(len(m["content"]) for m in msgs), limits, "messages")
+            ids = self.tokenizer.apply_chat_template(msgs)
         else:
             ids = self._openai_prompt(body.get("prompt"), limits)
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -155,6 +159,7 @@ class Frontend:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidArgument("prompt must not be empty", param="prompt")
+            rq.check_text_size(len(prompt), limits, "prompt")
             return rq.check_token_ids(self.tokenizer.encode(prompt), limits, "prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return rq.check_token_ids(prompt, limits, "prompt")

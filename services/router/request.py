@@ -102,6 +102,22 @@ def check_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
     return out
 
 
+#: Characters one token can stand for at most, for the size check before tokenizing.
+MAX_CHARS_PER_TOKEN = 64
+
+
+def check_text_size(chars: int, limits: Limits, field: str) -> None:
+    """Refuses, before tokenizing it, text too long to fit the context whatever its tokens:
+    tokenizing megabytes would hold a worker thread for seconds only to be refused."""
+    cap = limits.max_model_len * MAX_CHARS_PER_TOKEN
+    if chars > cap:
+        raise InvalidArgument(
+            f"{field} has {chars} characters; no more than {cap} can fit the model's "
+            f"{limits.max_model_len}-token context",
+            param=field,
+        )
+
+
 def check_token_ids(ids: Sequence[int], limits: Limits, field: str) -> list[int]:
     if not ids:
         raise InvalidArgument(f"{field} must not be empty", param=field)

@@ -127,6 +127,16 @@ def test_http_bad_input_is_400_with_openai_error_json(tiny_model_dir):
             async with http.post("/v1/completions", data=lone) as resp:
                 assert resp.status == 400
                 assert "lone surrogate" in (await resp.json())["error"]["message"]
+            # Text that cannot fit the context is refused before it is tokenized.
+            cap = r.frontend.current_limits().max_model_len * 64
+            for body in (
+                {"model": "tiny", "prompt": "a" * (cap + 1)},
+                {"model": "tiny", "messages": [{"role": "user", "content": "a" * (cap + 1)}]},
+            ):
+                path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+                async with http.post(path, json=body) as resp:
+                    assert resp.status == 400
+                    assert "characters" in (await resp.json())["error"]["message"]
             async with http.get("/v1/nothing") as resp:
                 assert resp.status == 404 and "error" in await resp.json()
             # The same parameters at their "off" values are fine.
