@@ -66,6 +66,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     serve.add_arguments(sv)
+    from pdserve.bench import chaos  # stdlib imports only
+
+    ch = sub.add_parser(
+        "chaos",
+        help="faults under load: kill/stop each service in turn, count wrong/hung/lost",
+        description=chaos.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    chaos.add_arguments(ch)
+    ch.set_defaults(func=chaos.run)
     bench.set_defaults(func=lambda _args: bench.print_help() or 2)
 
 

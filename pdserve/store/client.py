@@ -92,6 +92,33 @@ def _checksum(data: memoryview) -> bytes:
     return blake3.blake3(data).digest(length=16)
 
 
+class _Check:
+    """What a read must pass before it is handed out: it ended within its read lease
+    (``deadline``, monotonic: past it the region may hold another object), its bytes match
+    the writer's checksum (when one was recorded), and ``decode(key, view)`` accepts them
+    (when given). A call returns the view (or the decoded value), or None; ``bad`` collects
+    the keys whose bytes were wrong (not merely late)."""
+
+    def __init__(
+        self, deadline: float, decode: Callable[[str, memoryview], Any] | None = None
+    ) -> None:
+        self.deadline = deadline
+        self.decode = decode
+        self.bad: set[str] = set()
+
+    def __call__(self, res: kvstore_pb2.ReplicaListResult, view: memoryview) -> Any:
+        if time.monotonic() > self.deadline:
+            log.warning("read of %r outlived its lease: discarded", res.key)
+            return None
+        if res.checksum and _checksum(view) != res.checksum:
+            self.bad.add(res.key)
+            return None
+        value = view if self.decode is None else self.decode(res.key, view)
+        if value is None:
+            self.bad.add(res.key)
+        return value
+
+
 class StoreClient(StoreBackend):
     """Synchronous, thread-safe client of a pdserve KV store."""
 
@@ -130,6 +157,7 @@ class StoreClient(StoreBackend):
         self._release_cv = threading.Condition()
         self._flush_lock = threading.Lock()
         self._pending_release: list[str] = []
+        self._pending_remove: set[str] = set()
         self._releaser: threading.Thread | None = None
         self._closing = False
 
@@ -407,6 +435,7 @@ class StoreClient(StoreBackend):
         with self._flush_lock:
             with self._release_cv:
                 keys, self._pending_release = self._pending_release, []
+                bad, self._pending_remove = self._pending_remove, set()
             if not keys:
                 return
             try:
@@ -414,6 +443,15 @@ class StoreClient(StoreBackend):
                     "BatchReleaseLease",
                     kvstore_pb2.BatchKeysRequest(client_id=self.client_id, keys=keys),
                 )
+                if bad:
+                    resp = self._call("BatchRemove", kvstore_pb2.BatchKeysRequest(keys=sorted(bad)))
+                    gone = sum(r.code == kvstore_pb2.KV_OK for r in resp.results)
+                    log.warning(
+                        "removed %d of %d objects that failed verification on every replica, "
+                        "so their next writer stores them again",
+                        gone,
+                        len(bad),
+                    )
             except errors.PdserveError as exc:
                 log.debug("lease release of %d key(s) failed: %s", len(keys), exc)
 
@@ -421,7 +459,7 @@ class StoreClient(StoreBackend):
         self,
         res: kvstore_pb2.ReplicaListResult,
         buf: memoryview,
-        check: Callable[[kvstore_pb2.ReplicaListResult, memoryview], Any],
+        check: _Check,
         skip: kvstore_pb2.Replica | None = None,
         corrupt: bool = False,
     ) -> Any:
@@ -449,11 +487,20 @@ class StoreClient(StoreBackend):
             corrupt = True
         if corrupt:
             CORRUPT_CHUNKS.inc()
+            if res.key in check.bad:
+                self._discard(res.key)
         return None
+
+    def _discard(self, key: str) -> None:
+        """Queues the removal of an object none of whose replicas holds what was written
+        (torn, overwritten): readers would miss on it until it is evicted, and its writers
+        would skip it as already stored. Sent after the lease releases."""
+        with self._release_cv:
+            self._pending_remove.add(key)
 
     @staticmethod
     def _verified(
-        check: Callable[[kvstore_pb2.ReplicaListResult, memoryview], Any],
+        check: _Check,
         res: kvstore_pb2.ReplicaListResult,
         view: memoryview,
         rep: kvstore_pb2.Replica,
@@ -467,30 +514,11 @@ class StoreClient(StoreBackend):
             log.warning("replica of %r on node %s failed verification", res.key, rep.node_id)
         return value
 
-    def _checker(
-        self, deadline: float, decode: Callable[[str, memoryview], Any] | None = None
-    ) -> Callable[[kvstore_pb2.ReplicaListResult, memoryview], Any]:
-        """What a read must pass before it is handed out: it ended within its read lease
-        (``deadline``, monotonic: past it the region may hold another object), its bytes
-        match the writer's checksum (when one was recorded), and ``decode(key, view)``
-        accepts them (when given). The check returns the view (or the decoded value), or
-        None."""
-
-        def check(res: kvstore_pb2.ReplicaListResult, view: memoryview) -> Any:
-            if time.monotonic() > deadline:
-                log.warning("read of %r outlived its lease: discarded", res.key)
-                return None
-            if res.checksum and _checksum(view) != res.checksum:
-                return None
-            return view if decode is None else decode(res.key, view)
-
-        return check
-
     def _read_all(
         self,
         results: Sequence[kvstore_pb2.ReplicaListResult],
         buffers: Sequence[memoryview | None],
-        check: Callable[[kvstore_pb2.ReplicaListResult, memoryview], Any],
+        check: _Check,
     ) -> list[Any]:
         """:meth:`_read` of every result into its buffer (None = a miss, not read). The best
         replica of every object is read first in one :meth:`Transport.read_many` per
@@ -563,7 +591,7 @@ class StoreClient(StoreBackend):
         keys = check_keys(keys)
         results, buffers, deadline = self._lookup(keys, lambda _i, n: memoryview(bytearray(n)))
         try:
-            views = self._read_all(results, buffers, self._checker(deadline))
+            views = self._read_all(results, buffers, _Check(deadline))
         finally:
             self._finish(results)
         return [None if v is None else bytes(v) for v in views]
@@ -598,7 +626,7 @@ class StoreClient(StoreBackend):
 
         results, bufs, deadline = self._lookup(keys, buffer_for)
         try:
-            read = self._read_all(results, bufs, self._checker(deadline))
+            read = self._read_all(results, bufs, _Check(deadline))
         finally:
             self._finish(results)
         return [None if v is None else len(v) for v in read]
@@ -656,7 +684,7 @@ class StoreClient(StoreBackend):
 
         results, buffers, deadline = self._lookup(keys, buffer_for)
         try:
-            check = self._checker(deadline, lambda key, v: decode_chunk(v, fingerprint, key))
+            check = _Check(deadline, lambda key, v: decode_chunk(v, fingerprint, key))
             return self._read_all(results, buffers, check)
         finally:
             self._finish(results)

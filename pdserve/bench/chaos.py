@@ -1,0 +1,399 @@
+"""``pdserve bench chaos``: faults under load, counted.
+
+Starts a whole cluster as ``pdserve up`` does (supervised: a killed service is restarted),
+sends steady load through the router's OpenAI API (greedy, so every answer has one right
+text, learned before any fault), and then, one at a time, SIGKILLs a storage node, a prefill
+worker, a decode worker, the KV store master and meta, stops the master for 3 s (SIGSTOP),
+and runs a late writer (a put that stalls past the master's put timeout, then writes over the
+region the master has since handed to someone else). Per fault it counts the requests that
+completed token-exact, completed wrong (must be 0), failed with a retriable status, failed
+otherwise, or hung (no answer within the timeout, must be 0); the router's retries; marker
+objects put in the store before the fault and missing after (must be 0: a killed store
+process costs cache hits, never data it comes back with); and the time from the fault until
+every request succeeds again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+#: Statuses a client retries (the service is busy or briefly without a worker).
+RETRIABLE = {429, 502, 503, 504}
+MARKERS = 32
+MARKER_BYTES = 256 * 1024
+
+
+@dataclass
+class Outcome:
+    start: float
+    end: float
+    prompt: int
+    status: int  # HTTP status; 0 = no answer within the timeout
+    text: str = ""
+
+
+@dataclass
+class FaultRow:
+    fault: str
+    requests: int = 0
+    exact: int = 0
+    wrong: int = 0
+    retriable: int = 0
+    failed: int = 0
+    hung: int = 0
+    retries: float = 0
+    markers_lost: int = 0
+    corrupt_chunks_detected: float = 0
+    recovery_s: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", default="torch", help="worker engine (default: torch)")
+    p.add_argument(
+        "--model", default="tiny", help="model (default: tiny: faults, not speed, are measured)"
+    )
+    p.add_argument("--chunk-size", type=int, default=16, help="KV chunk tokens (default: 16)")
+    p.add_argument("--prefill-workers", type=int, default=1, help="(default: 1)")
+    p.add_argument("--decode-workers", type=int, default=1, help="(default: 1)")
+    p.add_argument("--clients", type=int, default=2, help="concurrent clients (default: 2)")
+    p.add_argument(
+        "--phase-s", type=float, default=15.0, help="load after each fault, seconds (default: 15)"
+    )
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=60.0,
+        help="a request with no answer after this long is hung (default: 60)",
+    )
+    p.add_argument(
+        "--faults",
+        default="node,prefill,decode,master,meta,stall,late-writer",
+        help="faults to run, in order (default: %(default)s)",
+    )
+    p.add_argument("--run-dir", default="", help="cluster logs and state (default: a temp dir)")
+    p.add_argument("--json", default="", help="also write the table as JSON here")
+
+
+def _free_ports(n: int) -> list[int]:
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+class Load:
+    """Client threads sending the prompts round robin; every outcome is recorded."""
+
+    def __init__(self, http: int, model: str, prompts: list[str], timeout_s: float) -> None:
+        self.url = f"http://127.0.0.1:{http}/v1/completions"
+        self.model = model
+        self.prompts = prompts
+        self.timeout_s = timeout_s
+        self.outcomes: list[Outcome] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._next = 0
+        self._threads: list[threading.Thread] = []
+
+    def add(self, prompts: list[str], refs: list[str]) -> None:
+        """More prompts with their right answers (``refs`` is the list the scoring reads)."""
+        with self._lock:
+            refs.extend(self.ask_text(p).text for p in prompts)
+            self.prompts.extend(prompts)
+
+    def ask(self, i: int) -> Outcome:
+        out = self.ask_text(self.prompts[i])
+        out.prompt = i
+        return out
+
+    def ask_text(self, prompt: str) -> Outcome:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+        req = urllib.request.Request(
+            self.url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        t0 = time.monotonic()
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                text = json.loads(resp.read())["choices"][0]["text"]
+                return Outcome(t0, time.monotonic(), -1, resp.status, text)
+        except urllib.error.HTTPError as exc:
+            return Outcome(t0, time.monotonic(), -1, exc.code)
+        except (TimeoutError, urllib.error.URLError, ConnectionError) as exc:
+            timed_out = isinstance(exc, TimeoutError) or "timed out" in str(exc)
+            return Outcome(t0, time.monotonic(), -1, 0 if timed_out else 503)
+
+    def _client(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                i, self._next = self._next, (self._next + 1) % len(self.prompts)
+            out = self.ask(i)
+            if out.status == 503:
+                time.sleep(0.05)  # connection refused: do not spin
+            with self._lock:
+                self.outcomes.append(out)
+
+    def start(self, clients: int) -> None:
+        self._stop.clear()
+        self._threads = [threading.Thread(target=self._client, daemon=True) for _ in range(clients)]
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> list[Outcome]:
+        self._stop.set()
+        for t in self._threads:
+            t.join()
+        with self._lock:
+            out, self.outcomes = self.outcomes, []
+        return out
+
+
+def _metric(address: str, name: str) -> float:
+    """Sum of a counter over its labels, from the /metrics at ``address`` (0 if it is down)."""
+    try:
+        text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    except OSError:
+        return 0.0
+    return sum(float(m) for m in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def _score(row: FaultRow, outcomes: list[Outcome], refs: list[str], t_fault: float) -> None:
+    for o in outcomes:
+        row.requests += 1
+        if o.status == 200:
+            if o.text == refs[o.prompt]:
+                row.exact += 1
+            else:
+                row.wrong += 1
+        elif o.status == 0:
+            row.hung += 1
+        elif o.status in RETRIABLE:
+            row.retriable += 1
+        else:
+            row.failed += 1
+    after = sorted((o for o in outcomes if o.start >= t_fault), key=lambda o: o.start)
+    ok_from = None
+    for o in after:
+        good = o.status == 200 and o.text == refs[o.prompt]
+        if not good:
+            ok_from = None
+        elif ok_from is None:
+            ok_from = o
+    if ok_from is not None:
+        row.recovery_s = round(max(0.0, ok_from.start - t_fault), 2)
+
+
+class Chaos:
+    def __init__(self, args: argparse.Namespace) -> None:
+        from pdserve.up import Cluster, UpConfig
+
+        self.args = args
+        self.run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="pdserve-chaos-"))
+        meta, meta_http, master, router, http = _free_ports(5)
+        cfg = UpConfig(
+            engine=args.engine,
+            model=args.model,
+            chunk_size=args.chunk_size,
+            prefill_workers=args.prefill_workers,
+            decode_workers=args.decode_workers,
+            segment_size="256MiB",
+            meta_port=meta,
+            meta_http_port=meta_http,
+            master_port=master,
+            router_port=router,
+            http_port=http,
+            run_dir=str(self.run_dir),
+        )
+        cfg.validate()
+        cfg.resolve()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        conf = self.run_dir / "chaos.yaml"
+        # A short put timeout, so the late writer's region is handed out again within the run.
+        conf.write_text("kvstore_master:\n  put_timeout_s: 1.0\n")
+        self.cluster = Cluster(cfg, str(conf))
+        self.cfg = cfg
+        self._supervising = threading.Event()
+
+    def _router_metric(self, name: str) -> float:
+        return _metric(f"127.0.0.1:{self.cfg.http_port}", name)
+
+    def _worker_metric(self, name: str) -> float:
+        """Summed over the workers (a restarted one starts from 0 again)."""
+        return sum(
+            _metric(p.info["metrics"], name)
+            for p in list(self.cluster.procs)
+            if p.name.startswith(("prefill", "decode")) and p.info.get("metrics")
+        )
+
+    def pid(self, name: str) -> int:
+        return next(p.pid for p in self.cluster.procs if p.name == name)
+
+    def _supervise(self) -> None:
+        while not self._supervising.is_set():
+            self.cluster.supervise_once()
+            time.sleep(0.2)
+
+    def _wait_running(self, name: str, restarts: int, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            sup = self.cluster.supervised[name]
+            if sup.restarts >= restarts and sup.state == "running":
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"{name} did not come back within {timeout:.0f}s")
+
+    def run(self) -> list[FaultRow]:
+        from pdserve.store.client import StoreClient
+
+        self.cluster.start()
+        threading.Thread(target=self._supervise, daemon=True).start()
+        rng = random.Random(0)
+        words = [
+            "the",
+            "of",
+            "a",
+            "KV",
+            "cache",
+            "store",
+            "chunk",
+            "node",
+            "master",
+            "router",
+            "token",
+            "prefill",
+            "decode",
+        ]
+        shared = [" ".join(rng.choices(words, k=40)) for _ in range(3)]
+        prompts = [f"{shared[i % 3]} {' '.join(rng.choices(words, k=8))}" for i in range(12)]
+        load = Load(self.cfg.http_port, self.cfg.model, prompts, self.args.timeout_s)
+        refs = [load.ask(i) for i in range(len(prompts))]
+        if any(r.status != 200 for r in refs):
+            raise RuntimeError(f"warm-up failed: {[r.status for r in refs]}")
+        texts = [r.text for r in refs]
+        again = [load.ask(i).text for i in range(len(prompts))]
+        if again != texts:
+            raise RuntimeError("greedy answers are not repeatable: cannot tell wrong from right")
+        store = StoreClient(f"127.0.0.1:{self.cfg.master_port}", timeout_s=10)
+        rows = []
+        try:
+            for n, fault in enumerate(self.args.faults.split(",")):
+                rows.append(self._phase(fault.strip(), n, load, texts, store))
+                print(json.dumps(asdict(rows[-1])), file=sys.stderr, flush=True)
+        finally:
+            store.close()
+            self._supervising.set()
+            self.cluster.stop()
+        return rows
+
+    def _phase(self, fault: str, n: int, load: Load, refs: list[str], store) -> FaultRow:
+        row = FaultRow(fault)
+        markers = [f"chaos-marker-{n}-{i}" for i in range(MARKERS)]
+        store.batch_put([(k, os.urandom(MARKER_BYTES)) for k in markers])
+        retries0 = self._router_metric("pdserve_router_retries_total")
+        corrupt0 = self._worker_metric("pdserve_store_corrupt_chunks_total")
+        load.start(self.args.clients)
+        time.sleep(2.0)
+        t_fault = time.monotonic()
+        victim = {
+            "node": "kvstore-node-0",
+            "prefill": "prefill-0",
+            "decode": "decode-0",
+            "master": "kvstore-master",
+            "meta": "meta",
+        }.get(fault)
+        if victim is not None:
+            if victim not in self.cluster.supervised:
+                row.notes.append(f"no {victim} in this topology")
+            else:
+                restarts = self.cluster.supervised[victim].restarts
+                os.kill(self.pid(victim), signal.SIGKILL)
+                self._wait_running(victim, restarts + 1)
+        elif fault == "stall":
+            pid = self.pid("kvstore-master")
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(3.0)
+            os.kill(pid, signal.SIGCONT)
+        elif fault == "late-writer":
+            self._late_writer(store, load, refs, row)
+        else:
+            raise SystemExit(f"unknown fault {fault!r}")
+        time.sleep(self.args.phase_s)
+        outcomes = load.stop()
+        _score(row, outcomes, refs, t_fault)
+        row.retries = self._router_metric("pdserve_router_retries_total") - retries0
+        row.corrupt_chunks_detected = (
+            self._worker_metric("pdserve_store_corrupt_chunks_total") - corrupt0
+        )
+        row.markers_lost = sum(not e for e in store.exists(markers))
+        store.remove(markers)
+        return row
+
+    def _late_writer(self, store, load: Load, refs: list[str], row: FaultRow) -> None:
+        """A put that stalls past the master's put timeout, then writes garbage over its
+        region, again and again while fresh prompts' chunks are stored (some land there)."""
+        from pdserve.v1 import kvstore_pb2 as pb
+
+        late = []
+        for i in range(8):
+            resp = store._call(
+                "BatchPutStart",
+                pb.BatchPutStartRequest(
+                    client_id="late-writer",
+                    items=[pb.PutStartItem(key=f"chaos-late-{i}", size=1 << 20)],
+                ),
+            )
+            late += [r.replicas[0] for r in resp.results if r.code == pb.KV_OK]
+        time.sleep(2.0)  # timed out: the regions go to the next puts
+        rng = random.Random(1)
+        words = ["fresh", "prompt", "whose", "chunks", "are", "new", "to", "the", "store"]
+        fresh = [" ".join(rng.choices(words, k=48)) for _ in range(6)]
+        load.add(fresh, refs)  # computed (no store hit), then stored: some land in the regions
+        garbage = os.urandom(1 << 20)
+        for _ in range(3):
+            store._get_transport("tcp").write_many([(rep, memoryview(garbage)) for rep in late])
+            time.sleep(0.5)
+        row.notes.append(f"late writer overwrote {len(late)} regions of 1 MiB 3 times")
+
+
+def render(rows: list[FaultRow]) -> str:
+    head = (
+        f"{'fault':<12} {'requests':>8} {'exact':>6} {'wrong':>6} {'retriable':>9} "
+        f"{'failed':>6} {'hung':>5} {'retries':>7} {'lost':>5} {'corrupt':>7} {'recovery':>9}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        rec = "-" if r.recovery_s is None else f"{r.recovery_s:.1f}s"
+        lines.append(
+            f"{r.fault:<12} {r.requests:>8} {r.exact:>6} {r.wrong:>6} {r.retriable:>9} "
+            f"{r.failed:>6} {r.hung:>5} {r.retries:>7.0f} {r.markers_lost:>5} "
+            f"{r.corrupt_chunks_detected:>7.0f} {rec:>9}"
+            + (f"  {'; '.join(r.notes)}" if r.notes else "")
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    rows = Chaos(args).run()
+    print(render(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    bad = any(r.wrong or r.hung or r.markers_lost for r in rows)
+    return 1 if bad else 0
