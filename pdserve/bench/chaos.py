@@ -61,7 +61,8 @@ class FaultRow:
     notes: list[str] = field(default_factory=list)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
+    """The cluster and load flags ``bench chaos`` and ``bench soak`` share."""
     p.add_argument("--engine", default="torch", help="worker engine (default: torch)")
     p.add_argument(
         "--model", default="tiny", help="model (default: tiny: faults, not speed, are measured)"
@@ -71,21 +72,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-workers", type=int, default=1, help="(default: 1)")
     p.add_argument("--clients", type=int, default=2, help="concurrent clients (default: 2)")
     p.add_argument(
-        "--phase-s", type=float, default=15.0, help="load after each fault, seconds (default: 15)"
-    )
-    p.add_argument(
         "--timeout-s",
         type=float,
         default=60.0,
         help="a request with no answer after this long is hung (default: 60)",
+    )
+    p.add_argument("--run-dir", default="", help="cluster logs and state (default: a temp dir)")
+    p.add_argument("--json", default="", help="also write the results as JSON here")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_cluster_arguments(p)
+    p.add_argument(
+        "--phase-s", type=float, default=15.0, help="load after each fault, seconds (default: 15)"
     )
     p.add_argument(
         "--faults",
         default="node,prefill,decode,master,meta,stall,late-writer",
         help="faults to run, in order (default: %(default)s)",
     )
-    p.add_argument("--run-dir", default="", help="cluster logs and state (default: a temp dir)")
-    p.add_argument("--json", default="", help="also write the table as JSON here")
 
 
 def _free_ports(n: int) -> list[int]:
@@ -113,6 +118,9 @@ class Load:
         self._stop = threading.Event()
         self._next = 0
         self._threads: list[threading.Thread] = []
+        #: every n-th request of a client is a prompt from a larger rotating set (new chunks
+        #: for the store until the set has gone round; not scored; 0 = none)
+        self.fresh_every = 0
 
     def add(self, prompts: list[str], refs: list[str]) -> None:
         """More prompts with their right answers (``refs`` is the list the scoring reads)."""
@@ -142,7 +150,14 @@ class Load:
             return Outcome(t0, time.monotonic(), -1, 0 if timed_out else 503)
 
     def _client(self) -> None:
+        n = 0
         while not self._stop.is_set():
+            n += 1
+            if self.fresh_every and n % self.fresh_every == 0:  # other chunks for the store
+                out = self.ask_text(f"{n % 64} {self.prompts[(n // 64) % len(self.prompts)]}")
+                with self._lock:
+                    self.outcomes.append(out)
+                continue
             with self._lock:
                 i, self._next = self._next, (self._next + 1) % len(self.prompts)
             out = self.ask(i)
@@ -201,8 +216,18 @@ def _score(row: FaultRow, outcomes: list[Outcome], refs: list[str], t_fault: flo
         row.recovery_s = round(max(0.0, ok_from.start - t_fault), 2)
 
 
-class Chaos:
-    def __init__(self, args: argparse.Namespace) -> None:
+def prompts(seed: int, n: int, words: str, shared: int = 3) -> list[str]:
+    """``n`` prompts of ``words``, in ``shared`` groups with a common prefix (store hits)."""
+    rng = random.Random(seed)
+    vocab = words.split()
+    heads = [" ".join(rng.choices(vocab, k=40)) for _ in range(shared)]
+    return [f"{heads[i % shared]} {' '.join(rng.choices(vocab, k=8))}" for i in range(n)]
+
+
+class BenchCluster:
+    """A supervised ``pdserve up`` cluster on free ports for the fault and soak benchmarks."""
+
+    def __init__(self, args: argparse.Namespace, config_yaml: str = "") -> None:
         from pdserve.up import Cluster, UpConfig
 
         self.args = args
@@ -225,10 +250,11 @@ class Chaos:
         cfg.validate()
         cfg.resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        conf = self.run_dir / "chaos.yaml"
-        # A short put timeout, so the late writer's region is handed out again within the run.
-        conf.write_text("kvstore_master:\n  put_timeout_s: 1.0\n")
-        self.cluster = Cluster(cfg, str(conf))
+        conf = None
+        if config_yaml:
+            conf = self.run_dir / "bench.yaml"
+            conf.write_text(config_yaml)
+        self.cluster = Cluster(cfg, str(conf) if conf else None)
         self.cfg = cfg
         self._supervising = threading.Event()
 
@@ -260,30 +286,26 @@ class Chaos:
             time.sleep(0.2)
         raise RuntimeError(f"{name} did not come back within {timeout:.0f}s")
 
+    def start(self) -> None:
+        self.cluster.start()
+        threading.Thread(target=self._supervise, daemon=True).start()
+
+    def stop(self) -> None:
+        self._supervising.set()
+        self.cluster.stop()
+
+
+class Chaos(BenchCluster):
+    def __init__(self, args: argparse.Namespace) -> None:
+        # A short put timeout, so the late writer's region is handed out again within the run.
+        super().__init__(args, "kvstore_master:\n  put_timeout_s: 1.0\n")
+
     def run(self) -> list[FaultRow]:
         from pdserve.store.client import StoreClient
 
-        self.cluster.start()
-        threading.Thread(target=self._supervise, daemon=True).start()
-        rng = random.Random(0)
-        words = [
-            "the",
-            "of",
-            "a",
-            "KV",
-            "cache",
-            "store",
-            "chunk",
-            "node",
-            "master",
-            "router",
-            "token",
-            "prefill",
-            "decode",
-        ]
-        shared = [" ".join(rng.choices(words, k=40)) for _ in range(3)]
-        prompts = [f"{shared[i % 3]} {' '.join(rng.choices(words, k=8))}" for i in range(12)]
-        load = Load(self.cfg.http_port, self.cfg.model, prompts, self.args.timeout_s)
+        self.start()
+        words = "the of a KV cache store chunk node master router token prefill decode"
+        load = Load(self.cfg.http_port, self.cfg.model, prompts(0, 12, words), self.args.timeout_s)
         refs = [load.ask(i) for i in range(len(prompts))]
         if any(r.status != 200 for r in refs):
             raise RuntimeError(f"warm-up failed: {[r.status for r in refs]}")
@@ -299,8 +321,7 @@ class Chaos:
                 print(json.dumps(asdict(rows[-1])), file=sys.stderr, flush=True)
         finally:
             store.close()
-            self._supervising.set()
-            self.cluster.stop()
+            self.stop()
         return rows
 
     def _phase(self, fault: str, n: int, load: Load, refs: list[str], store) -> FaultRow:
@@ -362,9 +383,7 @@ class Chaos:
             )
             late += [r.replicas[0] for r in resp.results if r.code == pb.KV_OK]
         time.sleep(2.0)  # timed out: the regions go to the next puts
-        rng = random.Random(1)
-        words = ["fresh", "prompt", "whose", "chunks", "are", "new", "to", "the", "store"]
-        fresh = [" ".join(rng.choices(words, k=48)) for _ in range(6)]
+        fresh = prompts(1, 6, "fresh prompt whose chunks are new to the store", shared=6)
         load.add(fresh, refs)  # computed (no store hit), then stored: some land in the regions
         garbage = os.urandom(1 << 20)
         for _ in range(3):

@@ -76,6 +76,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     chaos.add_arguments(ch)
     ch.set_defaults(func=chaos.run)
+    from pdserve.bench import soak  # stdlib imports only
+
+    so = sub.add_parser(
+        "soak",
+        help="steady mixed load for N minutes: RSS, fds, threads and /dev/shm must not grow",
+        description=soak.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    soak.add_arguments(so)
+    so.set_defaults(func=soak.run)
     bench.set_defaults(func=lambda _args: bench.print_help() or 2)
 
 
