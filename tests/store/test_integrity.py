@@ -5,11 +5,12 @@ writer writes through the node's real tcp data port)."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import torch
 
-from pdserve import kvformat
+from pdserve import errors, kvformat, procs
 from pdserve.store.api import StoreOptions
 from pdserve.store.client import READ_FAILOVERS, StoreClient
 from pdserve.v1 import kvstore_pb2 as pb
@@ -122,3 +123,72 @@ def test_a_read_that_outlives_its_lease_is_discarded(cluster_factory):
     with StoreClient(normal.address, transport="tcp") as client:
         assert client.put("big", data)
         assert client.get("big") == data
+
+
+def _end(client: StoreClient, key: str) -> pb.KeyResult:
+    resp = client._call("BatchPutEnd", pb.BatchKeysRequest(client_id="late", keys=[key]))
+    return resp.results[0]
+
+
+def test_a_master_restart_with_a_put_in_flight(tmp_path):
+    """SIGKILL of the master while a put is in flight: the restarted master does not know the
+    put's region and hands it out again. The first writer's late bytes and its put end are
+    refused or read as a miss; nobody reads them as the other object."""
+    state = tmp_path / "state"
+    master = procs.start_master(tmp_path / "logs", state_dir=state)
+    address = master.info["grpc"]
+    node = procs.start_node(address, tmp_path / "logs", segment_sizes="8MiB", transports="tcp")
+    try:
+        with StoreClient(address, transport="tcp") as client:
+            late = _late_writer(client, "in-flight", SIZE)
+            master.kill()
+            master = procs.start_master(
+                tmp_path / "logs2", state_dir=state, port=address.rsplit(":", 1)[1]
+            )
+            mine = os.urandom(SIZE)
+            deadline = time.monotonic() + 10
+            while True:  # the node remounts on its next heartbeat
+                try:
+                    if client.put("mine", mine):
+                        break
+                except errors.PdserveError:
+                    assert time.monotonic() < deadline, "the node did not remount"
+                    time.sleep(0.2)
+            assert _replica(client, "mine").offset == late.offset
+            _write(client, late, os.urandom(SIZE))
+            assert _end(client, "in-flight").code == pb.KV_NO_PENDING_PUT
+            assert client.get("mine") is None
+            assert client.exists(["in-flight"]) == [False]
+    finally:
+        node.stop()
+        procs.remove_shm(node)
+        master.stop()
+
+
+def test_a_node_blip_during_a_put(cluster_factory):
+    """The node pauses long enough to be declared dead while a put to it is in flight: its
+    committed objects come back when it remounts with its bytes; the put in flight fails at
+    its end, and its late bytes in the region the master has since reused read as a miss."""
+    c = cluster_factory(heartbeat_interval_ms=200, heartbeat_miss_limit=3)
+    node = c.add_node(transports="tcp", segment_sizes="8MiB")
+    with StoreClient(c.address, transport="tcp") as client:
+        kept = os.urandom(SIZE)
+        assert client.put("kept", kept)
+        late = _late_writer(client, "blip", SIZE)
+        os.kill(node.pid, signal.SIGSTOP)
+        try:
+            time.sleep(1.5)  # 3 missed 200 ms heartbeats: declared dead
+            assert client.exists(["kept"]) == [False]
+        finally:
+            os.kill(node.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while client.exists(["kept"]) != [True]:  # remounted with its bytes: revived
+            assert time.monotonic() < deadline, "the node's objects did not come back"
+            time.sleep(0.1)
+        assert client.get("kept") == kept
+        assert _end(client, "blip").code == pb.KV_NOT_ENOUGH_NODES
+        mine = os.urandom(SIZE)
+        assert client.put("mine", mine)
+        assert _replica(client, "mine").offset == late.offset
+        _write(client, late, os.urandom(SIZE))
+        assert client.get("mine") is None
