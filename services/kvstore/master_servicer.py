@@ -10,6 +10,7 @@ KVErrorCode values in the results.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -146,7 +147,8 @@ class MasterHandlers:
         return _keys(self.state.remove(list(request.keys)))
 
     def Stats(self, request: pb.StatsRequest) -> pb.StatsResponse:
-        return self.state.stats()
+        # StoreStats has StatsResponse's fields, one for one (segments as SegmentStats).
+        return pb.StatsResponse(**dataclasses.asdict(self.state.stats()))
 
     def GetControlWire(self, request: pb.ControlWireRequest) -> pb.ControlWireResponse:
         return pb.ControlWireResponse(

@@ -1,0 +1,172 @@
+"""Plain types of the KV store master's state (:class:`~.master_state.MasterState`): the clock,
+the segment, node, object and replica records, the counters, what the state's calls return
+(outcomes, :class:`StoreStats`) and the event sink. No protobuf messages are built here."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pdserve.services.kvstore.allocator import OffsetAllocator
+from pdserve.v1 import kvstore_pb2 as pb
+
+OK = pb.KV_OK
+#: Bytes of an object checksum (BLAKE3, truncated).
+CHECKSUM_BYTES = 16
+
+
+class Clock:
+    """Monotonic seconds for deadlines, wall milliseconds for what clients see."""
+
+    def mono(self) -> float:
+        return time.monotonic()
+
+    def wall_ms(self) -> float:
+        return time.time() * 1000.0
+
+
+@dataclass
+class SegmentState:
+    segment_id: str
+    node_id: str
+    size: int
+    endpoints: list[pb.Endpoint]
+    allocator: OffsetAllocator
+    alive: bool = True
+
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity
+
+    @property
+    def free(self) -> int:
+        return self.allocator.free
+
+    @property
+    def used(self) -> int:
+        return self.allocator.used
+
+
+@dataclass
+class NodeState:
+    node_id: str
+    last_heartbeat: float
+    segment_ids: set[str] = field(default_factory=set)
+
+
+@dataclass
+class ReplicaLoc:
+    segment_id: str
+    node_id: str
+    offset: int
+
+
+@dataclass
+class ObjectState:
+    key: str
+    size: int
+    replicas: list[ReplicaLoc]
+    soft_pin: bool = False
+    ttl_ms: int = 0
+    # Monotonic deadline of the TTL (0 = none), set at commit.
+    ttl_deadline: float = 0.0
+    # Pending puts only: when the reservation is reclaimed, and who started it.
+    put_deadline: float = 0.0
+    client_id: str = ""
+    # client id -> monotonic lease end.
+    leases: dict[str, float] = field(default_factory=dict)
+    # The object's bytes, kept in memory for small objects (b"" = not inlined).
+    inline: bytes = b""
+    # The writer's BLAKE3-16 of the bytes (b"" = none), handed to readers.
+    checksum: bytes = b""
+
+    def leased(self, now: float) -> bool:
+        if not self.leases:
+            return False
+        for client, until in list(self.leases.items()):
+            if until <= now:
+                del self.leases[client]
+        return bool(self.leases)
+
+
+@dataclass
+class Counters:
+    puts: int = 0
+    gets: int = 0
+    get_hits: int = 0
+    evictions: int = 0
+    removals: int = 0
+    prefix_queries: int = 0
+    prefix_hit_keys: int = 0
+    ttl_expired: int = 0
+    put_timeouts: int = 0
+    node_deaths: int = 0
+    stalls: int = 0
+    node_dead_objects: int = 0
+
+
+@dataclass(frozen=True)
+class PutStartOutcome:
+    key: str
+    code: int
+    message: str = ""
+    already_exists: bool = False
+    replicas: tuple[ReplicaLoc, ...] = ()
+
+
+@dataclass(frozen=True)
+class KeyOutcome:
+    key: str
+    code: int
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class GetOutcome:
+    key: str
+    code: int
+    replicas: tuple[ReplicaLoc, ...] = ()
+    lease_expires_ms: int = 0
+    inline: bytes = b""
+    checksum: bytes = b""
+    # How long the granted lease lasts from now (milliseconds).
+    lease_ms: int = 0
+
+
+@dataclass(frozen=True)
+class SegmentStats:
+    segment_id: str
+    node_id: str
+    capacity: int
+    used: int
+    alive: bool
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """What :meth:`~.master_state.MasterState.stats` returns: the fields of
+    ``pb.StatsResponse``, one for one (the servicer converts it)."""
+
+    objects: int
+    used_bytes: int
+    capacity_bytes: int
+    segments: tuple[SegmentStats, ...]
+    puts: int
+    gets: int
+    get_hits: int
+    evictions: int
+    removals: int
+    prefix_queries: int
+    prefix_hit_keys: int
+    alive_nodes: int
+
+
+#: on_event(type, key, size, reason) with type pb.KV_EVENT_STORED / pb.KV_EVENT_REMOVED and
+#: reason a pb.KVEventReason (unspecified for stored events).
+EventSink = Callable[[int, str, int, int], None]
+
+
+def on_segment(obj: ObjectState, segment_id: str) -> bool:
+    """Whether ``obj`` has a replica on ``segment_id``."""
+    return any(r.segment_id == segment_id for r in obj.replicas)
