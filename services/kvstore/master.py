@@ -47,7 +47,13 @@ class _StateCollector:
             ("ttl_expired", c.ttl_expired, "objects removed at the end of their TTL"),
             ("put_timeouts", c.put_timeouts, "unfinished puts reclaimed after the put timeout"),
             ("node_deaths", c.node_deaths, "nodes declared dead after missed heartbeats"),
-            ("node_dead_objects", c.node_dead_objects, "objects lost with their last replica"),
+            (
+                "node_dead_objects",
+                c.node_dead_objects,
+                "objects hidden with their last live replica (dormant until it remounts)",
+            ),
+            ("stalls", c.stalls, "housekeeping passes late enough not to count missed beats"),
+            ("repairs", c.repairs, "replicas re-made on another node after one was lost"),
             ("prefix_queries", c.prefix_queries, "LongestPrefix calls"),
             ("prefix_hit_keys", c.prefix_hit_keys, "sum of LongestPrefix answers (keys)"),
             ("events_dropped", self.hub.dropped, "events dropped for slow watchers"),
@@ -56,6 +62,7 @@ class _StateCollector:
         live = [seg for seg in s.segments.values() if seg.alive]
         for name, value, doc in (
             ("objects", len(s.objects), "committed objects"),
+            ("under_replicated", s.under_replicated(), "objects waiting for a new replica"),
             ("pending_puts", len(s.pending), "puts started and not ended"),
             ("used_bytes", s.used_bytes, "bytes in committed objects"),
             (
@@ -77,10 +84,14 @@ async def serve(cfg: MasterConfig, stop: asyncio.Event) -> None:
     from pdserve import grpcutil, telemetry
     from pdserve.lifecycle import announce_ready
     from pdserve.services.kvstore.events import EventHub
+    from pdserve.services.kvstore.master_repair import RepairJob
     from pdserve.services.kvstore.master_servicer import KVMasterServicer, MasterHandlers
     from pdserve.services.kvstore.master_state import MasterState
     from pdserve.services.kvstore.master_wire import WireServer
     from pdserve.services.kvstore.persistence import MetadataStore
+    from pdserve.store.transports.base import TransportError
+    from pdserve.store.transports.tcp import TcpTransport
+    from pdserve.v1 import kvstore_pb2 as pb
     from pdserve.v1 import kvstore_pb2_grpc
 
     hub = EventHub(cfg.event_queue_size)
@@ -149,13 +160,52 @@ async def serve(cfg: MasterConfig, stop: asyncio.Event) -> None:
             except Exception:  # keep the master up; the next tick retries
                 log.exception("housekeeping pass failed")
 
+    def repair_jobs() -> list[tuple[RepairJob, pb.Replica, pb.Replica]]:
+        """The next copies, with the source and target replicas they read and write."""
+        with handlers.lock:
+            out = []
+            for job in state.repair_jobs(cfg.max_repairs_per_tick):
+                reps = pb.ReplicaListResult()
+                handlers._fill(reps.replicas, [job.source, job.target], job.size)
+                out.append((job, reps.replicas[0], reps.replicas[1]))
+            return out
+
+    def copy(jobs: list[tuple[RepairJob, pb.Replica, pb.Replica]]) -> None:
+        for job, source, target in jobs:
+            buf = memoryview(bytearray(job.size))
+            try:
+                tcp.read_into(source, buf)
+                (err,) = tcp.write_many([(target, buf)])
+                ok = err is None
+            except TransportError as exc:
+                log.warning("re-replication of %r failed: %s", job.key, exc)
+                ok = False
+            with handlers.lock:
+                state.repair_done(job, ok)
+
+    async def repair() -> None:
+        # Copies go node -> master -> node over tcp, off the event loop, a few per pass.
+        while True:
+            await asyncio.sleep(cfg.tick_interval_ms / 1000)
+            try:
+                jobs = await asyncio.to_thread(repair_jobs)
+                if jobs:
+                    await asyncio.to_thread(copy, jobs)
+            except Exception:  # keep the master up; the next pass retries
+                log.exception("re-replication pass failed")
+
+    tcp = TcpTransport(timeout_s=10.0)
     task = asyncio.create_task(housekeeping())
+    repairer = asyncio.create_task(repair()) if cfg.max_repairs_per_tick > 0 else None
     try:
         await stop.wait()
     finally:
         log.info("kvstore master draining")
         await leave(meta_client)
         task.cancel()
+        if repairer is not None:
+            repairer.cancel()
+        tcp.close()
         hub.close()
         if wire is not None:
             wire.close()

@@ -39,6 +39,11 @@ class MasterConfig:
         "after a restart, persisted replicas whose segment does not remount within this "
         "time are dropped (s)",
     )
+    max_repairs_per_tick: int = help_field(
+        16,
+        "objects that lost a replica (a dead node) get a new copy on another node in the "
+        "background: copies started per housekeeping pass (0 = no re-replication)",
+    )
     # Objects and puts
     default_replicas: int = help_field(1, "replicas per put when the request says 0")
     max_replicas: int = help_field(8, "most replicas one put may ask for")

@@ -151,6 +151,7 @@ class ObjectsMixin:
                 client_id=client_id,
                 inline=data,
                 checksum=checksum,
+                want=n_rep,
             )
             out.append(PutStartOutcome(key, OK, replicas=tuple(locs)))
         self._evict_to_watermarks(now)

@@ -208,6 +208,7 @@ class SegmentsMixin:
                 )
             if obj.replicas:
                 self._mark(obj)
+                self._want_repair(obj)
             else:
                 # A dormant object keeps its persisted row (it lists the dormant replicas).
                 self._delete(obj, reason, free=False, persist=not dormant)

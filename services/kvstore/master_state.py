@@ -44,6 +44,7 @@ from pdserve.services.kvstore.master_config import MasterConfig
 from pdserve.services.kvstore.master_eviction import EvictionMixin
 from pdserve.services.kvstore.master_objects import ObjectsMixin
 from pdserve.services.kvstore.master_persist import PersistenceMixin
+from pdserve.services.kvstore.master_repair import RepairMixin
 from pdserve.services.kvstore.master_segments import SegmentsMixin
 from pdserve.services.kvstore.master_types import (
     CHECKSUM_BYTES,
@@ -83,7 +84,7 @@ __all__ = [
 ]
 
 
-class MasterState(PersistenceMixin, SegmentsMixin, ObjectsMixin, EvictionMixin):
+class MasterState(PersistenceMixin, SegmentsMixin, ObjectsMixin, EvictionMixin, RepairMixin):
     """All master metadata. Not thread-safe: call from one thread (the event loop)."""
 
     def __init__(
@@ -118,6 +119,7 @@ class MasterState(PersistenceMixin, SegmentsMixin, ObjectsMixin, EvictionMixin):
         self._ttl_heap: list[tuple[float, str]] = []
         self.used_bytes = 0  # bytes of committed objects (object size, not per replica)
         self.inline_bytes = 0  # bytes of committed objects kept inline
+        self._init_repair()
         if store is not None:
             self._load(store)
 

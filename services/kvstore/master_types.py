@@ -80,6 +80,8 @@ class ObjectState:
     inline: bytes = b""
     # The writer's BLAKE3-16 of the bytes (b"" = none), handed to readers.
     checksum: bytes = b""
+    # Replicas its put asked for; an object left with fewer live ones is re-replicated.
+    want: int = 1
 
     def leased(self, now: float) -> bool:
         if not self.leases:
@@ -104,6 +106,7 @@ class Counters:
     node_deaths: int = 0
     stalls: int = 0
     node_dead_objects: int = 0
+    repairs: int = 0
 
 
 @dataclass(frozen=True)

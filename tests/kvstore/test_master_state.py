@@ -496,3 +496,37 @@ def test_a_large_held_list_is_restored_whole(make_state) -> None:
     assert mount(s, "s1", "n1", size=n * 128, held=held) == n
     assert s.stats().objects == n
     assert s.segments["s1"].allocator.used == n * 128  # every range is taken
+
+
+def test_an_object_that_lost_a_replica_is_re_replicated(make_state, clock) -> None:
+    s = make_state(heartbeat_interval_ms=500, heartbeat_miss_limit=3)
+    for i in (1, 2, 3):
+        mount(s, f"s{i}", f"n{i}")
+    assert put(s, "a", replicas=2) == pb.KV_OK
+    (g,) = s.get_replicas("c", ["a"])
+    s.release("c", ["a"])
+    lost = g.replicas[0].node_id
+    alive = [n for n in ("n1", "n2", "n3") if n != lost]
+    for _ in range(20):  # the node holding one copy stops heartbeating
+        clock.advance(0.1)
+        for n in alive:
+            s.heartbeat(n, [f"s{n[-1]}"])
+        s.tick()
+    assert s.under_replicated() == 1
+    (job,) = s.repair_jobs(8)
+    assert job.source.node_id != lost and job.target.node_id not in (lost, job.source.node_id)
+    assert s.remove(["a"])[0].code == pb.KV_LEASED  # the copy's source is protected
+    assert s.repair_done(job, ok=True)
+    (g,) = s.get_replicas("c", ["a"])
+    assert sorted(r.node_id for r in g.replicas) == sorted(alive)
+    assert s.under_replicated() == 0 and s.counters.repairs == 1
+    # A failed copy frees its target and queues the object again.
+    s.release("c", ["a"])
+    assert put(s, "b", replicas=2) == pb.KV_OK
+    s.objects["b"].replicas.pop()
+    s._want_repair(s.objects["b"])
+    (job,) = s.repair_jobs(8)
+    used = s.segments[job.target.segment_id].allocator.used
+    assert not s.repair_done(job, ok=False)
+    assert s.segments[job.target.segment_id].allocator.used < used
+    assert s.under_replicated() == 1

@@ -192,3 +192,30 @@ def test_a_node_blip_during_a_put(cluster_factory):
         assert _replica(client, "mine").offset == late.offset
         _write(client, late, os.urandom(SIZE))
         assert client.get("mine") is None
+
+
+def test_a_lost_replica_is_made_again_on_another_node(cluster_factory):
+    """Two copies on three nodes; the node of one copy is SIGKILLed: the master copies the
+    object to the third node, so losing the node of the other copy next loses nothing."""
+    c = cluster_factory(heartbeat_interval_ms=200, heartbeat_miss_limit=3)
+    nodes = {}
+    for _ in range(3):
+        n = c.add_node(transports="tcp", segment_sizes="8MiB")
+        nodes[n.info["node_id"]] = n
+    with StoreClient(c.address, transport="tcp") as client:
+        data = {f"r{i}": os.urandom(SIZE) for i in range(4)}
+        client.batch_put(list(data.items()), StoreOptions(replicas=2))
+        first = _replica(client, "r0").node_id
+        nodes[first].kill()
+        deadline = time.monotonic() + 15
+        while True:
+            results = client._replica_lists(list(data))
+            client._finish(results)
+            held = [{r.node_id for r in res.replicas} for res in results]
+            if all(len(h) == 2 and first not in h for h in held):
+                break
+            assert time.monotonic() < deadline, f"not re-replicated: {held}"
+            time.sleep(0.2)
+        nodes[next(n for n in nodes if n != first)].kill()
+        time.sleep(1.0)  # declared dead
+        assert client.batch_get(list(data)) == list(data.values())
