@@ -287,7 +287,11 @@ class BenchCluster:
         raise RuntimeError(f"{name} did not come back within {timeout:.0f}s")
 
     def start(self) -> None:
-        self.cluster.start()
+        try:
+            self.cluster.start()
+        except BaseException:
+            self.cluster.stop()
+            raise
         threading.Thread(target=self._supervise, daemon=True).start()
 
     def stop(self) -> None:
@@ -301,27 +305,30 @@ class Chaos(BenchCluster):
         super().__init__(args, "kvstore_master:\n  put_timeout_s: 1.0\n")
 
     def run(self) -> list[FaultRow]:
-        from pdserve.store.client import StoreClient
 
         self.start()
-        words = "the of a KV cache store chunk node master router token prefill decode"
-        load = Load(self.cfg.http_port, self.cfg.model, prompts(0, 12, words), self.args.timeout_s)
-        refs = [load.ask(i) for i in range(len(prompts))]
-        if any(r.status != 200 for r in refs):
-            raise RuntimeError(f"warm-up failed: {[r.status for r in refs]}")
-        texts = [r.text for r in refs]
-        again = [load.ask(i).text for i in range(len(prompts))]
-        if again != texts:
-            raise RuntimeError("greedy answers are not repeatable: cannot tell wrong from right")
-        store = StoreClient(f"127.0.0.1:{self.cfg.master_port}", timeout_s=10)
-        rows = []
         try:
-            for n, fault in enumerate(self.args.faults.split(",")):
-                rows.append(self._phase(fault.strip(), n, load, texts, store))
-                print(json.dumps(asdict(rows[-1])), file=sys.stderr, flush=True)
+            return self._run()
         finally:
-            store.close()
             self.stop()
+
+    def _run(self) -> list[FaultRow]:
+        from pdserve.store.client import StoreClient
+
+        words = "the of a KV cache store chunk node master router token prefill decode"
+        texts = prompts(0, 12, words)
+        load = Load(self.cfg.http_port, self.cfg.model, texts, self.args.timeout_s)
+        first = [load.ask(i) for i in range(len(texts))]
+        if any(r.status != 200 for r in first):
+            raise RuntimeError(f"warm-up failed: {[r.status for r in first]}")
+        refs = [r.text for r in first]
+        if [load.ask(i).text for i in range(len(texts))] != refs:
+            raise RuntimeError("greedy answers are not repeatable: cannot tell wrong from right")
+        rows = []
+        with StoreClient(f"127.0.0.1:{self.cfg.master_port}", timeout_s=10) as store:
+            for n, fault in enumerate(self.args.faults.split(",")):
+                rows.append(self._phase(fault.strip(), n, load, refs, store))
+                print(json.dumps(asdict(rows[-1])), file=sys.stderr, flush=True)
         return rows
 
     def _phase(self, fault: str, n: int, load: Load, refs: list[str], store) -> FaultRow:
