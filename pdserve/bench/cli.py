@@ -136,6 +136,13 @@ def _kvstore_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-mooncake-store", action="store_true", help="skip the Mooncake Store baseline"
     )
+    p.add_argument(
+        "--checksums",
+        action="store_true",
+        help="also measure tcp with the raw-object checksum every read verifies (pdserve/tcp+sum; "
+        "the other pdserve rows store without it, as KV chunks are stored, their header "
+        "carrying their own)",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     p.add_argument("--plot", metavar="PNG", help="also draw get GB/s per size per system to PNG")
     p.add_argument("--log-dir", metavar="DIR", help="service logs (default: a temporary directory)")

@@ -47,7 +47,9 @@ BATCH_BYTES = 256 * 1024 * 1024
 
 @dataclass
 class Row:
-    system: str  # "pdserve/shm", "pdserve/tcp", "pdserve/mooncake", "mooncake-store", "memcpy"
+    # "pdserve/shm", "pdserve/tcp", "pdserve/tcp+sum", "pdserve/mooncake", "mooncake-store",
+    # "memcpy", "tcp-plain"
+    system: str
     size: int  # bytes per object
     iterations: int  # operations timed per direction
     mode: str  # "single" or "batch"
@@ -225,56 +227,68 @@ def bench_tcp_limit(sizes: list[int], iterations: int) -> list[Row]:
 
 
 def bench_pdserve(
-    address: str, transport: str, sizes: list[int], iterations: int, batch: int
+    address: str,
+    transport: str,
+    sizes: list[int],
+    iterations: int,
+    batch: int,
+    checksums: bool = False,
 ) -> list[Row]:
+    """pdserve's client over ``transport``. ``checksums``: objects stored with the raw
+    checksum every read verifies (the default for raw objects); without, as KV chunks are
+    stored (their header carries their checksum, checked when decoded) and as Mooncake
+    stores everything."""
+    from pdserve.store.api import StoreOptions
     from pdserve.store.client import StoreClient
 
     client = StoreClient(address, transport=transport, timeout_s=30)
+    opts = StoreOptions(checksum=checksums)
+    name = f"pdserve/{transport}" + ("+sum" if checksums else "")
     rows = []
-    tag = f"{transport}-{os.getpid()}"
+    tag = f"{transport}-{int(checksums)}-{os.getpid()}"
     try:
         for size in sizes:
             n = iterations_for(size, iterations)
-            _progress(f"pdserve/{transport} {_fmt_size(size)} x {n}")
+            _progress(f"{name} {_fmt_size(size)} x {n}")
             data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
             view = memoryview(data)
             buf = np.empty(size, dtype=np.uint8)
             keys = [f"bench-{tag}-{size}-{i}" for i in range(n)]
-            client.put(f"warm-{tag}-{size}", view)  # connections, mappings
+            client.put(f"warm-{tag}-{size}", view, opts)  # connections, mappings
             client.get_into(f"warm-{tag}-{size}", memoryview(buf))
-            put = _measure(n, lambda i, k=keys, v=view: client.put(k[i], v))
+            put = _measure(n, lambda i, k=keys, v=view: client.put(k[i], v, opts))
             bview = memoryview(buf)
             get = _measure(n, lambda i, k=keys, b=bview: client.get_into(k[i], b))
             if not np.array_equal(buf, data):
-                raise RuntimeError(f"pdserve/{transport}: read back different bytes")
+                raise RuntimeError(f"{name}: read back different bytes")
             client.remove([*keys, f"warm-{tag}-{size}"])
-            rows.append(_row(f"pdserve/{transport}", size, n, put, get))
+            rows.append(_row(name, size, n, put, get))
             if batch > 1:
-                rows.append(_bench_pdserve_batch(client, transport, tag, size, iterations, batch))
+                rows.append(_bench_pdserve_batch(client, name, opts, tag, size, iterations, batch))
     finally:
         client.close()
     return rows
 
 
 def _bench_pdserve_batch(
-    client, transport: str, tag: str, size: int, iterations: int, batch: int
+    client, name: str, opts, tag: str, size: int, iterations: int, batch: int
 ) -> Row:
     nb = batch_for(size, batch)
     n = iterations_for(size * nb, iterations)
-    _progress(f"pdserve/{transport} batches of {nb} x {_fmt_size(size)}, {n} batches")
+    _progress(f"{name} batches of {nb} x {_fmt_size(size)}, {n} batches")
     data = np.random.default_rng(size + 1).integers(0, 256, (nb, size), dtype=np.uint8)
     srcs = [memoryview(row) for row in data]
     out = np.empty_like(data)
     dsts = [memoryview(row) for row in out]
     keys = [[f"batch-{tag}-{size}-{i}-{j}" for j in range(nb)] for i in range(n + 1)]
-    client.batch_put(list(zip(keys[n], srcs, strict=True)))  # warm-up batch
+    client.batch_put(list(zip(keys[n], srcs, strict=True)), opts)  # warm-up batch
     client.batch_get_into(keys[n], dsts)
-    put = _measure(n, lambda i: client.batch_put(list(zip(keys[i], srcs, strict=True))))
+    put = _measure(n, lambda i: client.batch_put(list(zip(keys[i], srcs, strict=True)), opts))
     get = _measure(n, lambda i: client.batch_get_into(keys[i], dsts))
     if not np.array_equal(out, data):
-        raise RuntimeError(f"pdserve/{transport} batch: read back different bytes")
+        raise RuntimeError(f"{name} batch: read back different bytes")
     client.remove([k for ks in keys for k in ks])
-    return _row(f"pdserve/{transport}", size, n, put, get, nb)
+    return _row(name, size, n, put, get, nb)
 
 
 def bench_control(address: str, rounds: int = 500) -> dict[str, dict[str, float]]:
@@ -473,9 +487,9 @@ def ratios(rows: list[Row]) -> list[str]:
         mem = by.get(("memcpy", r.size, r.mode))
         plain = by.get(("tcp-plain", r.size, "single"))
         where = f"{_fmt_size(r.size)} {r.mode}"
-        if r.system == "pdserve/tcp" and mc is not None:
+        if r.system in ("pdserve/tcp", "pdserve/tcp+sum") and mc is not None:
             lines.append(
-                f"tcp / mooncake-store at {where}: get {r.get_gbps / mc.get_gbps:.2f}x "
+                f"{r.system[8:]} / mooncake-store at {where}: get {r.get_gbps / mc.get_gbps:.2f}x "
                 f"(p50 {r.get_p50_us:.0f} vs {mc.get_p50_us:.0f} us), "
                 f"put {r.put_gbps / mc.put_gbps:.2f}x"
             )
@@ -547,6 +561,10 @@ def run(args: argparse.Namespace) -> int:
     with local_store(log_dir, segment_size=segment, transports=served) as (master, _node):
         for t in transports:
             rows += bench_pdserve(master.info["grpc"], t, sizes, args.iterations, args.batch)
+            if args.checksums and t == "tcp":
+                rows += bench_pdserve(
+                    master.info["grpc"], t, sizes, args.iterations, args.batch, checksums=True
+                )
         _progress("longest_prefix and the control path (pdserve)")
         prefix["pdserve"] = bench_longest_prefix(master.info["grpc"])
         control = bench_control(master.info["grpc"])

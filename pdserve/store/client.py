@@ -87,9 +87,14 @@ _UNROUTED: Any = object()
 SUSPECT_S = 5.0
 
 
+#: Objects from this size on are hashed on every core (BLAKE3's tree mode: same digest).
+PARALLEL_HASH_BYTES = 4 << 20
+
+
 def _checksum(data: memoryview) -> bytes:
     """An object's checksum: BLAKE3, first 16 bytes (the GIL is released while it runs)."""
-    return blake3.blake3(data).digest(length=16)
+    threads = blake3.blake3.AUTO if len(data) >= PARALLEL_HASH_BYTES else 1
+    return blake3.blake3(data, max_threads=threads).digest(length=16)
 
 
 class _Check:
