@@ -490,10 +490,9 @@ class StoreClient(StoreBackend):
             if value is not None:
                 return value
             corrupt = True
-        if corrupt:
+        if corrupt and res.key in check.bad:  # wrong bytes, not merely a late read
             CORRUPT_CHUNKS.inc()
-            if res.key in check.bad:
-                self._discard(res.key)
+            self._discard(res.key)
         return None
 
     def _discard(self, key: str) -> None:
