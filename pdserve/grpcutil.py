@@ -38,6 +38,12 @@ def _options(max_message_bytes: int) -> list[tuple[str, Any]]:
     ]
 
 
+#: Servers accept the keepalive pings of the clients above (every 20 s, calls or not).
+#: gRPC's default allows one every 5 minutes on a connection without calls and answers the
+#: third sooner with GOAWAY "too_many_pings": every idle channel was dropped after a minute.
+_SERVER_OPTIONS = [("grpc.http2.min_ping_interval_without_data_ms", 10_000)]
+
+
 @dataclass
 class Server:
     """A started gRPC server with its health servicer."""
@@ -141,7 +147,8 @@ async def start_server(
 
     ``servicers`` holds ``(add_XServicer_to_server, servicer, full service name)`` triples.
     """
-    server = grpc.aio.server(options=_options(max_message_bytes), interceptors=[_RefuseMalformed()])
+    options = [*_options(max_message_bytes), *_SERVER_OPTIONS]
+    server = grpc.aio.server(options=options, interceptors=[_RefuseMalformed()])
     names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
     for add, servicer, name in servicers:
         add(servicer, server)
@@ -199,14 +206,26 @@ async def check_health(address: str, timeout: float = 2.0) -> bool:
         return resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
+#: Longest status message sent (characters). gRPC carries it percent-encoded in a trailer,
+#: and a client drops a status whose metadata passes its limit (8-16 KiB): it then sees
+#: RESOURCE_EXHAUSTED "received metadata size exceeds ..." instead. Messages that echo a
+#: hostile value (a megabyte-long model name or lease id) are cut to fit (at most 4 UTF-8
+#: bytes a character, 3 encoded characters a byte: about 6 KiB).
+MAX_ERROR_CHARS = 512
+
+
 def error_status(exc: BaseException, name: str) -> tuple[grpc.StatusCode, str]:
     """The status and message an error raised by the handler ``name`` answers with (gRPC
     and the KV master's control wire alike); an INTERNAL one is logged with its traceback."""
     code = status_for(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("unhandled error in %s", name, exc_info=exc)
-        return code, f"internal error in {name}: {type(exc).__name__}: {exc}"
-    return code, str(exc) or type(exc).__name__
+        message = f"internal error in {name}: {type(exc).__name__}: {exc}"
+    else:
+        message = str(exc) or type(exc).__name__
+    if len(message) > MAX_ERROR_CHARS:
+        message = f"{message[:MAX_ERROR_CHARS]}... ({len(message)} characters)"
+    return code, message
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, name: str) -> None:

@@ -62,7 +62,13 @@ class Sampling:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below GREEDY_BELOW sample greedily, as in vLLM: dividing the logits by
+        a tinier one overflows float32 math."""
+        return self.temperature < GREEDY_BELOW
+
+
+#: See :attr:`Sampling.greedy`.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
@@ -168,17 +174,20 @@ class Engine(abc.ABC):
 
     def check_prompt(self, prompt_token_ids: Sequence[int], sampling: Sampling) -> None:
         """Shared input validation: INVALID_ARGUMENT naming what is wrong."""
+        field = "prompt_token_ids"
         if not prompt_token_ids:
-            raise InvalidArgument("prompt must contain at least one token")
+            raise InvalidArgument(f"{field} must contain at least one token", param=field)
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidArgument(
-                f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+                f"{field}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                param=field,
             )
         if len(prompt_token_ids) + sampling.max_tokens > self.max_model_len:
             raise InvalidArgument(
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) "
-                f"exceeds the model context of {self.max_model_len} tokens"
+                f"{field} ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) "
+                f"exceeds the model context of {self.max_model_len} tokens",
+                param=field,
             )
 
 

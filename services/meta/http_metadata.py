@@ -46,7 +46,7 @@ def make_app(backend: Backend) -> web.Application:
                 body = await request.read()
                 try:
                     json.loads(body)
-                except (UnicodeDecodeError, ValueError) as exc:
+                except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
                     return _text(f"metadata body is not valid JSON: {exc}", 400)
                 await backend.kv_put(key, body)
                 return _text("metadata updated", 200)

@@ -97,6 +97,7 @@ class Frontend:
             seed=s.seed if s.HasField("seed") else None,
             stop=list(s.stop),
             ignore_eos=s.ignore_eos,
+            prompt_field=given[0],
         )
         mode = _MODES.get(req.mode)
         if mode is None:
@@ -129,7 +130,8 @@ class Frontend:
             ids = self.tokenizer.apply_chat_template(msgs)
         else:
             ids = self._openai_prompt(body.get("prompt"), limits)
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        max_tokens = body.get(max_field)
         if max_tokens is None and not chat:
             max_tokens = 16  # the OpenAI completions default
         stop = body.get("stop") or []
@@ -147,6 +149,8 @@ class Frontend:
             seed=body.get("seed"),
             stop=stop,
             ignore_eos=bool(body.get("ignore_eos", False)),
+            max_tokens_field=max_field,
+            prompt_field="messages" if chat else "prompt",
         )
         rid = body.get("request_id", "")
         if not isinstance(rid, str):

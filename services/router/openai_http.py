@@ -150,6 +150,8 @@ async def _generate(fe: Frontend, request: web.Request, *, chat: bool) -> web.St
         )
     except ValueError as exc:
         return error_response(errors.InvalidArgument(f"request body is not valid JSON: {exc}"))
+    except RecursionError:  # [[[[... thousands deep: json gives up (a RuntimeError)
+        return error_response(errors.InvalidArgument("request body is nested too deeply"))
     header_id = request.headers.get(REQUEST_ID_HEADER, "")
     if header_id and isinstance(body, dict) and not body.get("request_id"):
         body = {**body, "request_id": header_id}
@@ -162,7 +164,13 @@ async def _generate(fe: Frontend, request: web.Request, *, chat: bool) -> web.St
     request_id_var.set(req.request_id)
     headers = {REQUEST_ID_HEADER: req.request_id}
     stream = bool(body.get("stream", False))
-    usage_in_stream = bool((body.get("stream_options") or {}).get("include_usage", False))
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        bad = errors.InvalidArgument(
+            f"stream_options must be an object, got {stream_options!r:.100}", param="stream_options"
+        )
+        return error_response(bad, headers)
+    usage_in_stream = bool(stream_options.get("include_usage", False))
     meta = {
         "id": ("chatcmpl-" if chat else "cmpl-") + (req.request_id or uuid.uuid4().hex),
         "created": int(time.time()),

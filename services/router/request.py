@@ -159,15 +159,21 @@ def make_sampling(
     seed: int | None,
     stop: Sequence[str],
     ignore_eos: bool,
+    max_tokens_field: str = "max_tokens",
+    prompt_field: str = "prompt",
 ) -> Sampling:
-    """Validated sampling controls; ``max_tokens`` None = the default, capped by the context."""
+    """Validated sampling controls; ``max_tokens`` None = the default, capped by the context
+    and the limit. Errors name the fields as the request spelled them: ``max_tokens_field``
+    (OpenAI also takes ``max_completion_tokens``) and ``prompt_field`` (``prompt``,
+    ``prompt_token_ids`` or ``messages``)."""
     for name, value in (("temperature", temperature), ("top_p", top_p)):
         if value is not None and not _finite(value):
             raise InvalidArgument(f"{name} must be a finite number, got {value!r}", param=name)
     # Integers must fit their proto fields (uint32 max_tokens and top_k, uint64 seed).
     if max_tokens is not None and not _int_in(max_tokens, 0, U32):
         raise InvalidArgument(
-            f"max_tokens must be an integer in [0, {U32}], got {max_tokens!r}", param="max_tokens"
+            f"{max_tokens_field} must be an integer in [0, {U32}], got {max_tokens!r}",
+            param=max_tokens_field,
         )
     if top_k is not None and not _int_in(top_k, 0, U32):
         raise InvalidArgument(
@@ -181,12 +187,12 @@ def make_sampling(
     room = limits.max_model_len - prompt_len if limits.max_model_len else limits.max_tokens_limit
     if room <= 0:
         raise InvalidArgument(
-            f"prompt: {prompt_len} tokens leave no room in the model context of "
+            f"{prompt_field}: {prompt_len} tokens leave no room in the model context of "
             f"{limits.max_model_len} tokens",
-            param="prompt",
+            param=prompt_field,
         )
-    if max_tokens is None:
-        max_tokens = min(limits.default_max_tokens, room)
+    if max_tokens is None:  # a default above the limit must not refuse what the caller left out
+        max_tokens = min(limits.default_max_tokens, room, limits.max_tokens_limit)
     sampling = Sampling(
         max_tokens=max_tokens,
         temperature=1.0 if temperature is None else float(temperature),
@@ -196,11 +202,17 @@ def make_sampling(
         stop=tuple(stop),
         ignore_eos=bool(ignore_eos),
     )
-    sampling.validate(limits.max_tokens_limit)
+    try:
+        sampling.validate(limits.max_tokens_limit)
+    except InvalidArgument as exc:
+        if exc.param != "max_tokens" or max_tokens_field == "max_tokens":
+            raise
+        message = str(exc).replace("max_tokens", max_tokens_field, 1)
+        raise InvalidArgument(message, param=max_tokens_field) from None
     if max_tokens > room:
         raise InvalidArgument(
-            f"max_tokens {max_tokens} + prompt {prompt_len} tokens exceeds the model context "
-            f"of {limits.max_model_len} tokens",
-            param="max_tokens",
+            f"{max_tokens_field} {max_tokens} + prompt {prompt_len} tokens exceeds the model "
+            f"context of {limits.max_model_len} tokens",
+            param=max_tokens_field,
         )
     return sampling
