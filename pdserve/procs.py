@@ -10,6 +10,7 @@ import contextlib
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -68,6 +69,18 @@ class ServiceProcess:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.popen.pid, signal.SIGKILL)
         return self.popen.returncode
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free on 127.0.0.1 right now (all bound at once, then released)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def spawn_service(

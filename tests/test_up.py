@@ -7,7 +7,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,17 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.procs import free_ports
+
 pytestmark = pytest.mark.slow
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _children(pid: int) -> set[int]:
@@ -36,7 +27,7 @@ def _children(pid: int) -> set[int]:
 
 def _up(tmp_path: Path) -> tuple[subprocess.Popen, str, dict[str, int], Path]:
     """A `pdserve up` (torch engine, tiny model) on free ports, once its banner is out."""
-    meta, meta_http, master, router, http = _free_ports(5)
+    meta, meta_http, master, router, http = free_ports(5)
     run_dir = tmp_path / "run"
     cmd = [
         sys.executable, "-m", "pdserve.cli", "up", "--engine", "torch", "--model", "tiny", "--chunk-size", "16",

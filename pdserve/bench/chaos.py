@@ -93,18 +93,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _free_ports(n: int) -> list[int]:
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 class Load:
     """Client threads sending the prompts round robin; every outcome is recorded."""
 
@@ -228,11 +216,12 @@ class BenchCluster:
     """A supervised ``pdserve up`` cluster on free ports for the fault and soak benchmarks."""
 
     def __init__(self, args: argparse.Namespace, config_yaml: str = "") -> None:
+        from pdserve.procs import free_ports
         from pdserve.up import Cluster, UpConfig
 
         self.args = args
         self.run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="pdserve-chaos-"))
-        meta, meta_http, master, router, http = _free_ports(5)
+        meta, meta_http, master, router, http = free_ports(5)
         cfg = UpConfig(
             engine=args.engine,
             model=args.model,

@@ -29,7 +29,6 @@ import math
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdserve.procs import ServiceProcess
+from pdserve.procs import ServiceProcess, free_ports
 
 if TYPE_CHECKING:
     import aiohttp
@@ -442,12 +441,6 @@ def scrape(base: str) -> dict | None:
         return None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # --- started systems ------------------------------------------------------------------------
 
 
@@ -516,13 +509,13 @@ def logs_dir(keep: bool) -> Iterator[Path]:
 def pdserve_up_argv(args_text: str, model: str, run_dir: Path) -> tuple[list[str], str]:
     """The ``pdserve up`` command line on free ports and its HTTP base URL."""
     user = shlex.split(args_text)
-    http = free_port()
+    http = free_ports(1)[0]
     ports = {
         "--http-port": http,
-        "--router-port": free_port(),
-        "--meta-port": free_port(),
-        "--meta-http-port": free_port(),
-        "--master-port": free_port(),
+        "--router-port": free_ports(1)[0],
+        "--meta-port": free_ports(1)[0],
+        "--meta-http-port": free_ports(1)[0],
+        "--master-port": free_ports(1)[0],
     }
     argv = [sys.executable, "-m", "pdserve.cli", "up", "--run-dir", str(run_dir)]
     argv += ["--host", "127.0.0.1", *(x for kv in ports.items() for x in map(str, kv))]
@@ -576,7 +569,7 @@ def started_colocated(args: argparse.Namespace, work: Path) -> Iterator[str]:
         bases = []
         t0 = time.monotonic()
         for i in range(args.baseline_engines):
-            port = free_port()
+            port = free_ports(1)[0]
             argv = [sys.executable, "-m", "pdserve.vllm_cli", "serve", str(model_dir)]
             argv += ["--served-model-name", args.model, "--host", "127.0.0.1", "--port", str(port)]
             argv += shlex.split(args.baseline_args)
@@ -586,7 +579,7 @@ def started_colocated(args: argparse.Namespace, work: Path) -> Iterator[str]:
             bases.append(f"http://127.0.0.1:{port}")
         for proc, base in zip(procs, bases, strict=True):
             wait_http_ready(proc, base, args.model, args.start_timeout)
-        port = free_port()
+        port = free_ports(1)[0]
         argv = [sys.executable, "-m", "pdserve.bench.serve", "proxy", str(port), *bases]
         procs.append(spawn("proxy", argv, work / "proxy.log"))
         proxy = f"http://127.0.0.1:{port}"
