@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -10,6 +11,7 @@ def run(args: argparse.Namespace) -> int:
     import grpc
 
     from pdserve import grpcutil
+    from pdserve.auth import bearer
     from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
     sampling = common_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
@@ -24,7 +26,9 @@ def run(args: argparse.Namespace) -> int:
     with grpcutil.sync_channel(args.router) as ch:
         stub = router_pb2_grpc.RouterServiceStub(ch)
         try:
-            for msg in stub.GenerateStream(req, timeout=args.timeout):
+            for msg in stub.GenerateStream(
+                req, timeout=args.timeout, metadata=bearer(args.api_key)
+            ):
                 sys.stdout.write(msg.text)
                 sys.stdout.flush()
                 if msg.finish_reason:
@@ -56,4 +60,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     p.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("PDSERVE_API_KEY", ""),
+        help="the router's API key (default: $PDSERVE_API_KEY)",
+    )
     p.set_defaults(func=run)

@@ -142,13 +142,15 @@ async def start_server(
     address: str,
     *,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> Server:
     """Starts a grpc.aio server on ``address`` ("host:port", port 0 = any free port).
 
-    ``servicers`` holds ``(add_XServicer_to_server, servicer, full service name)`` triples.
+    ``servicers`` holds ``(add_XServicer_to_server, servicer, full service name)`` triples;
+    ``interceptors`` run before pdserve's own (e.g. :class:`pdserve.auth.RequireKey`).
     """
     options = [*_options(max_message_bytes), *_SERVER_OPTIONS]
-    server = grpc.aio.server(options=options, interceptors=[_RefuseMalformed()])
+    server = grpc.aio.server(options=options, interceptors=[*interceptors, _RefuseMalformed()])
     names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
     for add, servicer, name in servicers:
         add(servicer, server)

@@ -65,6 +65,11 @@ class UpConfig:
     router_port: int = help_field(50060, "router gRPC port")
     http_port: int = help_field(8000, "router OpenAI-compatible HTTP port")
     run_dir: str = help_field(".pdserve/run", "folder for logs and state (logs/<service>.log)")
+    api_key: str = help_field(
+        "",
+        "API key the router requires on HTTP and gRPC ('' = open); set it with "
+        "PDSERVE_UP_API_KEY rather than a flag. It reaches the router in a 0600 file",
+    )
     ready_timeout_s: float = help_field(600.0, "how long to wait for each service to be ready")
 
     def validate(self) -> None:
@@ -211,6 +216,13 @@ class Cluster:
                 for n, (role, i) in enumerate(workers)
             ]
         )
+        key_file = None
+        if c.api_key:  # a file, not a flag: flags show in `ps`
+            key_file = Path(c.run_dir) / "api_key"
+            key_file.parent.mkdir(parents=True, exist_ok=True)
+            key_file.touch(mode=0o600)
+            key_file.chmod(0o600)
+            key_file.write_text(c.api_key + "\n")
         router_args = service_args(
             "router",
             host=c.host,
@@ -220,6 +232,7 @@ class Cluster:
             store_master=master,
             model=c.model,
             chunk_size=c.chunk_size,
+            api_key_file=key_file,
         )
         (router,) = self._start([("router", router_args)])
         self._wait_for_workers(router.info["grpc"])
@@ -227,6 +240,7 @@ class Cluster:
     def _wait_for_workers(self, router: str) -> None:
         """Ready means the router routes: it must see every worker ``up`` started."""
         from pdserve import grpcutil
+        from pdserve.auth import bearer
         from pdserve.v1 import router_pb2, router_pb2_grpc
 
         want = (self.cfg.prefill_workers, self.cfg.decode_workers)
@@ -234,7 +248,9 @@ class Cluster:
         with grpcutil.sync_channel(router) as ch:
             stub = router_pb2_grpc.RouterServiceStub(ch)
             while True:
-                models = stub.ListModels(router_pb2.ListModelsRequest(), timeout=5).models
+                models = stub.ListModels(
+                    router_pb2.ListModelsRequest(), timeout=5, metadata=bearer(self.cfg.api_key)
+                ).models
                 seen = (
                     sum(m.prefill_workers for m in models),
                     sum(m.decode_workers for m in models),
@@ -355,6 +371,14 @@ def _progress(msg: str) -> None:
 def banner(cfg: UpConfig) -> str:
     http = f"http://{cfg.host}:{cfg.http_port}"
     grpc_addr = f"{cfg.host}:{cfg.router_port}"
+    # With a key, the examples read it from $PDSERVE_API_KEY (the banner never prints it).
+    curl_key = ' -H "Authorization: Bearer $PDSERVE_API_KEY"' if cfg.api_key else ""
+    grpcurl_key = ' -H "authorization: Bearer $PDSERVE_API_KEY"' if cfg.api_key else ""
+    keyed = (
+        "  The router needs the API key: export PDSERVE_API_KEY=<the key> first.\n\n"
+        if cfg.api_key
+        else ""
+    )
     return f"""
 pdserve is up.
   OpenAI-compatible HTTP  {http}/v1   (health: {http}/health, metrics: {http}/metrics)
@@ -363,12 +387,12 @@ pdserve is up.
   logs  {Path(cfg.run_dir) / "logs"}/<service>.log      status: pdserve status
 
 Try it:
-  curl -s {http}/v1/completions -H 'Content-Type: application/json' \\
+{keyed}  curl -s {http}/v1/completions -H 'Content-Type: application/json'{curl_key} \\
     -d '{{"model": "{cfg.model}", "prompt": "Once upon a time", "max_tokens": 32, "temperature": 0}}'
 
   .venv/bin/pdserve generate --router {grpc_addr} --model {cfg.model} "Once upon a time"
 
-  grpcurl -plaintext -d '{{"model": "{cfg.model}", "prompt": "Once upon a time", "sampling": {{"max_tokens": 32, "temperature": 0}}}}' \\
+  grpcurl -plaintext{grpcurl_key} -d '{{"model": "{cfg.model}", "prompt": "Once upon a time", "sampling": {{"max_tokens": 32, "temperature": 0}}}}' \\
     {grpc_addr} pdserve.v1.RouterService/GenerateStream
 
 Ctrl-C stops everything.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.auth import load_key
 from pdserve.config import ConfigError, help_field
 
 POLICIES = ("round_robin", "least_load", "cache_aware")
@@ -66,6 +67,14 @@ class RouterConfig:
     request_timeout_s: float = help_field(600.0, "deadline of a request without its own (s)")
     prefill: list[str] = help_field([], "static prefill worker addresses (instead of meta)")
     decode: list[str] = help_field([], "static decode worker addresses (instead of meta)")
+    api_key: str = help_field(
+        "",
+        "key every client must present: HTTP 'Authorization: Bearer KEY', gRPC metadata "
+        "'authorization: Bearer KEY' ('' = open; /health and gRPC health stay open). Prefer "
+        "PDSERVE_ROUTER_API_KEY or api_key_file to a flag, which other users can see in ps",
+    )
+    api_key_file: str = help_field("", "file whose first line is the API key")
+    metrics_need_key: bool = help_field(False, "serve /metrics only to callers with the key")
     log_level: str = help_field("info", "log level")
 
     @property
@@ -92,3 +101,5 @@ class RouterConfig:
             raise ConfigError("prefill_retries must be >= 0 and breaker_failures positive")
         if self.default_max_tokens <= 0 or self.max_tokens_limit <= 0:
             raise ConfigError("default_max_tokens and max_tokens_limit must be positive")
+        self.api_key = load_key(self.api_key, self.api_key_file)
+        self.api_key_file = ""

@@ -22,7 +22,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pdserve import errors
+from pdserve import auth, errors
 from pdserve.services.router.frontend import Frontend
 from pdserve.services.router.orchestrator import StreamChunk
 from pdserve.services.router.workers import DECODE
@@ -85,8 +85,35 @@ async def _http_errors(request: web.Request, handler) -> web.StreamResponse:
         return web.json_response({"error": body}, status=exc.status)
 
 
-def make_app(fe: Frontend) -> web.Application:
-    app = web.Application(middlewares=[_http_errors])
+def _require_key(key: str, metrics_need_key: bool):
+    """401 in the OpenAI error shape for a request without ``key`` (/health is open, and
+    /metrics unless ``metrics_need_key``)."""
+    open_paths = {"/health"} | (set() if metrics_need_key else {"/metrics"})
+
+    @web.middleware
+    async def require(request: web.Request, handler) -> web.StreamResponse:
+        why = (
+            ""
+            if request.path in open_paths
+            else auth.problem(request.headers.get("Authorization"), key)
+        )
+        if not why:
+            return await handler(request)
+        body = {"message": why, "type": "invalid_request_error", "param": None}
+        return web.json_response(
+            {"error": {**body, "code": "invalid_api_key"}},
+            status=401,
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+    return require
+
+
+def make_app(fe: Frontend, *, api_key: str = "", metrics_need_key: bool = False) -> web.Application:
+    middlewares = [_http_errors]
+    if api_key:
+        middlewares.insert(0, _require_key(api_key, metrics_need_key))
+    app = web.Application(middlewares=middlewares)
 
     async def completions(request: web.Request) -> web.StreamResponse:
         return await _generate(fe, request, chat=False)

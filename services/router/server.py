@@ -11,6 +11,7 @@ from pathlib import Path
 from aiohttp import web
 
 from pdserve import grpcutil, lifecycle
+from pdserve.auth import RequireKey
 from pdserve.discovery import leave, register_service
 from pdserve.engines.fingerprint import model_revision
 from pdserve.services.router.admission import Admission
@@ -136,10 +137,12 @@ async def serve(
             )
         ],
         f"{cfg.host}:{cfg.port}",
+        interceptors=[RequireKey(cfg.api_key)] if cfg.api_key else (),
     )
     runner, http_port = None, 0
     if cfg.http_port >= 0:
-        runner = web.AppRunner(make_app(fe), handler_cancellation=True, access_log=None)
+        app = make_app(fe, api_key=cfg.api_key, metrics_need_key=cfg.metrics_need_key)
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, cfg.host, cfg.http_port)
         await site.start()
