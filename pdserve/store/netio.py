@@ -4,15 +4,24 @@ control wire): a thread-per-connection server, gathered sends, scattered receive
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 
 #: Largest slice handed to one send/recv call (keeps each syscall bounded).
 IO_SLICE = 4 * 1024 * 1024
 #: Most buffers handed to one sendmsg / recvmsg_into (below Linux's IOV_MAX of 1024).
 IOV = 512
+#: Connections one ConnectionServer serves at once; more are closed on accept.
+MAX_CONNECTIONS = 1024
+#: accept() failures that mean "out of descriptors or memory for now": wait and go on.
+_TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+
+log = logging.getLogger(__name__)
 
 
 def kernel_timeouts(sock: socket.socket, timeout_s: float) -> None:
@@ -63,7 +72,9 @@ def recv_parts(sock: socket.socket, parts: list[memoryview]) -> bool:
 class ConnectionServer:
     """A listening socket with one thread per accepted connection running ``serve(conn)``;
     the connection is closed when it returns or raises OSError. ``tune`` (if given) is
-    applied to the listener, before any connection, and to every accepted socket."""
+    applied to the listener, before any connection, and to every accepted socket. Beyond
+    ``max_connections`` open at once a new connection is closed at once; running out of
+    descriptors (EMFILE) makes the accept loop wait and retry instead of stopping for good."""
 
     def __init__(
         self,
@@ -72,8 +83,11 @@ class ConnectionServer:
         serve: Callable[[socket.socket], None],
         name: str,
         tune: Callable[[socket.socket], None] | None = None,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         self._serve = serve
+        self.max_connections = max_connections
+        self.refused = 0
         self._tune = tune
         self._name = name
         self._sock = socket.create_server((host, port), backlog=128)
@@ -88,8 +102,25 @@ class ConnectionServer:
         while True:
             try:
                 conn, _ = self._sock.accept()
-            except OSError:
-                return
+            except OSError as exc:
+                if exc.errno not in _TRANSIENT:
+                    return  # the listener was closed
+                log.warning("%s: cannot accept a connection (%s); retrying", self._name, exc)
+                time.sleep(0.1)
+                continue
+            with self._lock:
+                full = len(self._conns) >= self.max_connections
+            if full:
+                self.refused += 1
+                if self.refused == 1 or self.refused % 1000 == 0:
+                    log.warning(
+                        "%s: %d connections open, the limit: refused %d so far",
+                        self._name,
+                        self.max_connections,
+                        self.refused,
+                    )
+                conn.close()
+                continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._tune is not None:
                 self._tune(conn)
