@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import random
-import re
 import signal
 import sys
 import tempfile
@@ -171,11 +170,10 @@ class Load:
 
 def _metric(address: str, name: str) -> float:
     """Sum of a counter over its labels, from the /metrics at ``address`` (0 if it is down)."""
-    try:
-        text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-    except OSError:
-        return 0.0
-    return sum(float(m) for m in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+    from pdserve.bench.serve import scrape
+
+    samples = scrape(f"http://{address}") or {}
+    return sum(v for (n, _labels), v in samples.items() if n == name)
 
 
 def _score(row: FaultRow, outcomes: list[Outcome], refs: list[str], t_fault: float) -> None:
