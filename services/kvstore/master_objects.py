@@ -4,7 +4,7 @@ on-demand eviction), reads and read leases, and removal."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from pdserve import errors
 from pdserve.services.kvstore.master_config import MasterConfig
@@ -177,11 +177,17 @@ class ObjectsMixin:
         return None
 
     def _try_place(
-        self, strategy: PlacementStrategy, size: int, n_rep: int
+        self,
+        strategy: PlacementStrategy,
+        size: int,
+        n_rep: int,
+        exclude_nodes: Collection[str] = (),
     ) -> list[ReplicaLoc] | None:
+        """``n_rep`` new ranges of ``size`` bytes on distinct nodes, none of
+        ``exclude_nodes``, in ``strategy``'s order; None (nothing taken) when they do not fit."""
         live = [s for s in self.segments.values() if s.alive and s.allocator.can_fit(size)]
         chosen: list[ReplicaLoc] = []
-        used_nodes: set[str] = set()
+        used_nodes: set[str] = set(exclude_nodes)
         for seg in strategy.order(live, size):
             if seg.node_id in used_nodes:
                 continue

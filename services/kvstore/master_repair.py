@@ -20,6 +20,8 @@ from pdserve.services.kvstore.master_types import (
     ReplicaLoc,
     SegmentState,
 )
+from pdserve.services.kvstore.placement import PlacementStrategy
+from pdserve.v1 import kvstore_pb2 as pb
 
 #: The lease holder name of repair copies.
 REPAIRER = "master-repair"
@@ -45,7 +47,8 @@ class RepairMixin:
     segments: dict[str, SegmentState]
     clock: Clock
     counters: Counters
-    # and PersistenceMixin's _mark and flush
+    strategies: dict[int, PlacementStrategy]
+    # and PersistenceMixin's _mark and flush, ObjectsMixin's _try_place
 
     def _init_repair(self) -> None:
         self._repair_queue: deque[str] = deque()
@@ -75,20 +78,14 @@ class RepairMixin:
             if obj is None or key in self._repairing or len(obj.replicas) >= obj.want:
                 continue
             held = {r.node_id for r in obj.replicas}
-            target, chosen = None, None
-            for seg in sorted(
-                (s for s in self.segments.values() if s.alive and s.node_id not in held),
-                key=lambda s: -s.free,
-            ):
-                off = seg.allocator.allocate(obj.size)
-                if off is not None:
-                    target, chosen = ReplicaLoc(seg.segment_id, seg.node_id, off), seg
-                    break
-            if target is None or chosen is None:
+            placed = self._try_place(self.strategies[pb.PLACEMENT_UNSPECIFIED], obj.size, 1, held)
+            if placed is None:
                 waiting.append(key)
                 continue
+            target = placed[0]
             obj.leases[REPAIRER] = now + REPAIR_LEASE_S
-            job = RepairJob(key, obj.size, obj.replicas[0], target, obj, chosen)
+            segment = self.segments[target.segment_id]
+            job = RepairJob(key, obj.size, obj.replicas[0], target, obj, segment)
             self._repairing[key] = job
             jobs.append(job)
         for key in waiting:
