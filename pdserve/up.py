@@ -129,6 +129,8 @@ class Cluster:
     procs: list = field(default_factory=list)
     supervised: dict[str, Supervised] = field(default_factory=dict)
     stopping: bool = False
+    #: This cluster's restart threads (the finished ones are dropped as new ones start).
+    restarts: list[threading.Thread] = field(default_factory=list)
 
     @property
     def log_dir(self) -> Path:
@@ -263,9 +265,8 @@ class Cluster:
 
     def stop(self) -> None:
         self.stopping = True
-        for t in threading.enumerate():
-            if t.name.startswith("restart-"):
-                t.join()  # a restart in flight: its process is in self.procs once it returns
+        for t in self.restarts:
+            t.join()  # a restart in flight: its process is in self.procs once it returns
         (Path(self.cfg.run_dir) / SERVICES_FILE).unlink(missing_ok=True)
         for proc in reversed(self.procs):
             if proc.alive():
@@ -315,9 +316,11 @@ class Cluster:
                 changed = True
             elif now >= sup.next_start:
                 sup.state = "starting"
-                threading.Thread(
+                t = threading.Thread(
                     target=self._restart, args=(i, proc.name), name=f"restart-{proc.name}"
-                ).start()
+                )
+                self.restarts = [r for r in self.restarts if r.is_alive()] + [t]
+                t.start()
                 changed = True
         return changed
 
