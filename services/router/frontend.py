@@ -83,9 +83,9 @@ class Frontend:
         elif req.prompt_token_ids:
             ids = rq.check_token_ids(list(req.prompt_token_ids), limits, "prompt_token_ids")
         else:
-            msgs = rq.check_messages([{"role": m.role, "content": m.content} for m in req.messages])
-            rq.check_text_size(sum(len(m["content"]) for m in msgs), limits, "messages")
-            ids = self.tokenizer.apply_chat_template(msgs)
+            ids = self._chat_ids(
+                [{"role": m.role, "content": m.content} for m in req.messages], limits
+            )
         s = req.sampling
         sampling = rq.make_sampling(
             limits,
@@ -125,9 +125,7 @@ class Frontend:
                 raise InvalidArgument(
                     "messages must be a list of {role, content} objects", param="messages"
                 )
-            msgs = rq.check_messages(msgs)
-            rq.check_text_size(sum(len(m["content"]) for m in msgs), limits, "messages")
-            ids = self.tokenizer.apply_chat_template(msgs)
+            ids = self._chat_ids(msgs, limits)
         else:
             ids = self._openai_prompt(body.get("prompt"), limits)
         max_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
@@ -156,6 +154,13 @@ class Frontend:
         if not isinstance(rid, str):
             raise InvalidArgument("request_id must be a string", param="request_id")
         return rq.GenRequest(rq.check_request_id(rid), ids, sampling, "")
+
+    def _chat_ids(self, messages: list[dict[str, Any]], limits: rq.Limits) -> list[int]:
+        """The prompt of validated chat ``messages``, refused before templating when their
+        text cannot fit the context."""
+        msgs = rq.check_messages(messages)
+        rq.check_text_size(sum(len(m["content"]) for m in msgs), limits, "messages")
+        return self.tokenizer.apply_chat_template(msgs)
 
     def _openai_prompt(self, prompt: Any, limits: rq.Limits) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
