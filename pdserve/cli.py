@@ -18,6 +18,7 @@ from pdserve import __version__
 COMMAND_MODULES = [
     "pdserve.up",
     "pdserve.status",
+    "pdserve.certs",
     "pdserve.generate",
     "pdserve.services.router.cli",
     "pdserve.services.prefill.cli",
@@ -56,6 +57,15 @@ def main(argv: list[str] | None = None) -> int:
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()
+        return 2
+    from pdserve import identity
+
+    try:
+        # Client commands (status, generate, bench) dial mutual-TLS services with the files in
+        # PDSERVE_TLS_CA / _CERT / _KEY; a service replaces them with its own config's.
+        identity.configure_env()
+    except ValueError as exc:
+        print(f"pdserve: {exc}", file=sys.stderr)
         return 2
     return int(func(args) or 0)
 

@@ -49,6 +49,18 @@ class ResourceExhausted(PdserveError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class PermissionDenied(PdserveError):
+    """The caller is known, but its identity may not do this."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class Unauthenticated(PdserveError):
+    """The caller presented no identity (certificate or API key) the service accepts."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
 class Unavailable(PdserveError):
     code = grpc.StatusCode.UNAVAILABLE
 
@@ -77,6 +89,8 @@ _BY_STATUS: dict[grpc.StatusCode, type[PdserveError]] = {
         AlreadyExists,
         FailedPrecondition,
         ResourceExhausted,
+        PermissionDenied,
+        Unauthenticated,
         Unavailable,
         DeadlineExceeded,
     )

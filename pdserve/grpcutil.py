@@ -1,7 +1,9 @@
 """The one place gRPC servers and channels are made.
 
 Every server gets explicit message-size limits, grpc.health.v1, reflection and the error
-mapping of :mod:`pdserve.errors`; TLS and auth interceptors belong here too when they come.
+mapping of :mod:`pdserve.errors`. With the process's TLS set (:func:`pdserve.identity.configure`)
+every server requires, and every channel presents, a certificate from the cluster's CA (mutual
+TLS); a public server (the router's API) takes its own optional server-only TLS instead.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve import identity
 from pdserve.errors import status_for
 
 log = logging.getLogger(__name__)
@@ -143,11 +146,15 @@ async def start_server(
     *,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    public_tls: tuple[bytes, bytes] | None = None,
 ) -> Server:
     """Starts a grpc.aio server on ``address`` ("host:port", port 0 = any free port).
 
     ``servicers`` holds ``(add_XServicer_to_server, servicer, full service name)`` triples;
     ``interceptors`` run before pdserve's own (e.g. :class:`pdserve.auth.RequireKey`).
+    An internal server is mutual TLS when the process has TLS; a public one (``public_tls``
+    given: ``(cert PEM, key PEM)``, or ``(b"", b"")`` for plaintext) never asks for a client
+    certificate.
     """
     options = [*_options(max_message_bytes), *_SERVER_OPTIONS]
     server = grpc.aio.server(options=options, interceptors=[*interceptors, _RefuseMalformed()])
@@ -158,7 +165,7 @@ async def start_server(
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(address)
+    port = _add_port(server, address, public_tls)
     if port == 0:
         raise OSError(f"cannot bind gRPC server to {address}")
     await server.start()
@@ -166,6 +173,30 @@ async def start_server(
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     return Server(server, address.rsplit(":", 1)[0], port, health_servicer)
+
+
+def _add_port(server: grpc.aio.Server, address: str, public_tls: tuple[bytes, bytes] | None) -> int:
+    if public_tls is not None:
+        cert, key = public_tls
+        if not cert:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+    files = identity.tls()
+    if files is None:
+        return server.add_insecure_port(address)
+    creds = grpc.ssl_server_credentials(
+        [(files.key, files.cert)], root_certificates=files.ca, require_client_auth=True
+    )
+    return server.add_secure_port(address, creds)
+
+
+def _credentials() -> grpc.ChannelCredentials | None:
+    files = identity.tls()
+    if files is None:
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=files.ca, private_key=files.key, certificate_chain=files.cert
+    )
 
 
 #: Client-side reconnect backoff: gRPC's default starts at 1 s and grows to minutes, longer
@@ -181,19 +212,23 @@ def channel(
     address: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 ) -> grpc.aio.Channel:
     """An asyncio channel to ``address`` with the same limits as the servers and fast
-    reconnects."""
-    return grpc.aio.insecure_channel(
-        address, options=[*_options(max_message_bytes), *_RECONNECT_OPTIONS]
-    )
+    reconnects; mutual TLS when the process has TLS."""
+    options = [*_options(max_message_bytes), *_RECONNECT_OPTIONS]
+    creds = _credentials()
+    if creds is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, creds, options=options)
 
 
 def sync_channel(
     address: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 ) -> grpc.Channel:
     """A blocking channel, for CLIs and code outside an event loop."""
-    return grpc.insecure_channel(
-        address, options=[*_options(max_message_bytes), *_RECONNECT_OPTIONS]
-    )
+    options = [*_options(max_message_bytes), *_RECONNECT_OPTIONS]
+    creds = _credentials()
+    if creds is None:
+        return grpc.insecure_channel(address, options=options)
+    return grpc.secure_channel(address, creds, options=options)
 
 
 async def check_health(address: str, timeout: float = 2.0) -> bool:

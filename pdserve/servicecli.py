@@ -1,5 +1,6 @@
 """The one way a service becomes a ``pdserve`` command: flags from its config dataclass,
-config errors as a clean message (exit 2), structured logging, and the service's
+config errors as a clean message (exit 2), the process's TLS identity and the protected-mode
+check (:mod:`pdserve.identity`), structured logging, and the service's
 ``serve(cfg, stop)`` run under :func:`pdserve.lifecycle.run` (SIGTERM/SIGINT drain)."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import argparse
 import importlib
 import sys
 
-from pdserve import config, errors
+from pdserve import config, errors, identity
 
 
 def add_service_command(
@@ -34,6 +35,9 @@ def add_service_command(
 
         try:
             cfg = config.from_args(config_cls, section, args)
+            identity.configure(cfg)
+            has_key = bool(cfg.api_key or cfg.api_key_file) if hasattr(cfg, "api_key") else None
+            identity.check_exposure(cfg, f"pdserve {label}", has_key=has_key)
         except config.ConfigError as exc:
             print(f"pdserve {label}: {exc}", file=sys.stderr)
             return 2

@@ -24,13 +24,14 @@ from pdserve.engines import create_engine
 from pdserve.engines.base import Engine, KVRef, Sampling
 from pdserve.engines.config import EngineConfig
 from pdserve.errors import ResourceExhausted
+from pdserve.identity import SecurityConfig
 from pdserve.v1 import common_pb2, meta_pb2
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class WorkerConfig(EngineConfig):
+class WorkerConfig(SecurityConfig, EngineConfig):
     """Engine fields plus what every model worker service needs."""
 
     host: str = help_field("127.0.0.1", "address to bind and advertise")

@@ -19,6 +19,9 @@ INVALID_ARGUMENT, and the connection stays usable. A request body over :data:`MA
 answers RESOURCE_EXHAUSTED and closes the connection (the byte stream can no longer be
 trusted); a bad hello closes it with no answer.
 
+With TLS configured (:mod:`pdserve.identity`) both sides wrap the connection in mutual TLS
+before the hello; the master then runs each call as the peer certificate's identity.
+
 Clients find the wire with ``GetControlWire`` over gRPC (port 0 = off) and use gRPC for
 everything when it is off or unreachable.
 """
@@ -33,7 +36,7 @@ import threading
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from pdserve import errors
+from pdserve import errors, identity
 from pdserve.grpcutil import DEFAULT_MAX_MESSAGE_BYTES
 from pdserve.store.netio import kernel_timeouts
 from pdserve.v1 import kvstore_pb2 as pb
@@ -89,7 +92,16 @@ class WireClient:
     """Blocking, thread-safe client of one master's control wire: a small pool of
     persistent connections, one call at a time on each."""
 
-    def __init__(self, host: str, port: int, timeout_s: float, pool_size: int = 8) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        timeout_s: float,
+        pool_size: int = 8,
+        tls: identity.TlsFiles | bool | None = True,
+    ) -> None:
+        """``tls``: the files to present (True = the process's, :func:`identity.tls`)."""
+        self._tls = identity.tls() if tls is True else tls or None
         self.address = f"{host}:{port}"
         self._host = host.strip("[]")
         self._port = port
@@ -103,6 +115,10 @@ class WireClient:
             sock = socket.create_connection((self._host, self._port), timeout=self.timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             kernel_timeouts(sock, self.timeout_s)
+            if self._tls is not None:  # the master's wire is mutual TLS when its gRPC port is
+                sock = identity.client_context(self._tls).wrap_socket(
+                    sock, server_hostname=self._host
+                )
             sock.sendall(HELLO)
         except OSError as exc:
             raise WireUnreachable(f"control wire {self.address}: {exc}") from exc

@@ -17,6 +17,7 @@ class KVErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_NO_PENDING_PUT: _ClassVar[KVErrorCode]
     KV_LEASED: _ClassVar[KVErrorCode]
     KV_NOT_ENOUGH_NODES: _ClassVar[KVErrorCode]
+    KV_NOT_OWNER: _ClassVar[KVErrorCode]
 
 class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -53,6 +54,7 @@ KV_INVALID: KVErrorCode
 KV_NO_PENDING_PUT: KVErrorCode
 KV_LEASED: KVErrorCode
 KV_NOT_ENOUGH_NODES: KVErrorCode
+KV_NOT_OWNER: KVErrorCode
 TRANSPORT_UNSPECIFIED: Transport
 TRANSPORT_SHM: Transport
 TRANSPORT_TCP: Transport

@@ -6,10 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.config import ConfigError, help_field
+from pdserve.identity import SecurityConfig
 
 
 @dataclass
-class MasterConfig:
+class MasterConfig(SecurityConfig):
     host: str = help_field("127.0.0.1", "address to bind the gRPC server to")
     port: int = help_field(50051, "gRPC port (0 = any free port)")
     metrics_port: int = help_field(0, "Prometheus /metrics port (0 = any free port, -1 = off)")

@@ -211,6 +211,9 @@ class ObjectsMixin:
             if obj is None:
                 out.append(self._no_pending(key))
                 continue
+            if obj.client_id != client_id:
+                out.append(self._not_owner(obj))
+                continue
             del self.pending[key]
             if not obj.replicas:
                 out.append(
@@ -245,14 +248,24 @@ class ObjectsMixin:
             "no put in progress (never started, already ended or revoked, or timed out)",
         )
 
+    @staticmethod
+    def _not_owner(obj: ObjectState) -> KeyOutcome:
+        return KeyOutcome(
+            obj.key, pb.KV_NOT_OWNER, "another writer started this put: only it may end it"
+        )
+
     def put_revoke(self, client_id: str, keys: Sequence[str]) -> list[KeyOutcome]:
         self.check_batch(len(keys))
         out = []
         for key in keys:
-            obj = self.pending.pop(key, None)
+            obj = self.pending.get(key)
             if obj is None:
                 out.append(self._no_pending(key))
                 continue
+            if obj.client_id != client_id:
+                out.append(self._not_owner(obj))
+                continue
+            del self.pending[key]
             self._free(obj)
             out.append(KeyOutcome(key, OK))
         return out
@@ -341,7 +354,9 @@ class ObjectsMixin:
 
     # ------------------------------------------------------------------ removal
 
-    def remove(self, keys: Sequence[str]) -> list[KeyOutcome]:
+    def remove(self, keys: Sequence[str], owner: str = "") -> list[KeyOutcome]:
+        """Removes committed objects; with ``owner``, only those whose writer's client id
+        starts with it (an identity's prefix; see :mod:`.master_auth`)."""
         self.check_batch(len(keys))
         now = self.clock.mono()
         out = []
@@ -355,6 +370,9 @@ class ObjectsMixin:
                     out.append(KeyOutcome(key, pb.KV_PUT_IN_PROGRESS, "the put is not finished"))
                 else:
                     out.append(KeyOutcome(key, pb.KV_NOT_FOUND, "no such object"))
+                continue
+            if owner and not obj.client_id.startswith(owner):
+                out.append(KeyOutcome(key, pb.KV_NOT_OWNER, "another writer stored this object"))
                 continue
             if obj.leased(now):
                 out.append(

@@ -18,7 +18,9 @@ from typing import Any
 import grpc
 
 from pdserve.grpcutil import rpc
+from pdserve.identity import Identity, grpc_caller
 from pdserve.services.kvstore.events import EventHub
+from pdserve.services.kvstore.master_auth import authorize, owner_prefix
 from pdserve.services.kvstore.master_state import MasterState, ReplicaLoc
 from pdserve.store.wire import VERSION as WIRE_VERSION
 from pdserve.v1 import kvstore_pb2 as pb
@@ -44,8 +46,13 @@ class MasterHandlers:
         # segment id -> (the endpoint list it was made from, Replica template)
         self._templates: dict[str, tuple[list, pb.Replica]] = {}
 
-    def call(self, method: str, request: Any) -> Any:
+    def call(self, method: str, request: Any, caller: Identity | None = None) -> Any:
+        """Runs the handler ``method`` for ``caller`` (None = a plaintext master: anyone)
+        once :func:`.master_auth.authorize` lets it."""
         with self.lock:
+            authorize(self.state, method, request, caller)
+            if method == "BatchRemove":
+                return self.BatchRemove(request, caller)
             return getattr(self, method)(request)
 
     def _fill(self, out, locs: Sequence[ReplicaLoc], size: int) -> None:
@@ -143,8 +150,11 @@ class MasterHandlers:
     def LongestPrefix(self, request: pb.LongestPrefixRequest) -> pb.LongestPrefixResponse:
         return pb.LongestPrefixResponse(length=self.state.longest_prefix(request.keys))
 
-    def BatchRemove(self, request: pb.BatchKeysRequest) -> pb.BatchKeysResponse:
-        return _keys(self.state.remove(list(request.keys)))
+    def BatchRemove(
+        self, request: pb.BatchKeysRequest, caller: Identity | None = None
+    ) -> pb.BatchKeysResponse:
+        owner = owner_prefix(caller) if caller is not None and caller.role != "admin" else ""
+        return _keys(self.state.remove(list(request.keys), owner))
 
     def Stats(self, request: pb.StatsRequest) -> pb.StatsResponse:
         # StoreStats has StatsResponse's fields, one for one (segments as SegmentStats).
@@ -166,65 +176,67 @@ class KVMasterServicer(kvstore_pb2_grpc.KVMasterServiceServicer):
         self.h = handlers
         self.hub = hub
 
-    async def _call(self, method: str, request: Any) -> Any:
-        return await asyncio.to_thread(self.h.call, method, request)
+    async def _call(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        caller = grpc_caller(context)
+        return await asyncio.to_thread(self.h.call, method, request, caller)
 
     @rpc
     async def MountSegment(self, request, context):
-        return await self._call("MountSegment", request)
+        return await self._call("MountSegment", request, context)
 
     @rpc
     async def UnmountSegment(self, request, context):
-        return await self._call("UnmountSegment", request)
+        return await self._call("UnmountSegment", request, context)
 
     @rpc
     async def Heartbeat(self, request, context):
-        return await self._call("Heartbeat", request)
+        return await self._call("Heartbeat", request, context)
 
     @rpc
     async def BatchPutStart(self, request, context):
-        return await self._call("BatchPutStart", request)
+        return await self._call("BatchPutStart", request, context)
 
     @rpc
     async def BatchPutEnd(self, request, context):
-        return await self._call("BatchPutEnd", request)
+        return await self._call("BatchPutEnd", request, context)
 
     @rpc
     async def BatchPutRevoke(self, request, context):
-        return await self._call("BatchPutRevoke", request)
+        return await self._call("BatchPutRevoke", request, context)
 
     @rpc
     async def BatchGetReplicaList(self, request, context):
-        return await self._call("BatchGetReplicaList", request)
+        return await self._call("BatchGetReplicaList", request, context)
 
     @rpc
     async def BatchReleaseLease(self, request, context):
-        return await self._call("BatchReleaseLease", request)
+        return await self._call("BatchReleaseLease", request, context)
 
     @rpc
     async def BatchExists(self, request, context):
-        return await self._call("BatchExists", request)
+        return await self._call("BatchExists", request, context)
 
     @rpc
     async def LongestPrefix(self, request, context):
-        return await self._call("LongestPrefix", request)
+        return await self._call("LongestPrefix", request, context)
 
     @rpc
     async def BatchRemove(self, request, context):
-        return await self._call("BatchRemove", request)
+        return await self._call("BatchRemove", request, context)
 
     @rpc
     async def Stats(self, request, context):
-        return await self._call("Stats", request)
+        return await self._call("Stats", request, context)
 
     @rpc
     async def GetControlWire(self, request, context):
-        return await self._call("GetControlWire", request)
+        return await self._call("GetControlWire", request, context)
 
     @rpc
     async def WatchEvents(
         self, request: pb.WatchEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.KVEvent]:
+        grpc_caller(context)  # any identity of the cluster (mutual TLS checked it)
         sub = self.hub.subscribe()
         try:
             while True:

@@ -71,8 +71,9 @@ class ObjectState:
     ttl_ms: int = 0
     # Monotonic deadline of the TTL (0 = none), set at commit.
     ttl_deadline: float = 0.0
-    # Pending puts only: when the reservation is reclaimed, and who started it.
+    # Pending puts only: when the reservation is reclaimed.
     put_deadline: float = 0.0
+    # Who started the put (kept after commit: removal checks it; "" = restored from disk).
     client_id: str = ""
     # client id -> monotonic lease end.
     leases: dict[str, float] = field(default_factory=dict)

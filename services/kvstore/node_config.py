@@ -8,13 +8,14 @@ import socket
 from dataclasses import dataclass
 
 from pdserve.config import ConfigError, help_field
+from pdserve.identity import SecurityConfig
 from pdserve.store.segment import parse_size
 
 TRANSPORTS = ("shm", "tcp", "mooncake")
 
 
 @dataclass
-class NodeConfig:
+class NodeConfig(SecurityConfig):
     master_address: str = help_field("127.0.0.1:50051", "KV store master gRPC address (host:port)")
     node_id: str = help_field(
         "", "stable id of this node; segments are named <node id>-seg<i> (empty = hostname-pid)"

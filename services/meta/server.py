@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from pdserve import lifecycle, telemetry
 from pdserve.config import ConfigError, help_field
+from pdserve.identity import SecurityConfig
 from pdserve.services.meta.backends.base import Backend
 from pdserve.services.meta.registry import ROLE_NAMES, TTL_MAX_MS, TTL_MIN_MS, Registry
 
@@ -21,7 +22,7 @@ DEFAULT_HTTP_PORT = 50080
 
 
 @dataclass
-class MetaConfig:
+class MetaConfig(SecurityConfig):
     host: str = help_field("127.0.0.1", "address to bind gRPC and HTTP to")
     port: int = help_field(DEFAULT_PORT, "gRPC port (0 = a free port)")
     http_port: int = help_field(

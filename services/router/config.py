@@ -6,13 +6,14 @@ from dataclasses import dataclass
 
 from pdserve.auth import load_key
 from pdserve.config import ConfigError, help_field
+from pdserve.identity import SecurityConfig
 
 POLICIES = ("round_robin", "least_load", "cache_aware")
 MODES = ("read", "write", "colocated")
 
 
 @dataclass
-class RouterConfig:
+class RouterConfig(SecurityConfig):
     host: str = help_field("127.0.0.1", "interface the gRPC and HTTP servers bind")
     port: int = help_field(50050, "gRPC port of RouterService (0 = a free port)")
     http_port: int = help_field(

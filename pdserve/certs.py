@@ -1,0 +1,198 @@
+"""``pdserve certs``: a development CA and one certificate per service identity.
+
+``pdserve certs --out DIR role:name ...`` writes ``DIR/ca.crt`` (and ``ca.key``, kept to sign
+more later) and, per identity, ``DIR/<name>.crt`` and ``DIR/<name>.key`` (mode 0600). A
+certificate's subject is ``OU=<role>, CN=<name>`` (:mod:`pdserve.identity`), and its subject
+alternative names cover localhost, 127.0.0.1, ::1, the name itself (a compose service name)
+and every ``--host``: a peer dials ``host:port`` and checks the server certificate against
+that host. An existing CA in ``DIR`` is reused, so certificates made later still join the
+same cluster. For production, issue the same subjects from your own CA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import ipaddress
+import os
+import sys
+from pathlib import Path
+
+from pdserve.identity import ROLES
+
+CA_NAME = "pdserve dev CA"
+
+
+def _key():
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _write_key(path: Path, key) -> None:
+    from cryptography.hazmat.primitives import serialization
+
+    data = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.chmod(path, 0o600)
+
+
+def _pem(cert) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def _load_or_make_ca(out: Path, days: int):
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.x509.oid import NameOID
+
+    crt, key_path = out / "ca.crt", out / "ca.key"
+    if crt.exists() and key_path.exists():
+        cert = x509.load_pem_x509_certificate(crt.read_bytes())
+        key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+        return cert, key
+    key = _key()
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, CA_NAME)])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(key, hashes.SHA256())
+    )
+    _write_key(key_path, key)
+    crt.write_bytes(_pem(cert))
+    return cert, key
+
+
+def _san(name: str, hosts: list[str]):
+    from cryptography import x509
+
+    entries: list = []
+    for host in ["localhost", "127.0.0.1", "::1", name, *hosts]:
+        try:
+            entry = x509.IPAddress(ipaddress.ip_address(host.strip("[]")))
+        except ValueError:
+            entry = x509.DNSName(host)
+        if entry not in entries:
+            entries.append(entry)
+    return x509.SubjectAlternativeName(entries)
+
+
+def parse_identity(text: str) -> tuple[str, str]:
+    """``role:name`` -> (role, name), with a ValueError that says what is wrong."""
+    role, sep, name = text.partition(":")
+    if not sep or not name or role not in ROLES:
+        raise ValueError(f"identity {text!r} must be ROLE:NAME with ROLE one of {', '.join(ROLES)}")
+    if "/" in name or name.startswith(".") or name == "ca":
+        raise ValueError(f"identity {text!r}: the name becomes a file name; pick another")
+    return role, name
+
+
+def make(out: Path, identities: list[str], hosts: list[str] = (), days: int = 365) -> list[Path]:
+    """Writes the CA (unless ``out`` has one) and a certificate and key per ``role:name``;
+    returns the certificate paths."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    parsed = [parse_identity(i) for i in identities]
+    out.mkdir(parents=True, exist_ok=True)
+    ca_cert, ca_key = _load_or_make_ca(out, days)
+    now = datetime.datetime.now(datetime.UTC)
+    written = []
+    for role, name in parsed:
+        key = _key()
+        subject = x509.Name(
+            [
+                x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role),
+                x509.NameAttribute(NameOID.COMMON_NAME, name),
+            ]
+        )
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(ca_cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(_san(name, list(hosts)), critical=False)
+            .add_extension(
+                x509.ExtendedKeyUsage(
+                    [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+                ),
+                critical=False,
+            )
+            .sign(ca_key, hashes.SHA256())
+        )
+        _write_key(out / f"{name}.key", key)
+        path = out / f"{name}.crt"
+        path.write_bytes(_pem(cert))
+        written.append(path)
+    return written
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "certs",
+        help="make a development CA and per-service TLS certificates",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "identities",
+        nargs="+",
+        metavar="ROLE:NAME",
+        help=f"identities to issue; ROLE is one of {', '.join(ROLES)} (e.g. node:node-0)",
+    )
+    p.add_argument("--out", default="certs", help="output folder (default: %(default)s)")
+    p.add_argument(
+        "--host",
+        action="append",
+        default=[],
+        dest="hosts",
+        help="extra host name or IP address the certificates are valid for (repeatable)",
+    )
+    p.add_argument("--days", type=int, default=365, help="validity (default: %(default)s)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        paths = make(Path(args.out), args.identities, args.hosts, args.days)
+    except ValueError as exc:
+        print(f"pdserve certs: {exc}", file=sys.stderr)
+        return 2
+    print(f"CA: {Path(args.out) / 'ca.crt'}")
+    for p in paths:
+        print(f"issued {p} (key {p.with_suffix('.key')})")
+    return 0

@@ -1,0 +1,258 @@
+"""Who is calling: the process's TLS identity and the identities of its peers.
+
+Every pdserve process has at most one certificate, set once at start from its service
+config's ``tls_*`` fields (:func:`configure`); :mod:`pdserve.grpcutil` then makes every gRPC
+server and channel of the process mutual TLS, and the KV master's control wire wraps its
+sockets the same way (:func:`server_context`, :func:`client_context`).
+
+A certificate names its holder's identity (``pdserve certs`` makes them): the subject's
+organizational unit (OU) is the **role**, the common name (CN) the **name** of the instance.
+Roles: ``meta``, ``master``, ``node``, ``worker`` (prefill and decode), ``router``, ``admin``.
+Services authorize on the role, and the KV master and meta also on the name (a node mounts
+only segments of its own node id; a client commits, revokes, releases or removes only what
+its own identity started, unless it is an admin).
+
+Without TLS (the loopback default) there are no identities: every caller is ``None`` and
+every check passes, as before. :func:`check_exposure` keeps that to loopback.
+"""
+
+from __future__ import annotations
+
+import functools
+import ipaddress
+import os
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.config import ConfigError, help_field
+from pdserve.errors import PermissionDenied, Unauthenticated
+
+ROLES = ("meta", "master", "node", "worker", "router", "admin")
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A peer, as its certificate names it."""
+
+    role: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.role}:{self.name}"
+
+
+@dataclass
+class SecurityConfig:
+    """The fields every service config carries (a base class of each)."""
+
+    tls_ca: str = help_field(
+        "",
+        "CA certificate (PEM) that signs every pdserve certificate; with tls_cert and "
+        "tls_key, every gRPC link and the KV control wire is mutual TLS (empty = plaintext)",
+    )
+    tls_cert: str = help_field("", "this service's certificate (PEM), made by `pdserve certs`")
+    tls_key: str = help_field("", "this service's private key (PEM)")
+    insecure: bool = help_field(
+        False,
+        "allow binding a non-loopback address without TLS (or, for the router, without an "
+        "API key): anyone who reaches the port can then read and write the KV cache",
+    )
+    advertise_host: str = help_field(
+        "", "host name or address peers use to reach this service (empty = the bound host)"
+    )
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """A process's CA, certificate and key, read once."""
+
+    ca: bytes
+    cert: bytes
+    key: bytes
+    paths: tuple[str, str, str]
+
+    @classmethod
+    def load(cls, ca: str, cert: str, key: str) -> TlsFiles | None:
+        """The files named, or None when none is; a partial set or an unreadable file is a
+        ConfigError naming it."""
+        given = {"tls_ca": ca, "tls_cert": cert, "tls_key": key}
+        if not any(given.values()):
+            return None
+        missing = [k for k, v in given.items() if not v]
+        if missing:
+            raise ConfigError(f"TLS needs tls_ca, tls_cert and tls_key; missing {missing}")
+        data = []
+        for field, path in given.items():
+            try:
+                data.append(Path(path).expanduser().read_bytes())
+            except OSError as exc:
+                raise ConfigError(f"{field} {path!r}: {exc.strerror or exc}") from exc
+        files = cls(*data, paths=(ca, cert, key))
+        files.identity()  # a certificate without a pdserve identity fails now, not per call
+        return files
+
+    def identity(self) -> Identity:
+        return identity_of_pem(self.cert)
+
+
+_tls: TlsFiles | None = None
+
+
+def configure(cfg: SecurityConfig) -> TlsFiles | None:
+    """Sets this process's TLS from its config (once, at start) and returns it."""
+    global _tls
+    _tls = TlsFiles.load(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
+    return _tls
+
+
+def configure_env() -> TlsFiles | None:
+    """Sets this process's TLS from ``PDSERVE_TLS_CA``, ``PDSERVE_TLS_CERT`` and
+    ``PDSERVE_TLS_KEY`` (the client commands' way; all empty = plaintext)."""
+    global _tls
+    env = os.environ.get
+    _tls = TlsFiles.load(
+        env("PDSERVE_TLS_CA", ""), env("PDSERVE_TLS_CERT", ""), env("PDSERVE_TLS_KEY", "")
+    )
+    return _tls
+
+
+def configure_files(files: TlsFiles | None) -> None:
+    """Sets this process's TLS directly (tests, CLIs that load their own files)."""
+    global _tls
+    _tls = files
+
+
+def tls() -> TlsFiles | None:
+    """This process's TLS files (None = plaintext)."""
+    return _tls
+
+
+def _is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name or a wildcard ("", 0.0.0.0) reaches other hosts
+
+
+def check_exposure(cfg: SecurityConfig, service: str, *, has_key: bool | None = None) -> None:
+    """Protected mode: refuses a non-loopback bind without protection unless ``insecure``.
+
+    Protection is TLS for internal services; for the router (``has_key`` given) it is an
+    API key on the public API."""
+    host = getattr(cfg, "host", "127.0.0.1")
+    if cfg.insecure or _is_loopback(host):
+        return
+    if has_key is None:
+        if _tls is not None:
+            return
+        why = "without TLS (tls_ca, tls_cert, tls_key: see `pdserve certs`)"
+    else:
+        if has_key:
+            return
+        why = "without an API key (api_key or api_key_file)"
+    raise ConfigError(
+        f"{service} would listen on {host!r}, reachable from other hosts, {why}: anyone who "
+        "reaches it could read, overwrite or redirect the KV cache. Bind 127.0.0.1, turn the "
+        "protection on, or pass --insecure to accept the risk"
+    )
+
+
+def advertised(cfg: SecurityConfig, port: int) -> str:
+    """``host:port`` peers should dial: advertise_host, else the bound host (127.0.0.1 for
+    a wildcard)."""
+    host = cfg.advertise_host or getattr(cfg, "host", "127.0.0.1")
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = "127.0.0.1"
+    return f"{host}:{port}"
+
+
+@functools.lru_cache(maxsize=512)
+def identity_of_pem(pem: bytes) -> Identity:
+    from cryptography import x509
+
+    return _identity(x509.load_pem_x509_certificate(pem).subject)
+
+
+@functools.lru_cache(maxsize=512)
+def identity_of_der(der: bytes) -> Identity:
+    from cryptography import x509
+
+    return _identity(x509.load_der_x509_certificate(der).subject)
+
+
+def _identity(subject) -> Identity:
+    from cryptography.x509.oid import NameOID
+
+    def one(oid) -> str:
+        attrs = subject.get_attributes_for_oid(oid)
+        return str(attrs[0].value) if attrs else ""
+
+    role, name = one(NameOID.ORGANIZATIONAL_UNIT_NAME), one(NameOID.COMMON_NAME)
+    if role not in ROLES or not name:
+        raise ConfigError(
+            f"certificate subject {subject.rfc4514_string()!r} names no pdserve identity "
+            f"(OU must be one of {', '.join(ROLES)}, CN the instance name)"
+        )
+    return Identity(role, name)
+
+
+def grpc_caller(context) -> Identity | None:
+    """The identity of a gRPC call's peer (None on a plaintext server)."""
+    if _tls is None:
+        return None
+    pems = context.auth_context().get("x509_pem_cert")
+    if not pems:
+        raise Unauthenticated("this service takes mutual TLS: present a pdserve certificate")
+    try:
+        return identity_of_pem(pems[0])
+    except (ConfigError, ValueError) as exc:
+        raise Unauthenticated(str(exc)) from exc
+
+
+def socket_caller(sock: ssl.SSLSocket) -> Identity:
+    """The identity of a TLS socket's verified peer."""
+    der = sock.getpeercert(binary_form=True)
+    if not der:
+        raise Unauthenticated("the control wire takes mutual TLS: present a certificate")
+    try:
+        return identity_of_der(der)
+    except (ConfigError, ValueError) as exc:
+        raise Unauthenticated(str(exc)) from exc
+
+
+def require(caller: Identity | None, roles: tuple[str, ...], action: str) -> None:
+    """PERMISSION_DENIED unless ``caller`` (None = no TLS: anyone) holds one of ``roles``."""
+    if caller is not None and caller.role not in roles and caller.role != "admin":
+        raise PermissionDenied(f"{caller} may not {action}: it takes the role {' or '.join(roles)}")
+
+
+def _context(purpose: ssl.Purpose, files: TlsFiles) -> ssl.SSLContext:
+    import tempfile
+
+    ctx = ssl.create_default_context(purpose, cadata=files.ca.decode())
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    # ssl loads a certificate chain from files only: the key goes through a private temp file
+    with tempfile.TemporaryDirectory() as d:
+        cert, key = Path(d, "cert.pem"), Path(d, "key.pem")
+        cert.write_bytes(files.cert)
+        key.touch(mode=0o600)
+        key.write_bytes(files.key)
+        ctx.load_cert_chain(cert, key)
+    return ctx
+
+
+@functools.lru_cache(maxsize=4)
+def server_context(files: TlsFiles) -> ssl.SSLContext:
+    """An SSL context for a server socket that requires a client certificate from the CA."""
+    return _context(ssl.Purpose.CLIENT_AUTH, files)
+
+
+@functools.lru_cache(maxsize=4)
+def client_context(files: TlsFiles) -> ssl.SSLContext:
+    """An SSL context for a client socket that presents this process's certificate."""
+    return _context(ssl.Purpose.SERVER_AUTH, files)

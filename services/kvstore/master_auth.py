@@ -1,0 +1,63 @@
+"""Who may call what on the KV master (mutual TLS only; a plaintext master trusts everyone).
+
+- Node calls (mount, unmount, heartbeat) take the ``node`` role, and a node acts only on its
+  own node id, which is its certificate's name: it cannot remount another node's segment
+  with its own endpoints, nor declare another node's segments with a forged heartbeat.
+- Client calls take ``worker`` or ``router``. A client's ``client_id`` is scoped by its
+  identity (``<name>/<client_id>``), so a put is committed or revoked, and a lease released,
+  only by the identity that started it, whatever ``client_id`` another one sends. Removal
+  takes the identity that wrote the object.
+- Reads of public state (exists, longest prefix, stats, the wire's address, events) take any
+  identity of the cluster. ``admin`` may do everything.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.errors import PermissionDenied
+from pdserve.identity import Identity, require
+from pdserve.services.kvstore.master_state import MasterState
+
+NODE_CALLS = frozenset({"MountSegment", "UnmountSegment", "Heartbeat"})
+CLIENT_CALLS = frozenset(
+    {
+        "BatchPutStart",
+        "BatchPutEnd",
+        "BatchPutRevoke",
+        "BatchGetReplicaList",
+        "BatchReleaseLease",
+        "BatchRemove",
+    }
+)
+CLIENT_ROLES = ("worker", "router")
+
+
+def owner_prefix(caller: Identity) -> str:
+    """What the ``client_id`` of everything ``caller`` starts begins with."""
+    return f"{caller.name}/"
+
+
+def authorize(state: MasterState, method: str, request: Any, caller: Identity | None) -> None:
+    """Raises PermissionDenied unless ``caller`` may make this call; scopes a client call's
+    ``client_id`` to the caller's identity (in place)."""
+    if caller is None:
+        return
+    if method in NODE_CALLS:
+        require(caller, ("node",), f"call {method}")
+        if caller.role == "admin":
+            return
+        if method == "MountSegment":
+            node_id = request.segment.node_id
+        elif method == "Heartbeat":
+            node_id = request.node_id
+        else:
+            seg = state.segments.get(request.segment_id)
+            node_id = seg.node_id if seg is not None else caller.name
+        if node_id != caller.name:
+            raise PermissionDenied(
+                f"{caller} may act only on node {caller.name!r}, not {node_id!r}"
+            )
+    elif method in CLIENT_CALLS:
+        require(caller, CLIENT_ROLES, f"call {method}")
+        request.client_id = owner_prefix(caller) + request.client_id
