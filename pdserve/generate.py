@@ -23,7 +23,7 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         req = router_pb2.GenerateRequest(model=args.model, prompt=args.prompt, sampling=sampling)
-    with grpcutil.sync_channel(args.router) as ch:
+    with grpcutil.sync_channel(args.router, public=True) as ch:
         stub = router_pb2_grpc.RouterServiceStub(ch)
         try:
             for msg in stub.GenerateStream(

@@ -190,7 +190,11 @@ def _add_port(server: grpc.aio.Server, address: str, public_tls: tuple[bytes, by
     return server.add_secure_port(address, creds)
 
 
-def _credentials() -> grpc.ChannelCredentials | None:
+def _credentials(public: bool | bytes) -> grpc.ChannelCredentials | None:
+    """mTLS with the process's files; for a public server (the router's API) none, or
+    server-only TLS against the CA given as ``public`` (PEM bytes)."""
+    if public is not False:
+        return grpc.ssl_channel_credentials(root_certificates=public) if public else None
     files = identity.tls()
     if files is None:
         return None
@@ -209,31 +213,39 @@ _RECONNECT_OPTIONS = [
 
 
 def channel(
-    address: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    address: str,
+    *,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    public: bool | bytes = False,
 ) -> grpc.aio.Channel:
     """An asyncio channel to ``address`` with the same limits as the servers and fast
-    reconnects; mutual TLS when the process has TLS."""
+    reconnects; mutual TLS when the process has TLS. ``public``: the server is a public API
+    (the router's): True = plaintext, PEM bytes = TLS checked against that CA."""
     options = [*_options(max_message_bytes), *_RECONNECT_OPTIONS]
-    creds = _credentials()
+    creds = _credentials(public)
     if creds is None:
         return grpc.aio.insecure_channel(address, options=options)
     return grpc.aio.secure_channel(address, creds, options=options)
 
 
 def sync_channel(
-    address: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    address: str,
+    *,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    public: bool | bytes = False,
 ) -> grpc.Channel:
-    """A blocking channel, for CLIs and code outside an event loop."""
+    """A blocking channel, for CLIs and code outside an event loop (``public`` as for
+    :func:`channel`)."""
     options = [*_options(max_message_bytes), *_RECONNECT_OPTIONS]
-    creds = _credentials()
+    creds = _credentials(public)
     if creds is None:
         return grpc.insecure_channel(address, options=options)
     return grpc.secure_channel(address, creds, options=options)
 
 
-async def check_health(address: str, timeout: float = 2.0) -> bool:
-    """True when the server at ``address`` answers SERVING."""
-    async with channel(address) as ch:
+async def check_health(address: str, timeout: float = 2.0, public: bool | bytes = False) -> bool:
+    """True when the server at ``address`` answers SERVING (``public`` as for :func:`channel`)."""
+    async with channel(address, public=public) as ch:
         try:
             resp = await health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(), timeout=timeout

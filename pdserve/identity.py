@@ -25,6 +25,8 @@ import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+
 from pdserve.config import ConfigError, help_field
 from pdserve.errors import PermissionDenied, Unauthenticated
 
@@ -256,3 +258,55 @@ def server_context(files: TlsFiles) -> ssl.SSLContext:
 def client_context(files: TlsFiles) -> ssl.SSLContext:
     """An SSL context for a client socket that presents this process's certificate."""
     return _context(ssl.Purpose.SERVER_AUTH, files)
+
+
+class RequireRole(grpc.aio.ServerInterceptor):
+    """A gRPC server interceptor (pass it to :func:`pdserve.grpcutil.start_server`) that
+    answers PERMISSION_DENIED, before the handler runs, to peers whose role is not one of
+    ``roles`` (admin always passes). Plaintext servers and the health and reflection
+    services are open."""
+
+    OPEN = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+    def __init__(self, roles: tuple[str, ...], action: str) -> None:
+        self.roles = roles
+        self.action = action
+
+    def _problem(self, context) -> tuple[grpc.StatusCode, str] | None:
+        try:
+            require(grpc_caller(context), self.roles, self.action)
+        except (PermissionDenied, Unauthenticated) as exc:
+            return exc.code, str(exc)
+        return None
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or _tls is None or handler_call_details.method.startswith(self.OPEN):
+            return handler
+        check = self._problem
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary(request, context):
+                problem = check(context)
+                if problem:
+                    await context.abort(*problem)
+                return await inner(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream is not None:
+            inner_stream = handler.unary_stream
+
+            async def stream(request, context):
+                problem = check(context)
+                if problem:
+                    await context.abort(*problem)
+                async for item in inner_stream(request, context):
+                    yield item
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream, handler.request_deserializer, handler.response_serializer
+            )
+        return handler

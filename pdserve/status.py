@@ -37,7 +37,12 @@ async def collect(meta: str, store_master: str, timeout: float) -> dict:
         await client.close()
     rows = []
     for inst in sorted(instances, key=lambda i: (i.role, i.instance_id)):
-        healthy = await grpcutil.check_health(inst.address, timeout) if inst.address else False
+        public = ROLE_LABELS.get(inst.role) == "router"  # its gRPC port is the public API
+        healthy = (
+            await grpcutil.check_health(inst.address, timeout, public=public)
+            if inst.address
+            else False
+        )
         rows.append(
             {
                 "id": inst.instance_id,

@@ -152,7 +152,10 @@ class Cluster:
         for proc in started:
             _progress(f"waiting for {proc.name} (log: {proc.log_path})")
             wait_ready(proc, self.cfg.ready_timeout_s)
-            if "grpc" in proc.info and not asyncio.run(grpcutil.check_health(proc.info["grpc"])):
+            public = proc.name == "router"  # its gRPC port is the public API, no client certs
+            if "grpc" in proc.info and not asyncio.run(
+                grpcutil.check_health(proc.info["grpc"], public=public)
+            ):
                 raise RuntimeError(f"{proc.name} is up but its gRPC health check fails")
             _progress(f"{proc.name} ready: {_endpoints(proc.info)}")
         return started
@@ -247,7 +250,7 @@ class Cluster:
 
         want = (self.cfg.prefill_workers, self.cfg.decode_workers)
         deadline = time.monotonic() + self.cfg.ready_timeout_s
-        with grpcutil.sync_channel(router) as ch:
+        with grpcutil.sync_channel(router, public=True) as ch:
             stub = router_pb2_grpc.RouterServiceStub(ch)
             while True:
                 models = stub.ListModels(

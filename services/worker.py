@@ -24,7 +24,7 @@ from pdserve.engines import create_engine
 from pdserve.engines.base import Engine, KVRef, Sampling
 from pdserve.engines.config import EngineConfig
 from pdserve.errors import ResourceExhausted
-from pdserve.identity import SecurityConfig
+from pdserve.identity import RequireRole, SecurityConfig, advertised
 from pdserve.v1 import common_pb2, meta_pb2
 
 log = logging.getLogger(__name__)
@@ -151,9 +151,12 @@ async def serve(spec: WorkerSpec, cfg: WorkerConfig, stop: asyncio.Event) -> Non
         await engine.start()
         servicer = spec.make_servicer(engine, cfg)
         server = await grpcutil.start_server(
-            [(spec.add_servicer, servicer, spec.grpc_name)], f"{cfg.host}:{cfg.port}"
+            [(spec.add_servicer, servicer, spec.grpc_name)],
+            f"{cfg.host}:{cfg.port}",
+            # with mutual TLS, only the router (and admins) place work on a worker
+            interceptors=[RequireRole(("router",), f"call a {spec.service} worker")],
         )
-        address = f"{cfg.host}:{server.port}"
+        address = advertised(cfg, server.port)
         metrics_port = telemetry.serve_metrics(cfg.metrics_port, cfg.host)
         instance_id = cfg.instance_id or f"{spec.service}-{uuid.uuid4().hex[:8]}"
         labels = {
@@ -163,7 +166,7 @@ async def serve(spec: WorkerSpec, cfg: WorkerConfig, stop: asyncio.Event) -> Non
             "max_model_len": str(engine.max_model_len),
         }
         if metrics_port:
-            labels["metrics"] = f"{cfg.host}:{metrics_port}"
+            labels["metrics"] = advertised(cfg, metrics_port)
         meta_client = await register_service(
             cfg.meta,
             meta_pb2.Instance(

@@ -76,6 +76,12 @@ class RouterConfig(SecurityConfig):
     )
     api_key_file: str = help_field("", "file whose first line is the API key")
     metrics_need_key: bool = help_field(False, "serve /metrics only to callers with the key")
+    public_tls_cert: str = help_field(
+        "",
+        "certificate (PEM) for TLS on the public gRPC and HTTP API; optional, as a gateway "
+        "usually terminates TLS (tls_* is the router's identity toward the other services)",
+    )
+    public_tls_key: str = help_field("", "private key (PEM) of public_tls_cert")
     log_level: str = help_field("info", "log level")
 
     @property
@@ -102,5 +108,7 @@ class RouterConfig(SecurityConfig):
             raise ConfigError("prefill_retries must be >= 0 and breaker_failures positive")
         if self.default_max_tokens <= 0 or self.max_tokens_limit <= 0:
             raise ConfigError("default_max_tokens and max_tokens_limit must be positive")
+        if bool(self.public_tls_cert) != bool(self.public_tls_key):
+            raise ConfigError("public TLS needs both public_tls_cert and public_tls_key")
         self.api_key = load_key(self.api_key, self.api_key_file)
         self.api_key_file = ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from pdserve import grpcutil, lifecycle
 from pdserve.auth import RequireKey
 from pdserve.discovery import leave, register_service
 from pdserve.engines.fingerprint import model_revision
+from pdserve.identity import advertised
 from pdserve.services.router.admission import Admission
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.fingerprint import FingerprintSource
@@ -116,6 +118,22 @@ def build(cfg: RouterConfig, tokenizer=None) -> Frontend:
     return Frontend(tokenizer=tokenizer, limits=limits, orchestrator=orch, pool=pool)
 
 
+def public_tls(cfg: RouterConfig) -> tuple[bytes, bytes]:
+    """(certificate, key) PEM of the public API, or empty for plaintext."""
+    if not cfg.public_tls_cert:
+        return b"", b""
+    return Path(cfg.public_tls_cert).read_bytes(), Path(cfg.public_tls_key).read_bytes()
+
+
+def public_ssl(cfg: RouterConfig) -> ssl.SSLContext | None:
+    """The public HTTP API's server-side TLS (no client certificate: clients use API keys)."""
+    if not cfg.public_tls_cert:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cfg.public_tls_cert, cfg.public_tls_key)
+    return ctx
+
+
 @dataclass
 class Running:
     frontend: Frontend
@@ -138,13 +156,14 @@ async def serve(
         ],
         f"{cfg.host}:{cfg.port}",
         interceptors=[RequireKey(cfg.api_key)] if cfg.api_key else (),
+        public_tls=public_tls(cfg),
     )
     runner, http_port = None, 0
     if cfg.http_port >= 0:
         app = make_app(fe, api_key=cfg.api_key, metrics_need_key=cfg.metrics_need_key)
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, cfg.host, cfg.http_port)
+        site = web.TCPSite(runner, cfg.host, cfg.http_port, ssl_context=public_ssl(cfg))
         await site.start()
         http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     tasks = [asyncio.ensure_future(fe.pool.probe_loop(stop))]
@@ -157,13 +176,14 @@ async def serve(
         meta_pb2.Instance(
             instance_id=f"router-{cfg.host}-{server.port}",
             role=common_pb2.ROLE_ROUTER,
-            address=f"{cfg.host}:{server.port}",
+            address=advertised(cfg, server.port),
             model=cfg.name,
-            labels={"http": f"{cfg.host}:{http_port}"} if http_port else {},
+            labels={"http": advertised(cfg, http_port)} if http_port else {},
         ),
     )
+    scheme = "https" if cfg.public_tls_cert else "http"
     lifecycle.announce_ready(
-        "router", grpc=f"{cfg.host}:{server.port}", http=f"http://{cfg.host}:{http_port}"
+        "router", grpc=f"{cfg.host}:{server.port}", http=f"{scheme}://{cfg.host}:{http_port}"
     )
     try:
         await stop.wait()
