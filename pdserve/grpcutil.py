@@ -193,8 +193,10 @@ def _add_port(server: grpc.aio.Server, address: str, public_tls: tuple[bytes, by
 def _credentials(public: bool | bytes) -> grpc.ChannelCredentials | None:
     """mTLS with the process's files; for a public server (the router's API) none, or
     server-only TLS against the CA given as ``public`` (PEM bytes)."""
-    if public is not False:
-        return grpc.ssl_channel_credentials(root_certificates=public) if public else None
+    if public is True:
+        return None
+    if public:
+        return grpc.ssl_channel_credentials(root_certificates=public)
     files = identity.tls()
     if files is None:
         return None
