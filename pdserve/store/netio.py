@@ -18,6 +18,10 @@ IO_SLICE = 4 * 1024 * 1024
 IOV = 512
 #: Connections one ConnectionServer serves at once; more are closed on accept.
 MAX_CONNECTIONS = 1024
+#: A served connection is closed when a receive or send waits this long (seconds): an idle
+#: pooled connection, or a peer that stops in the middle of a header or payload, holds its
+#: thread and descriptor no longer. Clients retry a pooled connection the server closed.
+IDLE_TIMEOUT_S = 120.0
 #: accept() failures that mean "out of descriptors or memory for now": wait and go on.
 _TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
@@ -74,7 +78,8 @@ class ConnectionServer:
     the connection is closed when it returns or raises OSError. ``tune`` (if given) is
     applied to the listener, before any connection, and to every accepted socket. Beyond
     ``max_connections`` open at once a new connection is closed at once; running out of
-    descriptors (EMFILE) makes the accept loop wait and retry instead of stopping for good."""
+    descriptors (EMFILE) makes the accept loop wait and retry instead of stopping for good.
+    A connection whose receive or send waits ``idle_timeout_s`` is closed."""
 
     def __init__(
         self,
@@ -84,8 +89,10 @@ class ConnectionServer:
         name: str,
         tune: Callable[[socket.socket], None] | None = None,
         max_connections: int = MAX_CONNECTIONS,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
     ) -> None:
         self._serve = serve
+        self.idle_timeout_s = idle_timeout_s
         self.max_connections = max_connections
         self.refused = 0
         self._tune = tune
@@ -122,6 +129,7 @@ class ConnectionServer:
                 conn.close()
                 continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            kernel_timeouts(conn, self.idle_timeout_s)
             if self._tune is not None:
                 self._tune(conn)
             with self._lock:

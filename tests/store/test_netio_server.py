@@ -1,5 +1,5 @@
-"""The data port's and control wire's connection server under pressure: a connection cap, and
-an accept loop that outlives running out of file descriptors."""
+"""The data port's and control wire's connection server under pressure: a connection cap, an
+accept loop that outlives running out of file descriptors, and an idle timeout."""
 
 from __future__ import annotations
 
@@ -96,3 +96,19 @@ def test_running_out_of_descriptors_does_not_stop_accepting() -> None:
     finally:
         proc.stdin.close()
         proc.wait(10)
+
+
+def test_a_connection_that_goes_quiet_is_closed_after_the_idle_timeout() -> None:
+    """An idle pooled connection, or a peer stalled halfway through a request, holds its
+    thread and descriptor for ``idle_timeout_s``, not forever."""
+    server = ConnectionServer("127.0.0.1", 0, _echo, "test-idle", idle_timeout_s=0.3)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+            s.sendall(b"hi")
+            assert s.recv(2) == b"hi"
+            t0 = time.monotonic()
+            assert s.recv(1) == b""  # the server closed it
+            assert 0.2 < time.monotonic() - t0 < 3
+        assert _talks(server.port)  # new connections are still served
+    finally:
+        server.close()
