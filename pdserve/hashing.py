@@ -1,8 +1,13 @@
 """Chunking and chain hashing of token prefixes (docs/architecture.md, "Keys").
 
 ``h_0 = H(model fingerprint)``, ``h_i = H(h_{i-1} || chunk_i tokens as uint32 LE)`` with H =
-BLAKE3-256. Keys depend only on the model fingerprint and the tokens, so they are identical
-across processes, hosts and restarts (never Python's ``hash()``).
+BLAKE3-256. Keys depend only on the model fingerprint, the tokens and the request's cache
+salt, so they are identical across processes, hosts and restarts (never Python's ``hash()``).
+
+A cache salt (a tenant's secret, vLLM's ``cache_salt``) changes only the root (see
+:func:`chain_root`): ``h_0 = H(model fingerprint || u32 LE byte length of the salt || the
+salt as UTF-8)``, so a salted chain shares no key with the unsalted one or another salt's,
+and requests without a salt keep the keys they always had.
 """
 
 from __future__ import annotations
@@ -77,8 +82,19 @@ def num_full_chunks(num_tokens: int, chunk_size: int) -> int:
     return num_tokens // chunk_size
 
 
+def chain_root(fingerprint: ModelFingerprint, cache_salt: str = "") -> bytes:
+    """``h_0`` of a request's chain: the fingerprint digest without a salt (``""``), else
+    ``H(fingerprint.canonical() || u32 LE len(salt bytes) || salt bytes)``, salt bytes =
+    the salt as UTF-8. The canonical encoding is self-delimiting, so the salted input never
+    equals an unsalted one."""
+    if not cache_salt:
+        return fingerprint.digest()
+    salt = cache_salt.encode("utf-8")
+    return _h(fingerprint.canonical() + struct.pack("<I", len(salt)) + salt)
+
+
 def chain_hashes(root: bytes, tokens: Sequence[int] | np.ndarray, chunk_size: int) -> list[bytes]:
-    """Digests of every *full* chunk of ``tokens``, chained from ``root`` (= fingerprint digest)."""
+    """Digests of every *full* chunk of ``tokens``, chained from ``root`` (:func:`chain_root`)."""
     if len(root) != DIGEST_BYTES:
         raise ValueError(f"root must be {DIGEST_BYTES} bytes, got {len(root)}")
     raw = tokens_to_bytes(tokens)
@@ -91,26 +107,34 @@ def chain_hashes(root: bytes, tokens: Sequence[int] | np.ndarray, chunk_size: in
     return out
 
 
-def chunk_keys(fingerprint: ModelFingerprint, tokens: Sequence[int] | np.ndarray) -> list[str]:
-    """Store keys (64 hex chars) of the full chunks of ``tokens``, in prompt order."""
-    return [h.hex() for h in chain_hashes(fingerprint.digest(), tokens, fingerprint.chunk_size)]
+def chunk_keys(
+    fingerprint: ModelFingerprint, tokens: Sequence[int] | np.ndarray, cache_salt: str = ""
+) -> list[str]:
+    """Store keys (64 hex chars) of the full chunks of ``tokens``, in prompt order, in the
+    chain of ``cache_salt`` ("" = no salt)."""
+    root = chain_root(fingerprint, cache_salt)
+    return [h.hex() for h in chain_hashes(root, tokens, fingerprint.chunk_size)]
 
 
 def tail_key(
-    fingerprint: ModelFingerprint, tokens: Sequence[int] | np.ndarray, request_id: str
+    fingerprint: ModelFingerprint,
+    tokens: Sequence[int] | np.ndarray,
+    request_id: str,
+    cache_salt: str = "",
 ) -> str:
     """Request-scoped key for the partial last chunk ("" when the prompt ends on a boundary).
 
-    It covers the whole chain before the tail, the tail tokens and the request id, so two
-    requests never share a tail object.
+    It covers the whole chain before the tail (salted like the chunks), the tail tokens and
+    the request id, so two requests never share a tail object.
     """
     n = len(tokens)
     cs = fingerprint.chunk_size
     full = num_full_chunks(n, cs)
     if full * cs == n:
         return ""
-    chain = chain_hashes(fingerprint.digest(), tokens[: full * cs], cs)
-    prev = chain[-1] if chain else fingerprint.digest()
+    root = chain_root(fingerprint, cache_salt)
+    chain = chain_hashes(root, tokens[: full * cs], cs)
+    prev = chain[-1] if chain else root
     rid = request_id.encode()
     return (
         "tail-"

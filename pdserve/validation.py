@@ -1,5 +1,6 @@
 """Request checks the router and the workers share, so that both answer the same input with
-the same status and message: the request id rule and the served-model check."""
+the same status and message: the request id rule, the cache salt rule and the served-model
+check."""
 
 from __future__ import annotations
 
@@ -25,6 +26,32 @@ def check_request_id(raw: str) -> str:
             param="request_id",
         )
     return raw
+
+
+#: Longest cache salt accepted (characters) and the characters it may not hold: vLLM's rules
+#: (``vllm.entrypoints.generate.base.protocol.validate_cache_salt``), so a salt pdserve takes
+#: is one vLLM takes too.
+MAX_CACHE_SALT = 128
+_CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
+
+
+def check_cache_salt(salt: object) -> str:
+    """The request's cache salt: ``""`` (no salt) for None; the salt when it is a string of
+    1-``MAX_CACHE_SALT`` characters without ``@``, ``/``, ``\\`` or NUL; INVALID_ARGUMENT
+    (param ``cache_salt``) otherwise. The message never repeats the salt: it is a secret."""
+    if salt is None:
+        return ""
+    if not isinstance(salt, str) or not salt:
+        raise InvalidArgument(
+            "cache_salt must be a non-empty string when given", param="cache_salt"
+        )
+    if len(salt) > MAX_CACHE_SALT or not _CACHE_SALT_FORBIDDEN.isdisjoint(salt):
+        raise InvalidArgument(
+            f"cache_salt must be at most {MAX_CACHE_SALT} characters and must not contain "
+            "'@', '/', '\\' or NUL",
+            param="cache_salt",
+        )
+    return salt
 
 
 def check_model(requested: str, served: str) -> None:

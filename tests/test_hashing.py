@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdserve.hashing import ModelFingerprint, chain_hashes, chunk_keys, tail_key
+from pdserve.hashing import ModelFingerprint, chain_hashes, chain_root, chunk_keys, tail_key
 
 FP = ModelFingerprint("test-model", chunk_size=4)
 
@@ -22,6 +22,14 @@ KEYS_0_TO_9 = [
     "eb5a44c432a0cfed60a3bd291aab58e88ff2c22708c711bc46943c5e766c954e",
 ]
 TAIL_0_TO_9 = "tail-0f2432ebe87cc0b7e0dff22c425ed7ce92108c83d8955f530a8ecc83eef6beed"
+
+
+SALTED_ROOT_HEX = "3690ced1ce03e9f84117f569d645b0b19d02b3cadc4df941cab02250bd0ecb33"
+SALTED_KEYS_0_TO_9 = [
+    "6417ae7c99298bcff26f1e5113f24b13e0681f86fdb9af1af8481d4aac429a4c",
+    "450fa2937fcf546a4b485017cc595b8be19494da8db3b7fb0788f07f31358d81",
+]
+SALTED_TAIL_0_TO_9 = "tail-02ace22df0344ee25e1d9768de04d24fe62ff7796a7ae16b49af34c786d57c6d"
 
 
 def test_fixed_vectors():
@@ -35,6 +43,34 @@ def test_chain_matches_the_documented_formula():
     h1 = blake3.blake3(root + struct.pack("<4I", 0, 1, 2, 3)).digest()
     h2 = blake3.blake3(h1 + struct.pack("<4I", 4, 5, 6, 7)).digest()
     assert chain_hashes(root, list(range(10)), 4) == [h1, h2]
+
+
+def test_cache_salt_changes_only_the_documented_root():
+    salted = blake3.blake3(FP.canonical() + struct.pack("<I", 8) + b"tenant-a").digest()
+    assert chain_root(FP, "tenant-a") == salted
+    assert salted.hex() == SALTED_ROOT_HEX
+    assert chunk_keys(FP, list(range(10)), "tenant-a") == SALTED_KEYS_0_TO_9
+    assert chain_hashes(salted, list(range(10)), 4) == [
+        bytes.fromhex(k) for k in SALTED_KEYS_0_TO_9
+    ]
+    assert tail_key(FP, list(range(10)), "req-1", "tenant-a") == SALTED_TAIL_0_TO_9
+    # no salt ("") keeps the unsalted keys, so chunks stored before salts existed stay valid
+    assert chain_root(FP, "") == FP.digest()
+    assert chunk_keys(FP, list(range(10)), "") == KEYS_0_TO_9
+    assert tail_key(FP, list(range(10)), "req-1", "") == TAIL_0_TO_9
+    # UTF-8 bytes, length-prefixed: non-ASCII salts and salts that extend another differ
+    assert chain_root(FP, "é") == blake3.blake3(FP.canonical() + b"\x02\0\0\0\xc3\xa9").digest()
+
+
+@given(st.text(min_size=1, max_size=20), st.text(min_size=1, max_size=20))
+def test_salted_chains_share_no_key_with_each_other_or_the_unsalted_one(a, b):
+    tokens = list(range(12))
+    keys_a = chunk_keys(FP, tokens, a)
+    assert not set(keys_a) & set(chunk_keys(FP, tokens))
+    if a != b:
+        assert not set(keys_a) & set(chunk_keys(FP, tokens, b))
+        assert tail_key(FP, tokens[:9], "r", a) != tail_key(FP, tokens[:9], "r", b)
+    assert tail_key(FP, tokens[:9], "r", a) != tail_key(FP, tokens[:9], "r")
 
 
 def test_keys_identical_across_processes_and_hash_seeds():

@@ -53,7 +53,7 @@ def test_tls_config_must_be_complete_and_readable(tmp_path: Path):
     with pytest.raises(ConfigError, match="missing"):
         TlsFiles.load("ca.crt", "", "")
     (tmp_path / "ca.crt").write_text("x")
-    with pytest.raises(ConfigError, match="tls_cert .*nope.crt"):
+    with pytest.raises(ConfigError, match=r"tls_cert .*nope\.crt"):
         TlsFiles.load(str(tmp_path / "ca.crt"), str(tmp_path / "nope.crt"), str(tmp_path / "k"))
 
 

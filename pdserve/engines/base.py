@@ -149,10 +149,15 @@ class Engine(abc.ABC):
         sampling: Sampling,
         *,
         publish_incrementally: bool = False,
+        cache_salt: str = "",
     ) -> PrefillOutcome:
         """Loads cached prefix chunks, computes the rest, writes new full chunks under their
         chain keys (skipping existing ones) and the partial tail under a request-scoped key
-        with a TTL, and returns only after every chunk is committed in the store."""
+        with a TTL, and returns only after every chunk is committed in the store.
+
+        ``cache_salt`` ("" = none, else validated by the caller) selects the chain
+        (:func:`pdserve.hashing.chunk_keys`): keys loaded, saved and returned are the salt's,
+        and the engine's own prefix cache, if any, reuses only entries of the same salt."""
 
     @abc.abstractmethod
     def generate(
@@ -164,10 +169,12 @@ class Engine(abc.ABC):
         kv: KVRef | None = None,
         first_token_id: int | None = None,
         chunk_wait_ms: int = 0,
+        cache_salt: str = "",
     ) -> AsyncIterator[TokenEvent]:
         """Streams generated tokens. With ``kv`` the prompt KV is loaded from the store and
         ``first_token_id`` (from prefill) is the first output token; without, the engine
-        prefills locally (reusing cached prefix chunks when it can)."""
+        prefills locally (reusing cached prefix chunks when it can). ``cache_salt`` as in
+        :meth:`prefill`: ``kv`` must hold that salt's keys."""
 
     @abc.abstractmethod
     def load(self) -> EngineLoad: ...

@@ -15,7 +15,8 @@ Scheduling (one dedicated worker thread owns the model; nothing runs on the even
   KV freed.
 
 KV chunks: the cache of positions ``[i * chunk_size, (i + 1) * chunk_size)`` is stored under
-the i-th chain key (:func:`pdserve.hashing.chunk_keys`) as a canonical
+the i-th chain key (:func:`pdserve.hashing.chunk_keys`, salted with the request's cache salt;
+the engine keeps no prefix cache of its own, so the store is its only reuse) as a canonical
 ``[layers, 2, kv_heads, tokens, head_dim]`` tensor; the partial tail under a request-scoped
 key with a TTL. Any store failure (unreachable, timeout, missing or corrupt chunk) degrades to
 recomputing those positions, counted in :mod:`pdserve.engines.metrics`.
@@ -95,6 +96,7 @@ class _PrefillJob:
     sampling: Sampling
     publish: bool
     future: concurrent.futures.Future
+    cache_salt: str = ""
 
 
 @dataclass
@@ -108,6 +110,7 @@ class _GenJob:
     deliver: Callable[[Any], None]
     t0: float
     seed: int
+    cache_salt: str = ""
     cancelled: threading.Event = field(default_factory=threading.Event)
     cache: Any = None
     out_ids: list[int] = field(default_factory=list)
@@ -214,13 +217,16 @@ class TorchEngine(Engine):
         sampling: Sampling,
         *,
         publish_incrementally: bool = False,
+        cache_salt: str = "",
     ) -> PrefillOutcome:
         self._require_started()
         tokens = list(prompt_token_ids)
         sampling.validate(self.cfg.max_tokens_limit)
         self.check_prompt(tokens, sampling)
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put(_PrefillJob(request_id, tokens, sampling, publish_incrementally, fut))
+        self._queue.put(
+            _PrefillJob(request_id, tokens, sampling, publish_incrementally, fut, cache_salt)
+        )
         return await asyncio.wrap_future(fut)
 
     async def generate(
@@ -232,6 +238,7 @@ class TorchEngine(Engine):
         kv: KVRef | None = None,
         first_token_id: int | None = None,
         chunk_wait_ms: int = 0,
+        cache_salt: str = "",
     ) -> AsyncIterator[TokenEvent]:
         """Emits every output token, the prefill's ``first_token_id`` included (first)."""
         self._require_started()
@@ -255,6 +262,7 @@ class TorchEngine(Engine):
             lambda item: loop.call_soon_threadsafe(events.put_nowait, item),
             time.monotonic(),
             seed,
+            cache_salt,
         )
         self._queue.put(job)
         try:
@@ -324,13 +332,18 @@ class TorchEngine(Engine):
     def _prefill(self, job: _PrefillJob) -> PrefillOutcome:
         tokens = job.tokens
         _cache, logits, cached, computed = self._compute_prompt(
-            job.request_id, tokens, write_tail=True, publish=job.publish, phase="prefill"
+            job.request_id,
+            tokens,
+            job.cache_salt,
+            write_tail=True,
+            publish=job.publish,
+            phase="prefill",
         )
         seed = job.sampling.seed if job.sampling.seed is not None else random.getrandbits(63)
         first = sample_token(logits, job.sampling, seed, 0)
         kv = KVRef(
-            chunk_keys=tuple(hashing.chunk_keys(self.fingerprint, tokens)),
-            tail_key=hashing.tail_key(self.fingerprint, tokens, job.request_id),
+            chunk_keys=tuple(hashing.chunk_keys(self.fingerprint, tokens, job.cache_salt)),
+            tail_key=hashing.tail_key(self.fingerprint, tokens, job.request_id, job.cache_salt),
             num_tokens=len(tokens),
             chunk_size=self.cfg.chunk_size,
             fingerprint=self._fp,
@@ -386,7 +399,12 @@ class TorchEngine(Engine):
                 metrics.KV_COMPUTED_TOKENS.labels("kv_miss").inc(recomputed)
         else:
             job.cache, logits, loaded, recomputed = self._compute_prompt(
-                job.request_id, tokens, write_tail=False, publish=False, phase="decode"
+                job.request_id,
+                tokens,
+                job.cache_salt,
+                write_tail=False,
+                publish=False,
+                phase="decode",
             )
         if job.first_token is not None:
             first = job.first_token
@@ -465,14 +483,22 @@ class TorchEngine(Engine):
         )
 
     def _compute_prompt(
-        self, request_id: str, tokens: list[int], *, write_tail: bool, publish: bool, phase: str
+        self,
+        request_id: str,
+        tokens: list[int],
+        cache_salt: str,
+        *,
+        write_tail: bool,
+        publish: bool,
+        phase: str,
     ) -> tuple[Any, torch.Tensor, int, int]:
-        """Builds the prompt's KV: loads the longest cached chunk prefix, computes the rest and
-        writes new full chunks (and the tail when ``write_tail``). Returns the cache, the last
-        position's logits, and the loaded and computed token counts."""
+        """Builds the prompt's KV: loads the longest cached chunk prefix of ``cache_salt``'s
+        chain, computes the rest and writes new full chunks (and the tail when
+        ``write_tail``). Returns the cache, the last position's logits, and the loaded and
+        computed token counts."""
         cs = self.cfg.chunk_size
         n = len(tokens)
-        keys = hashing.chunk_keys(self.fingerprint, tokens)
+        keys = hashing.chunk_keys(self.fingerprint, tokens, cache_salt)
         chunks = self._load_prefix(keys)
         loaded = min(len(chunks) * cs, n - 1)  # the last token is always computed (logits)
         cache = self._cache_from_chunks(chunks, loaded)
@@ -495,7 +521,8 @@ class TorchEngine(Engine):
             logits = self._forward(tokens[loaded:], cache)
             self._save_chunks(cache, keys, done_chunks, len(keys))
         if write_tail and n % cs:
-            self._save_tail(cache, hashing.tail_key(self.fingerprint, tokens, request_id), n)
+            tail = hashing.tail_key(self.fingerprint, tokens, request_id, cache_salt)
+            self._save_tail(cache, tail, n)
         reason = "uncached" if phase == "prefill" else "local"
         metrics.KV_COMPUTED_TOKENS.labels(reason).inc(n - loaded)
         return cache, logits, loaded, n - loaded
@@ -504,12 +531,13 @@ class TorchEngine(Engine):
         """Loads KV by handle; returns the cache and how many leading prompt tokens it holds
         (the rest must be computed). The handle covers the whole prompt (read mode: full
         chunks plus the tail) or a chunk-aligned prefix of it (write mode, no tail). A handle
-        that does not belong to this prompt and model is ignored rather than trusted."""
+        that does not belong to this prompt, model and cache salt is ignored rather than
+        trusted."""
         kv, tokens = job.kv, job.tokens
         assert kv is not None
         cs = self.cfg.chunk_size
         n = len(tokens)
-        expected = hashing.chunk_keys(self.fingerprint, tokens)
+        expected = hashing.chunk_keys(self.fingerprint, tokens, job.cache_salt)
         k = len(kv.chunk_keys)
         covered = n if kv.tail_key else k * cs
         if (

@@ -6,6 +6,10 @@ Store objects are pdserve chunks (:mod:`pdserve.kvformat`, canonical layout
 so the torch engine and this connector read each other's chunks when the fingerprints match.
 One chunk is ``chunk_size / block_size`` vLLM blocks.
 
+Keys are those of the request's cache salt (vLLM's ``Request.cache_salt``, "" = none), so
+tenants with different salts never load each other's chunks, as vLLM's own salted block
+hashes keep its local prefix cache apart.
+
 Flow per request:
 
 - Scheduler, ``get_num_new_matched_tokens``: the longest stored prefix of the prompt's full
@@ -201,6 +205,13 @@ def _request_params(request: Any) -> dict[str, Any]:
     return inner if isinstance(inner, dict) else {}
 
 
+def _cache_salt(request: Any) -> str:
+    """The request's cache salt ("" = none): vLLM's ``Request.cache_salt``, which the engine
+    sets from the prompt's ``cache_salt`` (and which salts vLLM's own block hashes)."""
+    salt = getattr(request, "cache_salt", None)
+    return salt if isinstance(salt, str) else ""
+
+
 def _layer_index(name: str) -> int:
     found = re.findall(r"\d+", name)
     return int(found[-1]) if found else 0
@@ -246,7 +257,7 @@ class PdserveConnector(KVConnectorBase_V1):
         limit = len(tokens) - 1  # the last prompt token is always computed
         cs = self.chunk_size
         params = _request_params(request)
-        keys = hashing.chunk_keys(self.fp, tokens)
+        keys = hashing.chunk_keys(self.fp, tokens, _cache_salt(request))
         try:
             hit = self.client.longest_prefix(keys) if keys else 0
             # a stored chunk holding the last token is loaded up to that token (a prefix slice)
@@ -344,9 +355,10 @@ class PdserveConnector(KVConnectorBase_V1):
     def _track(
         self, req_id: str, prompt: list[int], block_ids: list[int], loaded_chunks: int
     ) -> None:
-        params = _request_params(self._requests.get(req_id))
+        request = self._requests.get(req_id)
+        params = _request_params(request)
         self._trackers[req_id] = _SaveTracker(
-            keys=hashing.chunk_keys(self.fp, prompt),
+            keys=hashing.chunk_keys(self.fp, prompt, _cache_salt(request)),
             prompt_len=len(prompt),
             tail_key=str(params.get("save_tail_key", "")),
             block_ids=block_ids,

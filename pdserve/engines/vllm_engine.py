@@ -12,7 +12,9 @@
 - A failed load (miss, corrupt chunk, store down) is recomputed by vLLM
   (``kv_load_failure_policy="recompute"``): slower, never a different token.
 
-vLLM's own features stay on: continuous batching, chunked prefill, local prefix caching.
+vLLM's own features stay on: continuous batching, chunked prefill, local prefix caching. A
+request's cache salt goes to vLLM with the prompt (its local prefix cache is per salt) and
+selects the chunk keys the connector loads and saves (per salt in the store too).
 Its scheduler is :class:`pdserve.engines.vllm_scheduler.StreamFirstScheduler`, which sizes a
 step's prompt tokens to keep decoding streams within ``tpot_target_ms``. The model runs in
 ``dtype = kv_dtype`` (auto: bfloat16; float32 keeps greedy output token-exact against the torch
@@ -182,14 +184,19 @@ class VllmEngine(Engine):
     # ------------------------------------------------------------------ requests
 
     async def _run(
-        self, request_id: str, prompt: list[int], params: Any
+        self, request_id: str, prompt: list[int], params: Any, cache_salt: str
     ) -> AsyncIterator[tuple[list[int], Any]]:
-        """Yields ``(new token ids, RequestOutput)``; aborts the request when closed early."""
+        """Yields ``(new token ids, RequestOutput)``; aborts the request when closed early.
+        A ``cache_salt`` goes to vLLM with the prompt: it salts vLLM's own block hashes (its
+        local prefix cache) and the connector reads it from the request for the chunk keys."""
         self._waiting += 1
         started = False
         finished = False
+        inputs: dict[str, Any] = {"prompt_token_ids": prompt}
+        if cache_salt:
+            inputs["cache_salt"] = cache_salt
         try:
-            stream = self._llm.generate({"prompt_token_ids": prompt}, params, request_id)
+            stream = self._llm.generate(inputs, params, request_id)
             async for out in stream:
                 if not started:
                     started = True
@@ -212,19 +219,22 @@ class VllmEngine(Engine):
         sampling: Sampling,
         *,
         publish_incrementally: bool = False,
+        cache_salt: str = "",
     ) -> PrefillOutcome:
         prompt = list(prompt_token_ids)
         sampling.validate(self.config.max_tokens_limit)
         self.check_prompt(prompt, sampling)
         fp = self.fingerprint
-        keys = hashing.chunk_keys(fp, prompt)
-        tail = hashing.tail_key(fp, prompt, request_id) if self.config.store_master else ""
+        keys = hashing.chunk_keys(fp, prompt, cache_salt)
+        tail = (
+            hashing.tail_key(fp, prompt, request_id, cache_salt) if self.config.store_master else ""
+        )
         params = sampling_params(
             sampling, max_tokens=1, extra={PARAMS_KEY: {"save_tail_key": tail}} if tail else None
         )
         first: int | None = None
         result: Any = None
-        async for ids, out in self._run(_vllm_id(request_id), prompt, params):
+        async for ids, out in self._run(_vllm_id(request_id), prompt, params, cache_salt):
             if ids and first is None:
                 first = ids[0]
             result = out
@@ -253,6 +263,7 @@ class VllmEngine(Engine):
         kv: KVRef | None = None,
         first_token_id: int | None = None,
         chunk_wait_ms: int = 0,
+        cache_salt: str = "",
     ) -> AsyncIterator[TokenEvent]:
         prompt = list(prompt_token_ids)
         sampling.validate(self.config.max_tokens_limit)
@@ -283,7 +294,7 @@ class VllmEngine(Engine):
             max_tokens -= 1
         params = sampling_params(sampling, max_tokens=max_tokens, extra=extra)
         last: Any = None
-        async for ids, out in self._run(_vllm_id(request_id), prompt, params):
+        async for ids, out in self._run(_vllm_id(request_id), prompt, params, cache_salt):
             last = out
             now = (time.perf_counter() - t0) * 1e3
             pieces = "".join(text.add(t) for t in ids)

@@ -20,7 +20,7 @@ from pdserve.services.worker import (
 )
 from pdserve.telemetry import REGISTRY
 from pdserve.v1 import engine_pb2, engine_pb2_grpc
-from pdserve.validation import check_model, check_request_id
+from pdserve.validation import check_cache_salt, check_model, check_request_id
 
 RUNNING = Gauge("pdserve_decode_running_requests", "Decode streams in progress", registry=REGISTRY)
 REQUESTS = Counter(
@@ -57,6 +57,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServiceServicer):
         rid = check_request_id(request.request_id)
         telemetry.request_id_var.set(rid)
         check_model(request.model, self.served)
+        salt = check_cache_salt(request.cache_salt or None)
         tokens = list(request.prompt_token_ids)
         sampling = sampling_from_proto(request.sampling, self.engine, self.cfg, len(tokens))
         kv = kvref_from_proto(request.kv) if request.HasField("kv") else None
@@ -72,6 +73,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServiceServicer):
                     kv=kv,
                     first_token_id=first,
                     chunk_wait_ms=request.chunk_wait_ms,
+                    cache_salt=salt,
                 ):
                     if ev.loaded_tokens or ev.recomputed_tokens or ev.prefix_cached_tokens:
                         PROMPT_TOKENS.labels("loaded").inc(ev.loaded_tokens)

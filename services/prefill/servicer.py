@@ -18,7 +18,7 @@ from pdserve.services.worker import (
 )
 from pdserve.telemetry import REGISTRY
 from pdserve.v1 import engine_pb2, engine_pb2_grpc
-from pdserve.validation import check_model, check_request_id
+from pdserve.validation import check_cache_salt, check_model, check_request_id
 
 REQUESTS = Counter(
     "pdserve_prefill_requests_total", "Prefill requests by outcome", ["outcome"], registry=REGISTRY
@@ -47,12 +47,17 @@ class PrefillServicer(engine_pb2_grpc.PrefillServiceServicer):
         rid = check_request_id(request.request_id)
         telemetry.request_id_var.set(rid)
         check_model(request.model, self.served)
+        salt = check_cache_salt(request.cache_salt or None)
         tokens = list(request.prompt_token_ids)
         sampling = sampling_from_proto(request.sampling, self.engine, self.cfg, len(tokens))
         try:
             async with self.slots.slot():
                 out = await self.engine.prefill(
-                    rid, tokens, sampling, publish_incrementally=request.publish_incrementally
+                    rid,
+                    tokens,
+                    sampling,
+                    publish_incrementally=request.publish_incrementally,
+                    cache_salt=salt,
                 )
         except Exception as exc:
             REQUESTS.labels(type(exc).__name__).inc()

@@ -62,6 +62,7 @@ class Frontend:
         limits = self.current_limits()
         rq.check_model(req.model, limits)
         rid = rq.check_request_id(req.request_id)
+        salt = rq.check_cache_salt(req.cache_salt if req.HasField("cache_salt") else None)
         given = [
             name
             for name, present in (
@@ -102,7 +103,7 @@ class Frontend:
         mode = _MODES.get(req.mode)
         if mode is None:
             raise InvalidArgument(f"mode: unknown value {req.mode}", param="mode")
-        return rq.GenRequest(rid, ids, sampling, mode)
+        return rq.GenRequest(rid, ids, sampling, mode, salt)
 
     # --- OpenAI -----------------------------------------------------------------------------
 
@@ -119,6 +120,7 @@ class Frontend:
         if n not in (1, None):
             raise InvalidArgument("n: only n=1 is supported", param="n")
         _refuse_unsupported(body)
+        salt = rq.check_cache_salt(body.get("cache_salt"))
         if chat:
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
@@ -153,7 +155,7 @@ class Frontend:
         rid = body.get("request_id", "")
         if not isinstance(rid, str):
             raise InvalidArgument("request_id must be a string", param="request_id")
-        return rq.GenRequest(rq.check_request_id(rid), ids, sampling, "")
+        return rq.GenRequest(rq.check_request_id(rid), ids, sampling, "", salt)
 
     def _chat_ids(self, messages: list[dict[str, Any]], limits: rq.Limits) -> list[int]:
         """The prompt of validated chat ``messages``, refused before templating when their

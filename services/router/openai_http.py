@@ -4,6 +4,11 @@ and not), /v1/models, /health, /metrics.
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` with 400 (bad
 input), 404 (unknown model), 429 (admission refused), 503 (no worker), 504 (deadline).
 
+Beyond OpenAI's fields, the completions bodies take vLLM's ``cache_salt`` (a tenant's secret:
+prefix caching and ``usage.prompt_tokens_details.cached_tokens`` only among requests with the
+same salt; validated by :func:`pdserve.validation.check_cache_salt`), ``top_k``, ``seed``,
+``ignore_eos`` and ``request_id``.
+
 Request ids: a request's id is its body's ``request_id``, else the ``x-request-id`` header,
 else a fresh one; the response echoes it in ``x-request-id`` (and in the logs of every
 service the request passes through).

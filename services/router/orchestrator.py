@@ -166,7 +166,8 @@ class _Job:
     """One admitted request as the plans see it."""
 
     req: GenRequest
-    #: Chain keys of the prompt's full chunks.
+    #: Chain keys of the prompt's full chunks, salted with the request's cache salt: lookups,
+    #: handles and placement affinity see only the tenant's own entries.
     keys: list[str]
     #: Prompt tokens the store does not hold (at least 1).
     uncached: int
@@ -283,6 +284,7 @@ class DecodeSession:
             model=first.model,
             prompt_token_ids=[*first.prompt_token_ids, *self.emitted],
             sampling=sampling,
+            cache_salt=first.cache_salt,
         )
         self.echoes = 0
         full = detokenize(self.emitted)
@@ -324,12 +326,13 @@ class Orchestrator:
         """The KV fingerprint agreed with the workers (None until one has registered)."""
         return self.fingerprints.current()
 
-    async def cached_tokens(self, tokens: list[int]) -> tuple[list[str], int]:
-        """Chain keys of the prompt's full chunks and how many prompt tokens the store holds."""
+    async def cached_tokens(self, tokens: list[int], cache_salt: str = "") -> tuple[list[str], int]:
+        """Chain keys of the prompt's full chunks in ``cache_salt``'s chain and how many prompt
+        tokens the store holds under them (so only the tenant's own entries count)."""
         fp = self.fp
         if fp is None:
             return [], 0
-        keys = chunk_keys(fp, tokens)
+        keys = chunk_keys(fp, tokens, cache_salt)
         if not keys or self.prefix_lookup is None:
             return keys, 0
         try:
@@ -346,7 +349,7 @@ class Orchestrator:
         t0 = time.monotonic()
         deadline = t0 + (timeout_s if timeout_s is not None else self.config.request_timeout_s)
         n = len(req.prompt_token_ids)
-        keys, cached = await self.cached_tokens(req.prompt_token_ids)
+        keys, cached = await self.cached_tokens(req.prompt_token_ids, req.cache_salt)
         n_prefill = len(self.pool.candidates(PREFILL))
         fp = self.fp
         plan = choose_plan(
@@ -480,6 +483,7 @@ class Orchestrator:
             model=self.config.model,
             prompt_token_ids=req.prompt_token_ids,
             sampling=sampling_proto(req.sampling),
+            cache_salt=req.cache_salt,
             **fields,
         )
 
@@ -494,6 +498,7 @@ class Orchestrator:
             prompt_token_ids=req.prompt_token_ids,
             sampling=sampling_proto(req.sampling),
             publish_incrementally=publish,
+            cache_salt=req.cache_salt,
         )
         ctx = RouteContext(len(req.prompt_token_ids), len(req.prompt_token_ids) - uncached)
         tried: set[str] = set()

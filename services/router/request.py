@@ -2,7 +2,8 @@
 
 Every check raises :class:`pdserve.errors.InvalidArgument` (or ``ModelNotFound`` for an
 unknown model) with a message that names the offending field, and the field as ``param``.
-The request id and model checks are :mod:`pdserve.validation`'s, shared with the workers.
+The request id, cache salt and model checks are :mod:`pdserve.validation`'s, shared with the
+workers.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from pdserve.engines.base import Sampling
 from pdserve.errors import InvalidArgument
 from pdserve.v1 import router_pb2
 
-# Re-exported: the front ends call rq.check_request_id, the rule shared with the workers.
+# Re-exported: the front ends call rq.check_request_id and rq.check_cache_salt, the rules
+# shared with the workers.
+from pdserve.validation import check_cache_salt as check_cache_salt
 from pdserve.validation import check_request_id as check_request_id
 
 MODES = ("read", "write", "colocated")
@@ -48,6 +51,8 @@ class GenRequest:
     sampling: Sampling
     #: "" = the router's default mode.
     mode: str = ""
+    #: The tenant's cache salt ("" = none): keys the prompt's chunks (:mod:`pdserve.hashing`).
+    cache_salt: str = ""
 
 
 def check_model(model: str, limits: Limits) -> None:

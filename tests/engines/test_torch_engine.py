@@ -47,19 +47,32 @@ async def collect(agen) -> tuple[list[int], str, list]:
     return [t for ev in events for t in ev.token_ids], "".join(ev.text for ev in events), events
 
 
-def split_run(eng: TorchEngine, toks: list[int], sampling: Sampling = GREEDY, rid: str = "r"):
+def split_run(
+    eng: TorchEngine,
+    toks: list[int],
+    sampling: Sampling = GREEDY,
+    rid: str = "r",
+    cache_salt: str = "",
+):
     async def go():
-        out = await eng.prefill(rid, toks, sampling)
+        out = await eng.prefill(rid, toks, sampling, cache_salt=cache_salt)
         ids, text, events = await collect(
-            eng.generate(rid, toks, sampling, kv=out.kv, first_token_id=out.first_token_id)
+            eng.generate(
+                rid,
+                toks,
+                sampling,
+                kv=out.kv,
+                first_token_id=out.first_token_id,
+                cache_salt=cache_salt,
+            )
         )
         return out, ids, text, events
 
     return asyncio.run(go())
 
 
-def local_run(eng: TorchEngine, toks: list[int], sampling: Sampling = GREEDY):
-    return asyncio.run(collect(eng.generate("local", toks, sampling)))
+def local_run(eng: TorchEngine, toks: list[int], sampling: Sampling = GREEDY, cache_salt=""):
+    return asyncio.run(collect(eng.generate("local", toks, sampling, cache_salt=cache_salt)))
 
 
 @pytest.mark.parametrize("n", LENGTHS)
@@ -95,6 +108,39 @@ def test_reuse_loads_exactly_the_shared_chunks(eng, memory_store, hf_greedy) -> 
     assert memory_store.reads[2:] == [*out2.kv.chunk_keys, out2.kv.tail_key]
     assert events[0].loaded_tokens == len(second)
     assert ids == hf_greedy(second, GREEDY.max_tokens)
+
+
+def test_cache_salts_keep_tenants_chunks_apart_and_tokens_identical(
+    eng, memory_store, hf_greedy
+) -> None:
+    toks = prompt(2 * CS + 7, salt=5)
+    expected = hf_greedy(toks, GREEDY.max_tokens)
+    a1, ids_a1, _, _ = split_run(eng, toks, rid="a1", cache_salt="tenant-a")
+    b, ids_b, _, ev_b = split_run(eng, toks, rid="b", cache_salt="tenant-b")
+    a2, ids_a2, _, _ = split_run(eng, toks, rid="a2", cache_salt="tenant-a")
+    assert ids_a1 == ids_b == ids_a2 == expected
+    # B found none of A's chunks (its own keys), computed everything and stored its own
+    assert (a1.cached_tokens, b.cached_tokens, a2.cached_tokens) == (0, 0, 2 * CS)
+    assert b.computed_tokens == len(toks) and ev_b[0].loaded_tokens == len(toks)
+    assert not set(b.kv.chunk_keys) & set(a1.kv.chunk_keys)
+    assert a2.kv.chunk_keys == a1.kv.chunk_keys
+    assert set(b.kv.chunk_keys) <= set(memory_store.objects)
+    # no salt: the shared chain, where neither tenant's chunks are
+    ids, _, events = local_run(eng, toks)
+    assert ids == expected and events[0].loaded_tokens == 0
+    assert local_run(eng, toks, cache_salt="tenant-b")[2][0].loaded_tokens == 2 * CS
+
+    # A's handle presented with B's salt does not match B's keys: ignored, recomputed
+    async def stolen():
+        return await collect(
+            eng.generate(
+                "s", toks, GREEDY, kv=a1.kv, first_token_id=a1.first_token_id, cache_salt="c"
+            )
+        )
+
+    ids, _, events = asyncio.run(stolen())
+    assert ids == expected
+    assert (events[0].loaded_tokens, events[0].recomputed_tokens) == (0, len(toks))
 
 
 def test_fully_cached_multiple_of_chunk_computes_only_last_token(eng, hf_greedy) -> None:

@@ -1,7 +1,8 @@
 """vLLM engine end to end: prefill in one process -> real KV store (master + node processes)
 -> decode in another process equals single-process vLLM greedy output (and Hugging Face
 greedy output) token for token; a corrupted chunk is recomputed; the load path is real; a
-second request for a stored prompt (no handle, fresh process) loads all but its last token.
+second request for a stored prompt (no handle, fresh process) loads all but its last token;
+cache salts keep tenants apart in the store and in vLLM's own prefix cache.
 
 Three vLLM engine processes run one after the other (2 cores): a baseline without a store,
 a prefill engine and a decode engine, each through tests/engines/vllm_runner.py.
@@ -40,6 +41,7 @@ CORRUPT_LEN = 160  # 2 full chunks + tail; its second chunk gets flipped bytes
 # exact multiples load the first chunk_size - 1 tokens of their last chunk
 REUSE_LENGTHS = [128, 192, 129, 150]
 REUSE_CORRUPT_LEN = 128  # re-asked like the above, but its partially loaded last chunk is flipped
+SALTED_LEN = 150  # asked by tenants with different cache salts, never without one
 
 
 def _prompts() -> dict[str, list[int]]:
@@ -50,6 +52,13 @@ def _prompts() -> dict[str, list[int]]:
     out.update({f"reuse{n}": [rng.randrange(3, 500) for _ in range(n)] for n in REUSE_LENGTHS})
     out["reuse_corrupt"] = [rng.randrange(3, 500) for _ in range(REUSE_CORRUPT_LEN)]
     return out
+
+
+def _salted(mode: str, name: str, salt: str, **kw: Any) -> dict[str, Any]:
+    """A job on the salted prompt (kept out of ``_prompts``: nothing stores it unsalted)."""
+    prompt = [random.Random(99).randrange(3, 500) for _ in range(SALTED_LEN)]
+    return {"mode": mode, "id": f"salted-{name}", "prompt": prompt, "max_tokens": MAX_TOKENS,
+            "cache_salt": salt, **kw}  # fmt: skip
 
 
 def _run_engine(tmp: Path, name: str, config: dict[str, Any], jobs: list[dict]) -> list[dict]:
@@ -120,9 +129,17 @@ def pd_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
                 for k, p in prompts.items()
             ]  # fmt: skip
 
-        single = _run_engine(tmp, "single", base, jobs("single"))
-        prefill = _run_engine(tmp, "prefill", stored, jobs("prefill"))
-        by_key = dict(zip(prompts, prefill, strict=True))
+        n = len(prompts)
+        single = _run_engine(tmp, "single", base, [*jobs("single"), _salted("single", "", "")])
+        # tenant A stores the salted prompt; B, then A again, ask for it in the same process
+        salted_prefill = [
+            _salted("prefill", "a", "tenant-a"),
+            _salted("single", "b", "tenant-b"),
+            _salted("single", "a-again", "tenant-a"),
+        ]
+        prefill = _run_engine(tmp, "prefill", stored, [*jobs("prefill"), *salted_prefill])
+        by_key = dict(zip(prompts, prefill[:n], strict=True))
+        salted = {"base": single[n], **{r["id"][len("salted-") :]: r for r in prefill[n:]}}
         _flip_chunk_bytes(master.info["grpc"], by_key["corrupt"]["kv"]["chunk_keys"][1])
         _flip_chunk_bytes(master.info["grpc"], by_key["reuse_corrupt"]["kv"]["chunk_keys"][-1])
         handles = {k: {"kv": r["kv"], "first": r["first"]} for k, r in by_key.items()}
@@ -131,12 +148,21 @@ def pd_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
             {**j, "mode": "single", "id": f"reuse-{k}"} if k.startswith("reuse") else j
             for k, j in zip(prompts, jobs("decode", handles), strict=True)
         ]
-        decode = _run_engine(tmp, "decode", stored, decode_jobs)
+        # a fresh process: A decodes with its handle, then tenant C and no salt ask plainly
+        handle_a = {"kv": salted["a"]["kv"], "first": salted["a"]["first"]}
+        salted_decode = [
+            _salted("decode", "decode-a", "tenant-a", **handle_a),
+            _salted("single", "c", "tenant-c"),
+            _salted("single", "none", ""),
+        ]
+        decode = _run_engine(tmp, "decode", stored, [*decode_jobs, *salted_decode])
+        salted.update({r["id"][len("salted-") :]: r for r in decode[n:]})
         yield {
             "prompts": prompts,
-            "single": dict(zip(prompts, single, strict=True)),
+            "single": dict(zip(prompts, single[:n], strict=True)),
             "prefill": by_key,
-            "decode": dict(zip(prompts, decode, strict=True)),
+            "decode": dict(zip(prompts, decode[:n], strict=True)),
+            "salted": salted,
         }
 
 
@@ -221,3 +247,24 @@ def test_corrupted_partially_loaded_chunk_is_recomputed_token_exact(
     # last prompt token computed
     assert again["loaded"] == CHUNK, again
     assert again["recomputed"] == REUSE_CORRUPT_LEN - CHUNK, again
+
+
+def test_cache_salt_isolates_the_store_and_vllms_own_prefix_cache(pd_run: dict[str, Any]) -> None:
+    s = pd_run["salted"]
+    want = s["base"]["tokens"]
+    n = SALTED_LEN
+    assert s["a"]["first"] == want[0] and s["a"]["cached"] == 0
+    # B, in the process that just computed A's prompt: neither A's stored chunks nor A's
+    # blocks in vLLM's own cache are B's; it computes everything
+    assert s["b"]["tokens"] == want
+    assert (s["b"]["loaded"], s["b"]["prefix_cached"], s["b"]["recomputed"]) == (0, 0, n)
+    # A again: its own entries (vLLM's local cache holds A's first 4 blocks of 32 tokens)
+    assert s["a-again"]["tokens"] == want
+    assert s["a-again"]["loaded"] + s["a-again"]["prefix_cached"] == 2 * CHUNK, s["a-again"]
+    # a fresh process: A's handle loads A's whole prompt (salted keys, salted tail) ...
+    assert s["decode-a"]["tokens"] == want
+    assert (s["decode-a"]["loaded"], s["decode-a"]["recomputed"]) == (n, 0), s["decode-a"]
+    # ... while tenant C and an unsalted request find nothing (A's and B's keys are not theirs)
+    for name in ("c", "none"):
+        assert s[name]["tokens"] == want, name
+        assert (s[name]["loaded"], s[name]["prefix_cached"], s[name]["recomputed"]) == (0, 0, n)

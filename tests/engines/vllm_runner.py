@@ -2,7 +2,8 @@
 process): ``python tests/engines/vllm_runner.py JOBS.json RESULTS.json``.
 
 JOBS.json: ``{"config": {EngineConfig fields}, "jobs": [{"mode": "single"|"prefill"|"decode",
-"id": str, "prompt": [int], "max_tokens": int, "kv": {KVRef fields}, "first": int}]}``.
+"id": str, "prompt": [int], "max_tokens": int, "kv": {KVRef fields}, "first": int,
+"cache_salt": str (optional)}]}``.
 RESULTS.json: one object per job with the tokens and the KV counters the engine reported.
 """
 
@@ -27,8 +28,9 @@ async def run(spec: dict) -> list[dict]:
         for job in spec["jobs"]:
             sampling = Sampling(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True)
             out: dict = {"id": job["id"], "mode": job["mode"]}
+            salt = job.get("cache_salt", "")
             if job["mode"] == "prefill":
-                res = await engine.prefill(job["id"], job["prompt"], sampling)
+                res = await engine.prefill(job["id"], job["prompt"], sampling, cache_salt=salt)
                 kv = res.kv
                 out.update(
                     first=res.first_token_id,
@@ -50,14 +52,22 @@ async def run(spec: dict) -> list[dict]:
                     d["fingerprint"] = bytes.fromhex(d["fingerprint"])
                     kv = KVRef(**d)
                 tokens: list[int] = []
-                loaded = recomputed = 0
+                loaded = recomputed = prefix_cached = 0
                 async for ev in engine.generate(
-                    job["id"], job["prompt"], sampling, kv=kv, first_token_id=job.get("first")
+                    job["id"],
+                    job["prompt"],
+                    sampling,
+                    kv=kv,
+                    first_token_id=job.get("first"),
+                    cache_salt=salt,
                 ):
                     tokens.extend(ev.token_ids)
                     if ev.finish is not None:
                         loaded, recomputed = ev.loaded_tokens, ev.recomputed_tokens
-                out.update(tokens=tokens, loaded=loaded, recomputed=recomputed)
+                        prefix_cached = ev.prefix_cached_tokens
+                out.update(
+                    tokens=tokens, loaded=loaded, recomputed=recomputed, prefix_cached=prefix_cached
+                )
             results.append(out)
     finally:
         await engine.close()

@@ -1,8 +1,10 @@
 """Router overhead per request: router wall time minus worker time (prefill worker_ms + the
 decode worker's time to its last token), read plan, on the real-process cluster of
-test_cluster.py. Prints p50/p99 and the client-side latency for scale.
+test_cluster.py. Prints p50/p99 and the client-side latency for scale; with ``--tls`` it
+measures a plaintext cluster and then one with mutual TLS on every internal link, side by
+side in one run.
 
-    .venv/bin/python tests/router/overhead_bench.py [requests] [max_tokens]
+    .venv/bin/python tests/router/overhead_bench.py [requests] [max_tokens] [--tls]
 """
 
 from __future__ import annotations
@@ -27,14 +29,13 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
-def main() -> None:
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 200
-    max_tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 8
+def measure(n: int, max_tokens: int, tls: bool) -> tuple[list[float], list[float]]:
+    """(router overhead ms, client latency ms) of ``n`` requests after 10 warm-up ones."""
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = Cluster(Path(tmp), build_tiny_model())
+        cluster = Cluster(Path(tmp), build_tiny_model(), tls=tls)
         try:
             client_ms = []
-            with grpcutil.sync_channel(cluster.grpc) as ch:
+            with grpcutil.sync_channel(cluster.grpc, public=True) as ch:
                 stub = router_pb2_grpc.RouterServiceStub(ch)
                 for i in range(n + 10):
                     req = router_pb2.GenerateRequest(
@@ -57,12 +58,23 @@ def main() -> None:
             ]
         finally:
             cluster.close()
-    print(f"requests: {len(over)} (read plan, 40-token prompts, {max_tokens} output tokens)")
-    print(
-        f"router overhead ms: p50 {pct(over, 0.5):.2f}  p99 {pct(over, 0.99):.2f}  "
-        f"mean {statistics.mean(over):.2f}"
-    )
-    print(f"client latency ms:  p50 {pct(client_ms, 0.5):.2f}  p99 {pct(client_ms, 0.99):.2f}")
+    return over, client_ms
+
+
+def main() -> None:
+    argv = [a for a in sys.argv[1:] if a != "--tls"]
+    n = int(argv[0]) if argv else 200
+    max_tokens = int(argv[1]) if len(argv) > 1 else 8
+    modes = (False, True) if "--tls" in sys.argv else (False,)
+    results = {tls: measure(n, max_tokens, tls) for tls in modes}
+    print(f"requests: {n} (read plan, 40-token prompts, {max_tokens} output tokens)")
+    for tls, (over, client_ms) in results.items():
+        label = "mutual TLS" if tls else "plaintext"
+        print(
+            f"{label:>10}: router overhead ms p50 {pct(over, 0.5):.2f}  p99 {pct(over, 0.99):.2f}"
+            f"  mean {statistics.mean(over):.2f} ({len(over)} read plans);  client latency ms "
+            f"p50 {pct(client_ms, 0.5):.2f}  p99 {pct(client_ms, 0.99):.2f}"
+        )
 
 
 if __name__ == "__main__":

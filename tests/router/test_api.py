@@ -29,6 +29,11 @@ BAD_GRPC = [
     (dict(prompt="hi", sampling=S(max_tokens=999999)), "max_tokens 999999 exceeds the limit"),
     (dict(messages=[router_pb2.ChatMessage(content="x")]), "messages[0].role"),
     (dict(prompt="hi", request_id="x" * 200), "request_id must be 1-128"),
+    # cache_salt: set but empty, too long, or holding a character vLLM refuses
+    (dict(prompt="hi", cache_salt=""), "cache_salt must be a non-empty string"),
+    (dict(prompt="hi", cache_salt="s" * 129), "cache_salt must be at most 128 characters"),
+    (dict(prompt="hi", cache_salt="tenant/a"), "must not contain '@', '/'"),
+    (dict(prompt="hi", cache_salt="a\0b"), "must not contain '@', '/'"),
 ]
 
 
@@ -91,6 +96,14 @@ BAD_HTTP = [
             "tools": [{"type": "function", "function": {"name": "f"}}],
         },
         "tools",
+    ),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "cache_salt": ""}, "cache_salt"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "cache_salt": 7}, "cache_salt"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "cache_salt": "s" * 129}, "cache_salt"),
+    (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "cache_salt": "a@b"},
+        "cache_salt",
     ),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, "messages"),
@@ -298,6 +311,35 @@ def test_request_id_from_the_header_or_metadata_is_used_and_echoed(tiny_model_di
             stream_call = stub.GenerateStream(req, metadata=(("x-request-id", "grpc-2"),))
             assert {m.request_id async for m in stream_call} == {"grpc-2"}
             assert d.calls[-1].request_id == "grpc-2"
+
+    asyncio.run(main())
+
+
+def test_cache_salt_reaches_the_workers_from_both_front_ends(tiny_model_dir):
+    async def main():
+        p, d = FakePrefill(), FakeDecode()
+        async with (
+            fake_cluster([p], [d], tiny_model_dir) as (r, _),
+            aiohttp.ClientSession(f"http://127.0.0.1:{r.http_port}") as http,
+            grpcutil.channel(f"127.0.0.1:{r.grpc_port}") as ch,
+        ):
+            chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+            for path, body in (
+                ("/v1/completions", {"model": "tiny", "prompt": [5, 6, 7]}),
+                ("/v1/chat/completions", chat),
+            ):
+                for salt, sent in (("t-" + "x" * 126, "t-" + "x" * 126), (None, "")):
+                    req = {**body, "max_tokens": 2, "cache_salt": salt}
+                    async with http.post(path, json=req) as resp:
+                        assert resp.status == 200, await resp.text()
+                    assert p.calls[-1].cache_salt == d.calls[-1].cache_salt == sent
+            stub = router_pb2_grpc.RouterServiceStub(ch)
+            for kwargs, sent in ((dict(cache_salt="tenant-é"), "tenant-é"), ({}, "")):
+                req = router_pb2.GenerateRequest(
+                    prompt_token_ids=[5, 6, 7], sampling=S(max_tokens=2), **kwargs
+                )
+                await stub.Generate(req)
+                assert p.calls[-1].cache_salt == d.calls[-1].cache_salt == sent
 
     asyncio.run(main())
 

@@ -16,7 +16,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from pdserve import grpcutil
+from pdserve import certs, grpcutil, identity
 from pdserve.procs import ServiceProcess, service_args, start_service
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -25,17 +25,37 @@ CS = 16
 
 
 class Cluster:
-    def __init__(self, log_dir: Path, model_dir: Path, *, decodes: int = 1) -> None:
+    def __init__(
+        self, log_dir: Path, model_dir: Path, *, decodes: int = 1, tls: bool = False
+    ) -> None:
+        """``tls``: every service gets its own certificate (made in ``log_dir/certs``), and
+        this process an admin one, so every internal link is mutual TLS."""
         self.procs: list[ServiceProcess] = []
         self.log_dir = log_dir
         self.n_decodes = decodes
+        self.certs = log_dir / "certs" if tls else None
+        if self.certs is not None:
+            names = ["meta:meta", "master:master", "node:n0", "router:router", "admin:test"]
+            names += [f"worker:prefill{i}" for i in range(2)]
+            names += [f"worker:decode{i}" for i in range(decodes)]
+            certs.make(self.certs, names)
+            identity.configure_files(self.files("test"))
         try:
             self._start(model_dir)
         except BaseException:
             self.close()
             raise
 
+    def files(self, name: str) -> identity.TlsFiles:
+        """The TLS files of the identity ``name`` (a tls cluster only)."""
+        d = self.certs
+        return identity.TlsFiles.load(f"{d}/ca.crt", f"{d}/{name}.crt", f"{d}/{name}.key")
+
     def _add(self, name: str, args: list[str], **kw) -> ServiceProcess:
+        if self.certs is not None:
+            d, cert = self.certs, {"node": "n0"}.get(name, name)  # a node's name is its id
+            args = [*args, "--tls-ca", f"{d}/ca.crt", "--tls-cert", f"{d}/{cert}.crt"]
+            args += ["--tls-key", f"{d}/{cert}.key"]
         proc = start_service(name, args, self.log_dir, timeout=90, **kw)
         self.procs.append(proc)
         return proc
@@ -43,7 +63,8 @@ class Cluster:
     def _start(self, model_dir: Path) -> None:
         self.meta = self._add("meta", service_args("meta", port=0, http_port=-1))
         meta = self.meta.info["grpc"]
-        self.master = self._add("master", service_args("kvstore-master", port=0))
+        master_args = service_args("kvstore-master", port=0, state_dir=self.log_dir / "master")
+        self.master = self._add("master", master_args)
         master = self.master.info["grpc"]
         self.node = self._add(
             "node",
@@ -92,7 +113,7 @@ class Cluster:
         )
         self.grpc = self.router.info["grpc"]
         self.http = self.router.info["http"]
-        with grpcutil.sync_channel(self.grpc) as ch:
+        with grpcutil.sync_channel(self.grpc, public=True) as ch:
             stub = router_pb2_grpc.RouterServiceStub(ch)
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
@@ -104,6 +125,8 @@ class Cluster:
                 raise RuntimeError(f"router did not discover the workers: {m}")
 
     def close(self) -> None:
+        if self.certs is not None:
+            identity.configure_files(None)
         for proc in reversed(self.procs):
             proc.stop()
         node = getattr(self, "node", None)
@@ -244,6 +267,53 @@ def test_cache_aware_shared_prefix_hits_store_and_balances(cluster, tok):
     assert sum(served) == n and max(served) <= 1.5 * min(served), served
 
 
+def test_cache_salt_keeps_tenants_apart_with_identical_tokens(cluster, tok, hf_greedy):
+    """Tenant A, then tenant B, then no salt, send the same prompt: each computes it all
+    (cached_tokens 0); A's repeat gets its own prefix back, over HTTP and gRPC; every answer
+    is the same greedy tokens."""
+    run = uuid.uuid4().hex[:8]
+    text = f"{run} tenants share the model but never a cache. " * 4
+    prompt = tok.encode(text)
+    want = hf_greedy(prompt, 12)
+    full = min(len(prompt) // CS * CS, len(prompt) - 1)
+    assert full >= 2 * CS
+    client = openai.OpenAI(base_url=f"{cluster.http}/v1", api_key="none")
+
+    def computed() -> float:
+        name = 'pdserve_prefill_prompt_tokens_total{source="computed"}'
+        return sum(metric(p, name) for p in cluster.prefills)
+
+    def complete(rid: str, cache_salt: str | None) -> tuple[int, float]:
+        before = computed()
+        extra = {"request_id": f"{rid}-{run}"} | ({"cache_salt": cache_salt} if cache_salt else {})
+        r = client.completions.create(
+            model="tiny", prompt=text, max_tokens=12, temperature=0, extra_body=extra
+        )
+        assert r.choices[0].text == tok.decode(want, skip_special_tokens=True), rid
+        assert r.usage.prompt_tokens == len(prompt)
+        return r.usage.prompt_tokens_details.cached_tokens, computed() - before
+
+    tenant_a, tenant_b = f"tenant-a-{run}", f"tenant-b-{run}"
+    assert complete("a1", tenant_a) == (0, len(prompt))
+    assert complete("b", tenant_b) == (0, len(prompt))  # A's prefix is invisible to B
+    assert complete("shared", None) == (0, len(prompt))  # ... and to unsalted requests
+    assert complete("a2", tenant_a) == (full, len(prompt) - full)
+    assert complete("b2", tenant_b) == (full, len(prompt) - full)
+    # decode found each tenant's chunks under its salted keys: nothing recomputed
+    traces = cluster.traces()
+    for rid in ("a1", "b", "a2"):
+        tr = traces[f"{rid}-{run}"]
+        assert (tr["decode_loaded"], tr["decode_recomputed"]) == (len(prompt), 0), tr
+    msgs = stream(cluster, prompt=text, sampling=greedy(12), cache_salt=tenant_a)
+    assert ids(msgs) == want and msgs[0].cached_tokens == full
+    msgs = stream(cluster, prompt=text, sampling=greedy(12), cache_salt=f"tenant-c-{run}")
+    assert ids(msgs) == want and msgs[0].cached_tokens == 0
+    with pytest.raises(grpc.RpcError) as err:
+        stream(cluster, prompt=text, sampling=greedy(2), cache_salt="")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "cache_salt" in err.value.details()
+
+
 def test_cancel_mid_stream_frees_the_decode_slot(cluster):
     d = cluster.decode
     cancelled = metric(d, 'pdserve_decode_requests_total{outcome="cancelled"}')
@@ -331,3 +401,42 @@ def test_vllm_bench_serve_runs_unchanged(cluster, tiny_model_dir, backend, endpo
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     assert out.returncode == 0 and lines, out.stdout[-2000:] + out.stderr[-2000:]
     assert json.loads(lines[-1][len("RESULT ") :]) == {"completed": 8, "failed": 0}
+
+
+def test_a_mutual_tls_cluster_serves_token_exact_and_refuses_other_identities(
+    tmp_path: Path, tiny_model_dir: Path, tok, hf_greedy
+):
+    """Every internal link is mutual TLS (the router's public API is plain with no key): the
+    answer is token-for-token the ground truth; a worker refuses a node's identity, and a
+    caller without a certificate reaches nothing inside."""
+    from pdserve.v1 import engine_pb2, engine_pb2_grpc, meta_pb2, meta_pb2_grpc
+
+    c = Cluster(tmp_path, tiny_model_dir, tls=True)
+    try:
+        prompt = tok.encode("Mutual TLS between every service, and the same tokens. " * 3)
+        with grpcutil.sync_channel(c.grpc, public=True) as ch:
+            stub = router_pb2_grpc.RouterServiceStub(ch)
+            req = router_pb2.GenerateRequest(
+                prompt_token_ids=prompt,
+                sampling=common_pb2.SamplingParams(max_tokens=10, temperature=0.0),
+            )
+            got = [t for m in stub.GenerateStream(req, timeout=60) for t in m.token_ids]
+        assert got == hf_greedy(prompt, 10)
+        prefill = c.prefills[0].info["grpc"]
+        identity.configure_files(c.files("n0"))  # a storage node's identity
+        with grpcutil.sync_channel(prefill) as ch:
+            with pytest.raises(grpc.RpcError) as info:
+                engine_pb2_grpc.PrefillServiceStub(ch).Prefill(
+                    engine_pb2.PrefillRequest(request_id="x"), timeout=10
+                )
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        identity.configure_files(None)  # no certificate at all
+        for address in (prefill, c.meta.info["grpc"], c.master.info["grpc"]):
+            with grpcutil.sync_channel(address) as ch:
+                with pytest.raises(grpc.RpcError) as info:
+                    meta_pb2_grpc.MetaServiceStub(ch).ListInstances(
+                        meta_pb2.ListInstancesRequest(), timeout=5
+                    )
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE, address
+    finally:
+        c.close()

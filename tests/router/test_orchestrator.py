@@ -96,7 +96,9 @@ class FakeWorkers(WorkerClient):
             )
 
 
-def orchestrator(client: WorkerClient, prefill: int = 1, decode: int = 2, **cfg) -> Orchestrator:
+def orchestrator(
+    client: WorkerClient, prefill: int = 1, decode: int = 2, prefix_lookup=None, **cfg
+) -> Orchestrator:
     pool = WorkerPool(model="tiny")
     pool.add_static(PREFILL, [f"p{i}" for i in range(prefill)])
     pool.add_static(DECODE, [f"d{i}" for i in range(decode)])
@@ -107,12 +109,13 @@ def orchestrator(client: WorkerClient, prefill: int = 1, decode: int = 2, **cfg)
         pool=pool,
         policy=RoundRobin(),
         admission=Admission(4, 4),
+        prefix_lookup=prefix_lookup,
         detokenize=lambda ids: "".join(f"<{t}>" for t in ids),
     )
 
 
-def generate(orch: Orchestrator, n: int, mode: str = ""):
-    req = GenRequest("rq", PROMPT, Sampling(max_tokens=n, temperature=0.0), mode)
+def generate(orch: Orchestrator, n: int, mode: str = "", cache_salt: str = ""):
+    req = GenRequest("rq", PROMPT, Sampling(max_tokens=n, temperature=0.0), mode, cache_salt)
 
     async def collect():
         return [c async for c in orch.generate(req)]
@@ -207,3 +210,44 @@ def test_colocated_mode_runs_locally_even_with_prefill_workers():
     generate(orch, 2)
     assert [kind for kind, _, _ in client.calls] == [DECODE]
     assert orch.traces[-1].plan == Plan.LOCAL
+
+
+def test_cache_salt_keys_the_lookup_the_handles_placement_and_every_worker_request():
+    """Tenant A's prompt is stored: A's lookup finds it, B's (same prompt, other salt) and an
+    unsalted one do not; the salt reaches prefill, decode, a resumed decode and the write
+    plan's handle; placement affinity is kept per salt."""
+    keys = {salt: chunk_keys(FP, PROMPT, salt) for salt in ("", "tenant-a", "tenant-b")}
+    stored = set(keys["tenant-a"])
+    asked: list[list[str]] = []
+
+    async def lookup(ks: list[str]) -> int:
+        asked.append(list(ks))
+        return next((i for i, k in enumerate(ks) if k not in stored), len(ks))
+
+    client = FakeWorkers()
+    orch = orchestrator(client, prefix_lookup=lookup)
+    for salt, cached in (("tenant-a", 8), ("tenant-b", 0), ("", 0)):
+        client.calls.clear()
+        chunks = generate(orch, 3, cache_salt=salt)
+        assert [t for c in chunks for t in c.token_ids] == expected_tokens(PROMPT, 3)
+        assert asked[-1] == keys[salt] and orch.traces[-1].cached_tokens == cached
+        assert [(kind, req.cache_salt) for kind, _, req in client.calls] == [
+            (PREFILL, salt),
+            (DECODE, salt),
+        ]
+
+    client.calls.clear()
+    generate(orch, 3, "write", cache_salt="tenant-b")
+    ((_, _, preq), (_, _, dreq)) = sorted(client.calls, key=lambda c: c[0] == DECODE)
+    assert preq.cache_salt == dreq.cache_salt == "tenant-b"
+    assert list(dreq.kv.chunk_keys) == keys["tenant-b"][:2]
+
+    client = FakeWorkers(die_after=2)
+    orch = orchestrator(client, prefill=0, prefix_lookup=lookup)
+    generate(orch, 6, cache_salt="tenant-a")
+    first, resumed = (req for _, _, req in client.calls)
+    assert first.cache_salt == resumed.cache_salt == "tenant-a" and resumed.prompt_token_ids
+    affinity = orch.placement.affinity
+    for _, wid, _ in client.calls:
+        assert affinity.longest(wid, keys["tenant-a"]) == 2
+        assert affinity.longest(wid, keys["tenant-b"]) == affinity.longest(wid, keys[""]) == 0

@@ -204,6 +204,19 @@ def test_bad_input_statuses(workers, toks, model, sampling, code, words) -> None
         assert words in info.value.details()
 
 
+@pytest.mark.parametrize("salt", ["s" * 129, "tenant@a", "a\\b"])
+def test_bad_cache_salt_is_invalid_argument(workers, salt) -> None:
+    prefill, _, decode = workers
+    with pytest.raises(grpc.RpcError) as info:
+        do_prefill(prefill, [1, 2, 3], "bad-salt", cache_salt=salt)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "cache_salt" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        do_decode(decode, [1, 2, 3], "bad-salt", cache_salt=salt)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "cache_salt" in info.value.details()
+
+
 def test_cancel_and_deadline_free_the_slot(workers) -> None:
     _, _, decode = workers
     toks = prompt(12, salt=500)

@@ -4,7 +4,9 @@ prefix caches (vLLM's paged-block cache), kept by the router from its own routin
 The pooled store lets every worker load any stored prefix, but a prefix still in a worker's
 local cache costs nothing at all; this map lets placement prefer that worker when the loads
 are otherwise close. Bounded (LRU over chunk keys); stale entries cost a slightly worse
-choice, never a wrong answer.
+choice, never a wrong answer. Keys are the requests' chain keys, which a cache salt changes
+(:func:`pdserve.hashing.chain_root`), as it changes the workers' own block hashes: a tenant's
+prefix attracts only that tenant's requests.
 """
 
 from __future__ import annotations
