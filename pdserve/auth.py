@@ -20,18 +20,19 @@ HEADER = "authorization"
 SCHEME = "Bearer "
 
 
-def load_key(key: str, key_file: str) -> str:
-    """The configured key: ``key``, or the first line of ``key_file`` ("" = no key)."""
+def load_key(key: str, key_file: str, *, name: str = "api_key") -> str:
+    """The configured secret: ``key``, or the first line of ``key_file`` ("" = none); errors
+    name the config fields ``name`` and ``name_file``."""
     if key and key_file:
-        raise ConfigError("give api_key or api_key_file, not both")
+        raise ConfigError(f"give {name} or {name}_file, not both")
     if not key_file:
         return key
     try:
         lines = Path(key_file).expanduser().read_text().splitlines()
     except OSError as exc:
-        raise ConfigError(f"api_key_file {key_file!r}: {exc.strerror or exc}") from exc
+        raise ConfigError(f"{name}_file {key_file!r}: {exc.strerror or exc}") from exc
     if not lines or not lines[0].strip():
-        raise ConfigError(f"api_key_file {key_file!r} is empty")
+        raise ConfigError(f"{name}_file {key_file!r} is empty")
     return lines[0].strip()
 
 

@@ -7,6 +7,10 @@
   unreachable) the client registers again by itself.
 - :class:`Discovery`: a local cache of instances (optionally one role/model) kept current by a
   reconnecting WatchInstances stream; while the stream is down it falls back to periodic lists.
+
+Lists follow ListInstances' pages to the end (:func:`list_all`). With TLS configured
+(:func:`pdserve.identity.configure`) the channels present this process's certificate, and meta
+lets only that identity renew or remove what it registered.
 """
 
 from __future__ import annotations
@@ -29,6 +33,20 @@ DEFAULT_TTL_MS = 6_000
 _RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 LoadFn = Callable[[], common_pb2.Load]
+
+
+async def list_all(
+    stub: meta_pb2_grpc.MetaServiceStub, role: int = 0, model: str = "", *, timeout: float
+) -> list[meta_pb2.Instance]:
+    """Every instance matching the filter, page after page (``timeout`` per page)."""
+    found: list[meta_pb2.Instance] = []
+    request = meta_pb2.ListInstancesRequest(role=role, model=model)
+    while True:
+        resp = await stub.ListInstances(request, timeout=timeout)
+        found.extend(resp.instances)
+        if not resp.next_page_token:
+            return found
+        request.page_token = resp.next_page_token
 
 
 class MetaClient:
@@ -154,10 +172,8 @@ class MetaClient:
             self.lease_id = ""
 
     async def list(self, role: int = 0, model: str = "") -> list[meta_pb2.Instance]:
-        resp = await self._stub.ListInstances(
-            meta_pb2.ListInstancesRequest(role=role, model=model), timeout=self._timeout
-        )
-        return list(resp.instances)
+        """Every registered instance matching the filter (all pages)."""
+        return await list_all(self._stub, role, model, timeout=self._timeout)
 
     async def close(self) -> None:
         """Stops the keepalive without deregistering (the lease then expires) and closes."""
@@ -244,10 +260,8 @@ class Discovery:
             self._changed.notify_all()
 
     async def _relist(self) -> None:
-        resp = await self._stub.ListInstances(
-            meta_pb2.ListInstancesRequest(role=self.role, model=self.model), timeout=self._poll
-        )
-        self._cache = {i.instance_id: i for i in resp.instances}
+        found = await list_all(self._stub, self.role, self.model, timeout=self._poll)
+        self._cache = {i.instance_id: i for i in found}
         await self._notify()
 
     async def _run(self) -> None:

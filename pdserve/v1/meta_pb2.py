@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15pdserve/v1/meta.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xb6\x02\n\x08Instance\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x13\n\x0bmax_running\x18\x05 \x01(\r\x12\x19\n\x11kv_capacity_bytes\x18\x06 \x01(\x04\x12\x1e\n\x04load\x18\x07 \x01(\x0b\x32\x10.pdserve.v1.Load\x12\x30\n\x06labels\x18\x08 \x03(\x0b\x32 .pdserve.v1.Instance.LabelsEntry\x12\x10\n\x08lease_id\x18\t \x01(\t\x12\x12\n\nupdated_ms\x18\n \x01(\x04\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"I\n\x0fRegisterRequest\x12&\n\x08instance\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.Instance\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\"4\n\x10RegisterResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\"V\n\x14MetaHeartbeatRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x10.pdserve.v1.LoadH\x00\x88\x01\x01\x42\x07\n\x05_load\"\'\n\x15MetaHeartbeatResponse\x12\x0e\n\x06ttl_ms\x18\x01 \x01(\r\"%\n\x11\x44\x65registerRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x14\n\x12\x44\x65registerResponse\"E\n\x14ListInstancesRequest\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\r\n\x05model\x18\x02 \x01(\t\"@\n\x15ListInstancesResponse\x12\'\n\tinstances\x18\x01 \x03(\x0b\x32\x14.pdserve.v1.Instance\"`\n\x15WatchInstancesRequest\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10include_existing\x18\x03 \x01(\x08\"d\n\rInstanceEvent\x12+\n\x04type\x18\x01 \x01(\x0e\x32\x1d.pdserve.v1.InstanceEventType\x12&\n\x08instance\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.Instance*\x83\x01\n\x11InstanceEventType\x12\x1e\n\x1aINSTANCE_EVENT_UNSPECIFIED\x10\x00\x12\x19\n\x15INSTANCE_EVENT_JOINED\x10\x01\x12\x1a\n\x16INSTANCE_EVENT_UPDATED\x10\x02\x12\x17\n\x13INSTANCE_EVENT_LEFT\x10\x03\x32\x9b\x03\n\x0bMetaService\x12\x45\n\x08Register\x12\x1b.pdserve.v1.RegisterRequest\x1a\x1c.pdserve.v1.RegisterResponse\x12P\n\tHeartbeat\x12 .pdserve.v1.MetaHeartbeatRequest\x1a!.pdserve.v1.MetaHeartbeatResponse\x12K\n\nDeregister\x12\x1d.pdserve.v1.DeregisterRequest\x1a\x1e.pdserve.v1.DeregisterResponse\x12T\n\rListInstances\x12 .pdserve.v1.ListInstancesRequest\x1a!.pdserve.v1.ListInstancesResponse\x12P\n\x0eWatchInstances\x12!.pdserve.v1.WatchInstancesRequest\x1a\x19.pdserve.v1.InstanceEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15pdserve/v1/meta.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xc5\x02\n\x08Instance\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x13\n\x0bmax_running\x18\x05 \x01(\r\x12\x19\n\x11kv_capacity_bytes\x18\x06 \x01(\x04\x12\x1e\n\x04load\x18\x07 \x01(\x0b\x32\x10.pdserve.v1.Load\x12\x30\n\x06labels\x18\x08 \x03(\x0b\x32 .pdserve.v1.Instance.LabelsEntry\x12\x10\n\x08lease_id\x18\t \x01(\t\x12\x12\n\nupdated_ms\x18\n \x01(\x04\x12\r\n\x05owner\x18\x0b \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"I\n\x0fRegisterRequest\x12&\n\x08instance\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.Instance\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\"4\n\x10RegisterResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\"V\n\x14MetaHeartbeatRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x10.pdserve.v1.LoadH\x00\x88\x01\x01\x42\x07\n\x05_load\"\'\n\x15MetaHeartbeatResponse\x12\x0e\n\x06ttl_ms\x18\x01 \x01(\r\"%\n\x11\x44\x65registerRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x14\n\x12\x44\x65registerResponse\"l\n\x14ListInstancesRequest\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x12\n\npage_token\x18\x04 \x01(\t\"Y\n\x15ListInstancesResponse\x12\'\n\tinstances\x18\x01 \x03(\x0b\x32\x14.pdserve.v1.Instance\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"`\n\x15WatchInstancesRequest\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10include_existing\x18\x03 \x01(\x08\"d\n\rInstanceEvent\x12+\n\x04type\x18\x01 \x01(\x0e\x32\x1d.pdserve.v1.InstanceEventType\x12&\n\x08instance\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.Instance*\x83\x01\n\x11InstanceEventType\x12\x1e\n\x1aINSTANCE_EVENT_UNSPECIFIED\x10\x00\x12\x19\n\x15INSTANCE_EVENT_JOINED\x10\x01\x12\x1a\n\x16INSTANCE_EVENT_UPDATED\x10\x02\x12\x17\n\x13INSTANCE_EVENT_LEFT\x10\x03\x32\x9b\x03\n\x0bMetaService\x12\x45\n\x08Register\x12\x1b.pdserve.v1.RegisterRequest\x1a\x1c.pdserve.v1.RegisterResponse\x12P\n\tHeartbeat\x12 .pdserve.v1.MetaHeartbeatRequest\x1a!.pdserve.v1.MetaHeartbeatResponse\x12K\n\nDeregister\x12\x1d.pdserve.v1.DeregisterRequest\x1a\x1e.pdserve.v1.DeregisterResponse\x12T\n\rListInstances\x12 .pdserve.v1.ListInstancesRequest\x1a!.pdserve.v1.ListInstancesResponse\x12P\n\x0eWatchInstances\x12!.pdserve.v1.WatchInstancesRequest\x1a\x19.pdserve.v1.InstanceEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,32 +34,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_INSTANCE_LABELSENTRY']._loaded_options = None
   _globals['_INSTANCE_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_INSTANCEEVENTTYPE']._serialized_start=1032
-  _globals['_INSTANCEEVENTTYPE']._serialized_end=1163
+  _globals['_INSTANCEEVENTTYPE']._serialized_start=1111
+  _globals['_INSTANCEEVENTTYPE']._serialized_end=1242
   _globals['_INSTANCE']._serialized_start=63
-  _globals['_INSTANCE']._serialized_end=373
-  _globals['_INSTANCE_LABELSENTRY']._serialized_start=328
-  _globals['_INSTANCE_LABELSENTRY']._serialized_end=373
-  _globals['_REGISTERREQUEST']._serialized_start=375
-  _globals['_REGISTERREQUEST']._serialized_end=448
-  _globals['_REGISTERRESPONSE']._serialized_start=450
-  _globals['_REGISTERRESPONSE']._serialized_end=502
-  _globals['_METAHEARTBEATREQUEST']._serialized_start=504
-  _globals['_METAHEARTBEATREQUEST']._serialized_end=590
-  _globals['_METAHEARTBEATRESPONSE']._serialized_start=592
-  _globals['_METAHEARTBEATRESPONSE']._serialized_end=631
-  _globals['_DEREGISTERREQUEST']._serialized_start=633
-  _globals['_DEREGISTERREQUEST']._serialized_end=670
-  _globals['_DEREGISTERRESPONSE']._serialized_start=672
-  _globals['_DEREGISTERRESPONSE']._serialized_end=692
-  _globals['_LISTINSTANCESREQUEST']._serialized_start=694
-  _globals['_LISTINSTANCESREQUEST']._serialized_end=763
-  _globals['_LISTINSTANCESRESPONSE']._serialized_start=765
-  _globals['_LISTINSTANCESRESPONSE']._serialized_end=829
-  _globals['_WATCHINSTANCESREQUEST']._serialized_start=831
-  _globals['_WATCHINSTANCESREQUEST']._serialized_end=927
-  _globals['_INSTANCEEVENT']._serialized_start=929
-  _globals['_INSTANCEEVENT']._serialized_end=1029
-  _globals['_METASERVICE']._serialized_start=1166
-  _globals['_METASERVICE']._serialized_end=1577
+  _globals['_INSTANCE']._serialized_end=388
+  _globals['_INSTANCE_LABELSENTRY']._serialized_start=343
+  _globals['_INSTANCE_LABELSENTRY']._serialized_end=388
+  _globals['_REGISTERREQUEST']._serialized_start=390
+  _globals['_REGISTERREQUEST']._serialized_end=463
+  _globals['_REGISTERRESPONSE']._serialized_start=465
+  _globals['_REGISTERRESPONSE']._serialized_end=517
+  _globals['_METAHEARTBEATREQUEST']._serialized_start=519
+  _globals['_METAHEARTBEATREQUEST']._serialized_end=605
+  _globals['_METAHEARTBEATRESPONSE']._serialized_start=607
+  _globals['_METAHEARTBEATRESPONSE']._serialized_end=646
+  _globals['_DEREGISTERREQUEST']._serialized_start=648
+  _globals['_DEREGISTERREQUEST']._serialized_end=685
+  _globals['_DEREGISTERRESPONSE']._serialized_start=687
+  _globals['_DEREGISTERRESPONSE']._serialized_end=707
+  _globals['_LISTINSTANCESREQUEST']._serialized_start=709
+  _globals['_LISTINSTANCESREQUEST']._serialized_end=817
+  _globals['_LISTINSTANCESRESPONSE']._serialized_start=819
+  _globals['_LISTINSTANCESRESPONSE']._serialized_end=908
+  _globals['_WATCHINSTANCESREQUEST']._serialized_start=910
+  _globals['_WATCHINSTANCESREQUEST']._serialized_end=1006
+  _globals['_INSTANCEEVENT']._serialized_start=1008
+  _globals['_INSTANCEEVENT']._serialized_end=1108
+  _globals['_METASERVICE']._serialized_start=1245
+  _globals['_METASERVICE']._serialized_end=1656
 # @@protoc_insertion_point(module_scope)

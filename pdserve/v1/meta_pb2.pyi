@@ -20,7 +20,7 @@ INSTANCE_EVENT_UPDATED: InstanceEventType
 INSTANCE_EVENT_LEFT: InstanceEventType
 
 class Instance(_message.Message):
-    __slots__ = ("instance_id", "role", "address", "model", "max_running", "kv_capacity_bytes", "load", "labels", "lease_id", "updated_ms")
+    __slots__ = ("instance_id", "role", "address", "model", "max_running", "kv_capacity_bytes", "load", "labels", "lease_id", "updated_ms", "owner")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class Instance(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     UPDATED_MS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: _common_pb2.Role
     address: str
@@ -48,7 +49,8 @@ class Instance(_message.Message):
     labels: _containers.ScalarMap[str, str]
     lease_id: str
     updated_ms: int
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., max_running: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.Load, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., lease_id: _Optional[str] = ..., updated_ms: _Optional[int] = ...) -> None: ...
+    owner: str
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., max_running: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.Load, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., lease_id: _Optional[str] = ..., updated_ms: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("instance", "ttl_ms")
@@ -91,18 +93,24 @@ class DeregisterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ListInstancesRequest(_message.Message):
-    __slots__ = ("role", "model")
+    __slots__ = ("role", "model", "page_size", "page_token")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     role: _common_pb2.Role
     model: str
-    def __init__(self, role: _Optional[_Union[_common_pb2.Role, str]] = ..., model: _Optional[str] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    def __init__(self, role: _Optional[_Union[_common_pb2.Role, str]] = ..., model: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListInstancesResponse(_message.Message):
-    __slots__ = ("instances",)
+    __slots__ = ("instances", "next_page_token")
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     instances: _containers.RepeatedCompositeFieldContainer[Instance]
-    def __init__(self, instances: _Optional[_Iterable[_Union[Instance, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, instances: _Optional[_Iterable[_Union[Instance, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class WatchInstancesRequest(_message.Message):
     __slots__ = ("role", "model", "include_existing")

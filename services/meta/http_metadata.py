@@ -6,34 +6,108 @@ Protocol (as Mooncake's own ``mooncake.http_metadata_server``): ``GET``/``PUT``/
 ``metadata not found``. Unlike Mooncake's reference server, an existing ``rpc_meta`` key may be
 overwritten, so a restarted engine can re-publish under its old name. Values go through the
 meta backend (with etcd they survive a meta restart).
+
+Protection, and its limits:
+
+- **Writes** (PUT, DELETE) need the meta's ``http_token`` when one is set (401 otherwise),
+  compared in constant time. Mooncake's client (libcurl in the Transfer Engine) sends
+  ``Authorization: Bearer $MC_METADATA_HTTP_TOKEN`` in recent Mooncake versions; the version
+  pdserve pins (0.3.13) sends no header of its own, but libcurl turns credentials in the URL
+  into Basic authentication, which is accepted too (the password is the token):
+  ``http://pdserve:TOKEN@host:port/metadata``. Mooncake logs that URL when a request fails, so
+  the token can reach its logs. Any token holder may write any key: the protocol carries no
+  identity, so there is no per-key ownership.
+- **Reads** (GET) stay open: Mooncake's HTTP client in the pinned version sends GETs without
+  any header. Segment descriptors hold buffer addresses, sizes and, for RDMA, remote keys; no
+  payload, but keep the endpoint on the cluster network.
+- **HTTPS**: with TLS configured the endpoint serves HTTPS with meta's certificate. It does
+  not ask for client certificates, because Mooncake's client presents none (requiring one
+  would lock every Transfer Engine out); writes are guarded by the token instead. libcurl
+  checks meta's certificate against the host's trust store (Mooncake sets no CA file), so a
+  Transfer Engine reaches an HTTPS meta only once the pdserve CA is installed there (e.g.
+  ``update-ca-certificates``); untested here with a real engine.
+- **Caps**: at most ``max_keys`` keys (507 when full; overwriting a present key is always
+  allowed) and ``max_value_bytes`` per value (413). With several meta processes on one etcd
+  concurrent writers can pass the key cap by a few.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hmac
 import json
-
-from aiohttp import web
+import ssl
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pdserve.errors import PdserveError
+from pdserve.identity import TlsFiles
 from pdserve.services.meta.backends.base import Backend
 
+if TYPE_CHECKING:  # aiohttp is imported when the endpoint starts, not with MetaConfig
+    from aiohttp import web
+
 PATH = "/metadata"
-#: Largest accepted PUT body (bytes); Mooncake segment descriptors are a few KiB.
-MAX_BODY_BYTES = 4 * 1024 * 1024
+#: Default cap on one value (bytes): Mooncake segment descriptors are a few KiB, and
+#: Mooncake's own server takes at most aiohttp's default of 1 MiB.
+MAX_VALUE_BYTES = 1024 * 1024
+#: Default cap on the number of keys (a Transfer Engine publishes a few).
+MAX_KEYS = 4096
 _MAX_KEY = 1024
+_HOW = (
+    "send 'Authorization: Bearer <token>' (Mooncake: MC_METADATA_HTTP_TOKEN) or put the token "
+    "in the metadata URL as http://pdserve:<token>@host:port/metadata"
+)
 
 
-def _text(text: str, status: int) -> web.Response:
-    return web.Response(text=text, status=status, content_type="application/json")
+def _text(text: str, status: int, **headers: str) -> web.Response:
+    from aiohttp import web
+
+    return web.Response(text=text, status=status, content_type="application/json", headers=headers)
 
 
-def make_app(backend: Backend) -> web.Application:
+def write_problem(header: str | None, token: str) -> str:
+    """Why an ``Authorization`` value does not carry ``token`` ("" = it does, or no token
+    is set). Bearer carries the token; Basic carries it as the password."""
+    if not token:
+        return ""
+    if not header:
+        return f"metadata writes need the meta's http_token: {_HOW}"
+    scheme, _, value = header.strip().partition(" ")
+    if scheme.lower() == "bearer":
+        given = value.strip()
+    elif scheme.lower() == "basic":
+        try:
+            given = base64.b64decode(value.strip(), validate=True).decode().partition(":")[2]
+        except (binascii.Error, UnicodeDecodeError):
+            return "the Authorization header's Basic credentials are not base64 of user:token"
+    else:
+        return f"the Authorization header must be Bearer or Basic: {_HOW}"
+    if not hmac.compare_digest(given.encode(), token.encode()):
+        return "invalid metadata token"
+    return ""
+
+
+def make_app(
+    backend: Backend,
+    *,
+    token: str = "",
+    max_keys: int = MAX_KEYS,
+    max_value_bytes: int = MAX_VALUE_BYTES,
+) -> web.Application:
+    from aiohttp import web
+
     async def handle(request: web.Request) -> web.Response:
         key = request.query.get("key", "").strip()
         if not key:
             return _text("metadata key is required (?key=<k>)", 400)
         if len(key) > _MAX_KEY:
             return _text(f"metadata key longer than {_MAX_KEY} characters", 400)
+        if request.method in ("PUT", "DELETE"):
+            why = write_problem(request.headers.get("Authorization"), token)
+            if why:
+                return _text(why, 401, **{"WWW-Authenticate": 'Bearer realm="pdserve-meta"'})
         try:
             if request.method == "GET":
                 value = await backend.kv_get(key)
@@ -41,15 +115,7 @@ def make_app(backend: Backend) -> web.Application:
                     return _text("metadata not found", 404)
                 return web.Response(body=value, status=200, content_type="application/json")
             if request.method == "PUT":
-                if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
-                    return _text(f"metadata body larger than {MAX_BODY_BYTES} bytes", 413)
-                body = await request.read()
-                try:
-                    json.loads(body)
-                except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
-                    return _text(f"metadata body is not valid JSON: {exc}", 400)
-                await backend.kv_put(key, body)
-                return _text("metadata updated", 200)
+                return await put(request, key)
             if request.method == "DELETE":
                 if not await backend.kv_delete(key):
                     return _text("metadata not found", 404)
@@ -58,16 +124,51 @@ def make_app(backend: Backend) -> web.Application:
             return _text(f"metadata backend error: {exc}", 503)
         return _text(f"method {request.method} not allowed (GET, PUT, DELETE)", 405)
 
-    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    async def put(request: web.Request, key: str) -> web.Response:
+        too_big = f"metadata value larger than http_max_value_bytes ({max_value_bytes} bytes)"
+        if request.content_length is not None and request.content_length > max_value_bytes:
+            return _text(too_big, 413)
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:  # a chunked body without a length
+            return _text(too_big, 413)
+        try:
+            json.loads(body)
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
+            return _text(f"metadata body is not valid JSON: {exc}", 400)
+        if await backend.kv_get(key) is None and await backend.kv_count() >= max_keys:
+            return _text(
+                f"metadata holds its http_max_keys ({max_keys}) keys: delete some or raise "
+                "http_max_keys",
+                507,
+            )
+        await backend.kv_put(key, body)
+        return _text("metadata updated", 200)
+
+    app = web.Application(client_max_size=max_value_bytes)
     app.router.add_route("*", PATH, handle)
     return app
 
 
-async def start(backend: Backend, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Serves the endpoint on the running loop; returns the runner and the bound port."""
-    runner = web.AppRunner(make_app(backend), access_log=None)
+def ssl_context(files: TlsFiles) -> ssl.SSLContext:
+    """Server-side TLS with the service's certificate; no client certificate asked for."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    _, cert, key = files.paths
+    ctx.load_cert_chain(Path(cert).expanduser(), Path(key).expanduser())
+    return ctx
+
+
+async def start(
+    app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None = None
+) -> tuple[web.AppRunner, int]:
+    """Serves ``app`` on the running loop (HTTPS with ``ssl_context``); returns the runner and
+    the bound port."""
+    from aiohttp import web
+
+    runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host=host, port=port)
+    site = web.TCPSite(runner, host=host, port=port, ssl_context=ssl_context)
     await site.start()
     server = site._server
     bound = server.sockets[0].getsockname()[1] if server is not None else port

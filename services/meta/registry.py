@@ -1,23 +1,41 @@
-"""The meta registry's logic: input validation, TTL limits, filtering, and fan-out of the
-backend's single change stream to any number of watchers. No network here; unit tests drive
-it directly with the memory backend.
+"""The meta registry's logic: input validation, TTL limits, ownership, caps, filtering,
+paging, and fan-out of the backend's single change stream to any number of watchers. No
+network here; unit tests drive it directly with the memory backend.
 
 Semantics: one lease per instance. A heartbeat renews the lease; one that carries a load also
 rewrites the record (``updated_ms``) and is broadcast as UPDATED. Registering an
 ``instance_id`` that is already live replaces the record (UPDATED) and revokes the old lease.
+
+With TLS every call carries the caller's identity; who may do what is
+:mod:`pdserve.services.meta.access` (the registering identity owns the record). Caps
+(:class:`Limits`) bound what one record, one identity and everybody together may hold, so
+junk registrations cannot grow meta or its list answers without bound; lists come in pages.
+
+The registry keeps an index of the live records (role, owner, lease) for these checks: its
+own registrations enter it at once, and the backend's change stream keeps it current (also
+with what other meta processes sharing an etcd do; their changes arrive with the watch's
+delay, so caps are approximate there). Registrations of one ``instance_id`` through this meta
+run one at a time, so two identities cannot both pass the ownership check for it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import bisect
 import contextlib
+import json
 import logging
 import math
 import re
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 
 from pdserve.errors import InvalidArgument, ResourceExhausted, Unavailable
+from pdserve.identity import Identity
+from pdserve.services.meta import access
 from pdserve.services.meta.backends.base import Backend
 from pdserve.v1 import common_pb2, meta_pb2
 
@@ -26,11 +44,40 @@ log = logging.getLogger(__name__)
 #: TTL bounds of the contract (meta.proto), in milliseconds.
 TTL_MIN_MS = 500
 TTL_MAX_MS = 600_000
+#: ListInstances page sizes (count): the default, and the most one page holds.
+DEFAULT_PAGE_SIZE = 500
+MAX_PAGE_SIZE = 1000
+#: A page also ends before its instances pass this many bytes (the message limit is 16 MiB).
+PAGE_BYTES = 4 * 1024 * 1024
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 _MAX_MODEL = 256
-_MAX_LABELS = 64
-_MAX_LABEL_CHARS = 256
+_MAX_ADDRESS = 300
 ROLE_NAMES = {v.number: v.name for v in common_pb2.Role.DESCRIPTOR.values if v.number != 0}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Caps on what meta holds (MetaConfig carries them; exceeding one is RESOURCE_EXHAUSTED
+    naming it)."""
+
+    #: Live instances in all (count).
+    max_instances: int = 4096
+    #: Live instances one TLS identity registered (count; no cap without TLS).
+    max_instances_per_identity: int = 256
+    #: Labels per instance (count).
+    max_labels: int = 64
+    #: Bytes of one label key, and of one label value (UTF-8).
+    max_label_bytes: int = 256
+    #: Bytes of one serialized Instance as registered. With the default page size this keeps
+    #: a full page at PAGE_BYTES.
+    max_record_bytes: int = 8192
+
+    def validate(self) -> None:
+        for name, value in vars(self).items():
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if self.max_record_bytes > PAGE_BYTES:
+            raise ValueError(f"max_record_bytes must be <= {PAGE_BYTES} (one page)")
 
 
 def check_role(role: int, *, allow_any: bool) -> None:
@@ -47,6 +94,8 @@ def check_address(address: str) -> None:
     host, sep, port = address.rpartition(":")
     if not address:
         raise InvalidArgument("instance.address is required (host:port)")
+    if len(address) > _MAX_ADDRESS:
+        raise InvalidArgument(f"instance.address is longer than {_MAX_ADDRESS} characters")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise InvalidArgument(f"instance.address {address!r} is not host:port (port 1..65535)")
 
@@ -56,7 +105,7 @@ def check_load(load: common_pb2.Load) -> None:
         raise InvalidArgument(f"load.kv_usage must be within 0..1, got {load.kv_usage}")
 
 
-def check_instance(inst: meta_pb2.Instance) -> None:
+def check_instance(inst: meta_pb2.Instance, limits: Limits = Limits()) -> None:
     if not _ID_RE.match(inst.instance_id):
         raise InvalidArgument(
             f"instance.instance_id {inst.instance_id!r} must be 1..128 characters of "
@@ -66,21 +115,100 @@ def check_instance(inst: meta_pb2.Instance) -> None:
     check_address(inst.address)
     if len(inst.model) > _MAX_MODEL:
         raise InvalidArgument(f"instance.model is longer than {_MAX_MODEL} characters")
-    if len(inst.labels) > _MAX_LABELS:
-        raise InvalidArgument(f"instance.labels has {len(inst.labels)} entries; max {_MAX_LABELS}")
+    if len(inst.labels) > limits.max_labels:
+        raise ResourceExhausted(
+            f"instance.labels has {len(inst.labels)} entries; max_labels is {limits.max_labels}"
+        )
+    most = limits.max_label_bytes
     for k, v in inst.labels.items():
-        if not k or len(k) > _MAX_LABEL_CHARS or len(v) > _MAX_LABEL_CHARS:
-            raise InvalidArgument(
-                f"label {k[:40]!r}: keys must be 1..{_MAX_LABEL_CHARS} and values "
-                f"<= {_MAX_LABEL_CHARS} characters"
+        if not k or len(k.encode()) > most or len(v.encode()) > most:
+            raise ResourceExhausted(
+                f"label {k[:40]!r}: keys must be 1..{most} bytes and values <= {most} bytes "
+                "(max_label_bytes)"
             )
     check_load(inst.load)
+    size = inst.ByteSize()
+    if size > limits.max_record_bytes:
+        raise ResourceExhausted(
+            f"instance is {size} bytes serialized; max_record_bytes is {limits.max_record_bytes}"
+        )
 
 
 def matches(inst: meta_pb2.Instance, role: int, model: str) -> bool:
     return (role == common_pb2.ROLE_UNSPECIFIED or inst.role == role) and (
         not model or inst.model == model
     )
+
+
+def page_token(after: str, role: int, model: str) -> str:
+    """The opaque token of the page after instance id ``after`` for this filter."""
+    raw = json.dumps([after, role, model], separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def parse_page_token(token: str, role: int, model: str) -> str:
+    """The instance id a page token continues after; INVALID_ARGUMENT for a token meta did
+    not issue or one issued for another filter."""
+    try:
+        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
+        after, t_role, t_model = json.loads(raw)
+        if not (isinstance(after, str) and isinstance(t_role, int) and isinstance(t_model, str)):
+            raise ValueError("wrong types")
+    except (ValueError, TypeError, binascii.Error, RecursionError):
+        raise InvalidArgument(
+            f"page_token {token[:40]!r} is not one meta issued: pass next_page_token unchanged"
+        ) from None
+    if (t_role, t_model) != (role, model):
+        raise InvalidArgument(
+            "page_token belongs to a listing with another role or model: keep the filter, "
+            "or start again without a page_token"
+        )
+    return after
+
+
+@dataclass
+class _Entry:
+    role: int
+    owner: str
+    lease_id: str
+
+
+class _Index:
+    """This meta's view of the live records: id -> (role, owner, lease), lease -> id, and how
+    many each owner holds."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[str, _Entry] = {}
+        self.by_lease: dict[str, str] = {}
+        self.per_owner: Counter[str] = Counter()
+
+    def reset(self, instances: list[meta_pb2.Instance]) -> None:
+        self.by_id.clear()
+        self.by_lease.clear()
+        self.per_owner.clear()
+        for inst in instances:
+            self.put(inst)
+
+    def put(self, inst: meta_pb2.Instance) -> None:
+        self._remove(inst.instance_id)
+        self.by_id[inst.instance_id] = _Entry(inst.role, inst.owner, inst.lease_id)
+        self.by_lease[inst.lease_id] = inst.instance_id
+        self.per_owner[inst.owner] += 1
+
+    def drop(self, inst: meta_pb2.Instance) -> None:
+        """Removes ``inst`` unless a later registration of its id replaced it already."""
+        entry = self.by_id.get(inst.instance_id)
+        if entry is not None and entry.lease_id == inst.lease_id:
+            self._remove(inst.instance_id)
+
+    def _remove(self, instance_id: str) -> None:
+        old = self.by_id.pop(instance_id, None)
+        if old is None:
+            return
+        self.by_lease.pop(old.lease_id, None)
+        self.per_owner[old.owner] -= 1
+        if self.per_owner[old.owner] <= 0:
+            del self.per_owner[old.owner]
 
 
 class _Subscriber:
@@ -108,7 +236,8 @@ class _Subscriber:
 
 
 class Registry:
-    """Validates requests and delegates storage to a :class:`Backend`."""
+    """Validates and authorizes requests, enforces the caps, and delegates storage to a
+    :class:`Backend`. ``caller`` arguments are the peer's TLS identity (None without TLS)."""
 
     def __init__(
         self,
@@ -117,16 +246,23 @@ class Registry:
         min_ttl_ms: int = TTL_MIN_MS,
         max_ttl_ms: int = TTL_MAX_MS,
         watch_queue_limit: int = 10_000,
+        limits: Limits = Limits(),
     ) -> None:
         if not TTL_MIN_MS <= min_ttl_ms <= max_ttl_ms <= TTL_MAX_MS:
             raise ValueError(
                 f"TTL limits must satisfy {TTL_MIN_MS} <= min_ttl_ms <= max_ttl_ms <= {TTL_MAX_MS}"
             )
+        limits.validate()
         self.backend = backend
         self.min_ttl_ms, self.max_ttl_ms = min_ttl_ms, max_ttl_ms
+        self.limits = limits
         self._limit = watch_queue_limit
         self._subs: set[_Subscriber] = set()
-        self._roles: dict[str, int] = {}  # instance id -> role, kept by the pump
+        self._index = _Index()
+        # Registrations between their checks and their store: new instances, and per owner.
+        self._pending = 0
+        self._pending_owner: Counter[str] = Counter()
+        self._id_locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
         self._pump: asyncio.Task[None] | None = None
         self.heartbeats = 0
 
@@ -134,7 +270,7 @@ class Registry:
     async def start(self) -> None:
         await self.backend.start()
         events = await self.backend.watch()
-        self._roles = {i.instance_id: i.role for i in await self.backend.list()}
+        self._index.reset(await self.backend.list())
         self._pump = asyncio.create_task(self._run_pump(events), name="meta-registry-pump")
 
     async def close(self) -> None:
@@ -161,19 +297,19 @@ class Registry:
             await asyncio.sleep(0.5)
             with contextlib.suppress(Exception):
                 events = await self.backend.watch()
-                self._roles = {i.instance_id: i.role for i in await self.backend.list()}
+                self._index.reset(await self.backend.list())
 
     def _apply(self, event: meta_pb2.InstanceEvent) -> None:
         if event.type == meta_pb2.INSTANCE_EVENT_LEFT:
-            self._roles.pop(event.instance.instance_id, None)
+            self._index.drop(event.instance)
         else:
-            self._roles[event.instance.instance_id] = event.instance.role
+            self._index.put(event.instance)
         for sub in list(self._subs):
             sub.offer(event)
 
     # stats ---------------------------------------------------------------------------------
     def count_by_role(self) -> Counter[int]:
-        return Counter(self._roles.values())
+        return Counter(e.role for e in self._index.by_id.values())
 
     @property
     def subscribers(self) -> int:
@@ -188,30 +324,119 @@ class Registry:
                 f"ttl_ms {ttl_ms} out of range {self.min_ttl_ms}..{self.max_ttl_ms} ms"
             )
 
-    async def register(self, instance: meta_pb2.Instance, ttl_ms: int) -> tuple[str, int]:
-        """Validates and stores ``instance``; returns ``(lease_id, granted_ttl_ms)``."""
-        check_instance(instance)
-        self._check_ttl(ttl_ms)
-        return await self.backend.register(instance, ttl_ms)
+    @contextlib.asynccontextmanager
+    async def _one_at_a_time(self, instance_id: str) -> AsyncIterator[None]:
+        lock, users = self._id_locks.setdefault(instance_id, (asyncio.Lock(), [0]))
+        users[0] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            users[0] -= 1
+            if not users[0]:
+                del self._id_locks[instance_id]
 
-    async def heartbeat(self, lease_id: str, load: common_pb2.Load | None) -> int:
+    @contextlib.contextmanager
+    def _room(self, owner: str, current: _Entry | None) -> Iterator[None]:
+        """Checks that one more instance fits (for ``owner``) and holds its place meanwhile."""
+        adds = current is None
+        adds_owner = bool(owner) and (current is None or current.owner != owner)
+        if adds and len(self._index.by_id) + self._pending >= self.limits.max_instances:
+            raise ResourceExhausted(
+                f"meta holds its max_instances ({self.limits.max_instances}) live instances; "
+                "deregister some or raise max_instances"
+            )
+        mine = self._index.per_owner[owner] + self._pending_owner[owner]
+        if adds_owner and mine >= self.limits.max_instances_per_identity:
+            raise ResourceExhausted(
+                f"{owner} holds its max_instances_per_identity "
+                f"({self.limits.max_instances_per_identity}) live instances"
+            )
+        self._pending += adds
+        self._pending_owner[owner] += adds_owner
+        try:
+            yield
+        finally:
+            self._pending -= adds
+            self._pending_owner[owner] -= adds_owner
+            if self._pending_owner[owner] <= 0:
+                del self._pending_owner[owner]
+
+    async def register(
+        self, instance: meta_pb2.Instance, ttl_ms: int, caller: Identity | None = None
+    ) -> tuple[str, int]:
+        """Validates, authorizes and stores ``instance`` (owned by ``caller``); returns
+        ``(lease_id, granted_ttl_ms)``."""
+        check_instance(instance, self.limits)
+        self._check_ttl(ttl_ms)
+        record = meta_pb2.Instance()
+        record.CopyFrom(instance)
+        record.owner = access.owner_of(caller)
+        async with self._one_at_a_time(record.instance_id):
+            current = self._index.by_id.get(record.instance_id)
+            access.check_register(caller, record, current.owner if current else None)
+            with self._room(record.owner, current):
+                lease_id, ttl = await self.backend.register(record, ttl_ms)
+            record.lease_id = lease_id
+            self._index.put(record)
+        return lease_id, ttl
+
+    async def _check_lease(self, lease_id: str, caller: Identity | None, action: str) -> None:
         if not lease_id:
             raise InvalidArgument("lease_id is required")
+        if caller is None:
+            return
+        instance_id = self._index.by_lease.get(lease_id)
+        if instance_id is not None:
+            owner = self._index.by_id[instance_id].owner
+        else:  # not seen yet (another meta registered it): ask the store
+            record = await self.backend.lookup(lease_id)
+            instance_id, owner = record.instance_id, record.owner
+        access.check_owner(caller, owner, f"{action} instance {instance_id!r}")
+
+    async def heartbeat(
+        self, lease_id: str, load: common_pb2.Load | None, caller: Identity | None = None
+    ) -> int:
         if load is not None:
             check_load(load)
+        await self._check_lease(lease_id, caller, "heartbeat")
         ttl = await self.backend.heartbeat(lease_id, load)
         self.heartbeats += 1
         return ttl
 
-    async def deregister(self, lease_id: str) -> None:
-        if not lease_id:
-            raise InvalidArgument("lease_id is required")
+    async def deregister(self, lease_id: str, caller: Identity | None = None) -> None:
+        await self._check_lease(lease_id, caller, "deregister")
         await self.backend.deregister(lease_id)
+        instance_id = self._index.by_lease.get(lease_id)
+        if instance_id is not None:  # gone now: its room is free at once
+            self._index.drop(meta_pb2.Instance(instance_id=instance_id, lease_id=lease_id))
 
     async def list(self, role: int = 0, model: str = "") -> list[meta_pb2.Instance]:
+        """Every live instance matching the filter, sorted by id."""
         check_role(role, allow_any=True)
         found = [i for i in await self.backend.list() if matches(i, role, model)]
         return sorted(found, key=lambda i: i.instance_id)
+
+    async def list_page(
+        self, role: int = 0, model: str = "", page_size: int = 0, token: str = ""
+    ) -> tuple[list[meta_pb2.Instance], str]:
+        """One page of :meth:`list`: at most ``page_size`` instances (0 = the default; capped
+        at MAX_PAGE_SIZE) and at most PAGE_BYTES (at least one instance), after the one
+        ``token`` names; returns them and the next page's token ("" = no more)."""
+        check_role(role, allow_any=True)
+        after = parse_page_token(token, role, model) if token else ""
+        size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+        found = await self.list(role, model)
+        start = bisect.bisect_right([i.instance_id for i in found], after) if after else 0
+        page: list[meta_pb2.Instance] = []
+        used = 0
+        for inst in found[start : start + size]:
+            used += inst.ByteSize() + 8  # + field tag and length
+            if page and used > PAGE_BYTES:
+                break
+            page.append(inst)
+        more = start + len(page) < len(found)
+        return page, page_token(page[-1].instance_id, role, model) if more else ""
 
     async def watch(
         self, role: int = 0, model: str = "", include_existing: bool = False

@@ -6,12 +6,21 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from pdserve import lifecycle, telemetry
+from pdserve import identity, lifecycle, telemetry
+from pdserve.auth import load_key
 from pdserve.config import ConfigError, help_field
 from pdserve.identity import SecurityConfig
+from pdserve.services.meta import http_metadata
 from pdserve.services.meta.backends.base import Backend
-from pdserve.services.meta.registry import ROLE_NAMES, TTL_MAX_MS, TTL_MIN_MS, Registry
+from pdserve.services.meta.registry import (
+    ROLE_NAMES,
+    TTL_MAX_MS,
+    TTL_MIN_MS,
+    Limits,
+    Registry,
+)
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +47,54 @@ class MetaConfig(SecurityConfig):
             "metavar": "HOST:PORT,...",
         },
     )
+    etcd_ca: str = help_field(
+        "", "CA certificate (PEM) of etcd's server certificate: connect to etcd over TLS"
+    )
+    etcd_cert: str = help_field(
+        "", "client certificate (PEM) for an etcd that requires one (with etcd_key and etcd_ca)"
+    )
+    etcd_key: str = help_field("", "private key (PEM) of etcd_cert")
+    etcd_server_name: str = help_field(
+        "",
+        "host name to check in etcd's server certificates; needed over TLS with several "
+        "etcd endpoints (empty = each endpoint's own host)",
+    )
+    etcd_user: str = help_field("", "etcd user to authenticate as (etcd auth enabled)")
+    etcd_password: str = help_field("", "password of etcd_user (prefer etcd_password_file)")
+    etcd_password_file: str = help_field("", "file whose first line is the password of etcd_user")
     min_ttl_ms: int = help_field(TTL_MIN_MS, "shortest lease a client may ask for (ms)")
     max_ttl_ms: int = help_field(TTL_MAX_MS, "longest lease a client may ask for (ms)")
+    max_instances: int = help_field(
+        Limits.max_instances,
+        "most live instances meta holds; more registrations are refused",
+        metavar="N",
+    )
+    max_instances_per_identity: int = help_field(
+        Limits.max_instances_per_identity,
+        "most live instances one TLS identity (certificate) may register (no cap without TLS)",
+        metavar="N",
+    )
+    max_labels: int = help_field(Limits.max_labels, "most labels on one instance")
+    max_label_bytes: int = help_field(
+        Limits.max_label_bytes, "longest label key, and longest label value (bytes, UTF-8)"
+    )
+    max_record_bytes: int = help_field(
+        Limits.max_record_bytes,
+        "largest instance record as registered (bytes, serialized); bounds list pages",
+    )
+    http_token: str = help_field(
+        "",
+        "token that PUT and DELETE on the Mooncake HTTP metadata endpoint must carry "
+        "(Authorization: Bearer, or the password of Basic credentials; empty = writes open; "
+        "prefer http_token_file)",
+    )
+    http_token_file: str = help_field("", "file whose first line is http_token")
+    http_max_keys: int = help_field(
+        http_metadata.MAX_KEYS, "most keys the Mooncake HTTP metadata endpoint stores"
+    )
+    http_max_value_bytes: int = help_field(
+        http_metadata.MAX_VALUE_BYTES, "largest value one PUT may store (bytes)"
+    )
     log_level: str = help_field("info", "log level")
 
     def validate(self) -> None:
@@ -52,13 +107,62 @@ class MetaConfig(SecurityConfig):
             )
         if self.backend == "etcd" and not self.etcd_endpoints:
             raise ConfigError("backend=etcd needs --etcd-endpoints")
+        try:
+            self.limits().validate()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        if self.http_max_keys <= 0 or self.http_max_value_bytes <= 0:
+            raise ConfigError("http_max_keys and http_max_value_bytes must be positive")
+        if (self.etcd_cert or self.etcd_key) and not (self.etcd_cert and self.etcd_key):
+            raise ConfigError("an etcd client certificate needs both etcd_cert and etcd_key")
+        if self.etcd_cert and not self.etcd_ca:
+            raise ConfigError("etcd_cert needs etcd_ca (the CA of etcd's server certificate)")
+        if self.etcd_ca and len(self.etcd_endpoints) > 1 and not self.etcd_server_name:
+            raise ConfigError(
+                "TLS to several etcd endpoints needs etcd_server_name: a host name every "
+                "etcd server certificate carries"
+            )
+        self.http_token = load_key(self.http_token, self.http_token_file, name="http_token")
+        self.http_token_file = ""
+        self.etcd_password = load_key(
+            self.etcd_password, self.etcd_password_file, name="etcd_password"
+        )
+        self.etcd_password_file = ""
+        if self.etcd_password and not self.etcd_user:
+            raise ConfigError("etcd_password needs etcd_user")
+
+    def limits(self) -> Limits:
+        return Limits(
+            max_instances=self.max_instances,
+            max_instances_per_identity=self.max_instances_per_identity,
+            max_labels=self.max_labels,
+            max_label_bytes=self.max_label_bytes,
+            max_record_bytes=self.max_record_bytes,
+        )
+
+
+def _read(field_name: str, path: str) -> bytes | None:
+    if not path:
+        return None
+    try:
+        return Path(path).expanduser().read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{field_name} {path!r}: {exc.strerror or exc}") from exc
 
 
 def make_backend(cfg: MetaConfig) -> Backend:
     if cfg.backend == "etcd":
         from pdserve.services.meta.backends.etcd import EtcdBackend
 
-        return EtcdBackend(cfg.etcd_endpoints)
+        return EtcdBackend(
+            cfg.etcd_endpoints,
+            ca=_read("etcd_ca", cfg.etcd_ca),
+            cert=_read("etcd_cert", cfg.etcd_cert),
+            key=_read("etcd_key", cfg.etcd_key),
+            server_name=cfg.etcd_server_name,
+            user=cfg.etcd_user,
+            password=cfg.etcd_password,
+        )
     from pdserve.services.meta.backends.memory import MemoryBackend
 
     return MemoryBackend()
@@ -97,12 +201,13 @@ class _MetaCollector:
 
 async def serve(cfg: MetaConfig, stop: asyncio.Event) -> None:
     from pdserve import grpcutil
-    from pdserve.services.meta import http_metadata
     from pdserve.services.meta.servicer import MetaServicer
     from pdserve.v1 import meta_pb2, meta_pb2_grpc
 
     backend = make_backend(cfg)
-    registry = Registry(backend, min_ttl_ms=cfg.min_ttl_ms, max_ttl_ms=cfg.max_ttl_ms)
+    registry = Registry(
+        backend, min_ttl_ms=cfg.min_ttl_ms, max_ttl_ms=cfg.max_ttl_ms, limits=cfg.limits()
+    )
     await registry.start()
     telemetry.REGISTRY.register(_MetaCollector(registry))
     server = await grpcutil.start_server(
@@ -116,13 +221,22 @@ async def serve(cfg: MetaConfig, stop: asyncio.Event) -> None:
         f"{cfg.host}:{cfg.port}",
     )
     runner, http_port = None, 0
+    tls = identity.tls()
     if cfg.http_port >= 0:
-        runner, http_port = await http_metadata.start(backend, cfg.host, cfg.http_port)
+        app = http_metadata.make_app(
+            backend,
+            token=cfg.http_token,
+            max_keys=cfg.http_max_keys,
+            max_value_bytes=cfg.http_max_value_bytes,
+        )
+        ssl_context = http_metadata.ssl_context(tls) if tls is not None else None
+        runner, http_port = await http_metadata.start(app, cfg.host, cfg.http_port, ssl_context)
     metrics_port = telemetry.serve_metrics(cfg.metrics_port, cfg.host)
+    scheme = "https" if tls is not None else "http"
     lifecycle.announce_ready(
         "meta",
         grpc=f"{cfg.host}:{server.port}",
-        http=f"http://{cfg.host}:{http_port}{http_metadata.PATH}" if runner else "",
+        http=f"{scheme}://{cfg.host}:{http_port}{http_metadata.PATH}" if runner else "",
         metrics=metrics_port,
         backend=cfg.backend,
     )

@@ -35,15 +35,42 @@ def _mooncake_missing() -> str:
 
 
 @pytest.mark.skipif(bool(_mooncake_missing()), reason=_mooncake_missing() or "mooncake present")
-@pytest.mark.parametrize("backend", ["memory", pytest.param("etcd", marks=pytest.mark.etcd)])
+@pytest.mark.parametrize(
+    ("backend", "token"),
+    [("memory", ""), pytest.param("etcd", "", marks=pytest.mark.etcd), ("memory", "tok-3f9a")],
+)
 def test_two_transfer_engines_move_bytes_via_meta(
-    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+    backend: str, token: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
+    """With an http_token the engines write with the token in the metadata URL: the pinned
+    Mooncake sends no Authorization header itself, libcurl turns URL credentials into Basic."""
     endpoint = request.getfixturevalue("etcd_endpoint") if backend == "etcd" else None
-    args = service_args("meta", port=0, http_port=0, backend=backend, etcd_endpoints=endpoint)
+    token_file = None
+    if token:
+        token_file = tmp_path / "http-token"
+        token_file.write_text(token + "\n")
+    args = service_args(
+        "meta",
+        port=0,
+        http_port=0,
+        backend=backend,
+        etcd_endpoints=endpoint,
+        http_token_file=token_file,
+    )
     meta = start_service("meta", args, tmp_path, timeout=60)
     env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
     url = meta.info["http"]
+    if token:  # an engine without the token cannot publish itself
+        peer = f"127.0.0.1:{free_port()}"
+        anon = subprocess.run(
+            [sys.executable, str(PEER), "initiator", url, peer, "4096", "7", "nobody", "0"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+        assert "FAIL initialize" in anon.stdout and "http=401" in anon.stderr, anon.stderr[-2000:]
+        url = url.replace("http://", f"http://pdserve:{token}@")
     t_name, i_name = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     target = subprocess.Popen(
         [sys.executable, str(PEER), "target", url, t_name, str(SIZE), "7"],

@@ -7,9 +7,11 @@ import time
 
 import pytest
 
-from pdserve.errors import InvalidArgument, NotFound, ResourceExhausted
+from pdserve.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+from pdserve.identity import Identity
+from pdserve.services.meta import registry as registry_mod
 from pdserve.services.meta.backends.memory import MemoryBackend
-from pdserve.services.meta.registry import Registry
+from pdserve.services.meta.registry import Limits, Registry
 from pdserve.v1 import common_pb2, meta_pb2
 
 JOINED, UPDATED, LEFT = (
@@ -198,3 +200,179 @@ def test_slow_watcher_is_cut_off_not_the_others() -> None:
 
     body._kw = {"limit": 3}
     run(body)
+
+
+# --- identities, ownership, caps, pages --------------------------------------------------
+
+W1, W2 = Identity("worker", "w1"), Identity("worker", "w2")
+NODE, ROUTER, MASTER, ADMIN = (
+    Identity("node", "n1"),
+    Identity("router", "r1"),
+    Identity("master", "kvstore-master"),
+    Identity("admin", "ops"),
+)
+
+
+def run_with(body, backend=None, **limits) -> None:
+    async def main() -> None:
+        reg = Registry(backend or MemoryBackend(), limits=Limits(**limits))
+        await reg.start()
+        try:
+            await body(reg)
+        finally:
+            await reg.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("role", "allowed"),
+    [
+        (common_pb2.ROLE_PREFILL, {W1, ADMIN}),
+        (common_pb2.ROLE_DECODE, {W1, ADMIN}),
+        (common_pb2.ROLE_ROUTER, {ROUTER, ADMIN}),
+        (common_pb2.ROLE_KVSTORE_NODE, {NODE, ADMIN}),
+        (common_pb2.ROLE_KVSTORE_MASTER, {MASTER, ADMIN}),
+    ],
+)
+def test_only_the_matching_identity_role_registers(role: int, allowed) -> None:
+    async def body(reg: Registry) -> None:
+        for k, caller in enumerate([W1, NODE, ROUTER, MASTER, ADMIN, Identity("meta", "m")]):
+            call = reg.register(inst(f"i{k}", role), 1000, caller)
+            if caller in allowed:
+                await call
+            else:
+                with pytest.raises(PermissionDenied, match=f"{caller} may not register"):
+                    await call
+        assert {i.owner for i in await reg.list()} == {str(c) for c in allowed}
+
+    run_with(body)
+
+
+def test_only_the_owner_renews_removes_or_replaces_an_instance() -> None:
+    async def body(reg: Registry) -> None:
+        lid, _ = await reg.register(inst("d0", common_pb2.ROLE_DECODE), 1000, W1)
+        (d0,) = await reg.list()
+        assert d0.owner == "worker:w1"
+        takeover = inst("d0", common_pb2.ROLE_DECODE, address="10.0.0.66:1")
+        with pytest.raises(PermissionDenied, match=r"worker:w2 may not re-register .* worker:w1"):
+            await reg.register(takeover, 1000, W2)
+        with pytest.raises(PermissionDenied, match="may not heartbeat instance 'd0'"):
+            await reg.heartbeat(lid, common_pb2.Load(queue_length=99), W2)
+        with pytest.raises(PermissionDenied, match="may not deregister instance 'd0'"):
+            await reg.deregister(lid, W2)
+        (d0,) = await reg.list()
+        assert (d0.address, d0.lease_id, d0.load.queue_length) == ("127.0.0.1:9000", lid, 0)
+        # the owner does all of it; an unknown lease is NOT_FOUND for anybody
+        await reg.heartbeat(lid, common_pb2.Load(queue_length=1), W1)
+        with pytest.raises(NotFound):
+            await reg.heartbeat("feed", None, W2)
+        lid2, _ = await reg.register(inst("d0", common_pb2.ROLE_DECODE), 1000, W1)
+        # an admin may take over; the record is then the admin's
+        lid3, _ = await reg.register(takeover, 1000, ADMIN)
+        with pytest.raises(PermissionDenied):
+            await reg.heartbeat(lid3, None, W1)
+        await reg.deregister(lid3, ADMIN)
+        assert await reg.list() == []
+        # once it left, the id is free for anybody with the right role
+        await reg.register(takeover, 1000, W2)
+        assert [i.owner for i in await reg.list()] == ["worker:w2"]
+        assert lid2 != lid3
+
+    run_with(body)
+
+
+def test_a_record_without_an_owner_may_be_taken() -> None:
+    async def body(reg: Registry) -> None:
+        lid, _ = await reg.register(inst("p0"), 1000)  # no TLS: no owner
+        assert [i.owner for i in await reg.list()] == [""]
+        await reg.heartbeat(lid, None, W2)
+        await reg.register(inst("p0"), 1000, W2)
+        assert [i.owner for i in await reg.list()] == ["worker:w2"]
+
+    run_with(body)
+
+
+class SlowMemory(MemoryBackend):
+    """Registrations take a while, so concurrent ones overlap in the registry."""
+
+    async def register(self, instance, ttl_ms):
+        await asyncio.sleep(0.01)
+        return await super().register(instance, ttl_ms)
+
+
+def test_concurrent_registrations_cannot_pass_ownership_or_caps() -> None:
+    async def body(reg: Registry) -> None:
+        same_id = [reg.register(inst("p0"), 1000, c) for c in (W1, W2, W1, W2)]
+        got = await asyncio.gather(*same_id, return_exceptions=True)
+        assert [type(g) for g in got] == [tuple, PermissionDenied, tuple, PermissionDenied]
+        many = [reg.register(inst(f"q{k}"), 1000, W2) for k in range(20)]
+        got = await asyncio.gather(*many, return_exceptions=True)
+        assert sum(isinstance(g, tuple) for g in got) == 4  # 5 in all, p0 included
+        assert all(isinstance(g, (tuple, ResourceExhausted)) for g in got)
+        assert len(await reg.list()) == 5
+
+    run_with(body, SlowMemory(), max_instances=5)
+
+
+def test_caps_on_instances_per_identity_and_in_all() -> None:
+    async def body(reg: Registry) -> None:
+        leases = [(await reg.register(inst(f"a{k}"), 1000, W1))[0] for k in range(2)]
+        with pytest.raises(ResourceExhausted, match=r"worker:w1 holds its max_instances_per_iden"):
+            await reg.register(inst("a2"), 1000, W1)
+        await reg.register(inst("a0", address="127.0.0.1:9001"), 1000, W1)  # a re-registration
+        await reg.register(inst("b0"), 1000, W2)
+        with pytest.raises(ResourceExhausted, match=r"max_instances \(3\) live instances"):
+            await reg.register(inst("b1"), 1000, W2)
+        await reg.deregister(leases[1], W1)  # room comes back at once
+        await reg.register(inst("b1"), 1000, W2)
+        assert [i.instance_id for i in await reg.list()] == ["a0", "b0", "b1"]
+
+    run_with(body, max_instances=3, max_instances_per_identity=2)
+
+
+@pytest.mark.parametrize(
+    ("instance", "message"),
+    [
+        (inst("x", labels={f"k{i}": "v" for i in range(5)}), "labels has 5 entries; max_labels"),
+        (inst("x", labels={"k": "é" * 9}), "values <= 16 bytes"),
+        (inst("x", labels={"k" * 17: "v"}), "keys must be 1..16 bytes"),
+        (inst("x", labels={"a": "v" * 16, "b": "v" * 16, "c": "v" * 16}), "max_record_bytes"),
+    ],
+)
+def test_record_caps(instance, message) -> None:
+    async def body(reg: Registry) -> None:
+        with pytest.raises(ResourceExhausted, match=message):
+            await reg.register(instance, 1000)
+        assert await reg.list() == []
+
+    run_with(body, max_labels=4, max_label_bytes=16, max_record_bytes=80)
+
+
+def test_list_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def body(reg: Registry) -> None:
+        for k in range(25):
+            role = common_pb2.ROLE_DECODE if k % 5 == 0 else common_pb2.ROLE_PREFILL
+            await reg.register(inst(f"i{k:02d}", role, labels={"pad": "x" * 100}), 5000)
+        seen, token, pages = [], "", 0
+        while True:
+            page, token = await reg.list_page(common_pb2.ROLE_PREFILL, "m", 7, token)
+            seen += [i.instance_id for i in page]
+            pages += 1
+            assert len(page) <= 7
+            if not token:
+                break
+        assert pages == 3 and seen == [f"i{k:02d}" for k in range(25) if k % 5]
+        assert (await reg.list_page())[1] == ""  # default page size: all 25 at once
+        # a byte budget ends a page early, whatever the page size
+        monkeypatch.setattr(registry_mod, "PAGE_BYTES", 3 * 150)
+        page, token = await reg.list_page(page_size=1000)
+        assert len(page) == 2 and token
+        with pytest.raises(InvalidArgument, match="page_token 'garbage' is not one meta issued"):
+            await reg.list_page(token="garbage")
+        with pytest.raises(InvalidArgument, match="another role or model"):
+            await reg.list_page(common_pb2.ROLE_DECODE, token=token)
+        with pytest.raises(InvalidArgument, match="not one meta issued"):
+            await reg.list_page(token="WzEsMiwzXQ")  # base64 of [1,2,3]
+
+    run_with(body)

@@ -1,8 +1,8 @@
 """The interface every meta backend implements: instance records under TTL leases, a watch
 stream of changes, and a flat key-value space for the Mooncake HTTP metadata endpoint.
 
-Records are ``pdserve.v1.Instance`` messages; backends that persist them store JSON
-(``google.protobuf.json_format``), never pickle. Validation happens above, in
+Records are ``pdserve.v1.Instance`` messages, ``owner`` included; backends that persist them
+store JSON (``google.protobuf.json_format``), never pickle. Validation happens above, in
 :class:`pdserve.services.meta.registry.Registry`: a backend may assume well-formed input.
 """
 
@@ -48,6 +48,11 @@ class Backend(ABC):
         """Removes the lease and its instance (LEFT event). Raises ``NotFound`` when unknown."""
 
     @abstractmethod
+    async def lookup(self, lease_id: str) -> meta_pb2.Instance:
+        """The record a live lease keeps (the registry checks its owner before a heartbeat or
+        deregistration it has not seen yet). Raises ``NotFound`` like :meth:`heartbeat`."""
+
+    @abstractmethod
     async def list(self) -> list[meta_pb2.Instance]:
         """Every live instance (no particular order)."""
 
@@ -70,3 +75,7 @@ class Backend(ABC):
     @abstractmethod
     async def kv_delete(self, key: str) -> bool:
         """Deletes ``key``; False when it was absent."""
+
+    @abstractmethod
+    async def kv_count(self) -> int:
+        """How many keys the metadata key space holds."""

@@ -9,6 +9,14 @@ Layout (values are JSON or plain text, never pickle):
 pdserve leases are etcd leases (TTL rounded up to whole seconds, and etcd raises TTLs below
 its own minimum, about 2 s with default settings); heartbeats are etcd lease keep-alives;
 watch is an etcd watch on the instances prefix with ``prev_kv`` (LEFT carries the last record).
+
+Records keep their ``owner`` in the JSON; a record stored before owners existed has none
+(anyone may take it), and fields this version does not know are ignored, so old and new meta
+processes read each other's records.
+
+Connection: TLS to etcd with ``ca`` (and ``cert``/``key`` when etcd asks for client
+certificates, ``--client-cert-auth``); with ``user`` the backend authenticates at start and
+renews its token every :data:`TOKEN_REFRESH_S` (etcd's simple tokens live 5 minutes).
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ LEASES = "/pdserve/leases/"
 METADATA = "/pdserve/metadata/"
 #: Deadline for one etcd call (seconds).
 CALL_TIMEOUT_S = 5.0
+#: How often the auth token is renewed (seconds), below etcd's default token TTL of 300 s.
+TOKEN_REFRESH_S = 240.0
 _DELETE = 1  # mvccpb.Event.EventType.DELETE
 
 T = TypeVar("T")
@@ -43,7 +53,7 @@ def _now_ms() -> int:
 
 
 def _decode(value: bytes) -> meta_pb2.Instance:
-    return json_format.Parse(value, meta_pb2.Instance())
+    return json_format.Parse(value, meta_pb2.Instance(), ignore_unknown_fields=True)
 
 
 def _encode(instance: meta_pb2.Instance) -> str:
@@ -57,9 +67,28 @@ def _lease_not_found(lease_id: str) -> NotFound:
 
 
 class EtcdBackend(Backend):
-    def __init__(self, endpoints: Sequence[str]) -> None:
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        ca: bytes | None = None,
+        cert: bytes | None = None,
+        key: bytes | None = None,
+        server_name: str = "",
+        user: str = "",
+        password: str = "",
+    ) -> None:
+        """``ca`` (PEM) turns TLS on; ``cert`` and ``key`` (PEM) are the client certificate
+        for an etcd that requires one; ``server_name`` is the name checked in etcd's server
+        certificates (needed with several endpoints: gRPC cannot check one name per address);
+        ``user``/``password`` authenticate (etcd auth)."""
         self._endpoints = list(endpoints)
-        self._client = Etcd3Client(self._endpoints, rpc_max_attempts=2)
+        tls = {"ca_cert": ca, "cert_chain": cert, "cert_key": key} if ca else {}
+        self._client = Etcd3Client(
+            self._endpoints, rpc_max_attempts=2, tls_server_name=server_name or None, **tls
+        )
+        self._user, self._password = user, password
+        self._token = contextlib.AsyncExitStack()  # the token refresher, with a user
         self._lease_owner: dict[int, str] = {}  # lease -> instance id (immutable once granted)
         self._closed = False
 
@@ -76,13 +105,22 @@ class EtcdBackend(Backend):
     async def start(self) -> None:
         await self._client.connect()
         try:
+            if self._user:
+                refresher = self._client.token_refresher(
+                    self._user, self._password, interval=TOKEN_REFRESH_S
+                )
+                await asyncio.wait_for(self._token.enter_async_context(refresher), CALL_TIMEOUT_S)
             await self._client.ping(write_check=False, timeout=CALL_TIMEOUT_S)
         except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
-            await self._client.close()
-            raise Unavailable(f"cannot reach etcd at {','.join(self._endpoints)}: {exc}") from exc
+            await self.close()
+            who = f" as user {self._user!r}" if self._user else ""
+            raise Unavailable(
+                f"cannot use etcd at {','.join(self._endpoints)}{who}: {exc}"
+            ) from exc
 
     async def close(self) -> None:
         self._closed = True
+        await self._token.aclose()
         await self._client.close()
 
     @property
@@ -142,29 +180,39 @@ class EtcdBackend(Backend):
         finally:
             stream.cancel()
 
+    async def _record(self, lease_id: str, lease: int) -> meta_pb2.Instance:
+        """The record ``lease`` keeps (NotFound when it keeps none)."""
+        instance_id = self._lease_owner.get(lease)
+        if instance_id is None:
+            got = await self._call("get lease owner", self._kv.get(LEASES + lease_id))
+            if not got.kvs:
+                raise _lease_not_found(lease_id)
+            instance_id = got.kvs[0].value.decode()
+            self._lease_owner[lease] = instance_id
+        got = await self._call("get instance", self._kv.get(INSTANCES + instance_id))
+        if not got.kvs:
+            raise _lease_not_found(lease_id)
+        record = _decode(got.kvs[0].value)
+        if record.lease_id != lease_id:
+            raise _lease_not_found(lease_id)
+        return record
+
+    async def lookup(self, lease_id: str) -> meta_pb2.Instance:
+        return await self._record(lease_id, self._parse(lease_id))
+
     async def heartbeat(self, lease_id: str, load: common_pb2.Load | None) -> int:
         lease = self._parse(lease_id)
         ttl_s = await self._call("lease keep-alive", self._keepalive(lease))
         if ttl_s <= 0:
             raise _lease_not_found(lease_id)
         if load is not None:
-            instance_id = self._lease_owner.get(lease)
-            if instance_id is None:
-                got = await self._call("get lease owner", self._kv.get(LEASES + lease_id))
-                if not got.kvs:
-                    raise _lease_not_found(lease_id)
-                instance_id = got.kvs[0].value.decode()
-                self._lease_owner[lease] = instance_id
-            key = INSTANCES + instance_id
-            got = await self._call("get instance", self._kv.get(key))
-            if not got.kvs:
-                raise _lease_not_found(lease_id)
-            record = _decode(got.kvs[0].value)
-            if record.lease_id != lease_id:
-                raise _lease_not_found(lease_id)
+            record = await self._record(lease_id, lease)
             record.load.CopyFrom(load)
             record.updated_ms = _now_ms()
-            await self._call("put instance", self._kv.put(key, _encode(record), lease=lease))
+            await self._call(
+                "put instance",
+                self._kv.put(INSTANCES + record.instance_id, _encode(record), lease=lease),
+            )
         return ttl_s * 1000
 
     async def deregister(self, lease_id: str) -> None:
@@ -226,3 +274,10 @@ class EtcdBackend(Backend):
     async def kv_delete(self, key: str) -> bool:
         resp = await self._call("metadata delete", self._kv.delete(METADATA + key))
         return resp.deleted > 0
+
+    async def kv_count(self) -> int:
+        resp = await self._call(
+            "metadata count",
+            self._kv.get(METADATA, range_end=prefix_range_end(METADATA), count_only=True),
+        )
+        return resp.count

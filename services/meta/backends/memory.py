@@ -110,6 +110,9 @@ class MemoryBackend(Backend):
             for lease_id, lease in [(k, v) for k, v in self._leases.items() if v.deadline <= now]:
                 self._drop(lease_id, lease)
 
+    async def lookup(self, lease_id: str) -> meta_pb2.Instance:
+        return self._instances[self._lease(lease_id).instance_id]
+
     async def list(self) -> list[meta_pb2.Instance]:
         return list(self._instances.values())
 
@@ -135,3 +138,6 @@ class MemoryBackend(Backend):
 
     async def kv_delete(self, key: str) -> bool:
         return self._kv.pop(key, None) is not None
+
+    async def kv_count(self) -> int:
+        return len(self._kv)
