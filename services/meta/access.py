@@ -4,7 +4,8 @@ every caller, and its records have no owner).
 - A record is registered only by the identity role that does the job it announces: prefill
   and decode instances by ``worker``, routers by ``router``, storage nodes by ``node``, the KV
   master by ``master``. A stolen node certificate cannot announce a fake decode worker that
-  routers would send prompts to.
+  routers would send prompts to; a node announces only its own node id (its certificate's
+  name), as at the KV master.
 - The registering identity owns the record (``Instance.owner``): while it is live, only that
   identity may heartbeat, deregister or re-register its ``instance_id``, so nobody takes over
   another's instance, not even with the lease id that ListInstances shows. A record without
@@ -42,6 +43,12 @@ def check_register(
         return
     role = common_pb2.Role.Name(instance.role)
     require(caller, (REGISTRANT[instance.role],), f"register a {role} instance")
+    node = instance.role == common_pb2.ROLE_KVSTORE_NODE and caller.role != "admin"
+    if node and instance.instance_id != caller.name:
+        # as at the KV master: a node is its certificate's name, so it announces only itself
+        raise PermissionDenied(
+            f"{caller} may register only the node {caller.name!r}, not {instance.instance_id!r}"
+        )
     if current is not None:
         check_owner(caller, current, f"re-register instance {instance.instance_id!r}")
 

@@ -80,6 +80,14 @@ def test_identities_own_their_instances(start_meta, backend: str, certdir: Path)
         reg = meta_pb2.RegisterRequest(instance=decode("decode-0"), ttl_ms=60_000)
         # a storage node's certificate announcing a fake decode worker
         await refused(n1.Register(reg), DENIED, "node:n1 may not register a ROLE_DECODE")
+        # a node announces only itself (its certificate's name), as at the KV master
+        other = meta_pb2.Instance(
+            instance_id="n2", role=common_pb2.ROLE_KVSTORE_NODE, address="127.0.0.1:9001"
+        )
+        await refused(n1.Register(meta_pb2.RegisterRequest(instance=other, ttl_ms=60_000)), DENIED)
+        other.instance_id = "n1"
+        mine = (await n1.Register(meta_pb2.RegisterRequest(instance=other, ttl_ms=60_000))).lease_id
+        await n1.Deregister(meta_pb2.DeregisterRequest(lease_id=mine))
         lease = (await w1.Register(reg)).lease_id
         (d0,) = (await r1.ListInstances(meta_pb2.ListInstancesRequest())).instances
         assert (d0.owner, d0.lease_id) == ("worker:w1", lease)  # the lease id is public
