@@ -169,13 +169,16 @@ SERVICE_COMMANDS: dict[str, tuple[str, ...]] = {
 
 def flag_args(**values: object) -> list[str]:
     """``flag_args(chunk_size=256, meta=None)`` -> ``["--chunk-size", "256"]``: one
-    ``--flag value`` pair per value, underscores as dashes; None leaves the flag out."""
-    return [
-        item
-        for k, v in values.items()
-        if v is not None
-        for item in (f"--{k.replace('_', '-')}", str(v))
-    ]
+    ``--flag value`` pair per value, underscores as dashes; a bool is ``--flag`` or
+    ``--no-flag`` (the config's boolean flags take no value); None leaves the flag out."""
+    out: list[str] = []
+    for k, v in values.items():
+        flag = k.replace("_", "-")
+        if isinstance(v, bool):
+            out.append(f"--{flag}" if v else f"--no-{flag}")
+        elif v is not None:
+            out += [f"--{flag}", str(v)]
+    return out
 
 
 def service_args(service: str, *extra: str, **flags: object) -> list[str]:
@@ -240,10 +243,12 @@ def local_store(
     segment_size: str | int = "256MiB",
     transports: str = "shm,tcp",
     node_id: str | None = None,
+    **master_flags: object,
 ) -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
-    """A KV store on this host for benchmarks and tests: a master and one node process
-    (``(master, node)``), both stopped by pid on exit and the node's shm files removed."""
-    master = start_master(log_dir)
+    """A KV store on this host for benchmarks and tests: a master (``master_flags`` as
+    :func:`start_master`) and one node process (``(master, node)``), both stopped by pid on
+    exit and the node's shm files removed."""
+    master = start_master(log_dir, **master_flags)
     node = None
     try:
         node = start_node(

@@ -12,7 +12,7 @@ Surfaces:
 * ``master``: KVMasterService (incl. WatchEvents), KVNodeService and grpc.health;
 * ``wire``: the master's control wire (hellos, frames, unknown methods, lying lengths);
 * ``tcp``: a storage node's tcp data port, checked against a model of the protocol
-  (:func:`tcp_expect`);
+  (:func:`tcp_expect`), with real data-plane grants the master handed out and hostile ones;
 * ``meta``: MetaService and the Mooncake /metadata HTTP endpoint.
 
 gRPC requests are: a valid request with one field (nested too) set to a hostile value of its
@@ -56,7 +56,7 @@ from pdserve import grpcutil
 from pdserve.bench.cli import FUZZ_SURFACES
 from pdserve.store import wire
 from pdserve.store.transports import tcp
-from pdserve.v1 import common_pb2, engine_pb2, kvstore_pb2, meta_pb2, router_pb2
+from pdserve.v1 import common_pb2, engine_pb2, kvstore_pb2, kvstore_pb2_grpc, meta_pb2, router_pb2
 
 SURFACES = tuple(FUZZ_SURFACES.split(","))
 #: Seconds any single answer may take before the case counts as a hang.
@@ -609,7 +609,7 @@ class RouterHttp:
         self.model = model
         common = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p"}
         common |= {"top_k", "seed", "stop", "stream", "stream_options", "n", "ignore_eos"}
-        common |= {"request_id", "unknown_field", *UNSUPPORTED_OPENAI}
+        common |= {"request_id", "cache_salt", "unknown_field", *UNSUPPORTED_OPENAI}
         prompt = {"model": model, "prompt": "hello fuzz", "max_tokens": 2}
         chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         self.bodies = {
@@ -853,33 +853,80 @@ MASTER_BASES: Bases = {
 }
 
 
+#: Master flags of the store a fuzz run targets (:func:`pdserve.procs.local_store`): the tcp
+#: surface's grants (:meth:`StoreTarget.of`) then last a day, the whole run.
+STORE_MASTER_FLAGS: dict[str, object] = {"put_timeout_s": 86_400, "max_lease_ms": 86_400_000}
+
+#: A tcp request range: segment key, offset, length, then its grant (as ``tcp.RANGE``).
+TcpRange = tuple[int, int, int, int, int, int, int, bytes]
+
+
 @dataclass
 class StoreTarget:
     """A running master and storage node: the master's gRPC address and wire port, the node's
-    gRPC address, its tcp data port and its segments (wire key -> size)."""
+    gRPC address, its tcp data port and its segments (wire key -> size), and per grant op
+    (read, write) a whole object's range with the grant the master gave for it (empty when
+    the master runs with data tokens off)."""
 
     master: str
     wire_port: int
     node: str
     tcp: tuple[str, int]
     segments: dict[int, int]
+    grants: dict[int, TcpRange] = field(default_factory=dict)
 
     @classmethod
     def of(cls, master_info: dict, node_info: dict) -> StoreTarget:
-        """From the READY lines of a master and a node (:func:`pdserve.procs.local_store`)."""
+        """From the READY lines of a master (run with :data:`STORE_MASTER_FLAGS`) and a node
+        (:func:`pdserve.procs.local_store`). Stores two objects for the tcp surface: one
+        committed, its read grant leased for a day, and one whose put stays open, its write
+        grant good until the put times out."""
         node = f"127.0.0.1:{node_info['port']}"
         with grpcutil.sync_channel(node) as ch:
             stats = grpc_call(
                 ch, service_methods(_NODE)["KVNodeService.Stats"], b"", timeout=TIMEOUT_S
             )
         found = pb.NodeStatsResponse.FromString(stats[2][0])
+        segments = {tcp.segment_key(s.segment_id): s.size for s in found.segments}
         return cls(
             master_info["grpc"],
             master_info["wire"],
             node,
             ("127.0.0.1", node_info["tcp_port"]),
-            {tcp.segment_key(s.segment_id): s.size for s in found.segments},
+            segments,
+            _tcp_grants(master_info["grpc"], min(segments.values()) // 4),
         )
+
+
+def _tcp_grants(master: str, size: int) -> dict[int, TcpRange]:
+    """The read and the write grant of two ``size``-byte objects (see StoreTarget.of)."""
+    from pdserve.store import grants
+
+    def whole(rep: pb.Replica) -> TcpRange:
+        seg = tcp.segment_key(rep.segment_id)
+        return (seg, rep.offset, rep.size, rep.offset, rep.size, rep.token_expires_ms,
+                rep.alloc_id, rep.token)  # fmt: skip
+
+    with grpcutil.sync_channel(master) as ch:
+        stub = kvstore_pb2_grpc.KVMasterServiceStub(ch)
+        keys = ["fz-tcp-read", "fz-tcp-write"]
+        start = stub.BatchPutStart(
+            pb.BatchPutStartRequest(
+                client_id="fz-tcp", items=[pb.PutStartItem(key=k, size=size) for k in keys]
+            ),
+            timeout=TIMEOUT_S,
+        )
+        stub.BatchPutEnd(pb.BatchKeysRequest(client_id="fz-tcp", keys=keys[:1]), timeout=TIMEOUT_S)
+        got = stub.BatchGetReplicaList(
+            pb.BatchGetReplicaListRequest(
+                client_id="fz-tcp", keys=keys[:1], lease_ms=STORE_MASTER_FLAGS["max_lease_ms"]
+            ),
+            timeout=TIMEOUT_S,
+        )
+    read, write = got.results[0].replicas[0], start.results[1].replicas[0]
+    if not read.token:
+        return {}
+    return {grants.OP_READ: whole(read), grants.OP_WRITE: whole(write)}
 
 
 _MASTER = pb.DESCRIPTOR.services_by_name["KVMasterService"]
@@ -1033,19 +1080,30 @@ class Wire:
             raise Dead(f"wire: a valid Stats call answered {got[:200]!r}")
 
 
-def tcp_expect(stream: bytes, segments: dict[int, int]) -> list[tuple[int, int, bool]]:
+def tcp_expect(
+    stream: bytes, segments: dict[int, int], grants: dict[int, TcpRange] | None = None
+) -> list[tuple[int, int, bool]]:
     """The replies a node owes the request bytes ``stream`` (sent whole, then a half-close):
     ``(status, length, payload follows)`` each; a model of the protocol in
-    :mod:`pdserve.store.transports.tcp` written from its spec."""
+    :mod:`pdserve.store.transports.tcp` written from its spec. ``grants``: the only valid
+    grants, per grant op (:attr:`StoreTarget.grants`; unexpired); empty or None = data
+    tokens off."""
+    from pdserve.store.grants import OP_READ, OP_WRITE
+
     out: list[tuple[int, int, bool]] = []
     pos = 0
+    valid = {(g[0], *g[3:]): op for op, g in (grants or {}).items()}
 
-    def region(seg: int, offset: int, length: int) -> int:
+    def region(op: int, seg: int, offset: int, length: int, *grant) -> int:
         size = segments.get(seg)
         if size is None:
             return tcp.ST_UNKNOWN_SEGMENT
         if length == 0 or offset + length > size:
             return tcp.ST_OUT_OF_BOUNDS
+        if valid:
+            goff, glen = grant[0], grant[1]
+            if valid.get((seg, *grant)) != op or offset < goff or offset + length > goff + glen:
+                return tcp.ST_FORBIDDEN
         return tcp.ST_OK
 
     while len(stream) - pos >= tcp.REQ.size:
@@ -1065,15 +1123,20 @@ def tcp_expect(stream: bytes, segments: dict[int, int]) -> list[tuple[int, int, 
         )
         if fail:
             return [*out, (fail, 0, False)]
-        ranges = [(seg, offset, length)]
         if vector:
             end = pos + length * tcp.RANGE.size
             if end > len(stream):
                 return out  # closed within the range table: no answer
             ranges = list(tcp.RANGE.iter_unpack(stream[pos:end]))
-            pos = end
+        else:
+            end = pos + tcp.GRANT.size
+            if end > len(stream):
+                return out  # closed within the grant: no answer
+            ranges = [(seg, offset, length, *tcp.GRANT.unpack(stream[pos:end]))]
+        pos = end
+        gop = OP_READ if op in (tcp.OP_READ, tcp.OP_READV) else OP_WRITE
         for r in ranges:
-            if fail := region(*r):
+            if fail := region(gop, *r):
                 return [*out, (fail, 0, False)]
         total = sum(r[2] for r in ranges)
         if op in (tcp.OP_READ, tcp.OP_READV):
@@ -1088,8 +1151,11 @@ def tcp_expect(stream: bytes, segments: dict[int, int]) -> list[tuple[int, int, 
 
 class TcpPort:
     """A storage node's tcp data port: one to three requests per connection (hostile magic,
-    version, op, segment, ranges, counts; payloads exact, short or overlong), then trailing
-    bytes, checked reply by reply against :func:`tcp_expect`."""
+    version, op, segment, ranges, counts, grants; payloads exact, short or overlong), then
+    trailing bytes, checked reply by reply against :func:`tcp_expect`. Ranges fall mostly
+    inside the object of the store's read or write grant (:attr:`StoreTarget.grants`) and
+    carry it, else a hostile grant: none, the other op's, made up, or the real one with a
+    field changed."""
 
     name = "tcp"
     #: Most payload bytes one case sends (the node drains 16 MiB after a bad request).
@@ -1098,40 +1164,72 @@ class TcpPort:
     def __init__(self, store: StoreTarget) -> None:
         self.address = store.tcp
         self.segments = store.segments
+        self.grants = store.grants
+
+    def _target(self, write: bool) -> TcpRange:
+        """The range (and grant) a read or write mostly goes for: a granted object, or with
+        data tokens off the first segment, ungranted."""
+        from pdserve.store.grants import OP_READ, OP_WRITE
+
+        if self.grants:
+            return self.grants[OP_WRITE if write else OP_READ]
+        seg = min(self.segments)
+        return (seg, 0, self.segments[seg], *tcp.NO_GRANT)
 
     def cases(self) -> st.SearchStrategy[Case]:
         segs = self.segments
         keys = sorted(segs)
 
+        def hostile_grant(write: bool) -> st.SearchStrategy[tuple]:
+            real = self._target(write)[3:]
+            made_up = st.tuples(
+                ints(0, U64), ints(0, U64), ints(0, U64), ints(0, U64), st.binary(max_size=16)
+            )
+            changed = st.tuples(st.integers(0, 4), ints(0, U64)).map(
+                lambda t: tuple(
+                    (v if i != t[0] else (t[1].to_bytes(8, "little") * 2 if i == 4 else t[1]))
+                    for i, v in enumerate(real)
+                )
+            )
+            other = st.just(self._target(not write)[3:])
+            return st.just(tcp.NO_GRANT) | other | made_up | changed
+
         @st.composite
-        def one_range(draw) -> tuple[int, int, int]:
-            seg = draw(_mostly(keys[0], st.sampled_from(keys) | ints(0, U64)))
+        def one_range(draw, write: bool) -> TcpRange:
+            target = self._target(write)
+            lo, hi = target[1], target[1] + target[2]
+            seg = draw(_mostly(target[0], st.sampled_from(keys) | ints(0, U64)))
             size = segs.get(seg, 4096)
-            offset = draw(st.sampled_from([0, size - 1]) | st.integers(0, size - 1))
+            offset = draw(st.sampled_from([lo, hi - 1]) | st.integers(lo, hi - 1))
             offset = draw(_mostly(offset, st.sampled_from([size, size + 1, 2**63, U64])))
-            room = max(size - offset, 0)
+            room = max(hi - offset, 0)
             length = draw(st.integers(1, max(1, min(room, 1 << 16))))
-            return seg, offset, draw(_mostly(length, st.sampled_from([0, room, room + 1, U64])))
+            length = draw(_mostly(length, st.sampled_from([0, room, room + 1, U64])))
+            grant = draw(_mostly(target[3:], hostile_grant(write)))
+            return (seg, offset, length, *grant)
 
         @st.composite
         def request(draw) -> bytes:
             op = draw(_mostly(draw(st.sampled_from([1, 2, 3, 4])), ints(0, 255)))
+            write = op in (tcp.OP_WRITE, tcp.OP_WRITEV)
             magic = draw(_mostly(tcp.REQ_MAGIC, st.binary(min_size=4, max_size=4)))
             version = draw(_mostly(tcp.VERSION, ints(0, 255)))
             reserved = draw(_mostly(0, ints(0, 0xFFFF)))
             if op in (tcp.OP_READV, tcp.OP_WRITEV):
                 many = draw(_mostly(0, st.sampled_from([tcp.MAX_RANGES, tcp.MAX_RANGES + 1])))
                 if many:  # the most ranges a request may have, or one more
-                    ranges = [(keys[0], 0, 1)] * many
+                    target = self._target(write)
+                    ranges = [(target[0], target[1], 1, *target[3:])] * many
                 else:
-                    ranges = draw(st.lists(one_range(), min_size=1, max_size=6))
+                    ranges = draw(st.lists(one_range(write), min_size=1, max_size=6))
                 count = draw(_mostly(len(ranges), st.sampled_from([0, len(ranges) + 1, U64])))
                 head = tcp.REQ.pack(magic, version, op, reserved, 0, 0, count)
                 head += b"".join(tcp.RANGE.pack(*r) for r in ranges)
             else:
-                ranges = [draw(one_range())]
-                head = tcp.REQ.pack(magic, version, op, reserved, *ranges[0])
-            need = sum(r[2] for r in ranges) if op in (tcp.OP_WRITE, tcp.OP_WRITEV) else 0
+                ranges = [draw(one_range(write))]
+                head = tcp.REQ.pack(magic, version, op, reserved, *ranges[0][:3])
+                head += tcp.GRANT.pack(*ranges[0][3:])
+            need = sum(r[2] for r in ranges) if write else 0
             need = need if need <= self.MAX_PAYLOAD // 3 else 64
             sent = draw(_mostly(need, st.integers(0, need + 64)))
             return head + bytes(sent)
@@ -1144,7 +1242,8 @@ class TcpPort:
     def check(self, case: Case) -> None:
         got = exchange(self.address, case.data)
         pos = 0
-        for i, (status, length, payload) in enumerate(tcp_expect(case.data, self.segments)):
+        want = tcp_expect(case.data, self.segments, self.grants)
+        for i, (status, length, payload) in enumerate(want):
             if len(got) < pos + tcp.REP.size:
                 raise Violation(f"tcp: reply {i} (status {status}) missing; got {got[pos:]!r}")
             magic, got_status, got_length = tcp.REP.unpack_from(got, pos)
@@ -1158,9 +1257,10 @@ class TcpPort:
             raise Violation(f"tcp: {len(got) - pos} bytes more than the replies owed")
 
     def alive(self) -> None:
-        key = min(self.segments)
+        seg, offset, _size, *grant = self._target(write=False)
+        head = tcp.REQ.pack(tcp.REQ_MAGIC, tcp.VERSION, tcp.OP_READ, 0, seg, offset, 1)
         try:
-            got = exchange(self.address, tcp.REQ.pack(tcp.REQ_MAGIC, 1, tcp.OP_READ, 0, key, 0, 1))
+            got = exchange(self.address, head + tcp.GRANT.pack(*grant))
         except (OSError, Violation) as exc:
             raise Dead(f"tcp: a valid 1-byte READ failed: {exc}") from exc
         if got[: tcp.REP.size] != tcp.REP.pack(tcp.REP_MAGIC, tcp.ST_OK, 1) or len(got) != 17:
@@ -1229,6 +1329,8 @@ class Meta(GrpcSurface):
         if case.extra is not None:
             target += "?" + urllib.parse.urlencode({"key": case.extra})
         status, reply = http_call(self.http, method, target, case.data)
+        if status == 507 and b"http_max_keys" in reply:
+            return  # the documented cap on stored keys: a full store, not a fault
         check_http(status, reply, case.path, case.op)
         if case.path and status != 400:
             raise Violation(f"{case.op}: a bad key answered {status}, not 400")
@@ -1299,7 +1401,9 @@ def surfaces_for(names: list[str], stack: contextlib.ExitStack, log_dir: Path) -
 
     made: dict[str, Surface] = {}
     if set(names) - {"meta"}:
-        master, node = stack.enter_context(local_store(log_dir, segment_size="4MiB"))
+        master, node = stack.enter_context(
+            local_store(log_dir, segment_size="4MiB", **STORE_MASTER_FLAGS)
+        )
         store = StoreTarget.of(master.info, node.info)
         made.update(master=Master(store), wire=Wire(store), tcp=TcpPort(store))
     if {"router-http", "router-grpc", "engine"} & set(names):

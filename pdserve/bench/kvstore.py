@@ -19,7 +19,8 @@ transport here works against; machine noise can put a run of it below pdserve's)
 (``put_from`` / ``get_into`` and ``batch_put_from`` / ``batch_get_into`` with registered
 buffers against ``mooncake_master`` and a storage process) when Mooncake is installed,
 ``longest_prefix`` over 64 keys, and the control path alone: one master round trip over gRPC
-and over the control wire.
+and over the control wire. ``--tokens-compare`` adds pdserve's tcp against a second store whose
+master runs with ``data_tokens`` off (``pdserve/tcp-notok``): what the per-range grant costs.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ BATCH_BYTES = 256 * 1024 * 1024
 
 @dataclass
 class Row:
-    # "pdserve/shm", "pdserve/tcp", "pdserve/tcp+sum", "pdserve/mooncake", "mooncake-store",
-    # "memcpy", "tcp-plain"
+    # "pdserve/shm", "pdserve/tcp", "pdserve/tcp+sum", "pdserve/tcp-notok" (data tokens off),
+    # "pdserve/mooncake", "mooncake-store", "memcpy", "tcp-plain"
     system: str
     size: int  # bytes per object
     iterations: int  # operations timed per direction
@@ -233,17 +234,18 @@ def bench_pdserve(
     iterations: int,
     batch: int,
     checksums: bool = False,
+    suffix: str = "",
 ) -> list[Row]:
     """pdserve's client over ``transport``. ``checksums``: objects stored with the raw
     checksum every read verifies (the default for raw objects); without, as KV chunks are
     stored (their header carries their checksum, checked when decoded) and as Mooncake
-    stores everything."""
+    stores everything. ``suffix`` ends the rows' system name (e.g. "-notok")."""
     from pdserve.store.api import StoreOptions
     from pdserve.store.client import StoreClient
 
     client = StoreClient(address, transport=transport, timeout_s=30)
     opts = StoreOptions(checksum=checksums)
-    name = f"pdserve/{transport}" + ("+sum" if checksums else "")
+    name = f"pdserve/{transport}" + ("+sum" if checksums else "") + suffix
     rows = []
     tag = f"{transport}-{int(checksums)}-{os.getpid()}"
     try:
@@ -493,6 +495,13 @@ def ratios(rows: list[Row]) -> list[str]:
                 f"(p50 {r.get_p50_us:.0f} vs {mc.get_p50_us:.0f} us), "
                 f"put {r.put_gbps / mc.put_gbps:.2f}x"
             )
+        notok = by.get(("pdserve/tcp-notok", r.size, r.mode))
+        if r.system == "pdserve/tcp" and notok is not None:
+            lines.append(
+                f"tcp with / without data tokens at {where}: get {r.get_gbps:.2f} vs "
+                f"{notok.get_gbps:.2f} GB/s (p50 {r.get_p50_us:.0f} vs {notok.get_p50_us:.0f} us), "
+                f"put p50 {r.put_p50_us:.0f} vs {notok.put_p50_us:.0f} us"
+            )
         if r.system == "pdserve/tcp" and plain is not None and r.size >= 1 << 20:
             lines.append(
                 f"tcp / plain loopback tcp at {where}: get {r.get_gbps / plain.get_gbps:.0%}"
@@ -568,6 +577,14 @@ def run(args: argparse.Namespace) -> int:
         _progress("longest_prefix and the control path (pdserve)")
         prefix["pdserve"] = bench_longest_prefix(master.info["grpc"])
         control = bench_control(master.info["grpc"])
+    if args.tokens_compare and "tcp" in transports:
+        _progress("pdserve tcp again, its master with data tokens off")
+        with local_store(
+            log_dir / "no-tokens", segment_size=segment, transports="tcp", data_tokens=False
+        ) as (master, _node):
+            rows += bench_pdserve(
+                master.info["grpc"], "tcp", sizes, args.iterations, args.batch, suffix="-notok"
+            )
     if have_mc and not args.no_mooncake_store:
         # Mooncake evicts above 90 % use and frees removed objects lazily: give it room for
         # every object of the run (and at least 64 MiB: its setup fails on tiny segments).

@@ -14,6 +14,11 @@ Put: ``BatchPutStart`` (with the object's checksum) -> write every replica -> ``
 read is handed out only if it ended within its lease and matches the writer's checksum (KV
 chunks: their header's checksum, fingerprint and key). Read failures (dead replica, corrupt
 or misplaced bytes) are misses, never exceptions.
+
+Every replica the master hands out carries its data-plane grant (``Replica.token``: a read
+grant from the lookup, a write grant from ``BatchPutStart``; :mod:`pdserve.store.grants`),
+which the tcp transport sends with each range; a node that refuses a range (no valid grant,
+an expired one) fails that replica like any other transfer error.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Every segment lives in a file under ``/dev/shm`` whose name is derived from the node id and
 the segment id, so a client on the same host can map the very same pages (the shm transport)
 while the tcp and mooncake transports serve from the same mapping. The node owns the file:
-it creates it, and unlinks it on clean shutdown.
+it creates it (mode 0600: only processes of the node's Unix user can map it), and unlinks it
+on clean shutdown.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ from pathlib import Path
 from pdserve import errors
 
 SHM_DIR = Path("/dev/shm")
+#: Every segment file's name starts with this (:func:`shm_name`).
+SHM_PREFIX = "pdserve-kv-"
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+_SHM_NAME = re.compile(re.escape(SHM_PREFIX) + r"[A-Za-z0-9_.-]+")
 _UNITS = {
     "": 1,
     "b": 1,
@@ -55,7 +59,13 @@ def parse_size(text: str | int) -> int:
 def shm_name(segment_id: str) -> str:
     """Stable shared-memory file name of a segment (its id already carries the node id, see
     :mod:`pdserve.services.kvstore.node`); filesystem-safe, no slashes."""
-    return _UNSAFE.sub("_", f"pdserve-kv-{segment_id}")
+    return _UNSAFE.sub("_", f"{SHM_PREFIX}{segment_id}")
+
+
+def is_shm_name(name: str) -> bool:
+    """Whether ``name`` is one :func:`shm_name` could have made (the prefix, no path
+    separators): a client maps nothing else under SHM_DIR, whatever a replica says."""
+    return _SHM_NAME.fullmatch(name) is not None
 
 
 def host_id() -> str:
@@ -102,8 +112,15 @@ class SegmentMemory:
         copies do not pay page faults. Raises :class:`SegmentInUse` when a live process owns
         the file."""
         path = SHM_DIR / name
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        # No symlinks, and only a file of our own: another user's file in the world-writable
+        # SHM_DIR (made before us under this name) must not become our segment.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
+            if os.fstat(fd).st_uid != os.getuid():
+                raise errors.FailedPrecondition(
+                    f"shared-memory segment {path} belongs to another user; remove it"
+                )
+            os.fchmod(fd, 0o600)  # a leftover of an older run may have been wider
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError as exc:

@@ -99,18 +99,24 @@ class Segment(_message.Message):
     def __init__(self, segment_id: _Optional[str] = ..., node_id: _Optional[str] = ..., size: _Optional[int] = ..., endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ...) -> None: ...
 
 class Replica(_message.Message):
-    __slots__ = ("node_id", "segment_id", "offset", "size", "endpoints")
+    __slots__ = ("node_id", "segment_id", "offset", "size", "endpoints", "token", "token_expires_ms", "alloc_id")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_EXPIRES_MS_FIELD_NUMBER: _ClassVar[int]
+    ALLOC_ID_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     segment_id: str
     offset: int
     size: int
     endpoints: _containers.RepeatedCompositeFieldContainer[Endpoint]
-    def __init__(self, node_id: _Optional[str] = ..., segment_id: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ...) -> None: ...
+    token: bytes
+    token_expires_ms: int
+    alloc_id: int
+    def __init__(self, node_id: _Optional[str] = ..., segment_id: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ..., token: _Optional[bytes] = ..., token_expires_ms: _Optional[int] = ..., alloc_id: _Optional[int] = ...) -> None: ...
 
 class PutOptions(_message.Message):
     __slots__ = ("replicas", "soft_pin", "ttl_ms", "placement")
@@ -145,12 +151,14 @@ class HeldObject(_message.Message):
     def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
 
 class MountSegmentResponse(_message.Message):
-    __slots__ = ("heartbeat_interval_ms", "restored_objects")
+    __slots__ = ("heartbeat_interval_ms", "restored_objects", "data_key")
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     RESTORED_OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    DATA_KEY_FIELD_NUMBER: _ClassVar[int]
     heartbeat_interval_ms: int
     restored_objects: int
-    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., restored_objects: _Optional[int] = ...) -> None: ...
+    data_key: bytes
+    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., restored_objects: _Optional[int] = ..., data_key: _Optional[bytes] = ...) -> None: ...
 
 class UnmountSegmentRequest(_message.Message):
     __slots__ = ("segment_id",)

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import threading
 
+from pdserve.identity import advertised
 from pdserve.services.kvstore.master_config import MasterConfig
 
 __all__ = ["MasterConfig", "serve"]
@@ -84,11 +85,12 @@ async def serve(cfg: MasterConfig, stop: asyncio.Event) -> None:
     from pdserve import grpcutil, telemetry
     from pdserve.lifecycle import announce_ready
     from pdserve.services.kvstore.events import EventHub
-    from pdserve.services.kvstore.master_repair import RepairJob
+    from pdserve.services.kvstore.master_repair import REPAIR_LEASE_S, RepairJob
     from pdserve.services.kvstore.master_servicer import KVMasterServicer, MasterHandlers
     from pdserve.services.kvstore.master_state import MasterState
     from pdserve.services.kvstore.master_wire import WireServer
     from pdserve.services.kvstore.persistence import MetadataStore
+    from pdserve.store.grants import OP_READ, OP_WRITE
     from pdserve.store.transports.base import TransportError
     from pdserve.store.transports.tcp import TcpTransport
     from pdserve.v1 import kvstore_pb2 as pb
@@ -126,7 +128,7 @@ async def serve(cfg: MasterConfig, stop: asyncio.Event) -> None:
         f"{cfg.host}:{cfg.port}",
     )
     metrics_port = telemetry.serve_metrics(cfg.metrics_port, cfg.host)
-    address = f"{cfg.host}:{server.port}"
+    address = advertised(cfg, server.port)
     log.info(
         "kvstore master serving on %s, control wire port %s (state_dir=%r)",
         address,
@@ -142,7 +144,7 @@ async def serve(cfg: MasterConfig, stop: asyncio.Event) -> None:
             instance_id="kvstore-master",
             role=common_pb2.ROLE_KVSTORE_MASTER,
             address=address,
-            labels={"metrics": f"{cfg.host}:{metrics_port}"} if metrics_port else {},
+            labels={"metrics": advertised(cfg, metrics_port)} if metrics_port else {},
         ),
     )
     announce_ready("kvstore-master", grpc=address, metrics=metrics_port, wire=handlers.wire_port)
@@ -161,12 +163,15 @@ async def serve(cfg: MasterConfig, stop: asyncio.Event) -> None:
                 log.exception("housekeeping pass failed")
 
     def repair_jobs() -> list[tuple[RepairJob, pb.Replica, pb.Replica]]:
-        """The next copies, with the source and target replicas they read and write."""
+        """The next copies, with the source and target replicas they read and write (and
+        the master's own grants for both, as long as the repair lease)."""
         with handlers.lock:
             out = []
+            expires = int(state.clock.wall_ms() + REPAIR_LEASE_S * 1000)
             for job in state.repair_jobs(cfg.max_repairs_per_tick):
                 reps = pb.ReplicaListResult()
-                handlers._fill(reps.replicas, [job.source, job.target], job.size)
+                handlers._fill(reps.replicas, [job.source], job.size, OP_READ, expires)
+                handlers._fill(reps.replicas, [job.target], job.size, OP_WRITE, expires)
                 out.append((job, reps.replicas[0], reps.replicas[1]))
             return out
 

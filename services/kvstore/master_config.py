@@ -27,6 +27,13 @@ class MasterConfig(SecurityConfig):
     )
     log_level: str = help_field("info", "log level")
     meta: str = help_field("", "meta service address host:port to register with (empty = none)")
+    data_tokens: bool = help_field(
+        True,
+        "hand out a short-lived grant with every replica (read: until the lease ends; write: "
+        "until the put times out) and give nodes the keys to check them, so a node's tcp "
+        "data port serves only ranges the master granted. Off: nodes accept any range; for "
+        "benchmarks and trusted single-host setups",
+    )
     # Liveness
     heartbeat_interval_ms: int = help_field(500, "heartbeat period told to nodes (ms)")
     heartbeat_miss_limit: int = help_field(

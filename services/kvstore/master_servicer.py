@@ -22,6 +22,8 @@ from pdserve.identity import Identity, grpc_caller
 from pdserve.services.kvstore.events import EventHub
 from pdserve.services.kvstore.master_auth import authorize, owner_prefix
 from pdserve.services.kvstore.master_state import MasterState, ReplicaLoc
+from pdserve.store.grants import OP_READ, OP_WRITE, GrantKey, new_master_key, segment_key_for
+from pdserve.store.transports.tcp import segment_key
 from pdserve.store.wire import VERSION as WIRE_VERSION
 from pdserve.v1 import kvstore_pb2 as pb
 from pdserve.v1 import kvstore_pb2_grpc
@@ -43,8 +45,12 @@ class MasterHandlers:
         self.lock = threading.Lock()
         #: The control wire's port once it listens (0 = off).
         self.wire_port = 0
-        # segment id -> (the endpoint list it was made from, Replica template)
-        self._templates: dict[str, tuple[list, pb.Replica]] = {}
+        # segment id -> (the endpoint list it was made from, Replica template, the segment's
+        # tcp key, its GrantKey or None)
+        self._templates: dict[str, tuple[list, pb.Replica, int, GrantKey | None]] = {}
+        #: The key every segment's data key derives from (pdserve/store/grants.py), new at
+        #: each start; b"" when data_tokens is off.
+        self.data_key = new_master_key() if state.cfg.data_tokens else b""
 
     def call(self, method: str, request: Any, caller: Identity | None = None) -> Any:
         """Runs the handler ``method`` for ``caller`` (None = a plaintext master: anyone)
@@ -55,10 +61,12 @@ class MasterHandlers:
                 return self.BatchRemove(request, caller)
             return getattr(self, method)(request)
 
-    def _fill(self, out, locs: Sequence[ReplicaLoc], size: int) -> None:
+    def _fill(self, out, locs: Sequence[ReplicaLoc], size: int, op: int, expires_ms: int) -> None:
         """Appends a Replica per location to the repeated field ``out``: a copy of the
         segment's cached template (node, segment, endpoints) plus offset and size, about
-        three times cheaper than building each one with its endpoints."""
+        three times cheaper than building each one with its endpoints; with data tokens on,
+        plus its grant for ``op`` (grants.OP_READ / OP_WRITE) until ``expires_ms`` (unix ms):
+        one MAC, the segment's keyed state cached with its template."""
         segs = self.state.segments
         for r in locs:
             seg = segs[r.segment_id]
@@ -68,11 +76,26 @@ class MasterHandlers:
                 tmpl = pb.Replica(
                     node_id=r.node_id, segment_id=r.segment_id, endpoints=seg.endpoints
                 )
-                cached = self._templates[r.segment_id] = (seg.endpoints, tmpl)
+                key = self._segment_data_key(r.segment_id)
+                cached = self._templates[r.segment_id] = (
+                    seg.endpoints,
+                    tmpl,
+                    segment_key(r.segment_id),
+                    GrantKey(key) if key else None,
+                )
             rep = out.add()
             rep.CopyFrom(cached[1])
             rep.offset = r.offset
             rep.size = size
+            grants = cached[3]
+            if grants is not None:
+                rep.token = grants.mint(cached[2], r.offset, size, op, expires_ms, r.alloc_id)
+                rep.token_expires_ms = expires_ms
+                rep.alloc_id = r.alloc_id
+
+    def _segment_data_key(self, segment_id: str) -> bytes:
+        """The key a node checks ``segment_id``'s grants with (b"" = data tokens off)."""
+        return segment_key_for(self.data_key, segment_id) if self.data_key else b""
 
     def MountSegment(self, request: pb.MountSegmentRequest) -> pb.MountSegmentResponse:
         seg = request.segment
@@ -85,7 +108,9 @@ class MasterHandlers:
             keeps_bytes=request.keeps_bytes,
         )
         return pb.MountSegmentResponse(
-            heartbeat_interval_ms=self.state.cfg.heartbeat_interval_ms, restored_objects=restored
+            heartbeat_interval_ms=self.state.cfg.heartbeat_interval_ms,
+            restored_objects=restored,
+            data_key=self._segment_data_key(seg.segment_id),
         )
 
     def UnmountSegment(self, request: pb.UnmountSegmentRequest) -> pb.UnmountSegmentResponse:
@@ -108,12 +133,14 @@ class MasterHandlers:
             inline=[i.inline_data for i in request.items],
             checksums=[i.checksum for i in request.items],
         )
+        # Write grants last as long as the put may (its space is reclaimed after that).
+        expires = int(self.state.clock.wall_ms() + self.state.cfg.put_timeout_s * 1000)
         resp = pb.BatchPutStartResponse()
         for item, r in zip(request.items, outcomes, strict=True):
             res = resp.results.add(
                 key=r.key, code=r.code, message=r.message, already_exists=r.already_exists
             )
-            self._fill(res.replicas, r.replicas, item.size)
+            self._fill(res.replicas, r.replicas, item.size, OP_WRITE, expires)
         return resp
 
     def BatchPutEnd(self, request: pb.BatchKeysRequest) -> pb.BatchKeysResponse:
@@ -138,7 +165,7 @@ class MasterHandlers:
                 lease_ms=r.lease_ms,
             )
             if r.replicas:
-                self._fill(res.replicas, r.replicas, objs[r.key].size)
+                self._fill(res.replicas, r.replicas, objs[r.key].size, OP_READ, r.lease_expires_ms)
         return resp
 
     def BatchReleaseLease(self, request: pb.BatchKeysRequest) -> pb.BatchKeysResponse:

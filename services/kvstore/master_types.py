@@ -4,6 +4,7 @@ the segment, node, object and replica records, the counters, what the state's ca
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,6 +15,8 @@ from pdserve.v1 import kvstore_pb2 as pb
 OK = pb.KV_OK
 #: Bytes of an object checksum (BLAKE3, truncated).
 CHECKSUM_BYTES = 16
+#: Allocation ids (ReplicaLoc.alloc_id): unique within the process, so within one master key.
+_ALLOC_IDS = itertools.count(1)
 
 
 class Clock:
@@ -60,6 +63,9 @@ class ReplicaLoc:
     segment_id: str
     node_id: str
     offset: int
+    # This placement's id, bound into its data-plane grants (pdserve/store/grants.py): every
+    # ReplicaLoc made (a placement, a restore) takes the next one.
+    alloc_id: int = field(default_factory=lambda: next(_ALLOC_IDS))
 
 
 @dataclass

@@ -3,7 +3,9 @@ and serves the data plane (shm / tcp / mooncake) from the same memory.
 
 The node's memory outlives master restarts: when the master answers a heartbeat with
 ``remount_required`` (it restarted, or declared the node dead after a pause), the node mounts
-the same segment ids again; their bytes are untouched. On SIGTERM it unmounts its segments,
+the same segment ids again; their bytes are untouched. Each mount answer carries the
+segment's data key (:mod:`pdserve.store.grants`), with which the tcp server checks every
+request range's grant; until the first answer it refuses them all. On SIGTERM it unmounts its segments,
 stops its servers and unlinks its shared memory.
 """
 
@@ -16,6 +18,7 @@ import grpc
 
 from pdserve import grpcutil
 from pdserve.discovery import leave, register_service
+from pdserve.identity import advertised
 from pdserve.lifecycle import announce_ready
 from pdserve.services.kvstore.node_config import NodeConfig
 from pdserve.store.segment import SegmentMemory, host_id, shm_name
@@ -37,7 +40,7 @@ def _make_server(name: str, cfg: NodeConfig) -> TransportServer:
     if name == "tcp":
         from pdserve.store.transports.tcp import TcpServer
 
-        return TcpServer(cfg.host, cfg.tcp_port)
+        return TcpServer(cfg.host, cfg.tcp_port, cfg.grant_clock_skew_ms)
     from pdserve.store.transports.mooncake import MooncakeServer
 
     return MooncakeServer(cfg.host)
@@ -137,6 +140,8 @@ async def _mount_all(node: KVNode, stub: kvstore_pb2_grpc.KVMasterServiceStub) -
             timeout=RPC_TIMEOUT_S,
         )
         node.kept.add(seg.segment_id)
+        for server in node.servers:  # a restarted master has a new key
+            server.set_data_key(seg.segment_id, resp.data_key)
         interval = resp.heartbeat_interval_ms or interval
     log.info("mounted %d segment(s) at %s", len(node.segments), node.cfg.master_address)
     return interval
@@ -212,9 +217,9 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event) -> None:
             meta_pb2.Instance(
                 instance_id=cfg.node_id,
                 role=common_pb2.ROLE_KVSTORE_NODE,
-                address=f"{cfg.host}:{server.port}",
+                address=advertised(cfg, server.port),
                 kv_capacity_bytes=sum(s.size for s in node.segments),
-                labels={"tcp": f"{cfg.host}:{tcp_port}", "transports": ",".join(cfg.transports)},
+                labels={"tcp": advertised(cfg, tcp_port), "transports": ",".join(cfg.transports)},
             ),
         )
         try:

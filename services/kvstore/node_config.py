@@ -37,6 +37,12 @@ class NodeConfig(SecurityConfig):
     )
     host: str = help_field("127.0.0.1", "address the data servers and the gRPC server bind to")
     tcp_port: int = help_field(0, "port of the tcp data server (0 = any free port)")
+    grant_clock_skew_ms: int = help_field(
+        2000,
+        "the tcp data server accepts a grant this long past its expiry (ms): expiries are the "
+        "master's clock, and an NTP-synced host is well within 2 s of it; small next to the "
+        "read lease (5 s by default) and the put timeout (30 s) the grants last",
+    )
     port: int = help_field(0, "gRPC port of the node's Stats service (0 = any free port)")
     host_id: str = help_field(
         "", "id of this host for the shm transport (empty = PDSERVE_HOST_ID or machine/boot id)"
@@ -50,6 +56,8 @@ class NodeConfig(SecurityConfig):
             raise ConfigError(f"master_address must be host:port, got {self.master_address!r}")
         if not self.node_id:
             self.node_id = f"{socket.gethostname()}-{os.getpid()}"
+        if self.grant_clock_skew_ms < 0:
+            raise ConfigError(f"grant_clock_skew_ms must be >= 0, got {self.grant_clock_skew_ms}")
         if not self.segment_sizes:
             raise ConfigError("segment_sizes must name at least one segment")
         try:

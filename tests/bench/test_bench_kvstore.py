@@ -29,6 +29,7 @@ def test_bench_kvstore_small_run(tmp_path: Path) -> None:
             "--transports",
             "shm,tcp",
             "--no-mooncake-store",
+            "--tokens-compare",
             "--json",
             str(out_json),
             "--log-dir",
@@ -46,6 +47,8 @@ def test_bench_kvstore_small_run(tmp_path: Path) -> None:
     for system in ("memcpy", "pdserve/shm", "pdserve/tcp"):
         assert {(system, 4096, 1), (system, 65536, 1), (system, 4096, 4)} <= systems
     assert {("tcp-plain", 4096, 1), ("tcp-plain", 65536, 1)} <= systems
+    assert {("pdserve/tcp-notok", 4096, 1), ("pdserve/tcp-notok", 4096, 4)} <= systems
+    assert "tcp with / without data tokens at 4 KiB single" in proc.stdout
     for r in data["rows"]:
         assert r["iterations"] == 3 and r["put_gbps"] > 0 and r["get_gbps"] > 0
         assert 0 < r["get_p50_us"] <= r["get_p99_us"]

@@ -29,7 +29,9 @@ def fuzz_cases() -> int:
 @pytest.fixture(scope="session")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[fuzz.StoreTarget]:
     log_dir = tmp_path_factory.mktemp("fuzz-store")
-    with procs.local_store(log_dir, segment_size="1MiB", transports="tcp") as (master, node):
+    with procs.local_store(
+        log_dir, segment_size="1MiB", transports="tcp", **fuzz.STORE_MASTER_FLAGS
+    ) as (master, node):
         yield fuzz.StoreTarget.of(master.info, node.info)
 
 

@@ -47,34 +47,42 @@ def test_control_wire_answers(store, hello, frames, lie) -> None:
     surface.alive()
 
 
-def _req(op: int, seg: int, offset: int, length: int, **kw) -> bytes:
+def _req(op: int, rng: tuple, **kw) -> bytes:
+    """A READ or WRITE header for ``rng`` (segment key, offset, length, grant...), then its
+    grant."""
     fields = {"magic": tcp.REQ_MAGIC, "version": tcp.VERSION, "reserved": 0, **kw}
-    return tcp.REQ.pack(
-        fields["magic"], fields["version"], op, fields["reserved"], seg, offset, length
-    )
+    head = tcp.REQ.pack(fields["magic"], fields["version"], op, fields["reserved"], *rng[:3])
+    return head + tcp.GRANT.pack(*rng[3:])
+
+
+def _vec(op: int, ranges: list[tuple], count: int | None = None) -> bytes:
+    n = len(ranges) if count is None else count
+    head = tcp.REQ.pack(tcp.REQ_MAGIC, tcp.VERSION, op, 0, 0, 0, n)
+    return head + b"".join(tcp.RANGE.pack(*r) for r in ranges)
 
 
 def test_tcp_data_port_answers(store) -> None:
-    """Every reply status, each checked by the protocol model (:func:`fuzz.tcp_expect`)."""
-    seg = min(store.segments)
-    size = store.segments[seg]
-    ranges = tcp.RANGE.pack(seg, 0, 8) + tcp.RANGE.pack(seg, size - 8, 8)
-    streams = {
-        tcp.ST_OK: _req(tcp.OP_WRITEV, 0, 0, 2)
-        + ranges
-        + bytes(16)
-        + _req(tcp.OP_READV, 0, 0, 2)
-        + ranges,
-        tcp.ST_BAD_MAGIC: _req(tcp.OP_READ, seg, 0, 1, magic=b"HTTP"),
-        tcp.ST_BAD_VERSION: _req(tcp.OP_READ, seg, 0, 1, version=2),
-        tcp.ST_BAD_OP: _req(9, seg, 0, 1),
-        tcp.ST_UNKNOWN_SEGMENT: _req(tcp.OP_READ, seg ^ 1, 0, 1),
-        tcp.ST_OUT_OF_BOUNDS: _req(tcp.OP_WRITE, seg, size - 1, 2**64 - 1) + b"x",
-        tcp.ST_SHORT_PAYLOAD: _req(tcp.OP_WRITE, seg, 0, 100) + bytes(10),
-        tcp.ST_BAD_COUNT: _req(tcp.OP_READV, 0, 0, tcp.MAX_RANGES + 1),
-    }
+    """Every reply status, each checked by the protocol model (:func:`fuzz.tcp_expect`);
+    ST_EXPIRED, which needs a grant that ran out, is checked in tests/store/test_data_tokens.py."""
     surface = fuzz.TcpPort(store)
+    seg, off, size, *grant = surface._target(write=False)
+    wseg, woff, wsize, *wgrant = surface._target(write=True)
+    assert store.grants, "the fuzz store runs with data tokens on"
+    seg_size = store.segments[seg]
+    reads = [(seg, off, 8, *grant), (seg, off + size - 8, 8, *grant)]
+    writes = [(wseg, woff, 8, *wgrant), (wseg, woff + wsize - 8, 8, *wgrant)]
+    streams = {
+        tcp.ST_OK: _vec(tcp.OP_WRITEV, writes) + bytes(16) + _vec(tcp.OP_READV, reads),
+        tcp.ST_BAD_MAGIC: _req(tcp.OP_READ, reads[0], magic=b"HTTP"),
+        tcp.ST_BAD_VERSION: _req(tcp.OP_READ, reads[0], version=1),
+        tcp.ST_BAD_OP: _req(9, reads[0]),
+        tcp.ST_UNKNOWN_SEGMENT: _req(tcp.OP_READ, (seg ^ 1, *reads[0][1:])),
+        tcp.ST_OUT_OF_BOUNDS: _req(tcp.OP_WRITE, (seg, seg_size - 1, 2**64 - 1, *wgrant)) + b"x",
+        tcp.ST_SHORT_PAYLOAD: _req(tcp.OP_WRITE, (wseg, woff, 100, *wgrant)) + bytes(10),
+        tcp.ST_BAD_COUNT: _vec(tcp.OP_READV, [], count=tcp.MAX_RANGES + 1),
+        tcp.ST_FORBIDDEN: _vec(tcp.OP_WRITEV, reads[:1]) + bytes(8),  # a read grant, a write
+    }
     for status, stream in streams.items():
-        assert fuzz.tcp_expect(stream, store.segments)[-1][0] == status
+        assert fuzz.tcp_expect(stream, store.segments, store.grants)[-1][0] == status
         surface.check(fuzz.Case("tcp", stream))
         surface.alive()

@@ -132,6 +132,48 @@ def test_transport_shm_refuses_other_host_and_out_of_range(peer: Peer) -> None:
         here.write(peer.replica(SEG_BYTES - 4, 8), memoryview(b"12345678"))
 
 
+def test_transport_shm_maps_only_pdserve_segment_files_of_its_own_user() -> None:
+    """Segment files are 0600; a client maps no other name, no symlink and no file of
+    another user, whatever a replica names."""
+    import os
+    import uuid
+
+    from pdserve import errors
+    from pdserve.store.segment import SHM_DIR, SegmentMemory, shm_name
+    from pdserve.store.transports.shm import ShmTransport
+
+    def rep(name: str) -> kvstore_pb2.Replica:
+        ep = kvstore_pb2.Endpoint(transport=kvstore_pb2.TRANSPORT_SHM, shm_name=name, host_id="h")
+        return kvstore_pb2.Replica(segment_id=name, size=1, endpoints=[ep])
+
+    t = ShmTransport("h")
+    tag = uuid.uuid4().hex[:8]
+    seg = SegmentMemory.create(f"own-{tag}", shm_name(f"own-{tag}"), 4096)
+    link = SHM_DIR / shm_name(f"link-{tag}")
+    theirs = SHM_DIR / shm_name(f"theirs-{tag}")
+    try:
+        assert os.stat(SHM_DIR / seg.name).st_mode & 0o777 == 0o600
+        assert t.read_many([(rep(seg.name), memoryview(bytearray(1)))]) == [None]
+        for name in ("", "../shm/" + seg.name, "pdserve-kv-a/b", "other-" + tag, "pdserve-kv-"):
+            with pytest.raises(TransportError, match="invalid shm name"):
+                t.read_into(rep(name), memoryview(bytearray(1)))
+        link.symlink_to(SHM_DIR / seg.name)
+        with pytest.raises(TransportError, match="cannot map"):
+            t.read_into(rep(link.name), memoryview(bytearray(1)))
+        if os.getuid() == 0:  # only root can make a file of another user
+            theirs.write_bytes(bytes(4096))
+            os.chown(theirs, 54321, -1)
+            with pytest.raises(TransportError, match="belongs to uid 54321"):
+                t.read_into(rep(theirs.name), memoryview(bytearray(1)))
+            with pytest.raises(errors.FailedPrecondition, match="another user"):
+                SegmentMemory.create(f"theirs-{tag}", theirs.name, 4096)
+    finally:
+        t.close()
+        seg.unlink()
+        link.unlink(missing_ok=True)
+        theirs.unlink(missing_ok=True)
+
+
 def _raw(port: int, payload: bytes) -> bytes:
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
         s.sendall(payload)
@@ -167,10 +209,13 @@ def test_transport_tcp_garbage_is_rejected_and_damages_nothing(peer: Peer) -> No
         reply = _raw(peer.tcp_port, head + b"\xff" * 64)
         assert status(reply) == want
         assert len(reply) == tcp.REP.size  # nothing else after an error; connection closed
+    no_grant = tcp.GRANT.pack(*tcp.NO_GRANT)
     huge = tcp.REQ.pack(tcp.REQ_MAGIC, tcp.VERSION, tcp.OP_READ, 0, seg_key, 2**64 - 1, 2**63)
-    assert status(_raw(peer.tcp_port, huge)) == tcp.ST_OUT_OF_BOUNDS
+    assert status(_raw(peer.tcp_port, huge + no_grant)) == tcp.ST_OUT_OF_BOUNDS
     zero = tcp.REQ.pack(tcp.REQ_MAGIC, tcp.VERSION, tcp.OP_READ, 0, seg_key, 0, 0)
-    assert status(_raw(peer.tcp_port, zero)) == tcp.ST_OUT_OF_BOUNDS
+    assert status(_raw(peer.tcp_port, zero + no_grant)) == tcp.ST_OUT_OF_BOUNDS
+    # A header without its grant: the node waits for it, then drops the connection.
+    assert _raw(peer.tcp_port, zero) == b""
     # A truncated header: the node just drops the connection.
     assert _raw(peer.tcp_port, b"PDKT\x01") == b""
     # Nothing stored was touched, and the node still serves.
@@ -262,7 +307,7 @@ def test_transport_tcp_vector_requests_are_checked_before_any_byte_moves(peer: P
         head = tcp.REQ.pack(
             tcp.REQ_MAGIC, tcp.VERSION, op, 0, 0, 0, len(ranges) if count is None else count
         )
-        table = b"".join(tcp.RANGE.pack(*r) for r in ranges)
+        table = b"".join(tcp.RANGE.pack(*r, *tcp.NO_GRANT) for r in ranges)
         reply = _raw(peer.tcp_port, head + table + b"\xee" * 64)
         assert len(reply) == tcp.REP.size  # an error status and nothing else
         return tcp.REP.unpack(reply)[1]

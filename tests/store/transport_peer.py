@@ -1,8 +1,10 @@
 """A node-side transport peer for the transport tests, run as its own process:
 ``python transport_peer.py <transports> <segment bytes>``.
 
-It creates one segment, serves it over the named transports, prints one JSON line with the
-segment protobuf (hex) and then answers stdin commands, one per line:
+It creates one segment, serves it over the named transports with data tokens off (these
+tests are about moving bytes; grants are checked on real nodes, tests/store/test_data_tokens.py),
+prints one JSON line with the segment protobuf (hex) and then answers stdin commands, one per
+line:
 ``sum OFF LEN`` -> BLAKE3 hex of the region; ``fill OFF LEN SEED`` -> writes seeded random
 bytes there and prints their BLAKE3 hex; ``quit``.
 """
@@ -41,6 +43,7 @@ def main() -> None:
             servers.append(MooncakeServer())
     for s in servers:
         s.start([seg])
+        s.set_data_key(seg.segment_id, b"")
     proto = kvstore_pb2.Segment(
         segment_id=seg.segment_id,
         node_id=node_id,

@@ -91,6 +91,12 @@ class TransportServer(ABC):
     def endpoint(self, segment: SegmentMemory, host_id: str) -> kvstore_pb2.Endpoint:
         """The endpoint the node advertises for ``segment`` when it mounts it."""
 
+    def set_data_key(self, segment_id: str, key: bytes) -> None:  # noqa: B027 - optional hook
+        """Called with the data key the master sent for ``segment_id`` in each mount answer
+        (:mod:`pdserve.store.grants`; b"" = data tokens off: serve any in-bounds range). A
+        transport that checks requests (tcp) refuses every request on a segment until the
+        first call; one that cannot (shm, mooncake) ignores it."""
+
     def stop(self) -> None:  # noqa: B027 - optional hook
         """Stops serving and releases sockets / registrations. Idempotent."""
 

@@ -6,6 +6,15 @@ advertises ``(session id, base address)``. The client has its own engine and a r
 staging buffer; it moves bytes with ``transfer_sync_read`` / ``transfer_sync_write`` and
 copies between the staging buffer and the caller's memory. Only importable where the
 ``mooncake`` package is installed; :func:`available` says whether it is.
+
+Trust: none per request. Mooncake's transfer engine reads and writes registered memory
+directly (RDMA, or its own TCP handshake and data path): no pdserve code runs on the node
+for a transfer, so the node cannot check the data-plane grants the tcp transport checks
+(:mod:`pdserve.store.grants`). Anyone who can reach the engine's port and knows a segment's
+advertised base address (it travels in every Replica) can read or write the whole
+registered segment. What holds: only what the node registered (its segments) is exposed, and
+the master still hands out locations only to callers it authorizes. Serve mooncake only on
+a network where every peer is trusted (a private RDMA fabric), and tcp with tokens elsewhere.
 """
 
 from __future__ import annotations

@@ -5,6 +5,16 @@ The node's segment already *is* the shm file (see :mod:`pdserve.store.segment`),
 side only advertises its name. The client maps each segment once and caches the mapping; it
 re-maps when the file was replaced (a restarted node) and refuses a segment whose host id is
 not this host's.
+
+Trust: the node cannot check each memcpy into a mapped file, so the data-plane grants that
+the tcp transport checks per range (:mod:`pdserve.store.grants`) mean nothing here. What is
+enforced: segment files are mode 0600, so only processes of the node's Unix user can map
+them at all (the kernel checks that at open); the client opens only names of the node naming
+pattern (:func:`~pdserve.store.segment.is_shm_name`: the prefix, no path separators), never
+follows a symlink, and refuses a file that is not owned by its own uid. What is not: a
+process that can map a segment can read and write all of it, every object of every client,
+whatever the master granted it. Run clients that must not see each other's KV cache as other
+Unix users than the nodes (they then use tcp, with grants), or keep them off the nodes' hosts.
 """
 
 from __future__ import annotations
@@ -17,7 +27,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pdserve.store.segment import SHM_DIR, SegmentMemory
+from pdserve.store.segment import SHM_DIR, SegmentMemory, is_shm_name
 from pdserve.store.transports.base import (
     TransferThreads,
     Transport,
@@ -48,9 +58,11 @@ class ShmServer(TransportServer):
 class _Mapping:
     def __init__(self, name: str) -> None:
         path = SHM_DIR / name
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         try:
             st = os.fstat(fd)
+            if st.st_uid != os.getuid():
+                raise OSError(f"{path} belongs to uid {st.st_uid}, not this process's")
             self.inode = st.st_ino
             self.size = st.st_size
             # MAP_POPULATE: map every page now, so copies do not pay a page fault per 4 KiB.
@@ -82,8 +94,8 @@ class ShmTransport(Transport):
         if ep is None or ep.host_id != self.host_id:
             raise TransportError("replica has no shared-memory endpoint on this host")
         name = ep.shm_name
-        if "/" in name or not name:
-            raise TransportError(f"invalid shm name {name!r}")
+        if not is_shm_name(name):
+            raise TransportError(f"invalid shm name {name!r}: not a pdserve segment file")
         with self._lock:
             m = self._maps.get(name)
             try:

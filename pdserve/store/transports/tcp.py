@@ -1,21 +1,38 @@
 """pdserve's built-in TCP transport: raw sockets, a fixed binary header, raw payload bytes.
 
-Request header (little-endian, 32 bytes)::
+Protocol version 2. Request header (little-endian, 32 bytes)::
 
-    magic b"PDKT" | version u8 | op u8 (1 READ, 2 WRITE, 3 READV, 4 WRITEV) | reserved u16
-    | segment key u64 (first 8 bytes of BLAKE3(segment id)) | offset u64 | length u64
+    magic b"PDKT" | version u8 (2) | op u8 (1 READ, 2 WRITE, 3 READV, 4 WRITEV)
+    | reserved u16 | segment key u64 (first 8 bytes of BLAKE3(segment id)) | offset u64
+    | length u64
 
-A WRITE header is followed by ``length`` payload bytes. A READV header has segment key and
-offset 0 and ``length`` = the number of ranges (1..:data:`MAX_RANGES`), and is followed by
-that many 24-byte ranges ``segment key u64 | offset u64 | length u64``: one request reads
-many objects (a prompt's chunks) in one round trip. A WRITEV is the same with the ranges'
-payloads back to back after the table. The node answers every request with a
-16-byte reply ``magic b"PDKR" | status u8 | reserved 3 | length u64``; a successful READ or
-READV reply is followed by ``length`` payload bytes (READV: the ranges back to back, in
-request order); a WRITE or WRITEV is answered once every byte is in place. The node validates every header and range (magic, version, op, known
-segment, ``offset + length`` inside the segment) before touching memory; on a bad one it
-answers with an error status and closes the connection, because the byte stream can no
-longer be trusted.
+Every range travels with its grant (48 bytes, :mod:`pdserve.store.grants`): the replica's
+``Replica.offset``, ``size``, ``token_expires_ms``, ``alloc_id`` and ``token``::
+
+    granted offset u64 | granted length u64 | expiry u64 (unix ms) | allocation id u64
+    | MAC 16 bytes
+
+A READ or WRITE header is followed by its range's grant (a WRITE's then by ``length``
+payload bytes). A READV header has segment key and offset 0 and ``length`` = the number of
+ranges (1..:data:`MAX_RANGES`), and is followed by that many 72-byte ranges ``segment key u64
+| offset u64 | length u64 | grant``: one request reads many objects (a prompt's chunks) in
+one round trip. A WRITEV is the same with the ranges' payloads back to back after the table.
+The node answers every request with a 16-byte reply ``magic b"PDKR" | status u8 | reserved
+3 | length u64``; a successful READ or READV reply is followed by ``length`` payload bytes
+(READV: the ranges back to back, in request order); a WRITE or WRITEV is answered once every
+byte is in place.
+
+The node validates every header and range before touching memory: magic, version, op,
+count, known segment, ``offset + length`` inside the segment, then the grant: the range lies
+inside the granted range (a sub-range is fine: big objects travel as pieces over several
+connections), the MAC is the one the segment's data key gives for that segment, granted
+range, operation (READ and READV read, WRITE and WRITEV write), expiry and allocation id
+(compared in constant time), and the expiry has not passed on the node's clock, give or take
+its clock skew allowance. Before its first mount answer names a segment's data key the node
+refuses every range of it; a mount answer with an empty key (the master runs with
+``data_tokens`` off) makes it serve any in-bounds range and ignore the grants. On a bad
+header or range it answers with an error status (:data:`ST_FORBIDDEN`, :data:`ST_EXPIRED`
+for grants) and closes the connection, because the byte stream can no longer be trusted.
 
 Payloads go straight from / into the segment mapping and the caller's buffers, never
 through an intermediate copy: a header and its payload leave in one ``sendmsg`` and a reply
@@ -32,10 +49,12 @@ import queue
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import blake3
 
+from pdserve.store import grants
 from pdserve.store.netio import (
     IO_SLICE,
     IOV,
@@ -61,10 +80,15 @@ log = logging.getLogger(__name__)
 
 REQ = struct.Struct("<4sBBHQQQ")
 REP = struct.Struct("<4sB3xQ")
-RANGE = struct.Struct("<QQQ")
+#: granted offset, granted length, expiry (unix ms), allocation id, MAC.
+GRANT = struct.Struct(f"<QQQQ{grants.MAC_BYTES}s")
+#: segment key, offset, length, then the grant.
+RANGE = struct.Struct(f"<QQQQQQQ{grants.MAC_BYTES}s")
 REQ_MAGIC = b"PDKT"
 REP_MAGIC = b"PDKR"
-VERSION = 1
+VERSION = 2
+#: The grant fields of a request without one (a node with data tokens off ignores them).
+NO_GRANT = (0, 0, 0, 0, b"")
 OP_READ = 1
 OP_WRITE = 2
 OP_READV = 3
@@ -80,6 +104,8 @@ ST_UNKNOWN_SEGMENT = 4
 ST_OUT_OF_BOUNDS = 5
 ST_SHORT_PAYLOAD = 6
 ST_BAD_COUNT = 7
+ST_FORBIDDEN = 8
+ST_EXPIRED = 9
 STATUS_TEXT = {
     ST_BAD_MAGIC: "bad magic",
     ST_BAD_VERSION: "unsupported protocol version",
@@ -88,6 +114,9 @@ STATUS_TEXT = {
     ST_OUT_OF_BOUNDS: "range outside the segment",
     ST_SHORT_PAYLOAD: "connection closed before the payload was complete",
     ST_BAD_COUNT: f"a READV or WRITEV needs 1 to {MAX_RANGES} ranges",
+    ST_FORBIDDEN: "no valid grant for the range (none, forged, or for another range, segment "
+    "or operation)",
+    ST_EXPIRED: "the range's grant expired",
 }
 #: Explicit SO_SNDBUF/SO_RCVBUF (bytes; the kernel doubles it); 0 = kernel autotuning.
 #: Small buffers keep the bytes in flight inside the CPU caches: the receiver copies out what
@@ -99,6 +128,20 @@ SOCK_BUF = 256 * 1024
 #: two streams; four streams are slower than two, and splitting 1 MiB reads is slower.
 PARALLEL_MIN_BYTES = 8 * 1024 * 1024
 PARALLEL_STREAMS = 2
+
+
+class _NoKeyYet:
+    """The grant check of a segment whose data key the node has not learned yet (before its
+    first mount answer): refuses every range."""
+
+    @staticmethod
+    def check(*_args: object) -> str:
+        return "the node has no data key for the segment yet (not mounted)"
+
+
+#: A range as the client sends it: (item index, segment key, offset, length, buffer, grant
+#: as in :data:`GRANT`).
+_Range = tuple[int, int, int, int, memoryview, tuple[int, int, int, int, bytes]]
 
 
 def segment_key(segment_id: str) -> int:
@@ -123,15 +166,20 @@ def _split(ranges: list, streams: int) -> list[list]:
 
 
 class TcpServer(TransportServer):
-    """Threaded server: one thread per connection (payload copies release the GIL)."""
+    """Threaded server: one thread per connection (payload copies release the GIL).
+    ``clock_skew_ms``: how long past its expiry a grant is still accepted (the master's and
+    the node's clocks may differ by that much)."""
 
     name = "tcp"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, clock_skew_ms: int = 2000) -> None:
         self.host = host
         self.requested_port = port
         self.port = 0
-        self._segments: dict[int, memoryview] = {}
+        self.clock_skew_ms = clock_skew_ms
+        # segment key -> (its memory, its grant check: a GrantKey, _NoKeyYet, or None when
+        # data tokens are off)
+        self._segments: dict[int, tuple[memoryview, grants.GrantKey | _NoKeyYet | None]] = {}
         self._server: ConnectionServer | None = None
         self._read = 0
         self._written = 0
@@ -145,7 +193,7 @@ class TcpServer(TransportServer):
         return self._written
 
     def start(self, segments: Sequence[SegmentMemory]) -> None:
-        self._segments = {segment_key(s.segment_id): s.view for s in segments}
+        self._segments = {segment_key(s.segment_id): (s.view, _NoKeyYet()) for s in segments}
         self._server = ConnectionServer(
             self.host, self.requested_port, self._serve, "kv-tcp-conn", tune=_tune
         )
@@ -155,6 +203,11 @@ class TcpServer(TransportServer):
         return kvstore_pb2.Endpoint(
             transport=kvstore_pb2.TRANSPORT_TCP, address=f"{self.host}:{self.port}", host_id=host_id
         )
+
+    def set_data_key(self, segment_id: str, key: bytes) -> None:
+        seg = segment_key(segment_id)
+        mem, _old = self._segments[seg]
+        self._segments[seg] = (mem, grants.GrantKey(key) if key else None)
 
     def stop(self) -> None:
         if self._server is not None:
@@ -197,18 +250,57 @@ class TcpServer(TransportServer):
             return self._fail(conn, ST_BAD_OP, str(op))
         if op in (OP_READV, OP_WRITEV):
             return self._vector(conn, op, length)
-        region = self._region(seg, offset, length)
-        if isinstance(region, int):
-            return self._fail(conn, region, f"segment {seg:#x} offset {offset} length {length}")
+        grant = bytearray(GRANT.size)
+        if not recv_parts(conn, [memoryview(grant)]):
+            return False
+        gop = grants.OP_READ if op == OP_READ else grants.OP_WRITE
+        now = time.time() * 1000 - self.clock_skew_ms
+        region = self._region(gop, seg, offset, length, *GRANT.unpack(grant), now)
+        if isinstance(region, tuple):
+            return self._fail(conn, *region)
         return self._move(conn, op == OP_READ, [region])
 
-    def _region(self, seg: int, offset: int, length: int) -> memoryview | int:
-        """The segment bytes a request names, or the status that refuses it."""
-        mem = self._segments.get(seg)
-        if mem is None:
-            return ST_UNKNOWN_SEGMENT
+    def _region(
+        self,
+        op: int,
+        seg: int,
+        offset: int,
+        length: int,
+        grant_offset: int,
+        grant_length: int,
+        expires_ms: int,
+        alloc_id: int,
+        mac: bytes,
+        now_ms: float,
+    ) -> memoryview | tuple[int, str]:
+        """The segment bytes a range names, or the status that refuses it and why. ``op``
+        is grants.OP_READ or OP_WRITE; ``now_ms`` the node's clock less the skew allowance."""
+        entry = self._segments.get(seg)
+        if entry is None:
+            return ST_UNKNOWN_SEGMENT, f"segment {seg:#x}"
+        mem, check = entry
         if length == 0 or offset > len(mem) or length > len(mem) - offset:
-            return ST_OUT_OF_BOUNDS
+            return ST_OUT_OF_BOUNDS, f"segment {seg:#x} offset {offset} length {length}"
+        if check is not None:
+            why = check.check(
+                seg,
+                offset,
+                length,
+                op,
+                grant_offset,
+                grant_length,
+                expires_ms,
+                alloc_id,
+                mac,
+                now_ms,
+            )
+            if why is not None:
+                return (
+                    ST_EXPIRED if why == grants.EXPIRED else ST_FORBIDDEN,
+                    f"{why}: segment {seg:#x} offset {offset} length {length}, grant "
+                    f"[{grant_offset}, +{grant_length}) op {op} allocation {alloc_id} "
+                    f"expiry {expires_ms}",
+                )
         return mem[offset : offset + length]
 
     def _vector(self, conn: socket.socket, op: int, count: int) -> bool:
@@ -218,11 +310,13 @@ class TcpServer(TransportServer):
         table = bytearray(count * RANGE.size)
         if not recv_parts(conn, [memoryview(table)]):
             return False
+        gop = grants.OP_READ if op == OP_READV else grants.OP_WRITE
+        now = time.time() * 1000 - self.clock_skew_ms
         regions = []
-        for seg, offset, length in RANGE.iter_unpack(table):
-            region = self._region(seg, offset, length)
-            if isinstance(region, int):
-                return self._fail(conn, region, f"segment {seg:#x} offset {offset} length {length}")
+        for seg, offset, length, goff, glen, expires, alloc, mac in RANGE.iter_unpack(table):
+            region = self._region(gop, seg, offset, length, goff, glen, expires, alloc, mac, now)
+            if isinstance(region, tuple):
+                return self._fail(conn, *region)
             regions.append(region)
         return self._move(conn, op == OP_READV, regions)
 
@@ -338,12 +432,12 @@ class TcpTransport(Transport):
 
     def _ranges(
         self, items: Sequence[tuple[kvstore_pb2.Replica, memoryview]], what: str
-    ) -> tuple[dict[str, list[tuple[int, int, int, int, memoryview]]], list]:
-        """Per node address, the ranges ``(item, segment key, offset, length, buffer)`` that
-        move ``items`` (objects from PARALLEL_MIN_BYTES on in PARALLEL_STREAMS pieces), and
-        each item's error so far."""
+    ) -> tuple[dict[str, list[_Range]], list]:
+        """Per node address, the ranges ``(item, segment key, offset, length, buffer,
+        grant)`` that move ``items`` (objects from PARALLEL_MIN_BYTES on in PARALLEL_STREAMS
+        pieces, each with the replica's whole grant), and each item's error so far."""
         errors: list[TransportError | None] = [None] * len(items)
-        by_node: dict[str, list[tuple[int, int, int, int, memoryview]]] = {}
+        by_node: dict[str, list[_Range]] = {}
         for i, (rep, buf) in enumerate(items):
             ep = self.endpoint(rep)
             if ep is None:
@@ -358,11 +452,12 @@ class TcpTransport(Transport):
                 errors[i] = exc
                 continue
             seg = segment_key(rep.segment_id)
+            grant = (rep.offset, rep.size, rep.token_expires_ms, rep.alloc_id, rep.token)
             parts = PARALLEL_STREAMS if rep.size >= PARALLEL_MIN_BYTES else 1
             for k in range(parts):
                 lo, hi = rep.size * k // parts, rep.size * (k + 1) // parts
                 by_node.setdefault(ep.address, []).append(
-                    (i, seg, rep.offset + lo, hi - lo, buf[lo:hi])
+                    (i, seg, rep.offset + lo, hi - lo, buf[lo:hi], grant)
                 )
         return by_node, errors
 
@@ -379,14 +474,12 @@ class TcpTransport(Transport):
                         errors[i] = errors[i] or err
         return errors
 
-    def _vector(
-        self, op: int, address: str, ranges: list[tuple[int, int, int, int, memoryview]]
-    ) -> None:
+    def _vector(self, op: int, address: str, ranges: list[_Range]) -> None:
         """READV / WRITEV requests for ``ranges`` on one connection."""
         for lo in range(0, len(ranges), MAX_RANGES):
             batch = ranges[lo : lo + MAX_RANGES]
             head = REQ.pack(REQ_MAGIC, VERSION, op, 0, 0, 0, len(batch))
-            table = b"".join(RANGE.pack(seg, off, n) for _i, seg, off, n, _b in batch)
+            table = b"".join(RANGE.pack(seg, off, n, *g) for _i, seg, off, n, _b, g in batch)
             bufs = [r[4] for r in batch]
             total = sum(r[3] for r in batch)
             if op == OP_READV:
