@@ -136,11 +136,27 @@ def supervised(run_dir: str) -> dict | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pdserve import identity
+    from pdserve.up import admin_tls
+
     up = supervised(args.run_dir)
+    if up and up.get("tls") and identity.tls() is None:
+        # no PDSERVE_TLS_* given: dial the mutual-TLS services as that `pdserve up`'s admin
+        try:
+            identity.configure_files(admin_tls(args.run_dir))
+        except ValueError as exc:
+            print(f"pdserve status: {exc}", file=sys.stderr)
+            return 2
     try:
         report = asyncio.run(collect(args.meta, args.store_master, args.timeout))
     except grpc.aio.AioRpcError as exc:
-        print(f"pdserve status: cannot reach {args.meta}: {exc.details()}", file=sys.stderr)
+        hint = ""
+        if identity.tls() is None:
+            hint = (
+                " (services with mutual TLS need PDSERVE_TLS_CA, _CERT and _KEY, or the "
+                "--run-dir of their `pdserve up`)"
+            )
+        print(f"pdserve status: cannot reach {args.meta}: {exc.details()}{hint}", file=sys.stderr)
         if up:
             print(render({"meta": args.meta, "instances": [], "store": None, "supervised": up}))
         return 1
@@ -188,8 +204,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--run-dir",
         default=".pdserve/run",
-        help="run dir of a `pdserve up` whose supervision (restarts, last exits) to show too "
-        "(default: %(default)s)",
+        help="run dir of a `pdserve up` whose supervision (restarts, last exits) to show too; "
+        "with its TLS on, status dials the services as its admin identity (<run-dir>/certs) "
+        "unless PDSERVE_TLS_* say otherwise (default: %(default)s)",
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run)

@@ -10,24 +10,36 @@ last exit. On Ctrl-C / SIGTERM it stops everything in reverse order, leaving no 
 shared-memory segment behind. ``--config cluster.yaml`` scales it: its ``up`` section holds the fields below, and the
 same file is handed to every service, so its ``meta``, ``kvstore_master``, ``kvstore_node``,
 ``prefill``, ``decode`` and ``router`` sections tune each one.
+
+Secure by default: the services talk mutual TLS, each with its own identity (certificates in
+``<run_dir>/certs``, made with ``pdserve certs``'s code from one CA that later runs reuse;
+``up`` itself, and ``pdserve status --run-dir``, act as ``admin``), and the router requires an
+API key (``<run_dir>/api_key``, mode 0600). ``--no-tls`` / ``--no-auth`` turn them off.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import json
 import os
+import secrets
+import shlex
 import signal
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pdserve import config
 from pdserve.config import ConfigError, help_field
+
+if TYPE_CHECKING:
+    from pdserve.identity import TlsFiles
 
 
 @dataclass
@@ -65,10 +77,20 @@ class UpConfig:
     router_port: int = help_field(50060, "router gRPC port")
     http_port: int = help_field(8000, "router OpenAI-compatible HTTP port")
     run_dir: str = help_field(".pdserve/run", "folder for logs and state (logs/<service>.log)")
+    tls: bool = help_field(
+        True,
+        "mutual TLS between the services; certificates are made in <run_dir>/certs by "
+        "`pdserve certs`'s code (its CA is kept and reused by later runs)",
+    )
+    auth: bool = help_field(
+        True,
+        "require an API key on the router; it is generated into <run_dir>/api_key (0600, kept "
+        "across runs) unless api_key / PDSERVE_UP_API_KEY is set",
+    )
     api_key: str = help_field(
         "",
-        "API key the router requires on HTTP and gRPC ('' = open); set it with "
-        "PDSERVE_UP_API_KEY rather than a flag. It reaches the router in a 0600 file",
+        "the API key the router requires on HTTP and gRPC ('' = generated, see auth); set it "
+        "with PDSERVE_UP_API_KEY rather than a flag. It reaches the router in <run_dir>/api_key",
     )
     ready_timeout_s: float = help_field(600.0, "how long to wait for each service to be ready")
 
@@ -85,6 +107,10 @@ class UpConfig:
             raise ConfigError(f"engine must be 'auto', 'torch' or 'vllm', got {self.engine!r}")
         if self.meta_backend not in ("memory", "etcd"):
             raise ConfigError(f"meta_backend must be 'memory' or 'etcd', got {self.meta_backend!r}")
+        if self.api_key and not self.auth:
+            raise ConfigError(
+                "api_key is set but auth is off: unset api_key (PDSERVE_UP_API_KEY) or turn auth on"
+            )
 
     def resolve(self) -> None:
         """Replaces the auto values (engine, topology) with what they mean on this machine."""
@@ -103,6 +129,30 @@ RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 STABLE_S = 60.0
 #: What ``up`` writes for ``pdserve status``, in the run dir.
 SERVICES_FILE = "services.json"
+#: The run dir's certificates (``pdserve certs`` layout) and the router's API key file.
+CERTS_DIR = "certs"
+API_KEY_FILE = "api_key"
+#: The identity ``up`` (and ``pdserve status --run-dir``) dials the internal services as.
+ADMIN = "admin"
+
+
+def tls_files(run_dir: str | Path, name: str) -> dict[str, str]:
+    """The ``tls_*`` config fields of identity ``name`` in ``run_dir``'s certificates."""
+    d = (Path(run_dir) / CERTS_DIR).resolve()
+    return {
+        "tls_ca": str(d / "ca.crt"),
+        "tls_cert": str(d / f"{name}.crt"),
+        "tls_key": str(d / f"{name}.key"),
+    }
+
+
+def admin_tls(run_dir: str | Path) -> TlsFiles | None:
+    """``up``'s admin identity in ``run_dir`` (ConfigError when its files are missing)."""
+    from pdserve.identity import TlsFiles
+
+    return TlsFiles.load(
+        **{k.removeprefix("tls_"): v for k, v in tls_files(run_dir, ADMIN).items()}
+    )
 
 
 @dataclass
@@ -167,6 +217,21 @@ class Cluster:
         meta = f"{c.host}:{c.meta_port}"
         master = f"{c.host}:{c.master_port}"
         etcd = ",".join(c.etcd_endpoints) if c.meta_backend == "etcd" else None
+        # unique per cluster: node ids name /dev/shm segments, so two `pdserve up` on one host
+        # must not share them (and a node's certificate names its node id)
+        node_ids = [f"node-{i}-{c.master_port}" for i in range(c.storage_nodes)]
+        workers = [("prefill", i) for i in range(c.prefill_workers)]
+        workers += [("decode", i) for i in range(c.decode_workers)]
+        self._secure(
+            [
+                "meta:meta",
+                "master:kvstore-master",
+                *(f"node:{n}" for n in node_ids),
+                *(f"worker:{role}-{i}" for role, i in workers),
+                "router:router",
+                f"admin:{ADMIN}",
+            ]
+        )
         meta_args = service_args(
             "meta",
             host=c.host,
@@ -174,11 +239,17 @@ class Cluster:
             http_port=c.meta_http_port,
             backend=c.meta_backend,
             etcd_endpoints=etcd,
+            **self._tls("meta"),
         )
         self._start([("meta", meta_args)])
         state_dir = Path(c.run_dir) / "kvstore-master"
         master_args = service_args(
-            "kvstore-master", host=c.host, port=c.master_port, state_dir=state_dir, meta=meta
+            "kvstore-master",
+            host=c.host,
+            port=c.master_port,
+            state_dir=state_dir,
+            meta=meta,
+            **self._tls("kvstore-master"),
         )
         self._start([("kvstore-master", master_args)])
         nodes = [
@@ -187,19 +258,16 @@ class Cluster:
                 service_args(
                     "kvstore-node",
                     master_address=master,
-                    # unique per cluster: node ids name /dev/shm segments, so two `pdserve up`
-                    # on one host must not share them
-                    node_id=f"node-{i}-{c.master_port}",
+                    node_id=node_id,
                     segment_sizes=c.segment_size,
                     host=c.host,
                     meta=meta,
+                    **self._tls(node_id),
                 ),
             )
-            for i in range(c.storage_nodes)
+            for i, node_id in enumerate(node_ids)
         ]
         self._start(nodes)
-        workers = [("prefill", i) for i in range(c.prefill_workers)]
-        workers += [("decode", i) for i in range(c.decode_workers)]
         cores = os.cpu_count() or 1
         self._start(
             [
@@ -216,18 +284,12 @@ class Cluster:
                         instance_id=f"{role}-{i}",
                         # one engine per core: vLLM pins its OpenMP threads
                         vllm_cpu_cores=n % cores if c.engine == "vllm" else None,
+                        **self._tls(f"{role}-{i}"),
                     ),
                 )
                 for n, (role, i) in enumerate(workers)
             ]
         )
-        key_file = None
-        if c.api_key:  # a file, not a flag: flags show in `ps`
-            key_file = Path(c.run_dir) / "api_key"
-            key_file.parent.mkdir(parents=True, exist_ok=True)
-            key_file.touch(mode=0o600)
-            key_file.chmod(0o600)
-            key_file.write_text(c.api_key + "\n")
         router_args = service_args(
             "router",
             host=c.host,
@@ -237,10 +299,48 @@ class Cluster:
             store_master=master,
             model=c.model,
             chunk_size=c.chunk_size,
-            api_key_file=key_file,
+            api_key_file=self._key_file(),
+            **self._tls("router"),
         )
         (router,) = self._start([("router", router_args)])
         self._wait_for_workers(router.info["grpc"])
+
+    def _secure(self, identities: list[str]) -> None:
+        """With TLS on, (re)issues every service's certificate and ``up``'s admin one from the
+        run dir's CA (made once, then reused) and makes ``up`` dial as admin; with it off,
+        ``up`` dials plaintext (whatever PDSERVE_TLS_* says)."""
+        from pdserve import certs, identity
+
+        c = self.cfg
+        if not c.tls:
+            identity.configure_files(None)
+            return
+        # leaf certificates are cheap: made anew each start, they follow a changed --host
+        certs.make(Path(c.run_dir) / CERTS_DIR, identities, hosts=[c.host])
+        identity.configure_files(admin_tls(c.run_dir))
+
+    def _tls(self, name: str) -> dict[str, str]:
+        """The tls_* flags of the service whose certificate is ``name`` (none: TLS off)."""
+        return tls_files(self.cfg.run_dir, name) if self.cfg.tls else {}
+
+    def _key_file(self) -> Path | None:
+        """With auth on, writes the router's API key to ``<run_dir>/api_key`` (0600; a file,
+        not a flag: flags show in `ps`): api_key, else the key an earlier run left there,
+        else a new one. Sets ``cfg.api_key`` to it."""
+        c = self.cfg
+        if not c.auth:
+            return None
+        path = Path(c.run_dir) / API_KEY_FILE
+        if not c.api_key:
+            with contextlib.suppress(OSError):
+                c.api_key = path.read_text().partition("\n")[0].strip()
+            c.api_key = c.api_key or secrets.token_urlsafe(32)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # O_CREAT's mode does not apply to a file that exists
+        with os.fdopen(fd, "w") as f:
+            f.write(c.api_key + "\n")
+        return path
 
     def _wait_for_workers(self, router: str) -> None:
         """Ready means the router routes: it must see every worker ``up`` started."""
@@ -362,7 +462,8 @@ class Cluster:
         ]
         path = Path(self.cfg.run_dir) / SERVICES_FILE
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"up_pid": os.getpid(), "services": rows}, indent=2))
+        data = {"up_pid": os.getpid(), "tls": self.cfg.tls, "services": rows}
+        tmp.write_text(json.dumps(data, indent=2))
         tmp.replace(path)
 
 
@@ -375,28 +476,46 @@ def _progress(msg: str) -> None:
 
 
 def banner(cfg: UpConfig) -> str:
+    """What ``up`` prints once every service is ready (it never prints the API key)."""
     http = f"http://{cfg.host}:{cfg.http_port}"
     grpc_addr = f"{cfg.host}:{cfg.router_port}"
-    # With a key, the examples read it from $PDSERVE_API_KEY (the banner never prints it).
-    curl_key = ' -H "Authorization: Bearer $PDSERVE_API_KEY"' if cfg.api_key else ""
-    grpcurl_key = ' -H "authorization: Bearer $PDSERVE_API_KEY"' if cfg.api_key else ""
-    keyed = (
-        "  The router needs the API key: export PDSERVE_API_KEY=<the key> first.\n\n"
-        if cfg.api_key
-        else ""
-    )
+    run_dir = shlex.quote(str(cfg.run_dir))
+    key_file = shlex.quote(str(Path(cfg.run_dir) / API_KEY_FILE))
+    status = f"pdserve status --meta {cfg.host}:{cfg.meta_port} --run-dir {run_dir}"
+    if cfg.auth:
+        key = f"$(cat {key_file})"
+        auth_line = (
+            f"  API key  {key_file}   (HTTP: Authorization: Bearer <key>; gRPC metadata: "
+            "authorization: Bearer <key>)\n"
+        )
+        curl_key = f' -H "Authorization: Bearer {key}"'
+        grpcurl_key = f' -H "authorization: Bearer {key}"'
+        gen_env = f"PDSERVE_API_KEY={key} "
+    else:
+        auth_line = curl_key = grpcurl_key = gen_env = ""
+    if cfg.tls:
+        files = tls_files(cfg.run_dir, ADMIN)
+        env = " ".join(f"PDSERVE_{k.upper()}={shlex.quote(v)}" for k, v in files.items())
+        tls_lines = (
+            f"  mutual TLS between the services (certificates: {Path(cfg.run_dir) / CERTS_DIR}); "
+            "`pdserve status` below dials them as up's admin\n"
+            "  identity; other clients (e.g. pdserve health) take it from the environment:\n"
+            f"    export {env}\n"
+        )
+    else:
+        tls_lines = ""
     return f"""
 pdserve is up.
   OpenAI-compatible HTTP  {http}/v1   (health: {http}/health, metrics: {http}/metrics)
   gRPC (pdserve.v1.RouterService)  {grpc_addr}
-  meta (registry)  {cfg.host}:{cfg.meta_port}   KV store master  {cfg.host}:{cfg.master_port}
-  logs  {Path(cfg.run_dir) / "logs"}/<service>.log      status: pdserve status
+{auth_line}  meta (registry)  {cfg.host}:{cfg.meta_port}   KV store master  {cfg.host}:{cfg.master_port}
+{tls_lines}  logs  {Path(cfg.run_dir) / "logs"}/<service>.log      status: {status}
 
 Try it:
-{keyed}  curl -s {http}/v1/completions -H 'Content-Type: application/json'{curl_key} \\
+  curl -s {http}/v1/completions -H 'Content-Type: application/json'{curl_key} \\
     -d '{{"model": "{cfg.model}", "prompt": "Once upon a time", "max_tokens": 32, "temperature": 0}}'
 
-  .venv/bin/pdserve generate --router {grpc_addr} --model {cfg.model} "Once upon a time"
+  {gen_env}.venv/bin/pdserve generate --router {grpc_addr} --model {cfg.model} "Once upon a time"
 
   grpcurl -plaintext{grpcurl_key} -d '{{"model": "{cfg.model}", "prompt": "Once upon a time", "sampling": {{"max_tokens": 32, "temperature": 0}}}}' \\
     {grpc_addr} pdserve.v1.RouterService/GenerateStream

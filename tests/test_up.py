@@ -1,4 +1,5 @@
-"""`pdserve up` end to end: the printed examples return text; SIGINT leaves nothing behind."""
+"""`pdserve up` end to end: the printed examples return text; SIGINT leaves nothing behind;
+mutual TLS between the services and an API key on the router by default."""
 
 from __future__ import annotations
 
@@ -10,14 +11,18 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
+import grpc
 import pytest
 
+from pdserve import config
+from pdserve.cli import build_parser
 from pdserve.procs import free_ports
-
-pytestmark = pytest.mark.slow
+from pdserve.up import UpConfig, banner
+from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 
 def _children(pid: int) -> set[int]:
@@ -47,6 +52,7 @@ def _up(tmp_path: Path) -> tuple[subprocess.Popen, str, dict[str, int], Path]:
     return proc, banner, ports, run_dir
 
 
+@pytest.mark.slow
 def test_up_serves_the_printed_examples_and_stops_cleanly(tmp_path: Path):
     proc, banner, ports, run_dir = _up(tmp_path)
     meta, master = ports["meta"], ports["master"]
@@ -60,16 +66,17 @@ def test_up_serves_the_printed_examples_and_stops_cleanly(tmp_path: Path):
             ["bash", "-c", curl.replace("\\\n", " ")], capture_output=True, text=True, timeout=120
         ).stdout
         assert '"text_completion"' in out and '"finish_reason": "length"' in out, out
-        gen = re.search(r"(\S*pdserve generate .*)", banner).group(1)
-        gen_args = shlex.split(gen)[1:]
-        res = subprocess.run(
-            [sys.executable, "-m", "pdserve.cli", *gen_args], capture_output=True, text=True,
-            timeout=120,
-        )  # fmt: skip
+        # the generate example reads the key from the run dir into $PDSERVE_API_KEY
+        gen = re.search(r"(PDSERVE_API_KEY=.*pdserve generate .*)", banner).group(1)
+        gen = gen.replace(".venv/bin/pdserve", f"{shlex.quote(sys.executable)} -m pdserve.cli")
+        res = subprocess.run(["bash", "-c", gen], capture_output=True, text=True, timeout=120)
         assert res.returncode == 0 and res.stdout.strip(), res.stderr
         assert "[length]" in res.stderr
+        # the banner's status command (it dials the mutual-TLS services as up's admin)
+        cmd = re.search(r"status: (pdserve status .*)", banner).group(1)
+        assert f"127.0.0.1:{meta}" in cmd
         status = subprocess.run(
-            [sys.executable, "-m", "pdserve.cli", "status", "--meta", f"127.0.0.1:{meta}"],
+            [sys.executable, "-m", "pdserve.cli", *shlex.split(cmd)[1:]],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert status.returncode == 0, status.stdout + status.stderr
@@ -91,12 +98,13 @@ def _zombie(pid: int) -> bool:
         return True
 
 
-def _complete(http: int, prompt: str) -> dict:
+def _complete(http: int, prompt: str, key: str) -> dict:
     body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0})
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
     req = urllib.request.Request(
-        f"http://127.0.0.1:{http}/v1/completions",
-        data=body.encode(),
-        headers={"Content-Type": "application/json"},
+        f"http://127.0.0.1:{http}/v1/completions", data=body.encode(), headers=headers
     )
     with urllib.request.urlopen(req, timeout=60) as resp:
         return json.loads(resp.read())
@@ -107,6 +115,7 @@ def _services(run_dir: Path) -> dict[str, dict]:
     return {r["name"]: r for r in data["services"]}
 
 
+@pytest.mark.slow
 def test_up_restarts_a_killed_service_while_the_rest_keeps_serving(tmp_path: Path):
     """SIGKILL of the storage node, the store master, meta and a worker, one at a time:
     every request meanwhile completes, `up` restarts each (shown in services.json and
@@ -114,14 +123,15 @@ def test_up_restarts_a_killed_service_while_the_rest_keeps_serving(tmp_path: Pat
     restart."""
     proc, _banner, ports, run_dir = _up(tmp_path)
     http = ports["http"]
+    key = (run_dir / "api_key").read_text().strip()
     prompts = [f"shared prefix number {i % 2} " * 6 for i in range(4)]
     try:
-        want = [_complete(http, p)["choices"][0]["text"] for p in prompts]
+        want = [_complete(http, p, key)["choices"][0]["text"] for p in prompts]
         for victim in ("kvstore-node-0", "kvstore-master", "meta", "decode-0"):
             before = _services(run_dir)[victim]
             os.kill(before["pid"], signal.SIGKILL)
             # Served while it is down and while it comes back, token for token.
-            assert [_complete(http, p)["choices"][0]["text"] for p in prompts] == want
+            assert [_complete(http, p, key)["choices"][0]["text"] for p in prompts] == want
             deadline = time.monotonic() + 120
             while True:
                 now = _services(run_dir)[victim]
@@ -130,7 +140,7 @@ def test_up_restarts_a_killed_service_while_the_rest_keeps_serving(tmp_path: Pat
                 assert time.monotonic() < deadline, f"{victim} was not restarted: {now}"
                 time.sleep(0.5)
             assert now["last_exit"] == -signal.SIGKILL and now["pid"] != before["pid"]
-            assert [_complete(http, p)["choices"][0]["text"] for p in prompts] == want
+            assert [_complete(http, p, key)["choices"][0]["text"] for p in prompts] == want
         status = subprocess.run(
             [sys.executable, "-m", "pdserve.cli", "status", "--meta", f"127.0.0.1:{ports['meta']}",
              "--run-dir", str(run_dir)],
@@ -141,7 +151,7 @@ def test_up_restarts_a_killed_service_while_the_rest_keeps_serving(tmp_path: Pat
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics", timeout=10).read()
         hits = re.search(rb'pdserve_router_prompt_tokens_total\{source="store"\} (\S+)', metrics)
         before_last = float(hits.group(1))
-        _complete(http, prompts[0])
+        _complete(http, prompts[0], key)
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics", timeout=10).read()
         hits = re.search(rb'pdserve_router_prompt_tokens_total\{source="store"\} (\S+)', metrics)
         assert float(hits.group(1)) > before_last
@@ -149,3 +159,62 @@ def test_up_restarts_a_killed_service_while_the_rest_keeps_serving(tmp_path: Pat
         proc.send_signal(signal.SIGINT)
         proc.wait(60)
     assert not (run_dir / "services.json").exists()
+
+
+@pytest.mark.slow
+def test_up_is_secure_by_default(tmp_path: Path):
+    """Defaults: the router wants the key in <run_dir>/api_key (401 without it), the internal
+    services take mutual TLS only (a plaintext client of the master is turned away), and
+    `pdserve status --run-dir` dials them with up's admin certificate."""
+    proc, _banner, ports, run_dir = _up(tmp_path)
+    try:
+        key_file = run_dir / "api_key"
+        assert key_file.stat().st_mode & 0o777 == 0o600
+        key = key_file.read_text().strip()
+        assert len(key) >= 32
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            _complete(ports["http"], "Once upon a time", "")
+        assert refused.value.code == 401
+        with pytest.raises(urllib.error.HTTPError) as wrong:
+            _complete(ports["http"], "Once upon a time", key + "x")
+        assert wrong.value.code == 401
+        done = _complete(ports["http"], "Once upon a time", key)
+        assert done["choices"][0]["finish_reason"] == "length"
+
+        with (
+            grpc.insecure_channel(f"127.0.0.1:{ports['master']}") as ch,
+            pytest.raises(grpc.RpcError) as plain,
+        ):
+            kvstore_pb2_grpc.KVMasterServiceStub(ch).Stats(kvstore_pb2.StatsRequest(), timeout=10)
+        assert plain.value.code() == grpc.StatusCode.UNAVAILABLE
+        status = subprocess.run(
+            [sys.executable, "-m", "pdserve.cli", "status", "--meta",
+             f"127.0.0.1:{ports['meta']}", "--run-dir", str(run_dir)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert status.returncode == 0, status.stdout + status.stderr
+        assert "kvstore-master" in status.stdout and " NO " not in status.stdout
+        # without the run dir (and without PDSERVE_TLS_*) it cannot reach meta, and says why
+        bare = subprocess.run(
+            [sys.executable, "-m", "pdserve.cli", "status", "--meta",
+             f"127.0.0.1:{ports['meta']}", "--run-dir", str(tmp_path / "elsewhere")],
+            capture_output=True, text=True, timeout=60,
+            env={k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_TLS_")},
+        )  # fmt: skip
+        assert bare.returncode == 1 and "PDSERVE_TLS_CA" in bare.stderr, bare.stderr
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+
+
+def test_tls_and_auth_turn_off_with_flags(tmp_path: Path):
+    args = build_parser().parse_args(["up", "--no-tls", "--no-auth", "--run-dir", str(tmp_path)])
+    cfg = config.from_args(UpConfig, "up", args)
+    assert (cfg.tls, cfg.auth) == (False, False)
+    text = banner(cfg)
+    assert "Authorization" not in text and "PDSERVE_TLS" not in text
+    on = banner(UpConfig(run_dir=str(tmp_path)))
+    assert f'-H "Authorization: Bearer $(cat {tmp_path}/api_key)"' in on
+    assert f"PDSERVE_TLS_CERT={tmp_path}/certs/admin.crt" in on
+    with pytest.raises(config.ConfigError, match="auth is off"):
+        config.load(UpConfig, "up", env={"PDSERVE_UP_API_KEY": "k", "PDSERVE_UP_AUTH": "false"})

@@ -8,9 +8,10 @@ end-to-end latency, throughput and goodput with vLLM's definitions (see
 :mod:`pdserve.bench.serve_metrics`). Against pdserve it also reports the router's prompt
 tokens by source and mean time per request phase from its ``/metrics``.
 
-Systems: ``--target URL`` (a running ``pdserve up``, or any OpenAI-compatible server), or
-``--start-pdserve "ARGS"`` (the benchmark starts ``pdserve up ARGS`` on free ports and stops
-it). ``--compare colocated`` then runs the same workload against two plain ``vllm serve``
+Systems: ``--target URL`` (a running ``pdserve up``, or any OpenAI-compatible server; its API
+key from ``$PDSERVE_API_KEY`` or ``--api-key``), or ``--start-pdserve "ARGS"`` (the benchmark
+starts ``pdserve up ARGS`` on free ports, sends the key that ``up`` writes to its run dir, and
+stops it). ``--compare colocated`` then runs the same workload against two plain ``vllm serve``
 engines, one per core, behind a round-robin proxy, and prints both side by side.
 
 ``pdserve bench serve gen-trace --out FILE`` writes a conversation-like Mooncake trace for
@@ -94,6 +95,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--target",
         default=DEFAULT_TARGET,
         help=f"OpenAI-compatible base URL of the system under test, e.g. a running 'pdserve up' {d}",
+    )
+    sysg.add_argument(
+        "--api-key",
+        default="",
+        help="the target's API key, sent as 'Authorization: Bearer KEY' (default: "
+        "$PDSERVE_API_KEY, which unlike a flag does not show in ps; --start-pdserve reads the "
+        "key from its run dir)",
     )
     sysg.add_argument("--model", default="smollm2", help=f"model name sent in requests {d}")
     sysg.add_argument(
@@ -395,34 +403,41 @@ def build_workload(args: argparse.Namespace) -> tuple[Request, ...]:
 # --- HTTP helpers (blocking, stdlib) -----------------------------------------------------------
 
 
-def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
-    """``(status, body)`` of a GET; raises OSError when nothing answers."""
+def auth_headers(key: str) -> dict[str, str]:
+    """The HTTP headers that present API key ``key`` (none when it is empty)."""
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def http_get(url: str, timeout: float = 5.0, key: str = "") -> tuple[int, str]:
+    """``(status, body)`` of a GET (with API key ``key``); raises OSError when nothing answers."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        req = urllib.request.Request(url, headers=auth_headers(key))
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, resp.read().decode(errors="replace")
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode(errors="replace")
 
 
-def served_models(base: str) -> list[str]:
-    """Model ids of ``GET base/v1/models``.
+def served_models(base: str, key: str = "") -> list[str]:
+    """Model ids of ``GET base/v1/models`` (with API key ``key``).
 
     Raises:
         BenchError: (exit 2) nothing answers, or not with a model list.
     """
     url = f"{base.rstrip('/')}/v1/models"
     try:
-        status, body = http_get(url)
+        status, body = http_get(url, key=key)
         if status != 200:
-            raise BenchError(f"{url} answered HTTP {status}: {body[:300]}", EXIT_UNREACHABLE)
+            hint = " (set PDSERVE_API_KEY or pass --api-key)" if status == 401 else ""
+            raise BenchError(f"{url} answered HTTP {status}{hint}: {body[:300]}", EXIT_UNREACHABLE)
         return [m["id"] for m in json.loads(body)["data"]]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BenchError(f"cannot reach {url}: {exc}", EXIT_UNREACHABLE) from None
 
 
-def check_target(base: str, model: str) -> None:
+def check_target(base: str, model: str, key: str = "") -> None:
     """Raises BenchError (exit 2) unless ``base`` answers and serves ``model``."""
-    models = served_models(base)
+    models = served_models(base, key)
     if model not in models:
         raise BenchError(
             f"{base} does not serve model {model!r} (it serves {models}); pass --model",
@@ -430,12 +445,12 @@ def check_target(base: str, model: str) -> None:
         )
 
 
-def scrape(base: str) -> dict | None:
+def scrape(base: str, key: str = "") -> dict | None:
     """The samples of ``base/metrics``, or None when it has none."""
     from pdserve.bench.serve_metrics import parse_prometheus
 
     try:
-        status, body = http_get(f"{base.rstrip('/')}/metrics")
+        status, body = http_get(f"{base.rstrip('/')}/metrics", key=key)
         return parse_prometheus(body) if status == 200 else None
     except (OSError, ValueError):
         return None
@@ -461,11 +476,24 @@ def spawn(
     return ServiceProcess(name, popen, log)
 
 
+def read_key(path: Path) -> str:
+    """The API key in ``path`` (its first line; "" when there is none yet)."""
+    try:
+        return path.read_text().partition("\n")[0].strip()
+    except OSError:
+        return ""
+
+
 def wait_http_ready(
-    proc: ServiceProcess, base: str, model: str, timeout: float, marker: str | None = None
+    proc: ServiceProcess,
+    base: str,
+    model: str,
+    timeout: float,
+    marker: str | None = None,
+    key_file: Path | None = None,
 ) -> None:
-    """Waits until ``base/health`` is 200 and ``base/v1/models`` lists ``model`` (and, if
-    given, ``marker`` appears in the log).
+    """Waits until ``base/health`` is 200 and ``base/v1/models`` lists ``model`` (asked with
+    the key in ``key_file`` once it is there) and, if given, ``marker`` appears in the log.
 
     Raises:
         BenchError: the process exited or the time ran out (with the log's tail).
@@ -479,7 +507,8 @@ def wait_http_ready(
             )
         # HTTPException: something else answers on the port (a port race): not ready yet
         with contextlib.suppress(OSError, BenchError, http.client.HTTPException):
-            ready = http_get(f"{base}/health", 2.0)[0] == 200 and model in served_models(base)
+            key = read_key(key_file) if key_file else ""
+            ready = http_get(f"{base}/health", 2.0)[0] == 200 and model in served_models(base, key)
             if ready and (marker is None or marker in proc.log_path.read_text(errors="replace")):
                 return
         if time.monotonic() > deadline:
@@ -525,16 +554,23 @@ def pdserve_up_argv(args_text: str, model: str, run_dir: Path) -> tuple[list[str
 
 
 @contextlib.contextmanager
-def started_pdserve(args_text: str, model: str, work: Path, timeout: float) -> Iterator[str]:
-    """Runs ``pdserve up`` for the duration of the block; yields its HTTP base URL."""
-    argv, base = pdserve_up_argv(args_text, model, work / "pdserve-run")
+def started_pdserve(
+    args_text: str, model: str, work: Path, timeout: float
+) -> Iterator[tuple[str, str]]:
+    """Runs ``pdserve up`` for the duration of the block; yields its HTTP base URL and its
+    API key ("" when ARGS turn auth off)."""
+    from pdserve.up import API_KEY_FILE
+
+    run_dir = work / "pdserve-run"
+    argv, base = pdserve_up_argv(args_text, model, run_dir)
     _say(f"starting: {shlex.join(argv[1:])}")
     t0 = time.monotonic()
     proc = spawn("pdserve up", argv, work / "pdserve-up.log")
+    key_file = run_dir / API_KEY_FILE
     try:
-        wait_http_ready(proc, base, model, timeout, marker="pdserve is up.")
+        wait_http_ready(proc, base, model, timeout, marker="pdserve is up.", key_file=key_file)
         _say(f"pdserve up ready in {time.monotonic() - t0:.1f}s at {base}")
-        yield base
+        yield base, read_key(key_file)
     finally:
         _say("stopping pdserve up")
         t1 = time.monotonic()
@@ -773,8 +809,10 @@ async def _run_async(
     args: argparse.Namespace,
     label: str,
     before_measuring: Callable[[], None],
+    key: str = "",
 ) -> list[RequestRecord]:
-    """Warm-up requests, then ``before_measuring()``, then the measured workload."""
+    """Warm-up requests, then ``before_measuring()``, then the measured workload (every
+    request with API key ``key``)."""
     import aiohttp
     from tqdm import tqdm
 
@@ -782,7 +820,8 @@ async def _run_async(
 
     timeout = aiohttp.ClientTimeout(total=args.request_timeout)
     connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    session = aiohttp.ClientSession(timeout=timeout, connector=connector, headers=auth_headers(key))
+    async with session:
         if args.warmup > 0 and requests:
             import numpy as np
 
@@ -830,21 +869,23 @@ def bench_system(
     args: argparse.Namespace,
     slos: dict[str, float],
     router_metrics: bool,
+    key: str = "",
 ) -> SystemResult:
-    """Runs the workload against ``base`` and computes its numbers (exit 2 if unreachable)."""
+    """Runs the workload against ``base`` (with API key ``key``) and computes its numbers
+    (exit 2 if unreachable)."""
     from pdserve.bench.serve_metrics import compute_metrics, router_figures
 
-    check_target(base, args.model)
+    check_target(base, args.model, key)
     scraped: dict[str, Any] = {}
 
     def before_measuring() -> None:
-        scraped["before"] = scrape(base) if router_metrics else None
+        scraped["before"] = scrape(base, key) if router_metrics else None
         scraped["t0"] = time.monotonic()
 
-    records = asyncio.run(_run_async(base, args.model, requests, args, name, before_measuring))
+    records = asyncio.run(_run_async(base, args.model, requests, args, name, before_measuring, key))
     _say(f"{name}: {len(records)} requests in {time.monotonic() - scraped['t0']:.1f}s")
     before = scraped["before"]
-    after = scrape(base) if before is not None else None
+    after = scrape(base, key) if before is not None else None
     router = router_figures(before, after) if before is not None and after is not None else None
     if router is not None and not (router.prompt_tokens or router.phase_count):
         router = None
@@ -1036,10 +1077,12 @@ def run(args: argparse.Namespace) -> list[SystemResult]:
     starts = args.start_pdserve is not None or args.compare == "colocated"
     with logs_dir(args.keep_logs) if starts else contextlib.nullcontext(Path()) as work:
         if args.start_pdserve is not None:
-            with started_pdserve(args.start_pdserve, args.model, work, args.start_timeout) as base:
-                results.append(bench_system(args.label, base, requests, args, slos, True))
+            started = started_pdserve(args.start_pdserve, args.model, work, args.start_timeout)
+            with started as (base, key):
+                results.append(bench_system(args.label, base, requests, args, slos, True, key))
         else:
-            results.append(bench_system(args.label, args.target, requests, args, slos, True))
+            key = args.api_key or os.environ.get("PDSERVE_API_KEY", "")
+            results.append(bench_system(args.label, args.target, requests, args, slos, True, key))
         print(format_result(results[-1]), flush=True)
         if args.compare == "colocated":
             with started_colocated(args, work) as base:

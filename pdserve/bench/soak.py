@@ -87,7 +87,7 @@ class Soak(BenchCluster):
         self.start()
         words = "soak test prompt with shared prefixes and fresh tails for the store"
         base = prompts(2, 24, words)
-        load = Load(self.cfg.http_port, self.cfg.model, base, self.args.timeout_s)
+        load = Load(self.cfg.http_port, self.cfg.model, base, self.args.timeout_s, self.key)
         load.fresh_every = 4
         stop = threading.Event()
         counts = {"store_ops": 0, "store_bad": 0}

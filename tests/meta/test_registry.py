@@ -238,7 +238,9 @@ def run_with(body, backend=None, **limits) -> None:
 def test_only_the_matching_identity_role_registers(role: int, allowed) -> None:
     async def body(reg: Registry) -> None:
         for k, caller in enumerate([W1, NODE, ROUTER, MASTER, ADMIN, Identity("meta", "m")]):
-            call = reg.register(inst(f"i{k}", role), 1000, caller)
+            # a node registers under its own name (its node id)
+            iid = caller.name if caller == NODE else f"i{k}"
+            call = reg.register(inst(iid, role), 1000, caller)
             if caller in allowed:
                 await call
             else:

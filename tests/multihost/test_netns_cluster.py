@@ -10,12 +10,18 @@ single-process Hugging Face greedy run (and that a shared prefix is loaded from 
 KV crossed hosts), then cuts node-0 off the network and checks that requests still complete
 token-exactly, reads falling over to node-1's replica, and that the master declares node-0
 dead. Teardown stops every process by pid and leaves no namespace and no shared memory.
+
+Every service binds a non-loopback address, so each runs as it must across hosts: mutual TLS
+with its own certificate (``pdserve certs``' code, the lab's addresses as SANs; the test process
+dials as ``admin``), and the router with an API key.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import secrets
+import ssl
 import subprocess
 import threading
 import time
@@ -25,13 +31,16 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import openai
 import pytest
 from netns import Lab, can_create_namespaces
 from transformers import AutoTokenizer
 
-from pdserve import grpcutil
-from pdserve.procs import ServiceProcess, service_args, spawn_service, wait_ready
+from pdserve import certs, grpcutil, identity
+from pdserve.auth import bearer
+from pdserve.identity import TlsFiles
+from pdserve.procs import ServiceProcess, flag_args, service_args, spawn_service, wait_ready
 from pdserve.v1 import (
     common_pb2,
     kvstore_pb2,
@@ -82,8 +91,11 @@ class NetCluster:
         self.procs: dict[str, ServiceProcess] = {}
         self.shm_names: list[str] = []
         self.closed = False
+        self.key = secrets.token_urlsafe(24)
+        self._prior_tls = identity.tls()
         try:
             self.addr = {h: self.lab.add_host(h) for h in HOSTS}
+            self._certify()
             self._start()
         except BaseException:
             self.close()
@@ -92,10 +104,36 @@ class NetCluster:
     def node_id(self, host: str) -> str:
         return f"mh{self.run_id}-{host}"  # unique: segment files are named after it
 
+    def _certify(self) -> None:
+        """A certificate per host's service (a node's names its node id, a worker's its
+        instance id) valid for every lab address, an admin one that this process dials with,
+        and the router's API key in a 0600 file."""
+        self.certs = self.log_dir / "certs"
+        self.cert_of = {
+            "meta": "meta:meta",
+            "kvstore-master": "master:kvstore-master",
+            **{h: f"node:{self.node_id(h)}" for h in ("node-0", "node-1")},
+            **{r: f"worker:{r}-{self.run_id}" for r in ("prefill", "decode")},
+            "router": "router:router",
+        }
+        certs.make(self.certs, [*self.cert_of.values(), "admin:admin"], hosts=[*self.addr.values()])
+        self.ca = str(self.certs / "ca.crt")
+        admin = [self.ca, str(self.certs / "admin.crt"), str(self.certs / "admin.key")]
+        identity.configure_files(TlsFiles.load(*admin))
+        self.key_file = self.log_dir / "api_key"
+        self.key_file.touch(mode=0o600)
+        self.key_file.write_text(self.key + "\n")
+
     def _spawn(self, host: str, args: list[str]) -> ServiceProcess:
+        name = self.cert_of[host].partition(":")[2]
+        tls = flag_args(
+            tls_ca=self.ca,
+            tls_cert=self.certs / f"{name}.crt",
+            tls_key=self.certs / f"{name}.key",
+        )
         proc = spawn_service(
             host,
-            [*args, "--host", self.addr[host]],
+            [*args, "--host", self.addr[host], *tls],
             self.log_dir,
             env={"PDSERVE_HOST_ID": f"host-{self.run_id}-{host}"},
             prefix=self.lab.prefix(host),
@@ -117,6 +155,7 @@ class NetCluster:
             "kvstore-master",
             port=0,
             meta=self.meta,
+            state_dir=self.log_dir / "master-state",
             heartbeat_interval_ms=900,
             heartbeat_miss_limit=3,
         )
@@ -168,16 +207,19 @@ class NetCluster:
                     meta=self.meta,
                     store_master=self.master,
                     local_prefill_threshold=0,
+                    api_key_file=self.key_file,
                 )
             }
         )
         self.grpc = self.procs["router"].info["grpc"]
         self.http = self.procs["router"].info["http"]
-        with grpcutil.sync_channel(self.grpc) as ch:
+        with grpcutil.sync_channel(self.grpc, public=True) as ch:
             stub = router_pb2_grpc.RouterServiceStub(ch)
             deadline = time.monotonic() + 60
             while True:
-                models = stub.ListModels(router_pb2.ListModelsRequest(), timeout=5).models
+                models = stub.ListModels(
+                    router_pb2.ListModelsRequest(), timeout=5, metadata=bearer(self.key)
+                ).models
                 if models and models[0].prefill_workers == 1 and models[0].decode_workers == 1:
                     break
                 if time.monotonic() > deadline:
@@ -208,6 +250,7 @@ class NetCluster:
                 path.unlink(missing_ok=True)
         ours = set(self.namespaces())
         self.lab.destroy()
+        identity.configure_files(self._prior_tls)
         listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         left["netns"] = [ln.split()[0] for ln in listed.splitlines() if ln.split()[0] in ours]
         return left
@@ -228,9 +271,10 @@ def tok(tiny_model_dir: Path):
 
 
 def stream(c: NetCluster, **kw) -> list[router_pb2.GenerateStreamResponse]:
-    with grpcutil.sync_channel(c.grpc) as ch:
+    with grpcutil.sync_channel(c.grpc, public=True) as ch:
         stub = router_pb2_grpc.RouterServiceStub(ch)
-        return list(stub.GenerateStream(router_pb2.GenerateRequest(**kw), timeout=180))
+        req = router_pb2.GenerateRequest(**kw)
+        return list(stub.GenerateStream(req, timeout=180, metadata=bearer(c.key)))
 
 
 def generate(c: NetCluster, prompt: list[int], n: int) -> tuple[list[int], int]:
@@ -281,10 +325,11 @@ def metric(proc: ServiceProcess, name: str) -> float:
     )
 
 
-def http_status(url: str) -> int | str:
-    """The HTTP status of a GET, or why no answer came (refused, timed out)."""
+def http_status(url: str, ca: str | None = None) -> int | str:
+    """The HTTP status of a GET (HTTPS checked against ``ca``), or why no answer came."""
+    ctx = ssl.create_default_context(cafile=ca) if ca else None
     try:
-        return urllib.request.urlopen(url, timeout=10).status
+        return urllib.request.urlopen(url, timeout=10, context=ctx).status
     except urllib.error.HTTPError as exc:
         return exc.code
     except urllib.error.URLError as exc:
@@ -312,8 +357,9 @@ def test_every_service_binds_and_advertises_its_own_host(cluster):
     for role, hosts in host_of_role.items():
         got = sorted(i.address.rsplit(":", 1)[0] for i in by_role.get(role, []))
         assert got == sorted(c.addr[h] for h in hosts), (role, list(insts))
+        public = role == common_pb2.ROLE_ROUTER  # the router's gRPC port is its public API
         for inst in by_role[role]:  # and every advertised address answers from another host
-            assert asyncio.run(grpcutil.check_health(inst.address, timeout=10)), inst
+            assert asyncio.run(grpcutil.check_health(inst.address, 10, public=public)), inst
             for key, value in inst.labels.items():
                 if key in ("metrics", "http", "tcp"):
                     assert value.rsplit(":", 1)[0] == inst.address.rsplit(":", 1)[0], (key, inst)
@@ -333,9 +379,14 @@ def test_every_service_binds_and_advertises_its_own_host(cluster):
 
     # HTTP endpoints, reached from the root namespace over the bridge
     meta_http = c.procs["meta"].info["http"]
-    assert meta_http.startswith(f"http://{c.addr['meta']}:")
-    assert http_status(f"{meta_http}?key=no-such-key-{c.run_id}") == 404
+    assert meta_http.startswith(f"https://{c.addr['meta']}:")  # meta's certificate
+    assert http_status(f"{meta_http}?key=no-such-key-{c.run_id}", c.ca) == 404
     assert http_status(f"{c.http}/health") == 200
+    assert http_status(f"{c.http}/v1/models") == 401  # the API takes the key
+    # and the internal services take mutual TLS only
+    with grpc.insecure_channel(c.master) as ch, pytest.raises(grpc.RpcError) as plain:
+        kvstore_pb2_grpc.KVMasterServiceStub(ch).Stats(kvstore_pb2.StatsRequest(), timeout=5)
+    assert plain.value.code() == grpc.StatusCode.UNAVAILABLE
     assert c.http.startswith(f"http://{c.addr['router']}:")
     metrics = {
         "meta": c.procs["meta"].info["metrics"],
@@ -381,7 +432,7 @@ def test_generation_across_hosts_is_token_exact_and_reuses_kv(
 
     # the OpenAI HTTP API of the router, reached over the bridge
     text = f"{salt} Once upon a time, on a host far away,"
-    client = openai.OpenAI(base_url=f"{c.http}/v1", api_key="none")
+    client = openai.OpenAI(base_url=f"{c.http}/v1", api_key=c.key)
     resp = client.completions.create(model="tiny", prompt=text, max_tokens=12, temperature=0)
     want = hf_greedy(tok.encode(text), 12)
     assert resp.choices[0].text == tok.decode(want, skip_special_tokens=True)

@@ -100,5 +100,6 @@ def test_up_banner_sends_the_key_without_printing_it():
 
     text = banner(UpConfig(api_key=KEY))
     assert KEY not in text
-    assert 'Authorization: Bearer $PDSERVE_API_KEY"' in text and "export PDSERVE_API_KEY" in text
-    assert "PDSERVE_API_KEY" not in banner(UpConfig())
+    assert 'Authorization: Bearer $(cat .pdserve/run/api_key)"' in text
+    assert "PDSERVE_API_KEY=$(cat .pdserve/run/api_key) " in text
+    assert "Authorization" not in banner(UpConfig(auth=False))
