@@ -243,12 +243,13 @@ def local_store(
     segment_size: str | int = "256MiB",
     transports: str = "shm,tcp",
     node_id: str | None = None,
-    **master_flags: object,
+    master_flags: dict[str, object] | None = None,
+    node_flags: dict[str, object] | None = None,
 ) -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
     """A KV store on this host for benchmarks and tests: a master (``master_flags`` as
-    :func:`start_master`) and one node process (``(master, node)``), both stopped by pid on
-    exit and the node's shm files removed."""
-    master = start_master(log_dir, **master_flags)
+    :func:`start_master`) and one node process (``node_flags`` as :func:`start_node`),
+    ``(master, node)``, both stopped by pid on exit and the node's shm files removed."""
+    master = start_master(log_dir, **(master_flags or {}))
     node = None
     try:
         node = start_node(
@@ -257,6 +258,7 @@ def local_store(
             node_id=node_id or f"local-{uuid.uuid4().hex[:8]}",
             segment_sizes=segment_size,
             transports=transports,
+            **(node_flags or {}),
         )
         yield master, node
     finally:

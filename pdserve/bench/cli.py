@@ -187,6 +187,12 @@ def _kvstore_arguments(p: argparse.ArgumentParser) -> None:
         help="also measure tcp against a second store whose master runs with data_tokens off "
         "(pdserve/tcp-notok): what the per-range data-plane grants cost",
     )
+    p.add_argument(
+        "--tls-compare",
+        action="store_true",
+        help="also measure tcp against a store with mutual TLS on the master's gRPC port and "
+        "control wire (pdserve/tcp-tls), as `pdserve up` runs by default",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     p.add_argument("--plot", metavar="PNG", help="also draw get GB/s per size per system to PNG")
     p.add_argument("--log-dir", metavar="DIR", help="service logs (default: a temporary directory)")

@@ -1402,7 +1402,7 @@ def surfaces_for(names: list[str], stack: contextlib.ExitStack, log_dir: Path) -
     made: dict[str, Surface] = {}
     if set(names) - {"meta"}:
         master, node = stack.enter_context(
-            local_store(log_dir, segment_size="4MiB", **STORE_MASTER_FLAGS)
+            local_store(log_dir, segment_size="4MiB", master_flags=STORE_MASTER_FLAGS)
         )
         store = StoreTarget.of(master.info, node.info)
         made.update(master=Master(store), wire=Wire(store), tcp=TcpPort(store))

@@ -20,7 +20,10 @@ transport here works against; machine noise can put a run of it below pdserve's)
 buffers against ``mooncake_master`` and a storage process) when Mooncake is installed,
 ``longest_prefix`` over 64 keys, and the control path alone: one master round trip over gRPC
 and over the control wire. ``--tokens-compare`` adds pdserve's tcp against a second store whose
-master runs with ``data_tokens`` off (``pdserve/tcp-notok``): what the per-range grant costs.
+master runs with ``data_tokens`` off (``pdserve/tcp-notok``): what the per-range grant costs;
+``--tls-compare`` adds it against a store with mutual TLS on the master's gRPC port and control
+wire (``pdserve/tcp-tls``, certificates made for the run, this process a worker identity): what
+``pdserve up``'s secure default costs. The tcp data port itself is never encrypted.
 """
 
 from __future__ import annotations
@@ -495,6 +498,13 @@ def ratios(rows: list[Row]) -> list[str]:
                 f"(p50 {r.get_p50_us:.0f} vs {mc.get_p50_us:.0f} us), "
                 f"put {r.put_gbps / mc.put_gbps:.2f}x"
             )
+        tls = by.get(("pdserve/tcp-tls", r.size, r.mode))
+        if r.system == "pdserve/tcp" and tls is not None:
+            lines.append(
+                f"tcp with / without mutual TLS on the control path at {where}: get "
+                f"{tls.get_gbps:.2f} vs {r.get_gbps:.2f} GB/s (p50 {tls.get_p50_us:.0f} vs "
+                f"{r.get_p50_us:.0f} us), put p50 {tls.put_p50_us:.0f} vs {r.put_p50_us:.0f} us"
+            )
         notok = by.get(("pdserve/tcp-notok", r.size, r.mode))
         if r.system == "pdserve/tcp" and notok is not None:
             lines.append(
@@ -580,11 +590,19 @@ def run(args: argparse.Namespace) -> int:
     if args.tokens_compare and "tcp" in transports:
         _progress("pdserve tcp again, its master with data tokens off")
         with local_store(
-            log_dir / "no-tokens", segment_size=segment, transports="tcp", data_tokens=False
+            log_dir / "no-tokens",
+            segment_size=segment,
+            transports="tcp",
+            master_flags={"data_tokens": False},
         ) as (master, _node):
             rows += bench_pdserve(
                 master.info["grpc"], "tcp", sizes, args.iterations, args.batch, suffix="-notok"
             )
+    if args.tls_compare and "tcp" in transports:
+        _progress("pdserve tcp again, mutual TLS on the master and its control wire")
+        rows_tls, control_tls = _bench_tls(log_dir / "tls", segment, sizes, args)
+        rows += rows_tls
+        control |= {f"{path} + mutual TLS": c for path, c in control_tls.items()}
     if have_mc and not args.no_mooncake_store:
         # Mooncake evicts above 90 % use and frees removed objects lazily: give it room for
         # every object of the run (and at least 64 MiB: its setup fails on tiny segments).
@@ -607,6 +625,39 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         print(f"plot: {plot(rows, Path(args.plot))}")
     return 0
+
+
+def _bench_tls(
+    log_dir: Path, segment: int, sizes: list[int], args: argparse.Namespace
+) -> tuple[list[Row], dict[str, float]]:
+    """pdserve tcp (and one control round trip) against a store whose master and node run
+    with mutual TLS, this process presenting a worker certificate."""
+    from pdserve import certs, identity
+    from pdserve.procs import local_store
+
+    d = log_dir / "certs"
+    certs.make(d, ["master:bench-master", "node:bench-node", "worker:bench"])
+
+    def tls(name: str) -> dict[str, object]:
+        return {"tls_ca": d / "ca.crt", "tls_cert": d / f"{name}.crt", "tls_key": d / f"{name}.key"}
+
+    identity.configure_files(identity.TlsFiles.load(*(str(v) for v in tls("bench").values())))
+    try:
+        with local_store(
+            log_dir,
+            segment_size=segment,
+            transports="tcp",
+            node_id="bench-node",
+            node_flags=tls("bench-node"),
+            master_flags=tls("bench-master"),
+        ) as (master, _node):
+            rows = bench_pdserve(
+                master.info["grpc"], "tcp", sizes, args.iterations, args.batch, suffix="-tls"
+            )
+            control = bench_control(master.info["grpc"])
+    finally:
+        identity.configure_files(None)
+    return rows, control
 
 
 def _bytes_per_size(size: int, args: argparse.Namespace) -> int:

@@ -30,6 +30,7 @@ def test_bench_kvstore_small_run(tmp_path: Path) -> None:
             "shm,tcp",
             "--no-mooncake-store",
             "--tokens-compare",
+            "--tls-compare",
             "--json",
             str(out_json),
             "--log-dir",
@@ -49,10 +50,12 @@ def test_bench_kvstore_small_run(tmp_path: Path) -> None:
     assert {("tcp-plain", 4096, 1), ("tcp-plain", 65536, 1)} <= systems
     assert {("pdserve/tcp-notok", 4096, 1), ("pdserve/tcp-notok", 4096, 4)} <= systems
     assert "tcp with / without data tokens at 4 KiB single" in proc.stdout
+    assert ("pdserve/tcp-tls", 65536, 1) in systems
+    assert "tcp with / without mutual TLS on the control path at 64 KiB single" in proc.stdout
     for r in data["rows"]:
         assert r["iterations"] == 3 and r["put_gbps"] > 0 and r["get_gbps"] > 0
         assert 0 < r["get_p50_us"] <= r["get_p99_us"]
         assert r["mode"] == ("single" if r["batch"] == 1 else "batch")
     assert data["longest_prefix"]["pdserve"]["keys"] == 64
-    assert set(data["control"]) == {"grpc", "wire"}
+    assert set(data["control"]) == {"grpc", "wire", "grpc + mutual TLS", "wire + mutual TLS"}
     assert all(c["lookup_p50_us"] > 0 for c in data["control"].values())

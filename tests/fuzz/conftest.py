@@ -30,7 +30,7 @@ def fuzz_cases() -> int:
 def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[fuzz.StoreTarget]:
     log_dir = tmp_path_factory.mktemp("fuzz-store")
     with procs.local_store(
-        log_dir, segment_size="1MiB", transports="tcp", **fuzz.STORE_MASTER_FLAGS
+        log_dir, segment_size="1MiB", transports="tcp", master_flags=fuzz.STORE_MASTER_FLAGS
     ) as (master, node):
         yield fuzz.StoreTarget.of(master.info, node.info)
 
