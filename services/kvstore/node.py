@@ -40,7 +40,7 @@ def _make_server(name: str, cfg: NodeConfig) -> TransportServer:
     if name == "tcp":
         from pdserve.store.transports.tcp import TcpServer
 
-        return TcpServer(cfg.host, cfg.tcp_port, cfg.grant_clock_skew_ms)
+        return TcpServer(cfg.host, cfg.tcp_port, cfg.grant_clock_skew_ms, cfg.idle_timeout_s)
     from pdserve.store.transports.mooncake import MooncakeServer
 
     return MooncakeServer(cfg.host)

@@ -37,6 +37,11 @@ class NodeConfig(SecurityConfig):
     )
     host: str = help_field("127.0.0.1", "address the data servers and the gRPC server bind to")
     tcp_port: int = help_field(0, "port of the tcp data server (0 = any free port)")
+    idle_timeout_s: float = help_field(
+        120.0,
+        "the tcp data server closes a connection whose receive or send waits this long (s): "
+        "idle pooled connections and peers stalled mid-request; clients reconnect",
+    )
     grant_clock_skew_ms: int = help_field(
         2000,
         "the tcp data server accepts a grant this long past its expiry (ms): expiries are the "
@@ -56,6 +61,8 @@ class NodeConfig(SecurityConfig):
             raise ConfigError(f"master_address must be host:port, got {self.master_address!r}")
         if not self.node_id:
             self.node_id = f"{socket.gethostname()}-{os.getpid()}"
+        if self.idle_timeout_s <= 0:
+            raise ConfigError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s}")
         if self.grant_clock_skew_ms < 0:
             raise ConfigError(f"grant_clock_skew_ms must be >= 0, got {self.grant_clock_skew_ms}")
         if not self.segment_sizes:

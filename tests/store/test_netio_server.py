@@ -112,3 +112,24 @@ def test_a_connection_that_goes_quiet_is_closed_after_the_idle_timeout() -> None
         assert _talks(server.port)  # new connections are still served
     finally:
         server.close()
+
+
+def test_the_store_client_reconnects_when_the_node_closed_an_idle_connection(cluster_factory):
+    """A node closes pooled connections idle past its idle timeout; the client's next request
+    on one goes out again on a fresh connection: served, no replica failover, no miss."""
+    from pdserve.store.client import READ_FAILOVERS, StoreClient
+
+    c = cluster_factory()
+    c.add_node(transports="tcp", segment_sizes="8MiB", idle_timeout_s=0.3)
+    failovers = READ_FAILOVERS.labels("tcp")
+    with StoreClient(c.address, transport="tcp") as client:
+        data = bytes(range(256)) * 1024
+        assert client.put("idle", data)
+        assert client.get("idle") == data
+        before = failovers._value.get()
+        time.sleep(1.0)  # every pooled connection is closed by the node now
+        for i in range(3):
+            assert client.get("idle") == data
+            assert client.put(f"idle-{i}", data)
+            time.sleep(0.5)
+        assert failovers._value.get() == before

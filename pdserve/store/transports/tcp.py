@@ -56,6 +56,7 @@ import blake3
 
 from pdserve.store import grants
 from pdserve.store.netio import (
+    IDLE_TIMEOUT_S,
     IO_SLICE,
     IOV,
     ConnectionServer,
@@ -172,8 +173,15 @@ class TcpServer(TransportServer):
 
     name = "tcp"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, clock_skew_ms: int = 2000) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        clock_skew_ms: int = 2000,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+    ) -> None:
         self.host = host
+        self.idle_timeout_s = idle_timeout_s
         self.requested_port = port
         self.port = 0
         self.clock_skew_ms = clock_skew_ms
@@ -195,7 +203,12 @@ class TcpServer(TransportServer):
     def start(self, segments: Sequence[SegmentMemory]) -> None:
         self._segments = {segment_key(s.segment_id): (s.view, _NoKeyYet()) for s in segments}
         self._server = ConnectionServer(
-            self.host, self.requested_port, self._serve, "kv-tcp-conn", tune=_tune
+            self.host,
+            self.requested_port,
+            self._serve,
+            "kv-tcp-conn",
+            tune=_tune,
+            idle_timeout_s=self.idle_timeout_s,
         )
         self.port = self._server.port
 
@@ -374,38 +387,56 @@ class TcpTransport(Transport):
     ) -> None:
         """One request on a pooled connection: ``request`` (header, then ranges or payload)
         goes out in one sendmsg; a read's ``length`` payload bytes land in ``out`` (buffers
-        filled in order), the reply header with them in one recvmsg_into."""
+        filled in order), the reply header with them in one recvmsg_into. A pooled
+        connection the node closed meanwhile (its idle timeout, a restart) fails before any
+        reply byte: the request is sent again once, on a fresh connection."""
         pool = self._pool(address)
-        try:
-            sock = pool.get_nowait()
-        except queue.Empty:
-            sock = self._connect(address)
-        ok = False
-        try:
-            send_parts(sock, request)
-            rep = memoryview(bytearray(REP.size))
-            received = recv_parts(sock, [rep]) if out is None else self._recv_reply(sock, rep, out)
-            if not received:
-                raise TransportError(f"node {address} closed the connection")
-            magic, status, rlength = REP.unpack(rep)
-            if magic != REP_MAGIC:
-                raise TransportError(f"node {address} sent a malformed reply")
-            if status != ST_OK:
-                raise TransportError(
-                    f"node {address} rejected the request: {STATUS_TEXT.get(status, status)}"
-                )
-            if rlength != length:
-                raise TransportError(f"node {address} replied {rlength} bytes, want {length}")
-            if out is not None and not recv_parts(sock, out):
-                raise TransportError(f"node {address} closed the connection mid-payload")
-            ok = True
-        except OSError as exc:
-            raise TransportError(f"tcp transfer with {address} failed: {exc}") from exc
-        finally:
-            if ok and not self._closed and pool.qsize() < self.pool_size:
-                pool.put(sock)
-            else:
-                sock.close()
+        for pooled in (True, False):
+            sock = None
+            if pooled:
+                try:
+                    sock = pool.get_nowait()
+                except queue.Empty:
+                    continue
+            if sock is None:
+                sock = self._connect(address)
+            ok = False
+            try:
+                try:
+                    send_parts(sock, request)
+                    rep = memoryview(bytearray(REP.size))
+                    if out is None:
+                        received = recv_parts(sock, [rep])
+                    else:
+                        received = self._recv_reply(sock, rep, out)
+                except (BrokenPipeError, ConnectionResetError):
+                    if pooled:
+                        continue  # stale: nothing of the reply arrived, nothing was served
+                    raise
+                if not received:
+                    if pooled:
+                        continue
+                    raise TransportError(f"node {address} closed the connection")
+                magic, status, rlength = REP.unpack(rep)
+                if magic != REP_MAGIC:
+                    raise TransportError(f"node {address} sent a malformed reply")
+                if status != ST_OK:
+                    raise TransportError(
+                        f"node {address} rejected the request: {STATUS_TEXT.get(status, status)}"
+                    )
+                if rlength != length:
+                    raise TransportError(f"node {address} replied {rlength} bytes, want {length}")
+                if out is not None and not recv_parts(sock, out):
+                    raise TransportError(f"node {address} closed the connection mid-payload")
+                ok = True
+                return
+            except OSError as exc:
+                raise TransportError(f"tcp transfer with {address} failed: {exc}") from exc
+            finally:
+                if ok and not self._closed and pool.qsize() < self.pool_size:
+                    pool.put(sock)
+                else:
+                    sock.close()
 
     @staticmethod
     def _recv_reply(sock: socket.socket, rep: memoryview, out: list[memoryview]) -> bool:
