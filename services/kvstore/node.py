@@ -40,7 +40,9 @@ def _make_server(name: str, cfg: NodeConfig) -> TransportServer:
     if name == "tcp":
         from pdserve.store.transports.tcp import TcpServer
 
-        return TcpServer(cfg.host, cfg.tcp_port, cfg.grant_clock_skew_ms, cfg.idle_timeout_s)
+        # the endpoint holds the address other hosts dial: the advertised one
+        host = advertised(cfg, 0).rsplit(":", 1)[0]
+        return TcpServer(cfg.host, cfg.tcp_port, cfg.grant_clock_skew_ms, cfg.idle_timeout_s, host)
     from pdserve.store.transports.mooncake import MooncakeServer
 
     return MooncakeServer(cfg.host)

@@ -118,3 +118,17 @@ def test_node_duplicate_id_refused_and_restart_keeps_bytes(cluster_factory) -> N
     assert again.info["shm_names"] == node.info["shm_names"]
     assert client.get("survivor") == data
     client.close()
+
+
+def test_a_node_advertises_its_advertise_host_in_segment_endpoints(cluster_factory) -> None:
+    """Bound to one address, reached at another (a NAT, a container name): the tcp endpoint
+    the master hands to readers carries --advertise-host, and reads through it work."""
+    c = cluster_factory()
+    node = c.add_node(transports="tcp", advertise_host="localhost")
+    with StoreClient(c.address, transport="tcp") as client:
+        data = _blob(100_000, 3)
+        assert client.put("adv", data) and client.get("adv") == data
+        (res,) = client._replica_lists(["adv"])
+        client._finish([res])
+    (rep,) = res.replicas
+    assert [e.address for e in rep.endpoints] == [f"localhost:{node.info['tcp_port']}"]

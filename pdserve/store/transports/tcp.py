@@ -179,8 +179,11 @@ class TcpServer(TransportServer):
         port: int = 0,
         clock_skew_ms: int = 2000,
         idle_timeout_s: float = IDLE_TIMEOUT_S,
+        advertise_host: str = "",
     ) -> None:
         self.host = host
+        #: What the endpoint tells clients to dial (the bound host unless set).
+        self.advertise_host = advertise_host or host
         self.idle_timeout_s = idle_timeout_s
         self.requested_port = port
         self.port = 0
@@ -214,7 +217,9 @@ class TcpServer(TransportServer):
 
     def endpoint(self, segment: SegmentMemory, host_id: str) -> kvstore_pb2.Endpoint:
         return kvstore_pb2.Endpoint(
-            transport=kvstore_pb2.TRANSPORT_TCP, address=f"{self.host}:{self.port}", host_id=host_id
+            transport=kvstore_pb2.TRANSPORT_TCP,
+            address=f"{self.advertise_host}:{self.port}",
+            host_id=host_id,
         )
 
     def set_data_key(self, segment_id: str, key: bytes) -> None:
