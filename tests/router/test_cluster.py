@@ -34,8 +34,11 @@ class Cluster:
         self.log_dir = log_dir
         self.n_decodes = decodes
         self.certs = log_dir / "certs" if tls else None
+        # node ids name /dev/shm files: two clusters at once need two
+        self.node_id = "n0-tls" if tls else "n0"
         if self.certs is not None:
-            names = ["meta:meta", "master:master", "node:n0", "router:router", "admin:test"]
+            names = ["meta:meta", "master:master", f"node:{self.node_id}", "router:router"]
+            names.append("admin:test")
             names += [f"worker:prefill{i}" for i in range(2)]
             names += [f"worker:decode{i}" for i in range(decodes)]
             certs.make(self.certs, names)
@@ -53,7 +56,7 @@ class Cluster:
 
     def _add(self, name: str, args: list[str], **kw) -> ServiceProcess:
         if self.certs is not None:
-            d, cert = self.certs, {"node": "n0"}.get(name, name)  # a node's name is its id
+            d, cert = self.certs, {"node": self.node_id}.get(name, name)  # a node's name is its id
             args = [*args, "--tls-ca", f"{d}/ca.crt", "--tls-cert", f"{d}/{cert}.crt"]
             args += ["--tls-key", f"{d}/{cert}.key"]
         proc = start_service(name, args, self.log_dir, timeout=90, **kw)
@@ -71,7 +74,7 @@ class Cluster:
             service_args(
                 "kvstore-node",
                 master_address=master,
-                node_id="n0",
+                node_id=self.node_id,
                 segment_sizes="64MiB",
                 transports="shm,tcp",
             ),
@@ -423,7 +426,7 @@ def test_a_mutual_tls_cluster_serves_token_exact_and_refuses_other_identities(
             got = [t for m in stub.GenerateStream(req, timeout=60) for t in m.token_ids]
         assert got == hf_greedy(prompt, 10)
         prefill = c.prefills[0].info["grpc"]
-        identity.configure_files(c.files("n0"))  # a storage node's identity
+        identity.configure_files(c.files(c.node_id))  # a storage node's identity
         with grpcutil.sync_channel(prefill) as ch:
             with pytest.raises(grpc.RpcError) as info:
                 engine_pb2_grpc.PrefillServiceStub(ch).Prefill(
