@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import types
 import typing
@@ -79,6 +80,12 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
             return str(value)
         if tp is Path:
             return Path(value)
+        if tp is dict or typing.get_origin(tp) is dict:
+            # a YAML mapping, or JSON from a flag or an environment variable
+            mapping = json.loads(value) if isinstance(value, str) else value
+            if not isinstance(mapping, Mapping):
+                raise ValueError(f"expected a mapping (JSON object), got {value!r}")
+            return dict(mapping)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"config field {name!r}: {exc}") from exc
     raise ConfigError(f"config field {name!r}: unsupported type {tp!r}")
@@ -172,8 +179,8 @@ def from_args(cls: type[T], section: str, args: argparse.Namespace) -> T:
 
 def help_field(default: Any, help: str, **extra: Any) -> Any:
     """A dataclass field with help text, for :func:`add_arguments`."""
-    if isinstance(default, list):
+    if isinstance(default, list | dict):
         return dataclasses.field(
-            default_factory=lambda: list(default), metadata={"help": help, **extra}
+            default_factory=lambda: type(default)(default), metadata={"help": help, **extra}
         )
     return dataclasses.field(default=default, metadata={"help": help, **extra})

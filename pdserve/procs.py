@@ -7,6 +7,7 @@ log file, and it is "up" once it prints its READY line (see :mod:`pdserve.lifecy
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import select
 import signal
@@ -170,12 +171,15 @@ SERVICE_COMMANDS: dict[str, tuple[str, ...]] = {
 def flag_args(**values: object) -> list[str]:
     """``flag_args(chunk_size=256, meta=None)`` -> ``["--chunk-size", "256"]``: one
     ``--flag value`` pair per value, underscores as dashes; a bool is ``--flag`` or
-    ``--no-flag`` (the config's boolean flags take no value); None leaves the flag out."""
+    ``--no-flag`` (the config's boolean flags take no value), a mapping is JSON; None leaves
+    the flag out."""
     out: list[str] = []
     for k, v in values.items():
         flag = k.replace("_", "-")
         if isinstance(v, bool):
             out.append(f"--{flag}" if v else f"--no-{flag}")
+        elif isinstance(v, dict):
+            out += [f"--{flag}", json.dumps(v)]
         elif v is not None:
             out += [f"--{flag}", str(v)]
     return out

@@ -77,6 +77,14 @@ class EngineConfig:
     vllm_cpu_cores: str = help_field(
         "", "cores vLLM's CPU worker binds to, e.g. '0' or '0-1' (empty = vLLM's default)"
     )
+    vllm_args: dict = help_field(
+        {},
+        "more vLLM engine arguments, as `vllm serve` takes them (AsyncEngineArgs fields), e.g. "
+        '{"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, '
+        '"prompt_lookup_max": 4}, "enable_chunked_prefill": false}: a YAML mapping, or JSON '
+        "on the command line. Fields pdserve sets itself are refused with the field to use",
+        metavar="JSON",
+    )
 
     def resolved_kv_dtype(self) -> str:
         """``kv_dtype`` with ``auto`` resolved for this engine."""

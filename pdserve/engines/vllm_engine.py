@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve import hashing
-from pdserve.engines import metrics
+from pdserve.engines import metrics, vllm_args
 from pdserve.engines.base import (
     Engine,
     EngineLoad,
@@ -148,6 +148,10 @@ class VllmEngine(Engine):
                     ),
                 ),
             )
+        # users' vllm_args may override these two, which are pdserve's defaults, not its needs
+        defaults = {"enforce_eager": True, "enable_prefix_caching": True}
+        for name in defaults.keys() & cfg.vllm_args.keys():
+            defaults.pop(name)
         args = AsyncEngineArgs(
             model=str(model_dir),
             served_model_name=[served],
@@ -161,10 +165,10 @@ class VllmEngine(Engine):
                 TPOT_TARGET_KEY: cfg.tpot_target_ms,
                 TTFT_URGENT_KEY: cfg.ttft_urgent_ms,
             },
-            enforce_eager=True,
-            enable_prefix_caching=True,
+            **defaults,
             kv_transfer_config=kv_transfer,
             disable_log_stats=True,
+            **vllm_args.check(cfg.vllm_args, store=kv_transfer is not None),
         )
         return AsyncLLM.from_engine_args(args)
 

