@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from vllm_runner import run_engine
 
-from pdserve.engines.base import Sampling
 from pdserve.engines import create_engine
+from pdserve.engines.base import Sampling
 from pdserve.engines.config import EngineConfig
 
 pytestmark = [
