@@ -69,6 +69,15 @@ class DeadlineExceeded(PdserveError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class Unimplemented(PdserveError):
+    """The service cannot do this kind of request (a capability it lacks, not the caller's
+    fault): e.g. a decode engine that cannot wait for write-mode chunks. Not in
+    :func:`from_status`: to a client, a peer's UNIMPLEMENTED is the peer failing
+    (:class:`Unavailable`); the router reads the status itself where it has a fallback."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
 def status_for(exc: BaseException) -> grpc.StatusCode:
     """The status code for any exception raised by service logic: a :class:`PdserveError`'s
     own code, DEADLINE_EXCEEDED for a timeout, INTERNAL for anything else (a ``ValueError``

@@ -8,6 +8,11 @@ A cache salt (a tenant's secret, vLLM's ``cache_salt``) changes only the root (s
 :func:`chain_root`): ``h_0 = H(model fingerprint || u32 LE byte length of the salt || the
 salt as UTF-8)``, so a salted chain shares no key with the unsalted one or another salt's,
 and requests without a salt keep the keys they always had.
+
+A chunk encoding (``kv_compression``: the KV stored as bf16 or fp8, :mod:`pdserve.kvformat`)
+is part of the fingerprint, so workers that store different numerics never share a key: it
+goes into the KV dtype field of the canonical encoding (``"float32+fp8"``), which keeps the
+encoding's structure (and so every uncompressed key) unchanged.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ import numpy as np
 LAYOUT_VERSION = 1
 DIGEST_BYTES = 32
 KV_DTYPES = ("float32", "bfloat16", "float16")
+#: How chunks store the KV (:mod:`pdserve.kvformat`): as computed, as bfloat16, or as float8
+#: e4m3 with per-channel scales.
+KV_COMPRESSIONS = ("none", "bf16", "fp8")
 MAX_TOKEN_ID = 2**32 - 1
 
 
@@ -42,24 +50,39 @@ class ModelFingerprint:
     layout_version: int = LAYOUT_VERSION
     tp_rank: int = 0
     tp_size: int = 1
+    #: The chunk encoding (:data:`KV_COMPRESSIONS`); ``bf16`` of bfloat16 KV would store the
+    #: same bytes as ``none``, so it is refused: resolve it to ``none`` first.
+    kv_compression: str = "none"
 
     def __post_init__(self) -> None:
         if not self.model_id:
             raise ValueError("model_id must not be empty")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        if self.kv_compression not in KV_COMPRESSIONS:
+            raise ValueError(
+                f"kv_compression must be one of {KV_COMPRESSIONS}, got {self.kv_compression!r}"
+            )
+        if self.kv_compression == "bf16" and self.kv_dtype == "bfloat16":
+            raise ValueError("kv_compression bf16 of bfloat16 KV is a no-op: use none")
         if self.chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {self.chunk_size}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"need 0 <= tp_rank < tp_size, got {self.tp_rank}/{self.tp_size}")
 
     def canonical(self) -> bytes:
-        """Unambiguous byte encoding: length-prefixed strings, fixed-width integers."""
+        """Unambiguous byte encoding: length-prefixed strings, fixed-width integers. The KV
+        dtype field reads ``"<kv_dtype>+<kv_compression>"`` when chunks are compressed (never
+        a valid dtype, so no compressed fingerprint equals an uncompressed one), else just the
+        dtype: uncompressed keys are those stored before compression existed."""
+        stored = self.kv_dtype
+        if self.kv_compression != "none":
+            stored = f"{self.kv_dtype}+{self.kv_compression}"
         parts = [
             b"pdserve-kv",
             self.model_id.encode(),
             self.revision.encode(),
-            self.kv_dtype.encode(),
+            stored.encode(),
         ]
         head = b"".join(struct.pack("<I", len(p)) + p for p in parts)
         return head + struct.pack(

@@ -53,6 +53,8 @@ async def collect(meta: str, store_master: str, timeout: float) -> dict:
                 "queue": inst.load.queue_length,
                 "running": inst.load.running_requests,
                 "kv_usage": round(inst.load.kv_usage, 4),
+                # workers: the KV fingerprint they registered (services/worker.py)
+                "fingerprint": inst.labels.get("fingerprint", ""),
             }
         )
     if not store_master:
@@ -97,6 +99,16 @@ def render(report: dict) -> str:
                 f"{100 * r['kv_usage']:.1f}%",
                 r["model"],
             )
+        )
+    by_fp: dict[str, list[str]] = {}
+    for r in report["instances"]:
+        if r.get("fingerprint"):
+            by_fp.setdefault(r["fingerprint"], []).append(r["id"])
+    if len(by_fp) > 1:
+        lines.append(
+            "workers registered different KV fingerprints (a router refuses those that differ "
+            "from its own; its ListModels names them): "
+            + "; ".join(f"{fp[:12]}: {', '.join(ids)}" for fp, ids in sorted(by_fp.items()))
         )
     store = report["store"]
     if store:

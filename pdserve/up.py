@@ -65,6 +65,13 @@ class UpConfig:
         "KV chunk size in tokens: the unit of prefix reuse through the store (vllm: a multiple "
         "of its 32-token block)",
     )
+    kv_compression: str = help_field(
+        "none",
+        "encoding of the KV chunks every worker stores (none, bf16, fp8): bf16 "
+        "halves float32 KV (a no-op on bfloat16 KV, vllm's default), fp8 (e4m3, a scale per "
+        "channel) halves bfloat16 KV; read back in the workers' KV dtype, with fp8 close to "
+        'but not token-exact with none (docs/benchmarks.md, "KV compression")',
+    )
     meta_backend: str = help_field("memory", "meta registry backend: memory or etcd")
     etcd_endpoints: list[str] = field(
         default_factory=lambda: ["127.0.0.1:2379"],
@@ -105,6 +112,12 @@ class UpConfig:
             )
         if self.engine not in ("auto", "torch", "vllm"):
             raise ConfigError(f"engine must be 'auto', 'torch' or 'vllm', got {self.engine!r}")
+        from pdserve.hashing import KV_COMPRESSIONS  # numpy: not at `pdserve --help`
+
+        if self.kv_compression not in KV_COMPRESSIONS:
+            raise ConfigError(
+                f"kv_compression must be one of {KV_COMPRESSIONS}, got {self.kv_compression!r}"
+            )
         if self.meta_backend not in ("memory", "etcd"):
             raise ConfigError(f"meta_backend must be 'memory' or 'etcd', got {self.meta_backend!r}")
         if self.api_key and not self.auth:
@@ -278,6 +291,7 @@ class Cluster:
                         engine=c.engine,
                         model=c.model,
                         chunk_size=c.chunk_size,
+                        kv_compression=c.kv_compression,
                         store_master=master,
                         meta=meta,
                         host=c.host,
@@ -363,7 +377,11 @@ class Cluster:
                 if seen[0] >= want[0] and seen[1] >= want[1]:
                     return
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"router sees (prefill, decode) workers {seen}, want {want}")
+                    refused = [r for m in models for r in m.refused_workers]
+                    raise RuntimeError(
+                        f"router sees (prefill, decode) workers {seen}, want {want}"
+                        + (f"; it refuses {refused}" if refused else "")
+                    )
                 time.sleep(0.2)
 
     def stop(self) -> None:

@@ -159,12 +159,7 @@ async def serve(spec: WorkerSpec, cfg: WorkerConfig, stop: asyncio.Event) -> Non
         address = advertised(cfg, server.port)
         metrics_port = telemetry.serve_metrics(cfg.metrics_port, cfg.host)
         instance_id = cfg.instance_id or f"{spec.service}-{uuid.uuid4().hex[:8]}"
-        labels = {
-            "engine": cfg.engine,
-            "chunk_size": str(cfg.chunk_size),
-            "kv_dtype": cfg.resolved_kv_dtype(),
-            "max_model_len": str(engine.max_model_len),
-        }
+        labels = registration_labels(cfg, engine)
         if metrics_port:
             labels["metrics"] = advertised(cfg, metrics_port)
         meta_client = await register_service(
@@ -201,6 +196,27 @@ async def serve(spec: WorkerSpec, cfg: WorkerConfig, stop: asyncio.Event) -> Non
             await server.stop(cfg.drain_timeout_s)
         await leave(meta_client)
         await engine.close()
+
+
+def registration_labels(cfg: EngineConfig, engine: Engine) -> dict[str, str]:
+    """What a worker registers about itself with meta, for the router: its KV fingerprint
+    (the digest, hex, and the fields it covers besides the model name, which is the
+    instance's ``model``), from which the router keys prompts and refuses workers whose
+    chunks its lookups would never find; and its limits, which the router enforces before
+    placing a request (``services/router/fingerprint.py``, ``frontend.py``)."""
+    fp = engine.fingerprint
+    return {
+        "engine": cfg.engine,
+        "fingerprint": fp.digest().hex(),
+        "model_revision": fp.revision,
+        "kv_dtype": fp.kv_dtype,
+        "chunk_size": str(fp.chunk_size),
+        "kv_compression": fp.kv_compression,
+        "kv_layout": str(fp.layout_version),
+        "tp": f"{fp.tp_rank}/{fp.tp_size}",
+        "max_model_len": str(engine.max_model_len),
+        "max_tokens_limit": str(cfg.max_tokens_limit),
+    }
 
 
 def _load_proto(engine: Engine, slots: SlotLimit) -> common_pb2.Load:

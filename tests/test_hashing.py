@@ -101,6 +101,8 @@ def test_keys_identical_across_processes_and_hash_seeds():
         {"layout_version": 2},
         {"tp_rank": 1, "tp_size": 2},
         {"tp_size": 2},
+        {"kv_compression": "bf16"},
+        {"kv_compression": "fp8"},
     ],
 )
 def test_fingerprint_covers_every_field(change):
@@ -130,7 +132,14 @@ def test_chain_is_prefix_stable(tokens):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"model_id": ""}, {"kv_dtype": "int3"}, {"chunk_size": 0}, {"tp_rank": 2, "tp_size": 2}],
+    [
+        {"model_id": ""},
+        {"kv_dtype": "int3"},
+        {"chunk_size": 0},
+        {"tp_rank": 2, "tp_size": 2},
+        {"kv_compression": "zstd"},
+        {"kv_compression": "bf16", "kv_dtype": "bfloat16"},  # a no-op: resolve it to none
+    ],
 )
 def test_invalid_fingerprints_are_rejected(kwargs):
     with pytest.raises(ValueError):
@@ -140,3 +149,29 @@ def test_invalid_fingerprints_are_rejected(kwargs):
 def test_out_of_range_token_ids_are_rejected():
     with pytest.raises(ValueError, match="uint32"):
         chunk_keys(FP, [0, 1, 2, -1])
+
+
+def test_compression_goes_into_the_dtype_field_and_none_keeps_every_key():
+    """Chunks of another encoding hold other numerics, so they get other keys (a worker never
+    reads them as a hit); uncompressed keys stay those of the fixed vectors."""
+    assert replace(FP, kv_compression="none").digest().hex() == ROOT_HEX
+    fp8 = replace(FP, kv_compression="fp8")
+    assert fp8.canonical() == FP.canonical().replace(
+        struct.pack("<I", 7) + b"float32", struct.pack("<I", 11) + b"float32+fp8"
+    )
+    keys = {c: chunk_keys(replace(FP, kv_compression=c), list(range(12))) for c in ("bf16", "fp8")}
+    keys["none"] = chunk_keys(FP, list(range(12)))
+    for a in keys:
+        for b in keys:
+            assert a == b or not set(keys[a]) & set(keys[b])
+    assert tail_key(fp8, list(range(9)), "r") != tail_key(FP, list(range(9)), "r")
+
+
+@given(st.text(min_size=1, max_size=12))
+def test_no_salt_turns_one_encoding_into_another(salt):
+    """Salts extend the canonical encoding; compression changes a field inside it, so no
+    salted chain of one encoding is the chain of another (a salt "fp8" included)."""
+    tokens = list(range(8))
+    fp8 = replace(FP, kv_compression="fp8")
+    assert not set(chunk_keys(FP, tokens, salt)) & set(chunk_keys(fp8, tokens))
+    assert not set(chunk_keys(fp8, tokens, salt)) & set(chunk_keys(FP, tokens))

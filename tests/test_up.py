@@ -218,3 +218,12 @@ def test_tls_and_auth_turn_off_with_flags(tmp_path: Path):
     assert f"PDSERVE_TLS_CERT={tmp_path}/certs/admin.crt" in on
     with pytest.raises(config.ConfigError, match="auth is off"):
         config.load(UpConfig, "up", env={"PDSERVE_UP_API_KEY": "k", "PDSERVE_UP_AUTH": "false"})
+
+
+def test_kv_compression_is_one_setting_for_the_cluster(tmp_path: Path):
+    args = build_parser().parse_args(["up", "--kv-compression", "fp8", "--run-dir", str(tmp_path)])
+    cfg = config.from_args(UpConfig, "up", args)
+    assert cfg.kv_compression == "fp8"
+    cfg.validate()
+    with pytest.raises(config.ConfigError, match="kv_compression"):
+        config.load(UpConfig, "up", env={"PDSERVE_UP_KV_COMPRESSION": "int4"}).validate()

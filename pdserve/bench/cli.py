@@ -46,6 +46,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     ttft.add_arguments(tt)
     tt.set_defaults(func=ttft.run)
+    from pdserve.bench import kvcompress  # stdlib imports only; the rest loads when it runs
+
+    kc = sub.add_parser(
+        "kvcompress",
+        help="KV chunk compression (none/bf16/fp8): bytes per chunk, cached TTFT, output drift",
+        description=kvcompress.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    kvcompress.add_arguments(kc)
+    kc.set_defaults(func=kvcompress.run)
     mb = sub.add_parser(
         "meta",
         help="meta registry ops/s (register + heartbeat) and watch latency",

@@ -93,13 +93,21 @@ class PrefillOutcome:
 
 @dataclass
 class TokenEvent:
-    """New tokens of a generation; the last event carries ``finish``."""
+    """New tokens of a generation; the last event carries ``finish``.
+
+    Contract (every engine; DecodeResponse in engine.proto): the prompt counts
+    (``loaded_tokens``, ``recomputed_tokens``, ``prefix_cached_tokens``) are set on the last
+    event only, the one with ``finish``, and are 0 on every other. They add up to the prompt's
+    length, except when prefill's first token ends the generation before the engine built any
+    prompt KV (then all 0)."""
 
     token_ids: list[int]
     text: str
     times_ms: list[float] = field(default_factory=list)
     finish: Finish | None = None
+    #: Prompt tokens whose KV came from the store.
     loaded_tokens: int = 0
+    #: Prompt tokens the engine computed itself, failed loads included.
     recomputed_tokens: int = 0
     #: Prompt tokens the engine's own prefix cache held (vLLM's local block cache).
     prefix_cached_tokens: int = 0
@@ -109,6 +117,8 @@ class TokenEvent:
 class EngineLoad:
     queue_length: int
     running_requests: int
+    #: Fraction of the engine's KV cache capacity in use, 0..1 (Load.kv_usage in
+    #: common.proto says how each engine measures it).
     kv_usage: float
 
 
@@ -174,7 +184,16 @@ class Engine(abc.ABC):
         """Streams generated tokens. With ``kv`` the prompt KV is loaded from the store and
         ``first_token_id`` (from prefill) is the first output token; without, the engine
         prefills locally (reusing cached prefix chunks when it can). ``cache_salt`` as in
-        :meth:`prefill`: ``kv`` must hold that salt's keys."""
+        :meth:`prefill`: ``kv`` must hold that salt's keys.
+
+        Write mode: ``kv`` without ``first_token_id`` names the prompt's leading full chunks
+        (no tail) that a prefill running elsewhere is still publishing. The engine waits up to
+        ``chunk_wait_ms`` for each (0: loads what is stored), loading each as it lands, never
+        on the thread that runs the model (the other generations keep going), then computes
+        the rest of the prompt and samples the first token itself; a chunk that does not land
+        is computed. An engine that cannot do this raises
+        :class:`pdserve.errors.Unimplemented`; the router then serves the request with the
+        read plan. A handle that does not match the prompt is ignored (computed)."""
 
     @abc.abstractmethod
     def load(self) -> EngineLoad: ...

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.config import ConfigError, help_field
-from pdserve.hashing import KV_DTYPES
+from pdserve.hashing import KV_COMPRESSIONS, KV_DTYPES
 
 ENGINES = ("torch", "vllm")
 #: Auto ``max_num_batched_tokens`` of the vLLM engine (vLLM's own CPU serving default).
@@ -31,6 +31,15 @@ class EngineConfig:
         f"dtype of the model and its stored KV chunks: auto, {', '.join(KV_DTYPES)} "
         "(auto = bfloat16 on vllm, like `vllm serve --dtype bfloat16`; float32 on torch, the "
         "token-exact reference)",
+    )
+    kv_compression: str = help_field(
+        "none",
+        f"encoding of the KV chunks in the store ({', '.join(KV_COMPRESSIONS)}): none = as "
+        "computed; bf16 = bfloat16, half the bytes of float32 KV (a no-op on bfloat16 KV, "
+        "such as vllm's default: stored as none); fp8 = float8 e4m3 with a scale per channel, "
+        "about half of bfloat16 and a quarter of float32. Chunks are read back in kv_dtype; "
+        "part of the chunk keys, so set it alike on every worker of a cluster (`pdserve up "
+        "--kv-compression`)",
     )
     max_model_len: int = help_field(
         4096, "context limit in tokens (prompt + output); capped by the model's own limit"
@@ -92,6 +101,12 @@ class EngineConfig:
             return self.kv_dtype
         return "bfloat16" if self.engine == "vllm" else "float32"
 
+    def resolved_kv_compression(self) -> str:
+        """``kv_compression`` as chunks are stored: ``bf16`` of bfloat16 KV is ``none``."""
+        if self.kv_compression == "bf16" and self.resolved_kv_dtype() == "bfloat16":
+            return "none"
+        return self.kv_compression
+
     def resolved_max_num_seqs(self) -> int:
         """``max_num_seqs`` with ``0`` (auto) resolved for this engine."""
         if self.max_num_seqs:
@@ -112,6 +127,10 @@ class EngineConfig:
             raise ConfigError(f"chunk_size must be positive, got {self.chunk_size}")
         if self.kv_dtype != "auto" and self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"kv_dtype must be auto or one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        if self.kv_compression not in KV_COMPRESSIONS:
+            raise ConfigError(
+                f"kv_compression must be one of {KV_COMPRESSIONS}, got {self.kv_compression!r}"
+            )
         for name in ("max_model_len", "max_tokens_limit", "torch_threads"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")

@@ -35,16 +35,22 @@ def model_revision(model_dir: str | Path) -> str:
 
 
 def model_fingerprint(
-    model_dir: str | Path, served_name: str, kv_dtype: str, chunk_size: int
+    model_dir: str | Path,
+    served_name: str,
+    kv_dtype: str,
+    chunk_size: int,
+    kv_compression: str = "none",
 ) -> ModelFingerprint:
     """The :class:`ModelFingerprint` of ``model_dir`` served as ``served_name``.
 
     Contract: a pure function of the folder's config and weight files, the served name, the KV
-    dtype and the chunk size; identical across processes, hosts and restarts.
+    dtype, the chunk size and the chunk encoding (resolved:
+    ``EngineConfig.resolved_kv_compression``); identical across processes, hosts and restarts.
     """
     return ModelFingerprint(
         model_id=served_name,
         revision=model_revision(model_dir),
         kv_dtype=kv_dtype,
         chunk_size=chunk_size,
+        kv_compression=kv_compression,
     )

@@ -3,7 +3,7 @@ shares them in :data:`pdserve.telemetry.REGISTRY`."""
 
 from __future__ import annotations
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Histogram
 
 from pdserve.telemetry import REGISTRY
 
@@ -13,6 +13,15 @@ KV_STORE_ERRORS = Counter(
     "pdserve_kv_store_errors_total",
     "KV store operations that failed; the engine recomputed instead",
     ["op"],
+    registry=REGISTRY,
+)
+#: Time of the store operations that succeeded (``pdserve.engines.chunk_io``). ``op``:
+#: lookup|load|save.
+KV_STORE_SECONDS = Histogram(
+    "pdserve_kv_store_op_seconds",
+    "Time of one engine store operation (a batched lookup, read or save)",
+    ["op"],
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
     registry=REGISTRY,
 )
 #: Prompt tokens whose KV came from the store. ``phase``: prefill|decode.

@@ -6,6 +6,11 @@ machines without vLLM. It reads and writes the same canonical KV chunks as the v
 Scheduling (one dedicated worker thread owns the model; nothing runs on the event loop):
 
 - Jobs arrive on a queue. A prefill job runs to completion as soon as the thread sees it.
+- A generation with a KV handle first gets its chunks from the store on a KV loader thread
+  (``_loader``), not on the model's thread: in write mode that includes waiting for chunks a
+  parallel prefill is still publishing (:mod:`pdserve.engines.chunk_wait`, up to
+  ``chunk_wait_ms`` per chunk), so the running generations keep decoding meanwhile. Only then
+  is it queued for the model's thread.
 - A generation joins the running set (at most ``max_num_seqs``; the rest wait in FIFO order)
   after its prompt KV is loaded or computed; the thread then advances every running
   generation by one token per round (step-wise interleaving, batch size 1 per forward). This
@@ -17,8 +22,8 @@ Scheduling (one dedicated worker thread owns the model; nothing runs on the even
 KV chunks: the cache of positions ``[i * chunk_size, (i + 1) * chunk_size)`` is stored under
 the i-th chain key (:func:`pdserve.hashing.chunk_keys`, salted with the request's cache salt;
 the engine keeps no prefix cache of its own, so the store is its only reuse) as a canonical
-``[layers, 2, kv_heads, tokens, head_dim]`` tensor; the partial tail under a request-scoped
-key with a TTL. Any store failure (unreachable, timeout, missing or corrupt chunk) degrades to
+``[layers, 2, kv_heads, tokens, head_dim]`` tensor, in the ``kv_compression`` encoding (read
+back in ``kv_dtype``); the partial tail under a request-scoped key with a TTL. Any store failure (unreachable, timeout, missing or corrupt chunk) degrades to
 recomputing those positions, counted in :mod:`pdserve.engines.metrics`.
 """
 
@@ -50,19 +55,15 @@ from pdserve.engines.base import (
     TokenEvent,
     next_text,
 )
+from pdserve.engines.chunk_io import ChunkIO, ChunkStore
 from pdserve.engines.config import EngineConfig
 from pdserve.engines.fingerprint import model_fingerprint
 from pdserve.engines.textstream import TextStream
-from pdserve.errors import InvalidArgument, PdserveError, Unavailable
+from pdserve.errors import InvalidArgument, Unavailable
 
 log = logging.getLogger(__name__)
 
 _KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-#: After a store failure the engine skips the store for this long (seconds) instead of
-#: paying a timeout on every request while it is down.
-_STORE_BACKOFF_S = 2.0
-#: Poll interval while waiting for a chunk that is still being written (write mode).
-_CHUNK_POLL_S = 0.005
 
 
 def sample_token(logits: torch.Tensor, sampling: Sampling, seed: int, step: int) -> int:
@@ -112,8 +113,14 @@ class _GenJob:
     seed: int
     cache_salt: str = ""
     cancelled: threading.Event = field(default_factory=threading.Event)
+    #: The handle's chunks (and tail) as the loader thread got them (``TorchEngine._fetch``);
+    #: None when there is no handle or it does not match the prompt.
+    fetched: list[torch.Tensor | None] | None = None
     cache: Any = None
     out_ids: list[int] = field(default_factory=list)
+    #: Prompt tokens loaded from the store / computed here, reported with the last token.
+    loaded: int = 0
+    recomputed: int = 0
     stream: TextStream | None = None
     last_token: int = -1
     done: bool = False
@@ -123,23 +130,31 @@ _STOP = object()
 
 
 class TorchEngine(Engine):
-    """See the module docstring. ``store`` is a synchronous, thread-safe store client
-    (:class:`pdserve.store.client.StoreClient`) or None for no store; ``owns_store``: close it
-    with the engine."""
+    """See the module docstring. ``store``: a synchronous, thread-safe store
+    (:class:`pdserve.engines.chunk_io.ChunkStore`: the store client, or the in-memory backend)
+    or None for no store, reached through :class:`ChunkIO` once the model (and so the
+    fingerprint) is loaded; ``owns_store``: close it with the engine."""
 
     def __init__(
-        self, cfg: EngineConfig, store: Any | None = None, *, owns_store: bool = False
+        self, cfg: EngineConfig, store: ChunkStore | None = None, *, owns_store: bool = False
     ) -> None:
         self.cfg = cfg
-        self.store = store
+        self._store_at_start = store
+        self.chunks: ChunkIO | None = None
         self._owns_store = owns_store
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._waiting: collections.deque[_GenJob] = collections.deque()
         self._running: list[_GenJob] = []
         self._busy_prefill = 0
-        self._store_down_until = 0.0
+        #: Prompt tokens of the prefill running now (its KV is held while it runs).
+        self._prefill_tokens = 0
         self._kv_dtype = _KV_DTYPES[cfg.resolved_kv_dtype()]
+        # KV handle loads, write mode's waits included: one thread per running generation
+        self._loader = concurrent.futures.ThreadPoolExecutor(
+            max(4, cfg.resolved_max_num_seqs()), thread_name_prefix="torch-kv-load"
+        )
+        self._closed = threading.Event()
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -173,9 +188,20 @@ class TorchEngine(Engine):
         self.eos_token_id = int(eos)
         self.served_model_name = self.cfg.served_name()
         self.fingerprint = model_fingerprint(
-            path, self.served_model_name, self.cfg.resolved_kv_dtype(), self.cfg.chunk_size
+            path,
+            self.served_model_name,
+            self.cfg.resolved_kv_dtype(),
+            self.cfg.chunk_size,
+            self.cfg.resolved_kv_compression(),
         )
         self._fp = self.fingerprint.digest()
+        self.attach_store(self._store_at_start)
+        # KV bytes per token as the model's DynamicCache holds it (float32 K and V per layer),
+        # and the capacity load() measures against: max_num_seqs contexts of max_model_len
+        self._kv_token_bytes = 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
+        self._kv_capacity_bytes = (
+            self.cfg.resolved_max_num_seqs() * self.max_model_len * self._kv_token_bytes
+        )
         log.info(
             "torch engine: model %s from %s, %d layers, %d kv heads, head_dim %d, max_model_len %d",
             self.served_model_name,
@@ -187,13 +213,15 @@ class TorchEngine(Engine):
         )
 
     async def close(self) -> None:
+        self._closed.set()
+        self._loader.shutdown(wait=False, cancel_futures=True)
         if self._thread is not None:
             self._queue.put(_STOP)
             await asyncio.to_thread(self._thread.join)
             self._thread = None
-        if self._owns_store and self.store is not None:
-            self.store.close()
-            self.store = None
+        if self._owns_store and self.chunks is not None:
+            self.chunks.close()
+        self.chunks = None
 
     # ----------------------------------------------------------------- public API
 
@@ -207,8 +235,15 @@ class TorchEngine(Engine):
         return EngineLoad(
             queue_length=self._queue.qsize() + len(self._waiting),
             running_requests=len(self._running) + self._busy_prefill,
-            kv_usage=len(self._running) / self.cfg.resolved_max_num_seqs(),
+            kv_usage=self.kv_bytes() / self._kv_capacity_bytes if self._thread else 0.0,
         )
+
+    def kv_bytes(self) -> int:
+        """Bytes of KV the engine holds now: every running generation's context (prompt and
+        output so far) and the prompt of the prefill in progress, at most the capacity. Read
+        from the event loop while the model's thread changes the running set: a snapshot."""
+        tokens = sum(len(j.tokens) + len(j.out_ids) for j in list(self._running))
+        return min(self._kv_capacity_bytes, (tokens + self._prefill_tokens) * self._kv_token_bytes)
 
     async def prefill(
         self,
@@ -240,7 +275,9 @@ class TorchEngine(Engine):
         chunk_wait_ms: int = 0,
         cache_salt: str = "",
     ) -> AsyncIterator[TokenEvent]:
-        """Emits every output token, the prefill's ``first_token_id`` included (first)."""
+        """Emits every output token, the prefill's ``first_token_id`` included (first). A
+        ``kv`` handle's chunks are got (in write mode: waited for) on a loader thread before
+        the generation is queued for the model's thread."""
         self._require_started()
         tokens = list(prompt_token_ids)
         sampling.validate(self.cfg.max_tokens_limit)
@@ -264,8 +301,11 @@ class TorchEngine(Engine):
             seed,
             cache_salt,
         )
-        self._queue.put(job)
         try:
+            if kv is not None:
+                await loop.run_in_executor(self._loader, self._fetch_handle, job)
+                self._require_started()
+            self._queue.put(job)
             while True:
                 item = await events.get()
                 if isinstance(item, BaseException):
@@ -321,6 +361,7 @@ class TorchEngine(Engine):
         if not job.future.set_running_or_notify_cancel():
             return
         self._busy_prefill = 1
+        self._prefill_tokens = len(job.tokens)
         try:
             job.future.set_result(self._prefill(job))
         except BaseException as exc:
@@ -328,6 +369,7 @@ class TorchEngine(Engine):
             job.future.set_exception(exc)
         finally:
             self._busy_prefill = 0
+            self._prefill_tokens = 0
 
     def _prefill(self, job: _PrefillJob) -> PrefillOutcome:
         tokens = job.tokens
@@ -411,9 +453,11 @@ class TorchEngine(Engine):
         else:
             assert logits is not None
             first = sample_token(logits, job.sampling, job.seed, 0)
-        self._emit(job, first, loaded=loaded, recomputed=recomputed)
+        job.loaded, job.recomputed = loaded, recomputed
+        self._emit(job, first)
 
-    def _emit(self, job: _GenJob, token: int, *, loaded: int = 0, recomputed: int = 0) -> None:
+    def _emit(self, job: _GenJob, token: int) -> None:
+        """Delivers one token; the last one carries the prompt counts (TokenEvent's contract)."""
         assert job.stream is not None
         job.out_ids.append(token)
         job.last_token = token
@@ -433,8 +477,8 @@ class TorchEngine(Engine):
                 text=text,
                 times_ms=[(time.monotonic() - job.t0) * 1000.0],
                 finish=finish,
-                loaded_tokens=loaded,
-                recomputed_tokens=recomputed,
+                loaded_tokens=job.loaded if job.done else 0,
+                recomputed_tokens=job.recomputed if job.done else 0,
             )
         )
 
@@ -527,12 +571,11 @@ class TorchEngine(Engine):
         metrics.KV_COMPUTED_TOKENS.labels(reason).inc(n - loaded)
         return cache, logits, loaded, n - loaded
 
-    def _cache_from_handle(self, job: _GenJob) -> tuple[Any, int]:
-        """Loads KV by handle; returns the cache and how many leading prompt tokens it holds
-        (the rest must be computed). The handle covers the whole prompt (read mode: full
-        chunks plus the tail) or a chunk-aligned prefix of it (write mode, no tail). A handle
-        that does not belong to this prompt, model and cache salt is ignored rather than
-        trusted."""
+    def _handle_keys(self, job: _GenJob) -> list[str] | None:
+        """The store keys of ``job``'s KV handle, chunks then tail; None when the handle does
+        not belong to this prompt, model and cache salt (it is then ignored rather than
+        trusted). The handle covers the whole prompt (read mode: full chunks plus the tail) or
+        a chunk-aligned prefix of it (write mode, no tail)."""
         kv, tokens = job.kv, job.tokens
         assert kv is not None
         cs = self.cfg.chunk_size
@@ -552,16 +595,40 @@ class TorchEngine(Engine):
                 "request %s: KV handle does not match prompt/model; recomputing", job.request_id
             )
             metrics.KV_CHUNK_MISSES.labels("handle").inc()
+            return None
+        return list(kv.chunk_keys) + ([kv.tail_key] if kv.tail_key else [])
+
+    def _fetch_handle(self, job: _GenJob) -> None:
+        """Loader thread: gets the handle's chunks into ``job.fetched``, waiting up to
+        ``chunk_wait_ms`` for each one still landing (write mode)."""
+        keys = self._handle_keys(job)
+        if keys is None:
+            return
+        job.fetched = self._fetch(
+            keys,
+            job.chunk_wait_ms,
+            lambda: job.cancelled.is_set() or self._closed.is_set(),
+        )
+
+    def _cache_from_handle(self, job: _GenJob) -> tuple[Any, int]:
+        """Builds the cache from the chunks the loader thread got; returns it and how many
+        leading prompt tokens it holds (the rest must be computed)."""
+        kv, tokens = job.kv, job.tokens
+        assert kv is not None
+        if job.fetched is None:
             return self._new_cache(), 0
-        keys = list(kv.chunk_keys) + ([kv.tail_key] if kv.tail_key else [])
-        got = self._fetch(keys, job.chunk_wait_ms) if keys else []
+        cs = self.cfg.chunk_size
+        n = len(tokens)
+        k = len(kv.chunk_keys)
+        covered = n if kv.tail_key else k * cs
         chunks: list[torch.Tensor] = []
-        for i, t in enumerate(got):
+        for i, t in enumerate(job.fetched):
             want = cs if i < k else n % cs
             if not self._valid_chunk(t, want):
                 metrics.KV_CHUNK_MISSES.labels("chunk" if i < k else "tail").inc()
                 break
             chunks.append(t)  # type: ignore[arg-type]
+        job.fetched = None
         loaded = min(covered, len(chunks) * cs)
         if loaded:
             metrics.KV_LOADED_TOKENS.labels("decode").inc(loaded)
@@ -580,90 +647,61 @@ class TorchEngine(Engine):
 
     # ----------------------------------------------------------------- store access
 
-    def _store_ok(self) -> bool:
-        return self.store is not None and time.monotonic() >= self._store_down_until
-
-    def _store_failed(self, op: str, exc: BaseException) -> None:
-        metrics.KV_STORE_ERRORS.labels(op).inc()
-        self._store_down_until = time.monotonic() + _STORE_BACKOFF_S
-        log.warning("KV store %s failed (%s: %s); recomputing instead", op, type(exc).__name__, exc)
+    def attach_store(self, store: ChunkStore | None) -> None:
+        """Reads and writes chunks through ``store`` from now on (None: no store), with a
+        fresh failure backoff (:class:`pdserve.engines.chunk_io.ChunkIO`)."""
+        self.chunks = (
+            None
+            if store is None
+            else ChunkIO(store, self.fingerprint, replicas=self.cfg.store_replicas)
+        )
 
     def _load_prefix(self, keys: list[str]) -> list[torch.Tensor]:
         """The longest run of leading chunks that exist and verify."""
-        if not keys or not self._store_ok():
-            return []
-        try:
-            length = self.store.longest_prefix(keys)
-            got = self.store.batch_get_chunks(keys[:length], self._fp) if length else []
-        except (PdserveError, TimeoutError, OSError) as exc:
-            self._store_failed("load", exc)
+        if self.chunks is None:
             return []
         out: list[torch.Tensor] = []
-        for t in got:
+        for t in self.chunks.load_prefix(keys):
             if not self._valid_chunk(t, self.cfg.chunk_size):
                 metrics.KV_CHUNK_MISSES.labels("chunk").inc()
                 break
             out.append(t)
         return out
 
-    def _fetch(self, keys: list[str], wait_ms: int) -> list[torch.Tensor | None]:
-        """Gets every key's chunk; a missing one is retried for up to ``wait_ms`` (write mode,
-        the chunk may still be landing). Stops after the first miss (a None)."""
-        if not self._store_ok():
-            return []
+    def _fetch(
+        self, keys: list[str], wait_ms: int, cancelled: Callable[[], bool]
+    ) -> list[torch.Tensor | None]:
+        """Gets the keys' chunks in order, ending after the first miss (a None: missing,
+        corrupt, or not landed within ``wait_ms``: in write mode a key not stored yet is
+        waited for, it may still be landing). Runs on a loader thread."""
         out: list[torch.Tensor | None] = []
-        try:
-            got = self.store.batch_get_chunks(keys, self._fp)
-            deadline = time.monotonic() + wait_ms / 1000.0
-            for key, t in zip(keys, got, strict=True):
-                while t is None and time.monotonic() < deadline:
-                    time.sleep(_CHUNK_POLL_S)
-                    t = self.store.get_chunk(key, self._fp)
+        chunks = self.chunks
+        if not keys or chunks is None or not chunks.available():
+            return out
+
+        def load(start: int, end: int) -> int:
+            for t in chunks.get(keys[start:end]):
                 out.append(t)
                 if t is None:
-                    break
-        except (PdserveError, TimeoutError, OSError) as exc:
-            self._store_failed("load", exc)
+                    return len(out) - 1 - start
+            return len(out) - start
+
+        done = chunks.load_as_landed(keys, wait_ms, load, cancelled)
+        if done == len(out) < len(keys):  # the next key did not land in time
+            out.append(None)
         return out
 
     def _save_chunks(self, cache: Any, keys: list[str], first: int, end: int) -> None:
-        """Writes chunks ``first..end-1`` that the store does not already hold."""
-        if first >= end or not self._store_ok():
+        """Writes chunks ``first..end-1`` (one batched put; the store skips those it holds)."""
+        if first >= end or self.chunks is None or not self.chunks.available():
             return
-        from pdserve.store.client import StoreOptions
-
         cs = self.cfg.chunk_size
-        try:
-            present = self.store.exists(keys[first:end])
-            for i, there in zip(range(first, end), present, strict=True):
-                if there:
-                    metrics.KV_CHUNKS_SKIPPED.inc()
-                    continue
-                if self.store.put_chunk(
-                    keys[i],
-                    self._chunk_of(cache, i * cs, (i + 1) * cs),
-                    self._fp,
-                    StoreOptions(replicas=self.cfg.store_replicas),
-                ):
-                    metrics.KV_CHUNKS_WRITTEN.labels("chunk").inc()
-                else:
-                    metrics.KV_CHUNKS_SKIPPED.inc()
-        except (PdserveError, TimeoutError, OSError) as exc:
-            self._store_failed("save", exc)
+        self.chunks.save(
+            [(keys[i], self._chunk_of(cache, i * cs, (i + 1) * cs)) for i in range(first, end)]
+        )
 
     def _save_tail(self, cache: Any, key: str, n: int) -> None:
-        if not self._store_ok():
+        if self.chunks is None or not self.chunks.available():
             return
-        from pdserve.store.client import StoreOptions
-
         start = n - n % self.cfg.chunk_size
-        try:
-            self.store.put_chunk(
-                key,
-                self._chunk_of(cache, start, n),
-                self._fp,
-                StoreOptions(replicas=self.cfg.store_replicas, ttl_ms=self.cfg.tail_ttl_ms),
-            )
-            metrics.KV_CHUNKS_WRITTEN.labels("tail").inc()
-        except (PdserveError, TimeoutError, OSError) as exc:
-            self._store_failed("save", exc)
+        self.chunks.save([(key, self._chunk_of(cache, start, n))], ttl_ms=self.cfg.tail_ttl_ms)

@@ -4,7 +4,9 @@ It runs inside vLLM's engine core: one instance in the scheduler role, one in th
 Store objects are pdserve chunks (:mod:`pdserve.kvformat`, canonical layout
 ``[layers, 2, kv_heads, tokens, head_dim]``) under the chain keys of :mod:`pdserve.hashing`,
 so the torch engine and this connector read each other's chunks when the fingerprints match.
-One chunk is ``chunk_size / block_size`` vLLM blocks.
+One chunk is ``chunk_size / block_size`` vLLM blocks. Chunks are written in the fingerprint's
+``kv_compression`` encoding and read back in vLLM's KV dtype (an encoded chunk is dequantized
+into new memory, then scattered like any other).
 
 Keys are those of the request's cache salt (vLLM's ``Request.cache_salt``, "" = none), so
 tenants with different salts never load each other's chunks, as vLLM's own salted block
@@ -17,7 +19,19 @@ Flow per request:
   the chunk holding the last prompt token is stored, its first positions are loaded (a prefix
   slice of that chunk), so a fully cached prompt computes one token. Plus the request's partial
   tail when ``kv_transfer_params["pdserve"]["load_tail_key"]`` names one and every chunk before
-  it is stored. Loads are synchronous (done before the step's forward).
+  it is stored. Loads are synchronous (done before the step's forward), except write mode's.
+- Write mode (``kv_transfer_params["pdserve"]["await_chunks"]`` = k, ``["chunk_wait_ms"]``):
+  the prompt's first k full chunks are being published by a prefill running at the same time
+  on another worker. When the store does not hold them all yet, the lookup answers k chunks
+  with ``load_async=True``: vLLM allocates their blocks and parks the request in
+  ``WAITING_FOR_REMOTE_KVS``, and the worker side waits for the chunks on a waiter thread
+  (:func:`pdserve.engines.chunk_wait.load_as_landed`: each one is scattered into its blocks as
+  soon as it is committed, up to ``chunk_wait_ms`` for each) while vLLM's steps go on for
+  every other request. The request is reported in ``get_finished`` once every chunk is in, or
+  with the blocks of the chunks that did not land in ``get_block_ids_with_load_errors``, which
+  vLLM recomputes. Then vLLM schedules it: it computes the rest of the prompt and samples the
+  first token itself. A request waits at most once (a failed wait that vLLM reschedules loads
+  what is stored, synchronously); an abort stops its wait.
 - Worker, ``start_load_kv``: fetches the chunks, verifies them (checksum, fingerprint, shape)
   and scatters them into the request's paged blocks. A chunk that is missing, corrupt or
   unreachable is reported through ``get_block_ids_with_load_errors``; with
@@ -40,8 +54,10 @@ original prompt and computes only the position of the first generated token.
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -54,7 +70,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from pdserve import hashing
-from pdserve.kvformat import DTYPE_NAMES, HEADER_SIZE
+from pdserve.engines.chunk_io import ChunkIO
+from pdserve.kvformat import DTYPE_NAMES, encoded_size
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -82,6 +99,8 @@ class ConnectorSettings:
     transport: str = "auto"
     store_client: str = DEFAULT_STORE_CLIENT
     replicas: int = 1
+    #: timeout of one store operation (seconds), the engine's ``store_timeout_s``
+    timeout_s: float = 5.0
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
@@ -92,17 +111,19 @@ class ConnectorSettings:
                 revision=str(extra.get("revision", "")),
                 kv_dtype=str(extra.get("kv_dtype", "float32")),
                 chunk_size=int(extra["chunk_size"]),
+                kv_compression=str(extra.get("kv_compression", "none")),
             ),
             tail_ttl_ms=int(extra.get("tail_ttl_ms", 30_000)),
             transport=str(extra.get("transport", "auto")),
             store_client=str(extra.get("store_client", DEFAULT_STORE_CLIENT)),
             replicas=int(extra.get("replicas", 1)),
+            timeout_s=float(extra.get("timeout_s", 5.0)),
         )
 
     def make_client(self) -> Any:
         module, _, name = self.store_client.rpartition(".")
         cls = getattr(importlib.import_module(module), name)
-        return cls(self.master_address, transport=self.transport)
+        return cls(self.master_address, transport=self.transport, timeout_s=self.timeout_s)
 
 
 def extra_config(
@@ -113,6 +134,7 @@ def extra_config(
     transport: str = "auto",
     store_client: str = DEFAULT_STORE_CLIENT,
     replicas: int = 1,
+    timeout_s: float = 5.0,
 ) -> dict[str, Any]:
     """The ``kv_connector_extra_config`` for :class:`ConnectorSettings.from_extra`."""
     return {
@@ -121,10 +143,12 @@ def extra_config(
         "revision": fingerprint.revision,
         "kv_dtype": fingerprint.kv_dtype,
         "chunk_size": fingerprint.chunk_size,
+        "kv_compression": fingerprint.kv_compression,
         "tail_ttl_ms": tail_ttl_ms,
         "transport": transport,
         "store_client": store_client,
         "replicas": replicas,
+        "timeout_s": timeout_s,
     }
 
 
@@ -150,6 +174,9 @@ class RequestLoad:
     req_id: str
     block_ids: list[int]
     chunks: list[ChunkLoad]
+    #: Write mode: load asynchronously, waiting up to this long for each chunk (ms); 0 = a
+    #: synchronous load of stored chunks before this step's forward.
+    wait_ms: int = 0
 
 
 @dataclass
@@ -178,6 +205,7 @@ class _LoadPlan:
     keys: list[str]  # stored chunk keys covering [0, len(keys) * chunk_size), maybe past end
     tail_key: str  # "" when the plan ends on a chunk boundary
     block_ids: list[int] = field(default_factory=list)
+    wait_ms: int = 0  # write mode: the keys may still be landing (an asynchronous load)
 
 
 @dataclass
@@ -197,6 +225,7 @@ class _Outcome:
     plan_start: int = 0
     block_ids: list[int] = field(default_factory=list)
     failed_from: int | None = None  # first token position that failed to load
+    chunks: int = 0  # chunks the plan loads (an asynchronous load: saved by their writer)
 
 
 def _request_params(request: Any) -> dict[str, Any]:
@@ -227,7 +256,6 @@ class PdserveConnector(KVConnectorBase_V1):
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.settings = ConnectorSettings.from_extra(extra)
         self.fp = self.settings.fingerprint
-        self.fp_digest = self.fp.digest()
         self.block_size = vllm_config.cache_config.block_size
         self.chunk_size = self.fp.chunk_size
         if self.chunk_size % self.block_size:
@@ -236,15 +264,26 @@ class PdserveConnector(KVConnectorBase_V1):
                 f"{self.block_size}"
             )
         self.blocks_per_chunk = self.chunk_size // self.block_size
-        self.client = self.settings.make_client()
+        #: the store, reached only through ChunkIO (one failure policy with the torch engine)
+        self.io = ChunkIO(self.settings.make_client(), self.fp, replicas=self.settings.replicas)
         # scheduler role
         self._plans: dict[str, _LoadPlan] = {}
         self._trackers: dict[str, _SaveTracker] = {}
         self._outcomes: dict[str, _Outcome] = {}
         self._requests: dict[str, Request] = {}
+        #: write mode: asynchronous loads allocated, for the next metadata; requests that
+        #: have had their one wait
+        self._async_plans: dict[str, _LoadPlan] = {}
+        self._waited: set[str] = set()
         # worker role
         self._caches: list[torch.Tensor] = []
         self._failed_blocks: set[int] = set()
+        #: write mode's waiter threads: the stop event of each wait in progress, the requests
+        #: whose wait ended (for get_finished); ``_lock`` guards these and _failed_blocks
+        self._lock = threading.Lock()
+        self._waits: dict[str, threading.Event] = {}
+        self._landed: set[str] = set()
+        self._waiter: concurrent.futures.ThreadPoolExecutor | None = None
         self._arena = bytearray()
         self._arena_tensor = torch.empty(0, dtype=torch.uint8)
 
@@ -258,25 +297,39 @@ class PdserveConnector(KVConnectorBase_V1):
         cs = self.chunk_size
         params = _request_params(request)
         keys = hashing.chunk_keys(self.fp, tokens, _cache_salt(request))
-        try:
-            hit = self.client.longest_prefix(keys) if keys else 0
-            # a stored chunk holding the last token is loaded up to that token (a prefix slice)
-            end = min(hit * cs, limit)
-            tail_key = str(params.get("load_tail_key", ""))
-            tail_end = int(params.get("load_tail_tokens", 0))
-            use_tail = (
-                bool(tail_key)
-                and cs * (tail_end // cs) == end
-                and end < tail_end <= limit
-                and self.client.exists([tail_key])[0]
-            )
-        except Exception as exc:  # store down: no external hit, vLLM computes everything
-            log.warning("pdserve store lookup failed, computing locally: %s", exc)
-            return 0, False
+        # a store that fails answers no hit (ChunkIO): vLLM computes everything
+        hit = self.io.lookup(keys)
+        # a stored chunk holding the last token is loaded up to that token (a prefix slice)
+        end = min(hit * cs, limit)
+        tail_key = str(params.get("load_tail_key", ""))
+        tail_end = int(params.get("load_tail_tokens", 0))
+        use_tail = (
+            bool(tail_key)
+            and cs * (tail_end // cs) == end
+            and end < tail_end <= limit
+            and self.io.has(tail_key)
+        )
         if use_tail:
             end = tail_end
         else:
             tail_key = ""
+        awaited = min(int(params.get("await_chunks", 0)), limit // cs)
+        wait_ms = int(params.get("chunk_wait_ms", 0))
+        if (
+            hit < awaited
+            and wait_ms > 0
+            and num_computed_tokens < awaited * cs
+            and request.request_id not in self._waited
+        ):
+            # write mode: the chunks are still landing; vLLM parks the request meanwhile
+            self._plans[request.request_id] = _LoadPlan(
+                start=num_computed_tokens,
+                end=awaited * cs,
+                keys=keys[:awaited],
+                tail_key="",
+                wait_ms=wait_ms,
+            )
+            return awaited * cs - num_computed_tokens, True
         if end <= num_computed_tokens:
             self._plans.pop(request.request_id, None)
             return 0, False
@@ -297,6 +350,9 @@ class PdserveConnector(KVConnectorBase_V1):
         # The scheduler may trim a sub-block local hit: re-derive where the load starts.
         plan.start = plan.end - num_external_tokens
         plan.block_ids = list(blocks.get_block_ids()[0])
+        if plan.wait_ms:  # parked in WAITING_FOR_REMOTE_KVS: not in this step's new requests
+            self._waited.add(request.request_id)
+            self._async_plans[request.request_id] = self._plans.pop(request.request_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = PdserveConnectorMetadata()
@@ -305,6 +361,15 @@ class PdserveConnector(KVConnectorBase_V1):
             self._plans.pop(req_id, None)
         for req_id in scheduler_output.preempted_req_ids or ():
             self._trackers.pop(req_id, None)
+        for req_id, plan in self._async_plans.items():
+            meta.loads.append(self._load_meta(req_id, plan, plan.block_ids))
+            self._outcomes[req_id] = _Outcome(
+                planned=plan.end - plan.start,
+                plan_start=plan.start,
+                block_ids=plan.block_ids,
+                chunks=len(plan.keys),
+            )
+        self._async_plans.clear()
 
         for new in scheduler_output.scheduled_new_reqs:
             plan = self._plans.pop(new.req_id, None)
@@ -316,6 +381,10 @@ class PdserveConnector(KVConnectorBase_V1):
                 self._outcomes[new.req_id] = _Outcome(
                     planned=plan.end - plan.start, plan_start=plan.start, block_ids=block_ids
                 )
+            elif new.req_id in self._outcomes:  # its asynchronous load is over
+                done = self._outcomes[new.req_id]
+                failed = done.failed_from
+                loaded_chunks = done.chunks if failed is None else failed // self.chunk_size
             self._track(new.req_id, new.prompt_token_ids or [], block_ids, loaded_chunks)
             self._advance(
                 new.req_id,
@@ -350,7 +419,7 @@ class PdserveConnector(KVConnectorBase_V1):
         if plan.tail_key:
             base = len(plan.keys) * cs
             chunks.append(ChunkLoad(plan.tail_key, base, plan.end - base, plan.start, plan.end))
-        return RequestLoad(req_id, block_ids, chunks)
+        return RequestLoad(req_id, block_ids, chunks, plan.wait_ms)
 
     def _track(
         self, req_id: str, prompt: list[int], block_ids: list[int], loaded_chunks: int
@@ -410,6 +479,8 @@ class PdserveConnector(KVConnectorBase_V1):
         self._requests.pop(req_id, None)
         self._trackers.pop(req_id, None)
         self._plans.pop(req_id, None)
+        self._async_plans.pop(req_id, None)
+        self._waited.discard(req_id)
         outcome = self._outcomes.pop(req_id, _Outcome())
         failed = 0
         if outcome.failed_from is not None:
@@ -449,23 +520,85 @@ class PdserveConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, PdserveConnectorMetadata)
         for load in meta.loads:
-            self._load_request(load)
+            if load.wait_ms:
+                self._start_wait(load)
+            else:
+                self._load_request(load)
+
+    def _start_wait(self, load: RequestLoad) -> None:
+        """Write mode: hands ``load`` to a waiter thread (see the module docstring)."""
+        if self._waiter is None:
+            self._waiter = concurrent.futures.ThreadPoolExecutor(
+                4, thread_name_prefix="pdserve-kv-wait"
+            )
+        stop = threading.Event()
+        with self._lock:
+            self._waits[load.req_id] = stop
+        self._waiter.submit(self._await_load, load, stop)
+
+    def _await_load(self, load: RequestLoad, stop: threading.Event) -> None:
+        """Waiter thread: scatters each chunk of ``load`` as it lands. The request's blocks
+        are its own until it is reported finished, so this writes them while vLLM's forwards
+        use others. The chunks are read into fresh buffers, not the forward thread's arena.
+        Chunks that did not land (or were corrupt) are reported as failed blocks before the
+        request is reported finished, as vLLM requires."""
+        keys = [c.key for c in load.chunks]
+        loaded = 0
+
+        def land(start: int, end: int) -> int:
+            nonlocal loaded
+            tensors = self.io.get(keys[start:end])
+            good = []
+            for chunk, kv in zip(load.chunks[start:end], tensors, strict=True):
+                if not self._valid(kv, chunk.num_tokens):
+                    break
+                good.append((chunk, kv))
+            self._scatter_all(good, load.block_ids)  # type: ignore[arg-type]
+            loaded += len(good)
+            return len(good)
+
+        self.io.load_as_landed(keys, load.wait_ms, land, stop.is_set)
+        with self._lock:
+            if loaded < len(load.chunks) and not stop.is_set():
+                self._failed_blocks.update(self._blocks_from(load, loaded))
+                log.warning(
+                    "pdserve chunk %d of %s did not land in %d ms: recomputing from it",
+                    loaded,
+                    load.req_id,
+                    load.wait_ms,
+                )
+            del self._waits[load.req_id]
+            self._landed.add(load.req_id)
+
+    def _blocks_from(self, load: RequestLoad, index: int) -> list[int]:
+        """The blocks ``load`` fills from its chunk ``index`` on (recomputed on a failure)."""
+        bs = self.block_size
+        chunk = load.chunks[index]
+        first = max(chunk.start, chunk.skip_before) // bs
+        last = (load.chunks[-1].stop + bs - 1) // bs
+        return load.block_ids[first:last]
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Write mode: the requests whose wait ended since the last call; a finished (aborted)
+        request's wait is stopped, and reported here once its thread has let go of its
+        blocks (vLLM frees them then)."""
+        with self._lock:
+            for req_id in finished_req_ids:
+                stop = self._waits.get(req_id)
+                if stop is not None:
+                    stop.set()
+            landed, self._landed = self._landed, set()
+        return None, landed or None
 
     def _load_request(self, load: RequestLoad) -> None:
         bs = self.block_size
-        try:
-            tensors = self.client.batch_get_chunks(
-                [c.key for c in load.chunks], self.fp_digest, arena=self._arena_for(load)
-            )
-        except Exception as exc:
-            log.warning("pdserve store read failed for %s: %s", load.req_id, exc)
-            tensors = [None] * len(load.chunks)
+        tensors = self.io.get([c.key for c in load.chunks], arena=self._arena_for(load))
         loaded: list[tuple[ChunkLoad, torch.Tensor]] = []
         for i, (chunk, kv) in enumerate(zip(load.chunks, tensors, strict=True)):
             if not self._valid(kv, chunk.num_tokens):
                 first = max(chunk.start, chunk.skip_before) // bs
-                last = (load.chunks[-1].stop + bs - 1) // bs
-                self._failed_blocks.update(load.block_ids[first:last])
+                with self._lock:
+                    self._failed_blocks.update(self._blocks_from(load, i))
                 log.warning(
                     "pdserve chunk %d of %s missing or corrupt: recomputing from token %d",
                     i,
@@ -481,8 +614,11 @@ class PdserveConnector(KVConnectorBase_V1):
         """The reusable read buffer, grown to hold every chunk of ``load`` (the chunks are
         scattered into the paged cache before the next load reuses it)."""
         k, _ = self._kv_views(self._caches[0])
-        per_token = len(self._caches) * 2 * k.shape[1] * k.shape[3] * self._caches[0].itemsize
-        need = sum(HEADER_SIZE + c.num_tokens * per_token for c in load.chunks)
+        layers, heads, dim = len(self._caches), k.shape[1], k.shape[3]
+        need = sum(
+            encoded_size((layers, 2, heads, c.num_tokens, dim), k.dtype, self.fp.kv_compression)
+            for c in load.chunks
+        )
         if len(self._arena) < need:
             self._arena = bytearray(need)
             self._arena_tensor = torch.frombuffer(self._arena, dtype=torch.uint8)
@@ -577,7 +713,7 @@ class PdserveConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, PdserveConnectorMetadata)
-        if not meta.saves:
+        if not meta.saves or not self.io.available():
             return
         # one batched put per TTL (prompt chunks; request tails): two master round trips per
         # step whatever the chunk count, and existing keys skipped by the master, no pre-check
@@ -585,15 +721,7 @@ class PdserveConnector(KVConnectorBase_V1):
         for save in meta.saves:
             by_ttl.setdefault(save.ttl_ms, []).append((save.key, self._gather(save)))
         for ttl_ms, items in by_ttl.items():
-            try:
-                self.client.batch_put_chunks(items, self.fp_digest, self._options(ttl_ms))
-            except Exception as exc:  # a missing chunk is a future miss, never an error
-                log.warning("pdserve store save of %d chunk(s) failed: %s", len(items), exc)
-
-    def _options(self, ttl_ms: int) -> Any:
-        from pdserve.store.client import StoreOptions
-
-        return StoreOptions(replicas=self.settings.replicas, ttl_ms=ttl_ms)
+            self.io.save(items, ttl_ms=ttl_ms)  # a chunk not saved is a future miss
 
     def _gather(self, save: ChunkSave) -> torch.Tensor:
         bs = self.block_size
@@ -611,13 +739,17 @@ class PdserveConnector(KVConnectorBase_V1):
         return torch.stack(layers).contiguous()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        failed, self._failed_blocks = self._failed_blocks, set()
+        with self._lock:
+            failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
     def shutdown(self) -> None:
-        close = getattr(self.client, "close", None)
-        if close is not None:
-            close()
+        with self._lock:
+            for stop in self._waits.values():
+                stop.set()
+        if self._waiter is not None:
+            self._waiter.shutdown(wait=True, cancel_futures=True)
+        self.io.close()
 
 
 def kv_views(cache: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,6 +9,14 @@
   connector loads the full chunks and the tail (the whole original prompt) and vLLM computes
   only the first token's position. Without a handle, vLLM prefills locally and the connector
   still reuses stored prefix chunks (and saves new ones).
+- ``generate`` with a write-mode handle (no first token, ``chunk_wait_ms`` > 0: the router's
+  write plan, prefill running at the same time elsewhere): the same contract as the torch
+  engine's. The handle names the prompt's first ``(n - 1) // chunk_size`` full chunks; the
+  connector waits for them with vLLM's asynchronous KV load (the request is parked in
+  ``WAITING_FOR_REMOTE_KVS`` and each chunk is scattered as it lands, on a connector thread,
+  while vLLM keeps stepping the other requests), then vLLM computes the rest of the prompt and
+  samples the first token. Chunks that do not land within ``chunk_wait_ms`` each are
+  recomputed. A handle that does not match the prompt is ignored (a local prefill).
 - A failed load (miss, corrupt chunk, store down) is recomputed by vLLM
   (``kv_load_failure_policy="recompute"``): slower, never a different token.
 
@@ -24,6 +32,7 @@ engine and lets both engines share chunks).
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import os
 import time
@@ -54,6 +63,8 @@ from pdserve.errors import InvalidArgument
 CONNECTOR_MODULE = "pdserve.engines.vllm_connector"
 CONNECTOR_CLASS = "PdserveConnector"
 SCHEDULER_CLASS = "pdserve.engines.vllm_scheduler.StreamFirstScheduler"
+
+log = logging.getLogger(__name__)
 
 
 def prepare_environment(config: EngineConfig, cache_root: str | None = None) -> None:
@@ -103,6 +114,8 @@ class VllmEngine(Engine):
         self._tokenizer: Any = None
         self._running = 0
         self._waiting = 0
+        #: vLLM's KV cache usage (blocks in use / blocks) as of its latest scheduler step.
+        self._kv_usage = 0.0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -113,7 +126,11 @@ class VllmEngine(Engine):
         model_dir = await asyncio.to_thread(resolve_model, cfg.model)
         served = cfg.served_model_name or cfg.model
         self.fingerprint = model_fingerprint(
-            model_dir, served, cfg.resolved_kv_dtype(), cfg.chunk_size
+            model_dir,
+            served,
+            cfg.resolved_kv_dtype(),
+            cfg.chunk_size,
+            cfg.resolved_kv_compression(),
         )
         prepare_environment(cfg)
         self._llm = await asyncio.to_thread(self._build, model_dir, served)
@@ -143,6 +160,7 @@ class VllmEngine(Engine):
                     tail_ttl_ms=cfg.tail_ttl_ms,
                     transport=cfg.store_transport,
                     replicas=cfg.store_replicas,
+                    timeout_s=cfg.store_timeout_s,
                     store_client=os.environ.get(
                         "PDSERVE_STORE_CLIENT", "pdserve.store.client.StoreClient"
                     ),
@@ -170,7 +188,7 @@ class VllmEngine(Engine):
             disable_log_stats=True,
             **vllm_args.check(cfg.vllm_args, store=kv_transfer is not None),
         )
-        return AsyncLLM.from_engine_args(args)
+        return AsyncLLM.from_engine_args(args, stat_loggers=[kv_usage_logger(self)])
 
     async def close(self) -> None:
         if self._llm is not None:
@@ -276,9 +294,9 @@ class VllmEngine(Engine):
         text = TextStream(self.decode_text, sampling.stop)
         extra: dict[str, Any] | None = None
         max_tokens = sampling.max_tokens
-        if kv is not None:
-            if first_token_id is None:
-                raise InvalidArgument("a KV handle needs the first token from prefill")
+        if kv is not None and first_token_id is None:
+            extra = self._write_mode_params(request_id, prompt, kv, chunk_wait_ms, cache_salt)
+        elif kv is not None:
             if kv.num_tokens != len(prompt):
                 raise InvalidArgument(
                     f"KV handle covers {kv.num_tokens} tokens but the prompt has {len(prompt)}"
@@ -327,6 +345,33 @@ class VllmEngine(Engine):
         if last is None:
             raise RuntimeError(f"vLLM returned nothing for request {request_id}")
 
+    def _write_mode_params(
+        self, request_id: str, prompt: list[int], kv: KVRef, wait_ms: int, cache_salt: str
+    ) -> dict[str, Any] | None:
+        """The connector's parameters for a write-mode handle: wait for its chunks. None (no
+        wait: the connector loads what is stored) without a store or a wait, and for a handle
+        that does not name a chunk-aligned prefix of this prompt's keys (ignored, as the torch
+        engine does, rather than trusted)."""
+        fp = self.fingerprint
+        cs = fp.chunk_size
+        k = len(kv.chunk_keys)
+        if (
+            kv.fingerprint != fp.digest()
+            or kv.chunk_size != cs
+            or kv.tail_key
+            or kv.num_tokens != k * cs
+            or k * cs > len(prompt)
+            or list(kv.chunk_keys) != hashing.chunk_keys(fp, prompt, cache_salt)[:k]
+        ):
+            log.warning(
+                "request %s: KV handle does not match prompt/model; recomputing", request_id
+            )
+            metrics.KV_CHUNK_MISSES.labels("handle").inc()
+            return None
+        if not (k and wait_ms > 0 and self.config.store_master):
+            return None
+        return {PARAMS_KEY: {"await_chunks": k, "chunk_wait_ms": wait_ms}}
+
     def _count_generate(self, out: Any, with_handle: bool) -> None:
         loaded = _loaded_tokens(out)
         metrics.KV_LOADED_TOKENS.labels("decode").inc(loaded)
@@ -339,7 +384,41 @@ class VllmEngine(Engine):
             metrics.KV_COMPUTED_TOKENS.labels("kv_miss").inc(failed)
 
     def load(self) -> EngineLoad:
-        return EngineLoad(queue_length=self._waiting, running_requests=self._running, kv_usage=0.0)
+        return EngineLoad(
+            queue_length=self._waiting,
+            running_requests=self._running,
+            kv_usage=min(1.0, max(0.0, self._kv_usage)),
+        )
+
+
+def kv_usage_logger(engine: VllmEngine) -> Any:
+    """A vLLM stat logger (class) that keeps ``engine._kv_usage`` at the KV cache usage of
+    vLLM's scheduler stats (``SchedulerStats.kv_cache_usage``: the fraction of KV cache blocks
+    in use, cached blocks no request holds counting as free), which the engine core sends with
+    every step's outputs. vLLM calls ``record`` on its output handler task, in the engine's
+    event loop. Passing a logger turns vLLM's stats on without its default loggers (vLLM
+    still adds its Prometheus logger, on prometheus_client's default registry, which pdserve's
+    /metrics does not serve)."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class KVUsageLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(
+            self,
+            scheduler_stats: Any,
+            iteration_stats: Any,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+        ) -> None:
+            if scheduler_stats is not None:
+                engine._kv_usage = float(scheduler_stats.kv_cache_usage)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return KVUsageLogger
 
 
 def _vllm_id(request_id: str) -> str:

@@ -26,6 +26,13 @@ Prompts are not starved for it: one that has waited ``ttft_urgent_ms`` since it 
 its whole remaining prompt into the next step, streams or not (a stream absorbs one long step
 over all its tokens; a first token that misses its target is lost for good).
 
+While every request the engine holds is waiting for its KV to arrive (write mode's
+asynchronous load, :mod:`pdserve.engines.vllm_connector`) and nothing else is runnable, each
+step waits ``REMOTE_KV_IDLE_S`` first. vLLM's own loop would run about a thousand empty steps a
+second to learn when the load is done, measured here at more than a whole core (engine core
+plus worker process) taken from the prefill computing those very chunks. The price: a request
+arriving meanwhile starts up to that much later, and a finished load is noticed that much later.
+
 Loaded inside vLLM's engine core through ``scheduler_cls``; the targets come from
 ``additional_config`` (``pdserve_tpot_target_ms``, ``pdserve_ttft_urgent_ms``; 0 = off).
 """
@@ -37,6 +44,7 @@ import time
 from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
 
 from pdserve.engines.step_budget import (
     TPOT_TARGET_KEY,
@@ -45,6 +53,9 @@ from pdserve.engines.step_budget import (
     Stream,
     prompt_budget,
 )
+
+#: Pause before a step while the engine only waits for asynchronous KV loads (seconds).
+REMOTE_KV_IDLE_S = 0.01
 
 
 class StreamFirstScheduler(Scheduler):
@@ -62,6 +73,8 @@ class StreamFirstScheduler(Scheduler):
         self._step_prompt_tokens = 0
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        if self._only_waiting_for_kv():
+            time.sleep(REMOTE_KV_IDLE_S)
         now = time.monotonic()
         streams = []
         if self.tpot_target_s > 0:
@@ -86,6 +99,20 @@ class StreamFirstScheduler(Scheduler):
             prompts = max(0, total - len(streams))
             self._step_started, self._step_prompt_tokens = time.monotonic(), prompts
         return out
+
+    def _only_waiting_for_kv(self) -> bool:
+        """Nothing to compute or clean up: every request waits for an asynchronous KV load
+        that has not finished."""
+        return (
+            not self.running
+            and not self.waiting
+            and not self.finished_req_ids
+            and not self.finished_recving_kv_req_ids
+            and len(self.kv_holding_waiting) > 0
+            and all(
+                r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.kv_holding_waiting
+            )
+        )
 
     def _urgent_prompt_tokens(self) -> int:
         """Prompt tokens still to compute of the prompts waiting longer than ttft_urgent_ms

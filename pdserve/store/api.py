@@ -160,19 +160,25 @@ class StoreBackend(ABC):
         kv: torch.Tensor,
         fingerprint: bytes,
         options: StoreOptions = DEFAULT_OPTIONS,
+        *,
+        encoding: str = "none",
     ) -> bool:
-        return self.batch_put_chunks([(key, kv)], fingerprint, options)[0]
+        return self.batch_put_chunks([(key, kv)], fingerprint, options, encoding=encoding)[0]
 
     def batch_put_chunks(
         self,
         items: Sequence[tuple[str, torch.Tensor]],
         fingerprint: bytes,
         options: StoreOptions = DEFAULT_OPTIONS,
+        *,
+        encoding: str = "none",
     ) -> list[bool]:
-        """Encodes each chunk and puts them all with one :meth:`batch_put` (one master round
-        trip per phase, whatever the count; existing keys are skipped, no pre-check)."""
+        """Encodes each chunk (with the chunk ``encoding`` of :mod:`pdserve.kvformat`, the
+        fingerprint's ``kv_compression``) and puts them all with one :meth:`batch_put` (one
+        master round trip per phase, whatever the count; existing keys are skipped, no
+        pre-check). Readers need no encoding: the chunk's header names it."""
         try:
-            encoded = [(key, kvformat.encode(kv, fingerprint, key)) for key, kv in items]
+            encoded = [(key, kvformat.encode(kv, fingerprint, key, encoding)) for key, kv in items]
         except kvformat.ChunkFormatError as exc:
             raise errors.InvalidArgument(str(exc)) from exc
         return self.batch_put(encoded, replace(options, checksum=False))

@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"B\n\x0b\x43hatMessage\x12\"\n\x04role\x18\x01 \x01(\x0e\x32\x14.pdserve.v1.ChatRole\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x85\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12)\n\x08messages\x18\x05 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12$\n\x04mode\x18\x07 \x01(\x0e\x32\x16.pdserve.v1.DisaggMode\x12\x17\n\ncache_salt\x18\x08 \x01(\tH\x00\x88\x01\x01\x42\r\n\x0b_cache_salt\"\xc9\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x07 \x01(\x01\x12\x10\n\x08total_ms\x18\x08 \x01(\x01\"\xc4\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x16\n\x0etoken_times_ms\x18\x04 \x03(\x01\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x15\n\rcached_tokens\x18\x07 \x01(\r\"\x13\n\x11ListModelsRequest\"a\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x17\n\x0fprefill_workers\x18\x03 \x01(\r\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x04 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo\"J\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t*q\n\nDisaggMode\x12\x1b\n\x17\x44ISAGG_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10\x44ISAGG_MODE_READ\x10\x01\x12\x15\n\x11\x44ISAGG_MODE_WRITE\x10\x02\x12\x19\n\x15\x44ISAGG_MODE_COLOCATED\x10\x03*h\n\x08\x43hatRole\x12\x19\n\x15\x43HAT_ROLE_UNSPECIFIED\x10\x00\x12\x14\n\x10\x43HAT_ROLE_SYSTEM\x10\x01\x12\x12\n\x0e\x43HAT_ROLE_USER\x10\x02\x12\x17\n\x13\x43HAT_ROLE_ASSISTANT\x10\x03\x32\xbf\x02\n\rRouterService\x12\x45\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1b.pdserve.v1.GenerateRequest\x1a\".pdserve.v1.GenerateStreamResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponse\x12\x45\n\x08Tokenize\x12\x1b.pdserve.v1.TokenizeRequest\x1a\x1c.pdserve.v1.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"B\n\x0b\x43hatMessage\x12\"\n\x04role\x18\x01 \x01(\x0e\x32\x14.pdserve.v1.ChatRole\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x85\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12)\n\x08messages\x18\x05 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12$\n\x04mode\x18\x07 \x01(\x0e\x32\x16.pdserve.v1.DisaggMode\x12\x17\n\ncache_salt\x18\x08 \x01(\tH\x00\x88\x01\x01\x42\r\n\x0b_cache_salt\"\xc9\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x07 \x01(\x01\x12\x10\n\x08total_ms\x18\x08 \x01(\x01\"\xc4\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x16\n\x0etoken_times_ms\x18\x04 \x03(\x01\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x15\n\rcached_tokens\x18\x07 \x01(\r\"\x13\n\x11ListModelsRequest\"z\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x17\n\x0fprefill_workers\x18\x03 \x01(\r\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x04 \x01(\r\x12\x17\n\x0frefused_workers\x18\x05 \x03(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo\"J\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t*q\n\nDisaggMode\x12\x1b\n\x17\x44ISAGG_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10\x44ISAGG_MODE_READ\x10\x01\x12\x15\n\x11\x44ISAGG_MODE_WRITE\x10\x02\x12\x19\n\x15\x44ISAGG_MODE_COLOCATED\x10\x03*h\n\x08\x43hatRole\x12\x19\n\x15\x43HAT_ROLE_UNSPECIFIED\x10\x00\x12\x14\n\x10\x43HAT_ROLE_SYSTEM\x10\x01\x12\x12\n\x0e\x43HAT_ROLE_USER\x10\x02\x12\x17\n\x13\x43HAT_ROLE_ASSISTANT\x10\x03\x32\xbf\x02\n\rRouterService\x12\x45\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1b.pdserve.v1.GenerateRequest\x1a\".pdserve.v1.GenerateStreamResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponse\x12\x45\n\x08Tokenize\x12\x1b.pdserve.v1.TokenizeRequest\x1a\x1c.pdserve.v1.TokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DISAGGMODE']._serialized_start=1111
-  _globals['_DISAGGMODE']._serialized_end=1224
-  _globals['_CHATROLE']._serialized_start=1226
-  _globals['_CHATROLE']._serialized_end=1330
+  _globals['_DISAGGMODE']._serialized_start=1136
+  _globals['_DISAGGMODE']._serialized_end=1249
+  _globals['_CHATROLE']._serialized_start=1251
+  _globals['_CHATROLE']._serialized_end=1355
   _globals['_CHATMESSAGE']._serialized_start=64
   _globals['_CHATMESSAGE']._serialized_end=130
   _globals['_GENERATEREQUEST']._serialized_start=133
@@ -47,13 +47,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTMODELSREQUEST']._serialized_start=799
   _globals['_LISTMODELSREQUEST']._serialized_end=818
   _globals['_MODELINFO']._serialized_start=820
-  _globals['_MODELINFO']._serialized_end=917
-  _globals['_LISTMODELSRESPONSE']._serialized_start=919
-  _globals['_LISTMODELSRESPONSE']._serialized_end=978
-  _globals['_TOKENIZEREQUEST']._serialized_start=980
-  _globals['_TOKENIZEREQUEST']._serialized_end=1054
-  _globals['_TOKENIZERESPONSE']._serialized_start=1056
-  _globals['_TOKENIZERESPONSE']._serialized_end=1109
-  _globals['_ROUTERSERVICE']._serialized_start=1333
-  _globals['_ROUTERSERVICE']._serialized_end=1652
+  _globals['_MODELINFO']._serialized_end=942
+  _globals['_LISTMODELSRESPONSE']._serialized_start=944
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1003
+  _globals['_TOKENIZEREQUEST']._serialized_start=1005
+  _globals['_TOKENIZEREQUEST']._serialized_end=1079
+  _globals['_TOKENIZERESPONSE']._serialized_start=1081
+  _globals['_TOKENIZERESPONSE']._serialized_end=1134
+  _globals['_ROUTERSERVICE']._serialized_start=1358
+  _globals['_ROUTERSERVICE']._serialized_end=1677
 # @@protoc_insertion_point(module_scope)

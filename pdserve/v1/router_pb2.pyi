@@ -101,16 +101,18 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "max_model_len", "prefill_workers", "decode_workers")
+    __slots__ = ("name", "max_model_len", "prefill_workers", "decode_workers", "refused_workers")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKERS_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_WORKERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     max_model_len: int
     prefill_workers: int
     decode_workers: int
-    def __init__(self, name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., prefill_workers: _Optional[int] = ..., decode_workers: _Optional[int] = ...) -> None: ...
+    refused_workers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., prefill_workers: _Optional[int] = ..., decode_workers: _Optional[int] = ..., refused_workers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)

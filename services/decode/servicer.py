@@ -39,6 +39,8 @@ PROMPT_TOKENS = Counter(
 )
 
 _FINISH_NAMES = {1: "length", 2: "eos", 3: "stop", 4: "cancelled"}
+#: PROMPT_TOKENS sources, in the order of the counts (loaded, recomputed, prefix cached).
+_SOURCES = ("loaded", "recomputed", "prefix_cache")
 
 
 class DecodeServicer(engine_pb2_grpc.DecodeServiceServicer):
@@ -63,6 +65,8 @@ class DecodeServicer(engine_pb2_grpc.DecodeServiceServicer):
         kv = kvref_from_proto(request.kv) if request.HasField("kv") else None
         first = request.first_token_id if request.HasField("first_token_id") else None
         outcome = "error"
+        # (loaded, recomputed, prefix cached): sent on the last message only (DecodeResponse)
+        counts = (0, 0, 0)
         async with self.slots.slot():
             RUNNING.inc()
             try:
@@ -76,20 +80,22 @@ class DecodeServicer(engine_pb2_grpc.DecodeServiceServicer):
                     cache_salt=salt,
                 ):
                     if ev.loaded_tokens or ev.recomputed_tokens or ev.prefix_cached_tokens:
-                        PROMPT_TOKENS.labels("loaded").inc(ev.loaded_tokens)
-                        PROMPT_TOKENS.labels("recomputed").inc(ev.recomputed_tokens)
-                        PROMPT_TOKENS.labels("prefix_cache").inc(ev.prefix_cached_tokens)
+                        counts = (ev.loaded_tokens, ev.recomputed_tokens, ev.prefix_cached_tokens)
                     TOKENS.inc(len(ev.token_ids))
+                    last = (0, 0, 0)
                     if ev.finish is not None:
                         outcome = _FINISH_NAMES[int(ev.finish)]
+                        last = counts
+                        for source, n in zip(_SOURCES, last, strict=True):
+                            PROMPT_TOKENS.labels(source).inc(n)
                     yield engine_pb2.DecodeResponse(
                         token_ids=ev.token_ids,
                         text=ev.text,
                         finish_reason=int(ev.finish or 0),
                         token_times_ms=ev.times_ms,
-                        loaded_tokens=ev.loaded_tokens,
-                        recomputed_tokens=ev.recomputed_tokens,
-                        prefix_cached_tokens=ev.prefix_cached_tokens,
+                        loaded_tokens=last[0],
+                        recomputed_tokens=last[1],
+                        prefix_cached_tokens=last[2],
                     )
             except (asyncio.CancelledError, GeneratorExit):  # client cancel or deadline
                 outcome = "cancelled"

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from pdserve.auth import load_key
 from pdserve.config import ConfigError, help_field
+from pdserve.hashing import KV_COMPRESSIONS
 from pdserve.identity import SecurityConfig
 
 POLICIES = ("round_robin", "least_load", "cache_aware")
@@ -33,6 +34,11 @@ class RouterConfig(SecurityConfig):
     )
     chunk_size: int = help_field(
         0, "tokens per KV chunk, part of the chunk keys (0 = what the workers registered)"
+    )
+    kv_compression: str = help_field(
+        "auto",
+        "KV chunk encoding of the workers (none, bf16, fp8), part of the chunk keys (auto = "
+        "what the workers registered; none when none did)",
     )
     max_model_len: int = help_field(
         0,
@@ -95,6 +101,11 @@ class RouterConfig(SecurityConfig):
             raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.chunk_size < 0:
             raise ConfigError("chunk_size must be positive (or 0 = from the workers)")
+        if self.kv_compression not in ("auto", *KV_COMPRESSIONS):
+            raise ConfigError(
+                f"kv_compression must be auto or one of {KV_COMPRESSIONS}, "
+                f"got {self.kv_compression!r}"
+            )
         if self.max_inflight <= 0 or self.max_queue < 0:
             raise ConfigError("max_inflight must be positive and max_queue >= 0")
         if not self.meta and not self.decode:

@@ -1,28 +1,58 @@
-"""The router's KV fingerprint, agreed with the workers instead of configured twice.
+"""The router's KV fingerprint, agreed with the workers instead of configured twice, and the
+check that keeps workers with another fingerprint out of placement.
 
 The router computes chain keys to ask the store how much of a prompt is cached and to route by
 it, so its fingerprint must equal the workers' (model revision, served name, KV dtype, chunk
-size). The model part comes from the router's own model folder; ``kv_dtype`` and
-``chunk_size`` come from the router's config when set, else from what the workers registered
-(labels ``kv_dtype`` and ``chunk_size``). Workers that disagree with each other or with an
-explicit router setting are reported once in the log: every lookup would miss.
+size, chunk encoding, layout, TP). The model part comes from the router's own model folder;
+``kv_dtype``, ``chunk_size`` and ``kv_compression`` come from the router's config when set,
+else from what the workers registered (labels of the same names, written by
+``services/worker.py``'s ``registration_labels``; workers that register no ``kv_compression``
+store uncompressed chunks). When workers disagree, the cluster's settings are those most
+workers registered (ties: the smallest), among those an explicit router setting allows.
+
+Every worker also registers its fingerprint's digest (label ``fingerprint``). A worker whose
+digest differs from the router's fingerprint would miss every lookup and store chunks no one
+finds: :meth:`FingerprintSource.refusals` says why, and the worker pool keeps it out of
+placement (``services/router/workers.py``). Disagreements are logged once each.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from pdserve.hashing import ModelFingerprint
+from pdserve.hashing import KV_COMPRESSIONS, KV_DTYPES, ModelFingerprint
 
 log = logging.getLogger(__name__)
 
 AUTO_DTYPE = "auto"
 
+#: A worker's KV settings as the keys see them: (kv_dtype, chunk_size, stored encoding).
+Settings = tuple[str, int, str]
+
+
+def _stored_encoding(kv_compression: str, kv_dtype: str) -> str:
+    """bf16 of bfloat16 KV is stored (and keyed) as none (EngineConfig.resolved_kv_compression)."""
+    return "none" if kv_compression == "bf16" and kv_dtype == "bfloat16" else kv_compression
+
+
+def _settings(labels: Mapping[str, str]) -> Settings | None:
+    """A worker's registered settings; None when it registered none (or ones no fingerprint
+    can have: its digest then differs, and it is refused)."""
+    dtype, chunk = labels.get("kv_dtype", ""), labels.get("chunk_size", "")
+    encoding = labels.get("kv_compression", "none")
+    if dtype not in KV_DTYPES or not chunk.isdigit() or not int(chunk):
+        return None
+    if encoding not in KV_COMPRESSIONS:
+        return None
+    return dtype, int(chunk), _stored_encoding(encoding, dtype)
+
 
 class FingerprintSource:
     """``current()`` is the fingerprint to key prompts with, or None while it is unknown
-    (auto settings and no worker registered yet: nothing can be routed then anyway)."""
+    (auto settings and no worker registered yet: nothing can be routed then anyway).
+    ``workers()`` gives the labels of every registered worker."""
 
     def __init__(
         self,
@@ -31,15 +61,17 @@ class FingerprintSource:
         *,
         kv_dtype: str,
         chunk_size: int,
-        labels: Callable[[str], set[str]],
+        workers: Callable[[], Iterable[Mapping[str, str]]],
+        kv_compression: str = AUTO_DTYPE,
     ) -> None:
         self._model_id = model_id
         self._revision = revision
-        self._kv_dtype = kv_dtype
+        self._kv_dtype = "" if kv_dtype == AUTO_DTYPE else kv_dtype
         self._chunk_size = chunk_size
-        self._labels = labels
-        self._cache: dict[tuple[str, int], ModelFingerprint] = {}
-        self._warned: set[str] = set()
+        self._kv_compression = "" if kv_compression == AUTO_DTYPE else kv_compression
+        self._workers = workers
+        self._cache: dict[Settings, ModelFingerprint] = {}
+        self._warned: set[object] = set()
 
     @classmethod
     def fixed(cls, fp: ModelFingerprint) -> FingerprintSource:
@@ -48,41 +80,102 @@ class FingerprintSource:
             fp.revision,
             kv_dtype=fp.kv_dtype,
             chunk_size=fp.chunk_size,
-            labels=lambda _: set(),
+            workers=lambda: (),
+            kv_compression=fp.kv_compression,
         )
 
-    def _setting(self, name: str, configured: str) -> str | None:
-        seen = self._labels(name)
-        if configured and configured not in (AUTO_DTYPE, "0"):
-            if seen - {configured} and name not in self._warned:
-                self._warned.add(name)
-                log.warning(
-                    "router %s is %s but workers registered %s: their store lookups will miss",
-                    name,
-                    configured,
-                    sorted(seen),
-                )
-            return configured
-        if not seen:
-            return None
-        if len(seen) > 1 and name not in self._warned:
-            self._warned.add(name)
-            log.warning("workers disagree on %s (%s): using the smallest", name, sorted(seen))
-        return min(seen)
+    def _allowed(self, s: Settings) -> bool:
+        """Whether worker settings ``s`` fit the router's explicit settings."""
+        dtype, chunk, encoding = s
+        return (
+            (not self._kv_dtype or self._kv_dtype == dtype)
+            and (not self._chunk_size or self._chunk_size == chunk)
+            and (
+                not self._kv_compression
+                or _stored_encoding(self._kv_compression, dtype) == encoding
+            )
+        )
+
+    def _warn_once(self, key: object, msg: str, *args: object) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(msg, *args)
 
     def current(self) -> ModelFingerprint | None:
-        dtype = self._setting("kv_dtype", self._kv_dtype)
-        chunk = self._setting("chunk_size", str(self._chunk_size))
-        if dtype is None or chunk is None:
+        seen = Counter(s for s in map(_settings, self._workers()) if s is not None)
+        ranked = sorted(seen, key=lambda s: (not self._allowed(s), -seen[s], s))
+        # the auto settings come from the first: the most registered that the explicit ones
+        # allow, else the most registered (explicit settings then differ from every worker's)
+        pick = ranked[0] if ranked else None
+        dtype = self._kv_dtype or (pick[0] if pick else "")
+        chunk = self._chunk_size or (pick[1] if pick else 0)
+        if not dtype or not chunk:
             return None
-        key = (dtype, int(chunk))
+        if self._kv_compression:
+            encoding = _stored_encoding(self._kv_compression, dtype)
+        else:
+            encoding = pick[2] if pick else "none"
+        key = (dtype, chunk, encoding)
+        if len(seen) > 1:
+            self._warn_once(
+                frozenset(seen),
+                "workers disagree on their KV settings (kv_dtype/chunk_size/kv_compression: "
+                "workers) %s: the cluster's are %s; workers with others are refused",
+                {"/".join(map(str, s)): n for s, n in sorted(seen.items())},
+                "/".join(map(str, key)),
+            )
+        if pick is not None and not self._allowed(pick):
+            self._warn_once(
+                ("router", frozenset(seen)),
+                "router kv_dtype=%s chunk_size=%s kv_compression=%s fit no worker's registered "
+                "KV settings %s: every worker is refused",
+                self._kv_dtype or AUTO_DTYPE,
+                self._chunk_size or AUTO_DTYPE,
+                self._kv_compression or AUTO_DTYPE,
+                sorted(seen),
+            )
         fp = self._cache.get(key)
         if fp is None:
             fp = ModelFingerprint(
                 model_id=self._model_id,
                 revision=self._revision,
                 kv_dtype=dtype,
-                chunk_size=int(chunk),
+                chunk_size=chunk,
+                kv_compression=encoding,
             )
             self._cache[key] = fp
         return fp
+
+    def refusals(self, workers: Sequence[Mapping[str, str]]) -> list[str]:
+        """For each worker's labels, why it must get no work ("" = it may): the fingerprint
+        it registered differs from the router's (every store lookup would miss, every chunk
+        it stores would be keyed for no one else). Workers that registered no fingerprint
+        (static addresses) are never refused."""
+        fp = self.current()
+        if fp is None:
+            return [""] * len(workers)
+        ours = fp.digest().hex()
+        expected = {
+            "model_revision": fp.revision,
+            "kv_dtype": fp.kv_dtype,
+            "chunk_size": str(fp.chunk_size),
+            "kv_compression": fp.kv_compression,
+            "kv_layout": str(fp.layout_version),
+            "tp": f"{fp.tp_rank}/{fp.tp_size}",
+        }
+        out = []
+        for labels in workers:
+            theirs = labels.get("fingerprint", "")
+            if not theirs or theirs == ours:
+                out.append("")
+                continue
+            diffs = [
+                f"{name} {labels.get(name, '?')} != {want}"
+                for name, want in expected.items()
+                if labels.get(name, "none" if name == "kv_compression" else "?") != want
+            ]
+            out.append(
+                "KV fingerprint differs from the cluster's"
+                + (f" ({', '.join(diffs)})" if diffs else " (model id)")
+            )
+        return out

@@ -38,15 +38,16 @@ class Frontend:
     pool: WorkerPool
 
     def current_limits(self) -> rq.Limits:
-        """The configured limits, with ``max_model_len`` lowered to the smallest context any
-        registered worker takes (a longer prompt would be refused deep inside a worker)."""
-        worker_lens = [int(v) for v in self.pool.label_values("max_model_len") if v.isdigit()]
-        if not worker_lens:
-            return self.limits
-        smallest = min(worker_lens)
-        if self.limits.max_model_len and self.limits.max_model_len <= smallest:
-            return self.limits
-        return replace(self.limits, max_model_len=smallest)
+        """The configured limits, each lowered to the smallest value any registered worker
+        (not refused) advertised: ``max_model_len`` (context) and ``max_tokens_limit``. A
+        request over one is refused here, naming the limit, not deep inside a worker."""
+        limits = self.limits
+        for name in ("max_model_len", "max_tokens_limit"):
+            advertised = [int(v) for v in self.pool.label_values(name) if v.isdigit() and int(v)]
+            ours = getattr(limits, name)
+            if advertised and (not ours or min(advertised) < ours):
+                limits = replace(limits, **{name: min(advertised)})
+        return limits
 
     def model_info(self) -> router_pb2.ModelInfo:
         return router_pb2.ModelInfo(
@@ -54,6 +55,7 @@ class Frontend:
             max_model_len=self.current_limits().max_model_len,
             prefill_workers=len(self.pool.candidates(PREFILL)),
             decode_workers=len(self.pool.candidates(DECODE)),
+            refused_workers=[f"{w.id}: {w.refused}" for w in self.pool.refused()],
         )
 
     # --- gRPC -------------------------------------------------------------------------------

@@ -142,20 +142,16 @@ def make_app(fe: Frontend, *, api_key: str = "", metrics_need_key: bool = False)
 
 async def _models(fe: Frontend) -> web.Response:
     info = fe.model_info()
-    return web.json_response(
-        {
-            "object": "list",
-            "data": [
-                {
-                    "id": info.name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "pdserve",
-                    "max_model_len": info.max_model_len,
-                }
-            ],
-        }
-    )
+    model = {
+        "id": info.name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "pdserve",
+        "max_model_len": info.max_model_len,
+    }
+    if info.refused_workers:
+        model["refused_workers"] = list(info.refused_workers)
+    return web.json_response({"object": "list", "data": [model]})
 
 
 async def _health(fe: Frontend) -> web.Response:

@@ -6,7 +6,11 @@ Plans (:class:`Plan`, chosen per request by :func:`choose_plan`):
 - write: Prefill (publishing each chunk as it is computed) and Decode start together. Decode
   gets the keys of the first ``(n - 1) // chunk_size`` full chunks, no first token, and
   ``chunk_wait_ms``: it loads each chunk as soon as it lands, computes the remaining prompt
-  tokens itself and samples the first token. Prompts shorter than that run locally.
+  tokens itself and samples the first token. Prompts shorter than that run locally. A decode
+  worker that cannot take such a handle answers UNIMPLEMENTED (one predating write mode said
+  INVALID_ARGUMENT): before its first token either one turns the request into the read plan
+  with the prefill already running (``write->read``), never into the caller's error; a request
+  that is itself invalid then fails in that prefill, with the caller's status.
 - local (colocated, conditional disaggregation): Decode without a KV handle; the decode worker
   prefills (reusing cached prefix chunks). Used when the mode is colocated, when no prefill
   worker is in rotation, when the uncached part of the prompt is below
@@ -92,6 +96,10 @@ PHASE = Histogram(
     buckets=_S_BUCKETS,
     registry=REGISTRY,
 )
+
+#: Write plan: what a decode worker that cannot take a write-mode handle answers (before its
+#: first token); the request falls back to the read plan.
+_WRITE_REFUSALS = {grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INVALID_ARGUMENT}
 
 #: Worker status codes that are the caller's fault or choice: passed through, never retried.
 _CALLER_CODES = {
@@ -238,8 +246,8 @@ class DecodeSession:
         if not self.echoes and not trace.decode_first:
             trace.decode_first = time.monotonic()
         self.echoes = max(0, self.echoes - 1)
-        # Decode reports its prompt counts once, on the first message that knows them
-        # (torch: the first; vLLM: the last, from its KV connector).
+        # Decode reports its prompt counts on its last message only (DecodeResponse), so the
+        # client's first chunk gets them only when it is also the last.
         counted = resp.loaded_tokens or resp.recomputed_tokens or resp.prefix_cached_tokens
         if counted:
             trace.decode_loaded = resp.loaded_tokens
@@ -411,8 +419,16 @@ class Orchestrator:
 
     async def _read(self, job: _Job) -> AsyncIterator[StreamChunk]:
         resp = await self._prefill(job, publish=False)
-        if resp is None:  # every prefill attempt failed: the decode worker prefills itself
-            job.trace.plan = Plan.READ_THEN_LOCAL
+        async for c in self._decode_prefilled(job, resp, Plan.READ_THEN_LOCAL):
+            yield c
+
+    async def _decode_prefilled(
+        self, job: _Job, resp: engine_pb2.PrefillResponse | None, local_plan: Plan
+    ) -> AsyncIterator[StreamChunk]:
+        """Decode with the KV handle and first token of prefill's answer ``resp``; None (every
+        prefill attempt failed): the decode worker prefills itself, as ``local_plan``."""
+        if resp is None:
+            job.trace.plan = local_plan
             async for c in self._local(job):
                 yield c
             return
@@ -454,6 +470,19 @@ class Orchestrator:
             # No chunks are coming: do not let decode wait for them; it prefills itself.
             job.trace.plan = Plan.WRITE_THEN_LOCAL
             async for c in self._local(job):
+                yield c
+            finished = True
+        except _WriteRefused as refused:
+            # The worker cannot wait for chunks: decode with prefill's answer (read plan).
+            log.warning(
+                "decode worker %s refused the write-mode handle (%s %s); reading instead",
+                refused.worker,
+                refused.code.name,
+                refused.details,
+            )
+            job.trace.plan = Plan.WRITE_THEN_READ
+            resp = await prefill  # an invalid request fails here, with the caller's status
+            async for c in self._decode_prefilled(job, resp, Plan.WRITE_THEN_LOCAL):
                 yield c
             finished = True
         finally:
@@ -583,6 +612,8 @@ class Orchestrator:
             except WorkerCallError as exc:
                 if session.prefill_failed and exc.code == grpc.StatusCode.CANCELLED:
                     raise _PrefillFailed() from exc
+                if session.prefill is not None and not started and exc.code in _WRITE_REFUSALS:
+                    raise _WriteRefused(w.id, exc.code, exc.details) from exc
                 self._worker_error(w, exc)
                 log.warning("decode on %s failed: %s %s", w.id, exc.code, exc.details)
                 last = exc
@@ -629,6 +660,16 @@ def _retrieve(fut: asyncio.Future) -> None:
 
 class _PrefillFailed(Exception):
     """Write mode: the parallel prefill failed everywhere, so no chunk will land."""
+
+
+class _WriteRefused(Exception):
+    """Write mode: the decode worker cannot take a write-mode handle (``_WRITE_REFUSALS``)."""
+
+    def __init__(self, worker: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{worker}: {code.name} {details}")
+        self.worker = worker
+        self.code = code
+        self.details = details
 
 
 def _remaining(deadline: float) -> float:

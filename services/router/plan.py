@@ -17,6 +17,9 @@ class Plan(StrEnum):
     #: Fallbacks (trace only): every prefill attempt failed, the decode worker prefilled.
     READ_THEN_LOCAL = "read->local"
     WRITE_THEN_LOCAL = "write->local"
+    #: Fallback (trace only): the decode worker refused the write-mode handle, so it decoded
+    #: with prefill's answer as in the read plan.
+    WRITE_THEN_READ = "write->read"
 
 
 def choose_plan(

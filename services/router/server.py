@@ -82,6 +82,15 @@ def build(cfg: RouterConfig, tokenizer=None) -> Frontend:
     )
     pool.add_static(PREFILL, cfg.prefill)
     pool.add_static(DECODE, cfg.decode)
+    fingerprints = FingerprintSource(
+        cfg.name,
+        model_revision(folder),
+        kv_dtype=cfg.kv_dtype,
+        chunk_size=cfg.chunk_size,
+        workers=pool.registered_labels,
+        kv_compression=cfg.kv_compression,
+    )
+    pool.refusals = fingerprints.refusals
     orch = Orchestrator(
         OrchestratorConfig(
             model=cfg.name,
@@ -92,13 +101,7 @@ def build(cfg: RouterConfig, tokenizer=None) -> Frontend:
             request_timeout_s=cfg.request_timeout_s,
         ),
         client=GrpcWorkerClient(),
-        fingerprints=FingerprintSource(
-            cfg.name,
-            model_revision(folder),
-            kv_dtype=cfg.kv_dtype,
-            chunk_size=cfg.chunk_size,
-            labels=pool.label_values,
-        ),
+        fingerprints=fingerprints,
         pool=pool,
         policy=make_policy(
             cfg.policy,

@@ -1,6 +1,7 @@
 """The router's view of the workers: who is there (static lists or meta discovery), their live
-load (meta heartbeats plus the router's own in-flight counts), channels, and a circuit breaker
-that takes a repeatedly failing worker out of rotation until a health probe says it is back."""
+load (meta heartbeats plus the router's own in-flight counts), channels, a circuit breaker
+that takes a repeatedly failing worker out of rotation until a health probe says it is back,
+and the refusal of workers whose registered KV fingerprint is not the cluster's."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -28,6 +30,13 @@ BREAKER_TRIPS = Counter(
     "pdserve_router_breaker_trips", "Workers taken out of rotation", ["role"], registry=REGISTRY
 )
 WORKERS = Gauge("pdserve_router_workers", "Workers in rotation", ["role"], registry=REGISTRY)
+REFUSED = Counter(
+    "pdserve_router_refused_workers",
+    "Workers refused (kept out of placement) because their registered KV fingerprint differs "
+    "from the cluster's, counted once per worker and reason",
+    ["role"],
+    registry=REGISTRY,
+)
 
 
 @dataclass
@@ -42,8 +51,11 @@ class Worker:
     queue_length: int = 0
     running: int = 0
     kv_usage: float = 0.0
-    #: What the worker registered about itself (engine, chunk_size, kv_dtype, max_model_len).
+    #: What the worker registered about itself (``services/worker.py``,
+    #: ``registration_labels``: engine, KV fingerprint and its fields, limits).
     labels: dict[str, str] = field(default_factory=dict)
+    #: Why the worker gets no work ("" = it may): its KV fingerprint is not the cluster's.
+    refused: str = ""
     #: The router's own requests on this worker now, and their uncached prefill tokens.
     inflight: int = 0
     inflight_tokens: int = 0
@@ -88,6 +100,9 @@ class WorkerPool:
         self.breaker_failures = breaker_failures
         self.breaker_cooldown_s = breaker_cooldown_s
         self.workers: dict[str, dict[str, Worker]] = {PREFILL: {}, DECODE: {}}
+        #: Given every worker's labels, why each must get no work ("" = it may):
+        #: ``FingerprintSource.refusals``, set by the router; checked on every meta update.
+        self.refusals: Callable[[Sequence[Mapping[str, str]]], list[str]] | None = None
 
     # --- membership -------------------------------------------------------------------------
 
@@ -98,6 +113,10 @@ class WorkerPool:
 
     def apply(self, event_type: int, inst: meta_pb2.Instance) -> None:
         """Applies one meta InstanceEvent (JOINED / UPDATED / LEFT)."""
+        self._apply(event_type, inst)
+        self._check_refusals()
+
+    def _apply(self, event_type: int, inst: meta_pb2.Instance) -> None:
         role = _ROLES.get(inst.role)
         if role is None or (self.model and inst.model and inst.model != self.model):
             return
@@ -116,25 +135,49 @@ class WorkerPool:
             w.queue_length = inst.load.queue_length
             w.running = inst.load.running_requests
             w.kv_usage = inst.load.kv_usage
-        self._update_gauges()
 
     def candidates(self, role: str, exclude: set[str] | None = None) -> list[Worker]:
-        """Workers of ``role`` in rotation (breaker closed), minus ``exclude`` ids."""
+        """Workers of ``role`` in rotation (breaker closed, not refused), minus ``exclude``."""
         return [
-            w for w in self.workers[role].values() if not w.broken and w.id not in (exclude or ())
+            w
+            for w in self.workers[role].values()
+            if not w.broken and not w.refused and w.id not in (exclude or ())
         ]
 
     def count(self, role: str) -> int:
         return len(self.workers[role])
 
+    def registered_labels(self) -> list[dict[str, str]]:
+        """The labels of every worker that registered some (meta workers, refused included)."""
+        return [w.labels for table in self.workers.values() for w in table.values() if w.labels]
+
     def label_values(self, name: str) -> set[str]:
-        """The values workers of any role registered for label ``name`` (empty when none)."""
+        """The values workers of any role that are not refused registered for label ``name``
+        (empty when none)."""
         return {
             w.labels[name]
             for table in self.workers.values()
             for w in table.values()
-            if name in w.labels
+            if name in w.labels and not w.refused
         }
+
+    def refused(self) -> list[Worker]:
+        return [w for table in self.workers.values() for w in table.values() if w.refused]
+
+    def _check_refusals(self) -> None:
+        """Marks the workers to refuse; logs and counts each (worker, reason) once."""
+        if self.refusals is not None:
+            workers = [w for table in self.workers.values() for w in table.values()]
+            for w, reason in zip(workers, self.refusals([w.labels for w in workers]), strict=True):
+                if reason and reason != w.refused:
+                    REFUSED.labels(w.role).inc()
+                    log.warning(
+                        "worker %s (%s) refused: %s; it gets no work", w.id, w.address, reason
+                    )
+                elif w.refused and not reason:
+                    log.info("worker %s (%s) accepted: its KV fingerprint matches", w.id, w.address)
+                w.refused = reason
+        self._update_gauges()
 
     # --- circuit breaker --------------------------------------------------------------------
 
@@ -179,15 +222,16 @@ class WorkerPool:
         present = set()
         for inst in instances:
             if _ROLES.get(inst.role) is not None:
-                self.apply(meta_pb2.INSTANCE_EVENT_UPDATED, inst)
+                self._apply(meta_pb2.INSTANCE_EVENT_UPDATED, inst)
                 present.add(inst.instance_id)
         for role, table in self.workers.items():
             for wid in list(table):
                 if wid not in present and not wid.startswith(f"{role}@"):
-                    self.apply(
+                    self._apply(
                         meta_pb2.INSTANCE_EVENT_LEFT,
                         meta_pb2.Instance(instance_id=wid, role=_ROLE_CODES[role]),
                     )
+        self._check_refusals()
 
     async def watch_meta(
         self, meta_address: str, stop: asyncio.Event, period_s: float = 0.2
@@ -212,4 +256,6 @@ class WorkerPool:
 
     def _update_gauges(self) -> None:
         for role, table in self.workers.items():
-            WORKERS.labels(role).set(sum(1 for w in table.values() if not w.broken))
+            WORKERS.labels(role).set(
+                sum(1 for w in table.values() if not w.broken and not w.refused)
+            )

@@ -1,5 +1,4 @@
-"""Fixtures for the engine unit tests: an in-memory store with the StoreClient's chunk
-methods, the tiny model, and a plain Hugging Face greedy loop as ground truth."""
+"""Fixtures for the engine unit tests: the in-memory store backend with test counters, the tiny model, and a plain Hugging Face greedy loop as ground truth."""
 
 from __future__ import annotations
 
@@ -9,74 +8,52 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from pdserve import kvformat
 from pdserve.errors import Unavailable
+from pdserve.store.api import DEFAULT_OPTIONS
+from pdserve.store.memory import MemoryBackend
 
 
-class MemoryStore:
-    """Same methods and semantics as pdserve.store.client.StoreClient (the parts engines use):
-    chunks are real kvformat bytes, verified on read; corrupt bytes are a miss. Counts reads
-    and writes so tests can prove what was loaded."""
+class MemoryStore(MemoryBackend):
+    """The production in-memory backend (so chunks go through the real codec: encoded on put,
+    verified and decoded on read, a corrupt one a miss) with what tests need on top: the
+    keys read and written in order, corrupt reads counted, and a switch that makes every
+    operation fail as an unreachable store does."""
 
     def __init__(self) -> None:
-        self.objects: dict[str, bytes] = {}
-        self.lock = threading.Lock()
+        super().__init__()
         self.reads: list[str] = []
         self.writes: list[str] = []
         self.corrupt_reads = 0
         self.down = False
+        self._read = threading.local()  # what this thread's last batch_get returned
 
     def _check(self) -> None:
         if self.down:
             raise Unavailable("memory store is down (test)")
 
-    def put(self, key: str, data: bytes, options: object = None) -> bool:
+    def batch_put(self, items, options=DEFAULT_OPTIONS) -> list[bool]:
         self._check()
-        with self.lock:
-            if key in self.objects:
-                return False
-            self.objects[key] = bytes(data)
-            self.writes.append(key)
-            return True
+        written = super().batch_put(items, options)
+        self.writes.extend(k for (k, _), new in zip(items, written, strict=True) if new)
+        return written
+
+    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        self._check()
+        self.reads.extend(keys)
+        self._read.data = super().batch_get(keys)
+        return self._read.data
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         self._check()
-        return [k in self.objects for k in keys]
+        return super().exists(keys)
 
-    def longest_prefix(self, keys: Sequence[str]) -> int:
-        self._check()
-        n = 0
-        for k in keys:
-            if k not in self.objects:
-                break
-            n += 1
-        return n
-
-    def put_chunk(
-        self, key: str, kv: torch.Tensor, fingerprint: bytes, options: object = None
-    ) -> bool:
-        return self.put(key, kvformat.encode(kv, fingerprint, key), options)
-
-    def batch_get_chunks(
-        self, keys: Sequence[str], fingerprint: bytes
-    ) -> list[torch.Tensor | None]:
-        self._check()
-        out: list[torch.Tensor | None] = []
-        for k in keys:
-            data = self.objects.get(k)
-            self.reads.append(k)
-            if data is None:
-                out.append(None)
-                continue
-            try:
-                out.append(kvformat.decode(bytearray(data), fingerprint, key=k)[1])
-            except kvformat.ChunkFormatError:
-                self.corrupt_reads += 1
-                out.append(None)
+    def batch_get_chunks(self, keys, fingerprint, *, arena=None) -> list[torch.Tensor | None]:
+        out = super().batch_get_chunks(keys, fingerprint)  # reads through batch_get
+        read = self._read.data
+        self.corrupt_reads += sum(
+            d is not None and t is None for d, t in zip(read, out, strict=True)
+        )
         return out
-
-    def get_chunk(self, key: str, fingerprint: bytes) -> torch.Tensor | None:
-        return self.batch_get_chunks([key], fingerprint)[0]
 
     def corrupt(self, key: str, offset: int = -100) -> None:
         data = bytearray(self.objects[key])

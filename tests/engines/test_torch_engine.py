@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from pdserve import hashing
 from pdserve.engines.base import Finish, KVRef, Sampling
 from pdserve.engines.config import EngineConfig
 from pdserve.engines.torch_engine import TorchEngine
@@ -37,8 +38,7 @@ def engine(tiny_model_dir) -> Iterator[TorchEngine]:
 
 @pytest.fixture
 def eng(engine: TorchEngine, memory_store) -> TorchEngine:
-    engine.store = memory_store
-    engine._store_down_until = 0.0
+    engine.attach_store(memory_store)
     return engine
 
 
@@ -85,7 +85,7 @@ def test_prefill_store_decode_is_token_exact(eng, memory_store, hf_greedy, n: in
     assert (out.cached_tokens, out.computed_tokens) == (0, n)
     assert len(out.kv.chunk_keys) == n // CS
     assert bool(out.kv.tail_key) == bool(n % CS)
-    assert (events[0].loaded_tokens, events[0].recomputed_tokens) == (n, 0)
+    assert (events[-1].loaded_tokens, events[-1].recomputed_tokens) == (n, 0)
     assert set(memory_store.objects) == {*out.kv.chunk_keys, *([out.kv.tail_key] * bool(n % CS))}
     # and local prefill on the decode side gives the same tokens
     assert local_run(eng, toks)[0] == expected
@@ -106,7 +106,7 @@ def test_reuse_loads_exactly_the_shared_chunks(eng, memory_store, hf_greedy) -> 
     # prefill wrote only the new chunk and the tail; decode read everything once
     assert memory_store.writes == [out2.kv.chunk_keys[2], out2.kv.tail_key]
     assert memory_store.reads[2:] == [*out2.kv.chunk_keys, out2.kv.tail_key]
-    assert events[0].loaded_tokens == len(second)
+    assert events[-1].loaded_tokens == len(second)
     assert ids == hf_greedy(second, GREEDY.max_tokens)
 
 
@@ -121,14 +121,14 @@ def test_cache_salts_keep_tenants_chunks_apart_and_tokens_identical(
     assert ids_a1 == ids_b == ids_a2 == expected
     # B found none of A's chunks (its own keys), computed everything and stored its own
     assert (a1.cached_tokens, b.cached_tokens, a2.cached_tokens) == (0, 0, 2 * CS)
-    assert b.computed_tokens == len(toks) and ev_b[0].loaded_tokens == len(toks)
+    assert b.computed_tokens == len(toks) and ev_b[-1].loaded_tokens == len(toks)
     assert not set(b.kv.chunk_keys) & set(a1.kv.chunk_keys)
     assert a2.kv.chunk_keys == a1.kv.chunk_keys
     assert set(b.kv.chunk_keys) <= set(memory_store.objects)
     # no salt: the shared chain, where neither tenant's chunks are
     ids, _, events = local_run(eng, toks)
-    assert ids == expected and events[0].loaded_tokens == 0
-    assert local_run(eng, toks, cache_salt="tenant-b")[2][0].loaded_tokens == 2 * CS
+    assert ids == expected and events[-1].loaded_tokens == 0
+    assert local_run(eng, toks, cache_salt="tenant-b")[2][-1].loaded_tokens == 2 * CS
 
     # A's handle presented with B's salt does not match B's keys: ignored, recomputed
     async def stolen():
@@ -140,7 +140,7 @@ def test_cache_salts_keep_tenants_chunks_apart_and_tokens_identical(
 
     ids, _, events = asyncio.run(stolen())
     assert ids == expected
-    assert (events[0].loaded_tokens, events[0].recomputed_tokens) == (0, len(toks))
+    assert (events[-1].loaded_tokens, events[-1].recomputed_tokens) == (0, len(toks))
 
 
 def test_fully_cached_multiple_of_chunk_computes_only_last_token(eng, hf_greedy) -> None:
@@ -166,7 +166,7 @@ def test_corrupt_chunk_is_recomputed_token_exact(eng, memory_store, hf_greedy) -
     ids, _, events = asyncio.run(go())
     assert ids == expected
     assert memory_store.corrupt_reads == 1
-    assert (events[0].loaded_tokens, events[0].recomputed_tokens) == (CS, len(toks) - CS)
+    assert (events[-1].loaded_tokens, events[-1].recomputed_tokens) == (CS, len(toks) - CS)
     assert metric("pdserve_kv_chunk_misses_total", kind="chunk") == before + 1
 
 
@@ -189,19 +189,27 @@ def test_missing_tail_and_foreign_handle_are_recomputed(eng, memory_store, hf_gr
 
     (ids1, _, ev1), (ids2, _, ev2) = asyncio.run(go())
     assert ids1 == expected and ids2 == expected
-    assert (ev1[0].loaded_tokens, ev1[0].recomputed_tokens) == (2 * CS, 9)
-    assert (ev2[0].loaded_tokens, ev2[0].recomputed_tokens) == (0, len(toks))
+    assert (ev1[-1].loaded_tokens, ev1[-1].recomputed_tokens) == (2 * CS, 9)
+    assert (ev2[-1].loaded_tokens, ev2[-1].recomputed_tokens) == (0, len(toks))
 
 
 def test_store_unavailable_recomputes_and_counts(eng, memory_store, hf_greedy) -> None:
     toks = prompt(2 * CS + 3)
     memory_store.down = True
-    before = metric("pdserve_kv_store_errors_total", op="load")
+
+    def errors() -> float:
+        return sum(
+            metric("pdserve_kv_store_errors_total", op=op) for op in ("lookup", "load", "save")
+        )
+
+    before = errors()
     out, ids, _, events = split_run(eng, toks)
     assert ids == hf_greedy(toks, GREEDY.max_tokens)
     assert (out.cached_tokens, out.computed_tokens) == (0, len(toks))
-    assert events[0].recomputed_tokens == len(toks)
-    assert metric("pdserve_kv_store_errors_total", op="load") > before
+    assert events[-1].recomputed_tokens == len(toks)
+    # one failed call, then the store is paused (no timeout per operation or request)
+    assert errors() - before == 1
+    assert eng.chunks is not None and not eng.chunks.available()
 
 
 @pytest.mark.parametrize(
@@ -314,7 +322,7 @@ def test_kvref_for_other_chunk_size_is_ignored(eng, hf_greedy) -> None:
 
     ids, _, events = asyncio.run(go())
     assert ids == hf_greedy(toks, GREEDY.max_tokens)
-    assert events[0].loaded_tokens == 0
+    assert events[-1].loaded_tokens == 0
 
 
 def test_write_mode_prefix_handle_without_first_token(eng, hf_greedy) -> None:
@@ -333,4 +341,90 @@ def test_write_mode_prefix_handle_without_first_token(eng, hf_greedy) -> None:
         ids, _, events = asyncio.run(go(p))
         k = (len(p) - 1) // CS
         assert ids == hf_greedy(p, GREEDY.max_tokens)
-        assert (events[0].loaded_tokens, events[0].recomputed_tokens) == (k * CS, len(p) - k * CS)
+        assert (events[-1].loaded_tokens, events[-1].recomputed_tokens) == (k * CS, len(p) - k * CS)
+
+
+def test_write_mode_wait_keeps_other_streams_decoding(eng, memory_store, hf_greedy) -> None:
+    """A write-mode generation whose chunks are not published yet waits off the model's
+    thread: a stream already running decodes to its end meanwhile, and only then are the
+    chunks published (by a prefill on the same engine, which the wait must not block either);
+    the waiting generation loads them and is token-exact. Ordering only, no timing: were the
+    wait on the model's thread, the running stream would stall until the wait expired, and
+    the waiting generation would then recompute (loaded 0) before that stream's end."""
+    running = prompt(9, salt=5)
+    toks = prompt(3 * CS + 5, salt=6)
+    k = (len(toks) - 1) // CS
+    keys = hashing.chunk_keys(eng.fingerprint, toks)
+    handle = KVRef(tuple(keys[:k]), "", k * CS, CS, eng.fingerprint.digest())
+    long = Sampling(max_tokens=30, temperature=0.0)
+    order: list[str] = []
+
+    async def go():
+        stream = eng.generate("running", running, long)
+        first = await stream.__anext__()
+        order.append("running")
+        waiting = asyncio.ensure_future(
+            collect(eng.generate("w", toks, GREEDY, kv=handle, chunk_wait_ms=30_000))
+        )
+        rest = [ev async for ev in stream]
+        order.extend("running" for ev in rest if ev.token_ids)
+        assert not waiting.done() and not memory_store.exists(keys[:1])[0]
+        await eng.prefill("p", toks, GREEDY, publish_incrementally=True)
+        ids, _, events = await waiting
+        order.extend("waiting" for ev in events if ev.token_ids)
+        return [t for ev in [first, *rest] for t in ev.token_ids], ids, events
+
+    running_ids, ids, events = asyncio.run(go())
+    assert running_ids == hf_greedy(running, long.max_tokens) and len(running_ids) > 1
+    assert order == ["running"] * len(running_ids) + ["waiting"] * len(ids)
+    assert ids == hf_greedy(toks, GREEDY.max_tokens)
+    assert (events[-1].loaded_tokens, events[-1].recomputed_tokens) == (k * CS, len(toks) - k * CS)
+
+
+def test_prompt_counts_come_with_the_last_event_only(eng) -> None:
+    """TokenEvent's contract (DecodeResponse in engine.proto): loaded, recomputed and prefix
+    cached tokens are on the event with ``finish`` and 0 on every other; they add up to the
+    prompt's length, from a handle and in a local prefill alike."""
+    toks = prompt(40, salt=77)
+    _out, _ids, _text, with_handle = split_run(eng, toks, rid="counts")
+    _ids, _text, local = local_run(eng, toks)  # finds 2 of its chunks stored by the prefill
+    for events, loaded in ((with_handle, 40), (local, 2 * CS)):
+        assert len(events) == GREEDY.max_tokens and events[-1].finish is not None
+        assert all(
+            (e.loaded_tokens, e.recomputed_tokens, e.prefix_cached_tokens) == (0, 0, 0)
+            for e in events[:-1]
+        )
+        last = events[-1]
+        assert (last.loaded_tokens, last.recomputed_tokens) == (loaded, 40 - loaded)
+        assert last.loaded_tokens + last.recomputed_tokens + last.prefix_cached_tokens == 40
+
+
+def test_kv_usage_is_the_kv_bytes_held_over_the_capacity(eng) -> None:
+    """Load.kv_usage on the torch engine: the bytes of KV its running generations hold
+    (prompt + output so far, float32 K and V of every layer) over max_num_seqs contexts of
+    max_model_len tokens (8 x 256 here); 0 once they end."""
+    conf = eng.model.config
+    token_bytes = 2 * conf.num_hidden_layers * conf.num_key_value_heads * eng.head_dim * 4
+    capacity = 8 * 256 * token_bytes
+    toks = prompt(30)
+    sampling = Sampling(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+    async def go():
+        held = []  # tokens the usage stands for, read at each token but the last two
+        async for ev in eng.generate("usage", toks, sampling):
+            if ev.finish is None and len(held) < sampling.max_tokens - 2:
+                held.append(eng.load().kv_usage * capacity / token_bytes)
+        for _ in range(200):
+            if eng.load().running_requests == 0:
+                break
+            await asyncio.sleep(0.01)
+        return held[1:], eng.load().kv_usage  # at the 1st the job may not run yet
+
+    during, after = asyncio.run(go())
+    assert after == 0.0 and len(during) == sampling.max_tokens - 3
+    # at the k-th token the context holds the prompt and at least k outputs (the model's
+    # thread may have produced more already): a whole number of tokens' bytes
+    for k, tokens in enumerate(during, start=2):
+        assert abs(tokens - round(tokens)) < 1e-6, tokens
+        assert len(toks) + k <= round(tokens) <= len(toks) + sampling.max_tokens, (k, tokens)
+    assert during == sorted(during)

@@ -4,7 +4,9 @@ process): ``python tests/engines/vllm_runner.py JOBS.json RESULTS.json``.
 JOBS.json: ``{"config": {EngineConfig fields}, "jobs": [{"mode": "single"|"prefill"|"decode",
 "id": str, "prompt": [int], "max_tokens": int, "kv": {KVRef fields}, "first": int,
 "cache_salt": str (optional)}]}``.
-RESULTS.json: one object per job with the tokens and the KV counters the engine reported.
+RESULTS.json: one object per job with the tokens and the KV counters the engine reported (for
+generations also the counts it put on events before the last, its KV usage at each event and
+after, and vLLM's number of KV blocks).
 Tests call :func:`run_engine`, which runs this script in a fresh process and returns them.
 """
 
@@ -56,7 +58,8 @@ async def run(spec: dict) -> list[dict]:
                     d["fingerprint"] = bytes.fromhex(d["fingerprint"])
                     kv = KVRef(**d)
                 tokens: list[int] = []
-                loaded = recomputed = prefix_cached = 0
+                loaded = recomputed = prefix_cached = early = 0
+                usage: list[float] = []
                 async for ev in engine.generate(
                     job["id"],
                     job["prompt"],
@@ -66,11 +69,21 @@ async def run(spec: dict) -> list[dict]:
                     cache_salt=salt,
                 ):
                     tokens.extend(ev.token_ids)
+                    usage.append(engine.load().kv_usage)
                     if ev.finish is not None:
                         loaded, recomputed = ev.loaded_tokens, ev.recomputed_tokens
                         prefix_cached = ev.prefix_cached_tokens
+                    else:  # the counts belong on the last event only
+                        early += ev.loaded_tokens + ev.recomputed_tokens + ev.prefix_cached_tokens
                 out.update(
-                    tokens=tokens, loaded=loaded, recomputed=recomputed, prefix_cached=prefix_cached
+                    tokens=tokens,
+                    loaded=loaded,
+                    recomputed=recomputed,
+                    prefix_cached=prefix_cached,
+                    early_counts=early,
+                    kv_usage=usage,  # Engine.load() at each event, and once it ended
+                    kv_usage_after=engine.load().kv_usage,
+                    kv_blocks=engine._llm.vllm_config.cache_config.num_gpu_blocks,
                 )
             results.append(out)
     finally:

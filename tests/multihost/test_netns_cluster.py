@@ -500,9 +500,9 @@ def test_cut_storage_node_requests_still_complete(cluster, tok, hf_greedy, tiny_
 
     # the survivor's copy of the prefix alone still serves. (A failed store write backs the
     # prefill's use of the store off for a moment; wait that out.)
-    from pdserve.engines.torch_engine import _STORE_BACKOFF_S
+    from pdserve.engines.chunk_io import BACKOFF_S
 
-    time.sleep(_STORE_BACKOFF_S + 0.5)
+    time.sleep(BACKOFF_S + 0.5)
     p = shared + tok.encode(" second question after the cut")
     got, cached = generate(c, p, 12)
     assert got == hf_greedy(p, 12)

@@ -59,6 +59,9 @@ class FakePrefill(engine_pb2_grpc.PrefillServiceServicer):
 @dataclass
 class FakeDecode(engine_pb2_grpc.DecodeServiceServicer):
     fail: int = 0
+    fail_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
+    #: answer a write-mode handle (kv without first_token_id) with this status
+    refuse_write: grpc.StatusCode | None = None
     fail_after: int = -1  # abort with UNAVAILABLE after streaming this many tokens (once)
     token_delay_s: float = 0.0
     calls: list[engine_pb2.DecodeRequest] = field(default_factory=list)
@@ -71,7 +74,10 @@ class FakeDecode(engine_pb2_grpc.DecodeServiceServicer):
         self.starts.append(time.monotonic())
         if self.fail > 0:
             self.fail -= 1
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "fake decode failure")
+            await context.abort(self.fail_code, "fake decode failure")
+        write = request.HasField("kv") and not request.HasField("first_token_id")
+        if write and self.refuse_write is not None:
+            await context.abort(self.refuse_write, "fake decode takes no write-mode handle")
         t0 = time.monotonic()
         self.active += 1
         done = False

@@ -13,7 +13,7 @@ import pytest
 from router_fakes import FakeDecode, FakePrefill, expected_tokens, fake_cluster
 
 from pdserve import grpcutil
-from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from pdserve.v1 import common_pb2, meta_pb2, router_pb2, router_pb2_grpc
 
 
 def S(**kw):
@@ -360,3 +360,53 @@ def test_chat_roles_are_the_enum_on_grpc_and_strings_on_http():
         with pytest.raises(InvalidArgument) as err:
             rq.check_messages([{"role": bad, "content": "x"}])
         assert err.value.param == "messages[0].role"
+
+
+def test_limits_the_workers_advertise_are_enforced_and_refused_workers_shown(tiny_model_dir):
+    """The router takes the smallest max_model_len and max_tokens_limit its workers registered
+    (a longer prompt is a 400 naming the limit, never an error deep inside a worker), ignores
+    those of refused workers, and lists refused workers in ListModels and /v1/models."""
+
+    async def main():
+        async with (
+            fake_cluster([FakePrefill()], [FakeDecode()], tiny_model_dir) as (r, servers),
+            aiohttp.ClientSession(f"http://127.0.0.1:{r.http_port}") as http,
+            grpcutil.channel(f"127.0.0.1:{r.grpc_port}") as ch,
+        ):
+            limits = {"max_model_len": "64", "max_tokens_limit": "8"}
+            odd = {"fingerprint": "00" * 32, "kv_dtype": "float32", "chunk_size": "8",
+                   "max_model_len": "16"}  # fmt: skip
+            r.frontend.pool.sync(
+                [
+                    meta_pb2.Instance(instance_id="small", role=common_pb2.ROLE_DECODE,
+                                      address=servers[1].address, model="tiny", labels=limits),
+                    meta_pb2.Instance(instance_id="odd", role=common_pb2.ROLE_DECODE,
+                                      address="127.0.0.1:9", model="tiny", labels=odd),
+                ]
+            )  # fmt: skip
+            for body, param, msg in (
+                ({"prompt": [5] * 100}, "prompt", "model context of 64 tokens"),
+                ({"prompt": [5] * 60, "max_tokens": 8}, "max_tokens", "context of 64 tokens"),
+                ({"prompt": [5] * 10, "max_tokens": 9}, "max_tokens", "exceeds the limit of 8"),
+            ):
+                async with http.post("/v1/completions", json={"model": "tiny", **body}) as resp:
+                    assert resp.status == 400, body
+                    err = (await resp.json())["error"]
+                    assert err["param"] == param and msg in err["message"], err
+            stub = router_pb2_grpc.RouterServiceStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Generate(router_pb2.GenerateRequest(prompt_token_ids=[5] * 64))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "model context of 64 tokens" in err.value.details()
+            (info,) = (await stub.ListModels(router_pb2.ListModelsRequest())).models
+            assert info.max_model_len == 64 and info.decode_workers == 2  # static + small
+            (refused,) = info.refused_workers
+            assert refused.startswith("odd: KV fingerprint differs")
+            assert "chunk_size 8 != 4" in refused
+            async with http.get("/v1/models") as resp:
+                assert (await resp.json())["data"][0]["refused_workers"] == [refused]
+            ok = {"model": "tiny", "prompt": [5] * 10, "max_tokens": 8}
+            async with http.post("/v1/completions", json=ok) as resp:
+                assert resp.status == 200, await resp.text()
+
+    asyncio.run(main())

@@ -8,7 +8,7 @@ import json
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -26,20 +26,34 @@ CS = 16
 
 class Cluster:
     def __init__(
-        self, log_dir: Path, model_dir: Path, *, decodes: int = 1, tls: bool = False
+        self,
+        log_dir: Path,
+        model_dir: Path,
+        *,
+        decodes: int = 1,
+        prefills: int = 2,
+        tls: bool = False,
+        worker_flags: Callable[[str, int], dict[str, object]] | None = None,
+        router_flags: dict[str, object] | None = None,
+        node_id: str = "",
     ) -> None:
         """``tls``: every service gets its own certificate (made in ``log_dir/certs``), and
-        this process an admin one, so every internal link is mutual TLS."""
+        this process an admin one, so every internal link is mutual TLS. ``worker_flags(role,
+        index)``: flags that replace or add to a worker's defaults (another engine, its
+        cores); ``router_flags`` likewise for the router. ``node_id``: the storage node's id,
+        which names its /dev/shm files (two clusters at once need two)."""
         self.procs: list[ServiceProcess] = []
         self.log_dir = log_dir
         self.n_decodes = decodes
+        self.n_prefills = prefills
+        self.worker_flags = worker_flags or (lambda role, i: {})
+        self.router_flags = router_flags or {}
         self.certs = log_dir / "certs" if tls else None
-        # node ids name /dev/shm files: two clusters at once need two
-        self.node_id = "n0-tls" if tls else "n0"
+        self.node_id = node_id or ("n0-tls" if tls else "n0")
         if self.certs is not None:
             names = ["meta:meta", "master:master", f"node:{self.node_id}", "router:router"]
             names.append("admin:test")
-            names += [f"worker:prefill{i}" for i in range(2)]
+            names += [f"worker:prefill{i}" for i in range(prefills)]
             names += [f"worker:decode{i}" for i in range(decodes)]
             certs.make(self.certs, names)
             identity.configure_files(self.files("test"))
@@ -92,26 +106,36 @@ class Cluster:
             metrics_port=0,
         )
         self.prefills = [
-            self._add(f"prefill{i}", service_args("prefill", **common)) for i in range(2)
+            self._add(
+                f"prefill{i}",
+                service_args("prefill", **{**common, **self.worker_flags("prefill", i)}),
+            )
+            for i in range(self.n_prefills)
         ]
         self.decodes = [
-            self._add(f"decode{i}", service_args("decode", **common)) for i in range(self.n_decodes)
+            self._add(
+                f"decode{i}", service_args("decode", **{**common, **self.worker_flags("decode", i)})
+            )
+            for i in range(self.n_decodes)
         ]
         self.decode = self.decodes[0]
         self.router = self._add(
             "router",
             service_args(
                 "router",
-                model=model_dir,
-                served_name="tiny",
-                chunk_size=CS,
-                max_model_len=2048,
-                port=0,
-                http_port=0,
-                meta=meta,
-                store_master=master,
-                policy="cache_aware",
-                local_prefill_threshold=0,
+                **{
+                    "model": model_dir,
+                    "served_name": "tiny",
+                    "chunk_size": CS,
+                    "max_model_len": 2048,
+                    "port": 0,
+                    "http_port": 0,
+                    "meta": meta,
+                    "store_master": master,
+                    "policy": "cache_aware",
+                    "local_prefill_threshold": 0,
+                    **self.router_flags,
+                },
             ),
         )
         self.grpc = self.router.info["grpc"]
@@ -121,7 +145,7 @@ class Cluster:
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
                 (m,) = stub.ListModels(router_pb2.ListModelsRequest()).models
-                if m.prefill_workers == 2 and m.decode_workers == self.n_decodes:
+                if m.prefill_workers == self.n_prefills and m.decode_workers == self.n_decodes:
                     break
                 time.sleep(0.2)
             else:

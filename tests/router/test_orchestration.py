@@ -155,6 +155,43 @@ def test_write_mode_prefill_failing_everywhere_falls_back_to_local(tiny_model_di
     run(main())
 
 
+@pytest.mark.parametrize(
+    "code", [grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INVALID_ARGUMENT], ids=lambda c: c.name
+)
+def test_write_mode_refused_by_decode_falls_back_to_read(tiny_model_dir, code):
+    """A decode worker that cannot take a write-mode handle (UNIMPLEMENTED; one predating
+    write mode said INVALID_ARGUMENT) is a worker limitation, never the caller's error: the
+    request is decoded with the answer of the prefill already running, as in the read plan."""
+
+    async def main():
+        p, d = FakePrefill(delay_s=0.2), FakeDecode(refuse_write=code)
+        async with fake_cluster([p], [d], tiny_model_dir) as (r, _):
+            for _ in range(2):
+                msgs = await stream_all(r.grpc_port, gen_req(5, router_pb2.DISAGG_MODE_WRITE))
+                assert ids(msgs) == expected_tokens(PROMPT, 5)
+                assert r.frontend.orchestrator.traces[-1].plan == Plan.WRITE_THEN_READ
+            write, read = d.calls[:2]
+            assert write.HasField("kv") and not write.HasField("first_token_id")
+            assert read.first_token_id == expected_tokens(PROMPT, 1)[0]
+            # one prefill per request serves the fallback; the refusal counts against nothing
+            assert len(p.calls) == 2 and all(c.publish_incrementally for c in p.calls)
+            assert not any(w.broken for w in r.frontend.pool.workers["decode"].values())
+
+    run(main())
+
+
+def test_write_mode_invalid_request_keeps_the_callers_status(tiny_model_dir):
+    async def main():
+        bad = grpc.StatusCode.INVALID_ARGUMENT
+        p, d = FakePrefill(fail=9, fail_code=bad), FakeDecode(fail=9, fail_code=bad)
+        async with fake_cluster([p], [d], tiny_model_dir) as (r, _):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stream_all(r.grpc_port, gen_req(3, router_pb2.DISAGG_MODE_WRITE))
+            assert err.value.code() == bad
+
+    run(main())
+
+
 def test_invalid_argument_from_worker_is_not_retried(tiny_model_dir):
     async def main():
         a = FakePrefill(fail=1, fail_code=grpc.StatusCode.INVALID_ARGUMENT)

@@ -85,14 +85,14 @@ class FakeWorkers(WorkerClient):
             if i == die:
                 raise WorkerCallError(grpc.StatusCode.UNAVAILABLE, "fake decode died")
             await asyncio.sleep(0)
-            first = local and i == 0
+            last = i == len(toks) - 1  # the prompt counts come with it (DecodeResponse)
             yield engine_pb2.DecodeResponse(
                 token_ids=[t],
                 text=f"<{t}>",
-                finish_reason=common_pb2.FINISH_REASON_LENGTH if i == len(toks) - 1 else 0,
+                finish_reason=common_pb2.FINISH_REASON_LENGTH if last else 0,
                 token_times_ms=[float(i)],
-                prefix_cached_tokens=8 if first else 0,
-                recomputed_tokens=len(request.prompt_token_ids) - 8 if first else 0,
+                prefix_cached_tokens=8 if local and last else 0,
+                recomputed_tokens=len(request.prompt_token_ids) - 8 if local and last else 0,
             )
 
 
@@ -198,8 +198,11 @@ def test_local_plan_places_on_the_worker_holding_the_prefix():
     # the prompt counted on d1 until its first token (nothing stored: all 11 tokens)
     assert client.decode_load == [("decode@d1", len(PROMPT))]
     assert all(w.inflight == w.inflight_tokens == 0 for w in workers(orch))
-    # the cached count is the worker's own: 8 tokens from its prefix cache
-    assert chunks[0].cached_tokens == 8 and orch.traces[-1].decode_prefix_cached == 8
+    # the worker's own counts (8 tokens from its prefix cache) come with its last message:
+    # the client's first chunk has what the store held at routing time (nothing), the trace
+    # the worker's counts; a one-token answer gets the worker's counts on its first chunk
+    assert chunks[0].cached_tokens == 0 and orch.traces[-1].decode_prefix_cached == 8
+    assert generate(orch, 1)[0].cached_tokens == 8
     assert orch.traces[-1].plan == Plan.LOCAL
     assert orch.placement.affinity.longest("decode@d1", keys) == len(keys)
 

@@ -46,4 +46,11 @@ def test_short_uncached_part_prefills_on_the_decode_worker():
 
 
 def test_values_are_the_log_and_metric_strings():
-    assert [p.value for p in Plan] == ["read", "write", "local", "read->local", "write->local"]
+    assert [p.value for p in Plan] == [
+        "read",
+        "write",
+        "local",
+        "read->local",
+        "write->local",
+        "write->read",
+    ]

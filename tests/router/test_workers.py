@@ -70,3 +70,42 @@ def test_probe_keeps_a_dead_worker_out():
         await pool.close()
 
     asyncio.run(main())
+
+
+def test_workers_with_another_kv_fingerprint_are_refused_logged_and_counted_once(caplog):
+    from pdserve.hashing import ModelFingerprint
+    from pdserve.services.router.fingerprint import FingerprintSource
+    from pdserve.services.router.workers import REFUSED
+
+    def labels(chunk: int) -> dict[str, str]:
+        fp = ModelFingerprint("tiny", "rev", "float32", chunk)
+        return {"fingerprint": fp.digest().hex(), "kv_dtype": "float32",
+                "chunk_size": str(chunk), "max_model_len": str(chunk * 16)}  # fmt: skip
+
+    def worker(iid: str, chunk: int) -> meta_pb2.Instance:
+        i = inst(iid, common_pb2.ROLE_DECODE, f"127.0.0.1:{len(iid)}0")
+        i.labels.update(labels(chunk))
+        return i
+
+    async def main():
+        pool = WorkerPool(model="tiny")
+        src = FingerprintSource("tiny", "rev", kv_dtype="auto", chunk_size=0,
+                                workers=pool.registered_labels)  # fmt: skip
+        pool.refusals = src.refusals
+        before = REFUSED.labels(DECODE)._value.get()
+        pool.add_static(DECODE, ["127.0.0.1:1"])  # registers no fingerprint: never refused
+        for _ in range(3):  # every meta update checks again; logs and counts once
+            pool.sync([worker("d0", 32), worker("d1", 32), worker("odd", 64)])
+        assert src.current().chunk_size == 32  # the workers' majority
+        odd = pool.workers[DECODE]["odd"]
+        assert "chunk_size 64 != 32" in odd.refused
+        assert sorted(w.id for w in pool.candidates(DECODE)) == ["d0", "d1", "decode@127.0.0.1:1"]
+        assert [w.id for w in pool.refused()] == ["odd"]
+        assert pool.label_values("max_model_len") == {"512"}  # limits of refused ones ignored
+        assert REFUSED.labels(DECODE)._value.get() == before + 1
+        assert caplog.text.count("worker odd (127.0.0.1:30) refused") == 1
+        pool.sync([worker("d0", 32), worker("d1", 32), worker("odd", 32)])  # reconfigured
+        assert not odd.refused and len(pool.candidates(DECODE)) == 4
+        await pool.close()
+
+    asyncio.run(main())

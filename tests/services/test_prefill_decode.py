@@ -88,7 +88,7 @@ def test_prefill_store_decode_is_token_exact(workers, hf_greedy) -> None:
         expected = hf_greedy(toks, MAX)
         assert tokens_of(msgs) == expected, f"prompt length {n}"
         assert pre.first_token_id == expected[0]
-        assert (msgs[0].loaded_tokens, msgs[0].recomputed_tokens) == (n, 0), f"length {n}"
+        assert (msgs[-1].loaded_tokens, msgs[-1].recomputed_tokens) == (n, 0), f"length {n}"
         assert len(pre.kv.chunk_keys) == n // CS and bool(pre.kv.tail_key) == bool(n % CS)
         assert msgs[-1].finish_reason in (
             common_pb2.FINISH_REASON_LENGTH,
@@ -144,7 +144,7 @@ def test_corrupt_chunk_is_detected_and_recomputed(stack, workers, hf_greedy) -> 
     pre = do_prefill(prefill, toks, "corrupt")
     msgs = do_decode(decode, toks, "corrupt", kv=pre.kv, first_token_id=pre.first_token_id)
     assert tokens_of(msgs) == hf_greedy(toks, MAX)
-    assert (msgs[0].loaded_tokens, msgs[0].recomputed_tokens) == (CS, len(toks) - CS)
+    assert (msgs[-1].loaded_tokens, msgs[-1].recomputed_tokens) == (CS, len(toks) - CS)
     assert metric(decode, "pdserve_store_corrupt_chunks_total") == before + 1
     assert metric(decode, 'pdserve_kv_chunk_misses_total{kind="chunk"}') >= 1
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pdserve import grpcutil
+from pdserve.engines.fingerprint import model_fingerprint
 from pdserve.procs import service_args, start_service
 from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc, meta_pb2, meta_pb2_grpc
 
@@ -46,6 +47,20 @@ def test_register_serve_without_store_and_deregister(tmp_path: Path, tiny_model_
                 ("decode-test", worker.info["grpc"], "tiny")
             ]
             assert listed[0].labels["metrics"] == worker.info["metrics"]
+            # its KV fingerprint (digest and fields) and limits, for the router to check
+            fp = model_fingerprint(tiny_model_dir, "tiny", "float32", 16)
+            assert {k: v for k, v in listed[0].labels.items() if k != "metrics"} == {
+                "engine": "torch",
+                "fingerprint": fp.digest().hex(),
+                "model_revision": fp.revision,
+                "kv_dtype": "float32",
+                "chunk_size": "16",
+                "kv_compression": "none",
+                "kv_layout": str(fp.layout_version),
+                "tp": "0/1",
+                "max_model_len": "4096",
+                "max_tokens_limit": "4096",
+            }
             # serves without a store: local prefill, every prompt token recomputed
             with grpcutil.sync_channel(worker.info["grpc"]) as wch:
                 msgs = list(
@@ -58,7 +73,7 @@ def test_register_serve_without_store_and_deregister(tmp_path: Path, tiny_model_
                         timeout=30,
                     )
                 )
-            assert (msgs[0].loaded_tokens, msgs[0].recomputed_tokens) == (0, 20)
+            assert (msgs[-1].loaded_tokens, msgs[-1].recomputed_tokens) == (0, 20)
             text = (
                 urllib.request.urlopen(f"http://{worker.info['metrics']}/metrics", timeout=5)
                 .read()

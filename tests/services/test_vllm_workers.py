@@ -1,15 +1,22 @@
 """The vLLM engine behind the real services: `pdserve prefill --engine vllm` on one process,
 the KV store, `pdserve decode --engine vllm` on another, over gRPC, token-exact against a
-single-process HF greedy loop (the tiny model, chunk 64 = two vLLM blocks of 32)."""
+single-process HF greedy loop (the tiny model, chunk 64 = two vLLM blocks of 32); in read
+mode (prefill, then decode with its handle) and in write mode (decode waits for the chunks
+that prefill publishes at the same time)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
+import time
 
 import pytest
-from test_prefill_decode import GREEDY, MAX, do_decode, do_prefill, prompt, tokens_of
+from test_prefill_decode import GREEDY, MAX, do_decode, do_prefill, metric, prompt, tokens_of
 
-from pdserve.v1 import engine_pb2
+from pdserve import hashing
+from pdserve.engines.fingerprint import model_fingerprint
+from pdserve.store.client import StoreClient
+from pdserve.v1 import common_pb2, engine_pb2
 
 pytestmark = [
     pytest.mark.slow,
@@ -61,3 +68,81 @@ def test_vllm_decode_without_handle_prefills_locally(vllm_workers, hf_greedy) ->
     assert tokens_of(msgs) == hf_greedy(toks, MAX)
     assert msgs[-1].finish_reason != engine_pb2.DecodeResponse().finish_reason
     assert GREEDY.max_tokens == len(tokens_of(msgs))
+
+
+def write_handle(stack, toks: list[int]) -> tuple[common_pb2.KVHandle, list[str]]:
+    """What the router's write plan sends decode before prefill has run: the keys of the
+    prompt's first (n - 1) // chunk_size chunks, no tail, no first token."""
+    fp = model_fingerprint(stack.model_dir, "tiny", "float32", CHUNK)
+    keys = hashing.chunk_keys(fp, toks)
+    k = (len(toks) - 1) // CHUNK
+    handle = common_pb2.KVHandle(
+        chunk_keys=keys[:k], num_tokens=k * CHUNK, chunk_size=CHUNK, fingerprint=fp.digest()
+    )
+    return handle, keys[:k]
+
+
+def stored(stack, keys: list[str]) -> int:
+    with StoreClient(stack.store_address) as sc:
+        return sc.longest_prefix(keys)
+
+
+@pytest.mark.parametrize("n", [CHUNK + 9, 2 * CHUNK, 2 * CHUNK + 7, 5 * CHUNK + 3])
+def test_vllm_write_mode_decode_loads_what_prefill_publishes(stack, vllm_workers, hf_greedy, n):
+    """Decode is called first, with the handle of chunks nothing has stored yet; prefill
+    (publishing incrementally) runs meanwhile. Decode loads every chunk of the handle (waiting
+    for those not stored yet), computes the rest of the prompt itself and samples the first
+    token: token-exact."""
+    prefill, decode = vllm_workers
+    toks = prompt(n, salt=1200 + n)
+    handle, keys = write_handle(stack, toks)
+    assert stored(stack, keys) == 0
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(
+            do_decode, decode, toks, f"vllm-w{n}", kv=handle, chunk_wait_ms=60_000
+        )
+        do_prefill(prefill, toks, f"vllm-w{n}", publish_incrementally=True)
+        msgs = waiting.result()
+    assert tokens_of(msgs) == hf_greedy(toks, MAX)
+    # at least the handle's chunks; more when prefill had stored more by the time decode
+    # looked (the connector loads the longest stored prefix, up to the last token)
+    loaded = sum(m.loaded_tokens for m in msgs)
+    assert len(keys) * CHUNK <= loaded < n
+    assert loaded + sum(m.recomputed_tokens for m in msgs) == n
+
+
+def test_vllm_write_mode_wait_keeps_the_decode_engine_serving(stack, vllm_workers, hf_greedy):
+    """A decode waiting for chunks is parked inside vLLM (an asynchronous KV load), not on
+    its step loop: another request on the same worker is served start to end meanwhile, and
+    only then does prefill publish the chunks the first one waits for. Ordering, not timing."""
+    prefill, decode = vllm_workers
+    toks = prompt(3 * CHUNK + 5, salt=1300)
+    other = prompt(40, salt=1301)
+    handle, keys = write_handle(stack, toks)
+    running = "pdserve_decode_running_requests"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(
+            do_decode, decode, toks, "vllm-wait", kv=handle, chunk_wait_ms=120_000
+        )
+        while metric(decode, running) < 1:  # the waiting request is in the engine
+            time.sleep(0.02)
+        assert tokens_of(do_decode(decode, other, "vllm-other")) == hf_greedy(other, MAX)
+        assert not waiting.done() and stored(stack, keys) == 0
+        do_prefill(prefill, toks, "vllm-wait", publish_incrementally=True)
+        msgs = waiting.result()
+    assert tokens_of(msgs) == hf_greedy(toks, MAX)
+    assert sum(m.loaded_tokens for m in msgs) == len(keys) * CHUNK
+
+
+def test_vllm_write_mode_chunks_that_never_land_are_recomputed(stack, vllm_workers, hf_greedy):
+    """Only the first chunk is ever stored (a prefill of a shorter prompt sharing it): decode
+    loads it, waits chunk_wait_ms for the next, then computes the rest. Token-exact."""
+    prefill, decode = vllm_workers
+    toks = prompt(3 * CHUNK + 5, salt=1400)
+    handle, keys = write_handle(stack, toks)
+    do_prefill(prefill, toks[: CHUNK + 1], "vllm-part")
+    assert stored(stack, keys) == 1
+    msgs = do_decode(decode, toks, "vllm-part", kv=handle, chunk_wait_ms=300)
+    assert tokens_of(msgs) == hf_greedy(toks, MAX)
+    assert sum(m.loaded_tokens for m in msgs) == CHUNK
+    assert sum(m.recomputed_tokens for m in msgs) == len(toks) - CHUNK

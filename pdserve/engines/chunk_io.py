@@ -1,0 +1,222 @@
+"""The one seam between an engine and the KV store.
+
+Both engines (the torch engine in its own process, the vLLM KV connector inside vLLM's
+processes) reach the store only through :class:`ChunkIO`, so they share one failure policy:
+
+- Every store error (unreachable master, timeout, no space) is a miss, never the request's
+  failure: a lookup answers 0, a read None for each chunk, a save nothing. The engine then
+  computes what it could not load.
+- After an error that says the store is unreachable or slow (UNAVAILABLE, DEADLINE_EXCEEDED,
+  a timeout, a socket error) the store is skipped for ``backoff_s``, doubling on each further
+  one up to ``max_backoff_s`` and reset by a success: a store that is down costs one timeout,
+  not one per request. Other errors (no space, a refused put) are counted and logged only.
+- Saves are one batched put (two master round trips whatever the chunk count); the master
+  skips keys it already holds, so nothing asks ``exists`` first.
+- Each operation is counted and timed (:mod:`pdserve.engines.metrics`).
+
+The store is anything with the :class:`ChunkStore` methods: the store client
+(:class:`pdserve.store.client.StoreClient`), the in-process
+:class:`pdserve.store.memory.MemoryBackend` (tests run the production codec through it), or
+any :class:`pdserve.store.api.StoreBackend`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+
+from pdserve import errors, hashing
+from pdserve.engines import metrics
+from pdserve.engines.chunk_wait import load_as_landed
+from pdserve.store.api import StoreOptions
+
+log = logging.getLogger(__name__)
+
+#: First and longest pause of the store after it was unreachable (seconds).
+BACKOFF_S = 2.0
+MAX_BACKOFF_S = 30.0
+#: Errors that mean the store is unreachable or too slow (the others do not pause it).
+_DOWN = (errors.Unavailable, errors.DeadlineExceeded, TimeoutError, OSError)
+
+
+class ChunkStore(Protocol):
+    """What an engine needs of a store (:class:`pdserve.store.api.StoreBackend` has it)."""
+
+    def longest_prefix(self, keys: Sequence[str]) -> int: ...
+
+    def exists(self, keys: Sequence[str]) -> list[bool]: ...
+
+    def batch_get_chunks(
+        self, keys: Sequence[str], fingerprint: bytes, *, arena: memoryview | None = None
+    ) -> list[torch.Tensor | None]: ...
+
+    def batch_put_chunks(
+        self,
+        items: Sequence[tuple[str, torch.Tensor]],
+        fingerprint: bytes,
+        options: StoreOptions = ...,
+        *,
+        encoding: str = "none",
+    ) -> list[bool]: ...
+
+    def close(self) -> None: ...
+
+
+class ChunkIO:
+    """Lookups, reads, write-mode waits and saves of one fingerprint's chunks (see the module
+    docstring). Thread-safe when the store is. ``replicas``: copies of each saved chunk."""
+
+    def __init__(
+        self,
+        store: ChunkStore,
+        fingerprint: hashing.ModelFingerprint,
+        *,
+        replicas: int = 1,
+        backoff_s: float = BACKOFF_S,
+        max_backoff_s: float = MAX_BACKOFF_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.fingerprint = fingerprint
+        self.digest = fingerprint.digest()
+        self.replicas = replicas
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self._next_backoff = backoff_s
+
+    # ------------------------------------------------------------------ failure policy
+
+    def available(self) -> bool:
+        """False while the store is skipped after an error."""
+        return self._clock() >= self._down_until
+
+    def _failed(self, op: str, exc: BaseException) -> None:
+        metrics.KV_STORE_ERRORS.labels(op).inc()
+        if not isinstance(exc, _DOWN):
+            log.warning("KV store %s failed (%s: %s)", op, type(exc).__name__, exc)
+            return
+        with self._lock:
+            wait = self._next_backoff
+            self._down_until = self._clock() + wait
+            self._next_backoff = min(wait * 2, self.max_backoff_s)
+        log.warning(
+            "KV store %s failed (%s: %s); computing instead, store skipped for %.1f s",
+            op,
+            type(exc).__name__,
+            exc,
+            wait,
+        )
+
+    def _ok(self) -> None:
+        if self._next_backoff != self.backoff_s:
+            with self._lock:
+                self._next_backoff = self.backoff_s
+
+    # ------------------------------------------------------------------ operations
+
+    def lookup(self, keys: Sequence[str]) -> int:
+        """How many leading ``keys`` the store holds (0 on an error or while skipped)."""
+        if not keys or not self.available():
+            return 0
+        start = time.perf_counter()
+        try:
+            n = self.store.longest_prefix(keys)
+        except Exception as exc:
+            self._failed("lookup", exc)
+            return 0
+        metrics.KV_STORE_SECONDS.labels("lookup").observe(time.perf_counter() - start)
+        self._ok()
+        return n
+
+    def has(self, key: str) -> bool:
+        """Whether the store holds ``key`` (False on an error or while skipped)."""
+        return self.lookup([key]) == 1
+
+    def get(
+        self, keys: Sequence[str], *, arena: memoryview | None = None
+    ) -> list[torch.Tensor | None]:
+        """The verified chunks of ``keys``, None for each that is missing or corrupt (all
+        None on an error or while skipped). ``arena``: as the store client's
+        ``batch_get_chunks`` (chunks read into it, views valid until it is reused)."""
+        if not keys:
+            return []
+        if not self.available():
+            return [None] * len(keys)
+        start = time.perf_counter()
+        try:
+            if arena is None:
+                got = self.store.batch_get_chunks(keys, self.digest)
+            else:
+                got = self.store.batch_get_chunks(keys, self.digest, arena=arena)
+        except Exception as exc:
+            self._failed("load", exc)
+            return [None] * len(keys)
+        metrics.KV_STORE_SECONDS.labels("load").observe(time.perf_counter() - start)
+        self._ok()
+        return got
+
+    def load_prefix(self, keys: Sequence[str]) -> list[torch.Tensor]:
+        """The chunks of the longest run of leading ``keys`` that are stored and verify."""
+        n = self.lookup(keys)
+        out: list[torch.Tensor] = []
+        for kv in self.get(keys[:n]) if n else []:
+            if kv is None:
+                metrics.KV_CHUNK_MISSES.labels("chunk").inc()
+                break
+            out.append(kv)
+        return out
+
+    def load_as_landed(
+        self,
+        keys: Sequence[str],
+        wait_ms: int,
+        load: Callable[[int, int], int],
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> int:
+        """Write mode (:func:`pdserve.engines.chunk_wait.load_as_landed`): ``load(start, end)``
+        for each run of ``keys`` as it lands; how many leading keys were loaded. ``load``
+        reads with :meth:`get`. A store error ends the wait (counted, backoff)."""
+        if not keys or not self.available():
+            return 0
+        try:
+            return load_as_landed(self.store, keys, wait_ms, load, cancelled)
+        except Exception as exc:
+            self._failed("lookup", exc)
+            return 0
+
+    def save(self, items: Sequence[tuple[str, torch.Tensor]], *, ttl_ms: int = 0) -> int:
+        """Stores the chunks (one batched put; keys the store holds are skipped by it) in the
+        fingerprint's chunk encoding; how many were written now. Nothing on an error or while
+        skipped: a chunk not saved is a future miss."""
+        if not items or not self.available():
+            return 0
+        kind = "tail" if ttl_ms else "chunk"
+        start = time.perf_counter()
+        try:
+            written = self.store.batch_put_chunks(
+                items,
+                self.digest,
+                StoreOptions(replicas=self.replicas, ttl_ms=ttl_ms),
+                encoding=self.fingerprint.kv_compression,
+            )
+        except Exception as exc:
+            self._failed("save", exc)
+            return 0
+        metrics.KV_STORE_SECONDS.labels("save").observe(time.perf_counter() - start)
+        self._ok()
+        n = sum(written)
+        metrics.KV_CHUNKS_WRITTEN.labels(kind).inc(n)
+        if len(items) - n:
+            metrics.KV_CHUNKS_SKIPPED.inc(len(items) - n)
+        return n
+
+    def close(self) -> None:
+        self.store.close()

@@ -1,0 +1,166 @@
+"""Write mode in the vLLM connector without a vLLM engine: the scheduler side turns a handle
+whose chunks are not stored yet into one asynchronous load (and waits at most once per
+request), the worker side scatters each chunk as it lands, reports what never landed as failed
+blocks before it reports the request, and stops waiting when the request is aborted."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed")
+
+from pdserve import hashing
+from pdserve.engines.chunk_io import ChunkIO
+from pdserve.engines.vllm_connector import PARAMS_KEY, PdserveConnector, RequestLoad
+
+L, H, D, BS, CHUNK = 2, 2, 8, 4, 8
+FP = hashing.ModelFingerprint(model_id="m", revision="r", kv_dtype="bfloat16", chunk_size=CHUNK)
+TOKENS = list(range(10, 10 + 3 * CHUNK + 5))  # 3 full chunks + 5: the handle names all 3
+KEYS = hashing.chunk_keys(FP, TOKENS)
+
+
+def _connector(store) -> PdserveConnector:
+    # Only the state these paths use; no vLLM engine behind it.
+    conn = object.__new__(PdserveConnector)
+    conn.__dict__.update(fp=FP, chunk_size=CHUNK, block_size=BS, io=ChunkIO(store, FP))
+    conn.blocks_per_chunk = CHUNK // BS
+    for name in ("_plans", "_async_plans", "_outcomes", "_trackers", "_requests"):
+        setattr(conn, name, {})
+    conn._waited = set()
+    conn.settings = SimpleNamespace(tail_ttl_ms=1000)
+    conn._caches = [torch.zeros(32, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
+    conn._failed_blocks = set()
+    conn._arena = bytearray()
+    conn._arena_tensor = torch.empty(0, dtype=torch.uint8)
+    conn._lock = threading.Lock()
+    conn._waits = {}
+    conn._landed = set()
+    conn._waiter = None
+    return conn
+
+
+def _request(wait_ms: int = 1000) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id="r",
+        prompt_token_ids=TOKENS,
+        cache_salt=None,
+        kv_transfer_params={PARAMS_KEY: {"await_chunks": 3, "chunk_wait_ms": wait_ms}},
+    )
+
+
+def _chunk(i: int) -> torch.Tensor:
+    torch.manual_seed(i)
+    return torch.randn(L, 2, H, CHUNK, D).to(torch.bfloat16)
+
+
+def _publish(store, i: int) -> None:
+    store.put_chunk(KEYS[i], _chunk(i), FP.digest())
+
+
+def _empty_output() -> SimpleNamespace:
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set())
+    return SimpleNamespace(
+        finished_req_ids=set(),
+        preempted_req_ids=[],
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens={},
+    )
+
+
+def test_missing_chunks_become_one_async_load_and_a_request_waits_once(memory_store) -> None:
+    conn = _connector(memory_store)
+    _publish(memory_store, 0)
+    req = _request()
+    assert conn.get_num_new_matched_tokens(req, 0) == (3 * CHUNK, True)
+    blocks = list(range(7, 7 + 3 * CHUNK // BS))
+    conn.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: [blocks]), 3 * CHUNK)
+    (load,) = conn.build_connector_meta(_empty_output()).loads
+    assert (load.req_id, load.block_ids, load.wait_ms) == ("r", blocks, 1000)
+    assert [c.key for c in load.chunks] == KEYS
+    assert not conn.build_connector_meta(_empty_output()).loads  # emitted once
+    # rescheduled after a failed wait: no second wait, a synchronous load of what is stored
+    assert conn.get_num_new_matched_tokens(req, 0) == (CHUNK, False)
+    # every chunk stored already: no wait at all
+    fresh = _connector(memory_store)
+    for i in (1, 2):
+        _publish(memory_store, i)
+    assert fresh.get_num_new_matched_tokens(_request(), 0) == (3 * CHUNK, False)
+
+
+class _Landing:
+    """The store as decode sees it while prefill publishes: each prefix lookup lands one
+    more chunk, up to ``up_to``."""
+
+    def __init__(self, store, up_to: int) -> None:
+        self.store = store
+        self.up_to = up_to
+        self.landed = 0
+
+    def longest_prefix(self, keys):
+        if self.landed < self.up_to:
+            _publish(self.store, self.landed)
+            self.landed += 1
+        return self.store.longest_prefix(keys)
+
+    def batch_get_chunks(self, keys, fingerprint):
+        return self.store.batch_get_chunks(keys, fingerprint)
+
+    def close(self) -> None:
+        pass
+
+
+def _wait_load(conn: PdserveConnector, wait_ms: int) -> RequestLoad:
+    req = _request(wait_ms)
+    conn.get_num_new_matched_tokens(req, 0)
+    blocks = list(range(3, 3 + 3 * CHUNK // BS))
+    conn.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: [blocks]), 3 * CHUNK)
+    (load,) = conn.build_connector_meta(_empty_output()).loads
+    conn._start_wait(load)
+    return load
+
+
+def _finished(conn: PdserveConnector, aborted: set[str] | None = None) -> set[str]:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        _, done = conn.get_finished(aborted or set())
+        if done:
+            return done
+        time.sleep(0.01)
+    raise AssertionError("the wait never ended")
+
+
+def _scattered(conn: PdserveConnector, load: RequestLoad, i: int) -> torch.Tensor:
+    blocks = load.block_ids[i * CHUNK // BS : (i + 1) * CHUNK // BS]
+    return conn._gather(SimpleNamespace(num_tokens=CHUNK, block_ids=blocks))
+
+
+def test_chunks_are_scattered_as_they_land(memory_store) -> None:
+    conn = _connector(_Landing(memory_store, up_to=3))
+    load = _wait_load(conn, wait_ms=60_000)
+    assert _finished(conn) == {"r"}
+    assert conn.get_block_ids_with_load_errors() == set()
+    for i in range(3):
+        assert torch.equal(_scattered(conn, load, i), _chunk(i))
+
+
+def test_chunks_that_never_land_are_failed_blocks_reported_first(memory_store) -> None:
+    conn = _connector(_Landing(memory_store, up_to=1))
+    load = _wait_load(conn, wait_ms=50)
+    # failed blocks are set before the request is reported (the order vLLM reads them in)
+    assert _finished(conn) == {"r"}
+    assert conn.get_block_ids_with_load_errors() == set(load.block_ids[CHUNK // BS :])
+    assert torch.equal(_scattered(conn, load, 0), _chunk(0))
+
+
+def test_an_aborted_wait_stops_and_is_reported_without_failures(memory_store) -> None:
+    conn = _connector(_Landing(memory_store, up_to=0))
+    _wait_load(conn, wait_ms=600_000)
+    assert _finished(conn, aborted={"r"}) == {"r"}
+    assert conn.get_block_ids_with_load_errors() == set()
+    conn.shutdown()
