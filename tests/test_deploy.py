@@ -1,7 +1,9 @@
 """deploy/: the compose file is valid, every service's command line parses with the mounted
 cluster.yaml and the certificates the lab's `certs` service issues, and the lab is locked
 down: mutual TLS for every pdserve service, an API key the router cannot start without, no
-port published on all interfaces, no container running as root."""
+port published on all interfaces, no container running as root. Its Prometheus scrapes every
+pdserve service on its real metrics port, and its Grafana is provisioned with files that
+exist, pointing at that Prometheus and at the mounted dashboard."""
 
 from __future__ import annotations
 
@@ -46,7 +48,10 @@ ROLES = {
     ("router",): "router",
 }
 CERTS = "/etc/pdserve/certs"
-NOT_PDSERVE = {"etcd", "certs"}  # etcd's own image; the one-shot certificate maker
+#: etcd's own image; the one-shot certificate maker; the monitoring images
+NOT_PDSERVE = {"etcd", "certs", "prometheus", "grafana"}
+PROMETHEUS = DEPLOY / "prometheus" / "prometheus.yml"
+GRAFANA = DEPLOY / "grafana"
 
 
 def _services() -> dict:
@@ -191,3 +196,114 @@ def test_containers_run_as_an_unprivileged_user():
     for name in [*PDSERVE_SERVICES, "certs"]:
         user = str(_services()[name].get("user", users[-1]))
         assert user not in ("root", "0") and not user.startswith("0:"), (name, user)
+    for name in ("prometheus", "grafana"):  # other images: their user is set here, explicitly
+        user = str(_services()[name]["user"])
+        assert user not in ("root", "0") and not user.startswith("0:"), (name, user)
+
+
+# --- monitoring: Prometheus and Grafana -----------------------------------------------------
+
+
+def _metrics_port(name: str) -> int:
+    """The port a pdserve compose service serves /metrics on, from its parsed command line."""
+    argv = [_local(a, DEPLOY) for a in shlex.split(_services()[name]["command"])]
+    args = build_parser().parse_args(argv)
+    key = tuple(argv[:2]) if argv[0] == "kvstore" else (argv[0],)
+    cls, section = CONFIGS[key]
+    cfg = config.from_args(cls, section, args)
+    port = cfg.http_port if key == ("router",) else cfg.metrics_port
+    assert port > 0, f"{name} serves no /metrics on a fixed port ({port})"
+    return port
+
+
+def _scrape_targets(prom: dict) -> list[tuple[str, str]]:
+    return [
+        (job["job_name"], target)
+        for job in prom["scrape_configs"]
+        for static in job.get("static_configs", [])
+        for target in static["targets"]
+    ]
+
+
+def scrape_problems(prom: dict, services: dict) -> list[str]:
+    """What is wrong with a Prometheus config for the lab: targets that are not a pdserve
+    compose service on its metrics port, pdserve services nobody scrapes, non-HTTP schemes."""
+    problems = []
+    scraped = set()
+    for job, target in _scrape_targets(prom):
+        host, _, port = target.rpartition(":")
+        if host not in services or host in NOT_PDSERVE:
+            problems.append(f"{job}: {target} is not a pdserve compose service")
+            continue
+        if int(port) != _metrics_port(host):
+            problems.append(f"{job}: {target} is not {host}'s metrics port {_metrics_port(host)}")
+        scraped.add(host)
+    for job in prom["scrape_configs"]:
+        if job.get("scheme", "http") != "http" or job.get("metrics_path", "/metrics") != "/metrics":
+            problems.append(f"{job['job_name']}: metrics are plain HTTP at /metrics")
+    missing = sorted(n for n in services if n not in NOT_PDSERVE and n not in scraped)
+    problems += [f"{n} is not scraped" for n in missing]
+    return problems
+
+
+def test_prometheus_scrapes_every_service_on_its_metrics_port():
+    prom = yaml.safe_load(PROMETHEUS.read_text())
+    assert scrape_problems(prom, _services()) == []
+    assert len(_scrape_targets(prom)) == len(PDSERVE_SERVICES)
+
+
+def test_scrape_check_catches_a_wrong_port_a_stray_target_and_a_missing_service():
+    prom = yaml.safe_load(PROMETHEUS.read_text())
+    for job in prom["scrape_configs"]:
+        for static in job["static_configs"]:
+            static["targets"] = [
+                t.replace("decode-1:9100", "decode-1:50070") for t in static["targets"]
+            ]
+            static["targets"] = [t for t in static["targets"] if not t.startswith("meta:")]
+    prom["scrape_configs"].append({"job_name": "x", "static_configs": [{"targets": ["nope:1"]}]})
+    problems = scrape_problems(prom, _services())
+    assert any("decode-1:50070" in p for p in problems), problems
+    assert "meta is not scraped" in problems
+    assert any("nope:1" in p for p in problems), problems
+
+
+def _bind_mounts(name: str) -> dict[str, str]:
+    """{container path: host path} of a service's bind mounts (paths relative to deploy/)."""
+    out = {}
+    for vol in _services()[name]["volumes"]:
+        src, dst = vol.split(":")[:2]
+        if src.startswith("./"):
+            out[dst] = src
+    return out
+
+
+def test_monitoring_mounts_exist_and_fit_together():
+    prom = _services()["prometheus"]
+    mounts = _bind_mounts("prometheus")
+    config_arg = next(a for a in prom["command"] if a.startswith("--config.file="))
+    assert mounts[config_arg.split("=", 1)[1]] == "./prometheus/prometheus.yml"
+    assert all(a != "--web.listen-address" for a in prom["command"])  # :9090, as below
+
+    graf = _services()["grafana"]
+    mounts = _bind_mounts("grafana")
+    for src in [*mounts.values(), *_bind_mounts("prometheus").values()]:
+        assert (DEPLOY / src).exists(), f"{src} is mounted but missing"
+    prov = mounts["/etc/grafana/provisioning"]
+    sources = yaml.safe_load((DEPLOY / prov / "datasources" / "prometheus.yml").read_text())
+    (ds,) = sources["datasources"]
+    assert ds["type"] == "prometheus" and ds["url"] == "http://prometheus:9090"
+    providers = yaml.safe_load((DEPLOY / prov / "dashboards" / "pdserve.yml").read_text())
+    (provider,) = providers["providers"]
+    folder = provider["options"]["path"]
+    dashboards = {dst: src for dst, src in mounts.items() if dst.startswith(folder + "/")}
+    assert dashboards == {f"{folder}/pdserve-dashboard.json": "./grafana/pdserve-dashboard.json"}, (
+        "the provider's folder must hold the pdserve dashboard"
+    )
+    dashboard = json.loads((GRAFANA / "pdserve-dashboard.json").read_text())
+    # the dashboard's datasource variable defaults to the provisioned datasource
+    (var,) = [v for v in dashboard["templating"]["list"] if v["type"] == "datasource"]
+    assert var["query"] == "prometheus" and var["current"]["value"] == ds["uid"]
+    home = graf["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home in dashboards
+    assert str(graf["environment"]["GF_AUTH_ANONYMOUS_ORG_ROLE"]) == "Viewer"
+    assert "PDSERVE_API_KEY" in graf["environment"]["GF_SECURITY_ADMIN_PASSWORD"]

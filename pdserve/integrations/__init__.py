@@ -1,0 +1,1 @@
+"""Adapters that let other serving stacks use pdserve's KV store (docs/lmcache.md)."""
