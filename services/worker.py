@@ -65,7 +65,8 @@ def sampling_from_proto(
     """Applies the documented defaults; max_tokens 0 = as many as the limit and context allow.
     The engine validates the result (INVALID_ARGUMENT naming the field)."""
     max_tokens = p.max_tokens or max(
-        1, min(cfg.max_tokens_limit, engine.max_model_len - prompt_len)
+        1,
+        min(cfg.resolved_max_tokens_limit(engine.max_model_len), engine.max_model_len - prompt_len),
     )
     return Sampling(
         max_tokens=max_tokens,
@@ -215,7 +216,7 @@ def registration_labels(cfg: EngineConfig, engine: Engine) -> dict[str, str]:
         "kv_layout": str(fp.layout_version),
         "tp": f"{fp.tp_rank}/{fp.tp_size}",
         "max_model_len": str(engine.max_model_len),
-        "max_tokens_limit": str(cfg.max_tokens_limit),
+        "max_tokens_limit": str(cfg.resolved_max_tokens_limit(engine.max_model_len)),
     }
 
 

@@ -42,9 +42,13 @@ class EngineConfig:
         "--kv-compression`)",
     )
     max_model_len: int = help_field(
-        4096, "context limit in tokens (prompt + output); capped by the model's own limit"
+        0,
+        "context limit in tokens (prompt + output); 0 = the model's own "
+        "(max_position_embeddings), and never above it",
     )
-    max_tokens_limit: int = help_field(4096, "largest max_tokens a request may ask for")
+    max_tokens_limit: int = help_field(
+        0, "largest max_tokens a request may ask for (0 = the context limit)"
+    )
     max_num_seqs: int = help_field(
         0,
         "generations running at once, more wait in the queue (0 = auto: 128 on vllm, as "
@@ -107,6 +111,10 @@ class EngineConfig:
             return "none"
         return self.kv_compression
 
+    def resolved_max_tokens_limit(self, max_model_len: int) -> int:
+        """``max_tokens_limit`` with ``0`` resolved: the engine's context limit."""
+        return min(self.max_tokens_limit or max_model_len, max_model_len)
+
     def resolved_max_num_seqs(self) -> int:
         """``max_num_seqs`` with ``0`` (auto) resolved for this engine."""
         if self.max_num_seqs:
@@ -131,9 +139,11 @@ class EngineConfig:
             raise ConfigError(
                 f"kv_compression must be one of {KV_COMPRESSIONS}, got {self.kv_compression!r}"
             )
-        for name in ("max_model_len", "max_tokens_limit", "torch_threads"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.torch_threads <= 0:
+            raise ConfigError(f"torch_threads must be positive, got {self.torch_threads}")
+        for name in ("max_model_len", "max_tokens_limit"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0 (0 = auto), got {getattr(self, name)}")
         for name in ("tpot_target_ms", "ttft_urgent_ms"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0 (0 = off), got {getattr(self, name)}")

@@ -181,7 +181,8 @@ class TorchEngine(Engine):
             conf.num_attention_heads
         )
         self.vocab_size = conf.vocab_size
-        self.max_model_len = min(self.cfg.max_model_len, conf.max_position_embeddings)
+        limit = conf.max_position_embeddings
+        self.max_model_len = min(self.cfg.max_model_len or limit, limit)
         eos = self.tokenizer.eos_token_id
         if eos is None:
             eos = conf.eos_token_id[0] if isinstance(conf.eos_token_id, list) else conf.eos_token_id
@@ -256,7 +257,7 @@ class TorchEngine(Engine):
     ) -> PrefillOutcome:
         self._require_started()
         tokens = list(prompt_token_ids)
-        sampling.validate(self.cfg.max_tokens_limit)
+        sampling.validate(self.cfg.resolved_max_tokens_limit(self.max_model_len))
         self.check_prompt(tokens, sampling)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._queue.put(
@@ -280,7 +281,7 @@ class TorchEngine(Engine):
         the generation is queued for the model's thread."""
         self._require_started()
         tokens = list(prompt_token_ids)
-        sampling.validate(self.cfg.max_tokens_limit)
+        sampling.validate(self.cfg.resolved_max_tokens_limit(self.max_model_len))
         self.check_prompt(tokens, sampling)
         if first_token_id is not None and not 0 <= first_token_id < self.vocab_size:
             raise InvalidArgument(

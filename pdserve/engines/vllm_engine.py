@@ -175,7 +175,7 @@ class VllmEngine(Engine):
             served_model_name=[served],
             dtype=cfg.resolved_kv_dtype(),
             block_size=cfg.vllm_block_size,
-            max_model_len=cfg.max_model_len,
+            max_model_len=cfg.max_model_len or None,  # None: the model's own
             max_num_seqs=cfg.resolved_max_num_seqs(),
             max_num_batched_tokens=cfg.max_num_batched_tokens or VLLM_STEP_TOKENS,
             scheduler_cls=SCHEDULER_CLASS,
@@ -244,7 +244,7 @@ class VllmEngine(Engine):
         cache_salt: str = "",
     ) -> PrefillOutcome:
         prompt = list(prompt_token_ids)
-        sampling.validate(self.config.max_tokens_limit)
+        sampling.validate(self.config.resolved_max_tokens_limit(self.max_model_len))
         self.check_prompt(prompt, sampling)
         fp = self.fingerprint
         keys = hashing.chunk_keys(fp, prompt, cache_salt)
@@ -288,7 +288,7 @@ class VllmEngine(Engine):
         cache_salt: str = "",
     ) -> AsyncIterator[TokenEvent]:
         prompt = list(prompt_token_ids)
-        sampling.validate(self.config.max_tokens_limit)
+        sampling.validate(self.config.resolved_max_tokens_limit(self.max_model_len))
         self.check_prompt(prompt, sampling)
         t0 = time.perf_counter()
         text = TextStream(self.decode_text, sampling.stop)
