@@ -11,12 +11,20 @@ A YAML file holds one mapping per service section, so a whole cluster shares one
 Environment variables are ``PDSERVE_<SECTION>_<FIELD>`` (upper case), e.g.
 ``PDSERVE_PREFILL_CHUNK_SIZE=512``. Flags are ``--field-name``. Every field carries its help
 text in ``metadata["help"]``; ``--help`` prints it with the default.
+
+Files are strict: a top-level key must be a service section (:data:`SECTIONS`) or a key users
+bring from Mooncake or LMCache (:mod:`pdserve.compat`, which also reads the files
+``MOONCAKE_CONFIG_PATH`` and ``LMCACHE_CONFIG_FILE`` name), and every field of every section
+must exist: anything else is a :class:`ConfigError` naming the key and the file, with the
+closest known name.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import importlib
 import json
 import os
 import types
@@ -91,16 +99,86 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
     raise ConfigError(f"config field {name!r}: unsupported type {tp!r}")
 
 
-def read_yaml(path: str | Path) -> dict[str, Any]:
+#: Every section a config file may hold, and the config class that reads it (imported only to
+#: check a file): one file can describe a whole cluster (``pdserve up --config``).
+SECTIONS: dict[str, str] = {
+    "up": "pdserve.up:UpConfig",
+    "meta": "pdserve.services.meta.server:MetaConfig",
+    "kvstore_master": "pdserve.services.kvstore.master_config:MasterConfig",
+    "kvstore_node": "pdserve.services.kvstore.node_config:NodeConfig",
+    "prefill": "pdserve.services.prefill.config:PrefillConfig",
+    "decode": "pdserve.services.decode.config:DecodeConfig",
+    "router": "pdserve.services.router.config:RouterConfig",
+}
+
+
+def _did_you_mean(name: object, known: Any) -> str:
+    close = difflib.get_close_matches(str(name), [str(k) for k in known], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def section_class(section: str) -> type:
+    module, _, name = SECTIONS[section].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """A YAML (or JSON: ``.json``) config file as a mapping, with a ConfigError naming it."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        text = path.read_text()
     except FileNotFoundError as exc:
         raise ConfigError(f"config file {path} does not exist") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc}") from exc
+    if path.suffix.lower() == ".json":
+        try:
+            data = json.loads(text) if text.strip() else {}
+        except ValueError as exc:
+            raise ConfigError(f"config file {path} is not valid JSON: {exc}") from exc
+    else:
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of sections")
+    return data
+
+
+read_yaml = read_config
+
+
+def check_file(path: str | Path, data: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Reads (unless given) and checks a whole config file: every top-level key is a section or
+    a familiar Mooncake / LMCache key (:mod:`pdserve.compat`), every section a mapping of
+    fields its service has, every value of its field's type. Returns the data."""
+    from pdserve import compat
+
+    data = read_config(path) if data is None else dict(data)
+    known = [*SECTIONS, *compat.BY_NAME]
+    for key, value in data.items():
+        if key in SECTIONS:
+            if value is None:
+                continue
+            if not isinstance(value, dict):
+                raise ConfigError(f"config file {path}: config section {key!r} must be a mapping")
+            types_ = _field_types(section_class(key))
+            unknown = sorted(set(value) - set(types_))
+            if unknown:
+                hints = "".join(_did_you_mean(u, types_) for u in unknown)
+                raise ConfigError(
+                    f"config file {path}: config section {key!r}: unknown field(s) "
+                    f"{', '.join(unknown)}{hints}; known: {', '.join(sorted(types_))}"
+                )
+            for name, v in value.items():
+                _coerce(f"{key}.{name}", types_[name], v)
+        elif key not in compat.BY_NAME:
+            raise ConfigError(
+                f"config file {path}: unknown section or key {key!r}{_did_you_mean(key, known)}; "
+                f"sections: {', '.join(SECTIONS)}; Mooncake / LMCache keys: "
+                f"{', '.join(compat.BY_NAME)}"
+            )
     return data
 
 
@@ -116,15 +194,28 @@ def load(
     env = os.environ if env is None else env
     types_ = _field_types(cls)
     values: dict[str, Any] = {}
+
+    def take(settings: Mapping[str, Any]) -> None:
+        values.update({k: _coerce(k, types_[k], v) for k, v in settings.items() if k in types_})
+
+    from pdserve import compat
+
+    # the files MOONCAKE_CONFIG_PATH / LMCACHE_CONFIG_FILE name, as those tools read them
+    take(compat.from_env(env, section))
     if yaml_path is not None:
-        sect = read_yaml(yaml_path).get(section) or {}
+        data = read_config(yaml_path)
+        if section in SECTIONS:
+            check_file(yaml_path, data)  # the whole file: a typo anywhere is an error
+        take(compat.translate(compat.flatten(data, yaml_path), section, yaml_path))
+        sect = data.get(section) or {}
         if not isinstance(sect, dict):
             raise ConfigError(f"config section {section!r} must be a mapping")
         unknown = sorted(set(sect) - set(types_))
         if unknown:
+            hints = "".join(_did_you_mean(u, types_) for u in unknown)
             raise ConfigError(
-                f"config section {section!r}: unknown field(s) {', '.join(unknown)}; "
-                f"known: {', '.join(sorted(types_))}"
+                f"config file {yaml_path}: config section {section!r}: unknown field(s) "
+                f"{', '.join(unknown)}{hints}; known: {', '.join(sorted(types_))}"
             )
         values.update({k: _coerce(k, types_[k], v) for k, v in sect.items()})
     prefix = f"PDSERVE_{section.upper()}_"
@@ -134,7 +225,9 @@ def load(
             values[name] = _coerce(name, tp, env[key])
     for name, value in (overrides or {}).items():
         if name not in types_:
-            raise ConfigError(f"unknown config field {name!r} for {section}")
+            raise ConfigError(
+                f"unknown config field {name!r} for {section}{_did_you_mean(name, types_)}"
+            )
         if value is not None:
             values[name] = _coerce(name, types_[name], value)
     cfg = cls(**values)
@@ -148,8 +241,11 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     """Adds ``--config`` and one ``--field-name`` flag per dataclass field (default: unset)."""
     parser.add_argument(
         "--config",
-        metavar="YAML",
-        help="YAML file with a section per service; flags and PDSERVE_* env vars override it",
+        metavar="FILE",
+        help="YAML (or JSON) file with a section per service, and/or the Mooncake / LMCache "
+        "keys users know (a Mooncake JSON or LMCACHE_CONFIG_FILE YAML works as is: "
+        "docs/configuration.md); unknown keys are an error. Flags and PDSERVE_* env vars "
+        "override it",
     )
     types_ = _field_types(cls)
     for f in dataclasses.fields(cls):

@@ -13,6 +13,12 @@ A chunk encoding (``kv_compression``: the KV stored as bf16 or fp8, :mod:`pdserv
 is part of the fingerprint, so workers that store different numerics never share a key: it
 goes into the KV dtype field of the canonical encoding (``"float32+fp8"``), which keeps the
 encoding's structure (and so every uncompressed key) unchanged.
+
+Tensor parallelism: each TP rank holds its share of the KV heads and stores it as its own
+chunk. The chain is that of the fingerprint of rank 0 (``tp_rank = 0``, ``tp_size = n``: TP
+keys never equal single-engine keys), which is what schedulers and routers look up; rank
+``r > 0`` stores chunk ``k`` under :func:`rank_key` ``(k)``, derived from the rank-0 key alone,
+so every rank finds its share from the keys the scheduler hands out.
 """
 
 from __future__ import annotations
@@ -137,6 +143,16 @@ def chunk_keys(
     chain of ``cache_salt`` ("" = no salt)."""
     root = chain_root(fingerprint, cache_salt)
     return [h.hex() for h in chain_hashes(root, tokens, fingerprint.chunk_size)]
+
+
+def rank_key(key: str, fingerprint: ModelFingerprint) -> str:
+    """The key under which TP rank ``fingerprint.tp_rank`` stores its share of the chunk (or
+    tail) that rank 0 stores under ``key``: ``key`` itself on rank 0, else ``"tp-"`` + H(
+    ``key`` as UTF-8 || u32 LE rank || u32 LE size), hex."""
+    if fingerprint.tp_rank == 0:
+        return key
+    rank = struct.pack("<II", fingerprint.tp_rank, fingerprint.tp_size)
+    return "tp-" + _h(key.encode() + rank).hex()
 
 
 def tail_key(

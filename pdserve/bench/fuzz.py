@@ -279,7 +279,16 @@ def value(f: FieldDescriptor, small: bool = False, depth: int = 3) -> st.SearchS
     small ones, maps too many or bad entries, messages unset or hostile throughout."""
     if _is_map(f):
         k, v = (f.message_type.fields_by_name[n] for n in ("key", "value"))
-        many = st.sampled_from([65, 1000]).map(lambda n: {f"k{i}": "v" for i in range(n)})
+        text_key = k.type == FieldDescriptor.TYPE_STRING
+        filler = {
+            FieldDescriptor.TYPE_STRING: "v",
+            FieldDescriptor.TYPE_BOOL: False,
+            FieldDescriptor.TYPE_FLOAT: 0.0,
+            FieldDescriptor.TYPE_DOUBLE: 0.0,
+        }.get(v.type, 0)
+        many = st.sampled_from([65, 1000]).map(
+            lambda n: {(f"k{i}" if text_key else i): filler for i in range(n)}
+        )
         return st.dictionaries(scalar(k, True), scalar(v, True), max_size=3) | many
     if f.message_type is not None:
         one = message(f.message_type, small, depth - 1)
@@ -610,6 +619,9 @@ class RouterHttp:
         common = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p"}
         common |= {"top_k", "seed", "stop", "stream", "stream_options", "n", "ignore_eos"}
         common |= {"request_id", "cache_salt", "unknown_field", *UNSUPPORTED_OPENAI}
+        common |= {"logprobs", "top_logprobs", "presence_penalty", "frequency_penalty"}
+        common |= {"repetition_penalty", "logit_bias", "stop_token_ids", "echo"}
+        common |= {"response_format"}
         prompt = {"model": model, "prompt": "hello fuzz", "max_tokens": 2}
         chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         self.bodies = {

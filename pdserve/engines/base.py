@@ -38,6 +38,36 @@ class Sampling:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    #: OpenAI/vLLM penalties over the generated tokens (presence: once per distinct token,
+    #: frequency: per occurrence), and vLLM's multiplicative repetition penalty over prompt and
+    #: generated tokens (1 = off).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    #: ``(token id, bias)`` pairs added to the logits before the penalties.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    #: Token ids that end the generation (finish STOP, no text).
+    stop_token_ids: tuple[int, ...] = ()
+    #: Logprobs of each generated token plus this many alternatives; None = none.
+    logprobs: int | None = None
+    #: Guided decoding (vLLM structured outputs): a JSON object, or this JSON schema's text.
+    json_object: bool = False
+    json_schema: str = ""
+
+    @property
+    def penalized(self) -> bool:
+        """Any logit processing beyond temperature/top-k/top-p (bias or a penalty)."""
+        return bool(
+            self.logit_bias
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def constrained(self) -> bool:
+        """Guided decoding asked (``json_object`` or ``json_schema``)."""
+        return self.json_object or bool(self.json_schema)
 
     def validate(self, max_tokens_limit: int) -> None:
         if self.max_tokens <= 0:
@@ -59,6 +89,41 @@ class Sampling:
             raise InvalidArgument(f"top_k must be >= 0, got {self.top_k}", param="top_k")
         if any(not s for s in self.stop):
             raise InvalidArgument("stop strings must not be empty", param="stop")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise InvalidArgument(f"{name} must be in [-2, 2], got {value}", param=name)
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise InvalidArgument(
+                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}",
+                param="repetition_penalty",
+            )
+        for token, bias in self.logit_bias:
+            if not -100.0 <= bias <= 100.0:
+                raise InvalidArgument(
+                    f"logit_bias[{token}] must be in [-100, 100], got {bias}", param="logit_bias"
+                )
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidArgument(
+                f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", param="logprobs"
+            )
+        if self.json_object and self.json_schema:
+            raise InvalidArgument(
+                "json_object and json_schema are exclusive", param="response_format"
+            )
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """The token ids of ``logit_bias`` and ``stop_token_ids`` are in the vocabulary."""
+        for name, ids in (
+            ("logit_bias", [t for t, _ in self.logit_bias]),
+            ("stop_token_ids", list(self.stop_token_ids)),
+        ):
+            for t in ids:
+                if not 0 <= t < vocab_size:
+                    raise InvalidArgument(
+                        f"{name}: token id {t} is outside the vocabulary [0, {vocab_size})",
+                        param=name,
+                    )
 
     @property
     def greedy(self) -> bool:
@@ -69,6 +134,18 @@ class Sampling:
 
 #: See :attr:`Sampling.greedy`.
 GREEDY_BELOW = 1e-5
+#: Most alternatives per token :attr:`Sampling.logprobs` may ask (OpenAI's and vLLM's 20).
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log probability and the ``top`` most likely ``(token id,
+    logprob)`` at its position, most likely first (common.proto OutputLogProbs)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -89,6 +166,8 @@ class PrefillOutcome:
     cached_tokens: int
     computed_tokens: int
     first_token_is_eos: bool = False
+    #: The first token's logprobs (when :attr:`Sampling.logprobs` is set).
+    first_logprob: TokenLogprob | None = None
 
 
 @dataclass
@@ -111,6 +190,9 @@ class TokenEvent:
     recomputed_tokens: int = 0
     #: Prompt tokens the engine's own prefix cache held (vLLM's local block cache).
     prefix_cached_tokens: int = 0
+    #: Logprobs of the last ``len(logprobs)`` of ``token_ids``: those the engine sampled
+    #: (prefill's first token, echoed, has none); empty unless :attr:`Sampling.logprobs`.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -209,6 +291,7 @@ class Engine(abc.ABC):
                 f"{field}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
                 param=field,
             )
+        sampling.check_vocab(self.vocab_size)
         if len(prompt_token_ids) + sampling.max_tokens > self.max_model_len:
             raise InvalidArgument(
                 f"{field} ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) "
@@ -229,10 +312,13 @@ def next_text(
     """The one finish rule for a token an engine produced itself (the torch engine's every
     token, the vLLM engine's first token from prefill): the text it adds to the stream and
     whether it ends the generation. ``generated`` counts tokens so far, this one included.
-    EOS (unless ignored) ends it without text; a stop string ends it with the text before the
-    stop; ``max_tokens`` or a full context ends it with any held-back text flushed."""
+    EOS (unless ignored) ends it without text, a stop token id likewise (finish STOP); a stop
+    string ends it with the text before the stop; ``max_tokens`` or a full context ends it
+    with any held-back text flushed."""
     if token == eos_token_id and not sampling.ignore_eos:
         return stream.flush(), Finish.EOS
+    if token in sampling.stop_token_ids:
+        return stream.flush(), Finish.STOP
     text = stream.add(token)
     if stream.stopped:
         return text, Finish.STOP

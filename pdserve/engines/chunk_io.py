@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -33,7 +33,7 @@ import torch
 from pdserve import errors, hashing
 from pdserve.engines import metrics
 from pdserve.engines.chunk_wait import load_as_landed
-from pdserve.store.api import StoreOptions
+from pdserve.store.api import ChunkMeta, StoreOptions
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ class ChunkStore(Protocol):
         options: StoreOptions = ...,
         *,
         encoding: str = "none",
+        meta: Mapping[str, ChunkMeta] | None = None,
     ) -> list[bool]: ...
 
     def close(self) -> None: ...
@@ -192,20 +193,30 @@ class ChunkIO:
             self._failed("lookup", exc)
             return 0
 
-    def save(self, items: Sequence[tuple[str, torch.Tensor]], *, ttl_ms: int = 0) -> int:
+    def save(
+        self,
+        items: Sequence[tuple[str, torch.Tensor]],
+        *,
+        ttl_ms: int = 0,
+        meta: Mapping[str, ChunkMeta] | None = None,
+    ) -> int:
         """Stores the chunks (one batched put; keys the store holds are skipped by it) in the
         fingerprint's chunk encoding; how many were written now. Nothing on an error or while
-        skipped: a chunk not saved is a future miss."""
+        skipped: a chunk not saved is a future miss. ``meta``: per key, the chunk's parent key
+        and token ids, which the master publishes with its KV events (stores that cannot
+        carry it drop it)."""
         if not items or not self.available():
             return 0
         kind = "tail" if ttl_ms else "chunk"
         start = time.perf_counter()
+        extra = {"meta": meta} if meta else {}
         try:
             written = self.store.batch_put_chunks(
                 items,
                 self.digest,
                 StoreOptions(replicas=self.replicas, ttl_ms=ttl_ms),
                 encoding=self.fingerprint.kv_compression,
+                **extra,
             )
         except Exception as exc:
             self._failed("save", exc)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from pdserve.config import ConfigError, help_field
 from pdserve.hashing import KV_COMPRESSIONS, KV_DTYPES
+from pdserve.store import StoreBackendConfig
 
 ENGINES = ("torch", "vllm")
 #: Auto ``max_num_batched_tokens`` of the vLLM engine (vLLM's own CPU serving default).
@@ -13,7 +14,7 @@ VLLM_STEP_TOKENS = 2048
 
 
 @dataclass
-class EngineConfig:
+class EngineConfig(StoreBackendConfig):
     engine: str = help_field(
         "torch", "model backend: 'torch' (transformers reference engine) or 'vllm'"
     )
@@ -74,7 +75,15 @@ class EngineConfig:
     store_master: str = help_field(
         "", "KV store master address host:port (empty = no store: always recompute)"
     )
-    store_transport: str = help_field("auto", "store data-plane transport: auto|shm|tcp|mooncake")
+    store_transport: str = help_field(
+        "auto", "store data-plane transport: auto|shm|tcp|mooncake (store_backend pdserve)"
+    )
+    store_segment_size: str = help_field(
+        "0",
+        "store_backend mooncake: memory this worker contributes to the Mooncake pool "
+        "(Mooncake's global_segment_size; 0 = none, objects live in other clients' segments)",
+        metavar="SIZE",
+    )
     store_timeout_s: float = help_field(5.0, "timeout of one store operation (seconds)")
     store_replicas: int = help_field(
         1, "copies of each stored chunk, on distinct storage nodes (survives node loss when > 1)"
@@ -156,6 +165,13 @@ class EngineConfig:
             raise ConfigError(f"store_replicas must be at least 1, got {self.store_replicas}")
         if self.store_timeout_s <= 0:
             raise ConfigError(f"store_timeout_s must be positive, got {self.store_timeout_s}")
+        self.check_store_backend()
+        if self.store_backend != "mooncake" and self.store_segment_size not in ("", "0"):
+            raise ConfigError(
+                f"store_segment_size {self.store_segment_size!r} applies to store_backend "
+                "mooncake; pdserve's store keeps KV on its storage nodes "
+                "(kvstore_node.segment_sizes)"
+            )
         if self.engine == "vllm":
             if self.vllm_block_size <= 0 or self.vllm_block_size % 32:
                 raise ConfigError(

@@ -40,12 +40,15 @@ def model_fingerprint(
     kv_dtype: str,
     chunk_size: int,
     kv_compression: str = "none",
+    tp_size: int = 1,
 ) -> ModelFingerprint:
     """The :class:`ModelFingerprint` of ``model_dir`` served as ``served_name``.
 
     Contract: a pure function of the folder's config and weight files, the served name, the KV
-    dtype, the chunk size and the chunk encoding (resolved:
-    ``EngineConfig.resolved_kv_compression``); identical across processes, hosts and restarts.
+    dtype, the chunk size, the chunk encoding (resolved:
+    ``EngineConfig.resolved_kv_compression``) and the tensor-parallel size (the fingerprint is
+    rank 0's, whose keys are the chain's: :func:`pdserve.hashing.rank_key`); identical across
+    processes, hosts and restarts.
     """
     return ModelFingerprint(
         model_id=served_name,
@@ -53,4 +56,5 @@ def model_fingerprint(
         kv_dtype=kv_dtype,
         chunk_size=chunk_size,
         kv_compression=kv_compression,
+        tp_size=tp_size,
     )

@@ -53,6 +53,7 @@ from pdserve.engines.base import (
     PrefillOutcome,
     Sampling,
     TokenEvent,
+    TokenLogprob,
     next_text,
 )
 from pdserve.engines.chunk_io import ChunkIO, ChunkStore
@@ -60,19 +61,60 @@ from pdserve.engines.config import EngineConfig
 from pdserve.engines.fingerprint import model_fingerprint
 from pdserve.engines.textstream import TextStream
 from pdserve.errors import InvalidArgument, Unavailable
+from pdserve.store.api import ChunkMeta
 
 log = logging.getLogger(__name__)
 
 _KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def sample_token(logits: torch.Tensor, sampling: Sampling, seed: int, step: int) -> int:
+def process_logits(
+    logits: torch.Tensor,
+    sampling: Sampling,
+    prompt: Sequence[int] = (),
+    output: Sequence[int] = (),
+) -> torch.Tensor:
+    """``logits`` ([vocab]) after ``logit_bias`` and the penalties, in vLLM's order (its
+    sampler: logit bias, then the repetition penalty over ``prompt`` and ``output`` tokens,
+    then the frequency and presence penalties over the ``output`` tokens). Unchanged (the same
+    tensor) when the sampling asks none."""
+    if not sampling.penalized:
+        return logits
+    scores = logits.float().clone()
+    vocab = scores.numel()
+    if sampling.logit_bias:
+        ids = torch.tensor([t for t, _ in sampling.logit_bias], dtype=torch.long)
+        scores.index_add_(0, ids, torch.tensor([b for _, b in sampling.logit_bias]))
+    if sampling.repetition_penalty != 1.0 and (prompt or output):
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        seen[torch.tensor([*prompt, *output], dtype=torch.long)] = True
+        r = sampling.repetition_penalty
+        scores = torch.where(seen, torch.where(scores > 0, scores / r, scores * r), scores)
+    if (sampling.frequency_penalty or sampling.presence_penalty) and output:
+        counts = torch.bincount(torch.tensor(list(output), dtype=torch.long), minlength=vocab)
+        counts = counts[:vocab].float()
+        scores = scores - sampling.frequency_penalty * counts
+        scores = scores - sampling.presence_penalty * (counts > 0).float()
+    return scores
+
+
+def sample_token(
+    logits: torch.Tensor,
+    sampling: Sampling,
+    seed: int,
+    step: int,
+    *,
+    prompt: Sequence[int] = (),
+    output: Sequence[int] = (),
+) -> int:
     """Picks the next token from last-position ``logits`` ([vocab]).
 
-    Greedy when temperature is 0; otherwise temperature, top-k and top-p filtering, then a
-    draw from a generator seeded by ``(seed, step)``, so a seeded request gives the same
-    tokens whether or not its first token was sampled on another worker.
+    First :func:`process_logits` (logit bias and penalties, given the ``prompt`` and the
+    ``output`` tokens so far); then greedy when temperature is 0; otherwise temperature, top-k
+    and top-p filtering, then a draw from a generator seeded by ``(seed, step)``, so a seeded
+    request gives the same tokens whether or not its first token was sampled on another worker.
     """
+    logits = process_logits(logits, sampling, prompt, output)
     if sampling.greedy:
         return int(torch.argmax(logits))
     scores = logits.float() / sampling.temperature
@@ -88,6 +130,28 @@ def sample_token(logits: torch.Tensor, sampling: Sampling, seed: int, step: int)
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
     gen = torch.Generator().manual_seed((seed * 1_000_003 + step) % (2**63))
     return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """``token``'s log probability under the raw model distribution (log_softmax of the
+    unprocessed ``logits``, vLLM's default ``logprobs_mode="raw_logprobs"``) and the ``top``
+    most likely tokens, most likely first."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    best: tuple[tuple[int, float], ...] = ()
+    if top:
+        values, ids = torch.topk(lp, min(top, lp.numel()))
+        best = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprob(token, float(lp[token]), best)
+
+
+def _refuse_constrained(sampling: Sampling) -> None:
+    if sampling.constrained:
+        field = "json_schema" if sampling.json_schema else "json_object"
+        raise InvalidArgument(
+            f"response_format ({field}): the torch engine has no guided decoding (structured "
+            "outputs); serve with the vllm engine for JSON output",
+            param="response_format",
+        )
 
 
 @dataclass
@@ -259,6 +323,7 @@ class TorchEngine(Engine):
         tokens = list(prompt_token_ids)
         sampling.validate(self.cfg.resolved_max_tokens_limit(self.max_model_len))
         self.check_prompt(tokens, sampling)
+        _refuse_constrained(sampling)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._queue.put(
             _PrefillJob(request_id, tokens, sampling, publish_incrementally, fut, cache_salt)
@@ -283,6 +348,7 @@ class TorchEngine(Engine):
         tokens = list(prompt_token_ids)
         sampling.validate(self.cfg.resolved_max_tokens_limit(self.max_model_len))
         self.check_prompt(tokens, sampling)
+        _refuse_constrained(sampling)
         if first_token_id is not None and not 0 <= first_token_id < self.vocab_size:
             raise InvalidArgument(
                 f"first_token_id {first_token_id} is outside the vocabulary [0, {self.vocab_size})"
@@ -383,7 +449,10 @@ class TorchEngine(Engine):
             phase="prefill",
         )
         seed = job.sampling.seed if job.sampling.seed is not None else random.getrandbits(63)
-        first = sample_token(logits, job.sampling, seed, 0)
+        first = sample_token(logits, job.sampling, seed, 0, prompt=tokens)
+        lp = None
+        if job.sampling.logprobs is not None:
+            lp = token_logprob(logits, first, job.sampling.logprobs)
         kv = KVRef(
             chunk_keys=tuple(hashing.chunk_keys(self.fingerprint, tokens, job.cache_salt)),
             tail_key=hashing.tail_key(self.fingerprint, tokens, job.request_id, job.cache_salt),
@@ -391,7 +460,7 @@ class TorchEngine(Engine):
             chunk_size=self.cfg.chunk_size,
             fingerprint=self._fp,
         )
-        return PrefillOutcome(first, kv, cached, computed, first == self.eos_token_id)
+        return PrefillOutcome(first, kv, cached, computed, first == self.eos_token_id, lp)
 
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.cfg.resolved_max_num_seqs():
@@ -415,7 +484,15 @@ class TorchEngine(Engine):
                 continue
             try:
                 logits = self._forward([job.last_token], job.cache)
-                self._emit(job, sample_token(logits, job.sampling, job.seed, len(job.out_ids)))
+                token = sample_token(
+                    logits,
+                    job.sampling,
+                    job.seed,
+                    len(job.out_ids),
+                    prompt=job.tokens,
+                    output=job.out_ids,
+                )
+                self._emit(job, token, logits)
             except BaseException as exc:
                 log.exception("generation %s failed", job.request_id)
                 job.deliver(exc)
@@ -451,15 +528,20 @@ class TorchEngine(Engine):
             )
         if job.first_token is not None:
             first = job.first_token
+            logits = None  # prefill's token: its logprobs are prefill's
         else:
             assert logits is not None
-            first = sample_token(logits, job.sampling, job.seed, 0)
+            first = sample_token(logits, job.sampling, job.seed, 0, prompt=tokens)
         job.loaded, job.recomputed = loaded, recomputed
-        self._emit(job, first)
+        self._emit(job, first, logits)
 
-    def _emit(self, job: _GenJob, token: int) -> None:
-        """Delivers one token; the last one carries the prompt counts (TokenEvent's contract)."""
+    def _emit(self, job: _GenJob, token: int, logits: torch.Tensor | None = None) -> None:
+        """Delivers one token; the last one carries the prompt counts (TokenEvent's contract).
+        ``logits``: those it was sampled from, for its logprobs (None: prefill's token)."""
         assert job.stream is not None
+        logprobs = []
+        if logits is not None and job.sampling.logprobs is not None:
+            logprobs = [token_logprob(logits, token, job.sampling.logprobs)]
         job.out_ids.append(token)
         job.last_token = token
         metrics.GENERATED_TOKENS.inc()
@@ -480,6 +562,7 @@ class TorchEngine(Engine):
                 finish=finish,
                 loaded_tokens=job.loaded if job.done else 0,
                 recomputed_tokens=job.recomputed if job.done else 0,
+                logprobs=logprobs,
             )
         )
 
@@ -558,13 +641,13 @@ class TorchEngine(Engine):
                 end = min(n, (pos // cs + 1) * cs)
                 logits = self._forward(tokens[pos:end], cache)
                 if end % cs == 0 and end // cs > done_chunks:
-                    self._save_chunks(cache, keys, done_chunks, end // cs)
+                    self._save_chunks(cache, keys, done_chunks, end // cs, tokens)
                     done_chunks = end // cs
                 pos = end
             assert logits is not None
         else:
             logits = self._forward(tokens[loaded:], cache)
-            self._save_chunks(cache, keys, done_chunks, len(keys))
+            self._save_chunks(cache, keys, done_chunks, len(keys), tokens)
         if write_tail and n % cs:
             tail = hashing.tail_key(self.fingerprint, tokens, request_id, cache_salt)
             self._save_tail(cache, tail, n)
@@ -692,13 +775,23 @@ class TorchEngine(Engine):
             out.append(None)
         return out
 
-    def _save_chunks(self, cache: Any, keys: list[str], first: int, end: int) -> None:
-        """Writes chunks ``first..end-1`` (one batched put; the store skips those it holds)."""
+    def _save_chunks(
+        self, cache: Any, keys: list[str], first: int, end: int, tokens: Sequence[int] = ()
+    ) -> None:
+        """Writes chunks ``first..end-1`` (one batched put; the store skips those it holds),
+        with each one's parent key and token ids (for the master's KV events) when
+        ``tokens`` (the prompt) is given."""
         if first >= end or self.chunks is None or not self.chunks.available():
             return
         cs = self.cfg.chunk_size
+        meta = {
+            keys[i]: ChunkMeta(keys[i - 1] if i else "", tokens[i * cs : (i + 1) * cs], cs)
+            for i in range(first, end)
+            if tokens
+        }
         self.chunks.save(
-            [(keys[i], self._chunk_of(cache, i * cs, (i + 1) * cs)) for i in range(first, end)]
+            [(keys[i], self._chunk_of(cache, i * cs, (i + 1) * cs)) for i in range(first, end)],
+            meta=meta,
         )
 
     def _save_tail(self, cache: Any, key: str, n: int) -> None:

@@ -58,7 +58,7 @@ import concurrent.futures
 import importlib
 import re
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -72,6 +72,7 @@ from vllm.logger import init_logger
 from pdserve import hashing
 from pdserve.engines.chunk_io import ChunkIO
 from pdserve.kvformat import DTYPE_NAMES, encoded_size
+from pdserve.store.api import ChunkMeta
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -101,6 +102,10 @@ class ConnectorSettings:
     replicas: int = 1
     #: timeout of one store operation (seconds), the engine's ``store_timeout_s``
     timeout_s: float = 5.0
+    #: the engine's ``store_backend``: "pdserve", or "mooncake" (a Mooncake Store cluster)
+    backend: str = "pdserve"
+    #: ``MooncakeStoreClient``'s arguments (``StoreBackendConfig.mooncake_options``)
+    backend_options: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
@@ -112,15 +117,22 @@ class ConnectorSettings:
                 kv_dtype=str(extra.get("kv_dtype", "float32")),
                 chunk_size=int(extra["chunk_size"]),
                 kv_compression=str(extra.get("kv_compression", "none")),
+                tp_size=int(extra.get("tp_size", 1)),
             ),
             tail_ttl_ms=int(extra.get("tail_ttl_ms", 30_000)),
             transport=str(extra.get("transport", "auto")),
             store_client=str(extra.get("store_client", DEFAULT_STORE_CLIENT)),
             replicas=int(extra.get("replicas", 1)),
             timeout_s=float(extra.get("timeout_s", 5.0)),
+            backend=str(extra.get("store_backend", "pdserve")),
+            backend_options=dict(extra.get("store_backend_options") or {}),
         )
 
     def make_client(self) -> Any:
+        if self.backend == "mooncake":
+            from pdserve.store import open_store
+
+            return open_store(self.master_address, backend="mooncake", **self.backend_options)
         module, _, name = self.store_client.rpartition(".")
         cls = getattr(importlib.import_module(module), name)
         return cls(self.master_address, transport=self.transport, timeout_s=self.timeout_s)
@@ -135,6 +147,8 @@ def extra_config(
     store_client: str = DEFAULT_STORE_CLIENT,
     replicas: int = 1,
     timeout_s: float = 5.0,
+    backend: str = "pdserve",
+    backend_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The ``kv_connector_extra_config`` for :class:`ConnectorSettings.from_extra`."""
     return {
@@ -144,11 +158,14 @@ def extra_config(
         "kv_dtype": fingerprint.kv_dtype,
         "chunk_size": fingerprint.chunk_size,
         "kv_compression": fingerprint.kv_compression,
+        "tp_size": fingerprint.tp_size,
         "tail_ttl_ms": tail_ttl_ms,
         "transport": transport,
         "store_client": store_client,
         "replicas": replicas,
         "timeout_s": timeout_s,
+        "store_backend": backend,
+        "store_backend_options": dict(backend_options or {}),
     }
 
 
@@ -186,6 +203,10 @@ class ChunkSave:
     num_tokens: int
     block_ids: list[int]
     ttl_ms: int = 0
+    #: For the master's KV events: the chain's previous key and the chunk's token ids
+    #: (full chunks only; empty tokens = none).
+    parent: str = ""
+    tokens: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -212,6 +233,7 @@ class _LoadPlan:
 class _SaveTracker:
     keys: list[str]
     prompt_len: int
+    prompt: list[int]
     tail_key: str
     block_ids: list[int]
     computed: int = 0
@@ -264,8 +286,22 @@ class PdserveConnector(KVConnectorBase_V1):
                 f"{self.block_size}"
             )
         self.blocks_per_chunk = self.chunk_size // self.block_size
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        if tp != self.fp.tp_size:
+            raise ValueError(
+                f"the connector's fingerprint is for tp_size {self.fp.tp_size}, vLLM runs {tp}"
+            )
+        #: Keys: the scheduler's are rank 0's (the chain); a worker of TP rank r > 0 stores and
+        #: reads its share under ``hashing.rank_key`` of them, with its rank's fingerprint.
+        self.rank_fp = self.fp
+        if role == KVConnectorRole.WORKER and tp > 1:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self.rank_fp = replace(self.fp, tp_rank=get_tensor_model_parallel_rank())
         #: the store, reached only through ChunkIO (one failure policy with the torch engine)
-        self.io = ChunkIO(self.settings.make_client(), self.fp, replicas=self.settings.replicas)
+        self.io = ChunkIO(
+            self.settings.make_client(), self.rank_fp, replicas=self.settings.replicas
+        )
         # scheduler role
         self._plans: dict[str, _LoadPlan] = {}
         self._trackers: dict[str, _SaveTracker] = {}
@@ -429,6 +465,7 @@ class PdserveConnector(KVConnectorBase_V1):
         self._trackers[req_id] = _SaveTracker(
             keys=hashing.chunk_keys(self.fp, prompt, _cache_salt(request)),
             prompt_len=len(prompt),
+            prompt=prompt,
             tail_key=str(params.get("save_tail_key", "")),
             block_ids=block_ids,
             next_chunk=loaded_chunks,
@@ -442,7 +479,9 @@ class PdserveConnector(KVConnectorBase_V1):
         done = min(computed, tracker.prompt_len) // cs
         for i in range(tracker.next_chunk, done):
             blocks = tracker.block_ids[i * self.blocks_per_chunk : (i + 1) * self.blocks_per_chunk]
-            meta.saves.append(ChunkSave(tracker.keys[i], i * cs, cs, blocks))
+            parent = tracker.keys[i - 1] if i else ""
+            tokens = list(tracker.prompt[i * cs : (i + 1) * cs])
+            meta.saves.append(ChunkSave(tracker.keys[i], i * cs, cs, blocks, 0, parent, tokens))
         tracker.next_chunk = max(tracker.next_chunk, done)
         if tracker.tail_key and not tracker.tail_done and computed >= tracker.prompt_len:
             start = len(tracker.keys) * cs
@@ -542,7 +581,7 @@ class PdserveConnector(KVConnectorBase_V1):
         use others. The chunks are read into fresh buffers, not the forward thread's arena.
         Chunks that did not land (or were corrupt) are reported as failed blocks before the
         request is reported finished, as vLLM requires."""
-        keys = [c.key for c in load.chunks]
+        keys = [self._rank_key(c.key) for c in load.chunks]
         loaded = 0
 
         def land(start: int, end: int) -> int:
@@ -592,7 +631,9 @@ class PdserveConnector(KVConnectorBase_V1):
 
     def _load_request(self, load: RequestLoad) -> None:
         bs = self.block_size
-        tensors = self.io.get([c.key for c in load.chunks], arena=self._arena_for(load))
+        tensors = self.io.get(
+            [self._rank_key(c.key) for c in load.chunks], arena=self._arena_for(load)
+        )
         loaded: list[tuple[ChunkLoad, torch.Tensor]] = []
         for i, (chunk, kv) in enumerate(zip(load.chunks, tensors, strict=True)):
             if not self._valid(kv, chunk.num_tokens):
@@ -719,9 +760,18 @@ class PdserveConnector(KVConnectorBase_V1):
         # step whatever the chunk count, and existing keys skipped by the master, no pre-check
         by_ttl: dict[int, list[tuple[str, torch.Tensor]]] = {}
         for save in meta.saves:
-            by_ttl.setdefault(save.ttl_ms, []).append((save.key, self._gather(save)))
+            by_ttl.setdefault(save.ttl_ms, []).append(
+                (self._rank_key(save.key), self._gather(save))
+            )
+        # KV events describe the chain (rank 0's keys: H(parent || tokens)); other ranks' keys
+        # are derived, not chained, and carry none
+        chain = {
+            s.key: ChunkMeta(s.parent, s.tokens, s.num_tokens)
+            for s in meta.saves
+            if s.tokens and self.rank_fp.tp_rank == 0
+        }
         for ttl_ms, items in by_ttl.items():
-            self.io.save(items, ttl_ms=ttl_ms)  # a chunk not saved is a future miss
+            self.io.save(items, ttl_ms=ttl_ms, meta=chain)  # a chunk not saved: a future miss
 
     def _gather(self, save: ChunkSave) -> torch.Tensor:
         bs = self.block_size
@@ -737,6 +787,10 @@ class PdserveConnector(KVConnectorBase_V1):
                 parts.append(flat[:, : save.num_tokens])
             layers.append(torch.stack(parts))
         return torch.stack(layers).contiguous()
+
+    def _rank_key(self, key: str) -> str:
+        """Where this worker's TP rank keeps its share of the chunk rank 0 keeps at ``key``."""
+        return hashing.rank_key(key, self.rank_fp)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:

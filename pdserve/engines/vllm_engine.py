@@ -51,6 +51,7 @@ from pdserve.engines.base import (
     PrefillOutcome,
     Sampling,
     TokenEvent,
+    TokenLogprob,
     next_text,
 )
 from pdserve.engines.config import VLLM_STEP_TOKENS, EngineConfig
@@ -84,12 +85,35 @@ def prepare_environment(config: EngineConfig, cache_root: str | None = None) -> 
     os.environ.setdefault("DO_NOT_TRACK", "1")
 
 
-def sampling_params(sampling: Sampling, *, max_tokens: int, extra: dict[str, Any] | None) -> Any:
+def sampling_params(
+    sampling: Sampling,
+    *,
+    max_tokens: int,
+    extra: dict[str, Any] | None,
+    prior_output: int | None = None,
+) -> Any:
     """Maps pdserve :class:`Sampling` to vLLM ``SamplingParams`` (stop strings are handled by
-    :class:`TextStream` so both engines stop identically)."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+    :class:`TextStream` so both engines stop identically).
 
+    ``prior_output``: a token already generated that vLLM sees as the prompt's last (prefill's
+    first token, appended to the prompt for the KV handle's load). Its presence and frequency
+    penalties, which vLLM applies to generated tokens only, are folded into ``logit_bias``, so
+    the tokens after it are penalized as in one engine's generation (both are constant
+    per-token subtractions; with a repetition penalty too, vLLM applies that one after the bias,
+    so the first token's share is then scaled with it: a small difference, see docs/router.md).
+    """
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    bias = dict(sampling.logit_bias)
+    fold = sampling.presence_penalty + sampling.frequency_penalty
+    if prior_output is not None and fold:
+        bias[prior_output] = bias.get(prior_output, 0.0) - fold
+    structured = None
+    if sampling.json_object:
+        structured = StructuredOutputsParams(json_object=True)
+    elif sampling.json_schema:
+        structured = StructuredOutputsParams(json=sampling.json_schema)
     return SamplingParams(
         n=1,
         max_tokens=max_tokens,
@@ -98,10 +122,35 @@ def sampling_params(sampling: Sampling, *, max_tokens: int, extra: dict[str, Any
         top_k=sampling.top_k if sampling.top_k > 0 else -1,
         seed=sampling.seed,
         ignore_eos=sampling.ignore_eos,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        repetition_penalty=sampling.repetition_penalty,
+        logit_bias=bias or None,
+        stop_token_ids=list(sampling.stop_token_ids) or None,
+        logprobs=sampling.logprobs,
+        structured_outputs=structured,
         output_kind=RequestOutputKind.DELTA,
         detokenize=False,
         extra_args={"kv_transfer_params": extra} if extra else None,
     )
+
+
+def token_logprobs(out: Any, ids: Sequence[int], top: int | None) -> list[TokenLogprob]:
+    """The logprobs vLLM returned with ``out``'s new tokens ``ids`` (its ``logprobs``: per
+    token a dict token id -> ``Logprob`` holding the sampled token and the ``top`` best by rank).
+    """
+    if top is None:
+        return []
+    entries = out.outputs[0].logprobs or []
+    result = []
+    for token, d in zip(ids, entries[-len(ids) :] if ids else [], strict=False):
+        ranked = sorted(
+            ((t, lp) for t, lp in d.items() if lp.rank is not None and lp.rank <= top),
+            key=lambda item: item[1].rank,
+        )
+        best = tuple((int(t), float(lp.logprob)) for t, lp in ranked[:top])
+        result.append(TokenLogprob(int(token), float(d[token].logprob), best))
+    return result
 
 
 class VllmEngine(Engine):
@@ -131,6 +180,7 @@ class VllmEngine(Engine):
             cfg.resolved_kv_dtype(),
             cfg.chunk_size,
             cfg.resolved_kv_compression(),
+            tp_size=int(cfg.vllm_args.get("tensor_parallel_size", 1)),
         )
         prepare_environment(cfg)
         self._llm = await asyncio.to_thread(self._build, model_dir, served)
@@ -163,6 +213,12 @@ class VllmEngine(Engine):
                     timeout_s=cfg.store_timeout_s,
                     store_client=os.environ.get(
                         "PDSERVE_STORE_CLIENT", "pdserve.store.client.StoreClient"
+                    ),
+                    backend=cfg.store_backend,
+                    backend_options=(
+                        cfg.mooncake_options(cfg.store_segment_size)
+                        if cfg.store_backend == "mooncake"
+                        else None
                     ),
                 ),
             )
@@ -255,10 +311,13 @@ class VllmEngine(Engine):
             sampling, max_tokens=1, extra={PARAMS_KEY: {"save_tail_key": tail}} if tail else None
         )
         first: int | None = None
+        first_lp: TokenLogprob | None = None
         result: Any = None
         async for ids, out in self._run(_vllm_id(request_id), prompt, params, cache_salt):
             if ids and first is None:
                 first = ids[0]
+                lps = token_logprobs(out, ids[:1], sampling.logprobs)
+                first_lp = lps[0] if lps else None
             result = out
         if first is None:
             raise RuntimeError(f"vLLM returned no token for request {request_id}")
@@ -274,6 +333,7 @@ class VllmEngine(Engine):
             cached_tokens=cached,
             computed_tokens=computed,
             first_token_is_eos=first == self.eos_token_id,
+            first_logprob=first_lp,
         )
 
     async def generate(
@@ -314,21 +374,28 @@ class VllmEngine(Engine):
                 }
             prompt = [*prompt, first_token_id]
             max_tokens -= 1
-        params = sampling_params(sampling, max_tokens=max_tokens, extra=extra)
+        prior = first_token_id if kv is not None and first_token_id is not None else None
+        params = sampling_params(sampling, max_tokens=max_tokens, extra=extra, prior_output=prior)
         last: Any = None
         async for ids, out in self._run(_vllm_id(request_id), prompt, params, cache_salt):
             last = out
             now = (time.perf_counter() - t0) * 1e3
-            pieces = "".join(text.add(t) for t in ids)
+            # a stop token id (vLLM: stop_reason is the id) ends the output without text
+            stop_id = out.finished and isinstance(out.outputs[0].stop_reason, int)
+            pieces = "".join(text.add(t) for t in (ids[:-1] if stop_id else ids))
             finish = None
             if text.stopped:
                 finish = Finish.STOP
             elif out.finished:
                 pieces += text.flush()
                 reason = out.outputs[0].finish_reason
-                finish = Finish.LENGTH if reason == "length" else Finish.EOS
+                if reason == "length":
+                    finish = Finish.LENGTH
+                else:
+                    finish = Finish.STOP if stop_id else Finish.EOS
             metrics.GENERATED_TOKENS.inc(len(ids))
             event = TokenEvent(ids, pieces, [now] * len(ids), finish=finish)
+            event.logprobs = token_logprobs(out, ids, sampling.logprobs)
             if finish is not None:
                 # vLLM's num_cached_tokens counts the local hits plus every planned external
                 # token, failed loads included; the prompt is the caller's (without prefill's

@@ -9,7 +9,7 @@ that fails verification is a miss and counts in ``pdserve_store_corrupt_chunks_t
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +46,32 @@ class StoreOptions:
             raise errors.InvalidArgument(f"replicas must be >= 1, got {self.replicas}")
         if self.ttl_ms < 0:
             raise errors.InvalidArgument(f"ttl_ms must be >= 0, got {self.ttl_ms}")
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    """What a KV chunk is in its prompt's chain, attached to its put so the master can
+    publish it with the chunk's stored event (``KVBlockMeta``; docs/architecture.md, "KV
+    events"). Backends that cannot carry it (memory, Mooncake) ignore it."""
+
+    #: Key of the chain's previous chunk ("" for the first chunk).
+    parent: str
+    #: The chunk's token ids.
+    tokens: Sequence[int]
+    #: Tokens per chunk (0 = ``len(tokens)``).
+    block_size: int = 0
+    #: Where the chunk lives, as vLLM names media ("" = the master's default, CPU).
+    medium: str = ""
+
+    def packed_tokens(self) -> bytes:
+        """The token ids as uint32 little-endian."""
+        import array
+        import sys
+
+        a = array.array("I", self.tokens)
+        if sys.byteorder == "big":
+            a.byteswap()
+        return a.tobytes()
 
 
 #: The default per-put options (one replica, no pin, no TTL).
@@ -105,6 +131,10 @@ class StoreBackend(ABC):
     """The store client API (docs/architecture.md, "KV store"). Thread-safe. Read failures are
     misses (None), never exceptions; invalid input raises InvalidArgument, an unreachable
     master Unavailable, no space ResourceExhausted."""
+
+    #: Whether :meth:`batch_put` takes ``meta=`` (per-key :class:`ChunkMeta`); the others
+    #: get none, and :meth:`batch_put_chunks` drops it for them.
+    carries_chunk_meta = False
 
     def put(
         self, key: str, data: bytes | memoryview, options: StoreOptions = DEFAULT_OPTIONS
@@ -172,16 +202,21 @@ class StoreBackend(ABC):
         options: StoreOptions = DEFAULT_OPTIONS,
         *,
         encoding: str = "none",
+        meta: Mapping[str, ChunkMeta] | None = None,
     ) -> list[bool]:
         """Encodes each chunk (with the chunk ``encoding`` of :mod:`pdserve.kvformat`, the
         fingerprint's ``kv_compression``) and puts them all with one :meth:`batch_put` (one
         master round trip per phase, whatever the count; existing keys are skipped, no
-        pre-check). Readers need no encoding: the chunk's header names it."""
+        pre-check). Readers need no encoding: the chunk's header names it. ``meta``: the
+        chunks' places in their chains, for the KV events (where the backend carries it)."""
         try:
             encoded = [(key, kvformat.encode(kv, fingerprint, key, encoding)) for key, kv in items]
         except kvformat.ChunkFormatError as exc:
             raise errors.InvalidArgument(str(exc)) from exc
-        return self.batch_put(encoded, replace(options, checksum=False))
+        options = replace(options, checksum=False)
+        if meta and self.carries_chunk_meta:
+            return self.batch_put(encoded, options, meta=meta)  # type: ignore[call-arg]
+        return self.batch_put(encoded, options)
 
     def get_chunk(self, key: str, fingerprint: bytes) -> torch.Tensor | None:
         return self.batch_get_chunks([key], fingerprint)[0]

@@ -28,7 +28,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import blake3
@@ -39,6 +39,7 @@ from pdserve import errors, grpcutil
 from pdserve.store.api import (
     CORRUPT_CHUNKS,
     DEFAULT_OPTIONS,
+    ChunkMeta,
     StoreBackend,
     StoreOptions,
     byte_view,
@@ -94,6 +95,15 @@ SUSPECT_S = 5.0
 
 #: Objects from this size on are hashed on every core (BLAKE3's tree mode: same digest).
 PARALLEL_HASH_BYTES = 4 << 20
+
+
+def _block(m: ChunkMeta) -> kvstore_pb2.KVBlockMeta:
+    return kvstore_pb2.KVBlockMeta(
+        parent_key=m.parent,
+        token_ids=m.packed_tokens(),
+        block_size=m.block_size or len(m.tokens),
+        medium=m.medium,
+    )
 
 
 def _checksum(data: memoryview) -> bytes:
@@ -296,17 +306,24 @@ class StoreClient(StoreBackend):
 
     # -- puts -------------------------------------------------------------------------------
 
+    carries_chunk_meta = True
+
     def batch_put(
         self,
         items: Sequence[tuple[str, bytes | memoryview]],
         options: StoreOptions = DEFAULT_OPTIONS,
+        *,
+        meta: Mapping[str, ChunkMeta] | None = None,
     ) -> list[bool]:
         """Puts several objects with one master round trip per phase. Items that succeed are
-        committed even when another item fails; the first hard failure is then raised."""
+        committed even when another item fails; the first hard failure is then raised.
+        ``meta``: per key, the chunk's place in its chain (``PutStartItem.block``), which the
+        master publishes with the stored event."""
         keys = check_keys([k for k, _ in items])
         if len(set(keys)) != len(keys):
             raise errors.InvalidArgument("batch_put keys must be distinct")
         views = {k: byte_view(d) for k, d in items}
+        blocks = {k: _block(m) for k, m in meta.items() if k in views} if meta else {}
         options.validate()
         opts = kvstore_pb2.PutOptions(
             replicas=options.replicas, soft_pin=options.soft_pin, ttl_ms=options.ttl_ms
@@ -325,7 +342,10 @@ class StoreClient(StoreBackend):
                 "BatchPutStart",
                 kvstore_pb2.BatchPutStartRequest(
                     client_id=self.client_id,
-                    items=[self._put_item(k, views[k], options.checksum) for k in pending],
+                    items=[
+                        self._put_item(k, views[k], options.checksum, blocks.get(k))
+                        for k in pending
+                    ],
                     options=opts,
                 ),
             )
@@ -367,10 +387,16 @@ class StoreClient(StoreBackend):
             raise failure
         return [result.get(k, False) for k in keys]
 
-    def _put_item(self, key: str, data: memoryview, checksum: bool) -> kvstore_pb2.PutStartItem:
+    def _put_item(
+        self,
+        key: str,
+        data: memoryview,
+        checksum: bool,
+        block: kvstore_pb2.KVBlockMeta | None = None,
+    ) -> kvstore_pb2.PutStartItem:
         """The start of a put: its checksum (when asked for); small objects travel inline, so
         the master can serve their gets without a data-plane read."""
-        item = kvstore_pb2.PutStartItem(key=key, size=len(data))
+        item = kvstore_pb2.PutStartItem(key=key, size=len(data), block=block)
         if checksum:
             item.checksum = _checksum(data)
         if len(data) <= self._inline_max:

@@ -11,7 +11,9 @@ Mooncake differs from pdserve's store in ways the API hides or documents:
 * Mooncake's ``get`` / ``is_exist`` hold read leases the client cannot release, so
   ``remove`` waits (bounded) for them to lapse.
 
-Connection: P2PHANDSHAKE metadata (no metadata server), tcp protocol, 127.0.0.1 by default.
+Connection: P2PHANDSHAKE metadata (no metadata server), tcp protocol, 127.0.0.1 by default;
+services choose it with ``--store-backend mooncake`` (``pdserve.store.StoreBackendConfig``).
+Mooncake has no per-object TTL: request-scoped tail chunks stay until evicted.
 """
 
 from __future__ import annotations
@@ -178,7 +180,9 @@ class MooncakeStoreClient(StoreBackend):
 
     ``segment_bytes`` is the memory this client contributes to the pool (0 = none: objects
     land in other clients' segments). Calls are serialized by a lock (the binding's client is
-    shared)."""
+    shared). ``host``, ``metadata_server``, ``protocol``, ``device_name`` and ``buffer_bytes``
+    are Mooncake's ``local_hostname``, ``metadata_server``, ``protocol``, ``device_name`` and
+    ``local_buffer_size`` (``pdserve.compat``); ``segment_bytes`` its ``global_segment_size``."""
 
     def __init__(
         self,
@@ -187,6 +191,9 @@ class MooncakeStoreClient(StoreBackend):
         segment_bytes: int = 0,
         buffer_bytes: int = 64 * 1024 * 1024,
         host: str = "127.0.0.1",
+        metadata_server: str = "P2PHANDSHAKE",
+        protocol: str = "tcp",
+        device_name: str = "",
     ) -> None:
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)
         try:
@@ -198,11 +205,13 @@ class MooncakeStoreClient(StoreBackend):
         self.master_address = master_address
         self._store = MooncakeDistributedStore()
         rc = self._store.setup(
-            host, "P2PHANDSHAKE", segment_bytes, buffer_bytes, "tcp", "", master_address
-        )
+            host, metadata_server, segment_bytes, buffer_bytes, protocol, device_name,
+            master_address,
+        )  # fmt: skip
         if rc != 0:
             raise errors.Unavailable(
-                f"MooncakeDistributedStore.setup({master_address}) failed: {rc}"
+                f"MooncakeDistributedStore.setup({master_address}, metadata {metadata_server}, "
+                f"{protocol}) failed: {rc}"
             )
         self._buf = np.empty(0, dtype=np.uint8)
         self._lock = threading.Lock()

@@ -24,20 +24,22 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., publish_incrementally: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "kv", "cached_tokens", "computed_tokens", "worker_ms", "first_token_is_eos")
+    __slots__ = ("first_token_id", "kv", "cached_tokens", "computed_tokens", "worker_ms", "first_token_is_eos", "first_token_logprobs")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WORKER_MS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_IS_EOS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     kv: _common_pb2.KVHandle
     cached_tokens: int
     computed_tokens: int
     worker_ms: float
     first_token_is_eos: bool
-    def __init__(self, first_token_id: _Optional[int] = ..., kv: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., worker_ms: _Optional[float] = ..., first_token_is_eos: _Optional[bool] = ...) -> None: ...
+    first_token_logprobs: _common_pb2.OutputLogProbs
+    def __init__(self, first_token_id: _Optional[int] = ..., kv: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., worker_ms: _Optional[float] = ..., first_token_is_eos: _Optional[bool] = ..., first_token_logprobs: _Optional[_Union[_common_pb2.OutputLogProbs, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "model", "prompt_token_ids", "sampling", "kv", "first_token_id", "chunk_wait_ms", "cache_salt")
@@ -60,7 +62,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., first_token_id: _Optional[int] = ..., chunk_wait_ms: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "token_times_ms", "loaded_tokens", "recomputed_tokens", "prefix_cached_tokens")
+    __slots__ = ("token_ids", "text", "finish_reason", "token_times_ms", "loaded_tokens", "recomputed_tokens", "prefix_cached_tokens", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +70,7 @@ class DecodeResponse(_message.Message):
     LOADED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: _common_pb2.FinishReason
@@ -75,4 +78,5 @@ class DecodeResponse(_message.Message):
     loaded_tokens: int
     recomputed_tokens: int
     prefix_cached_tokens: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., token_times_ms: _Optional[_Iterable[float]] = ..., loaded_tokens: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., prefix_cached_tokens: _Optional[int] = ...) -> None: ...
+    logprobs: _common_pb2.OutputLogProbs
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., token_times_ms: _Optional[_Iterable[float]] = ..., loaded_tokens: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., prefix_cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Union[_common_pb2.OutputLogProbs, _Mapping]] = ...) -> None: ...

@@ -187,16 +187,30 @@ class NodeHeartbeatResponse(_message.Message):
     def __init__(self, remount_required: _Optional[bool] = ...) -> None: ...
 
 class PutStartItem(_message.Message):
-    __slots__ = ("key", "size", "inline_data", "checksum")
+    __slots__ = ("key", "size", "inline_data", "checksum", "block")
     KEY_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     INLINE_DATA_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
     key: str
     size: int
     inline_data: bytes
     checksum: bytes
-    def __init__(self, key: _Optional[str] = ..., size: _Optional[int] = ..., inline_data: _Optional[bytes] = ..., checksum: _Optional[bytes] = ...) -> None: ...
+    block: KVBlockMeta
+    def __init__(self, key: _Optional[str] = ..., size: _Optional[int] = ..., inline_data: _Optional[bytes] = ..., checksum: _Optional[bytes] = ..., block: _Optional[_Union[KVBlockMeta, _Mapping]] = ...) -> None: ...
+
+class KVBlockMeta(_message.Message):
+    __slots__ = ("parent_key", "token_ids", "block_size", "medium")
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    parent_key: str
+    token_ids: bytes
+    block_size: int
+    medium: str
+    def __init__(self, parent_key: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., block_size: _Optional[int] = ..., medium: _Optional[str] = ...) -> None: ...
 
 class BatchPutStartRequest(_message.Message):
     __slots__ = ("client_id", "items", "options")
@@ -367,6 +381,64 @@ class KVEvent(_message.Message):
     reason: KVEventReason
     time_ms: int
     def __init__(self, type: _Optional[_Union[KVEventType, str]] = ..., key: _Optional[str] = ..., size: _Optional[int] = ..., reason: _Optional[_Union[KVEventReason, str]] = ..., time_ms: _Optional[int] = ...) -> None: ...
+
+class SubscribeKVEventsRequest(_message.Message):
+    __slots__ = ("snapshot", "from_seq")
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
+    snapshot: bool
+    from_seq: int
+    def __init__(self, snapshot: _Optional[bool] = ..., from_seq: _Optional[int] = ...) -> None: ...
+
+class KVBlockStored(_message.Message):
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "medium")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    parent_block_hash: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    medium: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., medium: _Optional[str] = ...) -> None: ...
+
+class KVBlockRemoved(_message.Message):
+    __slots__ = ("block_hashes", "medium")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    medium: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., medium: _Optional[str] = ...) -> None: ...
+
+class KVAllBlocksCleared(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KVCacheEvent(_message.Message):
+    __slots__ = ("stored", "removed", "cleared")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    stored: KVBlockStored
+    removed: KVBlockRemoved
+    cleared: KVAllBlocksCleared
+    def __init__(self, stored: _Optional[_Union[KVBlockStored, _Mapping]] = ..., removed: _Optional[_Union[KVBlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[KVAllBlocksCleared, _Mapping]] = ...) -> None: ...
+
+class KVEventBatch(_message.Message):
+    __slots__ = ("seq", "ts", "events", "snapshot", "snapshot_end")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_END_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    ts: float
+    events: _containers.RepeatedCompositeFieldContainer[KVCacheEvent]
+    snapshot: bool
+    snapshot_end: bool
+    def __init__(self, seq: _Optional[int] = ..., ts: _Optional[float] = ..., events: _Optional[_Iterable[_Union[KVCacheEvent, _Mapping]]] = ..., snapshot: _Optional[bool] = ..., snapshot_end: _Optional[bool] = ...) -> None: ...
 
 class ControlWireRequest(_message.Message):
     __slots__ = ()

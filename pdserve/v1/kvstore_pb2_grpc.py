@@ -99,6 +99,11 @@ class KVMasterServiceStub:
                 request_serializer=pdserve_dot_v1_dot_kvstore__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_kvstore__pb2.KVEvent.FromString,
                 _registered_method=True)
+        self.SubscribeKVEvents = channel.unary_stream(
+                '/pdserve.v1.KVMasterService/SubscribeKVEvents',
+                request_serializer=pdserve_dot_v1_dot_kvstore__pb2.SubscribeKVEventsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kvstore__pb2.KVEventBatch.FromString,
+                _registered_method=True)
         self.GetControlWire = channel.unary_unary(
                 '/pdserve.v1.KVMasterService/GetControlWire',
                 request_serializer=pdserve_dot_v1_dot_kvstore__pb2.ControlWireRequest.SerializeToString,
@@ -193,6 +198,13 @@ class KVMasterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeKVEvents(self, request, context):
+        """KV events in vLLM's KVEventBatch shape, with sequence numbers, replay and snapshots.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetControlWire(self, request, context):
         """Where the master's control wire listens: the unary client calls of this service
         (BatchPutStart .. Stats) framed without HTTP/2 on a plain TCP port (see
@@ -269,6 +281,11 @@ def add_KVMasterServiceServicer_to_server(servicer, server):
                     servicer.WatchEvents,
                     request_deserializer=pdserve_dot_v1_dot_kvstore__pb2.WatchEventsRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_kvstore__pb2.KVEvent.SerializeToString,
+            ),
+            'SubscribeKVEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeKVEvents,
+                    request_deserializer=pdserve_dot_v1_dot_kvstore__pb2.SubscribeKVEventsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kvstore__pb2.KVEventBatch.SerializeToString,
             ),
             'GetControlWire': grpc.unary_unary_rpc_method_handler(
                     servicer.GetControlWire,
@@ -627,6 +644,33 @@ class KVMasterService:
             '/pdserve.v1.KVMasterService/WatchEvents',
             pdserve_dot_v1_dot_kvstore__pb2.WatchEventsRequest.SerializeToString,
             pdserve_dot_v1_dot_kvstore__pb2.KVEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeKVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.KVMasterService/SubscribeKVEvents',
+            pdserve_dot_v1_dot_kvstore__pb2.SubscribeKVEventsRequest.SerializeToString,
+            pdserve_dot_v1_dot_kvstore__pb2.KVEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

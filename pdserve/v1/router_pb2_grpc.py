@@ -54,6 +54,16 @@ class RouterServiceStub:
                 request_serializer=pdserve_dot_v1_dot_router__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_router__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/pdserve.v1.RouterService/Abort',
+                request_serializer=pdserve_dot_v1_dot_router__pb2.AbortRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_router__pb2.AbortResponse.FromString,
+                _registered_method=True)
+        self.GetServerInfo = channel.unary_unary(
+                '/pdserve.v1.RouterService/GetServerInfo',
+                request_serializer=pdserve_dot_v1_dot_router__pb2.GetServerInfoRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_router__pb2.GetServerInfoResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServiceServicer:
@@ -87,6 +97,22 @@ class RouterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Abort(self, request, context):
+        """Aborts a running request (as vLLM's gRPC engine service Abort): its worker calls are
+        cancelled and its stream ends with FINISH_REASON_CANCELLED. NOT_FOUND for an id no
+        running request has.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetServerInfo(self, request, context):
+        """The serving configuration and state (as vLLM's gRPC engine service GetServerInfo).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +135,16 @@ def add_RouterServiceServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=pdserve_dot_v1_dot_router__pb2.TokenizeRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_router__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=pdserve_dot_v1_dot_router__pb2.AbortRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_router__pb2.AbortResponse.SerializeToString,
+            ),
+            'GetServerInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetServerInfo,
+                    request_deserializer=pdserve_dot_v1_dot_router__pb2.GetServerInfoRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_router__pb2.GetServerInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +255,60 @@ class RouterService:
             '/pdserve.v1.RouterService/Tokenize',
             pdserve_dot_v1_dot_router__pb2.TokenizeRequest.SerializeToString,
             pdserve_dot_v1_dot_router__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.RouterService/Abort',
+            pdserve_dot_v1_dot_router__pb2.AbortRequest.SerializeToString,
+            pdserve_dot_v1_dot_router__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetServerInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.RouterService/GetServerInfo',
+            pdserve_dot_v1_dot_router__pb2.GetServerInfoRequest.SerializeToString,
+            pdserve_dot_v1_dot_router__pb2.GetServerInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

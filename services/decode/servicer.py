@@ -16,6 +16,7 @@ from pdserve.services.worker import (
     SlotLimit,
     WorkerConfig,
     kvref_from_proto,
+    logprobs_to_proto,
     sampling_from_proto,
 )
 from pdserve.telemetry import REGISTRY
@@ -96,6 +97,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServiceServicer):
                         loaded_tokens=last[0],
                         recomputed_tokens=last[1],
                         prefix_cached_tokens=last[2],
+                        logprobs=logprobs_to_proto(ev.logprobs) if ev.logprobs else None,
                     )
             except (asyncio.CancelledError, GeneratorExit):  # client cancel or deadline
                 outcome = "cancelled"

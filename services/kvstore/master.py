@@ -22,10 +22,11 @@ log = logging.getLogger(__name__)
 class _StateCollector:
     """Prometheus view of a MasterState (read at scrape time; no double bookkeeping)."""
 
-    def __init__(self, state, hub, lock) -> None:
+    def __init__(self, state, hub, lock, kv_events) -> None:
         self.state = state
         self.hub = hub
         self.lock = lock
+        self.kv_events = kv_events
 
     def describe(self):
         return []
@@ -58,6 +59,16 @@ class _StateCollector:
             ("prefix_queries", c.prefix_queries, "LongestPrefix calls"),
             ("prefix_hit_keys", c.prefix_hit_keys, "sum of LongestPrefix answers (keys)"),
             ("events_dropped", self.hub.dropped, "events dropped for slow watchers"),
+            (
+                "kv_event_batches",
+                self.kv_events.seq + 1,
+                "KV event batches published (SubscribeKVEvents, ZMQ)",
+            ),
+            (
+                "kv_event_cut_off",
+                self.kv_events.cut_off,
+                "SubscribeKVEvents subscribers cut off for falling too far behind",
+            ),
         ):
             yield CounterMetricFamily(p + name, doc, value=value)
         live = [seg for seg in s.segments.values() if seg.alive]
@@ -76,6 +87,7 @@ class _StateCollector:
             ("alive_nodes", len(s.nodes), "storage nodes alive"),
             ("dormant_objects", len(s.dormant), "persisted objects waiting for their segment"),
             ("watchers", len(self.hub.subscribers), "WatchEvents subscribers"),
+            ("kv_event_subscribers", self.kv_events.subscribers, "SubscribeKVEvents streams"),
         ):
             yield GaugeMetricFamily(p + name, doc, value=value)
 
@@ -85,6 +97,7 @@ async def serve(cfg: MasterConfig, stop: asyncio.Event) -> None:
     from pdserve import grpcutil, telemetry
     from pdserve.lifecycle import announce_ready
     from pdserve.services.kvstore.events import EventHub
+    from pdserve.services.kvstore.kv_events import KVEventLog, ZmqPublisher
     from pdserve.services.kvstore.master_repair import REPAIR_LEASE_S, RepairJob
     from pdserve.services.kvstore.master_servicer import KVMasterServicer, MasterHandlers
     from pdserve.services.kvstore.master_state import MasterState
@@ -101,17 +114,35 @@ async def serve(cfg: MasterConfig, stop: asyncio.Event) -> None:
 
     loop = asyncio.get_running_loop()
     loop_thread = threading.get_ident()
+    zmq_on = bool(cfg.kv_events_endpoint)
+    kv_events = KVEventLog(
+        medium=cfg.kv_events_medium,
+        buffer=cfg.kv_events_buffer,
+        queue=cfg.kv_events_queue,
+        encode_vllm=zmq_on,
+    )
+    # One batch per burst: the first event recorded schedules a flush on the loop, which
+    # runs once the call that records it has let go of the loop (usually after the call).
+    kv_events.wake = lambda: loop.call_soon_threadsafe(kv_events.flush)
 
     def on_event(type_: int, key: str, size: int, reason: int) -> None:
+        # Called with the state lock held, so recording is ordered with the state change.
+        if type_ == pb.KV_EVENT_STORED:
+            obj = holder[0].objects.get(key) if holder else None
+            kv_events.stored(key, obj.block if obj is not None else None)
+        else:
+            kv_events.removed(key)
         args = (type_, key, size, reason, int(telemetry.now_ms()))
         if threading.get_ident() == loop_thread:
             hub.publish(*args)
         else:  # a control-wire thread: the hub's subscribers wake on the loop
             loop.call_soon_threadsafe(hub.publish, *args)
 
+    holder: list[MasterState] = []  # on_event may run while the state loads
     state = MasterState(cfg, store=store, on_event=on_event)
+    holder.append(state)
     handlers = MasterHandlers(state)
-    collector = _StateCollector(state, hub, handlers.lock)
+    collector = _StateCollector(state, hub, handlers.lock, kv_events)
     telemetry.REGISTRY.register(collector)
     wire = None
     if cfg.wire_port >= 0:
@@ -121,12 +152,18 @@ async def serve(cfg: MasterConfig, stop: asyncio.Event) -> None:
         [
             (
                 kvstore_pb2_grpc.add_KVMasterServiceServicer_to_server,
-                KVMasterServicer(handlers, hub),
+                KVMasterServicer(handlers, hub, kv_events),
                 "pdserve.v1.KVMasterService",
             )
         ],
         f"{cfg.host}:{cfg.port}",
     )
+    zmq_pub = None
+    if zmq_on:
+        zmq_pub = ZmqPublisher(
+            kv_events, cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint, cfg.kv_events_topic
+        )
+    kv_events.flush()  # batch 0: AllBlocksCleared (and what loading the state dir stored)
     metrics_port = telemetry.serve_metrics(cfg.metrics_port, cfg.host)
     address = advertised(cfg, server.port)
     log.info(
@@ -147,7 +184,14 @@ async def serve(cfg: MasterConfig, stop: asyncio.Event) -> None:
             labels={"metrics": advertised(cfg, metrics_port)} if metrics_port else {},
         ),
     )
-    announce_ready("kvstore-master", grpc=address, metrics=metrics_port, wire=handlers.wire_port)
+    announce_ready(
+        "kvstore-master",
+        grpc=address,
+        metrics=metrics_port,
+        wire=handlers.wire_port,
+        kv_events=zmq_pub.endpoint if zmq_pub else "",
+        kv_events_replay=zmq_pub.replay_endpoint if zmq_pub else "",
+    )
 
     def tick() -> None:
         with handlers.lock:
@@ -212,6 +256,9 @@ async def serve(cfg: MasterConfig, stop: asyncio.Event) -> None:
             repairer.cancel()
         tcp.close()
         hub.close()
+        kv_events.close()
+        if zmq_pub is not None:
+            await zmq_pub.close()
         if wire is not None:
             wire.close()
         await server.stop(grace=2.0)

@@ -91,6 +91,29 @@ class MasterConfig(SecurityConfig):
     event_queue_size: int = help_field(
         10000, "events buffered per WatchEvents subscriber; the oldest are dropped beyond it"
     )
+    kv_events_endpoint: str = help_field(
+        "",
+        "ZMQ PUB endpoint of the KV events in vLLM's KVEventBatch wire format, e.g. "
+        "tcp://127.0.0.1:5557 ('' = off). ZMQ has no authentication: a non-loopback address "
+        "needs --insecure. Needs pyzmq and msgspec (installed with vLLM)",
+    )
+    kv_events_replay_endpoint: str = help_field(
+        "", "ZMQ ROUTER endpoint answering replay requests from a sequence number ('' = off)"
+    )
+    kv_events_topic: str = help_field("", "topic frame of every ZMQ KV event message")
+    kv_events_buffer: int = help_field(
+        1000,
+        "KV event batches kept for replay (SubscribeKVEvents from_seq, ZMQ replay); a batch "
+        "of 16 chunks of 256 tokens holds about 25 KB of token ids",
+    )
+    kv_events_queue: int = help_field(
+        10000,
+        "KV event batches queued per SubscribeKVEvents subscriber; one further behind is cut "
+        "off (its stream ends and it resubscribes)",
+    )
+    kv_events_medium: str = help_field(
+        "CPU", "medium of the KV events for blocks whose writer named none (vLLM's CPU, GPU...)"
+    )
 
     def validate(self) -> None:
         dead_after = self.heartbeat_interval_ms * self.heartbeat_miss_limit
@@ -113,11 +136,41 @@ class MasterConfig(SecurityConfig):
             "max_lease_ms",
             "default_lease_ms",
             "event_queue_size",
+            "kv_events_buffer",
+            "kv_events_queue",
             "tick_interval_ms",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
         if self.inline_max_bytes < 0 or self.inline_capacity_bytes < 0:
             raise ConfigError("inline_max_bytes and inline_capacity_bytes must be >= 0")
+        self._check_kv_events()
         if self.default_lease_ms > self.max_lease_ms:
             raise ConfigError("default_lease_ms must be <= max_lease_ms")
+
+    def _check_kv_events(self) -> None:
+        from pdserve.identity import _is_loopback
+
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ConfigError("kv_events_replay_endpoint needs kv_events_endpoint")
+        if self.kv_events_endpoint:
+            import importlib.util
+
+            missing = [m for m in ("zmq", "msgspec") if importlib.util.find_spec(m) is None]
+            if missing:
+                raise ConfigError(
+                    f"kv_events_endpoint needs pyzmq and msgspec ({', '.join(missing)} missing: "
+                    "pip install pyzmq msgspec; vLLM installs both)"
+                )
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            ep = getattr(self, name)
+            if not ep:
+                continue
+            if not ep.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ConfigError(f"{name} must be a tcp://, ipc:// or inproc:// endpoint")
+            host = ep[len("tcp://") :].rsplit(":", 1)[0] if ep.startswith("tcp://") else ""
+            if host and not self.insecure and not _is_loopback(host):
+                raise ConfigError(
+                    f"{name}={ep!r} would publish KV events to other hosts, and ZMQ has no "
+                    "authentication: bind 127.0.0.1 or pass --insecure to accept the risk"
+                )

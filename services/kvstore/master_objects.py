@@ -10,7 +10,9 @@ from pdserve import errors
 from pdserve.services.kvstore.master_config import MasterConfig
 from pdserve.services.kvstore.master_types import (
     CHECKSUM_BYTES,
+    MAX_BLOCK_TOKENS,
     OK,
+    BlockMeta,
     Clock,
     Counters,
     EventSink,
@@ -21,9 +23,23 @@ from pdserve.services.kvstore.master_types import (
     PutStartOutcome,
     ReplicaLoc,
     SegmentState,
+    is_block_key,
 )
 from pdserve.services.kvstore.placement import PlacementStrategy
 from pdserve.v1 import kvstore_pb2 as pb
+
+
+def _block_problem(block: BlockMeta) -> str:
+    """Why a put's KV block metadata is invalid, or "" when it is fine."""
+    if len(block.tokens) % 4:
+        return f"block.token_ids has {len(block.tokens)} bytes, not a multiple of 4 (uint32)"
+    if len(block.tokens) > 4 * MAX_BLOCK_TOKENS:
+        return f"block.token_ids holds more than {MAX_BLOCK_TOKENS} tokens"
+    if block.parent and not is_block_key(block.parent):
+        return "block.parent_key must be a chunk key (64 hex characters) or empty"
+    if len(block.medium) > 32:
+        return "block.medium is longer than 32 characters"
+    return ""
 
 
 class ObjectsMixin:
@@ -56,11 +72,15 @@ class ObjectsMixin:
         placement: int = pb.PLACEMENT_UNSPECIFIED,
         inline: Sequence[bytes] = (),
         checksums: Sequence[bytes] = (),
+        blocks: Sequence[BlockMeta | None] = (),
     ) -> list[PutStartOutcome]:
         """Allocates each ``(key, size)``. ``inline``, when given, holds each item's bytes
         for objects up to ``inline_max_bytes`` (b"" = not inlined); ``checksums`` each
-        item's BLAKE3-16 (b"" = none)."""
+        item's BLAKE3-16 (b"" = none); ``blocks`` each item's KV block metadata (None =
+        none), kept with the object for its stored event."""
         self.check_batch(len(items), "items")
+        if blocks and len(blocks) != len(items):
+            raise errors.InvalidArgument(f"{len(blocks)} block metadata for {len(items)} items")
         if inline and len(inline) != len(items):
             raise errors.InvalidArgument(f"{len(inline)} inline payloads for {len(items)} items")
         if checksums and len(checksums) != len(items):
@@ -82,7 +102,10 @@ class ObjectsMixin:
         for i, (key, size) in enumerate(items):
             data = inline[i] if inline else b""
             checksum = checksums[i] if checksums else b""
+            block = blocks[i] if blocks else None
             problem = self.key_problem(key)
+            if not problem and block is not None:
+                problem = _block_problem(block)
             if not problem and size <= 0:
                 problem = f"size must be > 0, got {size}"
             if not problem and size > self.cfg.max_object_bytes:
@@ -152,6 +175,7 @@ class ObjectsMixin:
                 inline=data,
                 checksum=checksum,
                 want=n_rep,
+                block=block,
             )
             out.append(PutStartOutcome(key, OK, replicas=tuple(locs)))
         self._evict_to_watermarks(now)

@@ -20,8 +20,10 @@ import grpc
 from pdserve.grpcutil import rpc
 from pdserve.identity import Identity, grpc_caller
 from pdserve.services.kvstore.events import EventHub
+from pdserve.services.kvstore.kv_events import KVEventLog
 from pdserve.services.kvstore.master_auth import authorize, owner_prefix
 from pdserve.services.kvstore.master_state import MasterState, ReplicaLoc
+from pdserve.services.kvstore.master_types import BlockMeta
 from pdserve.store.grants import OP_READ, OP_WRITE, GrantKey, new_master_key, segment_key_for
 from pdserve.store.transports.tcp import segment_key
 from pdserve.store.wire import VERSION as WIRE_VERSION
@@ -33,6 +35,13 @@ def _keys(outcomes) -> pb.BatchKeysResponse:
     return pb.BatchKeysResponse(
         results=[pb.KeyResult(key=r.key, code=r.code, message=r.message) for r in outcomes]
     )
+
+
+def _block(item: pb.PutStartItem) -> BlockMeta | None:
+    if not item.HasField("block"):
+        return None
+    b = item.block
+    return BlockMeta(b.parent_key, b.token_ids, b.block_size, b.medium)
 
 
 class MasterHandlers:
@@ -132,6 +141,7 @@ class MasterHandlers:
             placement=o.placement,
             inline=[i.inline_data for i in request.items],
             checksums=[i.checksum for i in request.items],
+            blocks=[_block(i) for i in request.items],
         )
         # Write grants last as long as the put may (its space is reclaimed after that).
         expires = int(self.state.clock.wall_ms() + self.state.cfg.put_timeout_s * 1000)
@@ -199,9 +209,12 @@ class KVMasterServicer(kvstore_pb2_grpc.KVMasterServiceServicer):
     """Each call runs on a worker thread, so the event loop never waits for the state lock
     or a SQLite commit (a slow disk stalls callers, not heartbeats or the event stream)."""
 
-    def __init__(self, handlers: MasterHandlers, hub: EventHub) -> None:
+    def __init__(
+        self, handlers: MasterHandlers, hub: EventHub, kv_events: KVEventLog | None = None
+    ) -> None:
         self.h = handlers
         self.hub = hub
+        self.kv_events = kv_events or KVEventLog()
 
     async def _call(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> Any:
         caller = grpc_caller(context)
@@ -273,3 +286,34 @@ class KVMasterServicer(kvstore_pb2_grpc.KVMasterServiceServicer):
                 yield event
         finally:
             self.hub.unsubscribe(sub)
+
+    async def SubscribeKVEvents(
+        self, request: pb.SubscribeKVEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.KVEventBatch]:
+        grpc_caller(context)  # any identity of the cluster, as WatchEvents
+        events = self.kv_events
+
+        def subscribe():
+            if not request.snapshot:
+                from_seq = request.from_seq if request.HasField("from_seq") else None
+                return events.subscribe(from_seq=from_seq)
+            with self.h.lock:  # the keys and the subscription at one point of the history
+                now = self.h.state.clock.mono()
+                keys = [
+                    k
+                    for k, o in self.h.state.objects.items()
+                    if not (o.ttl_deadline and o.ttl_deadline <= now)  # as LongestPrefix
+                ]
+                return events.subscribe(snapshot=keys)
+
+        sub, first = await asyncio.to_thread(subscribe)
+        try:
+            for batch in first:
+                yield batch
+            while True:
+                batch = await sub.next()
+                if batch is None:
+                    return
+                yield batch
+        finally:
+            events.unsubscribe(sub)

@@ -5,6 +5,7 @@ the segment, node, object and replica records, the counters, what the state's ca
 from __future__ import annotations
 
 import itertools
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,6 +59,33 @@ class NodeState:
     segment_ids: set[str] = field(default_factory=set)
 
 
+@dataclass(frozen=True, slots=True)
+class BlockMeta:
+    """A chunk's place in its chain, as its writer gave it (``KVBlockMeta``)."""
+
+    #: Key of the previous chunk ("" = the first chunk of its chain).
+    parent: str
+    #: The chunk's token ids, packed uint32 little-endian.
+    tokens: bytes
+    #: Tokens per chunk (0 = not given).
+    block_size: int
+    #: Where the writer says it lives ("" = the master's kv_events_medium).
+    medium: str
+
+
+_BLOCK_KEY = re.compile(r"[0-9a-f]{64}")
+
+
+def is_block_key(key: str) -> bool:
+    """Whether ``key`` is a chunk key (64 lowercase hex characters): a KV block, published in
+    the KV event stream; other objects (request tails, raw objects) are not blocks."""
+    return len(key) == 64 and _BLOCK_KEY.fullmatch(key) is not None
+
+
+#: Most token ids one block's metadata may carry (a chunk is at most this many tokens).
+MAX_BLOCK_TOKENS = 65536
+
+
 @dataclass
 class ReplicaLoc:
     segment_id: str
@@ -89,6 +117,9 @@ class ObjectState:
     checksum: bytes = b""
     # Replicas its put asked for; an object left with fewer live ones is re-replicated.
     want: int = 1
+    # What the writer said the object is as a KV block (PutStartItem.block), for the KV event
+    # stream; None = not given. In memory only: not persisted (docs/architecture.md).
+    block: BlockMeta | None = None
 
     def leased(self, now: float) -> bool:
         if not self.leases:

@@ -14,6 +14,7 @@ from pdserve.services.worker import (
     SlotLimit,
     WorkerConfig,
     kvref_to_proto,
+    logprobs_to_proto,
     sampling_from_proto,
 )
 from pdserve.telemetry import REGISTRY
@@ -74,4 +75,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServiceServicer):
             computed_tokens=out.computed_tokens,
             worker_ms=elapsed * 1000.0,
             first_token_is_eos=out.first_token_is_eos,
+            first_token_logprobs=(
+                logprobs_to_proto([out.first_logprob]) if out.first_logprob else None
+            ),
         )

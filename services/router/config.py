@@ -8,13 +8,14 @@ from pdserve.auth import load_key
 from pdserve.config import ConfigError, help_field
 from pdserve.hashing import KV_COMPRESSIONS
 from pdserve.identity import SecurityConfig
+from pdserve.store import StoreBackendConfig
 
 POLICIES = ("round_robin", "least_load", "cache_aware")
 MODES = ("read", "write", "colocated")
 
 
 @dataclass
-class RouterConfig(SecurityConfig):
+class RouterConfig(SecurityConfig, StoreBackendConfig):
     host: str = help_field("127.0.0.1", "interface the gRPC and HTTP servers bind")
     port: int = help_field(50050, "gRPC port of RouterService (0 = a free port)")
     http_port: int = help_field(
@@ -23,6 +24,12 @@ class RouterConfig(SecurityConfig):
     meta: str = help_field("", "meta service address host:port for worker discovery")
     store_master: str = help_field(
         "", "KV store master host:port, asked for the longest cached prefix ('' = never cached)"
+    )
+    prefix_source: str = help_field(
+        "auto",
+        "where the longest cached prefix comes from: events (an index the master's KV events "
+        "keep, the master asked only while it is out of sync), master (a LongestPrefix call "
+        "per request), auto (events when the master offers them)",
     )
     model: str = help_field(
         "tiny", "model folder, or a name that pdserve.model.prepare.resolve_model knows"
@@ -105,6 +112,11 @@ class RouterConfig(SecurityConfig):
             raise ConfigError(
                 f"kv_compression must be auto or one of {KV_COMPRESSIONS}, "
                 f"got {self.kv_compression!r}"
+            )
+        self.check_store_backend()
+        if self.prefix_source not in ("auto", "events", "master"):
+            raise ConfigError(
+                f"prefix_source must be auto, events or master, got {self.prefix_source!r}"
             )
         if self.max_inflight <= 0 or self.max_queue < 0:
             raise ConfigError("max_inflight must be positive and max_queue >= 0")

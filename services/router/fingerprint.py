@@ -28,8 +28,9 @@ log = logging.getLogger(__name__)
 
 AUTO_DTYPE = "auto"
 
-#: A worker's KV settings as the keys see them: (kv_dtype, chunk_size, stored encoding).
-Settings = tuple[str, int, str]
+#: A worker's KV settings as the keys see them: (kv_dtype, chunk_size, stored encoding,
+#: tensor-parallel size: the keys are those of the fingerprint of TP rank 0).
+Settings = tuple[str, int, str, int]
 
 
 def _stored_encoding(kv_compression: str, kv_dtype: str) -> str:
@@ -46,7 +47,10 @@ def _settings(labels: Mapping[str, str]) -> Settings | None:
         return None
     if encoding not in KV_COMPRESSIONS:
         return None
-    return dtype, int(chunk), _stored_encoding(encoding, dtype)
+    tp = labels.get("tp", "0/1").partition("/")[2]
+    if not tp.isdigit() or not int(tp):
+        return None
+    return dtype, int(chunk), _stored_encoding(encoding, dtype), int(tp)
 
 
 class FingerprintSource:
@@ -86,7 +90,7 @@ class FingerprintSource:
 
     def _allowed(self, s: Settings) -> bool:
         """Whether worker settings ``s`` fit the router's explicit settings."""
-        dtype, chunk, encoding = s
+        dtype, chunk, encoding, _tp = s
         return (
             (not self._kv_dtype or self._kv_dtype == dtype)
             and (not self._chunk_size or self._chunk_size == chunk)
@@ -115,12 +119,12 @@ class FingerprintSource:
             encoding = _stored_encoding(self._kv_compression, dtype)
         else:
             encoding = pick[2] if pick else "none"
-        key = (dtype, chunk, encoding)
+        key = (dtype, chunk, encoding, pick[3] if pick else 1)
         if len(seen) > 1:
             self._warn_once(
                 frozenset(seen),
-                "workers disagree on their KV settings (kv_dtype/chunk_size/kv_compression: "
-                "workers) %s: the cluster's are %s; workers with others are refused",
+                "workers disagree on their KV settings (kv_dtype/chunk_size/kv_compression/"
+                "tp_size: workers) %s: the cluster's are %s; workers with others are refused",
                 {"/".join(map(str, s)): n for s, n in sorted(seen.items())},
                 "/".join(map(str, key)),
             )
@@ -142,6 +146,7 @@ class FingerprintSource:
                 kv_dtype=dtype,
                 chunk_size=chunk,
                 kv_compression=encoding,
+                tp_size=key[3],
             )
             self._cache[key] = fp
         return fp

@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from pdserve import __version__
+from pdserve.engines.base import MAX_LOGPROBS
 from pdserve.errors import InvalidArgument
 from pdserve.services.router import request as rq
 from pdserve.services.router.orchestrator import Orchestrator
@@ -36,6 +40,8 @@ class Frontend:
     limits: rq.Limits
     orchestrator: Orchestrator
     pool: WorkerPool
+    #: ``time.monotonic()`` at start, for GetServerInfo's uptime.
+    started: float = field(default_factory=time.monotonic)
 
     def current_limits(self) -> rq.Limits:
         """The configured limits, each lowered to the smallest value any registered worker
@@ -56,6 +62,27 @@ class Frontend:
             prefill_workers=len(self.pool.candidates(PREFILL)),
             decode_workers=len(self.pool.candidates(DECODE)),
             refused_workers=[f"{w.id}: {w.refused}" for w in self.pool.refused()],
+        )
+
+    def server_info(self) -> router_pb2.GetServerInfoResponse:
+        """RouterService.GetServerInfo: limits, KV settings, workers and state."""
+        limits = self.current_limits()
+        fp = self.orchestrator.fp
+        return router_pb2.GetServerInfoResponse(
+            model=limits.model,
+            max_model_len=limits.max_model_len,
+            max_tokens_limit=limits.max_tokens_limit,
+            vocab_size=limits.vocab_size,
+            engines=sorted(v for v in self.pool.label_values("engine") if v),
+            version=__version__,
+            chunk_size=fp.chunk_size if fp is not None else 0,
+            kv_dtype=fp.kv_dtype if fp is not None else "",
+            prefill_workers=len(self.pool.candidates(PREFILL)),
+            decode_workers=len(self.pool.candidates(DECODE)),
+            active_requests=sum(len(v) for v in self.orchestrator.running.values()),
+            uptime_seconds=time.monotonic() - self.started,
+            server_type="pdserve-router",
+            max_logprobs=MAX_LOGPROBS,
         )
 
     # --- gRPC -------------------------------------------------------------------------------
@@ -101,6 +128,14 @@ class Frontend:
             stop=list(s.stop),
             ignore_eos=s.ignore_eos,
             prompt_field=given[0],
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            repetition_penalty=(s.repetition_penalty if s.HasField("repetition_penalty") else None),
+            logit_bias=dict(s.logit_bias),
+            stop_token_ids=list(s.stop_token_ids),
+            logprobs=s.logprobs if s.HasField("logprobs") else None,
+            json_object=s.json_object,
+            json_schema=s.json_schema,
         )
         mode = _MODES.get(req.mode)
         if mode is None:
@@ -118,10 +153,9 @@ class Frontend:
             raise InvalidArgument("model is required (a string)", param="model")
         limits = self.current_limits()
         rq.check_model(model, limits)
-        n = body.get("n", 1)
-        if n not in (1, None):
-            raise InvalidArgument("n: only n=1 is supported", param="n")
+        openai_n(body)
         _refuse_unsupported(body)
+        extra = _openai_sampling(body, chat=chat)
         salt = rq.check_cache_salt(body.get("cache_salt"))
         if chat:
             msgs = body.get("messages")
@@ -153,6 +187,7 @@ class Frontend:
             ignore_eos=bool(body.get("ignore_eos", False)),
             max_tokens_field=max_field,
             prompt_field="messages" if chat else "prompt",
+            **extra,
         )
         rid = body.get("request_id", "")
         if not isinstance(rid, str):
@@ -185,30 +220,160 @@ class Frontend:
         )
 
 
-#: OpenAI parameters pdserve does not implement yet, with the values that mean "off". A request
-#: that sets one to anything else gets 400 naming it, never an answer that ignores it.
-UNSUPPORTED_OPENAI: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
-    "logit_bias": (None, {}),
-    "response_format": (None, {"type": "text"}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "functions": (None, []),
-    "function_call": (None, "none"),
-    "echo": (None, False),
-    "best_of": (None, 1),
-    "suffix": (None, ""),
+#: Most generations one OpenAI request may ask (``n``).
+MAX_N = 16
+
+
+def openai_n(body: dict) -> int:
+    """The request's validated ``n`` (1 when unset)."""
+    n = body.get("n", 1)
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise InvalidArgument(f"n must be an integer in [1, {MAX_N}], got {n!r}", param="n")
+    return n
+
+
+def _number(body: dict, name: str) -> Any:
+    value = body.get(name)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+        raise InvalidArgument(f"{name} must be a number, got {value!r:.100}", param=name)
+    return value
+
+
+def _openai_sampling(body: dict, *, chat: bool) -> dict[str, Any]:
+    """The :func:`rq.make_sampling` keywords of the OpenAI parameters beyond the basic ones:
+    penalties, logit_bias, stop_token_ids (vLLM's), logprobs and response_format; echo is
+    checked here (it changes only the answer's text)."""
+    out: dict[str, Any] = {
+        name: _number(body, name)
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")
+    }
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise InvalidArgument(
+                "logit_bias must be an object {token id: bias}", param="logit_bias"
+            )
+        parsed = {}
+        for key, value in bias.items():
+            try:
+                token = int(key)
+            except (TypeError, ValueError):
+                raise InvalidArgument(
+                    f"logit_bias: key {key!r:.50} is not a token id", param="logit_bias"
+                ) from None
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise InvalidArgument(
+                    f"logit_bias[{key}] must be a number, got {value!r:.50}", param="logit_bias"
+                )
+            parsed[token] = value
+        out["logit_bias"] = parsed
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in stop_ids
+        ):
+            raise InvalidArgument(
+                "stop_token_ids must be a list of token ids", param="stop_token_ids"
+            )
+        out["stop_token_ids"] = stop_ids
+    logprobs = body.get("logprobs")
+    top = body.get("top_logprobs")
+    if chat:
+        if logprobs not in (None, True, False):
+            raise InvalidArgument(
+                f"logprobs must be a boolean (chat), got {logprobs!r:.50}", param="logprobs"
+            )
+        if top is not None and not logprobs:
+            raise InvalidArgument("top_logprobs needs logprobs set to true", param="top_logprobs")
+        if logprobs:
+            out["logprobs"] = 0 if top is None else top
+            out["logprobs_field"] = "top_logprobs"
+    else:
+        if top is not None:
+            raise InvalidArgument(
+                "top_logprobs is a chat completions parameter; completions take logprobs: N",
+                param="top_logprobs",
+            )
+        if logprobs is not None and logprobs is not False:
+            out["logprobs"] = logprobs
+    echo = body.get("echo")
+    if echo not in (None, False, True):
+        raise InvalidArgument(f"echo must be a boolean, got {echo!r:.50}", param="echo")
+    if echo and chat:
+        raise InvalidArgument(
+            "echo: not supported for chat completions by this server; leave it unset",
+            param="echo",
+        )
+    if echo and out.get("logprobs") is not None:
+        raise InvalidArgument(
+            "echo with logprobs needs the prompt's logprobs, which this server does not "
+            "compute; use one or the other",
+            param="echo",
+        )
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            out["json_object"] = True
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise InvalidArgument(
+                    'response_format: json_schema needs {"json_schema": {"name", "schema": {...}}}',
+                    param="response_format",
+                )
+            out["json_schema"] = json.dumps(schema)
+        elif kind != "text":
+            raise InvalidArgument(
+                f"response_format: type must be text, json_object or json_schema, got {kind!r:.50}",
+                param="response_format",
+            )
+    opts = body.get("stream_options")
+    if isinstance(opts, dict):
+        for key, value in opts.items():
+            if key != "include_usage" and value not in (None, False):
+                raise InvalidArgument(
+                    f"stream_options.{key}: not supported by this server; leave it unset",
+                    param="stream_options",
+                )
+    return out
+
+
+#: OpenAI (and vLLM) parameters pdserve does not implement, with the values that mean "off"
+#: and why. A request that sets one to anything else gets 400 naming it and the reason, never
+#: an answer that ignores it.
+UNSUPPORTED_OPENAI: dict[str, tuple[tuple[Any, ...], str]] = {
+    "tools": ((None, []), "no tool calling (no tool parser)"),
+    "tool_choice": ((None, "none"), "no tool calling (no tool parser)"),
+    "functions": ((None, []), "no function calling (no tool parser)"),
+    "function_call": ((None, "none"), "no function calling (no tool parser)"),
+    "best_of": ((None, 1), "best_of > 1 is not supported (as in vLLM V1); use n"),
+    "suffix": ((None, ""), "no fill-in-the-middle"),
+    "min_p": ((None, 0, 0.0), "not implemented"),
+    "min_tokens": ((None, 0), "not implemented"),
+    "prompt_logprobs": ((None,), "prompt logprobs are not computed"),
+    "include_stop_str_in_output": ((None, False), "not implemented"),
+    "allowed_token_ids": ((None, []), "not implemented"),
+    "bad_words": ((None, []), "not implemented"),
+    "structured_outputs": ((None,), "use response_format"),
+    "guided_json": ((None,), "use response_format"),
+    "guided_regex": ((None,), "not implemented"),
+    "guided_choice": ((None,), "not implemented"),
+    "guided_grammar": ((None,), "not implemented"),
+    "audio": ((None,), "text only"),
+    "modalities": ((None, ["text"]), "text only"),
+    "prediction": ((None,), "no predicted outputs"),
 }
 
 
 def _refuse_unsupported(body: dict) -> None:
-    for name, off in UNSUPPORTED_OPENAI.items():
+    for name, (off, why) in UNSUPPORTED_OPENAI.items():
         if name in body and not any(body[name] == v and type(body[name]) is type(v) for v in off):
             raise InvalidArgument(
-                f"{name}: not supported by this server (got {body[name]!r}); leave it unset",
+                f"{name}: not supported by this server ({why}; got {body[name]!r:.100}); "
+                "leave it unset",
                 param=name,
             )

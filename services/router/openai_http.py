@@ -7,7 +7,11 @@ input), 404 (unknown model), 429 (admission refused), 503 (no worker), 504 (dead
 Beyond OpenAI's fields, the completions bodies take vLLM's ``cache_salt`` (a tenant's secret:
 prefix caching and ``usage.prompt_tokens_details.cached_tokens`` only among requests with the
 same salt; validated by :func:`pdserve.validation.check_cache_salt`), ``top_k``, ``seed``,
-``ignore_eos`` and ``request_id``.
+``ignore_eos``, ``repetition_penalty``, ``stop_token_ids`` and ``request_id``.
+
+``logprobs`` / ``top_logprobs`` answer in OpenAI's shape of each API, ``n`` > 1 runs n
+generations (choices indexed, usage summed), completions ``echo`` prepends the prompt's text;
+what is not implemented is refused with 400 naming it (docs/router.md, "OpenAI parameters").
 
 Request ids: a request's id is its body's ``request_id``, else the ``x-request-id`` header,
 else a fresh one; the response echoes it in ``x-request-id`` (and in the logs of every
@@ -22,14 +26,18 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve import auth, errors
-from pdserve.services.router.frontend import Frontend
+from pdserve.engines.base import TokenLogprob
+from pdserve.services.router.frontend import Frontend, openai_n
 from pdserve.services.router.orchestrator import StreamChunk
+from pdserve.services.router.request import GenRequest
 from pdserve.services.router.workers import DECODE
 from pdserve.telemetry import REGISTRY, REQUEST_ID_HEADER, request_id_var
 from pdserve.v1 import common_pb2
@@ -204,17 +212,124 @@ async def _generate(fe: Frontend, request: web.Request, *, chat: bool) -> web.St
         "created": int(time.time()),
         "model": fe.limits.model,
     }
-    gen = fe.orchestrator.generate(req)
-    async with contextlib.aclosing(gen):
+    out = _Output(
+        fe,
+        chat=chat,
+        logprobs=req.sampling.logprobs is not None,
+        echo=fe.tokenizer.decode(req.prompt_token_ids) if body.get("echo") and not chat else "",
+    )
+    gens = [fe.orchestrator.generate(r) for r in _fan_out(req, openai_n(body))]
+    merged = _merged(gens)
+    async with contextlib.aclosing(merged):
         try:
-            first = await anext(gen)  # admission and worker errors surface before any byte
+            first = await anext(merged)  # admission and worker errors surface before any byte
         except StopAsyncIteration:
-            first = StreamChunk([], "", [], common_pb2.FINISH_REASON_STOP)
+            first = (0, StreamChunk([], "", [], common_pb2.FINISH_REASON_STOP))
         except Exception as exc:
             return error_response(exc, headers)
         if stream:
-            return await _sse(request, gen, first, meta, headers, chat=chat, usage=usage_in_stream)
-        return await _whole(gen, first, meta, headers, chat=chat)
+            return await _sse(request, merged, first, meta, headers, out, usage=usage_in_stream)
+        return await _whole(merged, first, meta, headers, out, n=len(gens))
+
+
+def _fan_out(req: GenRequest, n: int) -> list[GenRequest]:
+    """The ``n`` generations of one OpenAI request: the first keeps the request's id, the
+    others get ``<id>-<i>``; all abort under the request's id; a seed ``s`` becomes ``s + i``
+    (distinct, reproducible samples), no seed stays random per generation."""
+    if n == 1:
+        return [req]
+    out = []
+    for i in range(n):
+        seed = req.sampling.seed
+        sampling = replace(req.sampling, seed=None if seed is None else (seed + i) % 2**64)
+        rid = req.request_id if i == 0 else f"{req.request_id[:120]}-{i}"
+        out.append(replace(req, request_id=rid, sampling=sampling, abort_id=req.request_id))
+    return out
+
+
+async def _merged(gens: list) -> AsyncIterator[tuple[int, StreamChunk]]:
+    """``(generation index, chunk)`` of every generation, in arrival order; the first error of
+    any generation is raised (the others are cancelled)."""
+    if len(gens) == 1:
+        async with contextlib.aclosing(gens[0]) as gen:
+            async for c in gen:
+                yield 0, c
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen) -> None:
+        try:
+            async with contextlib.aclosing(gen):
+                async for c in gen:
+                    queue.put_nowait((i, c))
+            queue.put_nowait((i, None))
+        except Exception as exc:
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        left = len(gens)
+        while left:
+            i, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass
+class _Output:
+    """How one request's answer is shaped: chat or completions, with logprobs (OpenAI's shape
+    of each), with the prompt's text echoed (completions ``echo``)."""
+
+    fe: Frontend
+    chat: bool
+    logprobs: bool
+    echo: str = ""
+
+    def logprobs_json(self, items: list[TokenLogprob], offset: int = 0) -> Any:
+        """OpenAI's ``logprobs`` of ``items``: completions ``{tokens, token_logprobs,
+        top_logprobs, text_offset}`` (offsets from ``offset`` characters), chat
+        ``{content: [{token, logprob, bytes, top_logprobs}]}``; None without logprobs."""
+        if not self.logprobs:
+            return None
+        tok = self.fe.tokenizer
+        strings = tok.token_strings([x.token_id for x in items])
+        tops = [tok.token_strings([t for t, _ in x.top]) for x in items]
+        if self.chat:
+            return {
+                "content": [
+                    {
+                        "token": s,
+                        "logprob": x.logprob,
+                        "bytes": list(s.encode("utf-8")),
+                        "top_logprobs": [
+                            {"token": ts, "logprob": v, "bytes": list(ts.encode("utf-8"))}
+                            for ts, (_, v) in zip(top, x.top, strict=True)
+                        ],
+                    }
+                    for s, x, top in zip(strings, items, tops, strict=True)
+                ]
+            }
+        offsets = []
+        for s in strings:
+            offsets.append(offset)
+            offset += len(s)
+        return {
+            "tokens": strings,
+            "token_logprobs": [x.logprob for x in items],
+            "top_logprobs": [
+                {ts: v for ts, (_, v) in zip(top, x.top, strict=True)}
+                for x, top in zip(items, tops, strict=True)
+            ],
+            "text_offset": offsets,
+        }
 
 
 def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
@@ -227,36 +342,56 @@ def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
 
 
 async def _whole(
-    gen, first: StreamChunk, meta: dict[str, Any], headers: dict[str, str], *, chat: bool
+    gen,
+    first: tuple[int, StreamChunk],
+    meta: dict[str, Any],
+    headers: dict[str, str],
+    out: _Output,
+    *,
+    n: int,
 ) -> web.Response:
-    texts, count, finish, c = [], 0, None, first
-    prompt, cached = first.prompt_tokens, first.cached_tokens
+    texts: list[list[str]] = [[] for _ in range(n)]
+    lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
+    finish: list[str | None] = [None] * n
+    count = 0
+    prompt = cached = 0
+    i, c = first
     try:
         while True:
-            texts.append(c.text)
+            if c.prompt_tokens and not prompt:
+                prompt, cached = c.prompt_tokens, c.cached_tokens
+            texts[i].append(c.text)
+            lps[i].extend(c.logprobs)
             count += len(c.token_ids)
             if c.finish:
-                finish = FINISH.get(c.finish, "stop")
+                finish[i] = FINISH.get(c.finish, "stop")
             try:
-                c = await anext(gen)
+                i, c = await anext(gen)
             except StopAsyncIteration:
                 break
     except Exception as exc:
         return error_response(exc, headers)
-    text = "".join(texts)
-    if chat:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish,
-        }
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        obj = "text_completion"
+    choices = []
+    for i in range(n):
+        text = "".join(texts[i])
+        logprobs = out.logprobs_json(lps[i])
+        if out.chat:
+            message = {"role": "assistant", "content": text}
+            choices.append(
+                {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish[i]}
+            )
+        else:
+            choices.append(
+                {
+                    "index": i,
+                    "text": out.echo + text,
+                    "logprobs": logprobs,
+                    "finish_reason": finish[i],
+                }
+            )
+    obj = "chat.completion" if out.chat else "text_completion"
     return web.json_response(
-        {**meta, "object": obj, "choices": [choice], "usage": _usage(prompt, count, cached)},
+        {**meta, "object": obj, "choices": choices, "usage": _usage(prompt, count, cached)},
         headers=headers,
     )
 
@@ -264,46 +399,70 @@ async def _whole(
 async def _sse(
     request: web.Request,
     gen,
-    first: StreamChunk,
+    first: tuple[int, StreamChunk],
     meta: dict[str, Any],
     headers: dict[str, str],
+    out: _Output,
     *,
-    chat: bool,
     usage: bool,
 ) -> web.StreamResponse:
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
     )
     await resp.prepare(request)
+    chat = out.chat
     obj = "chat.completion.chunk" if chat else "text_completion"
+    #: Characters sent per choice (completions logprobs' text_offset).
+    sent: dict[int, int] = {}
 
     async def send(payload: dict[str, Any]) -> None:
         await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
 
-    def choice(text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+    def choice(
+        i: int,
+        text: str | None,
+        finish: str | None,
+        role: bool = False,
+        lps: list[TokenLogprob] | None = None,
+    ) -> dict[str, Any]:
+        logprobs = out.logprobs_json(lps, sent.get(i, 0)) if lps else None
         if chat:
             delta: dict[str, Any] = {}
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
 
-    prompt, cached, count = first.prompt_tokens, first.cached_tokens, 0
+    prompt = cached = count = 0
+    started: set[int] = set()
     try:
-        if chat:
-            await send({**meta, "object": obj, "choices": [choice("", None, role=True)]})
-        c: StreamChunk | None = first
-        while c is not None:
+        item: tuple[int, StreamChunk] | None = first
+        while item is not None:
+            i, c = item
+            if c.prompt_tokens and not prompt:
+                prompt, cached = c.prompt_tokens, c.cached_tokens
+            if i not in started:
+                started.add(i)
+                if chat:
+                    await send({**meta, "object": obj, "choices": [choice(i, "", None, True)]})
+                elif out.echo:
+                    await send({**meta, "object": obj, "choices": [choice(i, out.echo, None)]})
             count += len(c.token_ids)
             finish = FINISH.get(c.finish) if c.finish else None
-            if c.text or finish:
-                await send({**meta, "object": obj, "choices": [choice(c.text, finish)]})
+            if c.text or finish or c.logprobs:
+                payload = choice(i, c.text, finish, lps=c.logprobs)
+                await send({**meta, "object": obj, "choices": [payload]})
+            sent[i] = (
+                sent.get(i, 0) + sum(len(s) for s in out.fe.tokenizer.token_strings(c.token_ids))
+                if out.logprobs and not chat
+                else 0
+            )
             try:
-                c = await anext(gen)
+                item = await anext(gen)
             except StopAsyncIteration:
-                c = None
+                item = None
         if usage:
             await send(
                 {**meta, "object": obj, "choices": [], "usage": _usage(prompt, count, cached)}

@@ -38,7 +38,7 @@ import grpc
 from prometheus_client import Counter, Histogram
 
 from pdserve import errors
-from pdserve.engines.base import Sampling
+from pdserve.engines.base import Sampling, TokenLogprob
 from pdserve.hashing import ModelFingerprint, chunk_keys
 from pdserve.services.router.admission import Admission
 from pdserve.services.router.fingerprint import FingerprintSource
@@ -140,6 +140,8 @@ class StreamChunk:
     finish: int = common_pb2.FINISH_REASON_UNSPECIFIED
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    #: One per token of ``token_ids`` when the request asked logprobs, else empty.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -196,8 +198,11 @@ class DecodeSession:
         *,
         cached_tokens: int | None,
         prefill: asyncio.Future | None = None,
+        first_logprob: TokenLogprob | None = None,
     ) -> None:
         self.request = request
+        #: Prefill's first token's logprobs: the worker echoes that token without them.
+        self.first_logprob = first_logprob
         self.trace = trace
         self._first_request = request
         #: Prompt tokens the client is told were cached: fixed by the plan, or None when the
@@ -245,6 +250,9 @@ class DecodeSession:
         trace = self.trace
         if not self.echoes and not trace.decode_first:
             trace.decode_first = time.monotonic()
+        logprobs = logprobs_from_proto(resp.logprobs) if resp.HasField("logprobs") else []
+        if self.echoes and resp.token_ids and self.first_logprob is not None:
+            logprobs.insert(0, self.first_logprob)
         self.echoes = max(0, self.echoes - 1)
         # Decode reports its prompt counts on its last message only (DecodeResponse), so the
         # client's first chunk gets them only when it is also the last.
@@ -263,7 +271,7 @@ class DecodeSession:
         self.pending_text = ""
         self.emitted.extend(resp.token_ids)
         self.sent_text += text
-        chunk = StreamChunk(list(resp.token_ids), text, [], resp.finish_reason)
+        chunk = StreamChunk(list(resp.token_ids), text, [], resp.finish_reason, logprobs=logprobs)
         if not self.reported:
             self.reported = True
             chunk.prompt_tokens = len(self._first_request.prompt_token_ids)
@@ -327,6 +335,8 @@ class Orchestrator:
         self.detokenize = detokenize
         #: Recent router overheads (ms), for the benchmark figure.
         self.overheads_ms: deque[float] = deque(maxlen=10000)
+        #: Running requests by abort id (GenRequest.abort_id, else request_id).
+        self.running: dict[str, list[_AbortHandle]] = {}
         self.traces: deque[Trace] = deque(maxlen=1000)
 
     @property
@@ -353,15 +363,67 @@ class Orchestrator:
     async def generate(
         self, req: GenRequest, *, timeout_s: float | None = None
     ) -> AsyncIterator[StreamChunk]:
-        """Streams the request's tokens. Raises pdserve errors (mapped to status codes)."""
+        """Streams the request's tokens. Raises pdserve errors (mapped to status codes).
+
+        :meth:`abort` (RouterService.Abort) ends it early: the worker calls are cancelled and
+        the stream ends with a FINISH_REASON_CANCELLED chunk."""
+        handle = _AbortHandle(asyncio.current_task())
+        key = req.abort_id or req.request_id
+        self.running.setdefault(key, []).append(handle)
+        inner = self._generate(req, timeout_s=timeout_s)
+        try:
+            while not handle.requested:
+                handle.task = asyncio.current_task()  # n > 1: the HTTP API's pump tasks
+                handle.waiting = True
+                try:
+                    chunk = await anext(inner)
+                except StopAsyncIteration:
+                    return
+                except asyncio.CancelledError:
+                    # Abort cancels this task only while it waits here: take that cancel back
+                    if handle.requested and handle.task is not None and not handle.task.uncancel():
+                        break
+                    raise
+                finally:
+                    handle.waiting = False
+                yield chunk
+            await inner.aclose()
+            log.info("request %s aborted", req.request_id)
+            yield StreamChunk([], "", [], common_pb2.FINISH_REASON_CANCELLED)
+        finally:
+            entries = self.running.get(key, [])
+            if handle in entries:
+                entries.remove(handle)
+            if not entries:
+                self.running.pop(key, None)
+            await inner.aclose()
+
+    def abort(self, request_id: str) -> bool:
+        """Aborts the running request(s) with this id; False when none runs."""
+        handles = self.running.get(request_id)
+        if not handles:
+            return False
+        for h in list(handles):
+            h.requested = True
+            if h.waiting and h.task is not None:
+                h.task.cancel()
+        return True
+
+    async def _generate(
+        self, req: GenRequest, *, timeout_s: float | None = None
+    ) -> AsyncIterator[StreamChunk]:
         t0 = time.monotonic()
         deadline = t0 + (timeout_s if timeout_s is not None else self.config.request_timeout_s)
         n = len(req.prompt_token_ids)
         keys, cached = await self.cached_tokens(req.prompt_token_ids, req.cache_salt)
         n_prefill = len(self.pool.candidates(PREFILL))
         fp = self.fp
+        mode = req.mode or self.config.default_mode
+        if req.sampling.constrained:
+            # guided decoding keeps a grammar state per generation: one engine must run it all
+            mode = "colocated"
         plan = choose_plan(
-            mode=req.mode or self.config.default_mode,
+            mode=mode,
             prompt_tokens=n,
             cached_tokens=cached,
             chunk_size=fp.chunk_size if fp is not None else 0,
@@ -438,10 +500,14 @@ class Orchestrator:
         # Whether the first token already ends the generation (EOS, a stop string, max_tokens
         # 1) is the engine's decision (engines.base.next_text): the decode worker streams it
         # as its first message, with the finish when it is the last, before touching the KV.
+        first_lp = None
+        if resp.HasField("first_token_logprobs"):
+            first_lp = next(iter(logprobs_from_proto(resp.first_token_logprobs)), None)
         session = DecodeSession(
             self._decode_request(job.req, kv=resp.kv, first_token_id=first),
             job.trace,
             cached_tokens=resp.cached_tokens,
+            first_logprob=first_lp,
         )
         async for c in self._decode(session, job, self.decode_choice.choose):
             yield c
@@ -658,6 +724,16 @@ def _retrieve(fut: asyncio.Future) -> None:
         log.warning("write-mode prefill failed after decode finished: %s", fut.exception())
 
 
+@dataclass(eq=False)
+class _AbortHandle:
+    """A running generation as :meth:`Orchestrator.abort` sees it: the task consuming it,
+    whether that task waits for its next chunk now, and whether an abort was asked."""
+
+    task: asyncio.Task | None
+    waiting: bool = False
+    requested: bool = False
+
+
 class _PrefillFailed(Exception):
     """Write mode: the parallel prefill failed everywhere, so no chunk will land."""
 
@@ -690,4 +766,42 @@ def sampling_proto(s: Sampling) -> common_pb2.SamplingParams:
     )
     if s.seed is not None:
         p.seed = s.seed
+    if s.presence_penalty:
+        p.presence_penalty = s.presence_penalty
+    if s.frequency_penalty:
+        p.frequency_penalty = s.frequency_penalty
+    if s.repetition_penalty != 1.0:
+        p.repetition_penalty = s.repetition_penalty
+    for token, bias in s.logit_bias:
+        p.logit_bias[token] = bias
+    p.stop_token_ids.extend(s.stop_token_ids)
+    if s.logprobs is not None:
+        p.logprobs = s.logprobs
+    p.json_object = s.json_object
+    p.json_schema = s.json_schema
     return p
+
+
+def logprobs_from_proto(p: common_pb2.OutputLogProbs) -> list[TokenLogprob]:
+    """common.proto ``OutputLogProbs`` as :class:`TokenLogprob` items."""
+    tops = list(p.top_logprobs)
+    return [
+        TokenLogprob(
+            int(t),
+            float(v),
+            tuple(zip(tops[i].token_ids, tops[i].values, strict=True)) if i < len(tops) else (),
+        )
+        for i, (t, v) in enumerate(zip(p.token_ids, p.token_logprobs, strict=True))
+    ]
+
+
+def logprobs_to_proto(items: list[TokenLogprob]) -> common_pb2.OutputLogProbs:
+    """The inverse of :func:`logprobs_from_proto`."""
+    return common_pb2.OutputLogProbs(
+        token_logprobs=[x.logprob for x in items],
+        token_ids=[x.token_id for x in items],
+        top_logprobs=[
+            common_pb2.TopLogProbs(values=[v for _, v in x.top], token_ids=[t for t, _ in x.top])
+            for x in items
+        ],
+    )

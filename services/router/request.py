@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve import validation
-from pdserve.engines.base import Sampling
+from pdserve.engines.base import MAX_LOGPROBS, Sampling
 from pdserve.errors import InvalidArgument
 from pdserve.v1 import router_pb2
 
@@ -53,6 +53,9 @@ class GenRequest:
     mode: str = ""
     #: The tenant's cache salt ("" = none): keys the prompt's chunks (:mod:`pdserve.hashing`).
     cache_salt: str = ""
+    #: The id RouterService.Abort finds the request by ("" = ``request_id``): the caller's id
+    #: for every one of an OpenAI request's ``n`` generations.
+    abort_id: str = ""
 
 
 def check_model(model: str, limits: Limits) -> None:
@@ -166,12 +169,27 @@ def make_sampling(
     ignore_eos: bool,
     max_tokens_field: str = "max_tokens",
     prompt_field: str = "prompt",
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    repetition_penalty: float | None = None,
+    logit_bias: dict[int, float] | None = None,
+    stop_token_ids: Sequence[int] = (),
+    logprobs: int | None = None,
+    logprobs_field: str = "logprobs",
+    json_object: bool = False,
+    json_schema: str = "",
 ) -> Sampling:
     """Validated sampling controls; ``max_tokens`` None = the default, capped by the context
     and the limit. Errors name the fields as the request spelled them: ``max_tokens_field``
     (OpenAI also takes ``max_completion_tokens``) and ``prompt_field`` (``prompt``,
     ``prompt_token_ids`` or ``messages``)."""
-    for name, value in (("temperature", temperature), ("top_p", top_p)):
+    for name, value in (
+        ("temperature", temperature),
+        ("top_p", top_p),
+        ("presence_penalty", presence_penalty),
+        ("frequency_penalty", frequency_penalty),
+        ("repetition_penalty", repetition_penalty),
+    ):
         if value is not None and not _finite(value):
             raise InvalidArgument(f"{name} must be a finite number, got {value!r}", param=name)
     # Integers must fit their proto fields (uint32 max_tokens and top_k, uint64 seed).
@@ -189,6 +207,32 @@ def make_sampling(
         raise InvalidArgument(f"seed must be an integer in [0, {U64}], got {seed!r}", param="seed")
     if any(not isinstance(s, str) for s in stop):
         raise InvalidArgument("stop must be a string or a list of strings", param="stop")
+    if logprobs is not None and not _int_in(logprobs, 0, MAX_LOGPROBS):
+        raise InvalidArgument(
+            f"{logprobs_field} must be an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}",
+            param=logprobs_field,
+        )
+    bias = []
+    for token, value in (logit_bias or {}).items():
+        if not _int_in(token, 0, limits.vocab_size - 1):
+            raise InvalidArgument(
+                f"logit_bias: token id {token!r} is outside the vocabulary "
+                f"[0, {limits.vocab_size})",
+                param="logit_bias",
+            )
+        if not _finite(value) or not -100 <= value <= 100:
+            raise InvalidArgument(
+                f"logit_bias[{token}] must be a number in [-100, 100], got {value!r}",
+                param="logit_bias",
+            )
+        bias.append((token, float(value)))
+    for t in stop_token_ids:
+        if not _int_in(t, 0, limits.vocab_size - 1):
+            raise InvalidArgument(
+                f"stop_token_ids: token id {t!r} is outside the vocabulary "
+                f"[0, {limits.vocab_size})",
+                param="stop_token_ids",
+            )
     room = limits.max_model_len - prompt_len if limits.max_model_len else limits.max_tokens_limit
     if room <= 0:
         raise InvalidArgument(
@@ -206,6 +250,14 @@ def make_sampling(
         seed=seed,
         stop=tuple(stop),
         ignore_eos=bool(ignore_eos),
+        presence_penalty=float(presence_penalty or 0.0),
+        frequency_penalty=float(frequency_penalty or 0.0),
+        repetition_penalty=1.0 if repetition_penalty is None else float(repetition_penalty),
+        logit_bias=tuple(sorted(bias)),
+        stop_token_ids=tuple(stop_token_ids),
+        logprobs=logprobs,
+        json_object=json_object,
+        json_schema=json_schema,
     )
     try:
         sampling.validate(limits.max_tokens_limit)

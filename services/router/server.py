@@ -60,6 +60,33 @@ def prefix_lookup(master: str):
     return lookup
 
 
+class MooncakeLookup:
+    """The longest cached prefix from a Mooncake Store (``store_backend: mooncake``): a
+    Mooncake client contributing no memory, its blocking calls off the event loop."""
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        from pdserve.store import open_store
+
+        self.client = open_store(cfg.store_master, backend="mooncake", **cfg.mooncake_options())
+
+    async def __call__(self, keys: list[str]) -> int:
+        return await asyncio.to_thread(self.client.longest_prefix, keys)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def store_lookup(cfg: RouterConfig):
+    """The prefix lookup of ``cfg.store_backend`` (None without a store)."""
+    if not cfg.store_master:
+        return None
+    if cfg.store_backend == "mooncake":
+        return MooncakeLookup(cfg)
+    from pdserve.services.router.prefix_index import indexed_lookup
+
+    return indexed_lookup(cfg.store_master, cfg.prefix_source, prefix_lookup(cfg.store_master))
+
+
 def build(cfg: RouterConfig, tokenizer=None) -> Frontend:
     """Everything but the servers and background loops (tests drive it in-process)."""
     folder = model_folder(cfg.model)
@@ -115,7 +142,7 @@ def build(cfg: RouterConfig, tokenizer=None) -> Frontend:
             slo_ttft_ms=cfg.slo_ttft_ms,
             slo_tpot_ms=cfg.slo_tpot_ms,
         ),
-        prefix_lookup=prefix_lookup(cfg.store_master) if cfg.store_master else None,
+        prefix_lookup=store_lookup(cfg),
         detokenize=tokenizer.decode,
     )
     return Frontend(tokenizer=tokenizer, limits=limits, orchestrator=orch, pool=pool)
@@ -201,3 +228,6 @@ async def serve(
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         await fe.pool.close()
+        close = getattr(fe.orchestrator.prefix_lookup, "close", None)
+        if close is not None:
+            close()

@@ -6,8 +6,11 @@ import asyncio
 
 import grpc
 
+from pdserve.engines.base import TokenLogprob
+from pdserve.errors import InvalidArgument, NotFound
 from pdserve.grpcutil import rpc
 from pdserve.services.router.frontend import Frontend
+from pdserve.services.router.orchestrator import logprobs_to_proto
 from pdserve.services.router.request import GenRequest, check_model
 from pdserve.telemetry import REQUEST_ID_HEADER, request_id_var
 from pdserve.v1 import router_pb2, router_pb2_grpc
@@ -34,6 +37,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         req = await self._validated(request, context)
         ids: list[int] = []
         parts: list[str] = []
+        logprobs: list[TokenLogprob] = []
         out = router_pb2.GenerateResponse(request_id=req.request_id)
         async for c in self.fe.orchestrator.generate(req, timeout_s=context.time_remaining()):
             if c.prompt_tokens:
@@ -42,6 +46,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             if c.token_ids and not ids:
                 out.ttft_ms = c.times_ms[0]
             ids.extend(c.token_ids)
+            logprobs.extend(c.logprobs)
             parts.append(c.text)
             if c.finish:
                 out.finish_reason = c.finish
@@ -49,6 +54,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 out.total_ms = c.times_ms[-1]
         out.token_ids.extend(ids)
         out.text = "".join(parts)
+        if logprobs:
+            out.logprobs.CopyFrom(logprobs_to_proto(logprobs))
         return out
 
     @rpc
@@ -63,6 +70,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 finish_reason=c.finish,
                 prompt_tokens=c.prompt_tokens,
                 cached_tokens=c.cached_tokens,
+                logprobs=logprobs_to_proto(c.logprobs) if c.logprobs else None,
             )
 
     @rpc
@@ -76,3 +84,15 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         return router_pb2.TokenizeResponse(
             token_ids=ids, tokens=self.fe.tokenizer.token_strings(ids)
         )
+
+    @rpc
+    async def Abort(self, request, context: grpc.aio.ServicerContext):
+        if not request.request_id:
+            raise InvalidArgument("request_id must be set", param="request_id")
+        if not self.fe.orchestrator.abort(request.request_id):
+            raise NotFound(f"request_id {request.request_id!r:.140}: no such running request")
+        return router_pb2.AbortResponse()
+
+    @rpc
+    async def GetServerInfo(self, request, context: grpc.aio.ServicerContext):
+        return self.fe.server_info()

@@ -19,6 +19,7 @@ MODULES = {
         "pdserve.services.router.admission",
         "pdserve.services.router.orchestrator",
         "pdserve.services.router.workers",
+        "pdserve.services.router.prefix_index",
     ],
     "prefill": [
         "pdserve.services.prefill.servicer",
@@ -37,6 +38,7 @@ MODULES = {
 #: of MODULES' above).
 ENTRY_POINTS = [
     "pdserve.services.router.server",
+    "pdserve.services.router.prefix_index",
     "pdserve.services.prefill.server",
     "pdserve.services.decode.server",
     "pdserve.services.kvstore.master",
@@ -109,13 +111,14 @@ def registered_at_import() -> set[str]:
 
 def _master() -> dict[str, Metric]:
     from pdserve.services.kvstore.events import EventHub
+    from pdserve.services.kvstore.kv_events import KVEventLog
     from pdserve.services.kvstore.master import _StateCollector
     from pdserve.services.kvstore.master_config import MasterConfig
     from pdserve.services.kvstore.master_state import MasterState
 
     cfg = MasterConfig()
     state = MasterState(cfg, store=None, on_event=lambda *a: None)
-    return _from_collectors([_StateCollector(state, EventHub(16), threading.Lock())])
+    return _from_collectors([_StateCollector(state, EventHub(16), threading.Lock(), KVEventLog())])
 
 
 def _meta() -> dict[str, Metric]:

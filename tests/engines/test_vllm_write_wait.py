@@ -27,7 +27,7 @@ KEYS = hashing.chunk_keys(FP, TOKENS)
 def _connector(store) -> PdserveConnector:
     # Only the state these paths use; no vLLM engine behind it.
     conn = object.__new__(PdserveConnector)
-    conn.__dict__.update(fp=FP, chunk_size=CHUNK, block_size=BS, io=ChunkIO(store, FP))
+    conn.__dict__.update(fp=FP, rank_fp=FP, chunk_size=CHUNK, block_size=BS, io=ChunkIO(store, FP))
     conn.blocks_per_chunk = CHUNK // BS
     for name in ("_plans", "_async_plans", "_outcomes", "_trackers", "_requests"):
         setattr(conn, name, {})

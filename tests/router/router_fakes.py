@@ -31,6 +31,22 @@ def expected_tokens(prompt: list[int], n: int) -> list[int]:
     return out
 
 
+def fake_logprobs(tokens: list[int], top: int) -> common_pb2.OutputLogProbs:
+    """The fake model's logprobs: token t has log probability -(t % 7 + 1) / 10, its
+    alternatives t + 1, t + 2, ... one nat less each."""
+    out = common_pb2.OutputLogProbs()
+    for t in tokens:
+        lp = -((t % 7) + 1) / 10
+        out.token_ids.append(t)
+        out.token_logprobs.append(lp)
+        out.top_logprobs.append(
+            common_pb2.TopLogProbs(
+                token_ids=[t + j for j in range(top)], values=[lp - j for j in range(top)]
+            )
+        )
+    return out
+
+
 @dataclass
 class FakePrefill(engine_pb2_grpc.PrefillServiceServicer):
     fail: int = 0  # fail this many calls with UNAVAILABLE
@@ -48,7 +64,11 @@ class FakePrefill(engine_pb2_grpc.PrefillServiceServicer):
         await asyncio.sleep(self.delay_s)
         self.ends.append(time.monotonic())
         first = next_token(request.prompt_token_ids[-1])
+        lps = None
+        if request.sampling.HasField("logprobs"):
+            lps = fake_logprobs([first], request.sampling.logprobs)
         return engine_pb2.PrefillResponse(
+            first_token_logprobs=lps,
             first_token_id=first,
             kv=common_pb2.KVHandle(num_tokens=len(request.prompt_token_ids), chunk_size=4),
             computed_tokens=len(request.prompt_token_ids),
@@ -94,7 +114,12 @@ class FakeDecode(engine_pb2_grpc.DecodeServiceServicer):
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
                 last = i == len(toks) - 1
+                lps = None
+                echoed = i == 0 and request.HasField("first_token_id")
+                if request.sampling.HasField("logprobs") and not echoed:
+                    lps = fake_logprobs([t], request.sampling.logprobs)
                 yield engine_pb2.DecodeResponse(
+                    logprobs=lps,
                     token_ids=[t],
                     text=f"<{t}>",
                     finish_reason=common_pb2.FINISH_REASON_LENGTH if last else 0,

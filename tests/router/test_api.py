@@ -70,21 +70,82 @@ BAD_HTTP = [
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "seed": 2**64}, "seed"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": 10**400}, "temperature"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2**40}, "max_tokens"),
-    # parameters not implemented yet: refused by name, never silently ignored
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logprobs": 2}, "logprobs"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "echo": True}, "echo"),
+    # parameters out of range, or not implemented: refused by name, never silently ignored
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logprobs": 1, "echo": True}, "echo"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "best_of": 2}, "best_of"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "best_of": True}, "best_of"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 0}, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 17}, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "suffix": "x"}, "suffix"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "min_p": 0.1}, "min_p"),
     (
         "/v1/completions",
-        {"model": "tiny", "prompt": "hi", "presence_penalty": 0.5},
+        {"model": "tiny", "prompt": "hi", "presence_penalty": 3},
         "presence_penalty",
+    ),
+    (
+        "/v1/completions",
+        {"model": "tiny", "prompt": "hi", "frequency_penalty": "x"},
+        "frequency_penalty",
+    ),
+    (
+        "/v1/completions",
+        {"model": "tiny", "prompt": "hi", "repetition_penalty": 0},
+        "repetition_penalty",
+    ),
+    (
+        "/v1/completions",
+        {"model": "tiny", "prompt": "hi", "logit_bias": {"99999": 1}},
+        "logit_bias",
+    ),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"a": 1}}, "logit_bias"),
+    (
+        "/v1/completions",
+        {"model": "tiny", "prompt": "hi", "stop_token_ids": [10**6]},
+        "stop_token_ids",
+    ),
+    (
+        "/v1/completions",
+        {"model": "tiny", "prompt": "hi", "stream_options": {"continuous_usage_stats": True}},
+        "stream_options",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+        "top_logprobs",
     ),
     (
         "/v1/chat/completions",
         {
             "model": "tiny",
             "messages": [{"role": "user", "content": "hi"}],
-            "response_format": {"type": "json_object"},
+            "logprobs": True,
+            "top_logprobs": 21,
+        },
+        "top_logprobs",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "echo": True},
+        "echo",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "xml"},
+        },
+        "response_format",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x"}},
         },
         "response_format",
     ),

@@ -4,6 +4,7 @@ whose registered fingerprint is not the cluster's."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from pdserve.hashing import ModelFingerprint
 from pdserve.services.router.fingerprint import FingerprintSource
@@ -103,3 +104,25 @@ def test_router_settings_no_worker_has_refuse_every_worker(caplog):
     assert src.current().kv_dtype == "float32"
     assert "kv_dtype bfloat16 != float32" in src.refusals(workers)[0]
     assert "every worker is refused" in caplog.text
+
+
+def test_tensor_parallel_workers_are_keyed_by_their_rank_0_fingerprint() -> None:
+    """A TP worker registers the fingerprint of rank 0 with tp "0/N": the router keys prompts
+    with it (so its lookups find the chunks rank 0 stores), and does not refuse the worker."""
+    tp2 = ModelFingerprint(
+        model_id="m", revision="r", kv_dtype="bfloat16", chunk_size=32, tp_size=2
+    )
+    labels = {
+        "fingerprint": tp2.digest().hex(),
+        "kv_dtype": "bfloat16",
+        "chunk_size": "32",
+        "tp": "0/2",
+    }
+    src = FingerprintSource("m", "r", kv_dtype="auto", chunk_size=0, workers=lambda: [labels])
+    assert src.current() == tp2
+    assert src.refusals([labels]) == [""]
+    single = {**labels, "tp": "0/1", "fingerprint": replace(tp2, tp_size=1).digest().hex()}
+    both = FingerprintSource(
+        "m", "r", kv_dtype="auto", chunk_size=0, workers=lambda: [labels, labels, single]
+    )
+    assert both.current() == tp2 and both.refusals([single])[0].startswith("KV fingerprint")

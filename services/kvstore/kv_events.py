@@ -1,0 +1,406 @@
+"""KV events in the shape of vLLM's ``KVEventBatch`` (vllm/distributed/kv_events.py), so a
+KV-aware router written for vLLM can follow the pooled cache, and pdserve's router can answer
+longest-prefix lookups from its own index (``services/router/prefix_index.py``).
+
+The master records a block event for every stored or removed chunk object (keys of 64 hex
+characters; request tails and raw objects are not blocks) while it holds its state lock, and
+the event loop turns what was recorded into numbered batches (one per flush: usually one per
+master call). Each batch goes to
+
+- the gRPC stream ``SubscribeKVEvents`` (``pb.KVEventBatch``, the same fields in proto form),
+  with replay from a sequence number out of a bounded ring, or a snapshot of every current
+  block first; a subscriber more than ``kv_events_queue`` batches behind is cut off (its
+  stream ends; it resubscribes), the master never waits for one;
+- optionally ZMQ (``kv_events_endpoint``): vLLM's wire format, byte for byte what vLLM's
+  ``ZmqEventPublisher`` sends: multipart ``[topic, seq as 8-byte big-endian, msgpack
+  payload]`` on a PUB socket, and a ROUTER socket (``kv_events_replay_endpoint``) that
+  answers ``[b"", seq as 8 bytes]`` with the buffered batches from that sequence number on,
+  then ``[b"", -1 as 8 bytes, b""]``. The payload decodes with vLLM's own
+  ``msgspec.msgpack.Decoder(KVEventBatch)``.
+
+Block hashes are the chunk keys as 32 raw bytes (vLLM's default ``ExternalBlockHash``,
+sha256 bytes; ours are BLAKE3, and ``key == hash.hex()``). A stored event carries the parent's
+hash and the token ids when the writer attached them to its put (``PutStartItem.block``);
+consecutive blocks of one chain in one batch are one ``BlockStored``, as vLLM sends them.
+Sequence numbers count from 0 at each master start; batch 0 starts with
+``AllBlocksCleared``, so a consumer that follows a restarted master forgets what the previous
+one held (the restarted master announces its objects again as nodes remount them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import sys
+import threading
+import time
+from array import array
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from pdserve.services.kvstore.master_types import BlockMeta, is_block_key
+from pdserve.v1 import kvstore_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+#: Keys per snapshot batch.
+SNAPSHOT_BATCH = 1024
+#: vLLM's end-of-replay marker (ZmqEventPublisher.END_SEQ).
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+_STORED, _REMOVED, _CLEARED = 1, 2, 3
+
+
+def tokens_of(packed: bytes) -> list[int]:
+    """Token ids packed as uint32 little-endian, as a list."""
+    a = array("I", packed)
+    if sys.byteorder == "big":
+        a.byteswap()
+    return a.tolist()
+
+
+class _Stored:
+    __slots__ = ("block_size", "hashes", "medium", "parent", "tokens")
+
+    def __init__(self, h: bytes, parent: bytes | None, tokens: list[int], bs: int, medium: str):
+        self.hashes = [h]
+        self.parent = parent
+        self.tokens = tokens
+        self.block_size = bs
+        self.medium = medium
+
+
+class _Removed:
+    __slots__ = ("hashes", "medium")
+
+    def __init__(self, h: bytes, medium: str):
+        self.hashes = [h]
+        self.medium = medium
+
+
+class _Cleared:
+    __slots__ = ()
+
+
+Event = _Stored | _Removed | _Cleared
+
+
+def group(ops: Iterable[tuple[int, str, BlockMeta | None, str]]) -> list[Event]:
+    """Recorded ``(kind, key, block, medium)`` as vLLM's events: a stored block whose parent is
+    the last block of the stored event before it (same size and medium) extends it, as do
+    consecutive removals of one medium."""
+    out: list[Event] = []
+    for kind, key, block, medium in ops:
+        last = out[-1] if out else None
+        if kind == _CLEARED:
+            out.append(_Cleared())
+            continue
+        h = bytes.fromhex(key)
+        if kind == _REMOVED:
+            if isinstance(last, _Removed) and last.medium == medium:
+                last.hashes.append(h)
+            else:
+                out.append(_Removed(h, medium))
+            continue
+        parent = bytes.fromhex(block.parent) if block is not None and block.parent else None
+        tokens = tokens_of(block.tokens) if block is not None else []
+        bs = block.block_size if block is not None else 0
+        if (
+            isinstance(last, _Stored)
+            and parent is not None
+            and parent == last.hashes[-1]
+            and bs == last.block_size
+            and medium == last.medium
+            and bool(tokens) == bool(last.tokens)
+        ):
+            last.hashes.append(h)
+            last.tokens.extend(tokens)
+        else:
+            out.append(_Stored(h, parent, tokens, bs, medium))
+    return out
+
+
+def to_proto(seq: int, ts: float, events: list[Event], **flags: bool) -> pb.KVEventBatch:
+    batch = pb.KVEventBatch(seq=seq, ts=ts, **flags)
+    for e in events:
+        ev = batch.events.add()
+        if isinstance(e, _Stored):
+            ev.stored.block_hashes.extend(e.hashes)
+            ev.stored.parent_block_hash = e.parent or b""
+            ev.stored.token_ids.extend(e.tokens)
+            ev.stored.block_size = e.block_size
+            ev.stored.medium = e.medium
+        elif isinstance(e, _Removed):
+            ev.removed.block_hashes.extend(e.hashes)
+            ev.removed.medium = e.medium
+        else:
+            ev.cleared.SetInParent()
+    return batch
+
+
+def to_vllm(ts: float, events: list[Event]) -> list[Any]:
+    """The batch as the plain values vLLM's ``KVEventBatch`` encodes to: an array ``[ts,
+    events]`` (``data_parallel_rank`` None, omitted as vLLM omits defaults), each event a map
+    tagged ``type`` with vLLM's class name and every field vLLM's decoder requires."""
+    out: list[dict[str, Any]] = []
+    for e in events:
+        if isinstance(e, _Stored):
+            out.append(
+                {
+                    "type": "BlockStored",
+                    "block_hashes": e.hashes,
+                    "parent_block_hash": e.parent,
+                    "token_ids": e.tokens,
+                    "block_size": e.block_size,
+                    "lora_id": None,
+                    "medium": e.medium,
+                    "lora_name": None,
+                }
+            )
+        elif isinstance(e, _Removed):
+            out.append({"type": "BlockRemoved", "block_hashes": e.hashes, "medium": e.medium})
+        else:
+            out.append({"type": "AllBlocksCleared"})
+    return [ts, out]
+
+
+class Subscription:
+    """One gRPC subscriber's queue of batches (filled on the event loop)."""
+
+    def __init__(self, maxlen: int) -> None:
+        self._batches: collections.deque[pb.KVEventBatch] = collections.deque()
+        self._maxlen = maxlen
+        self._ready = asyncio.Event()
+        self.closed = False
+
+    def push(self, batch: pb.KVEventBatch) -> bool:
+        """Queues ``batch``; False (and closed) when the subscriber is too far behind."""
+        if len(self._batches) >= self._maxlen:
+            self.close()
+            return False
+        self._batches.append(batch)
+        self._ready.set()
+        return True
+
+    async def next(self) -> pb.KVEventBatch | None:
+        """The next batch, or None once closed (the queue is dropped: a cut-off subscriber
+        resubscribes, and a closing master has nothing more to say)."""
+        while not self._batches:
+            if self.closed:
+                return None
+            self._ready.clear()
+            await self._ready.wait()
+        if self.closed:
+            return None
+        return self._batches.popleft()
+
+    def close(self) -> None:
+        self.closed = True
+        self._ready.set()
+
+
+class KVEventLog:
+    """Records block events (any thread, under the master's state lock), publishes them as
+    numbered batches (:meth:`flush`, on the event loop), keeps the last ``buffer`` batches for
+    replay and fans them out to gRPC subscribers and the ZMQ publisher."""
+
+    def __init__(
+        self,
+        *,
+        medium: str = "CPU",
+        buffer: int = 1000,
+        queue: int = 10_000,
+        encode_vllm: bool = False,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.medium = medium
+        self.queue = queue
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._pending: list[tuple[int, str, BlockMeta | None, str]] = []
+        self._ring: collections.deque[tuple[int, pb.KVEventBatch, bytes]] = collections.deque(
+            maxlen=buffer
+        )
+        # keys stored with a medium other than the default (their removal names it too)
+        self._media: dict[str, str] = {}
+        self._subs: set[Subscription] = set()
+        self._encoder: Any = None
+        if encode_vllm:
+            import msgspec
+
+            self._encoder = msgspec.msgpack.Encoder()
+        #: Called (from any thread) when a first event is pending: schedules :meth:`flush`.
+        self.wake: Callable[[], None] = lambda: None
+        #: Called on the loop with (seq, payload) of each batch: the ZMQ publisher.
+        self.sink: Callable[[int, bytes], None] | None = None
+        #: Sequence number of the last batch published (-1 = none yet).
+        self.seq = -1
+        #: Subscribers cut off for being too far behind.
+        self.cut_off = 0
+        self.cleared()
+
+    # ------------------------------------------------------------------ recording
+
+    def _add(self, op: tuple[int, str, BlockMeta | None, str]) -> None:
+        with self._lock:
+            first = not self._pending
+            self._pending.append(op)
+        if first:
+            self.wake()
+
+    def stored(self, key: str, block: BlockMeta | None) -> None:
+        if not is_block_key(key):
+            return
+        medium = self.medium
+        if block is not None and block.medium and block.medium != medium:
+            medium = self._media[key] = block.medium
+        self._add((_STORED, key, block, medium))
+
+    def removed(self, key: str) -> None:
+        if not is_block_key(key):
+            return
+        self._add((_REMOVED, key, None, self._media.pop(key, self.medium)))
+
+    def cleared(self) -> None:
+        self._add((_CLEARED, "", None, ""))
+
+    # ------------------------------------------------------------------ publishing
+
+    def flush(self) -> pb.KVEventBatch | None:
+        """Publishes what was recorded as the next batch (None when nothing was)."""
+        with self._lock:
+            ops, self._pending = self._pending, []
+            if not ops:
+                return None
+            events = group(ops)
+            self.seq += 1
+            ts = self._clock()
+            batch = to_proto(self.seq, ts, events)
+            payload = self._encoder.encode(to_vllm(ts, events)) if self._encoder else b""
+            self._ring.append((self.seq, batch, payload))
+            for sub in list(self._subs):
+                if not sub.push(batch):
+                    self._subs.discard(sub)
+                    self.cut_off += 1
+            seq = self.seq
+        if self.sink is not None:
+            try:
+                self.sink(seq, payload)
+            except Exception:  # a publisher problem never stalls the master
+                log.exception("publishing KV events over ZMQ failed")
+        return batch
+
+    def replay(self, from_seq: int) -> list[tuple[int, bytes]]:
+        """(seq, vLLM payload) of the buffered batches from ``from_seq`` on."""
+        with self._lock:
+            return [(s, p) for s, _, p in self._ring if s >= from_seq]
+
+    # ------------------------------------------------------------------ subscribers
+
+    def subscribe(
+        self, *, snapshot: list[str] | None = None, from_seq: int | None = None
+    ) -> tuple[Subscription, list[pb.KVEventBatch]]:
+        """A new subscriber and the batches to send it first: with ``snapshot`` (every block
+        key the master holds, taken under its state lock, as this is) cleared + stored
+        batches numbered with the last published seq; else the ring from ``from_seq``; else
+        none. Later batches are pushed to it."""
+        sub = Subscription(self.queue)
+        with self._lock:
+            seq = self.seq
+            ring = [b for s, b, _ in self._ring if from_seq is not None and s >= from_seq]
+            self._subs.add(sub)
+        if snapshot is None:
+            return sub, ring
+        ts = self._clock()
+        first: list[pb.KVEventBatch] = []
+        keys = [k for k in snapshot if is_block_key(k)]
+        for i in range(0, max(len(keys), 1), SNAPSHOT_BATCH):
+            part: list[Event] = [_Cleared()] if i == 0 else []
+            part += [
+                _Stored(bytes.fromhex(k), None, [], 0, self.medium)
+                for k in keys[i : i + SNAPSHOT_BATCH]
+            ]
+            first.append(to_proto(seq, ts, part, snapshot=True))
+        first[-1].snapshot_end = True
+        return sub, first
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        with self._lock:
+            self._subs.discard(sub)
+
+    @property
+    def subscribers(self) -> int:
+        return len(self._subs)
+
+    def close(self) -> None:
+        with self._lock:
+            subs, self._subs = self._subs, set()
+        for sub in subs:
+            sub.close()
+
+
+def zmq_bind_host(endpoint: str) -> str:
+    """The host part of a ``tcp://host:port`` endpoint ("" for other transports)."""
+    if not endpoint.startswith("tcp://"):
+        return ""
+    return endpoint[len("tcp://") :].rsplit(":", 1)[0]
+
+
+class ZmqPublisher:
+    """vLLM's ZMQ publisher protocol on the event loop (pyzmq's asyncio sockets): PUB of
+    ``[topic, seq, payload]``, and a ROUTER answering replay requests from the log's ring."""
+
+    def __init__(self, events: KVEventLog, endpoint: str, replay_endpoint: str, topic: str):
+        import zmq
+        import zmq.asyncio
+
+        self.events = events
+        self.topic = topic.encode()
+        self.ctx = zmq.asyncio.Context()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.set_hwm(100_000)
+        self.pub.bind(endpoint)
+        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_sock = None
+        self.replay_endpoint = ""
+        self._task: asyncio.Task | None = None
+        if replay_endpoint:
+            self.replay_sock = self.ctx.socket(zmq.ROUTER)
+            self.replay_sock.bind(replay_endpoint)
+            self.replay_endpoint = self.replay_sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._task = asyncio.get_running_loop().create_task(self._serve_replay())
+        events.sink = self.send
+
+    def send(self, seq: int, payload: bytes) -> None:
+        import zmq
+
+        # PUB never blocks: beyond its high-water mark a slow subscriber loses batches
+        with contextlib.suppress(zmq.Again):
+            self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload], zmq.NOBLOCK)
+
+    async def _serve_replay(self) -> None:
+        assert self.replay_sock is not None
+        while True:
+            frames = await self.replay_sock.recv_multipart()
+            if len(frames) != 3:
+                log.warning("invalid KV event replay request (%d frames)", len(frames))
+                continue
+            client, _, start = frames
+            for seq, payload in self.events.replay(int.from_bytes(start, "big")):
+                await self.replay_sock.send_multipart(
+                    [client, b"", self.topic, seq.to_bytes(8, "big"), payload]
+                )
+            await self.replay_sock.send_multipart([client, b"", b"", END_SEQ, b""])
+
+    async def close(self) -> None:
+        self.events.sink = None
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        self.pub.close(linger=0)
+        if self.replay_sock is not None:
+            self.replay_sock.close(linger=0)
+        self.ctx.term()

@@ -1,0 +1,311 @@
+"""OpenAI parameter parity through an in-process router in front of fake workers: logprobs
+shapes (the first token's from prefill), n > 1, echo, the sampling fields the workers get,
+guided decoding's plan, and the gRPC Abort and GetServerInfo."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import grpc
+import pytest
+from router_fakes import FakeDecode, FakePrefill, expected_tokens, fake_cluster
+
+from pdserve import grpcutil
+from pdserve.services.router.frontend import UNSUPPORTED_OPENAI
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+def fake_lp(t: int) -> float:
+    """router_fakes.fake_logprobs's log probability of token t."""
+    return -((t % 7) + 1) / 10
+
+
+async def _sse(resp: aiohttp.ClientResponse) -> list[dict]:
+    events = []
+    async for line in resp.content:
+        line = line.strip()
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            events.append(json.loads(line[6:]))
+    return events
+
+
+def test_completions_logprobs_shape_and_values(tiny_model_dir):
+    """Read plan: the first token's logprobs come from prefill, the rest from decode; every
+    token has them, in OpenAI's completions shape."""
+
+    async def main():
+        async with (
+            fake_cluster([FakePrefill()], [FakeDecode()], tiny_model_dir) as (r, _),
+            aiohttp.ClientSession(f"http://127.0.0.1:{r.http_port}") as http,
+        ):
+            body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "logprobs": 2}
+            async with http.post("/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                out = await resp.json()
+            want = expected_tokens([5, 6, 7], 4)
+            lp = out["choices"][0]["logprobs"]
+            assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+            assert lp["token_logprobs"] == pytest.approx([fake_lp(t) for t in want])
+            tok = r.frontend.tokenizer
+            assert lp["tokens"] == tok.token_strings(want)
+            # top 2 per token (keys are token strings: two may coincide)
+            assert all(1 <= len(d) <= 2 for d in lp["top_logprobs"])
+            offsets = [0]
+            for s in lp["tokens"][:-1]:
+                offsets.append(offsets[-1] + len(s))
+            assert lp["text_offset"] == offsets
+            # without logprobs: null, as before
+            body.pop("logprobs")
+            async with http.post("/v1/completions", json=body) as resp:
+                assert (await resp.json())["choices"][0]["logprobs"] is None
+
+    asyncio.run(main())
+
+
+def test_chat_logprobs_streamed(tiny_model_dir):
+    async def main():
+        async with (
+            fake_cluster([FakePrefill()], [FakeDecode()], tiny_model_dir) as (r, _),
+            aiohttp.ClientSession(f"http://127.0.0.1:{r.http_port}") as http,
+        ):
+            body = {
+                "model": "tiny",
+                "messages": CHAT,
+                "max_tokens": 3,
+                "logprobs": True,
+                "top_logprobs": 3,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            async with http.post("/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+                events = await _sse(resp)
+            content = []
+            for ev in events:
+                for ch in ev["choices"]:
+                    if ch["logprobs"]:
+                        content += ch["logprobs"]["content"]
+            assert len(content) == 3
+            for item in content:
+                assert set(item) == {"token", "logprob", "bytes", "top_logprobs"}
+                assert item["bytes"] == list(item["token"].encode())
+                assert len(item["top_logprobs"]) == 3
+                assert item["top_logprobs"][0]["logprob"] == pytest.approx(item["logprob"])
+            assert events[-1]["usage"]["completion_tokens"] == 3
+
+    asyncio.run(main())
+
+
+def test_n_fans_out_with_distinct_seeds_and_sums_usage(tiny_model_dir):
+    async def main():
+        dec = FakeDecode()
+        async with (
+            fake_cluster([FakePrefill()], [dec], tiny_model_dir) as (r, _),
+            aiohttp.ClientSession(f"http://127.0.0.1:{r.http_port}") as http,
+        ):
+            body = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "n": 3, "seed": 7}
+            async with http.post(
+                "/v1/completions", json=body, headers={"x-request-id": "req-n"}
+            ) as resp:
+                assert resp.status == 200
+                out = await resp.json()
+            assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+            assert all(c["finish_reason"] == "length" for c in out["choices"])
+            assert out["usage"]["completion_tokens"] == 9
+            assert out["usage"]["prompt_tokens"] == len(r.frontend.tokenizer.encode("hi"))
+            assert sorted(c.sampling.seed for c in dec.calls) == [7, 8, 9]
+            assert sorted(c.request_id for c in dec.calls) == ["req-n", "req-n-1", "req-n-2"]
+            # streamed: every index gets its tokens and its finish
+            body["stream"] = True
+            async with http.post("/v1/chat/completions", json={**body, "messages": CHAT}) as resp:
+                events = await _sse(resp)
+            finishes = {
+                ch["index"]: ch["finish_reason"]
+                for ev in events
+                for ch in ev["choices"]
+                if ch["finish_reason"]
+            }
+            assert finishes == {0: "length", 1: "length", 2: "length"}
+
+    asyncio.run(main())
+
+
+def test_echo_prepends_the_prompt(tiny_model_dir):
+    async def main():
+        async with (
+            fake_cluster([FakePrefill()], [FakeDecode()], tiny_model_dir) as (r, _),
+            aiohttp.ClientSession(f"http://127.0.0.1:{r.http_port}") as http,
+        ):
+            body = {"model": "tiny", "prompt": "hello there", "max_tokens": 2, "echo": True}
+            async with http.post("/v1/completions", json=body) as resp:
+                text = (await resp.json())["choices"][0]["text"]
+            prompt_text = r.frontend.tokenizer.decode(r.frontend.tokenizer.encode("hello there"))
+            assert text.startswith(prompt_text) and len(text) > len(prompt_text)
+            async with http.post("/v1/completions", json={**body, "stream": True}) as resp:
+                events = await _sse(resp)
+            assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == text
+
+    asyncio.run(main())
+
+
+def test_sampling_fields_reach_both_workers(tiny_model_dir):
+    async def main():
+        pre, dec = FakePrefill(), FakeDecode()
+        async with (
+            fake_cluster([pre], [dec], tiny_model_dir) as (r, _),
+            aiohttp.ClientSession(f"http://127.0.0.1:{r.http_port}") as http,
+        ):
+            body = {
+                "model": "tiny",
+                "prompt": "hi",
+                "max_tokens": 2,
+                "presence_penalty": 0.5,
+                "frequency_penalty": -0.25,
+                "repetition_penalty": 1.3,
+                "logit_bias": {"42": -100, "7": 2.5},
+                "stop_token_ids": [11, 12],
+            }
+            async with http.post("/v1/completions", json=body) as resp:
+                assert resp.status == 200
+            for s in (pre.calls[0].sampling, dec.calls[0].sampling):
+                assert s.presence_penalty == 0.5 and s.frequency_penalty == -0.25
+                assert s.repetition_penalty == pytest.approx(1.3)
+                assert dict(s.logit_bias) == {42: -100.0, 7: 2.5}
+                assert list(s.stop_token_ids) == [11, 12]
+                assert not s.HasField("logprobs")
+
+    asyncio.run(main())
+
+
+def test_response_format_runs_on_one_worker(tiny_model_dir):
+    """Guided decoding keeps a grammar state per generation: the router sends it to one
+    worker (local plan), with the constraint."""
+
+    async def main():
+        pre, dec = FakePrefill(), FakeDecode()
+        async with (
+            fake_cluster([pre], [dec], tiny_model_dir) as (r, _),
+            aiohttp.ClientSession(f"http://127.0.0.1:{r.http_port}") as http,
+        ):
+            schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+            for fmt, check in (
+                ({"type": "json_object"}, lambda s: s.json_object and not s.json_schema),
+                (
+                    {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+                    lambda s: json.loads(s.json_schema) == schema,
+                ),
+            ):
+                body = {"model": "tiny", "messages": CHAT, "max_tokens": 2, "response_format": fmt}
+                async with http.post("/v1/chat/completions", json=body) as resp:
+                    assert resp.status == 200
+                assert check(dec.calls[-1].sampling)
+                assert not dec.calls[-1].HasField("kv")
+            assert pre.calls == []
+
+    asyncio.run(main())
+
+
+def test_unsupported_parameters_are_named_with_a_reason(tiny_model_dir):
+    async def main():
+        async with (
+            fake_cluster([FakePrefill()], [FakeDecode()], tiny_model_dir) as (r, _),
+            aiohttp.ClientSession(f"http://127.0.0.1:{r.http_port}") as http,
+        ):
+            for name, (off, why) in UNSUPPORTED_OPENAI.items():
+                body = {"model": "tiny", "prompt": "hi", name: "on"}
+                async with http.post("/v1/completions", json=body) as resp:
+                    assert resp.status == 400, name
+                    err = (await resp.json())["error"]
+                    assert err["param"] == name and why in err["message"]
+                # the "off" values pass
+                async with http.post(
+                    "/v1/completions", json={**body, name: off[-1], "max_tokens": 1}
+                ) as resp:
+                    assert resp.status == 200, (name, await resp.text())
+
+    asyncio.run(main())
+
+
+def test_grpc_logprobs_stop_token_ids_abort_and_server_info(tiny_model_dir):
+    async def main():
+        dec = FakeDecode(token_delay_s=0.05)
+        async with (
+            fake_cluster([FakePrefill()], [dec], tiny_model_dir) as (r, _),
+            grpcutil.channel(f"127.0.0.1:{r.grpc_port}") as ch,
+        ):
+            stub = router_pb2_grpc.RouterServiceStub(ch)
+            s = common_pb2.SamplingParams(max_tokens=3, logprobs=1, stop_token_ids=[13])
+            out = await stub.Generate(router_pb2.GenerateRequest(prompt_token_ids=[5], sampling=s))
+            assert list(out.logprobs.token_ids) == list(out.token_ids)
+            assert list(out.logprobs.token_logprobs) == pytest.approx(
+                [fake_lp(t) for t in out.token_ids]
+            )
+            assert [len(t.values) for t in out.logprobs.top_logprobs] == [1, 1, 1]
+            assert list(dec.calls[-1].sampling.stop_token_ids) == [13]
+
+            # Abort: the running stream ends with CANCELLED and the worker call is cancelled
+            long = common_pb2.SamplingParams(max_tokens=200)
+            req = router_pb2.GenerateRequest(
+                request_id="to-abort", prompt_token_ids=[5], sampling=long
+            )
+            call = stub.GenerateStream(req)
+            got = [await call.read()]
+            info = await stub.GetServerInfo(router_pb2.GetServerInfoRequest())
+            assert info.active_requests == 1
+            await stub.Abort(router_pb2.AbortRequest(request_id="to-abort"))
+            while (m := await call.read()) != grpc.aio.EOF:
+                got.append(m)
+            assert got[-1].finish_reason == common_pb2.FINISH_REASON_CANCELLED
+            assert sum(len(m.token_ids) for m in got) < 200
+            assert (await call.code()) == grpc.StatusCode.OK
+            for _ in range(50):
+                if dec.cancelled:
+                    break
+                await asyncio.sleep(0.02)
+            assert dec.cancelled == 1
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Abort(router_pb2.AbortRequest(request_id="to-abort"))
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+            info = await stub.GetServerInfo(router_pb2.GetServerInfoRequest())
+            assert info.model == "tiny" and info.server_type == "pdserve-router"
+            assert info.max_model_len > 0 and info.vocab_size > 0 and info.version
+            assert (info.chunk_size, info.kv_dtype) == (4, "float32")
+            assert (info.prefill_workers, info.decode_workers) == (1, 1)
+            assert info.active_requests == 0 and info.max_logprobs == 20
+
+    asyncio.run(main())
+
+
+def test_abort_over_http_ends_every_choice(tiny_model_dir):
+    """An OpenAI request with n > 1 aborts under its request id: every choice finishes with
+    "abort"."""
+
+    async def main():
+        dec = FakeDecode(token_delay_s=0.05)
+        async with (
+            fake_cluster([FakePrefill()], [dec], tiny_model_dir) as (r, _),
+            aiohttp.ClientSession(f"http://127.0.0.1:{r.http_port}") as http,
+            grpcutil.channel(f"127.0.0.1:{r.grpc_port}") as ch,
+        ):
+            stub = router_pb2_grpc.RouterServiceStub(ch)
+            body = {"model": "tiny", "prompt": "hi", "max_tokens": 200, "n": 2}
+
+            async def abort_soon():
+                await asyncio.sleep(0.3)
+                await stub.Abort(router_pb2.AbortRequest(request_id="h-abort"))
+
+            task = asyncio.ensure_future(abort_soon())
+            async with http.post(
+                "/v1/completions", json=body, headers={"x-request-id": "h-abort"}
+            ) as resp:
+                out = await resp.json()
+            await task
+            assert [c["finish_reason"] for c in out["choices"]] == ["abort", "abort"]
+            assert out["usage"]["completion_tokens"] < 400
+
+    asyncio.run(main())
