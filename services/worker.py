@@ -13,7 +13,7 @@ import contextlib
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +21,7 @@ from pdserve import grpcutil, lifecycle, telemetry
 from pdserve.config import ConfigError, help_field
 from pdserve.discovery import leave, register_service
 from pdserve.engines import create_engine
-from pdserve.engines.base import Engine, KVRef, Sampling, TokenLogprob
+from pdserve.engines.base import Engine, KVRef, Sampling
 from pdserve.engines.config import EngineConfig
 from pdserve.errors import ResourceExhausted
 from pdserve.identity import RequireRole, SecurityConfig, advertised
@@ -84,18 +84,6 @@ def sampling_from_proto(
         logprobs=p.logprobs if p.HasField("logprobs") else None,
         json_object=p.json_object,
         json_schema=p.json_schema,
-    )
-
-
-def logprobs_to_proto(items: Sequence[TokenLogprob]) -> common_pb2.OutputLogProbs:
-    """Engine logprobs as common.proto ``OutputLogProbs``."""
-    return common_pb2.OutputLogProbs(
-        token_logprobs=[x.logprob for x in items],
-        token_ids=[x.token_id for x in items],
-        top_logprobs=[
-            common_pb2.TopLogProbs(values=[v for _, v in x.top], token_ids=[t for t, _ in x.top])
-            for x in items
-        ],
     )
 
 

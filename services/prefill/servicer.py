@@ -10,11 +10,11 @@ from prometheus_client import Counter, Histogram
 from pdserve import telemetry
 from pdserve.engines.base import Engine
 from pdserve.grpcutil import rpc
+from pdserve.logprobs import to_proto as logprobs_to_proto
 from pdserve.services.worker import (
     SlotLimit,
     WorkerConfig,
     kvref_to_proto,
-    logprobs_to_proto,
     sampling_from_proto,
 )
 from pdserve.telemetry import REGISTRY

@@ -40,6 +40,7 @@ from prometheus_client import Counter, Histogram
 from pdserve import errors
 from pdserve.engines.base import Sampling, TokenLogprob
 from pdserve.hashing import ModelFingerprint, chunk_keys
+from pdserve.logprobs import from_proto as logprobs_from_proto
 from pdserve.services.router.admission import Admission
 from pdserve.services.router.fingerprint import FingerprintSource
 from pdserve.services.router.plan import Plan, choose_plan
@@ -780,28 +781,3 @@ def sampling_proto(s: Sampling) -> common_pb2.SamplingParams:
     p.json_object = s.json_object
     p.json_schema = s.json_schema
     return p
-
-
-def logprobs_from_proto(p: common_pb2.OutputLogProbs) -> list[TokenLogprob]:
-    """common.proto ``OutputLogProbs`` as :class:`TokenLogprob` items."""
-    tops = list(p.top_logprobs)
-    return [
-        TokenLogprob(
-            int(t),
-            float(v),
-            tuple(zip(tops[i].token_ids, tops[i].values, strict=True)) if i < len(tops) else (),
-        )
-        for i, (t, v) in enumerate(zip(p.token_ids, p.token_logprobs, strict=True))
-    ]
-
-
-def logprobs_to_proto(items: list[TokenLogprob]) -> common_pb2.OutputLogProbs:
-    """The inverse of :func:`logprobs_from_proto`."""
-    return common_pb2.OutputLogProbs(
-        token_logprobs=[x.logprob for x in items],
-        token_ids=[x.token_id for x in items],
-        top_logprobs=[
-            common_pb2.TopLogProbs(values=[v for _, v in x.top], token_ids=[t for t, _ in x.top])
-            for x in items
-        ],
-    )

@@ -9,8 +9,8 @@ import grpc
 from pdserve.engines.base import TokenLogprob
 from pdserve.errors import InvalidArgument, NotFound
 from pdserve.grpcutil import rpc
+from pdserve.logprobs import to_proto as logprobs_to_proto
 from pdserve.services.router.frontend import Frontend
-from pdserve.services.router.orchestrator import logprobs_to_proto
 from pdserve.services.router.request import GenRequest, check_model
 from pdserve.telemetry import REQUEST_ID_HEADER, request_id_var
 from pdserve.v1 import router_pb2, router_pb2_grpc
