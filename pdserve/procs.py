@@ -165,6 +165,8 @@ SERVICE_COMMANDS: dict[str, tuple[str, ...]] = {
     "prefill": ("prefill",),
     "decode": ("decode",),
     "router": ("router",),
+    "mooncake-master": ("mooncake", "master"),
+    "mooncake-storage": ("mooncake", "storage"),
 }
 
 

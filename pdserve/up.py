@@ -11,6 +11,12 @@ shared-memory segment behind. ``--config cluster.yaml`` scales it: its ``up`` se
 same file is handed to every service, so its ``meta``, ``kvstore_master``, ``kvstore_node``,
 ``prefill``, ``decode`` and ``router`` sections tune each one.
 
+``--store-backend mooncake`` runs the whole system on a real Mooncake Store instead of
+pdserve's own: ``mooncake_master`` (on master_port) and storage_nodes processes contributing
+segment_size each (``pdserve mooncake master`` / ``storage``), supervised like the rest; the
+workers and the router reach it with ``--store-backend mooncake``. Mooncake's links carry no
+TLS: ``up`` binds them to 127.0.0.1.
+
 Secure by default: the services talk mutual TLS, each with its own identity (certificates in
 ``<run_dir>/certs``, made with ``pdserve certs``'s code from one CA that later runs reuse;
 ``up`` itself, and ``pdserve status --run-dir``, act as ``admin``), and the router requires an
@@ -54,8 +60,24 @@ class UpConfig:
         "decode workers, which also prefill what the router places on them (0 = auto: one per "
         "core, at most 8, when there are no prefill workers; else one)",
     )
-    storage_nodes: int = help_field(1, "KV store storage nodes")
+    storage_nodes: int = help_field(
+        1, "KV store storage nodes (store_backend mooncake: Mooncake storage processes)"
+    )
     segment_size: str = help_field("2GiB", "memory each storage node contributes", metavar="SIZE")
+    store_backend: str = help_field(
+        "pdserve",
+        "the KV store up runs: pdserve (pdserve kvstore master + storage nodes, mutual TLS) or "
+        "mooncake (a real Mooncake Store: mooncake_master on master_port, storage_nodes "
+        "processes of segment_size each; Mooncake's links have no TLS, so they bind 127.0.0.1)",
+    )
+    store_metadata_server: str = help_field(
+        "P2PHANDSHAKE",
+        "store_backend mooncake: the Transfer Engines' metadata server: P2PHANDSHAKE (engines "
+        "handshake peer to peer, no server), meta (pdserve meta's HTTP metadata endpoint on "
+        "meta_http_port; needs tls off, as the pinned Mooncake cannot check meta's HTTPS "
+        "certificate) or an http://, etcd:// or redis:// URL",
+        metavar="SERVER",
+    )
     engine: str = help_field(
         "auto", "model backend of the workers: auto (vllm when installed, else torch), torch, vllm"
     )
@@ -120,10 +142,49 @@ class UpConfig:
             )
         if self.meta_backend not in ("memory", "etcd"):
             raise ConfigError(f"meta_backend must be 'memory' or 'etcd', got {self.meta_backend!r}")
+        self._validate_store()
         if self.api_key and not self.auth:
             raise ConfigError(
                 "api_key is set but auth is off: unset api_key (PDSERVE_UP_API_KEY) or turn auth on"
             )
+
+    def _validate_store(self) -> None:
+        if self.store_backend not in ("pdserve", "mooncake"):
+            raise ConfigError(
+                f"store_backend must be 'pdserve' or 'mooncake', got {self.store_backend!r}"
+            )
+        if self.store_backend == "pdserve":
+            if self.store_metadata_server != "P2PHANDSHAKE":
+                raise ConfigError(
+                    f"store_metadata_server {self.store_metadata_server!r} applies to "
+                    "store_backend mooncake; pdserve's own store uses no metadata server"
+                )
+            return
+        if self.host not in LOOPBACK_OR_ANY:
+            raise ConfigError(
+                f"store_backend mooncake: up binds Mooncake (no TLS on its links) to 127.0.0.1, "
+                f"so host must be loopback or a wildcard ({', '.join(LOOPBACK_OR_ANY)}), got "
+                f"{self.host!r}; across hosts run Mooncake yourself and point the services at it"
+            )
+        if self.store_metadata_server == "meta":
+            if self.meta_http_port < 0:
+                raise ConfigError("store_metadata_server meta needs meta_http_port >= 0")
+            if self.tls:
+                raise ConfigError(
+                    "store_metadata_server meta needs tls off: with TLS meta serves HTTPS, "
+                    "whose certificate the pinned Mooncake client cannot check (its libcurl "
+                    "trusts only the host's CA store); use P2PHANDSHAKE (the default)"
+                )
+            return
+        from pdserve import compat
+
+        compat.check_metadata_server(self.store_metadata_server, what="store_metadata_server")
+
+    def mooncake_metadata(self) -> str:
+        """The metadata server the Mooncake clients get (store_backend mooncake)."""
+        if self.store_metadata_server == "meta":
+            return f"http://{MOONCAKE_HOST}:{self.meta_http_port}/metadata"
+        return self.store_metadata_server
 
     def resolve(self) -> None:
         """Replaces the auto values (engine, topology) with what they mean on this machine."""
@@ -135,6 +196,17 @@ class UpConfig:
             cores = os.cpu_count() or 1
             self.decode_workers = min(cores, 8) if self.prefill_workers == 0 else 1
 
+
+#: Where ``up`` binds Mooncake (store_backend mooncake), and the ``host`` values it accepts then.
+MOONCAKE_HOST = "127.0.0.1"
+LOOPBACK_OR_ANY = ("127.0.0.1", "localhost", "0.0.0.0", "::")
+#: Services started without ``--config`` (they are not pdserve config sections).
+NO_CONFIG = ("mooncake-",)
+MOONCAKE_SECURITY_NOTE = (
+    "store backend mooncake: Mooncake's own links (mooncake_master RPC, Transfer Engine data "
+    "and handshakes) carry no TLS and no authentication, unlike pdserve's services (mutual "
+    f"TLS); up binds them to {MOONCAKE_HOST}, so only local processes reach the KV cache"
+)
 
 #: Seconds before the n-th restart in a row of a service (the last value repeats).
 RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
@@ -208,7 +280,7 @@ class Cluster:
 
         started = []
         for name, args in specs:
-            full = [*args, *self._common()]
+            full = args if name.startswith(NO_CONFIG) else [*args, *self._common()]
             started.append(spawn_service(name, full, self.log_dir))
             self.supervised[name] = Supervised(full)
         self.procs.extend(started)
@@ -227,18 +299,29 @@ class Cluster:
         from pdserve.procs import service_args
 
         c = self.cfg
+        mooncake = c.store_backend == "mooncake"
         meta = f"{c.host}:{c.meta_port}"
-        master = f"{c.host}:{c.master_port}"
+        master = f"{MOONCAKE_HOST if mooncake else c.host}:{c.master_port}"
         etcd = ",".join(c.etcd_endpoints) if c.meta_backend == "etcd" else None
         # unique per cluster: node ids name /dev/shm segments, so two `pdserve up` on one host
         # must not share them (and a node's certificate names its node id)
-        node_ids = [f"node-{i}-{c.master_port}" for i in range(c.storage_nodes)]
+        node_ids = [] if mooncake else [f"node-{i}-{c.master_port}" for i in range(c.storage_nodes)]
         workers = [("prefill", i) for i in range(c.prefill_workers)]
         workers += [("decode", i) for i in range(c.decode_workers)]
+        if mooncake:
+            from pdserve.store.mooncake_backend import available
+
+            if not available():
+                raise RuntimeError(
+                    "store_backend mooncake needs the mooncake wheel (pip install "
+                    "mooncake-transfer-engine-non-cuda; apt-get install libibverbs1): "
+                    "mooncake.store does not import"
+                )
+            _progress(MOONCAKE_SECURITY_NOTE)
         self._secure(
             [
                 "meta:meta",
-                "master:kvstore-master",
+                *([] if mooncake else ["master:kvstore-master"]),
                 *(f"node:{n}" for n in node_ids),
                 *(f"worker:{role}-{i}" for role, i in workers),
                 "router:router",
@@ -255,6 +338,22 @@ class Cluster:
             **self._tls("meta"),
         )
         self._start([("meta", meta_args)])
+        if mooncake:
+            self._start_mooncake(master)
+        else:
+            self._start_pdserve_store(meta, master, node_ids)
+        store = (
+            dict(store_backend="mooncake", store_metadata_server=c.mooncake_metadata())
+            if mooncake
+            else {}
+        )
+        self._start_workers_and_router(meta, master, workers, store)
+
+    def _start_pdserve_store(self, meta: str, master: str, node_ids: list[str]) -> None:
+        """pdserve's own KV store: its master, then the storage nodes."""
+        from pdserve.procs import service_args
+
+        c = self.cfg
         state_dir = Path(c.run_dir) / "kvstore-master"
         master_args = service_args(
             "kvstore-master",
@@ -281,6 +380,42 @@ class Cluster:
             for i, node_id in enumerate(node_ids)
         ]
         self._start(nodes)
+
+    def _start_mooncake(self, master: str) -> None:
+        """A Mooncake Store on 127.0.0.1: mooncake_master, then the storage processes."""
+        from pdserve.procs import service_args
+
+        c = self.cfg
+        self._start(
+            [
+                (
+                    "mooncake-master",
+                    service_args("mooncake-master", host=MOONCAKE_HOST, port=c.master_port),
+                )
+            ]
+        )
+        self._start(
+            [
+                (
+                    f"mooncake-storage-{i}",
+                    service_args(
+                        "mooncake-storage",
+                        master=master,
+                        segment_size=c.segment_size,
+                        host=MOONCAKE_HOST,
+                        metadata_server=c.mooncake_metadata(),
+                    ),
+                )
+                for i in range(c.storage_nodes)
+            ]
+        )
+
+    def _start_workers_and_router(
+        self, meta: str, master: str, workers: list[tuple[str, int]], store: dict[str, str]
+    ) -> None:
+        from pdserve.procs import service_args
+
+        c = self.cfg
         cores = os.cpu_count() or 1
         self._start(
             [
@@ -293,6 +428,7 @@ class Cluster:
                         chunk_size=c.chunk_size,
                         kv_compression=c.kv_compression,
                         store_master=master,
+                        **store,
                         meta=meta,
                         host=c.host,
                         instance_id=f"{role}-{i}",
@@ -311,6 +447,7 @@ class Cluster:
             http_port=c.http_port,
             meta=meta,
             store_master=master,
+            **store,
             model=c.model,
             chunk_size=c.chunk_size,
             api_key_file=self._key_file(),
@@ -522,11 +659,18 @@ def banner(cfg: UpConfig) -> str:
         )
     else:
         tls_lines = ""
+    if cfg.store_backend == "mooncake":
+        store_line = (
+            f"Mooncake Store (mooncake_master)  {MOONCAKE_HOST}:{cfg.master_port}   "
+            "(no TLS on Mooncake's links: 127.0.0.1 only)"
+        )
+    else:
+        store_line = f"KV store master  {cfg.host}:{cfg.master_port}"
     return f"""
 pdserve is up.
   OpenAI-compatible HTTP  {http}/v1   (health: {http}/health, metrics: {http}/metrics)
   gRPC (pdserve.v1.RouterService)  {grpc_addr}
-{auth_line}  meta (registry)  {cfg.host}:{cfg.meta_port}   KV store master  {cfg.host}:{cfg.master_port}
+{auth_line}  meta (registry)  {cfg.host}:{cfg.meta_port}   {store_line}
 {tls_lines}  logs  {Path(cfg.run_dir) / "logs"}/<service>.log      status: {status}
 
 Try it:
@@ -567,9 +711,12 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         cluster.stop()
         return 130
-    print(banner(cfg), flush=True)
-    _progress(f"healthy in {time.monotonic() - t0:.1f}s")
-    reason = cluster.wait()
+    try:
+        print(banner(cfg), flush=True)
+        _progress(f"healthy in {time.monotonic() - t0:.1f}s")
+        reason = cluster.wait()
+    except KeyboardInterrupt:  # Ctrl-C / SIGTERM before wait() took over the signals
+        reason = "received SIGINT"
     _progress(f"shutting down: {reason}")
     cluster.stop()
     return 0 if reason.startswith("received") else 1

@@ -3,6 +3,7 @@ mutual TLS between the services and an API key on the router by default."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -227,3 +228,139 @@ def test_kv_compression_is_one_setting_for_the_cluster(tmp_path: Path):
     cfg.validate()
     with pytest.raises(config.ConfigError, match="kv_compression"):
         config.load(UpConfig, "up", env={"PDSERVE_UP_KV_COMPRESSION": "int4"}).validate()
+
+
+def test_store_backend_mooncake_is_checked(tmp_path: Path):
+    args = build_parser().parse_args(
+        ["up", "--store-backend", "mooncake", "--run-dir", str(tmp_path)]
+    )
+    cfg = config.from_args(UpConfig, "up", args)
+    assert (cfg.store_backend, cfg.mooncake_metadata()) == ("mooncake", "P2PHANDSHAKE")
+    assert "Mooncake Store (mooncake_master)  127.0.0.1:50051" in banner(cfg)
+    env = {"PDSERVE_UP_STORE_BACKEND": "mooncake"}
+    with pytest.raises(config.ConfigError, match="store_backend must be"):
+        config.load(UpConfig, "up", env={"PDSERVE_UP_STORE_BACKEND": "redis"})
+    with pytest.raises(config.ConfigError, match="host must be loopback"):
+        config.load(UpConfig, "up", env={**env, "PDSERVE_UP_HOST": "10.0.0.5"})
+    with pytest.raises(config.ConfigError, match="needs tls off"):
+        config.load(UpConfig, "up", env={**env, "PDSERVE_UP_STORE_METADATA_SERVER": "meta"})
+    meta = config.load(
+        UpConfig,
+        "up",
+        env={**env, "PDSERVE_UP_STORE_METADATA_SERVER": "meta", "PDSERVE_UP_TLS": "false"},
+    )
+    assert meta.mooncake_metadata() == "http://127.0.0.1:50080/metadata"
+    with pytest.raises(config.ConfigError, match="applies to store_backend mooncake"):
+        config.load(UpConfig, "up", env={"PDSERVE_UP_STORE_METADATA_SERVER": "meta"})
+    # the `up:` section of `pdserve up --config` takes it too
+    yaml_path = tmp_path / "cluster.yaml"
+    yaml_path.write_text("up:\n  store_backend: mooncake\n  storage_nodes: 2\n")
+    from_file = config.load(UpConfig, "up", yaml_path=yaml_path)
+    assert (from_file.store_backend, from_file.storage_nodes) == ("mooncake", 2)
+
+
+def _mooncake_pids(port: int) -> list[int]:
+    """Live processes of the Mooncake Store on rpc port ``port`` (master, storage)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError):
+            continue
+        if "mooncake" in cmd and str(port) in cmd and not _zombie(int(d.name)):
+            out.append(int(d.name))
+    return out
+
+
+def _shm_mapped(pids: list[int]) -> set[str]:
+    """The /dev/shm files ``pids`` have mapped."""
+    out = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                path = line.split(maxsplit=5)[-1]
+                if path.startswith("/dev/shm/"):
+                    out.add(path.removesuffix(" (deleted)"))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.mooncake
+def test_up_on_a_mooncake_store_is_token_exact_and_stops_cleanly(
+    tmp_path: Path, tiny_model_dir, hf_greedy
+):
+    """`up --store-backend mooncake`: mooncake_master and a storage process instead of
+    pdserve's store; a prompt of several chunks answers token-exact twice, the second time
+    from chunks cached in Mooncake (cached tokens and the router's store metric); the log says
+    Mooncake has no TLS; stopping `up` leaves no Mooncake process and no new shm segment."""
+    from pdserve.store.mooncake_backend import available
+
+    if not available():
+        pytest.skip("mooncake-transfer-engine is not installed (mooncake.store does not import)")
+    from transformers import AutoTokenizer
+
+    from pdserve import grpcutil
+    from pdserve.auth import bearer
+    from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+    shm_before = set(os.listdir("/dev/shm"))  # other tests may add files meanwhile
+    meta, meta_http, master, router, http = free_ports(5)
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "pdserve.cli", "up", "--engine", "torch", "--model", "tiny",
+        "--chunk-size", "16", "--store-backend", "mooncake", "--decode-workers", "1",
+        "--prefill-workers", "1", "--meta-port", str(meta), "--meta-http-port", str(meta_http),
+        "--master-port", str(master), "--router-port", str(router), "--http-port", str(http),
+        "--segment-size", "64MiB", "--run-dir", str(run_dir),
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out = ""
+    deadline = time.monotonic() + 300
+    try:
+        while "Ctrl-C stops everything" not in out:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise AssertionError(f"pdserve up did not come up: {out}")
+            out += proc.stdout.readline()
+        assert f"Mooncake Store (mooncake_master)  127.0.0.1:{master}" in out
+        while not (run_dir / "services.json").exists():  # written right after the banner
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.1)
+        services = _services(run_dir)
+        assert {"mooncake-master", "mooncake-storage-0"} <= set(services)
+        assert not {"kvstore-master", "kvstore-node-0"} & set(services)
+        assert len(_mooncake_pids(master)) >= 2  # the wrapper's mooncake_master, the storage
+        shm_used = _shm_mapped(_mooncake_pids(master))
+
+        key = (run_dir / "api_key").read_text().strip()
+        tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+        prompt = tok.encode("a lighthouse keeper counts the ships that pass the rocks " * 4)
+        assert len(prompt) > 3 * 16
+        want = hf_greedy(prompt, 12)
+        greedy = common_pb2.SamplingParams(max_tokens=12, temperature=0.0)
+        with grpcutil.sync_channel(f"127.0.0.1:{router}", public=True) as ch:
+            stub = router_pb2_grpc.RouterServiceStub(ch)
+
+            def ask(rid: str) -> list:
+                req = router_pb2.GenerateRequest(
+                    model="tiny", prompt_token_ids=prompt, sampling=greedy, request_id=rid
+                )
+                return list(stub.GenerateStream(req, timeout=120, metadata=bearer(key)))
+
+            first = ask("mc-first")
+            assert [t for m in first for t in m.token_ids] == want
+            assert first[0].cached_tokens == 0
+            second = ask("mc-second")
+            assert [t for m in second for t in m.token_ids] == want
+            assert second[0].cached_tokens >= 3 * 16
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics", timeout=10).read()
+        hits = re.search(rb'pdserve_router_prompt_tokens_total\{source="store"\} (\S+)', metrics)
+        assert float(hits.group(1)) >= 3 * 16
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=90)
+    assert "Mooncake's own links" in err and "no TLS" in err, err[-3000:]
+    assert proc.returncode == 0, err[-3000:]
+    assert _mooncake_pids(master) == []
+    assert not (run_dir / "services.json").exists()
+    # what the Mooncake processes had mapped from /dev/shm (if anything) is gone with them
+    assert not [f for f in shm_used if os.path.exists(f) and os.path.basename(f) not in shm_before]

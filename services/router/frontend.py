@@ -1,11 +1,14 @@
 """Turns the public request forms (gRPC GenerateRequest, OpenAI JSON) into a validated
-:class:`GenRequest`, and holds what both front ends share (tokenizer, limits, orchestrator)."""
+:class:`GenRequest`, and holds what both front ends share (tokenizer, limits, orchestrator,
+the fan-out of ``n`` generations: :meth:`Frontend.generate_n`)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -13,7 +16,7 @@ from pdserve import __version__
 from pdserve.engines.base import MAX_LOGPROBS
 from pdserve.errors import InvalidArgument
 from pdserve.services.router import request as rq
-from pdserve.services.router.orchestrator import Orchestrator
+from pdserve.services.router.orchestrator import Orchestrator, StreamChunk
 from pdserve.services.router.workers import DECODE, PREFILL, WorkerPool
 from pdserve.v1 import router_pb2
 
@@ -87,9 +90,17 @@ class Frontend:
 
     # --- gRPC -------------------------------------------------------------------------------
 
+    def generate_n(
+        self, req: rq.GenRequest, n: int, *, timeout_s: float | None = None
+    ) -> AsyncIterator[tuple[int, StreamChunk]]:
+        """``(choice index, chunk)`` of the ``n`` generations of ``req`` (:func:`fan_out`),
+        in arrival order: what the OpenAI API's ``n`` and ``GenerateRequest.n`` run."""
+        return merged([self.orchestrator.generate(r, timeout_s=timeout_s) for r in fan_out(req, n)])
+
     def from_proto(self, req: router_pb2.GenerateRequest) -> rq.GenRequest:
         limits = self.current_limits()
         rq.check_model(req.model, limits)
+        proto_n(req)
         rid = rq.check_request_id(req.request_id)
         salt = rq.check_cache_salt(req.cache_salt if req.HasField("cache_salt") else None)
         given = [
@@ -224,14 +235,73 @@ class Frontend:
 MAX_N = 16
 
 
+def check_n(n: Any) -> int:
+    """``n`` (generations of one request) validated: an integer in [1, MAX_N]."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise InvalidArgument(f"n must be an integer in [1, {MAX_N}], got {n!r:.40}", param="n")
+    return n
+
+
 def openai_n(body: dict) -> int:
     """The request's validated ``n`` (1 when unset)."""
     n = body.get("n", 1)
-    if n is None:
-        return 1
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
-        raise InvalidArgument(f"n must be an integer in [1, {MAX_N}], got {n!r}", param="n")
-    return n
+    return 1 if n is None else check_n(n)
+
+
+def proto_n(req: router_pb2.GenerateRequest) -> int:
+    """``GenerateRequest.n`` validated (unset = 0 = 1)."""
+    return check_n(req.n or 1)
+
+
+def fan_out(req: rq.GenRequest, n: int) -> list[rq.GenRequest]:
+    """The ``n`` generations of one request: the first keeps the request's id, the others get
+    ``<id>-<i>``; all abort under the request's id; a seed ``s`` becomes ``s + i`` (distinct,
+    reproducible samples), no seed stays random per generation."""
+    if n == 1:
+        return [req]
+    out = []
+    for i in range(n):
+        seed = req.sampling.seed
+        sampling = replace(req.sampling, seed=None if seed is None else (seed + i) % 2**64)
+        rid = req.request_id if i == 0 else f"{req.request_id[:120]}-{i}"
+        out.append(replace(req, request_id=rid, sampling=sampling, abort_id=req.request_id))
+    return out
+
+
+async def merged(gens: list) -> AsyncIterator[tuple[int, StreamChunk]]:
+    """``(generation index, chunk)`` of every generation, in arrival order; the first error of
+    any generation is raised (the others are cancelled)."""
+    if len(gens) == 1:
+        async with contextlib.aclosing(gens[0]) as gen:
+            async for c in gen:
+                yield 0, c
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen) -> None:
+        try:
+            async with contextlib.aclosing(gen):
+                async for c in gen:
+                    queue.put_nowait((i, c))
+            queue.put_nowait((i, None))
+        except Exception as exc:
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        left = len(gens)
+        while left:
+            i, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _number(body: dict, name: str) -> Any:

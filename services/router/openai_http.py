@@ -26,8 +26,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -37,7 +36,6 @@ from pdserve import auth, errors
 from pdserve.engines.base import TokenLogprob
 from pdserve.services.router.frontend import Frontend, openai_n
 from pdserve.services.router.orchestrator import StreamChunk
-from pdserve.services.router.request import GenRequest
 from pdserve.services.router.workers import DECODE
 from pdserve.telemetry import REGISTRY, REQUEST_ID_HEADER, request_id_var
 from pdserve.v1 import common_pb2
@@ -218,69 +216,18 @@ async def _generate(fe: Frontend, request: web.Request, *, chat: bool) -> web.St
         logprobs=req.sampling.logprobs is not None,
         echo=fe.tokenizer.decode(req.prompt_token_ids) if body.get("echo") and not chat else "",
     )
-    gens = [fe.orchestrator.generate(r) for r in _fan_out(req, openai_n(body))]
-    merged = _merged(gens)
-    async with contextlib.aclosing(merged):
+    n = openai_n(body)
+    chunks = fe.generate_n(req, n)
+    async with contextlib.aclosing(chunks):
         try:
-            first = await anext(merged)  # admission and worker errors surface before any byte
+            first = await anext(chunks)  # admission and worker errors surface before any byte
         except StopAsyncIteration:
             first = (0, StreamChunk([], "", [], common_pb2.FINISH_REASON_STOP))
         except Exception as exc:
             return error_response(exc, headers)
         if stream:
-            return await _sse(request, merged, first, meta, headers, out, usage=usage_in_stream)
-        return await _whole(merged, first, meta, headers, out, n=len(gens))
-
-
-def _fan_out(req: GenRequest, n: int) -> list[GenRequest]:
-    """The ``n`` generations of one OpenAI request: the first keeps the request's id, the
-    others get ``<id>-<i>``; all abort under the request's id; a seed ``s`` becomes ``s + i``
-    (distinct, reproducible samples), no seed stays random per generation."""
-    if n == 1:
-        return [req]
-    out = []
-    for i in range(n):
-        seed = req.sampling.seed
-        sampling = replace(req.sampling, seed=None if seed is None else (seed + i) % 2**64)
-        rid = req.request_id if i == 0 else f"{req.request_id[:120]}-{i}"
-        out.append(replace(req, request_id=rid, sampling=sampling, abort_id=req.request_id))
-    return out
-
-
-async def _merged(gens: list) -> AsyncIterator[tuple[int, StreamChunk]]:
-    """``(generation index, chunk)`` of every generation, in arrival order; the first error of
-    any generation is raised (the others are cancelled)."""
-    if len(gens) == 1:
-        async with contextlib.aclosing(gens[0]) as gen:
-            async for c in gen:
-                yield 0, c
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, gen) -> None:
-        try:
-            async with contextlib.aclosing(gen):
-                async for c in gen:
-                    queue.put_nowait((i, c))
-            queue.put_nowait((i, None))
-        except Exception as exc:
-            queue.put_nowait((i, exc))
-
-    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
-    try:
-        left = len(gens)
-        while left:
-            i, item = await queue.get()
-            if item is None:
-                left -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+            return await _sse(request, chunks, first, meta, headers, out, usage=usage_in_stream)
+        return await _whole(chunks, first, meta, headers, out, n=n)
 
 
 @dataclass

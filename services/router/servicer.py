@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 
@@ -10,7 +11,7 @@ from pdserve.engines.base import TokenLogprob
 from pdserve.errors import InvalidArgument, NotFound
 from pdserve.grpcutil import rpc
 from pdserve.logprobs import to_proto as logprobs_to_proto
-from pdserve.services.router.frontend import Frontend
+from pdserve.services.router.frontend import Frontend, proto_n
 from pdserve.services.router.request import GenRequest, check_model
 from pdserve.telemetry import REQUEST_ID_HEADER, request_id_var
 from pdserve.v1 import router_pb2, router_pb2_grpc
@@ -34,44 +35,66 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
     @rpc
     async def Generate(self, request, context: grpc.aio.ServicerContext):
+        n = proto_n(request)
         req = await self._validated(request, context)
-        ids: list[int] = []
-        parts: list[str] = []
-        logprobs: list[TokenLogprob] = []
+        ids: list[list[int]] = [[] for _ in range(n)]
+        parts: list[list[str]] = [[] for _ in range(n)]
+        logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
+        finish = [0] * n
         out = router_pb2.GenerateResponse(request_id=req.request_id)
-        async for c in self.fe.orchestrator.generate(req, timeout_s=context.time_remaining()):
-            if c.prompt_tokens:
-                out.prompt_tokens = c.prompt_tokens
-                out.cached_tokens = c.cached_tokens
-            if c.token_ids and not ids:
-                out.ttft_ms = c.times_ms[0]
-            ids.extend(c.token_ids)
-            logprobs.extend(c.logprobs)
-            parts.append(c.text)
-            if c.finish:
-                out.finish_reason = c.finish
-            if c.times_ms:
-                out.total_ms = c.times_ms[-1]
-        out.token_ids.extend(ids)
-        out.text = "".join(parts)
-        if logprobs:
-            out.logprobs.CopyFrom(logprobs_to_proto(logprobs))
+        chunks = self.fe.generate_n(req, n, timeout_s=context.time_remaining())
+        async with contextlib.aclosing(chunks):
+            async for i, c in chunks:
+                if c.prompt_tokens and i == 0:
+                    out.prompt_tokens = c.prompt_tokens
+                    out.cached_tokens = c.cached_tokens
+                if c.token_ids and not out.ttft_ms:
+                    out.ttft_ms = c.times_ms[0]
+                ids[i].extend(c.token_ids)
+                logprobs[i].extend(c.logprobs)
+                parts[i].append(c.text)
+                if c.finish:
+                    finish[i] = c.finish
+                if c.times_ms:
+                    out.total_ms = max(out.total_ms, c.times_ms[-1])
+        choices = [
+            router_pb2.GenerateChoice(
+                index=i,
+                text="".join(parts[i]),
+                token_ids=ids[i],
+                finish_reason=finish[i],
+                logprobs=logprobs_to_proto(logprobs[i]) if logprobs[i] else None,
+            )
+            for i in range(n)
+        ]
+        first = choices[0]
+        out.token_ids.extend(first.token_ids)
+        out.text = first.text
+        out.finish_reason = first.finish_reason
+        if first.HasField("logprobs"):
+            out.logprobs.CopyFrom(first.logprobs)
+        if n > 1:
+            out.choices.extend(choices)
         return out
 
     @rpc
     async def GenerateStream(self, request, context: grpc.aio.ServicerContext):
+        n = proto_n(request)
         req = await self._validated(request, context)
-        async for c in self.fe.orchestrator.generate(req, timeout_s=context.time_remaining()):
-            yield router_pb2.GenerateStreamResponse(
-                request_id=req.request_id,
-                token_ids=c.token_ids,
-                text=c.text,
-                token_times_ms=c.times_ms,
-                finish_reason=c.finish,
-                prompt_tokens=c.prompt_tokens,
-                cached_tokens=c.cached_tokens,
-                logprobs=logprobs_to_proto(c.logprobs) if c.logprobs else None,
-            )
+        chunks = self.fe.generate_n(req, n, timeout_s=context.time_remaining())
+        async with contextlib.aclosing(chunks):
+            async for i, c in chunks:
+                yield router_pb2.GenerateStreamResponse(
+                    request_id=req.request_id,
+                    index=i,
+                    token_ids=c.token_ids,
+                    text=c.text,
+                    token_times_ms=c.times_ms,
+                    finish_reason=c.finish,
+                    prompt_tokens=c.prompt_tokens,
+                    cached_tokens=c.cached_tokens,
+                    logprobs=logprobs_to_proto(c.logprobs) if c.logprobs else None,
+                )
 
     @rpc
     async def ListModels(self, request, context: grpc.aio.ServicerContext):

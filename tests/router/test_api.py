@@ -34,6 +34,9 @@ BAD_GRPC = [
     (dict(prompt="hi", cache_salt="s" * 129), "cache_salt must be at most 128 characters"),
     (dict(prompt="hi", cache_salt="tenant/a"), "must not contain '@', '/'"),
     (dict(prompt="hi", cache_salt="a\0b"), "must not contain '@', '/'"),
+    # n: 1-16 generations (0 = unset = 1)
+    (dict(prompt="hi", n=17), "n must be an integer in [1, 16], got 17"),
+    (dict(prompt="hi", n=2**32 - 1), "n must be an integer in [1, 16]"),
 ]
 
 

@@ -281,6 +281,107 @@ def test_grpc_logprobs_stop_token_ids_abort_and_server_info(tiny_model_dir):
     asyncio.run(main())
 
 
+def test_grpc_n_fans_out_with_choice_indexes(tiny_model_dir):
+    """GenerateRequest.n: the same fan-out as the HTTP API's n (seeds s + i, ids <id>-<i>);
+    GenerateStream marks every message with its choice's index, each choice's tokens arrive
+    in order and end with its finish; Generate answers every choice in `choices`. Out of
+    range (checked before any work) is INVALID_ARGUMENT naming n, on both calls."""
+
+    async def main():
+        dec = FakeDecode()
+        async with (
+            fake_cluster([FakePrefill()], [dec], tiny_model_dir) as (r, _),
+            grpcutil.channel(f"127.0.0.1:{r.grpc_port}") as ch,
+        ):
+            stub = router_pb2_grpc.RouterServiceStub(ch)
+            prompt = [5, 6, 7]
+            want = expected_tokens(prompt, 4)
+            sampling = common_pb2.SamplingParams(max_tokens=4, seed=7, logprobs=1)
+            req = router_pb2.GenerateRequest(
+                prompt_token_ids=prompt, sampling=sampling, request_id="g-n", n=3
+            )
+            msgs = [m async for m in stub.GenerateStream(req)]
+            assert {m.request_id for m in msgs} == {"g-n"}
+            for i in range(3):
+                mine = [m for m in msgs if m.index == i]
+                assert [t for m in mine for t in m.token_ids] == want
+                assert mine[0].prompt_tokens == len(prompt)
+                assert [m.finish_reason for m in mine][-1] == common_pb2.FINISH_REASON_LENGTH
+                assert not any(m.finish_reason for m in mine[:-1])
+                assert sum(len(m.logprobs.token_ids) for m in mine) == 4
+            assert sorted(c.sampling.seed for c in dec.calls) == [7, 8, 9]
+            assert sorted(c.request_id for c in dec.calls) == ["g-n", "g-n-1", "g-n-2"]
+
+            dec.calls.clear()
+            req.request_id = "g-u"
+            out = await stub.Generate(req)
+            assert [c.index for c in out.choices] == [0, 1, 2]
+            for c in out.choices:
+                assert list(c.token_ids) == want and c.text
+                assert c.finish_reason == common_pb2.FINISH_REASON_LENGTH
+                assert list(c.logprobs.token_ids) == want
+            assert list(out.token_ids) == want and out.text == out.choices[0].text
+            assert out.prompt_tokens == len(prompt) and out.total_ms >= out.ttft_ms > 0
+            assert sorted(c.sampling.seed for c in dec.calls) == [7, 8, 9]
+            # n = 1 (or unset): one generation, index 0, no choices list
+            one = await stub.Generate(router_pb2.GenerateRequest(prompt_token_ids=prompt, n=1))
+            assert not one.choices and len(one.token_ids) > 0
+            streamed = [
+                m async for m in stub.GenerateStream(router_pb2.GenerateRequest(prompt="hi"))
+            ]
+            assert {m.index for m in streamed} == {0}
+
+            calls = len(dec.calls)
+            for bad in (17, 100):
+                for call in (stub.Generate, stub.GenerateStream):
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        res = call(router_pb2.GenerateRequest(prompt="hi", n=bad))
+                        if call is stub.GenerateStream:
+                            [m async for m in res]
+                        else:
+                            await res
+                    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                    assert f"n must be an integer in [1, 16], got {bad}" in err.value.details()
+            assert len(dec.calls) == calls
+
+    asyncio.run(main())
+
+
+def test_grpc_abort_ends_every_choice(tiny_model_dir):
+    """Abort(request_id) of a GenerateStream with n = 2 ends both choices with
+    FINISH_REASON_CANCELLED."""
+
+    async def main():
+        dec = FakeDecode(token_delay_s=0.05)
+        async with (
+            fake_cluster([FakePrefill()], [dec], tiny_model_dir) as (r, _),
+            grpcutil.channel(f"127.0.0.1:{r.grpc_port}") as ch,
+        ):
+            stub = router_pb2_grpc.RouterServiceStub(ch)
+            req = router_pb2.GenerateRequest(
+                prompt="hi",
+                request_id="g-abort",
+                n=2,
+                sampling=common_pb2.SamplingParams(max_tokens=200),
+            )
+
+            async def abort_soon():
+                await asyncio.sleep(0.3)
+                await stub.Abort(router_pb2.AbortRequest(request_id="g-abort"))
+
+            task = asyncio.ensure_future(abort_soon())
+            msgs = [m async for m in stub.GenerateStream(req)]
+            await task
+            finishes = {m.index: m.finish_reason for m in msgs if m.finish_reason}
+            assert finishes == {
+                0: common_pb2.FINISH_REASON_CANCELLED,
+                1: common_pb2.FINISH_REASON_CANCELLED,
+            }
+            assert sum(len(m.token_ids) for m in msgs) < 400
+
+    asyncio.run(main())
+
+
 def test_abort_over_http_ends_every_choice(tiny_model_dir):
     """An OpenAI request with n > 1 aborts under its request id: every choice finishes with
     "abort"."""

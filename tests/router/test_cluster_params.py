@@ -2,7 +2,7 @@
 decode worker on the tiny model, the router): logprobs equal a plain Hugging Face forward,
 and read, write and colocated plans give the same tokens and logprobs with penalties,
 logit_bias and seeded sampling on; n > 1; the torch engine's refusal of response_format;
-GetServerInfo."""
+GetServerInfo; gRPC n > 1 token-exact."""
 
 from __future__ import annotations
 
@@ -135,6 +135,32 @@ def test_openai_n_with_seed_equals_single_seeded_requests(cluster, tok):
         status, one = post(cluster, "/v1/completions", {**body, "seed": 11 + i, "temperature": 1.0})
         assert one["choices"][0]["text"] == choice["text"]
     assert out["choices"][0]["text"] != out["choices"][1]["text"]
+
+
+def test_grpc_n_is_token_exact_with_single_requests(cluster, tok, hf_greedy):
+    """GenerateStream with n = 2: greedy, both choices equal the Hugging Face greedy run;
+    seeded sampling, choice i equals a single request with seed + i, token for token."""
+    prompt = tok.encode("Once upon a time there was a lighthouse")
+    want = hf_greedy(prompt, 8)
+    with grpcutil.sync_channel(cluster.grpc) as ch:
+        stub = router_pb2_grpc.RouterServiceStub(ch)
+
+        def stream(n: int, **sampling) -> dict[int, list[int]]:
+            req = router_pb2.GenerateRequest(
+                prompt_token_ids=prompt,
+                n=n,
+                sampling=common_pb2.SamplingParams(max_tokens=8, **sampling),
+            )
+            out: dict[int, list[int]] = {}
+            for m in stub.GenerateStream(req, timeout=120):
+                out.setdefault(m.index, []).extend(m.token_ids)
+            return out
+
+        assert stream(2, temperature=0.0) == {0: want, 1: want}
+        seeded = stream(2, temperature=1.0, seed=11)
+        assert set(seeded) == {0, 1} and seeded[0] != seeded[1]
+        for i in (0, 1):
+            assert stream(1, temperature=1.0, seed=11 + i) == {0: seeded[i]}
 
 
 def test_chat_logprobs_over_http(cluster):
