@@ -95,6 +95,18 @@ class ModelFingerprint:
             "<IIII", self.layout_version, self.chunk_size, self.tp_rank, self.tp_size
         )
 
+    def labels(self) -> dict[str, str]:
+        """The fields besides the model id, as workers register them with meta (labels) and
+        the router compares them to name why a worker's fingerprint differs."""
+        return {
+            "model_revision": self.revision,
+            "kv_dtype": self.kv_dtype,
+            "chunk_size": str(self.chunk_size),
+            "kv_compression": self.kv_compression,
+            "kv_layout": str(self.layout_version),
+            "tp": f"{self.tp_rank}/{self.tp_size}",
+        }
+
     def digest(self) -> bytes:
         """``h_0``: the 32-byte root of every chain for this model."""
         return _h(self.canonical())

@@ -217,12 +217,7 @@ def registration_labels(cfg: EngineConfig, engine: Engine) -> dict[str, str]:
     return {
         "engine": cfg.engine,
         "fingerprint": fp.digest().hex(),
-        "model_revision": fp.revision,
-        "kv_dtype": fp.kv_dtype,
-        "chunk_size": str(fp.chunk_size),
-        "kv_compression": fp.kv_compression,
-        "kv_layout": str(fp.layout_version),
-        "tp": f"{fp.tp_rank}/{fp.tp_size}",
+        **fp.labels(),
         "max_model_len": str(engine.max_model_len),
         "max_tokens_limit": str(cfg.resolved_max_tokens_limit(engine.max_model_len)),
     }

@@ -160,14 +160,7 @@ class FingerprintSource:
         if fp is None:
             return [""] * len(workers)
         ours = fp.digest().hex()
-        expected = {
-            "model_revision": fp.revision,
-            "kv_dtype": fp.kv_dtype,
-            "chunk_size": str(fp.chunk_size),
-            "kv_compression": fp.kv_compression,
-            "kv_layout": str(fp.layout_version),
-            "tp": f"{fp.tp_rank}/{fp.tp_size}",
-        }
+        expected = fp.labels()
         out = []
         for labels in workers:
             theirs = labels.get("fingerprint", "")
