@@ -214,9 +214,20 @@ class Discovery:
     """A local, watch-updated view of the instances matching ``role`` / ``model``."""
 
     def __init__(
-        self, address: str, role: int = 0, model: str = "", *, poll_interval_s: float = 2.0
+        self,
+        address: str,
+        role: int = 0,
+        model: str = "",
+        *,
+        poll_interval_s: float = 2.0,
+        vanish_grace_s: float = 10.0,
     ) -> None:
         self.address, self.role, self.model = address, role, model
+        #: An instance missing from a list (not removed by a LEFT event) stays this long: a
+        #: restarted meta lists nobody until the instances re-register (within a heartbeat or
+        #: two), and they must not drop out of everyone's view meanwhile.
+        self._vanish_grace_s = vanish_grace_s
+        self._vanished: dict[str, float] = {}  # instance id -> when it is dropped
         self._channel = grpcutil.channel(address)
         self._stub = meta_pb2_grpc.MetaServiceStub(self._channel)
         self._poll = poll_interval_s
@@ -228,6 +239,11 @@ class Discovery:
 
     def instances(self) -> list[meta_pb2.Instance]:
         """The cached instances, sorted by id (no network)."""
+        now = time.monotonic()
+        for iid, until in list(self._vanished.items()):
+            if now >= until:
+                del self._vanished[iid]
+                self._cache.pop(iid, None)
         return sorted(self._cache.values(), key=lambda i: i.instance_id)
 
     async def start(self) -> None:
@@ -243,9 +259,11 @@ class Discovery:
     async def wait_for(
         self, predicate: Callable[[list[meta_pb2.Instance]], bool], timeout: float
     ) -> list[meta_pb2.Instance]:
-        """Waits until ``predicate(instances())`` holds; raises TimeoutError."""
-        async with asyncio.timeout(timeout), self._changed:
-            await self._changed.wait_for(lambda: predicate(self.instances()))
+        """Waits until ``predicate(instances())`` holds; raises TimeoutError. Checked at every
+        change and every 0.2 s (an instance past its vanish grace drops out without one)."""
+        async with asyncio.timeout(timeout):
+            while not predicate(self.instances()):
+                await self.next_change(0.2)
         return self.instances()
 
     async def next_change(self, timeout: float) -> None:
@@ -261,7 +279,16 @@ class Discovery:
 
     async def _relist(self) -> None:
         found = await list_all(self._stub, self.role, self.model, timeout=self._poll)
-        self._cache = {i.instance_id: i for i in found}
+        fresh = {i.instance_id: i for i in found}
+        now = time.monotonic()
+        for iid, inst in self._cache.items():
+            if iid not in fresh:  # gone from the list: kept for the grace, then dropped
+                until = self._vanished.setdefault(iid, now + self._vanish_grace_s)
+                if now < until:
+                    fresh[iid] = inst
+        for iid in found:
+            self._vanished.pop(iid.instance_id, None)
+        self._cache = fresh
         await self._notify()
 
     async def _run(self) -> None:
@@ -275,10 +302,12 @@ class Discovery:
                 await self._relist()
                 self.watching, backoff = True, 0.1
                 async for event in call:
+                    iid = event.instance.instance_id
+                    self._vanished.pop(iid, None)
                     if event.type == meta_pb2.INSTANCE_EVENT_LEFT:
-                        self._cache.pop(event.instance.instance_id, None)
+                        self._cache.pop(iid, None)
                     else:
-                        self._cache[event.instance.instance_id] = event.instance
+                        self._cache[iid] = event.instance
                     await self._notify()
             except grpc.aio.AioRpcError as exc:
                 log.info("meta watch interrupted (%s); reconnecting", exc.code().name)

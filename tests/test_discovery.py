@@ -69,3 +69,43 @@ def test_heartbeat_follows_the_load_signal_not_a_timer() -> None:
             await disc.close()
 
     asyncio.run(main())
+
+
+def test_a_restarted_meta_does_not_empty_the_view_before_instances_reregister() -> None:
+    """Meta restarts empty (memory backend): Discovery keeps the instances it knew while they
+    re-register (their keepalive finds the lease gone), and drops one that never comes back
+    once the grace is over."""
+
+    async def main() -> None:
+        async with in_process_meta() as (address, _registry):
+            alive = MetaClient(address)
+            await alive.register(inst("d0"), ttl_ms=3_000)
+            gone = MetaClient(address)
+            await gone.register(inst("d1"), ttl_ms=3_000)
+            disc = Discovery(address, poll_interval_s=0.2, vanish_grace_s=4.0)
+            await disc.start()
+            await disc.wait_for(lambda xs: len(xs) == 2, 5)
+        await gone._stop_keepalive()  # d1 dies with the old meta: it never re-registers
+        seen: list[set[str]] = []
+        registry = Registry(MemoryBackend())
+        await registry.start()
+        server = await grpcutil.start_server(
+            [(meta_pb2_grpc.add_MetaServiceServicer_to_server, MetaServicer(registry), "meta")],
+            address,
+        )
+        try:
+            deadline = time.monotonic() + 3.5
+            while time.monotonic() < deadline:  # inside the grace: both stay in view
+                seen.append({i.instance_id for i in disc.instances()})
+                await asyncio.sleep(0.1)
+            assert all(s == {"d0", "d1"} for s in seen), seen
+            assert [i.instance_id for i in await alive.list()] == ["d0"]  # re-registered
+            await disc.wait_for(lambda xs: [i.instance_id for i in xs] == ["d0"], 5)
+        finally:
+            await alive.close()
+            await gone.close()
+            await disc.close()
+            await registry.close()
+            await server.stop(0)
+
+    asyncio.run(main())

@@ -191,7 +191,7 @@ def test_torch_engine_refuses_response_format_and_server_info(cluster):
     status, out = post(cluster, "/v1/chat/completions", body)
     assert status == 400, out
     # the worker's refusal, passed through (its message names the parameter)
-    assert out["error"]["message"].startswith("response_format: the torch engine")
+    assert out["error"]["message"].startswith("response_format (json_object): the torch engine")
     with grpcutil.sync_channel(cluster.grpc) as ch:
         info = router_pb2_grpc.RouterServiceStub(ch).GetServerInfo(
             router_pb2.GetServerInfoRequest()
