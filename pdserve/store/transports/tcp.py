@@ -36,16 +36,17 @@ for grants) and closes the connection, because the byte stream can no longer be 
 
 Payloads go straight from / into the segment mapping and the caller's buffers, never
 through an intermediate copy: a header and its payload leave in one ``sendmsg`` and a reply
-lands with ``recvmsg_into`` (header and payloads scattered into the callers' buffers). The
+lands with ``recvmsg_into`` (header and payloads scattered into the callers' buffers); the
+node takes a request's header and range table with one receive (:class:`_Reader`). The
 client moves bytes with READV and WRITEV only; objects from :data:`PARALLEL_MIN_BYTES` on,
 and batches that large, are split over :data:`PARALLEL_STREAMS` connections at once.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
-import queue
 import socket
 import struct
 import threading
@@ -129,6 +130,9 @@ SOCK_BUF = 256 * 1024
 #: two streams; four streams are slower than two, and splitting 1 MiB reads is slower.
 PARALLEL_MIN_BYTES = 8 * 1024 * 1024
 PARALLEL_STREAMS = 2
+#: Bytes a node receives at once when it waits for a request: a header and its range table
+#: (72 bytes a range) usually arrive whole.
+READ_AHEAD = 4096
 
 
 class _NoKeyYet:
@@ -145,8 +149,9 @@ class _NoKeyYet:
 _Range = tuple[int, int, int, int, memoryview, tuple[int, int, int, int, bytes]]
 
 
+@functools.lru_cache(maxsize=4096)
 def segment_key(segment_id: str) -> int:
-    """The u64 that names a segment on the wire."""
+    """The u64 that names a segment on the wire (memoized: every range names one)."""
     return int.from_bytes(blake3.blake3(segment_id.encode()).digest(length=8), "little")
 
 
@@ -164,6 +169,53 @@ def _split(ranges: list, streams: int) -> list[list]:
     if sum(sizes) < PARALLEL_MIN_BYTES or len(ranges) == 1:
         return [ranges]
     return balanced_groups(ranges, sizes, streams)
+
+
+class _Reader:
+    """Buffered receives of a connection's request headers and range tables: the client
+    sends a header and its table in one ``sendmsg``, and one ``recv`` takes both (not one
+    for each). Payloads land straight in the segment; only payload bytes that came along
+    with a header (at most :data:`READ_AHEAD`) are copied from the buffer."""
+
+    __slots__ = ("buf", "conn", "end", "start", "view")
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn = conn
+        self.buf = bytearray(READ_AHEAD)
+        self.view = memoryview(self.buf)
+        self.start = self.end = 0  # buffered bytes not consumed yet: buf[start:end]
+
+    def take(self, n: int) -> memoryview | None:
+        """The next ``n`` bytes, valid until the next call; None when the peer closed
+        first."""
+        avail = self.end - self.start
+        if avail < n:
+            if n > len(self.buf):  # a big range table: into a buffer of its own
+                out = memoryview(bytearray(n))
+                out[:avail] = self.view[self.start : self.end]
+                self.start = self.end = 0
+                return out if recv_parts(self.conn, [out[avail:]]) else None
+            if self.start:  # what is left goes to the front
+                self.buf[:avail] = self.buf[self.start : self.end]
+                self.start, self.end = 0, avail
+            while self.end < n:
+                got = self.conn.recv_into(self.view[self.end :])
+                if not got:
+                    return None
+                self.end += got
+        self.start += n
+        return self.view[self.start - n : self.start]
+
+    def fill(self, parts: list[memoryview]) -> bool:
+        """Fills ``parts`` in order (buffered bytes first); False when the peer closed
+        first."""
+        views = [p for p in parts if len(p)]
+        while self.start < self.end and views:
+            n = min(self.end - self.start, len(views[0]))
+            views[0][:n] = self.view[self.start : self.start + n]
+            self.start += n
+            advance(views, n)
+        return recv_parts(self.conn, views)
 
 
 class TcpServer(TransportServer):
@@ -233,9 +285,8 @@ class TcpServer(TransportServer):
             self._server = None
 
     def _serve(self, conn: socket.socket) -> None:
-        head = bytearray(REQ.size)
-        hview = memoryview(head)
-        while recv_parts(conn, [hview]) and self._handle(conn, head):
+        reader = _Reader(conn)
+        while self._handle(conn, reader):
             pass
 
     def _reply(self, conn: socket.socket, status: int, length: int = 0) -> None:
@@ -258,25 +309,29 @@ class TcpServer(TransportServer):
             pass
         return False
 
-    def _handle(self, conn: socket.socket, head: bytearray) -> bool:
+    def _handle(self, conn: socket.socket, reader: _Reader) -> bool:
+        """One request; False when the connection is done (closed by the peer, or refused)."""
+        head = reader.take(REQ.size)
+        if head is None:
+            return False
         magic, version, op, _res, seg, offset, length = REQ.unpack(head)
         if magic != REQ_MAGIC:
             return self._fail(conn, ST_BAD_MAGIC, repr(bytes(head[:4])))
         if version != VERSION:
             return self._fail(conn, ST_BAD_VERSION, str(version))
-        if op not in (OP_READ, OP_WRITE, OP_READV, OP_WRITEV):
-            return self._fail(conn, ST_BAD_OP, str(op))
         if op in (OP_READV, OP_WRITEV):
-            return self._vector(conn, op, length)
-        grant = bytearray(GRANT.size)
-        if not recv_parts(conn, [memoryview(grant)]):
+            return self._vector(conn, reader, op, length)
+        if op not in (OP_READ, OP_WRITE):
+            return self._fail(conn, ST_BAD_OP, str(op))
+        grant = reader.take(GRANT.size)
+        if grant is None:
             return False
         gop = grants.OP_READ if op == OP_READ else grants.OP_WRITE
         now = time.time() * 1000 - self.clock_skew_ms
         region = self._region(gop, seg, offset, length, *GRANT.unpack(grant), now)
         if isinstance(region, tuple):
             return self._fail(conn, *region)
-        return self._move(conn, op == OP_READ, [region])
+        return self._move(conn, reader, op == OP_READ, [region])
 
     def _region(
         self,
@@ -321,12 +376,12 @@ class TcpServer(TransportServer):
                 )
         return mem[offset : offset + length]
 
-    def _vector(self, conn: socket.socket, op: int, count: int) -> bool:
+    def _vector(self, conn: socket.socket, reader: _Reader, op: int, count: int) -> bool:
         """A READV or WRITEV of ``count`` ranges; all are checked before any byte moves."""
         if not 1 <= count <= MAX_RANGES:
             return self._fail(conn, ST_BAD_COUNT, str(count))
-        table = bytearray(count * RANGE.size)
-        if not recv_parts(conn, [memoryview(table)]):
+        table = reader.take(count * RANGE.size)
+        if table is None:
             return False
         gop = grants.OP_READ if op == OP_READV else grants.OP_WRITE
         now = time.time() * 1000 - self.clock_skew_ms
@@ -336,9 +391,11 @@ class TcpServer(TransportServer):
             if isinstance(region, tuple):
                 return self._fail(conn, *region)
             regions.append(region)
-        return self._move(conn, op == OP_READV, regions)
+        return self._move(conn, reader, op == OP_READV, regions)
 
-    def _move(self, conn: socket.socket, read: bool, regions: list[memoryview]) -> bool:
+    def _move(
+        self, conn: socket.socket, reader: _Reader, read: bool, regions: list[memoryview]
+    ) -> bool:
         """Sends the regions after an OK reply (a read), or receives into them and then
         replies OK (a write); the same for one range and for a vector of them."""
         total = sum(len(r) for r in regions)
@@ -346,7 +403,7 @@ class TcpServer(TransportServer):
             send_parts(conn, [REP.pack(REP_MAGIC, ST_OK, total), *regions])
             self._read += total
             return True
-        if not recv_parts(conn, regions):
+        if not reader.fill(regions):
             return self._fail(conn, ST_SHORT_PAYLOAD, f"expected {total} bytes")
         self._written += total
         self._reply(conn, ST_OK, total)
@@ -362,17 +419,19 @@ class TcpTransport(Transport):
     def __init__(self, timeout_s: float = 5.0, pool_size: int = 8) -> None:
         self.timeout_s = timeout_s
         self.pool_size = pool_size
-        self._pools: dict[str, queue.LifoQueue[socket.socket]] = {}
+        # address -> idle connections, the most recently used last (deque's append and pop
+        # are atomic: no lock on the hot path)
+        self._pools: dict[str, collections.deque[socket.socket]] = {}
         self._lock = threading.Lock()
         self._threads = TransferThreads(4 * (PARALLEL_STREAMS - 1), "kv-tcp-stream")
         self._closed = False
 
-    def _pool(self, address: str) -> queue.LifoQueue[socket.socket]:
-        with self._lock:
-            pool = self._pools.get(address)
-            if pool is None:
-                pool = self._pools[address] = queue.LifoQueue()
-            return pool
+    def _pool(self, address: str) -> collections.deque[socket.socket]:
+        pool = self._pools.get(address)
+        if pool is None:
+            with self._lock:
+                pool = self._pools.setdefault(address, collections.deque())
+        return pool
 
     def _connect(self, address: str) -> socket.socket:
         host, _, port = address.rpartition(":")
@@ -400,8 +459,8 @@ class TcpTransport(Transport):
             sock = None
             if pooled:
                 try:
-                    sock = pool.get_nowait()
-                except queue.Empty:
+                    sock = pool.pop()
+                except IndexError:
                     continue
             if sock is None:
                 sock = self._connect(address)
@@ -438,8 +497,8 @@ class TcpTransport(Transport):
             except OSError as exc:
                 raise TransportError(f"tcp transfer with {address} failed: {exc}") from exc
             finally:
-                if ok and not self._closed and pool.qsize() < self.pool_size:
-                    pool.put(sock)
+                if ok and not self._closed and len(pool) < self.pool_size:
+                    pool.append(sock)
                 else:
                     sock.close()
 
@@ -501,6 +560,15 @@ class TcpTransport(Transport):
         self, op: int, items: Sequence[tuple[kvstore_pb2.Replica, memoryview]]
     ) -> list[TransportError | None]:
         by_node, errors = self._ranges(items, "read" if op == OP_READV else "write")
+        if len(by_node) == 1 and len(items) == 1:
+            # One object on one connection (the common single get): no split, no threads.
+            ((address, ranges),) = by_node.items()
+            if len(ranges) == 1:
+                try:
+                    self._vector(op, address, ranges)
+                except TransportError as exc:
+                    errors[0] = exc
+                return errors
         for address, ranges in by_node.items():
             groups = _split(ranges, PARALLEL_STREAMS)
             jobs = [functools.partial(self._vector, op, address, g) for g in groups]
@@ -555,6 +623,6 @@ class TcpTransport(Transport):
         for pool in pools:
             while True:
                 try:
-                    pool.get_nowait().close()
-                except queue.Empty:
+                    pool.pop().close()
+                except IndexError:
                     break
