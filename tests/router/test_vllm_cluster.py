@@ -66,7 +66,9 @@ def test_write_mode_on_vllm_is_token_exact(cluster, hf_greedy, n):
     tr = cluster.traces()[rid]
     k = (n - 1) // CHUNK
     assert tr["plan"] == "write" and tr["cached_tokens"] == 0  # nothing stored at the start
-    assert tr["decode_start"] < tr["prefill_end"]  # decode was called before prefill returned
+    # decode was called before prefill returned (prefill_end 0: prefill had not even returned
+    # when decode finished, having computed what had not landed in time)
+    assert tr["prefill_end"] == 0 or tr["decode_start"] < tr["prefill_end"], tr
     # ... loaded at least the handle's chunks, published by prefill meanwhile (more when
     # prefill had stored more by then: the connector loads the longest stored prefix), and
     # computed the rest itself
