@@ -18,16 +18,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_deploy import CONFIGS, ROLES  # one table of service commands for both labs
 
 from pdserve import config
 from pdserve.cli import build_parser
 from pdserve.identity import Identity, TlsFiles
-from pdserve.services.decode.config import DecodeConfig
-from pdserve.services.kvstore.master_config import MasterConfig
-from pdserve.services.kvstore.node_config import NodeConfig
-from pdserve.services.meta.server import MetaConfig
-from pdserve.services.prefill.config import PrefillConfig
-from pdserve.services.router.config import RouterConfig
 
 kv = pytest.importorskip(
     "kubernetes_validate", reason="pip install kubernetes-validate (test extra)"
@@ -40,22 +35,6 @@ NAMESPACE = "pdserve"
 #: Kubernetes versions the manifests must be valid for: the oldest still common, the newest.
 VERSIONS = ["1.30.0", kv.latest_version()]
 WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet"}
-CONFIGS = {
-    ("meta",): (MetaConfig, "meta"),
-    ("kvstore", "master"): (MasterConfig, "kvstore_master"),
-    ("kvstore", "node"): (NodeConfig, "kvstore_node"),
-    ("prefill",): (PrefillConfig, "prefill"),
-    ("decode",): (DecodeConfig, "decode"),
-    ("router",): (RouterConfig, "router"),
-}
-ROLES = {
-    ("meta",): "meta",
-    ("kvstore", "master"): "master",
-    ("kvstore", "node"): "node",
-    ("prefill",): "worker",
-    ("decode",): "worker",
-    ("router",): "router",
-}
 #: What the downward API gives the pods, as this test pretends: a pod name per workload, one
 #: Kubernetes node (its name and InternalIP).
 NODE_NAME, HOST_IP = "k8s-node-1", "10.0.0.7"
