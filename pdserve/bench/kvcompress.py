@@ -27,17 +27,18 @@ from __future__ import annotations
 
 import argparse
 import ast
-import asyncio
 import importlib.util
 import json
-import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from pdserve.bench.enginephase import run_phase, worker_main
+
+MODULE = "pdserve.bench.kvcompress"
 
 ENCODINGS = ("none", "bf16", "fp8")
 #: Standard-library modules whose docstrings are the drift prompts (the first that have one
@@ -219,31 +220,6 @@ async def _engine_phase(spec: dict[str, Any]) -> dict[str, Any]:
         await engine.close()
 
 
-def _worker(spec_path: str, out_path: str) -> int:
-    import torch
-
-    torch.set_num_threads(1)
-    spec = json.loads(Path(spec_path).read_text())
-    Path(out_path).write_text(json.dumps(asyncio.run(_engine_phase(spec))))
-    return 0
-
-
-def _phase(tmp: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    spec_path, out_path, log = tmp / f"{name}.json", tmp / f"{name}.out.json", tmp / f"{name}.log"
-    spec_path.write_text(json.dumps(spec))
-    argv = [sys.executable, "-m", "pdserve.bench.kvcompress", "--worker", str(spec_path)]
-    with log.open("w") as f:
-        rc = subprocess.call(
-            [*argv, str(out_path)],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "TMPDIR": str(tmp)},
-        )
-    if rc != 0:
-        raise SystemExit(f"{name} engine failed, see {log}:\n{log.read_text()[-3000:]}")
-    return json.loads(out_path.read_text())
-
-
 # ------------------------------------------------------------------ the run
 
 
@@ -315,10 +291,13 @@ def run(args: argparse.Namespace) -> int:
         common = {"long": long, "warmup": warmup, "prompts": prompts}
         with local_store(tmp / f"logs-{enc}", segment_size="2GiB") as (master, _node):
             cfg["store_master"] = master.info["grpc"]
-            write = _phase(tmp, f"{enc}-write", {**common, "role": "write", "config": cfg})
+            write = run_phase(
+                MODULE, tmp, f"{enc}-write", {**common, "role": "write", "config": cfg}
+            )
             fp = model_fingerprint(model_dir, args.model, kv_dtype, args.chunk_size, stored)
             chunk_bytes, long_bytes, header_enc = _stored_bytes(cfg["store_master"], fp, long)
-            read = _phase(
+            read = run_phase(
+                MODULE,
                 tmp,
                 f"{enc}-read",
                 {**common, "role": "read", "config": cfg, "repeats": args.repeats,
@@ -338,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
         spec = {"role": "generate", "warmup": warmup, "prompts": prompts,
                 "max_tokens": args.max_tokens,
                 "config": {**config, "vllm_args": {"kv_cache_dtype": "fp8"}}}  # fmt: skip
-        results["vllm-fp8-cache"] = _phase(tmp, "vllm-fp8-cache", spec)
+        results["vllm-fp8-cache"] = run_phase(MODULE, tmp, "vllm-fp8-cache", spec)
     _report(args, kv_dtype, prompts, encodings, results)
     if args.json:
         flags = {k: v for k, v in vars(args).items() if k != "func"}
@@ -398,7 +377,7 @@ def _report(
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
-        return _worker(argv[1], argv[2])
+        return worker_main(_engine_phase, argv[1], argv[2])
     parser = argparse.ArgumentParser(prog="python -m pdserve.bench.kvcompress", description=__doc__)
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -20,16 +20,16 @@ Prints the three times, the ratios and the loaded/computed tokens.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
-import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from pdserve.bench.enginephase import run_phase, worker_main
+
+MODULE = "pdserve.bench.ttft"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,31 +91,6 @@ async def _engine_phase(spec: dict[str, Any]) -> dict[str, Any]:
         await engine.close()
 
 
-def _worker(spec_path: str, out_path: str) -> int:
-    import torch
-
-    torch.set_num_threads(1)
-    spec = json.loads(Path(spec_path).read_text())
-    Path(out_path).write_text(json.dumps(asyncio.run(_engine_phase(spec))))
-    return 0
-
-
-def _phase(tmp: Path, spec: dict[str, Any]) -> dict[str, Any]:
-    spec_path, out_path = tmp / f"{spec['name']}.json", tmp / f"{spec['name']}.out.json"
-    spec_path.write_text(json.dumps(spec))
-    log = tmp / f"{spec['name']}.log"
-    with log.open("w") as f:
-        rc = subprocess.call(
-            [sys.executable, "-m", "pdserve.bench.ttft", "--worker", str(spec_path), str(out_path)],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "TMPDIR": str(tmp)},
-        )
-    if rc != 0:
-        raise SystemExit(f"{spec['name']} engine failed, see {log}:\n{log.read_text()[-3000:]}")
-    return json.loads(out_path.read_text())
-
-
 def run(args: argparse.Namespace) -> int:
     from pdserve.model.prepare import resolve_model
     from pdserve.procs import local_store
@@ -136,8 +111,8 @@ def run(args: argparse.Namespace) -> int:
             "store_master": master.info["grpc"],
         }
         base = {"config": config, "prompt": prompt, "warmup": warmup, "repeats": args.repeats}
-        cold = _phase(tmp, {**base, "name": "cold"})
-        cached = _phase(tmp, {**base, "name": "cached"})
+        cold = run_phase(MODULE, tmp, "cold", {**base, "name": "cold"})
+        cached = run_phase(MODULE, tmp, "cached", {**base, "name": "cached"})
     cold_ms = cold["ttft_ms"][0]
     cached_ms = min(cached["ttft_ms"])
     print(f"model {args.model}, prompt {args.prompt_tokens} tokens, chunk {args.chunk_size}")
@@ -160,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
-        return _worker(argv[1], argv[2])
+        return worker_main(_engine_phase, argv[1], argv[2])
     parser = argparse.ArgumentParser(prog="python -m pdserve.bench.ttft", description=__doc__)
     add_arguments(parser)
     return run(parser.parse_args(argv))
