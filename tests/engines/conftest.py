@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
 
+from pdserve.engines.config import EngineConfig
+from pdserve.engines.torch_engine import TorchEngine
 from pdserve.errors import Unavailable
 from pdserve.store.api import DEFAULT_OPTIONS
 from pdserve.store.memory import MemoryBackend
@@ -64,3 +67,23 @@ class MemoryStore(MemoryBackend):
 @pytest.fixture
 def memory_store() -> MemoryStore:
     return MemoryStore()
+
+
+#: Chunk size of the shared torch engine below (test modules key prompts with it).
+CS = 16
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir) -> Iterator[TorchEngine]:
+    """A started torch engine on the tiny model, one per test module."""
+    eng = TorchEngine(EngineConfig(model=str(tiny_model_dir), chunk_size=CS, max_model_len=256))
+    asyncio.run(eng.start())
+    yield eng
+    asyncio.run(eng.close())
+
+
+@pytest.fixture
+def eng(engine: TorchEngine, memory_store) -> TorchEngine:
+    """The engine on a fresh in-memory store."""
+    engine.attach_store(memory_store)
+    return engine

@@ -7,15 +7,12 @@ logprob with all of them on."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import pytest
 import torch
 
 from pdserve.engines.base import Finish, Sampling
-from pdserve.engines.config import EngineConfig
 from pdserve.engines.torch_engine import (
-    TorchEngine,
     process_logits,
     sample_token,
     token_logprob,
@@ -86,20 +83,6 @@ def test_validation_names_the_field():
 # ------------------------------------------------------------------ the engine, tiny model
 
 CS = 16
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir) -> Iterator[TorchEngine]:
-    eng = TorchEngine(EngineConfig(model=str(tiny_model_dir), chunk_size=CS, max_model_len=256))
-    asyncio.run(eng.start())
-    yield eng
-    asyncio.run(eng.close())
-
-
-@pytest.fixture
-def eng(engine: TorchEngine, memory_store) -> TorchEngine:
-    engine.attach_store(memory_store)
-    return engine
 
 
 @pytest.fixture(scope="module")

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import pytest
 
 from pdserve import hashing
 from pdserve.engines.base import Finish, KVRef, Sampling
-from pdserve.engines.config import EngineConfig
 from pdserve.engines.torch_engine import TorchEngine
 from pdserve.errors import InvalidArgument
 from pdserve.telemetry import REGISTRY
@@ -26,20 +24,6 @@ def prompt(n: int, salt: int = 0) -> list[int]:
 
 def metric(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir) -> Iterator[TorchEngine]:
-    eng = TorchEngine(EngineConfig(model=str(tiny_model_dir), chunk_size=CS, max_model_len=256))
-    asyncio.run(eng.start())
-    yield eng
-    asyncio.run(eng.close())
-
-
-@pytest.fixture
-def eng(engine: TorchEngine, memory_store) -> TorchEngine:
-    engine.attach_store(memory_store)
-    return engine
 
 
 async def collect(agen) -> tuple[list[int], str, list]:
