@@ -23,8 +23,10 @@ KV chunks: the cache of positions ``[i * chunk_size, (i + 1) * chunk_size)`` is 
 the i-th chain key (:func:`pdserve.hashing.chunk_keys`, salted with the request's cache salt;
 the engine keeps no prefix cache of its own, so the store is its only reuse) as a canonical
 ``[layers, 2, kv_heads, tokens, head_dim]`` tensor, in the ``kv_compression`` encoding (read
-back in ``kv_dtype``); the partial tail under a request-scoped key with a TTL. Any store failure (unreachable, timeout, missing or corrupt chunk) degrades to
-recomputing those positions, counted in :mod:`pdserve.engines.metrics`.
+back in ``kv_dtype``); the partial tail under a request-scoped key with a TTL. The store is
+reached through :class:`pdserve.engines.chunk_io.ChunkIO`: any store failure (unreachable,
+timeout, missing or corrupt chunk) degrades to recomputing those positions, counted in
+:mod:`pdserve.engines.metrics`.
 """
 
 from __future__ import annotations
