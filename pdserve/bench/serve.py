@@ -253,7 +253,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write a conversation-like Mooncake trace (JSONL) for --workload trace",
         description=(
             "Writes a Mooncake JSONL trace: rows {timestamp ms, input_length, output_length, "
-            "hash_ids} at Poisson arrivals. Every row starts with the shared system block 0; "
+            "hash_ids} at Poisson arrivals, floored to --arrival-step-ms. Every row starts with the shared system block 0; "
             "a row is a new session (system block + new blocks) or the next turn of an earlier "
             "session (its previous blocks + new ones). Prints the reuse fraction (share of "
             "blocks whose id appeared in an earlier row) and the replayed sizes. With "
@@ -281,6 +281,13 @@ def add_gen_trace_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows", type=int, default=500, help=f"requests {d}")
     p.add_argument("--rate", type=_rate, default=1.0, help=f"Poisson arrivals per second {d}")
     p.add_argument("--seed", type=int, default=0, help=f"seed {d}")
+    p.add_argument(
+        "--arrival-step-ms",
+        type=float,
+        default=3000.0,
+        help="floor each arrival to a multiple of this, so requests come in bursts as in the "
+        f"Mooncake conversation trace, which logs arrivals in 3,000 ms steps (0 = Poisson) {d}",
+    )
     p.add_argument(
         "--reuse", choices=["light", "heavy"], default="light", help=f"parameter preset {d}"
     )
@@ -317,7 +324,15 @@ def gen_trace_cli(args: argparse.Namespace) -> int:
     for name in ("first_blocks", "turn_blocks", "follow_up", "max_turns", "output_tokens"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
-    cfg = wl.TraceGenConfig(rows=args.rows, rate=args.rate, seed=args.seed, **kw)
+    if args.arrival_step_ms < 0:
+        raise BenchError(f"--arrival-step-ms must be >= 0, got {args.arrival_step_ms}")
+    cfg = wl.TraceGenConfig(
+        rows=args.rows,
+        rate=args.rate,
+        seed=args.seed,
+        arrival_step_ms=args.arrival_step_ms,
+        **kw,
+    )
     rows = wl.generate_trace(cfg)
     wl.write_trace(args.out, rows)
     stats = wl.workload_stats(wl.trace_workload(rows, block=args.block_tokens))

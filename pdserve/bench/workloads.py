@@ -281,7 +281,9 @@ class TraceGenConfig:
     left: that session's previous prompt blocks plus ``turn_blocks`` new ones (the answer and
     the new user message). Sessions end after ``max_turns`` turns. ``input_length`` leaves the
     last block partial (uniform 1..512 tokens in it); ``output_length`` is uniform in
-    ``output_tokens``. Arrivals are Poisson at ``rate`` rows/s.
+    ``output_tokens``. Arrivals are Poisson at ``rate`` rows/s, then floored to a multiple
+    of ``arrival_step_ms`` when it is positive: the Mooncake conversation trace logs its
+    arrivals in 3,000 ms steps, so its requests come in bursts that land together.
     """
 
     rows: int = 500
@@ -292,6 +294,7 @@ class TraceGenConfig:
     follow_up: float = 0.1
     max_turns: int = 4
     output_tokens: tuple[int, int] = (64, 512)
+    arrival_step_ms: float = 0.0
 
 
 #: Presets of ``--reuse``: with 16-token blocks, ``light`` gives a mean input near 220 tokens
@@ -307,6 +310,9 @@ def generate_trace(cfg: TraceGenConfig) -> list[TraceRow]:
     ``cfg.seed``."""
     rng = np.random.default_rng(cfg.seed)
     times = poisson_arrivals(rng, cfg.rows, cfg.rate)
+    if cfg.arrival_step_ms > 0:
+        step = cfg.arrival_step_ms / 1000.0
+        times = [math.floor(t / step) * step for t in times]
     next_id = 1
     sessions: list[tuple[list[int], int]] = []  # (prompt blocks, turns so far)
     open_sessions: list[int] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.config import ConfigError, help_field
+from pdserve.engines.step_budget import PREFILL_ORDERS
 from pdserve.hashing import KV_COMPRESSIONS, KV_DTYPES
 from pdserve.store import StoreBackendConfig
 
@@ -71,6 +72,20 @@ class EngineConfig(StoreBackendConfig):
         1500.0,
         "vllm: a prompt that has waited this long since it arrived prefills in the next step "
         "whatever the streams' target (a late first token cannot be made up; 0 = never)",
+    )
+    prefill_order: str = help_field(
+        "deadline",
+        "vllm: which waiting prompts prefill together: deadline = those that can all still "
+        "get their first token within ttft_target_ms share a step, oldest first (a burst that "
+        "fits is batched as vLLM does; of one too large, what can still be on time goes "
+        "first), late ones one at a time, shortest first; shortest / arrival = one prompt per "
+        "step, fewest tokens to compute / oldest first; batched = vLLM's own (every waiting "
+        "prompt in the next step)",
+    )
+    ttft_target_ms: float = help_field(
+        2000.0,
+        "vllm: the time to first token prefill_order deadline plans for (a prompt's deadline "
+        "is its arrival plus this; 0 = every prompt late: one at a time, shortest first)",
     )
     store_master: str = help_field(
         "", "KV store master address host:port (empty = no store: always recompute)"
@@ -153,9 +168,13 @@ class EngineConfig(StoreBackendConfig):
         for name in ("max_model_len", "max_tokens_limit"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0 (0 = auto), got {getattr(self, name)}")
-        for name in ("tpot_target_ms", "ttft_urgent_ms"):
+        for name in ("tpot_target_ms", "ttft_urgent_ms", "ttft_target_ms"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0 (0 = off), got {getattr(self, name)}")
+        if self.prefill_order not in PREFILL_ORDERS:
+            raise ConfigError(
+                f"prefill_order must be one of {PREFILL_ORDERS}, got {self.prefill_order!r}"
+            )
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0 (0 = auto), got {getattr(self, name)}")

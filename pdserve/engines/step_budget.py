@@ -4,11 +4,19 @@ decoding stream within its time-per-output-token target."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 #: ``additional_config`` keys that carry the scheduler's targets (milliseconds; 0 = off).
 TPOT_TARGET_KEY = "pdserve_tpot_target_ms"
 TTFT_URGENT_KEY = "pdserve_ttft_urgent_ms"
+TTFT_TARGET_KEY = "pdserve_ttft_target_ms"
+PREFILL_ORDER_KEY = "pdserve_prefill_order"
+
+#: How waiting prompts share the engine (``prefill_order``): grouped by first-token deadline
+#: (:func:`deadline_group`), one at a time (fewest tokens to compute first, or oldest first), or
+#: vLLM's own way (every waiting prompt in the next step).
+PREFILL_ORDERS = ("deadline", "shortest", "arrival", "batched")
 
 #: Starting cost model (seconds): SmolLM2-135M bf16 on one AVX-512 core.
 FIXED_S = 0.030
@@ -67,3 +75,74 @@ def prompt_budget(
         return target_s * (s.tokens + future) - (now - s.first_token_at) - future * cost.fixed_s
 
     return max(block, cost.tokens_within(min(allowed(s) for s in streams)))
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt waiting for its prefill, as the scheduler sees it."""
+
+    arrival: float  # seconds, wall clock
+    tokens: int  # prompt tokens still to compute (local prefix-cache hits taken off)
+
+
+def next_prompt(prompts: Sequence[Prompt], now: float, urgent_s: float, order: str) -> int:
+    """Index of the prompt to prefill next, alone in its step (``shortest``, ``arrival``).
+
+    On a CPU a step's time grows with its prompt tokens and every prompt in it gets its first
+    token only at the end, so prefilling a burst of prompts together makes each wait for all
+    of them; one at a time, the first waits for itself only, and the sum of the waits is
+    smallest with the shortest first. A prompt waiting ``urgent_s`` or longer goes before the
+    others (oldest first), so a long one is not passed over for ever (``urgent_s`` 0: never).
+    Contract: ``prompts`` is non-empty; ties go to the oldest, then to the earlier index."""
+
+    def key(i: int) -> tuple[bool, float, float]:
+        p = prompts[i]
+        urgent = urgent_s > 0 and now - p.arrival >= urgent_s
+        size = 0 if urgent or order == "arrival" else p.tokens
+        return (not urgent, size, p.arrival)
+
+    return min(range(len(prompts)), key=key)
+
+
+def deadline_group(
+    prompts: Sequence[Prompt], now: float, target_s: float, cost: StepCost
+) -> tuple[list[int], bool]:
+    """The prompts to prefill together in the next step (``deadline``), and whether they can
+    still get their first token within ``target_s`` of their arrival (their deadline).
+
+    A prompt is live while one step of its own would end by its deadline. Live prompts go
+    together, oldest first, as long as the step that holds them all is projected to end by
+    every one's deadline: a burst that fits in time shares one step, as vLLM batches it (the
+    fewest steps, so the most tokens per second), and one too large for the time left
+    prefills what can still be on time first instead of making every prompt late. With no live
+    prompt, the shortest late one goes alone: late prompts no longer hold each other up.
+    Contract: ``prompts`` is non-empty; returns a non-empty list of indices."""
+
+    def ends(tokens: int) -> float:
+        return now + cost.fixed_s + cost.per_token_s * tokens
+
+    live = sorted(
+        (i for i, p in enumerate(prompts) if ends(p.tokens) <= p.arrival + target_s),
+        key=lambda i: (prompts[i].arrival, i),
+    )
+    group: list[int] = []
+    tokens = 0
+    deadline = float("inf")
+    for i in live:
+        p = prompts[i]
+        if ends(tokens + p.tokens) <= min(deadline, p.arrival + target_s):
+            group.append(i)
+            tokens += p.tokens
+            deadline = min(deadline, p.arrival + target_s)
+    if group:
+        return group, True
+    return [
+        min(range(len(prompts)), key=lambda i: (prompts[i].tokens, prompts[i].arrival, i))
+    ], False
+
+
+def chunked_on_time(tokens: int, budget: int, time_left_s: float, cost: StepCost) -> bool:
+    """Whether ``tokens`` of prompt, ``budget`` per step, are computed within ``time_left_s``
+    (each step pays the fixed cost once)."""
+    steps = -(-tokens // max(1, budget))
+    return steps * cost.fixed_s + tokens * cost.per_token_s <= time_left_s

@@ -56,7 +56,12 @@ from pdserve.engines.base import (
 )
 from pdserve.engines.config import VLLM_STEP_TOKENS, EngineConfig
 from pdserve.engines.fingerprint import model_fingerprint
-from pdserve.engines.step_budget import TPOT_TARGET_KEY, TTFT_URGENT_KEY
+from pdserve.engines.step_budget import (
+    PREFILL_ORDER_KEY,
+    TPOT_TARGET_KEY,
+    TTFT_TARGET_KEY,
+    TTFT_URGENT_KEY,
+)
 from pdserve.engines.textstream import TextStream
 from pdserve.engines.vllm_connector import PARAMS_KEY, extra_config
 from pdserve.errors import InvalidArgument
@@ -238,6 +243,8 @@ class VllmEngine(Engine):
             additional_config={
                 TPOT_TARGET_KEY: cfg.tpot_target_ms,
                 TTFT_URGENT_KEY: cfg.ttft_urgent_ms,
+                PREFILL_ORDER_KEY: cfg.prefill_order,
+                TTFT_TARGET_KEY: cfg.ttft_target_ms,
             },
             **defaults,
             kv_transfer_config=kv_transfer,

@@ -26,6 +26,17 @@ Prompts are not starved for it: one that has waited ``ttft_urgent_ms`` since it 
 its whole remaining prompt into the next step, streams or not (a stream absorbs one long step
 over all its tokens; a first token that misses its target is lost for good).
 
+Which new prompts a step may take is ``prefill_order``'s. A step's time grows with its prompt
+tokens, and each prompt in it gets its first token only when the step ends. vLLM puts every
+waiting prompt into the next step; ``deadline`` (the default) gives each prompt the deadline
+``arrival + ttft_target_ms`` and lets into the step only the prompts that can all still be on
+time together, oldest first (:func:`~pdserve.engines.step_budget.deadline_group`): a burst
+that fits is batched as vLLM does, and of a burst too large for its time, what can be on time
+goes first instead of every prompt being late. Late prompts then go one at a time, shortest
+first, and are never urgent (their first token is lost to the target either way; they no
+longer stretch the streams' steps). The others are held out of vLLM's waiting queue for the
+step and put back after it; ``shortest`` and ``arrival`` take one prompt per step.
+
 While every request the engine holds is waiting for its KV to arrive (write mode's
 asynchronous load, :mod:`pdserve.engines.vllm_connector`) and nothing else is runnable, each
 step waits ``REMOTE_KV_IDLE_S`` first. vLLM's own loop would run about a thousand empty steps a
@@ -33,29 +44,53 @@ second to learn when the load is done, measured here at more than a whole core (
 plus worker process) taken from the prefill computing those very chunks. The price: a request
 arriving meanwhile starts up to that much later, and a finished load is noticed that much later.
 
-Loaded inside vLLM's engine core through ``scheduler_cls``; the targets come from
-``additional_config`` (``pdserve_tpot_target_ms``, ``pdserve_ttft_urgent_ms``; 0 = off).
+Loaded inside vLLM's engine core through ``scheduler_cls``; the settings come from
+``additional_config`` (``pdserve_tpot_target_ms``, ``pdserve_ttft_urgent_ms``,
+``pdserve_ttft_target_ms``; 0 = off; ``pdserve_prefill_order``).
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
+from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.request import RequestStatus
+from vllm.v1.request import Request, RequestStatus
 
 from pdserve.engines.step_budget import (
+    PREFILL_ORDER_KEY,
     TPOT_TARGET_KEY,
+    TTFT_TARGET_KEY,
     TTFT_URGENT_KEY,
+    Prompt,
     StepCost,
     Stream,
+    chunked_on_time,
+    deadline_group,
+    next_prompt,
     prompt_budget,
 )
 
 #: Pause before a step while the engine only waits for asynchronous KV loads (seconds).
 REMOTE_KV_IDLE_S = 0.01
+#: ``deadline``: an idle engine waits for a burst's requests while they come less than
+#: GATHER_QUIET_S apart, for at most GATHER_MAX_S after the first, polling every GATHER_POLL_S.
+GATHER_QUIET_S = 0.010
+GATHER_MAX_S = 0.060
+GATHER_POLL_S = 0.002
+
+
+@dataclass
+class Pick:
+    """What :meth:`StreamFirstScheduler._pick_prompts` decided for one step."""
+
+    held: list[Request] = field(default_factory=list)  # new prompts kept out of this step
+    gathering: bool = False  # nothing picked: waiting for the rest of a burst
+    deadline: float = 0.0  # wall clock: the on-time group's first-token deadline (0 = none)
+    tokens: int = 0  # the on-time group's prompt tokens still to compute
 
 
 class StreamFirstScheduler(Scheduler):
@@ -66,6 +101,8 @@ class StreamFirstScheduler(Scheduler):
         extra = getattr(self.vllm_config, "additional_config", None) or {}
         self.tpot_target_s = float(extra.get(TPOT_TARGET_KEY, 0)) / 1000.0
         self.ttft_urgent_s = float(extra.get(TTFT_URGENT_KEY, 0)) / 1000.0
+        self.ttft_target_s = float(extra.get(TTFT_TARGET_KEY, 0)) / 1000.0
+        self.prefill_order = str(extra.get(PREFILL_ORDER_KEY, "batched"))
         self.full_step_tokens = self.max_num_scheduled_tokens
         self.cost = StepCost()
         self._first_token_at: dict[str, float] = {}
@@ -76,29 +113,100 @@ class StreamFirstScheduler(Scheduler):
         if self._only_waiting_for_kv():
             time.sleep(REMOTE_KV_IDLE_S)
         now = time.monotonic()
+        seen = self._first_token_at
+        live = {}
         streams = []
-        if self.tpot_target_s > 0:
-            seen = self._first_token_at
-            live = {}
-            for r in self.running:
-                if r.num_computed_tokens >= r.num_prompt_tokens and r.num_output_tokens > 0:
-                    first = live[r.request_id] = seen.get(r.request_id, now)
-                    streams.append(Stream(first, r.num_output_tokens, r.max_tokens))
-            self._first_token_at = live
-        if streams:
-            budget = prompt_budget(
-                streams, now, self.tpot_target_s, self.cost, self.cache_config.block_size
-            )
-            budget = max(budget, self._urgent_prompt_tokens())
-            self.max_num_scheduled_tokens = min(self.full_step_tokens, len(streams) + budget)
-        else:
-            self.max_num_scheduled_tokens = self.full_step_tokens
-        out = super().schedule(*args, **kwargs)
-        if self.tpot_target_s > 0:
-            total = sum(out.num_scheduled_tokens.values())
-            prompts = max(0, total - len(streams))
-            self._step_started, self._step_prompt_tokens = time.monotonic(), prompts
+        for r in self.running:
+            if r.num_computed_tokens >= r.num_prompt_tokens and r.num_output_tokens > 0:
+                first = live[r.request_id] = seen.get(r.request_id, now)
+                streams.append(Stream(first, r.num_output_tokens, r.max_tokens))
+        self._first_token_at = live
+        pick = self._pick_prompts()
+        try:
+            if streams and self.tpot_target_s > 0:
+                budget = prompt_budget(
+                    streams, now, self.tpot_target_s, self.cost, self.cache_config.block_size
+                )
+                if self.prefill_order != "deadline":
+                    budget = max(budget, self._urgent_prompt_tokens())
+                elif pick.deadline and not chunked_on_time(
+                    pick.tokens, budget, pick.deadline - time.time(), self.cost
+                ):
+                    budget = max(budget, pick.tokens)  # in full, or it misses its deadline
+                self.max_num_scheduled_tokens = min(self.full_step_tokens, len(streams) + budget)
+            else:
+                self.max_num_scheduled_tokens = self.full_step_tokens
+            out = super().schedule(*args, **kwargs)
+        finally:
+            self.waiting.extend(pick.held)
+        if pick.gathering:
+            time.sleep(GATHER_POLL_S)
+        total = sum(out.num_scheduled_tokens.values())
+        self._step_started = time.monotonic()
+        self._step_prompt_tokens = max(0, total - len(streams))
         return out
+
+    def _pick_prompts(self) -> Pick:
+        """Leaves in the waiting queue, for this step, only the new prompts ``prefill_order``
+        picks (:func:`~pdserve.engines.step_budget.deadline_group` or
+        :func:`~pdserve.engines.step_budget.next_prompt`) and holds the others back. While a
+        prompt is part-way through its prefill none is picked (vLLM finishes that one first;
+        under ``deadline`` it is the group). Under ``deadline``, while the engine is idle and
+        prompts are still arriving (the last less than ``GATHER_QUIET_S`` ago, the first less
+        than ``GATHER_MAX_S``), none is picked either: a burst reaches the engine over some
+        milliseconds, one request after another, and taking the first alone would give it a
+        step of its own and its stream a long wait behind the rest. Requests vLLM must see
+        (preempted ones, ones waiting for KV or a grammar) always stay."""
+        queue = self.waiting
+        order = self.prefill_order
+        if order == "batched" or self.policy != SchedulingPolicy.FCFS:
+            return Pick()
+        new = [r for r in queue if r.status == RequestStatus.WAITING and not r.num_computed_tokens]
+        partial = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
+        now = time.time()
+        if partial:
+            chosen: list[Request] = []
+            group = partial
+        elif not new:
+            return Pick()
+        elif order == "deadline" and not self.running and self._still_arriving(new, now):
+            chosen = group = []
+        else:
+            prompts = [Prompt(r.arrival_time, self._tokens_to_compute(r)) for r in new]
+            if order == "deadline":
+                picked, _ = deadline_group(prompts, now, self.ttft_target_s, self.cost)
+            else:
+                picked = [next_prompt(prompts, now, self.ttft_urgent_s, order)]
+            chosen = group = [new[i] for i in picked]
+        pick = Pick(gathering=not group)
+        if order == "deadline" and group and self.ttft_target_s > 0:
+            tokens = sum(r.num_tokens - r.num_computed_tokens for r in group)
+            deadline = min(r.arrival_time for r in group) + self.ttft_target_s
+            if now + self.cost.fixed_s + self.cost.per_token_s * tokens <= deadline:
+                pick.deadline, pick.tokens = deadline, tokens
+        ids = {id(r) for r in chosen}
+        pick.held = [r for r in new if id(r) not in ids]
+        if pick.held:
+            kept = [r for r in queue if r.status != RequestStatus.WAITING or r.num_computed_tokens]
+            queue.clear()
+            queue.extend(kept + chosen)
+        return pick
+
+    @staticmethod
+    def _still_arriving(new: list[Request], now: float) -> bool:
+        first = min(r.arrival_time for r in new)
+        last = max(r.arrival_time for r in new)
+        return now - last < GATHER_QUIET_S and now - first < GATHER_MAX_S
+
+    def _tokens_to_compute(self, request: Request) -> int:
+        """The prompt tokens ``request`` would compute, less this engine's prefix-cache hit."""
+        try:
+            hit = self.kv_cache_manager.coordinator.find_longest_cache_hit(
+                request.block_hashes, request.num_tokens - 1
+            )[1]
+        except Exception:  # an estimate only: any lookup failure counts as no hit
+            hit = 0
+        return request.num_tokens - hit
 
     def _only_waiting_for_kv(self) -> bool:
         """Nothing to compute or clean up: every request waits for an asynchronous KV load
@@ -115,15 +223,16 @@ class StreamFirstScheduler(Scheduler):
         )
 
     def _urgent_prompt_tokens(self) -> int:
-        """Prompt tokens still to compute of the prompts waiting longer than ttft_urgent_ms
-        (arrival times are wall-clock, stamped by vLLM's front end on this host)."""
+        """Prompt tokens still to compute of the prompts in this step waiting longer than
+        ttft_urgent_ms (arrival times are wall-clock, stamped by vLLM's front end on this
+        host)."""
         if self.ttft_urgent_s <= 0:
             return 0
-        late = time.time() - self.ttft_urgent_s
+        since = time.time() - self.ttft_urgent_s
         return sum(
             r.num_prompt_tokens - r.num_computed_tokens
             for r in itertools.chain(self.running, self.waiting)
-            if r.num_computed_tokens < r.num_prompt_tokens and r.arrival_time < late
+            if r.num_computed_tokens < r.num_prompt_tokens and r.arrival_time < since
         )
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:

@@ -155,3 +155,13 @@ def test_generator_sessions_repeat_earlier_turns() -> None:
         if any(row.hash_ids[: len(e)] == e and len(e) > 1 for e in earlier):
             follow_ups += 1
     assert follow_ups > 50
+
+
+def test_generator_arrival_steps_make_bursts() -> None:
+    poisson = wl.generate_trace(wl.TraceGenConfig(rows=300, rate=3.0, seed=2))
+    steps = wl.generate_trace(wl.TraceGenConfig(rows=300, rate=3.0, seed=2, arrival_step_ms=3000))
+    # the same rows, each arrival floored to its 3 s step: bursts of about 9 at once
+    assert [r.timestamp_ms // 3000 * 3000 for r in poisson] == [r.timestamp_ms for r in steps]
+    assert [r.hash_ids for r in poisson] == [r.hash_ids for r in steps]
+    bursts = {r.timestamp_ms for r in steps}
+    assert len(steps) / len(bursts) == pytest.approx(9.0, rel=0.2)

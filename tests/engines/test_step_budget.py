@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engines.step_budget import StepCost, Stream, future_tokens, prompt_budget
+from pdserve.engines.step_budget import (
+    Prompt,
+    StepCost,
+    Stream,
+    chunked_on_time,
+    deadline_group,
+    future_tokens,
+    next_prompt,
+    prompt_budget,
+)
 
 TARGET = 0.150  # seconds per output token
 
@@ -48,3 +57,39 @@ def test_the_stream_with_least_slack_decides_and_progress_is_guaranteed():
     behind = Stream(10.0, 2, 3)  # 2 tokens in 0.5 s: over target, ends after the next
     assert prompt_budget([ahead, behind], 10.5, TARGET, cost, 32) == 32
     assert prompt_budget([ahead], 10.5, TARGET, cost, 32) == 146  # (750 - 500 - 30) / 1.5
+
+
+def test_next_prompt_orders():
+    now = 100.0
+    prompts = [Prompt(99.0, 300), Prompt(99.5, 40), Prompt(99.2, 40), Prompt(98.0, 200)]
+    assert next_prompt(prompts, now, 0.0, "shortest") == 2  # fewest tokens; tie: the oldest
+    assert next_prompt(prompts, now, 0.0, "arrival") == 3  # the oldest
+    # waiting 1.5 s or more is urgent: before any shorter prompt, the oldest urgent first
+    assert next_prompt(prompts, now, 1.5, "shortest") == 3
+    assert next_prompt(prompts, now, 3.0, "shortest") == 2  # nobody has waited 3 s
+    assert next_prompt([Prompt(now, 10)], now, 1.5, "shortest") == 0
+
+
+def test_deadline_group_batches_what_can_be_on_time():
+    cost = StepCost(fixed_s=0.030, per_token_s=0.0015)
+    now = 10.0
+    # a burst of five 200-token prompts that just arrived: 1.53 s together, within 2 s
+    burst = [Prompt(now, 200) for _ in range(5)]
+    assert deadline_group(burst, now, 2.0, cost) == ([0, 1, 2, 3, 4], True)
+    # eight of them: 2.43 s together; the first six (1.83 s) can be on time, then the rest
+    burst = [Prompt(now + i * 1e-3, 200) for i in range(8)]
+    assert deadline_group(burst, now + 0.01, 2.0, cost) == ([0, 1, 2, 3, 4, 5], True)
+    # the oldest goes first, and a big one that no longer fits is passed over for one that does
+    mixed = [Prompt(now - 1.5, 200), Prompt(now - 1.0, 600), Prompt(now - 0.5, 100)]
+    assert deadline_group(mixed, now, 2.0, cost) == ([0, 2], True)  # 0.48 s: all by 10.5
+    # nobody can be on time: the shortest late one, alone
+    late = [Prompt(now - 3.0, 300), Prompt(now - 2.5, 100), Prompt(now - 1.99, 200)]
+    assert deadline_group(late, now, 2.0, cost) == ([1], False)
+    assert deadline_group([Prompt(now, 10)], now, 0.0, cost) == ([0], False)  # no target
+
+
+def test_chunked_on_time_counts_a_fixed_cost_per_step():
+    cost = StepCost(fixed_s=0.030, per_token_s=0.0015)
+    assert chunked_on_time(300, 300, 0.48, cost)  # one step: 30 + 450 ms
+    assert not chunked_on_time(300, 100, 0.48, cost)  # three steps: 90 + 450 ms
+    assert chunked_on_time(300, 100, 0.54, cost)

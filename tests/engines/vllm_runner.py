@@ -3,7 +3,10 @@ process): ``python tests/engines/vllm_runner.py JOBS.json RESULTS.json``.
 
 JOBS.json: ``{"config": {EngineConfig fields}, "jobs": [{"mode": "single"|"prefill"|"decode",
 "id": str, "prompt": [int], "max_tokens": int, "kv": {KVRef fields}, "first": int,
-"cache_salt": str (optional)}]}``.
+"cache_salt": str (optional)}]}``; or ``{"mode": "burst", "id": str, "prompt": [int] (the
+blocker), "prompts": [[int]], "max_tokens": int}``: the blocker first, then every prompt of
+``prompts`` at once while it prefills; the result has each generation's ``tokens`` and
+``first_order``, the burst's indices in the order their first tokens came.
 RESULTS.json: one object per job with the tokens and the KV counters the engine reported (for
 generations also the counts it put on events before the last, its KV usage at each event and
 after, and vLLM's number of KV blocks).
@@ -35,7 +38,9 @@ async def run(spec: dict) -> list[dict]:
             sampling = Sampling(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True)
             out: dict = {"id": job["id"], "mode": job["mode"]}
             salt = job.get("cache_salt", "")
-            if job["mode"] == "prefill":
+            if job["mode"] == "burst":
+                out.update(await burst(engine, job, sampling))
+            elif job["mode"] == "prefill":
                 res = await engine.prefill(job["id"], job["prompt"], sampling, cache_salt=salt)
                 kv = res.kv
                 out.update(
@@ -89,6 +94,29 @@ async def run(spec: dict) -> list[dict]:
     finally:
         await engine.close()
     return results
+
+
+async def burst(engine, job: dict, sampling) -> dict:
+    import asyncio
+
+    first_order: list[int] = []
+    started = asyncio.Event()
+
+    async def gen(i: int, prompt: list[int]) -> list[int]:
+        tokens: list[int] = []
+        async for ev in engine.generate(f"{job['id']}-{i}", prompt, sampling):
+            if not tokens and i >= 0:
+                first_order.append(i)
+            started.set()
+            tokens.extend(ev.token_ids)
+        return tokens
+
+    blocker = asyncio.create_task(gen(-1, job["prompt"]))
+    await asyncio.sleep(0.05)  # the blocker's prefill step has started
+    if started.is_set():
+        raise AssertionError("the blocker prefilled before the burst arrived: make it longer")
+    outs = await asyncio.gather(*(gen(i, p) for i, p in enumerate(job["prompts"])))
+    return {"tokens": outs, "blocker_tokens": await blocker, "first_order": first_order}
 
 
 def run_engine(tmp: Path, name: str, config: dict, jobs: list[dict]) -> list[dict]:

