@@ -40,7 +40,11 @@ def test_burst_prefills_shortest_first_with_the_same_tokens(tmp_path: Path) -> N
         "max_tokens": 4,
     }
     config = {"model": "smollm2", "chunk_size": 32}
-    shortest = run_engine(tmp_path, "shortest", {**config, "prefill_order": "shortest"}, [job])
+    # the burst waits longer than ttft_urgent_ms behind the blocker: urgency off, or it would
+    # go oldest first
+    shortest = run_engine(
+        tmp_path, "shortest", {**config, "prefill_order": "shortest", "ttft_urgent_ms": 0}, [job]
+    )
     # a 0.5 s target the burst cannot meet behind the blocker: late prompts go one at a time
     late = {**config, "prefill_order": "deadline", "ttft_target_ms": 500}
     deadline = run_engine(tmp_path, "deadline", late, [job])
