@@ -115,7 +115,8 @@ def deadline_group(
     every one's deadline: a burst that fits in time shares one step, as vLLM batches it (the
     fewest steps, so the most tokens per second), and one too large for the time left
     prefills what can still be on time first instead of making every prompt late. With no live
-    prompt, the shortest late one goes alone: late prompts no longer hold each other up.
+    prompt, the oldest late one goes alone: late prompts no longer hold each other up, and the
+    longest wait is the shortest it can be.
     Contract: ``prompts`` is non-empty; returns a non-empty list of indices."""
 
     def ends(tokens: int) -> float:
@@ -136,9 +137,7 @@ def deadline_group(
             deadline = min(deadline, p.arrival + target_s)
     if group:
         return group, True
-    return [
-        min(range(len(prompts)), key=lambda i: (prompts[i].tokens, prompts[i].arrival, i))
-    ], False
+    return [min(range(len(prompts)), key=lambda i: (prompts[i].arrival, i))], False
 
 
 def chunked_on_time(tokens: int, budget: int, time_left_s: float, cost: StepCost) -> bool:

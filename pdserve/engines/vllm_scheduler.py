@@ -32,7 +32,7 @@ waiting prompt into the next step; ``deadline`` (the default) gives each prompt 
 ``arrival + ttft_target_ms`` and lets into the step only the prompts that can all still be on
 time together, oldest first (:func:`~pdserve.engines.step_budget.deadline_group`): a burst
 that fits is batched as vLLM does, and of a burst too large for its time, what can be on time
-goes first instead of every prompt being late. Late prompts then go one at a time, shortest
+goes first instead of every prompt being late. Late prompts then go one at a time, oldest
 first, and are never urgent (their first token is lost to the target either way; they no
 longer stretch the streams' steps). The others are held out of vLLM's waiting queue for the
 step and put back after it; ``shortest`` and ``arrival`` take one prompt per step.

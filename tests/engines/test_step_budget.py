@@ -82,8 +82,8 @@ def test_deadline_group_batches_what_can_be_on_time():
     # the oldest goes first, and a big one that no longer fits is passed over for one that does
     mixed = [Prompt(now - 1.5, 200), Prompt(now - 1.0, 600), Prompt(now - 0.5, 100)]
     assert deadline_group(mixed, now, 2.0, cost) == ([0, 2], True)  # 0.48 s: all by 10.5
-    # nobody can be on time: the shortest late one, alone
-    late = [Prompt(now - 3.0, 300), Prompt(now - 2.5, 100), Prompt(now - 1.99, 200)]
+    # nobody can be on time: the oldest late one, alone
+    late = [Prompt(now - 2.5, 100), Prompt(now - 3.0, 300), Prompt(now - 1.99, 200)]
     assert deadline_group(late, now, 2.0, cost) == ([1], False)
     assert deadline_group([Prompt(now, 10)], now, 0.0, cost) == ([0], False)  # no target
 

@@ -1,6 +1,6 @@
 """The vLLM scheduler's prefill order (``prefill_order``), on real engines: a burst of prompts
-that arrives while the engine is busy prefills one prompt per step, fewest tokens first (and so
-does ``deadline`` once the burst can no longer be on time), each first token coming as soon as
+that arrives while the engine is busy prefills one prompt per step, fewest tokens first (and
+``deadline``, once the burst can no longer be on time, oldest first), each first token coming as soon as
 its own prefill is done; vLLM's batched order gives every prompt its first token at the end of
 the whole burst. Tokens are the same either way. (Which prompts ``deadline`` groups is
 unit-tested in test_step_budget.py.)"""
@@ -45,14 +45,15 @@ def test_burst_prefills_shortest_first_with_the_same_tokens(tmp_path: Path) -> N
     shortest = run_engine(
         tmp_path, "shortest", {**config, "prefill_order": "shortest", "ttft_urgent_ms": 0}, [job]
     )
-    # a 0.5 s target the burst cannot meet behind the blocker: late prompts go one at a time
+    # a 0.5 s target the burst cannot meet behind the blocker: late prompts go one at a time,
+    # oldest first
     late = {**config, "prefill_order": "deadline", "ttft_target_ms": 500}
     deadline = run_engine(tmp_path, "deadline", late, [job])
     batched = run_engine(tmp_path, "batched", {**config, "prefill_order": "batched"}, [job])
 
     by_length = sorted(range(len(LENGTHS)), key=LENGTHS.__getitem__)
     assert shortest[0]["first_order"] == by_length
-    assert deadline[0]["first_order"] == by_length
+    assert deadline[0]["first_order"] == list(range(len(LENGTHS)))  # late: oldest first
     for run in (deadline, batched):
         assert run[0]["tokens"] == shortest[0]["tokens"]
         assert run[0]["blocker_tokens"] == shortest[0]["blocker_tokens"]
