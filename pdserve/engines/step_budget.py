@@ -41,6 +41,10 @@ class StepCost:
     def tokens_within(self, seconds: float) -> int:
         return int(max(0.0, seconds - self.fixed_s) / self.per_token_s)
 
+    def step_s(self, tokens: int) -> float:
+        """Projected time of one step that computes ``tokens`` prompt tokens."""
+        return self.fixed_s + self.per_token_s * tokens
+
 
 #: A stream is expected to last as long again as it has so far, and at least this many more
 #: tokens (capped by its max_tokens): the future short steps a long step is averaged over.
@@ -119,11 +123,8 @@ def deadline_group(
     longest wait is the shortest it can be.
     Contract: ``prompts`` is non-empty; returns a non-empty list of indices."""
 
-    def ends(tokens: int) -> float:
-        return now + cost.fixed_s + cost.per_token_s * tokens
-
     live = sorted(
-        (i for i, p in enumerate(prompts) if ends(p.tokens) <= p.arrival + target_s),
+        (i for i, p in enumerate(prompts) if now + cost.step_s(p.tokens) <= p.arrival + target_s),
         key=lambda i: (prompts[i].arrival, i),
     )
     group: list[int] = []
@@ -131,7 +132,7 @@ def deadline_group(
     deadline = float("inf")
     for i in live:
         p = prompts[i]
-        if ends(tokens + p.tokens) <= min(deadline, p.arrival + target_s):
+        if now + cost.step_s(tokens + p.tokens) <= min(deadline, p.arrival + target_s):
             group.append(i)
             tokens += p.tokens
             deadline = min(deadline, p.arrival + target_s)

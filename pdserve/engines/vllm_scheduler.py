@@ -175,6 +175,7 @@ class StreamFirstScheduler(Scheduler):
             prompts = [Prompt(r.arrival_time, self._tokens_to_compute(r)) for r in new]
             if order == "deadline":
                 picked, _ = deadline_group(prompts, now, self.ttft_target_s, self.cost)
+                # whether the group is on time is checked below, alike for a part-way prompt
             else:
                 picked = [next_prompt(prompts, now, self.ttft_urgent_s, order)]
             chosen = group = [new[i] for i in picked]
@@ -182,7 +183,7 @@ class StreamFirstScheduler(Scheduler):
         if order == "deadline" and group and self.ttft_target_s > 0:
             tokens = sum(r.num_tokens - r.num_computed_tokens for r in group)
             deadline = min(r.arrival_time for r in group) + self.ttft_target_s
-            if now + self.cost.fixed_s + self.cost.per_token_s * tokens <= deadline:
+            if now + self.cost.step_s(tokens) <= deadline:
                 pick.deadline, pick.tokens = deadline, tokens
         ids = {id(r) for r in chosen}
         pick.held = [r for r in new if id(r) not in ids]
