@@ -85,6 +85,13 @@ def _rate(text: str) -> float:
     return value
 
 
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``pdserve bench serve`` (and its ``gen-trace`` subcommand)."""
     d = "(default: %(default)s)"
@@ -253,8 +260,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write a conversation-like Mooncake trace (JSONL) for --workload trace",
         description=(
             "Writes a Mooncake JSONL trace: rows {timestamp ms, input_length, output_length, "
-            "hash_ids} at Poisson arrivals, floored to --arrival-step-ms. Every row starts with the shared system block 0; "
-            "a row is a new session (system block + new blocks) or the next turn of an earlier "
+            "hash_ids} at Poisson arrivals, floored to --arrival-step-ms. Every row starts "
+            "with the shared system block 0; a row is a new session (system block + new blocks) or the next turn of an earlier "
             "session (its previous blocks + new ones). Prints the reuse fraction (share of "
             "blocks whose id appeared in an earlier row) and the replayed sizes. With "
             "--block-tokens 16, '--reuse light' gives a mean input near 220 tokens, output "
@@ -283,7 +290,7 @@ def add_gen_trace_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help=f"seed {d}")
     p.add_argument(
         "--arrival-step-ms",
-        type=float,
+        type=_non_negative,
         default=3000.0,
         help="floor each arrival to a multiple of this, so requests come in bursts as in the "
         f"Mooncake conversation trace, which logs arrivals in 3,000 ms steps (0 = Poisson) {d}",
@@ -324,8 +331,6 @@ def gen_trace_cli(args: argparse.Namespace) -> int:
     for name in ("first_blocks", "turn_blocks", "follow_up", "max_turns", "output_tokens"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
-    if args.arrival_step_ms < 0:
-        raise BenchError(f"--arrival-step-ms must be >= 0, got {args.arrival_step_ms}")
     cfg = wl.TraceGenConfig(
         rows=args.rows,
         rate=args.rate,
