@@ -69,7 +69,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from pdserve import hashing
+from pdserve import hashing, identity
 from pdserve.engines.chunk_io import ChunkIO
 from pdserve.kvformat import DTYPE_NAMES, encoded_size
 from pdserve.store.api import ChunkMeta
@@ -106,6 +106,9 @@ class ConnectorSettings:
     backend: str = "pdserve"
     #: ``MooncakeStoreClient``'s arguments (``StoreBackendConfig.mooncake_options``)
     backend_options: dict[str, Any] = field(default_factory=dict)
+    #: the worker's TLS files (CA, certificate, key paths; empty = plaintext). vLLM runs the
+    #: connector in processes of its own, which do not inherit the worker's configured TLS.
+    tls_paths: tuple[str, str, str] = ("", "", "")
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
@@ -126,9 +129,16 @@ class ConnectorSettings:
             timeout_s=float(extra.get("timeout_s", 5.0)),
             backend=str(extra.get("store_backend", "pdserve")),
             backend_options=dict(extra.get("store_backend_options") or {}),
+            tls_paths=(
+                str(extra.get("tls_ca", "")),
+                str(extra.get("tls_cert", "")),
+                str(extra.get("tls_key", "")),
+            ),
         )
 
     def make_client(self) -> Any:
+        if identity.tls() is None:  # this process is vLLM's: take the worker's identity
+            identity.configure_files(identity.TlsFiles.load(*self.tls_paths))
         if self.backend == "mooncake":
             from pdserve.store import open_store
 
@@ -149,8 +159,11 @@ def extra_config(
     timeout_s: float = 5.0,
     backend: str = "pdserve",
     backend_options: dict[str, Any] | None = None,
+    tls: identity.TlsFiles | None = None,
 ) -> dict[str, Any]:
-    """The ``kv_connector_extra_config`` for :class:`ConnectorSettings.from_extra`."""
+    """The ``kv_connector_extra_config`` for :class:`ConnectorSettings.from_extra` (``tls``:
+    the worker's TLS files, passed on by path)."""
+    ca, cert, key = tls.paths if tls is not None else ("", "", "")
     return {
         "master_address": master_address,
         "model_id": fingerprint.model_id,
@@ -166,6 +179,9 @@ def extra_config(
         "timeout_s": timeout_s,
         "store_backend": backend,
         "store_backend_options": dict(backend_options or {}),
+        "tls_ca": ca,
+        "tls_cert": cert,
+        "tls_key": key,
     }
 
 

@@ -41,7 +41,7 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from pdserve import hashing
+from pdserve import hashing, identity
 from pdserve.engines import metrics, vllm_args
 from pdserve.engines.base import (
     Engine,
@@ -225,6 +225,7 @@ class VllmEngine(Engine):
                         if cfg.store_backend == "mooncake"
                         else None
                     ),
+                    tls=identity.tls(),
                 ),
             )
         # users' vllm_args may override these two, which are pdserve's defaults, not its needs

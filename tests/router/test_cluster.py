@@ -198,7 +198,7 @@ def tok(tiny_model_dir):
 
 
 def stream(cluster: Cluster, **kw) -> list[router_pb2.GenerateStreamResponse]:
-    with grpcutil.sync_channel(cluster.grpc) as ch:
+    with grpcutil.sync_channel(cluster.grpc, public=True) as ch:  # the router's API: no mTLS
         stub = router_pb2_grpc.RouterServiceStub(ch)
         return list(stub.GenerateStream(router_pb2.GenerateRequest(**kw), timeout=120))
 

@@ -3,7 +3,9 @@ node), one vLLM prefill worker and one vLLM decode worker (one core each; the ti
 in float32, chunk 64 = two vLLM blocks of 32). Every plan is token-exact against a
 single-process Hugging Face greedy run: write mode (decode waits inside vLLM for the chunks
 prefill publishes meanwhile) on prompts of one, two and several chunks, read mode and
-colocated mode."""
+colocated mode. Every internal link is mutual TLS, as under ``pdserve up``: vLLM runs the
+connector in processes of its own, which must reach the store with the worker's identity
+(they once went plaintext, were refused, and computed every prompt in full)."""
 
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ def cluster(tmp_path_factory, tiny_model_dir) -> Iterator[Cluster]:
         worker_flags=lambda role, i: {**VLLM, "vllm_cpu_cores": "0" if role == "prefill" else "1"},
         router_flags={"chunk_size": CHUNK},
         node_id="n0-vllm",
+        tls=True,
     )
     try:
         yield c
