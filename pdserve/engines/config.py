@@ -78,7 +78,8 @@ class EngineConfig(StoreBackendConfig):
         "vllm: which waiting prompts prefill together: deadline = those that can all still "
         "get their first token within ttft_target_ms share a step, oldest first (a burst that "
         "fits is batched as vLLM does; of one too large, what can still be on time goes "
-        "first), late ones one at a time, oldest first; shortest / arrival = one prompt per "
+        "first), late ones one at a time, oldest first (one waiting twice ttft_target_ms heads "
+        "the next step); shortest / arrival = one prompt per "
         "step, fewest tokens to compute / oldest first; batched = vLLM's own (every waiting "
         "prompt in the next step)",
     )

@@ -4,7 +4,7 @@ decoding stream within its time-per-output-token target."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 #: ``additional_config`` keys that carry the scheduler's targets (milliseconds; 0 = off).
@@ -87,6 +87,26 @@ class Prompt:
 
     arrival: float  # seconds, wall clock
     tokens: int  # prompt tokens still to compute (local prefix-cache hits taken off)
+    #: hashes of the full blocks it would compute, in order (chained: equal at i, equal before)
+    blocks: tuple[Hashable, ...] = ()
+
+
+def group_tokens(prompts: Sequence[Prompt], group: Sequence[int], block_tokens: int) -> int:
+    """Prompt tokens a step computes for ``group`` together. vLLM caches a prompt's blocks
+    when it schedules them, so a later prompt in the same step that starts with those blocks
+    hits them: a shared prefix is computed once."""
+    claimed: set[Hashable] = set()
+    total = 0
+    for i in group:
+        p = prompts[i]
+        shared = 0
+        for h in p.blocks:
+            if h not in claimed:
+                break
+            shared += 1
+        total += max(1, p.tokens - shared * block_tokens)
+        claimed.update(p.blocks)
+    return total
 
 
 def next_prompt(prompts: Sequence[Prompt], now: float, urgent_s: float, order: str) -> int:
@@ -108,37 +128,52 @@ def next_prompt(prompts: Sequence[Prompt], now: float, urgent_s: float, order: s
     return min(range(len(prompts)), key=key)
 
 
+#: ``deadline``: a late prompt that has waited this many times ``target_s`` is overdue.
+OVERDUE_TARGETS = 2.0
+
+
 def deadline_group(
-    prompts: Sequence[Prompt], now: float, target_s: float, cost: StepCost
+    prompts: Sequence[Prompt], now: float, target_s: float, cost: StepCost, block_tokens: int = 0
 ) -> tuple[list[int], bool]:
     """The prompts to prefill together in the next step (``deadline``), and whether they can
-    still get their first token within ``target_s`` of their arrival (their deadline).
+    all still get their first token within ``target_s`` of their arrival (their deadline).
 
     A prompt is live while one step of its own would end by its deadline. Live prompts go
     together, oldest first, as long as the step that holds them all is projected to end by
     every one's deadline: a burst that fits in time shares one step, as vLLM batches it (the
     fewest steps, so the most tokens per second), and one too large for the time left
-    prefills what can still be on time first instead of making every prompt late. With no live
+    prefills what can still be on time first instead of making every prompt late. A step's
+    tokens count a prefix the group shares once (:func:`group_tokens`). With no live
     prompt, the oldest late one goes alone: late prompts no longer hold each other up, and the
-    longest wait is the shortest it can be.
+    longest wait is the shortest it can be. So that a load that keeps live prompts coming does
+    not starve the late ones for ever, the oldest late prompt once overdue (waiting
+    ``OVERDUE_TARGETS`` times ``target_s``) heads the step, and live prompts join it while
+    they still fit: late prompts drain one per step at least, and the longest wait stays
+    bounded at the price of some live prompts' deadlines.
     Contract: ``prompts`` is non-empty; returns a non-empty list of indices."""
 
-    live = sorted(
-        (i for i, p in enumerate(prompts) if now + cost.step_s(p.tokens) <= p.arrival + target_s),
-        key=lambda i: (prompts[i].arrival, i),
+    def oldest(indices: Iterable[int]) -> list[int]:
+        return sorted(indices, key=lambda i: (prompts[i].arrival, i))
+
+    live = oldest(
+        i for i, p in enumerate(prompts) if now + cost.step_s(p.tokens) <= p.arrival + target_s
     )
-    group: list[int] = []
-    tokens = 0
+    overdue = oldest(
+        i
+        for i, p in enumerate(prompts)
+        if target_s > 0 and now - p.arrival >= OVERDUE_TARGETS * target_s
+    )
+    group = overdue[:1]
     deadline = float("inf")
     for i in live:
         p = prompts[i]
-        if now + cost.step_s(tokens + p.tokens) <= min(deadline, p.arrival + target_s):
+        tokens = group_tokens(prompts, [*group, i], block_tokens)
+        if now + cost.step_s(tokens) <= min(deadline, p.arrival + target_s):
             group.append(i)
-            tokens += p.tokens
             deadline = min(deadline, p.arrival + target_s)
     if group:
-        return group, True
-    return [min(range(len(prompts)), key=lambda i: (prompts[i].arrival, i))], False
+        return group, not overdue
+    return oldest(range(len(prompts)))[:1], False
 
 
 def chunked_on_time(tokens: int, budget: int, time_left_s: float, cost: StepCost) -> bool:

@@ -30,11 +30,12 @@ Which new prompts a step may take is ``prefill_order``'s. A step's time grows wi
 tokens, and each prompt in it gets its first token only when the step ends. vLLM puts every
 waiting prompt into the next step; ``deadline`` (the default) gives each prompt the deadline
 ``arrival + ttft_target_ms`` and lets into the step only the prompts that can all still be on
-time together, oldest first (:func:`~pdserve.engines.step_budget.deadline_group`): a burst
-that fits is batched as vLLM does, and of a burst too large for its time, what can be on time
+time together, oldest first (:func:`~pdserve.engines.step_budget.deadline_group`; a prefix
+they share counts once, as vLLM computes it once): a burst that fits is batched as vLLM does, and of a burst too large for its time, what can be on time
 goes first instead of every prompt being late. Late prompts then go one at a time, oldest
 first, and are never urgent (their first token is lost to the target either way; they no
-longer stretch the streams' steps). The others are held out of vLLM's waiting queue for the
+longer stretch the streams' steps); one that has waited twice ``ttft_target_ms`` heads the
+next step, so a steady stream of live prompts cannot starve it. The others are held out of vLLM's waiting queue for the
 step and put back after it; ``shortest`` and ``arrival`` take one prompt per step.
 
 While every request the engine holds is waiting for its KV to arrive (write mode's
@@ -70,6 +71,7 @@ from pdserve.engines.step_budget import (
     Stream,
     chunked_on_time,
     deadline_group,
+    group_tokens,
     next_prompt,
     prompt_budget,
 )
@@ -164,6 +166,9 @@ class StreamFirstScheduler(Scheduler):
         new = [r for r in queue if r.status == RequestStatus.WAITING and not r.num_computed_tokens]
         partial = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
         now = time.time()
+        block = self.cache_config.block_size
+        prompts: list[Prompt] = []
+        picked: list[int] = []
         if partial:
             chosen: list[Request] = []
             group = partial
@@ -172,16 +177,19 @@ class StreamFirstScheduler(Scheduler):
         elif order == "deadline" and not self.running and self._still_arriving(new, now):
             chosen = group = []
         else:
-            prompts = [Prompt(r.arrival_time, self._tokens_to_compute(r)) for r in new]
+            prompts = [self._prompt(r, block) for r in new]
             if order == "deadline":
-                picked, _ = deadline_group(prompts, now, self.ttft_target_s, self.cost)
+                picked, _ = deadline_group(prompts, now, self.ttft_target_s, self.cost, block)
                 # whether the group is on time is checked below, alike for a part-way prompt
             else:
                 picked = [next_prompt(prompts, now, self.ttft_urgent_s, order)]
             chosen = group = [new[i] for i in picked]
         pick = Pick(gathering=not group)
         if order == "deadline" and group and self.ttft_target_s > 0:
-            tokens = sum(r.num_tokens - r.num_computed_tokens for r in group)
+            if chosen:
+                tokens = group_tokens(prompts, picked, block)
+            else:  # part-way: its cache hits are in num_computed_tokens
+                tokens = sum(r.num_tokens - r.num_computed_tokens for r in group)
             deadline = min(r.arrival_time for r in group) + self.ttft_target_s
             if now + self.cost.step_s(tokens) <= deadline:
                 pick.deadline, pick.tokens = deadline, tokens
@@ -199,15 +207,17 @@ class StreamFirstScheduler(Scheduler):
         last = max(r.arrival_time for r in new)
         return now - last < GATHER_QUIET_S and now - first < GATHER_MAX_S
 
-    def _tokens_to_compute(self, request: Request) -> int:
-        """The prompt tokens ``request`` would compute, less this engine's prefix-cache hit."""
+    def _prompt(self, request: Request, block: int) -> Prompt:
+        """``request`` as the order sees it: the prompt tokens it would compute, less this
+        engine's prefix-cache hit, and the hashes of the full blocks it would compute."""
         try:
             hit = self.kv_cache_manager.coordinator.find_longest_cache_hit(
                 request.block_hashes, request.num_tokens - 1
             )[1]
         except Exception:  # an estimate only: any lookup failure counts as no hit
             hit = 0
-        return request.num_tokens - hit
+        blocks = tuple(request.block_hashes[hit // block :])
+        return Prompt(request.arrival_time, request.num_tokens - hit, blocks)
 
     def _only_waiting_for_kv(self) -> bool:
         """Nothing to compute or clean up: every request waits for an asynchronous KV load

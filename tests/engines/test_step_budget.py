@@ -12,6 +12,7 @@ from pdserve.engines.step_budget import (
     chunked_on_time,
     deadline_group,
     future_tokens,
+    group_tokens,
     next_prompt,
     prompt_budget,
 )
@@ -86,6 +87,35 @@ def test_deadline_group_batches_what_can_be_on_time():
     late = [Prompt(now - 2.5, 100), Prompt(now - 3.0, 300), Prompt(now - 1.99, 200)]
     assert deadline_group(late, now, 2.0, cost) == ([1], False)
     assert deadline_group([Prompt(now, 10)], now, 0.0, cost) == ([0], False)  # no target
+
+
+def test_an_overdue_prompt_heads_the_step_and_live_ones_join_while_they_fit():
+    cost = StepCost(fixed_s=0.030, per_token_s=0.0015)
+    now = 10.0
+    # live prompts keep coming; the late ones would wait for ever behind them
+    prompts = [Prompt(now - 3.9, 100), Prompt(now - 4.5, 300), Prompt(now, 200), Prompt(now, 900)]
+    # the 4.5 s one is overdue (2 x 2 s): it heads the step; the 200 fits beside it (0.78 s),
+    # the 900 would not (2.1 s); the 3.9 s one is late, not yet overdue
+    assert deadline_group(prompts, now, 2.0, cost) == ([1, 2], False)
+    # had it waited 3.5 s, nobody would be overdue: the live ones go together (1.68 s), on time
+    prompts[1] = Prompt(now - 3.5, 300)
+    assert deadline_group(prompts, now, 2.0, cost) == ([2, 3], True)
+
+
+def test_a_prefix_the_group_shares_counts_once():
+    cost = StepCost(fixed_s=0.030, per_token_s=0.0015)
+    now = 10.0
+    # eight 576-token prompts on one 512-token prefix (16 blocks of 32) and their own 64 tokens
+    prefix = tuple(f"p{b}" for b in range(16))
+    burst = [Prompt(now, 576, (*prefix, f"s{i}a", f"s{i}b")) for i in range(8)]
+    assert group_tokens(burst, range(8), 32) == 576 + 7 * 64
+    # all eight in one step: 1.46 s; counted as unrelated prompts only two fit (1.76 s)
+    assert deadline_group(burst, now, 2.0, cost, 32) == (list(range(8)), True)
+    assert deadline_group(burst, now, 2.0, cost) == ([0, 1], True)
+    # only a leading run is shared (chained hashes); a fully shared prompt computes one token
+    other = [Prompt(now, 96, ("x", "p1", "p2")), Prompt(now, 64, ("x", "y")), Prompt(now, 64)]
+    assert group_tokens(other, [0, 1, 2], 32) == 96 + 32 + 64
+    assert group_tokens([Prompt(now, 64, ("a", "b"))] * 2, [0, 1], 32) == 64 + 1
 
 
 def test_chunked_on_time_counts_a_fixed_cost_per_step():
