@@ -65,9 +65,8 @@ class EngineConfig(StoreBackendConfig):
         150.0,
         "vllm: time per output token the scheduler keeps decoding streams within while prompts "
         "prefill beside them: each step takes the most prompt tokens that keeps every stream "
-        "on target, from a step-cost model learnt online; a stream whose first token came "
-        "later than ttft_target_ms has missed its SLO already and holds no prompt back (0 = "
-        "vLLM's behaviour: up to max_num_batched_tokens beside streams)",
+        "on target, from a step-cost model learnt online (0 = vLLM's behaviour: up to "
+        "max_num_batched_tokens beside streams)",
     )
     ttft_urgent_ms: float = help_field(
         1500.0,

@@ -58,9 +58,6 @@ class Stream:
     first_token_at: float  # seconds, the scheduler's clock
     tokens: int  # output tokens so far (>= 1)
     max_tokens: int
-    #: its first token came after the time-to-first-token target: the request has missed its
-    #: SLO whatever its TPOT, so its TPOT holds no prompt back
-    late: bool = False
 
 
 def future_tokens(stream: Stream) -> int:
@@ -71,23 +68,17 @@ def future_tokens(stream: Stream) -> int:
 
 def prompt_budget(
     streams: list[Stream], now: float, target_s: float, cost: StepCost, block: int
-) -> int | None:
+) -> int:
     """Prompt tokens the next step may take beside ``streams`` so that every stream's time
     per output token (vLLM's TPOT: from its first token to its last, over the tokens after the
     first) is projected within ``target_s``: its time so far, plus this step, plus its expected
-    future tokens at a decode-only step each. At least ``block``, so prompts always progress.
-    Late streams do not count (their request missed its first-token target already; under
-    overload, holding prompts back for them makes every later prompt late too); None when
-    every stream is late: no limit."""
+    future tokens at a decode-only step each. At least ``block``, so prompts always progress."""
 
     def allowed(s: Stream) -> float:
         future = future_tokens(s)
         return target_s * (s.tokens + future) - (now - s.first_token_at) - future * cost.fixed_s
 
-    held = [allowed(s) for s in streams if not s.late]
-    if not held:
-        return None
-    return max(block, cost.tokens_within(min(held)))
+    return max(block, cost.tokens_within(min(allowed(s) for s in streams)))
 
 
 @dataclass(frozen=True)

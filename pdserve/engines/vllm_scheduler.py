@@ -18,10 +18,7 @@ decode-only step each:
 
 A young stream with tokens to come absorbs one long prefill step over all of them, as vLLM's
 prefill-first default does; a stream that is behind, or about to end, gets short steps until
-it is done. A stream whose first token came later than ``ttft_target_ms`` is left out: its
-request has missed a first-token SLO of that size whatever its TPOT, and under overload
-holding every step short for such streams slows the prefill of every prompt behind them,
-which then comes late as well. With no stream decoding, prompts prefill in full ``max_num_batched_tokens`` steps.
+it is done. With no stream decoding, prompts prefill in full ``max_num_batched_tokens`` steps.
 ``fixed`` and ``per_token`` are learnt from the engine's own step times (EWMA), so the budget
 follows the model and the machine.
 
@@ -110,8 +107,7 @@ class StreamFirstScheduler(Scheduler):
         self.prefill_order = str(extra.get(PREFILL_ORDER_KEY, "batched"))
         self.full_step_tokens = self.max_num_scheduled_tokens
         self.cost = StepCost()
-        #: request id -> (first seen decoding, scheduler clock; its first token was late)
-        self._first_token_at: dict[str, tuple[float, bool]] = {}
+        self._first_token_at: dict[str, float] = {}
         self._step_started = 0.0
         self._step_prompt_tokens = 0
 
@@ -119,26 +115,20 @@ class StreamFirstScheduler(Scheduler):
         if self._only_waiting_for_kv():
             time.sleep(REMOTE_KV_IDLE_S)
         now = time.monotonic()
-        wall = time.time()
         seen = self._first_token_at
         live = {}
         streams = []
         for r in self.running:
             if r.num_computed_tokens >= r.num_prompt_tokens and r.num_output_tokens > 0:
-                first, late = live[r.request_id] = seen.get(r.request_id) or (
-                    now,
-                    0 < self.ttft_target_s < wall - r.arrival_time,
-                )
-                streams.append(Stream(first, r.num_output_tokens, r.max_tokens, late))
+                first = live[r.request_id] = seen.get(r.request_id, now)
+                streams.append(Stream(first, r.num_output_tokens, r.max_tokens))
         self._first_token_at = live
         pick = self._pick_prompts()
         try:
-            budget = None
             if streams and self.tpot_target_s > 0:
                 budget = prompt_budget(
                     streams, now, self.tpot_target_s, self.cost, self.cache_config.block_size
                 )
-            if budget is not None:
                 if self.prefill_order != "deadline":
                     budget = max(budget, self._urgent_prompt_tokens())
                 elif pick.deadline and not chunked_on_time(

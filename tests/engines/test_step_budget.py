@@ -60,18 +60,6 @@ def test_the_stream_with_least_slack_decides_and_progress_is_guaranteed():
     assert prompt_budget([ahead], 10.5, TARGET, cost, 32) == 146  # (750 - 500 - 30) / 1.5
 
 
-def test_late_streams_hold_no_prompt_back():
-    cost = StepCost(fixed_s=0.030, per_token_s=0.0015)
-    behind = Stream(10.0, 2, 3)  # over target: would allow one block only
-    ahead = Stream(10.0, 5, 6)
-    assert prompt_budget([ahead, behind], 10.5, TARGET, cost, 32) == 32
-    # the same stream, but its first token missed the TTFT target: the request is lost to the
-    # SLO whatever its TPOT, so only the on-time stream sizes the step
-    late = Stream(10.0, 2, 3, late=True)
-    assert prompt_budget([ahead, late], 10.5, TARGET, cost, 32) == 146
-    assert prompt_budget([late], 10.5, TARGET, cost, 32) is None  # every stream late: no limit
-
-
 def test_next_prompt_orders():
     now = 100.0
     prompts = [Prompt(99.0, 300), Prompt(99.5, 40), Prompt(99.2, 40), Prompt(98.0, 200)]
