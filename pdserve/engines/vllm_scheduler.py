@@ -31,12 +31,13 @@ tokens, and each prompt in it gets its first token only when the step ends. vLLM
 waiting prompt into the next step; ``deadline`` (the default) gives each prompt the deadline
 ``arrival + ttft_target_ms`` and lets into the step only the prompts that can all still be on
 time together, oldest first (:func:`~pdserve.engines.step_budget.deadline_group`; a prefix
-they share counts once, as vLLM computes it once): a burst that fits is batched as vLLM does, and of a burst too large for its time, what can be on time
-goes first instead of every prompt being late. Late prompts then go one at a time, oldest
-first, and are never urgent (their first token is lost to the target either way; they no
-longer stretch the streams' steps); one that has waited twice ``ttft_target_ms`` heads the
-next step, so a steady stream of live prompts cannot starve it. The others are held out of vLLM's waiting queue for the
-step and put back after it; ``shortest`` and ``arrival`` take one prompt per step.
+they share counts once, as vLLM computes it once): a burst that fits is batched as vLLM does,
+and of a burst too large for its time, what can be on time goes first instead of every prompt
+being late. Late prompts then go one at a time, oldest first, and are never urgent (their
+first token is lost to the target either way; they no longer stretch the streams' steps); one
+that has waited twice ``ttft_target_ms`` heads the next step, so a steady stream of live
+prompts cannot starve it. The others are held out of vLLM's waiting queue for the step and
+put back after it; ``shortest`` and ``arrival`` take one prompt per step.
 
 While every request the engine holds is waiting for its KV to arrive (write mode's
 asynchronous load, :mod:`pdserve.engines.vllm_connector`) and nothing else is runnable, each
