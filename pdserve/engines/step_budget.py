@@ -91,6 +91,17 @@ class Prompt:
     blocks: tuple[Hashable, ...] = ()
 
 
+def _tokens_beside(p: Prompt, claimed: set[Hashable], block_tokens: int) -> int:
+    """Tokens ``p`` computes in a step whose earlier prompts schedule the blocks ``claimed``
+    (at least one: the last prompt token is always computed)."""
+    shared = 0
+    for h in p.blocks:
+        if h not in claimed:
+            break
+        shared += 1
+    return max(1, p.tokens - shared * block_tokens)
+
+
 def group_tokens(prompts: Sequence[Prompt], group: Sequence[int], block_tokens: int) -> int:
     """Prompt tokens a step computes for ``group`` together. vLLM caches a prompt's blocks
     when it schedules them, so a later prompt in the same step that starts with those blocks
@@ -98,14 +109,8 @@ def group_tokens(prompts: Sequence[Prompt], group: Sequence[int], block_tokens: 
     claimed: set[Hashable] = set()
     total = 0
     for i in group:
-        p = prompts[i]
-        shared = 0
-        for h in p.blocks:
-            if h not in claimed:
-                break
-            shared += 1
-        total += max(1, p.tokens - shared * block_tokens)
-        claimed.update(p.blocks)
+        total += _tokens_beside(prompts[i], claimed, block_tokens)
+        claimed.update(prompts[i].blocks)
     return total
 
 
@@ -164,12 +169,16 @@ def deadline_group(
         if target_s > 0 and now - p.arrival >= OVERDUE_TARGETS * target_s
     )
     group = overdue[:1]
+    tokens = group_tokens(prompts, group, block_tokens)
+    claimed: set[Hashable] = {h for i in group for h in prompts[i].blocks}
     deadline = float("inf")
     for i in live:
         p = prompts[i]
-        tokens = group_tokens(prompts, [*group, i], block_tokens)
-        if now + cost.step_s(tokens) <= min(deadline, p.arrival + target_s):
+        more = _tokens_beside(p, claimed, block_tokens)
+        if now + cost.step_s(tokens + more) <= min(deadline, p.arrival + target_s):
             group.append(i)
+            tokens += more
+            claimed.update(p.blocks)
             deadline = min(deadline, p.arrival + target_s)
     if group:
         return group, not overdue
