@@ -261,8 +261,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         description=(
             "Writes a Mooncake JSONL trace: rows {timestamp ms, input_length, output_length, "
             "hash_ids} at Poisson arrivals, floored to --arrival-step-ms. Every row starts "
-            "with the shared system block 0; a row is a new session (system block + new blocks) or the next turn of an earlier "
-            "session (its previous blocks + new ones). Prints the reuse fraction (share of "
+            "with the shared system block 0; a row is a new session (system block + new "
+            "blocks) or the next turn of an earlier session (its previous blocks + new ones). "
+            "Prints the reuse fraction (share of "
             "blocks whose id appeared in an earlier row) and the replayed sizes. With "
             "--block-tokens 16, '--reuse light' gives a mean input near 220 tokens, output "
             "2-16, about 17% reused blocks; '--reuse heavy' about 300 tokens and 45%."
