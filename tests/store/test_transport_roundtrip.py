@@ -354,6 +354,38 @@ def test_send_parts_and_recv_parts_survive_partial_transfers() -> None:
     b.close()
 
 
+@pytest.mark.parametrize("spin_s", [0.0, netio.SPIN_S])
+def test_recv_parts_keeps_stream_order_across_buffers_longer_than_a_slice(
+    monkeypatch, spin_s: float
+) -> None:
+    """Buffers longer than IO_SLICE ahead of others: a receive that fills one slice must not
+    go on into the next buffer (waiting for all of them, MSG_WAITALL, it would fill every
+    listed slice). The bytes land in stream order, spinning or waiting."""
+    import threading
+
+    monkeypatch.setattr(netio, "IO_SLICE", 4096)
+    a, b = socket.socketpair()
+    rng = np.random.default_rng(3)
+    parts = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in [10_000, 9000, 100, 5]]
+    sender = threading.Thread(target=netio.send_parts, args=(a, list(parts)))
+    sender.start()
+    bufs = [bytearray(len(p)) for p in parts]
+    assert netio.recv_parts(b, [memoryview(x) for x in bufs], spin_s)
+    sender.join(10)
+    assert [bytes(x) for x in bufs] == parts
+    a.close()
+    b.close()
+
+
+def test_iov_stops_at_the_first_buffer_longer_than_a_slice(monkeypatch) -> None:
+    monkeypatch.setattr(netio, "IO_SLICE", 8)
+    views = [memoryview(bytearray(n)) for n in [3, 20, 4]]
+    assert [len(v) for v in netio.iov(views)] == [3, 8]
+    assert [len(v) for v in netio.iov(views[2:])] == [4]
+    monkeypatch.setattr(netio, "IOV", 2)
+    assert [len(v) for v in netio.iov([memoryview(bytearray(1))] * 3, first=1)] == [1]
+
+
 @pytest.mark.parametrize("peer", ["shm"], indirect=True)
 def test_transport_shm_batches_copy_on_two_threads(peer: Peer) -> None:
     """A batch past PARALLEL_MIN_BYTES (and one object that large, cut in two) is copied on

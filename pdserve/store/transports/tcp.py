@@ -58,13 +58,14 @@ import blake3
 from pdserve.store import grants
 from pdserve.store.netio import (
     IDLE_TIMEOUT_S,
-    IO_SLICE,
-    IOV,
+    SPIN_S,
     ConnectionServer,
     advance,
+    iov,
     kernel_timeouts,
     recv_parts,
     send_parts,
+    spin_readable,
 )
 from pdserve.store.segment import SegmentMemory
 from pdserve.store.transports.base import (
@@ -447,11 +448,18 @@ class TcpTransport(Transport):
         return sock
 
     def _request(
-        self, address: str, request: list, length: int, out: list[memoryview] | None
+        self,
+        address: str,
+        request: list,
+        length: int,
+        out: list[memoryview] | None,
+        spin_s: float = 0.0,
     ) -> None:
         """One request on a pooled connection: ``request`` (header, then ranges or payload)
         goes out in one sendmsg; a read's ``length`` payload bytes land in ``out`` (buffers
-        filled in order), the reply header with them in one recvmsg_into. A pooled
+        filled in order), the reply header with them in one recvmsg_into. ``spin_s``: the
+        receives poll first, that long in all (:func:`~pdserve.store.netio.spin_readable`;
+        for a request that has the cores to itself, not one of parallel streams). A pooled
         connection the node closed meanwhile (its idle timeout, a restart) fails before any
         reply byte: the request is sent again once, on a fresh connection."""
         pool = self._pool(address)
@@ -469,6 +477,7 @@ class TcpTransport(Transport):
                 try:
                     send_parts(sock, request)
                     rep = memoryview(bytearray(REP.size))
+                    spin = spin_s - spin_readable(sock, spin_s)
                     if out is None:
                         received = recv_parts(sock, [rep])
                     else:
@@ -490,7 +499,7 @@ class TcpTransport(Transport):
                     )
                 if rlength != length:
                     raise TransportError(f"node {address} replied {rlength} bytes, want {length}")
-                if out is not None and not recv_parts(sock, out):
+                if out is not None and not recv_parts(sock, out, spin):
                     raise TransportError(f"node {address} closed the connection mid-payload")
                 ok = True
                 return
@@ -506,7 +515,7 @@ class TcpTransport(Transport):
     def _recv_reply(sock: socket.socket, rep: memoryview, out: list[memoryview]) -> bool:
         """Receives the reply header and whatever payload came with it; trims ``out`` to
         what is still missing. False when the peer closed first."""
-        got = sock.recvmsg_into([rep, *[o[:IO_SLICE] for o in out[: IOV - 1]]])[0]
+        got = sock.recvmsg_into([rep, *iov(out, 1)])[0]
         if got < REP.size:
             return got > 0 and recv_parts(sock, [rep[got:]])
         advance(out, got - REP.size)
@@ -565,21 +574,23 @@ class TcpTransport(Transport):
             ((address, ranges),) = by_node.items()
             if len(ranges) == 1:
                 try:
-                    self._vector(op, address, ranges)
+                    self._vector(op, address, ranges, SPIN_S)
                 except TransportError as exc:
                     errors[0] = exc
                 return errors
         for address, ranges in by_node.items():
             groups = _split(ranges, PARALLEL_STREAMS)
-            jobs = [functools.partial(self._vector, op, address, g) for g in groups]
+            spin = SPIN_S if len(groups) == 1 else 0.0  # parallel streams share the cores
+            jobs = [functools.partial(self._vector, op, address, g, spin) for g in groups]
             for group, err in zip(groups, self._run(jobs), strict=True):
                 if err is not None:
                     for i, *_ in group:
                         errors[i] = errors[i] or err
         return errors
 
-    def _vector(self, op: int, address: str, ranges: list[_Range]) -> None:
-        """READV / WRITEV requests for ``ranges`` on one connection."""
+    def _vector(self, op: int, address: str, ranges: list[_Range], spin_s: float = 0.0) -> None:
+        """READV / WRITEV requests for ``ranges`` on one connection (``spin_s`` as
+        :meth:`_request`)."""
         for lo in range(0, len(ranges), MAX_RANGES):
             batch = ranges[lo : lo + MAX_RANGES]
             head = REQ.pack(REQ_MAGIC, VERSION, op, 0, 0, 0, len(batch))
@@ -587,9 +598,9 @@ class TcpTransport(Transport):
             bufs = [r[4] for r in batch]
             total = sum(r[3] for r in batch)
             if op == OP_READV:
-                self._request(address, [head, table], total, bufs)
+                self._request(address, [head, table], total, bufs, spin_s)
             else:
-                self._request(address, [head, table, *bufs], total, None)
+                self._request(address, [head, table, *bufs], total, None, spin_s)
 
     def read_many(
         self, items: Sequence[tuple[kvstore_pb2.Replica, memoryview]]
