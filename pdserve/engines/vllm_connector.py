@@ -323,6 +323,11 @@ class PdserveConnector(KVConnectorBase_V1):
         self._trackers: dict[str, _SaveTracker] = {}
         self._outcomes: dict[str, _Outcome] = {}
         self._requests: dict[str, Request] = {}
+        #: leading prompt chunks the store held at each waiting request's last lookup: a
+        #: request need not save them again (its local prefix-cache hit is not loaded, and
+        #: without this every later request on a cached prefix gathered and encoded the whole
+        #: prefix again, inside its step, for the master to skip it)
+        self._stored: dict[str, int] = {}
         #: write mode: asynchronous loads allocated, for the next metadata; requests that
         #: have had their one wait
         self._async_plans: dict[str, _LoadPlan] = {}
@@ -351,6 +356,7 @@ class PdserveConnector(KVConnectorBase_V1):
         keys = hashing.chunk_keys(self.fp, tokens, _cache_salt(request))
         # a store that fails answers no hit (ChunkIO): vLLM computes everything
         hit = self.io.lookup(keys)
+        self._stored[request.request_id] = hit
         # a stored chunk holding the last token is loaded up to that token (a prefix slice)
         end = min(hit * cs, limit)
         tail_key = str(params.get("load_tail_key", ""))
@@ -411,6 +417,7 @@ class PdserveConnector(KVConnectorBase_V1):
         for req_id in scheduler_output.finished_req_ids:
             self._trackers.pop(req_id, None)
             self._plans.pop(req_id, None)
+            self._stored.pop(req_id, None)
         for req_id in scheduler_output.preempted_req_ids or ():
             self._trackers.pop(req_id, None)
         for req_id, plan in self._async_plans.items():
@@ -426,7 +433,8 @@ class PdserveConnector(KVConnectorBase_V1):
         for new in scheduler_output.scheduled_new_reqs:
             plan = self._plans.pop(new.req_id, None)
             block_ids = list(new.block_ids[0])
-            loaded_chunks = 0
+            # chunks the store holds: not saved again (a local prefix-cache hit's included)
+            loaded_chunks = self._stored.pop(new.req_id, 0)
             if plan is not None:
                 meta.loads.append(self._load_meta(new.req_id, plan, block_ids))
                 loaded_chunks = len(plan.keys)
@@ -534,6 +542,7 @@ class PdserveConnector(KVConnectorBase_V1):
         self._requests.pop(req_id, None)
         self._trackers.pop(req_id, None)
         self._plans.pop(req_id, None)
+        self._stored.pop(req_id, None)
         self._async_plans.pop(req_id, None)
         self._waited.discard(req_id)
         outcome = self._outcomes.pop(req_id, _Outcome())

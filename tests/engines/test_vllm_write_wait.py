@@ -29,7 +29,7 @@ def _connector(store) -> PdserveConnector:
     conn = object.__new__(PdserveConnector)
     conn.__dict__.update(fp=FP, rank_fp=FP, chunk_size=CHUNK, block_size=BS, io=ChunkIO(store, FP))
     conn.blocks_per_chunk = CHUNK // BS
-    for name in ("_plans", "_async_plans", "_outcomes", "_trackers", "_requests"):
+    for name in ("_plans", "_async_plans", "_outcomes", "_trackers", "_requests", "_stored"):
         setattr(conn, name, {})
     conn._waited = set()
     conn.settings = SimpleNamespace(tail_ttl_ms=1000)
@@ -91,6 +91,37 @@ def test_missing_chunks_become_one_async_load_and_a_request_waits_once(memory_st
     for i in (1, 2):
         _publish(memory_store, i)
     assert fresh.get_num_new_matched_tokens(_request(), 0) == (3 * CHUNK, False)
+
+
+def test_chunks_the_store_holds_are_not_saved_again_after_a_local_cache_hit(memory_store):
+    """A prompt whose first chunks vLLM's own prefix cache holds (so nothing is loaded) and
+    the store holds too saves only the chunks after them: it used to gather and encode the
+    whole prefix again, inside its step, for the master to skip it as stored."""
+    conn = _connector(memory_store)
+    for i in (0, 1):
+        _publish(memory_store, i)
+    req = SimpleNamespace(
+        request_id="r", prompt_token_ids=TOKENS, cache_salt=None, kv_transfer_params=None
+    )
+    conn.on_new_request(req)
+    local = 2 * CHUNK  # vLLM's local hit: the two stored chunks
+    assert conn.get_num_new_matched_tokens(req, local) == (0, False)
+    out = _empty_output()
+    blocks = list(range(len(TOKENS) // BS + 1))
+    out.scheduled_new_reqs = [
+        SimpleNamespace(
+            req_id="r", block_ids=[blocks], prompt_token_ids=TOKENS, num_computed_tokens=local
+        )
+    ]
+    out.num_scheduled_tokens = {"r": len(TOKENS) - local}
+    saves = conn.build_connector_meta(out).saves
+    assert [s.key for s in saves] == [KEYS[2]]
+    # a store that held nothing at the lookup: every chunk the step completes is saved
+    other = _connector(memory_store)
+    other.on_new_request(req)
+    memory_store.remove(KEYS[:2])
+    assert other.get_num_new_matched_tokens(req, local) == (0, False)
+    assert [s.key for s in other.build_connector_meta(out).saves] == KEYS
 
 
 class _Landing:
