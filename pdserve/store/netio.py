@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import select
 import socket
 import struct
 import threading
@@ -23,9 +22,6 @@ MAX_CONNECTIONS = 1024
 #: pooled connection, or a peer that stops in the middle of a header or payload, holds its
 #: thread and descriptor no longer. Clients retry a pooled connection the server closed.
 IDLE_TIMEOUT_S = 120.0
-#: How long, in all, a client polls its socket during one request whose answer it expects
-#: within microseconds, before its receives block (seconds): :func:`spin_readable`.
-SPIN_S = 300e-6
 #: accept() failures that mean "out of descriptors or memory for now": wait and go on.
 _TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
@@ -79,46 +75,16 @@ def send_parts(sock: socket.socket, parts: list) -> None:
         advance(views, sock.sendmsg(views[:IOV]))
 
 
-def spin_readable(sock: socket.socket, spin_s: float) -> float:
-    """Polls ``sock`` (without blocking) until it has bytes to read or ``spin_s`` passes, and
-    returns the seconds it polled; the caller's blocking receive follows either way.
-
-    A receive that blocks puts its thread to sleep, and when the thread's core has nothing
-    else to run the core idles: waking it when the bytes arrive costs about 25 us here (a
-    virtual machine's idle core). Measured on loopback (2 cores): a 4 KiB request/reply 52 ->
-    31 us, a 1 MiB read on one connection 250 -> 200 us. It only pays while this thread has
-    the core to itself: two connections receiving at once (a read split over parallel
-    streams) were slower with it, 3.1 -> 3.7 ms for 16 MiB, so callers spin on one-stream
-    waits only, and only for replies due within microseconds, with a budget per request."""
-    if spin_s <= 0 or getattr(sock, "pending", lambda: 0)():  # TLS: bytes already decrypted
-        return 0.0
-    poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    start = now = time.perf_counter()
-    while not poller.poll(0) and now - start < spin_s:
-        now = time.perf_counter()
-    return now - start
-
-
-def recv_parts(sock: socket.socket, parts: list[memoryview], spin_s: float = 0.0) -> bool:
+def recv_parts(sock: socket.socket, parts: list[memoryview]) -> bool:
     """Fills every buffer of ``parts`` in order (``recvmsg_into`` scatters one receive over
     several of them); False when the peer closed first. A plain (not TLS) socket.
 
-    ``spin_s``: :func:`spin_readable` before each receive, which returns what has arrived,
-    until the polls add up to ``spin_s`` (a long transfer does not hold a core polling
-    throughout). After that, or without it, each receive waits in the kernel for all it asks
-    for (``MSG_WAITALL``): one return to Python, and one taking of the GIL, per slice instead
-    of per arriving segment.
-    Measured on loopback (2 cores), 64 MiB over two connections: 10.3-10.9 -> 8.9-9.7 ms;
-    1 MiB on one connection: 330-360 us blocking, 270-350 us waiting for all, 200-260 us
-    spinning."""
+    Each receive waits in the kernel for all it asks for (``MSG_WAITALL``): one return to
+    Python, and one taking of the GIL, per slice instead of per arriving segment. Measured on
+    loopback (2 cores), 64 MiB over two connections at once: 10.3-10.9 -> 8.9-9.7 ms."""
     views = [p for p in parts if len(p)]
     while views:
-        flags = socket.MSG_WAITALL
-        if spin_s > 0:
-            spin_s -= spin_readable(sock, spin_s)
-            flags = 0
-        got = sock.recvmsg_into(iov(views), 0, flags)[0]
+        got = sock.recvmsg_into(iov(views), 0, socket.MSG_WAITALL)[0]
         if got == 0:
             return False
         advance(views, got)

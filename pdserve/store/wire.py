@@ -38,7 +38,7 @@ from google.protobuf.message import DecodeError, Message
 
 from pdserve import errors, identity
 from pdserve.grpcutil import DEFAULT_MAX_MESSAGE_BYTES
-from pdserve.store.netio import SPIN_S, kernel_timeouts, spin_readable
+from pdserve.store.netio import kernel_timeouts
 from pdserve.v1 import kvstore_pb2 as pb
 
 VERSION = 1
@@ -169,8 +169,6 @@ class WireClient:
             replied = False
             try:
                 sock.sendall(frame)
-                if conn.start == conn.end:  # the master answers within microseconds
-                    spin_readable(sock, SPIN_S)
                 length, status, _ = FRAME.unpack(conn.read(FRAME.size))
                 replied = True
                 if length > MAX_BODY:

@@ -354,13 +354,10 @@ def test_send_parts_and_recv_parts_survive_partial_transfers() -> None:
     b.close()
 
 
-@pytest.mark.parametrize("spin_s", [0.0, netio.SPIN_S])
-def test_recv_parts_keeps_stream_order_across_buffers_longer_than_a_slice(
-    monkeypatch, spin_s: float
-) -> None:
+def test_recv_parts_keeps_stream_order_across_buffers_longer_than_a_slice(monkeypatch) -> None:
     """Buffers longer than IO_SLICE ahead of others: a receive that fills one slice must not
     go on into the next buffer (waiting for all of them, MSG_WAITALL, it would fill every
-    listed slice). The bytes land in stream order, spinning or waiting."""
+    listed slice). The bytes land in stream order."""
     import threading
 
     monkeypatch.setattr(netio, "IO_SLICE", 4096)
@@ -370,7 +367,7 @@ def test_recv_parts_keeps_stream_order_across_buffers_longer_than_a_slice(
     sender = threading.Thread(target=netio.send_parts, args=(a, list(parts)))
     sender.start()
     bufs = [bytearray(len(p)) for p in parts]
-    assert netio.recv_parts(b, [memoryview(x) for x in bufs], spin_s)
+    assert netio.recv_parts(b, [memoryview(x) for x in bufs])
     sender.join(10)
     assert [bytes(x) for x in bufs] == parts
     a.close()

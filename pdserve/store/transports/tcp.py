@@ -58,14 +58,12 @@ import blake3
 from pdserve.store import grants
 from pdserve.store.netio import (
     IDLE_TIMEOUT_S,
-    SPIN_S,
     ConnectionServer,
     advance,
     iov,
     kernel_timeouts,
     recv_parts,
     send_parts,
-    spin_readable,
 )
 from pdserve.store.segment import SegmentMemory
 from pdserve.store.transports.base import (
@@ -448,18 +446,11 @@ class TcpTransport(Transport):
         return sock
 
     def _request(
-        self,
-        address: str,
-        request: list,
-        length: int,
-        out: list[memoryview] | None,
-        spin_s: float = 0.0,
+        self, address: str, request: list, length: int, out: list[memoryview] | None
     ) -> None:
         """One request on a pooled connection: ``request`` (header, then ranges or payload)
         goes out in one sendmsg; a read's ``length`` payload bytes land in ``out`` (buffers
-        filled in order), the reply header with them in one recvmsg_into. ``spin_s``: the
-        receives poll first, that long in all (:func:`~pdserve.store.netio.spin_readable`;
-        for a request that has the cores to itself, not one of parallel streams). A pooled
+        filled in order), the reply header with them in one recvmsg_into. A pooled
         connection the node closed meanwhile (its idle timeout, a restart) fails before any
         reply byte: the request is sent again once, on a fresh connection."""
         pool = self._pool(address)
@@ -477,7 +468,6 @@ class TcpTransport(Transport):
                 try:
                     send_parts(sock, request)
                     rep = memoryview(bytearray(REP.size))
-                    spin = spin_s - spin_readable(sock, spin_s)
                     if out is None:
                         received = recv_parts(sock, [rep])
                     else:
@@ -499,7 +489,7 @@ class TcpTransport(Transport):
                     )
                 if rlength != length:
                     raise TransportError(f"node {address} replied {rlength} bytes, want {length}")
-                if out is not None and not recv_parts(sock, out, spin):
+                if out is not None and not recv_parts(sock, out):
                     raise TransportError(f"node {address} closed the connection mid-payload")
                 ok = True
                 return
@@ -574,23 +564,21 @@ class TcpTransport(Transport):
             ((address, ranges),) = by_node.items()
             if len(ranges) == 1:
                 try:
-                    self._vector(op, address, ranges, SPIN_S)
+                    self._vector(op, address, ranges)
                 except TransportError as exc:
                     errors[0] = exc
                 return errors
         for address, ranges in by_node.items():
             groups = _split(ranges, PARALLEL_STREAMS)
-            spin = SPIN_S if len(groups) == 1 else 0.0  # parallel streams share the cores
-            jobs = [functools.partial(self._vector, op, address, g, spin) for g in groups]
+            jobs = [functools.partial(self._vector, op, address, g) for g in groups]
             for group, err in zip(groups, self._run(jobs), strict=True):
                 if err is not None:
                     for i, *_ in group:
                         errors[i] = errors[i] or err
         return errors
 
-    def _vector(self, op: int, address: str, ranges: list[_Range], spin_s: float = 0.0) -> None:
-        """READV / WRITEV requests for ``ranges`` on one connection (``spin_s`` as
-        :meth:`_request`)."""
+    def _vector(self, op: int, address: str, ranges: list[_Range]) -> None:
+        """READV / WRITEV requests for ``ranges`` on one connection."""
         for lo in range(0, len(ranges), MAX_RANGES):
             batch = ranges[lo : lo + MAX_RANGES]
             head = REQ.pack(REQ_MAGIC, VERSION, op, 0, 0, 0, len(batch))
@@ -598,9 +586,9 @@ class TcpTransport(Transport):
             bufs = [r[4] for r in batch]
             total = sum(r[3] for r in batch)
             if op == OP_READV:
-                self._request(address, [head, table], total, bufs, spin_s)
+                self._request(address, [head, table], total, bufs)
             else:
-                self._request(address, [head, table, *bufs], total, None, spin_s)
+                self._request(address, [head, table, *bufs], total, None)
 
     def read_many(
         self, items: Sequence[tuple[kvstore_pb2.Replica, memoryview]]
