@@ -784,10 +784,8 @@ class PdserveConnector(KVConnectorBase_V1):
         # one batched put per TTL (prompt chunks; request tails): two master round trips per
         # step whatever the chunk count, and existing keys skipped by the master, no pre-check
         by_ttl: dict[int, list[tuple[str, torch.Tensor]]] = {}
-        for save in meta.saves:
-            by_ttl.setdefault(save.ttl_ms, []).append(
-                (self._rank_key(save.key), self._gather(save))
-            )
+        for save, kv in zip(meta.saves, self._gather_all(meta.saves), strict=True):
+            by_ttl.setdefault(save.ttl_ms, []).append((self._rank_key(save.key), kv))
         # KV events describe the chain (rank 0's keys: H(parent || tokens)); other ranks' keys
         # are derived, not chained, and carry none
         chain = {
@@ -797,6 +795,36 @@ class PdserveConnector(KVConnectorBase_V1):
         }
         for ttl_ms, items in by_ttl.items():
             self.io.save(items, ttl_ms=ttl_ms, meta=chain)  # a chunk not saved: a future miss
+
+    def _gather_all(self, saves: list[ChunkSave]) -> list[torch.Tensor]:
+        """Each save's KV ``[layers, 2, kv_heads, tokens, head_dim]``, as :meth:`_gather`
+        gives it. The full chunks of a step are gathered together: one indexed copy per layer
+        and K or V for all of them, into one buffer whose slices are the chunks (one chunk at
+        a time cost about 1.2 ms each for SmolLM2's 30 layers, a 512-token prompt's 16 chunks
+        about 20 ms inside the step; together about 4.5 ms)."""
+        bpc, cs = self.blocks_per_chunk, self.chunk_size
+        full = [i for i, s in enumerate(saves) if s.num_tokens == cs and len(s.block_ids) >= bpc]
+        out: list[torch.Tensor | None] = [None] * len(saves)
+        if len(full) > 1:
+            n = len(full)
+            ids = torch.tensor(
+                [b for i in full for b in saves[i].block_ids[:bpc]], dtype=torch.long
+            )
+            buf: torch.Tensor | None = None
+            for layer, cache in enumerate(self._caches):
+                for half, view in enumerate(self._kv_views(cache)):
+                    blocks = view.index_select(0, ids)  # [n * bpc, H, bs, D]
+                    _, heads, bs, dim = blocks.shape
+                    if buf is None:
+                        buf = torch.empty(
+                            (n, len(self._caches), 2, heads, cs, dim), dtype=blocks.dtype
+                        )
+                    buf[:, layer, half].view(n, heads, bpc, bs, dim).copy_(
+                        blocks.view(n, bpc, heads, bs, dim).transpose(1, 2)
+                    )
+            for j, i in enumerate(full):
+                out[i] = buf[j]  # type: ignore[index]
+        return [kv if kv is not None else self._gather(s) for kv, s in zip(out, saves, strict=True)]
 
     def _gather(self, save: ChunkSave) -> torch.Tensor:
         bs = self.block_size

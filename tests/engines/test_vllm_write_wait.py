@@ -124,6 +124,27 @@ def test_chunks_the_store_holds_are_not_saved_again_after_a_local_cache_hit(memo
     assert [s.key for s in other.build_connector_meta(out).saves] == KEYS
 
 
+def test_a_steps_chunks_are_gathered_together_as_one_at_a_time(memory_store) -> None:
+    """_gather_all (one indexed copy per layer for all of a step's full chunks) gives each
+    save the bytes _gather gives it alone; a partial tail goes its own way."""
+    from pdserve.engines.vllm_connector import ChunkSave
+
+    conn = _connector(memory_store)
+    torch.manual_seed(5)
+    conn._caches = [torch.randn(32, H, BS, 2 * D).to(torch.bfloat16) for _ in range(L)]
+    saves = [
+        ChunkSave("a", 0, CHUNK, [9, 3]),
+        ChunkSave("b", CHUNK, CHUNK, [17, 30, 4]),  # more block ids than the chunk needs
+        ChunkSave("t", 2 * CHUNK, 5, [21, 22], ttl_ms=10),
+        ChunkSave("c", 3 * CHUNK, CHUNK, [0, 31]),
+    ]
+    together = conn._gather_all(saves)
+    alone = [conn._gather(s) for s in saves]
+    assert [t.shape for t in together] == [a.shape for a in alone]
+    assert all(torch.equal(t, a) for t, a in zip(together, alone, strict=True))
+    assert together[0].is_contiguous()
+
+
 class _Landing:
     """The store as decode sees it while prefill publishes: each prefix lookup lands one
     more chunk, up to ``up_to``."""
