@@ -426,7 +426,7 @@ def test_vllm_connector_saves_carry_the_chain() -> None:
     conn.io = IO()
     conn.rank_fp = fp  # TP rank 0 (the only one that publishes the chain)
     conn._connector_metadata = meta
-    conn._gather = lambda save: torch.zeros(1)
+    conn._gather_all = lambda saves: [torch.zeros(1) for _ in saves]
     conn.wait_for_save()
     chunks = dict(saved)[0]
     assert {k: (m.parent, list(m.tokens)) for k, m in chunks.items()} == {
