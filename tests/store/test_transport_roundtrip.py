@@ -331,11 +331,22 @@ def test_split_groups_by_bytes() -> None:
     assert tcp._split(one, 2) == [one]
 
 
+def _through_socket_pair(a: socket.socket, b: socket.socket, parts: list[bytes]) -> None:
+    """Sends ``parts`` from ``a`` on a thread and receives them on ``b`` into buffers of
+    their sizes; every byte must land in its buffer, in order."""
+    import threading
+
+    sender = threading.Thread(target=netio.send_parts, args=(a, list(parts)))
+    sender.start()
+    bufs = [bytearray(len(p)) for p in parts]
+    assert netio.recv_parts(b, [memoryview(x) for x in bufs])
+    sender.join(10)
+    assert [bytes(x) for x in bufs] == parts
+
+
 def test_send_parts_and_recv_parts_survive_partial_transfers() -> None:
     """Many small buffers through a socket pair with tiny kernel buffers: every byte lands
     in its buffer in order, whatever the kernel splits."""
-    import threading
-
     a, b = socket.socketpair()
     for s in (a, b):
         s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
@@ -343,12 +354,7 @@ def test_send_parts_and_recv_parts_survive_partial_transfers() -> None:
     rng = np.random.default_rng(2)
     parts = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in [1, 0, 5000, 3, 70_000]]
     parts += [bytes([i % 256]) * 7 for i in range(600)]  # more buffers than one sendmsg takes
-    sender = threading.Thread(target=netio.send_parts, args=(a, list(parts)))
-    sender.start()
-    bufs = [bytearray(len(p)) for p in parts]
-    assert netio.recv_parts(b, [memoryview(x) for x in bufs])
-    sender.join(10)
-    assert [bytes(x) for x in bufs] == parts
+    _through_socket_pair(a, b, parts)
     a.close()
     assert not netio.recv_parts(b, [memoryview(bytearray(1))])  # peer closed
     b.close()
@@ -358,18 +364,11 @@ def test_recv_parts_keeps_stream_order_across_buffers_longer_than_a_slice(monkey
     """Buffers longer than IO_SLICE ahead of others: a receive that fills one slice must not
     go on into the next buffer (waiting for all of them, MSG_WAITALL, it would fill every
     listed slice). The bytes land in stream order."""
-    import threading
-
     monkeypatch.setattr(netio, "IO_SLICE", 4096)
     a, b = socket.socketpair()
     rng = np.random.default_rng(3)
     parts = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in [10_000, 9000, 100, 5]]
-    sender = threading.Thread(target=netio.send_parts, args=(a, list(parts)))
-    sender.start()
-    bufs = [bytearray(len(p)) for p in parts]
-    assert netio.recv_parts(b, [memoryview(x) for x in bufs])
-    sender.join(10)
-    assert [bytes(x) for x in bufs] == parts
+    _through_socket_pair(a, b, parts)
     a.close()
     b.close()
 
