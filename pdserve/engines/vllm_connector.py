@@ -797,49 +797,46 @@ class PdserveConnector(KVConnectorBase_V1):
             self.io.save(items, ttl_ms=ttl_ms, meta=chain)  # a chunk not saved: a future miss
 
     def _gather_all(self, saves: list[ChunkSave]) -> list[torch.Tensor]:
-        """Each save's KV ``[layers, 2, kv_heads, tokens, head_dim]``, as :meth:`_gather`
-        gives it. The full chunks of a step are gathered together: one indexed copy per layer
-        and K or V for all of them, into one buffer whose slices are the chunks (one chunk at
-        a time cost about 1.2 ms each for SmolLM2's 30 layers, a 512-token prompt's 16 chunks
-        about 20 ms inside the step; together about 4.5 ms)."""
+        """Each save's KV ``[layers, 2, kv_heads, tokens, head_dim]``. The full chunks of a
+        step are gathered together (:meth:`_gather_blocks`: one indexed copy per layer and K
+        or V for all of them; one chunk at a time cost about 1.2 ms each for SmolLM2's 30
+        layers, a 512-token prompt's 16 chunks about 20 ms inside the step, together about
+        4.5 ms); a partial tail alone."""
         bpc, cs = self.blocks_per_chunk, self.chunk_size
         full = [i for i, s in enumerate(saves) if s.num_tokens == cs and len(s.block_ids) >= bpc]
         out: list[torch.Tensor | None] = [None] * len(saves)
-        if len(full) > 1:
-            n = len(full)
-            ids = torch.tensor(
-                [b for i in full for b in saves[i].block_ids[:bpc]], dtype=torch.long
-            )
-            buf: torch.Tensor | None = None
-            for layer, cache in enumerate(self._caches):
-                for half, view in enumerate(self._kv_views(cache)):
-                    blocks = view.index_select(0, ids)  # [n * bpc, H, bs, D]
-                    _, heads, bs, dim = blocks.shape
-                    if buf is None:
-                        buf = torch.empty(
-                            (n, len(self._caches), 2, heads, cs, dim), dtype=blocks.dtype
-                        )
-                    buf[:, layer, half].view(n, heads, bpc, bs, dim).copy_(
-                        blocks.view(n, bpc, heads, bs, dim).transpose(1, 2)
-                    )
+        if full:
+            together = self._gather_blocks([saves[i].block_ids[:bpc] for i in full])
             for j, i in enumerate(full):
-                out[i] = buf[j]  # type: ignore[index]
+                out[i] = together[j]
         return [kv if kv is not None else self._gather(s) for kv, s in zip(out, saves, strict=True)]
 
     def _gather(self, save: ChunkSave) -> torch.Tensor:
-        bs = self.block_size
-        nblocks = (save.num_tokens + bs - 1) // bs
-        ids = torch.tensor(save.block_ids[:nblocks], dtype=torch.long)
-        layers = []
-        for cache in self._caches:
-            parts = []
-            for view in self._kv_views(cache):
-                blocks = view[ids]  # [nb, H, bs, D]
-                heads, dim = blocks.shape[1], blocks.shape[3]
-                flat = blocks.transpose(0, 1).reshape(heads, nblocks * bs, dim)
-                parts.append(flat[:, : save.num_tokens])
-            layers.append(torch.stack(parts))
-        return torch.stack(layers).contiguous()
+        """One save's KV ``[layers, 2, kv_heads, num_tokens, head_dim]``, contiguous."""
+        nblocks = (save.num_tokens + self.block_size - 1) // self.block_size
+        kv = self._gather_blocks([save.block_ids[:nblocks]])[0]
+        return kv[:, :, :, : save.num_tokens].contiguous()
+
+    def _gather_blocks(self, block_lists: list[list[int]]) -> torch.Tensor:
+        """The KV of each list of blocks (all of one length ``nb``), in the chunk layout:
+        ``[lists, layers, 2, kv_heads, nb * block_size, head_dim]``, one indexed copy per
+        layer and K or V for all the lists, each list's slice contiguous."""
+        n, nb = len(block_lists), len(block_lists[0])
+        ids = torch.tensor([b for blocks in block_lists for b in blocks], dtype=torch.long)
+        out: torch.Tensor | None = None
+        for layer, cache in enumerate(self._caches):
+            for half, view in enumerate(self._kv_views(cache)):
+                blocks = view.index_select(0, ids)  # [n * nb, H, bs, D]
+                _, heads, bs, dim = blocks.shape
+                if out is None:
+                    out = torch.empty(
+                        (n, len(self._caches), 2, heads, nb * bs, dim), dtype=blocks.dtype
+                    )
+                out[:, layer, half].view(n, heads, nb, bs, dim).copy_(
+                    blocks.view(n, nb, heads, bs, dim).transpose(1, 2)
+                )
+        assert out is not None
+        return out
 
     def _rank_key(self, key: str) -> str:
         """Where this worker's TP rank keeps its share of the chunk rank 0 keeps at ``key``."""

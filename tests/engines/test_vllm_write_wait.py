@@ -126,8 +126,9 @@ def test_chunks_the_store_holds_are_not_saved_again_after_a_local_cache_hit(memo
 
 def test_a_steps_chunks_are_gathered_together_as_one_at_a_time(memory_store) -> None:
     """_gather_all (one indexed copy per layer for all of a step's full chunks) gives each
-    save the bytes _gather gives it alone; a partial tail goes its own way."""
-    from pdserve.engines.vllm_connector import ChunkSave
+    save the bytes _gather gives it alone, and both the tokens the cache's K and V views hold
+    at the save's blocks, in order; a partial tail goes its own way."""
+    from pdserve.engines.vllm_connector import ChunkSave, kv_views
 
     conn = _connector(memory_store)
     torch.manual_seed(5)
@@ -143,6 +144,17 @@ def test_a_steps_chunks_are_gathered_together_as_one_at_a_time(memory_store) -> 
     assert [t.shape for t in together] == [a.shape for a in alone]
     assert all(torch.equal(t, a) for t, a in zip(together, alone, strict=True))
     assert together[0].is_contiguous()
+
+    def reference(save: ChunkSave) -> torch.Tensor:  # token by token, from the views
+        def tokens(view: torch.Tensor) -> torch.Tensor:
+            rows = [view[save.block_ids[t // BS], :, t % BS] for t in range(save.num_tokens)]
+            return torch.stack(rows, dim=1)  # [H, tokens, D]
+
+        return torch.stack(
+            [torch.stack([tokens(v) for v in kv_views(c, BS)]) for c in conn._caches]
+        )
+
+    assert all(torch.equal(t, reference(s)) for t, s in zip(together, saves, strict=True))
 
 
 class _Landing:
