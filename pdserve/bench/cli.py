@@ -182,6 +182,14 @@ def _kvstore_arguments(p: argparse.ArgumentParser) -> None:
         "objects, at most 256 MiB per batch; 1 = single-object runs only (default: 16)",
     )
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="measure every system this many times, in turn, each store started afresh, and "
+        "report each figure's median across the rounds (the JSON keeps every round) "
+        "(default: 3)",
+    )
+    p.add_argument(
         "--no-mooncake-store", action="store_true", help="skip the Mooncake Store baseline"
     )
     p.add_argument(

@@ -1150,6 +1150,10 @@ def tcp_expect(
         for r in ranges:
             if fail := region(gop, *r):
                 return [*out, (fail, 0, False)]
+        if op == tcp.OP_WRITEV:
+            pos += len(tcp.writev_pad(length))
+            if pos > len(stream):
+                return out  # closed within the padding: no answer
         total = sum(r[2] for r in ranges)
         if op in (tcp.OP_READ, tcp.OP_READV):
             out.append((tcp.ST_OK, total, True))
@@ -1237,6 +1241,8 @@ class TcpPort:
                 count = draw(_mostly(len(ranges), st.sampled_from([0, len(ranges) + 1, U64])))
                 head = tcp.REQ.pack(magic, version, op, reserved, 0, 0, count)
                 head += b"".join(tcp.RANGE.pack(*r) for r in ranges)
+                if write:
+                    head += draw(_mostly(tcp.writev_pad(count), st.binary(max_size=64)))
             else:
                 ranges = [draw(one_range(write))]
                 head = tcp.REQ.pack(magic, version, op, reserved, *ranges[0][:3])
@@ -1275,7 +1281,10 @@ class TcpPort:
             got = exchange(self.address, head + tcp.GRANT.pack(*grant))
         except (OSError, Violation) as exc:
             raise Dead(f"tcp: a valid 1-byte READ failed: {exc}") from exc
-        if got[: tcp.REP.size] != tcp.REP.pack(tcp.REP_MAGIC, tcp.ST_OK, 1) or len(got) != 17:
+        if (
+            got[: tcp.REP.size] != tcp.REP.pack(tcp.REP_MAGIC, tcp.ST_OK, 1)
+            or len(got) != tcp.REP.size + 1
+        ):
             raise Dead(f"tcp: a valid 1-byte READ answered {got!r}")
 
 

@@ -12,7 +12,9 @@ measures from this (a different) process, per transport and object size, in two 
   (:data:`BATCH_BYTES`).
 
 Reported: put and get GB/s (bytes moved / wall time of sequential operations) and p50/p99
-latency per operation. Alongside: numpy memcpy of the same objects (the local limit: as many
+latency per operation. Every system is measured ``--rounds`` times (default 3), in turn, each
+store started afresh for each round, and each figure is the median across the rounds: the
+machines are noisy, and a slow spell during one system's turn would otherwise decide a ratio. Alongside: numpy memcpy of the same objects (the local limit: as many
 distinct sources as the store run reads, so they are as far from the CPU caches), plain
 loopback TCP with the same socket settings and nothing else (``tcp-plain``: what any tcp
 transport here works against; machine noise can put a run of it below pdserve's), Mooncake Store's own client
@@ -64,6 +66,7 @@ class Row:
     get_gbps: float
     get_p50_us: float
     get_p99_us: float
+    rounds: int = 1  # rounds this row is the median of (iterations: summed over them)
 
 
 def _pct(samples: list[float], q: float) -> float:
@@ -553,7 +556,6 @@ def plot(rows: list[Row], path: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.procs import local_store
     from pdserve.store.mooncake_backend import available as mooncake_available
 
     sizes = [parse_size(s) for s in args.sizes.split(",")]
@@ -561,16 +563,57 @@ def run(args: argparse.Namespace) -> int:
     unknown = set(transports) - {"shm", "tcp", "mooncake"}
     if unknown:
         raise SystemExit(f"--transports: unknown {sorted(unknown)}; choose shm, tcp, mooncake")
+    if args.batch < 1:
+        raise SystemExit("--batch must be >= 1 (1 = no batched runs)")
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be >= 1")
     have_mc = mooncake_available()
     if not have_mc:
         _progress("mooncake is not installed: skipping the mooncake transport and Mooncake Store")
         transports = [t for t in transports if t != "mooncake"]
     n_max = max(iterations_for(s, args.iterations) for s in sizes)
-    segment = max(64 << 20, max(_bytes_per_size(s, args) for s in sizes) + (16 << 20))
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-bench-kvstore-"))
-    _progress(f"logs in {log_dir}; up to {n_max} iterations per size; segment {_fmt_size(segment)}")
-    if args.batch < 1:
-        raise SystemExit("--batch must be >= 1 (1 = no batched runs)")
+    _progress(f"logs in {log_dir}; up to {n_max} iterations per size; {args.rounds} round(s)")
+    rounds = []
+    for i in range(args.rounds):
+        _progress(f"round {i + 1} of {args.rounds}")
+        rounds.append(_round(args, sizes, transports, have_mc, log_dir / f"round-{i + 1}"))
+    rows = median_rows([r[0] for r in rounds])
+    prefix = _median_dicts([r[1] for r in rounds])
+    control = _median_dicts([r[2] for r in rounds])
+    print(render(rows, prefix, control))
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "rows": [asdict(r) for r in rows],
+                    "longest_prefix": prefix,
+                    "control": control,
+                    "rounds": [
+                        {"rows": [asdict(r) for r in rr], "longest_prefix": p, "control": c}
+                        for rr, p, c in rounds
+                    ],
+                },
+                indent=2,
+            )
+        )
+    if args.plot:
+        print(f"plot: {plot(rows, Path(args.plot))}")
+    return 0
+
+
+def _round(
+    args: argparse.Namespace,
+    sizes: list[int],
+    transports: list[str],
+    have_mc: bool,
+    log_dir: Path,
+) -> tuple[list[Row], dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """Every system once, one after the other, each store started afresh: the rows, the
+    longest-prefix figures and the control-path figures of one round."""
+    from pdserve.procs import local_store
+
+    segment = max(64 << 20, max(_bytes_per_size(s, args) for s in sizes) + (16 << 20))
     rows = bench_memcpy(sizes, args.iterations, args.batch)
     if "tcp" in transports:
         _progress("plain loopback tcp")
@@ -610,21 +653,58 @@ def run(args: argparse.Namespace) -> int:
         mc_rows, mc_prefix = bench_mooncake(sizes, args.iterations, args.batch, log_dir, mc_segment)
         rows += mc_rows
         prefix["mooncake-store batch_is_exist"] = mc_prefix
-    print(render(rows, prefix, control))
-    if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {
-                    "rows": [asdict(r) for r in rows],
-                    "longest_prefix": prefix,
-                    "control": control,
-                },
-                indent=2,
+    return rows, prefix, control
+
+
+def _median(values: list[float]) -> float:
+    s = sorted(values)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
+def median_rows(rounds: list[list[Row]]) -> list[Row]:
+    """One row per (system, size, batch) over the rounds: each figure the median of that
+    figure across the rounds that measured it, ``iterations`` their sum, ``rounds`` their
+    count. The machines are noisy and the systems run one after the other: medians over
+    alternating rounds keep one slow spell from deciding a ratio."""
+    groups: dict[tuple[str, int, int], list[Row]] = {}
+    for rows in rounds:
+        for r in rows:
+            groups.setdefault((r.system, r.size, r.batch), []).append(r)
+    out = []
+    for (system, size, batch), rs in groups.items():
+        figures = {
+            f: _median([getattr(r, f) for r in rs])
+            for f in (
+                "put_gbps",
+                "put_p50_us",
+                "put_p99_us",
+                "get_gbps",
+                "get_p50_us",
+                "get_p99_us",
+            )
+        }
+        out.append(
+            Row(
+                system,
+                size,
+                sum(r.iterations for r in rs),
+                rs[0].mode,
+                batch,
+                **figures,
+                rounds=len(rs),
             )
         )
-    if args.plot:
-        print(f"plot: {plot(rows, Path(args.plot))}")
-    return 0
+    return out
+
+
+def _median_dicts(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """``{name: {figure: value}}`` per round -> the median of each figure across rounds."""
+    out: dict[str, dict[str, float]] = {}
+    for name in rounds[0]:
+        got = [r[name] for r in rounds if name in r]
+        out[name] = {f: _median([g[f] for g in got]) for f in got[0]}
+    return out
 
 
 def _bench_tls(

@@ -26,6 +26,8 @@ def test_bench_kvstore_small_run(tmp_path: Path) -> None:
             "3",
             "--batch",
             "4",
+            "--rounds",
+            "2",
             "--transports",
             "shm,tcp",
             "--no-mooncake-store",
@@ -53,9 +55,31 @@ def test_bench_kvstore_small_run(tmp_path: Path) -> None:
     assert ("pdserve/tcp-tls", 65536, 1) in systems
     assert "tcp with / without mutual TLS on the control path at 64 KiB single" in proc.stdout
     for r in data["rows"]:
-        assert r["iterations"] == 3 and r["put_gbps"] > 0 and r["get_gbps"] > 0
+        assert r["iterations"] == 6 and r["rounds"] == 2  # 3 timed operations per round
+        assert r["put_gbps"] > 0 and r["get_gbps"] > 0
         assert 0 < r["get_p50_us"] <= r["get_p99_us"]
         assert r["mode"] == ("single" if r["batch"] == 1 else "batch")
     assert data["longest_prefix"]["pdserve"]["keys"] == 64
+    assert len(data["rounds"]) == 2 and all(
+        len(r["rows"]) == len(data["rows"]) for r in data["rounds"]
+    )
     assert set(data["control"]) == {"grpc", "wire", "grpc + mutual TLS", "wire + mutual TLS"}
     assert all(c["lookup_p50_us"] > 0 for c in data["control"].values())
+
+
+def test_median_rows_takes_each_figure_median_across_rounds() -> None:
+    from pdserve.bench.kvstore import Row, median_rows
+
+    def row(system: str, get_gbps: float, put_p50: float, n: int = 3) -> Row:
+        return Row(system, 1 << 20, n, "single", 1, 1.0, put_p50, 9.0, get_gbps, 5.0, 7.0)
+
+    rounds = [
+        [row("a", 1.0, 30.0), row("b", 4.0, 1.0)],
+        [row("a", 9.0, 10.0)],
+        [row("a", 2.0, 20.0, n=4), row("b", 6.0, 3.0)],
+    ]
+    got = {r.system: r for r in median_rows(rounds)}
+    assert (got["a"].get_gbps, got["a"].put_p50_us, got["a"].iterations) == (2.0, 20.0, 10)
+    assert got["a"].rounds == 3
+    # "b" ran in two rounds only: the median of two is their mean.
+    assert (got["b"].get_gbps, got["b"].put_p50_us, got["b"].rounds) == (5.0, 2.0, 2)

@@ -58,7 +58,8 @@ def _req(op: int, rng: tuple, **kw) -> bytes:
 def _vec(op: int, ranges: list[tuple], count: int | None = None) -> bytes:
     n = len(ranges) if count is None else count
     head = tcp.REQ.pack(tcp.REQ_MAGIC, tcp.VERSION, op, 0, 0, 0, n)
-    return head + b"".join(tcp.RANGE.pack(*r) for r in ranges)
+    pad = tcp.writev_pad(n) if op == tcp.OP_WRITEV else b""
+    return head + b"".join(tcp.RANGE.pack(*r) for r in ranges) + pad
 
 
 def test_tcp_data_port_answers(store) -> None:

@@ -23,6 +23,8 @@ def _exchange(port: int, op: int, ranges: list[tuple], payload: bytes = b"") -> 
     then closes the connection)."""
     head = tcp.REQ.pack(tcp.REQ_MAGIC, tcp.VERSION, op, 0, 0, 0, len(ranges))
     table = b"".join(tcp.RANGE.pack(*r) for r in ranges)
+    if op == tcp.OP_WRITEV:
+        table += tcp.writev_pad(len(ranges))
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
         s.sendall(head + table + payload)
         s.shutdown(socket.SHUT_WR)

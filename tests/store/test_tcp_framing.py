@@ -80,6 +80,7 @@ def test_pipelined_requests_in_one_send_are_answered_in_order(node) -> None:
         + _table(key, [(0, 16)])
         + _head(tcp.OP_WRITEV, 1)
         + _table(key, [(4096, len(payload))])
+        + tcp.writev_pad(1)
         + payload
         + _head(tcp.OP_READV, 1)
         + _table(key, [(4096, len(payload))])

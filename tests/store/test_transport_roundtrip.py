@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -230,8 +231,19 @@ def test_transport_tcp_garbage_is_rejected_and_damages_nothing(peer: Peer) -> No
     t.close()
 
 
-def test_transport_tcp_client_rejects_a_garbage_node() -> None:
-    """A "node" that answers with garbage: the client raises TransportError, never hangs."""
+@pytest.mark.parametrize(
+    ("answer", "error"),
+    [
+        (b"\x00garbage-garbage-garbage", "malformed"),
+        # A node of protocol version 2 refuses a version 3 request with its 16-byte reply
+        # header and closes the connection.
+        (struct.pack("<4sB3xQ", tcp.REP_MAGIC, tcp.ST_BAD_VERSION, 0), "unsupported protocol"),
+        (tcp.REP_MAGIC + bytes([tcp.ST_OK]), "after 5 bytes of a 64-byte reply header"),
+    ],
+)
+def test_transport_tcp_client_rejects_a_bad_reply(answer: bytes, error: str) -> None:
+    """A "node" that answers with garbage, an older protocol's refusal or a cut header, then
+    closes: the client raises TransportError that says which, never hangs."""
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)
@@ -241,7 +253,7 @@ def test_transport_tcp_client_rejects_a_garbage_node() -> None:
     def serve() -> None:
         conn, _ = srv.accept()
         conn.recv(tcp.REQ.size)
-        conn.sendall(b"\x00garbage-garbage-garbage")
+        conn.sendall(answer)
         conn.close()
 
     threading.Thread(target=serve, daemon=True).start()
@@ -252,7 +264,7 @@ def test_transport_tcp_client_rejects_a_garbage_node() -> None:
             kvstore_pb2.Endpoint(transport=kvstore_pb2.TRANSPORT_TCP, address=f"127.0.0.1:{port}")
         ],
     )
-    with pytest.raises(TransportError, match="malformed"):
+    with pytest.raises(TransportError, match=error):
         tcp.TcpTransport(timeout_s=2).read_into(rep, memoryview(bytearray(10)))
     srv.close()
 
