@@ -1,6 +1,6 @@
 """First-token time of the vLLM engine, cold versus fully cached in the KV store, in one run.
 
-``pdserve bench ttft [--model smollm2] [--prompt-tokens 2048] [--chunk-size 256]``
+``pdserve bench ttft [--model smollm2] [--prompt-tokens 2048] [--chunk-size 32] [--transport tcp]``
 
 Starts a KV store (master + one node), then two vLLM engine processes one after the other,
 each with a fresh vLLM (so its local prefix cache is empty: any speedup comes from the store):
@@ -50,6 +50,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--kv-cache-gib", type=float, default=2.0, help="vLLM KV cache in GiB (default: 2)"
+    )
+    parser.add_argument(
+        "--transport",
+        choices=["auto", "shm", "tcp"],
+        default="auto",
+        help="how the engines reach the store's data: auto (shm here, the node is on this "
+        "host) or tcp (as a worker on another host would) (default: auto)",
     )
 
 
@@ -109,13 +116,17 @@ def run(args: argparse.Namespace) -> int:
             "max_num_seqs": 4,
             "vllm_kv_cache_gib": args.kv_cache_gib,
             "store_master": master.info["grpc"],
+            "store_transport": args.transport,
         }
         base = {"config": config, "prompt": prompt, "warmup": warmup, "repeats": args.repeats}
         cold = run_phase(MODULE, tmp, "cold", {**base, "name": "cold"})
         cached = run_phase(MODULE, tmp, "cached", {**base, "name": "cached"})
     cold_ms = cold["ttft_ms"][0]
     cached_ms = min(cached["ttft_ms"])
-    print(f"model {args.model}, prompt {args.prompt_tokens} tokens, chunk {args.chunk_size}")
+    print(
+        f"model {args.model}, prompt {args.prompt_tokens} tokens, chunk {args.chunk_size}, "
+        f"store transport {args.transport}"
+    )
     print(
         f"cold   first token: {cold_ms:9.1f} ms (loaded {cold['cached_tokens'][0]}, "
         f"computed {cold['computed_tokens'][0]} tokens)"
