@@ -13,9 +13,11 @@ import contextvars
 import json
 import logging
 import sys
+import threading
 import time
+from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
 #: HTTP header / gRPC metadata key carrying a caller's request id (lowercase, as gRPC needs).
@@ -69,3 +71,114 @@ def serve_metrics(port: int, host: str = "127.0.0.1") -> int:
 
 def now_ms() -> float:
     return time.time() * 1000.0
+
+
+# --- metrics relay -----------------------------------------------------------------------
+# A process whose registry no /metrics serves (vLLM's engine core, where the vLLM engine's KV
+# connector and its store client run) turns the relay on (start_relay): every update of a
+# Relayed metric is then also kept, the connector hands the batch to vLLM as its KV connector
+# stats (drain_relay), vLLM carries them to the worker's process with its scheduler stats, and
+# the engine's stat logger applies them there (replay).
+
+#: Updates kept at most between two drains (vLLM drains every engine step); past it the
+#: oldest are dropped.
+RELAY_MAX = 10_000
+_relay: list[list[Any]] | None = None
+_relay_lock = threading.Lock()
+_relay_dropped = 0
+#: Every Relayed metric by name.
+_RELAYED: dict[str, Relayed] = {}
+
+
+class Relayed:
+    """A Counter or Histogram whose updates are also kept while the relay is on, known to
+    :func:`replay` by ``name``. Used like the metric itself: ``.labels(*values).inc(n)`` /
+    ``.observe(v)``, or ``.inc(n)``."""
+
+    def __init__(self, name: str, metric: Counter | Histogram) -> None:
+        if name in _RELAYED:
+            raise ValueError(f"a relayed metric named {name!r} exists already")
+        self.name = name
+        self.metric = metric
+        _RELAYED[name] = self
+
+    def labels(self, *values: str) -> _RelayedChild:
+        return _RelayedChild(self, values)
+
+    def inc(self, amount: float = 1.0) -> None:
+        _RelayedChild(self, ()).inc(amount)
+
+
+class _RelayedChild:
+    __slots__ = ("parent", "values")
+
+    def __init__(self, parent: Relayed, values: tuple[str, ...]) -> None:
+        self.parent = parent
+        self.values = values
+
+    def inc(self, amount: float = 1.0) -> None:
+        self._apply("inc", amount)
+
+    def observe(self, value: float) -> None:
+        self._apply("observe", value)
+
+    def _apply(self, kind: str, value: float) -> None:
+        global _relay_dropped
+        _update(self.parent.metric, self.values, kind, value)
+        if _relay is None:
+            return
+        with _relay_lock:
+            _relay.append([self.parent.name, list(self.values), kind, value])
+            if len(_relay) > RELAY_MAX:
+                del _relay[0]
+                _relay_dropped += 1
+                if _relay_dropped in (1, 1000) or _relay_dropped % 100_000 == 0:
+                    logging.getLogger(__name__).warning(
+                        "metrics relay: %d updates dropped (not drained)", _relay_dropped
+                    )
+
+
+def _update(metric: Counter | Histogram, values: Any, kind: str, value: float) -> None:
+    getattr(metric.labels(*values) if values else metric, kind)(value)
+
+
+def start_relay() -> None:
+    """Keeps every update of a :class:`Relayed` metric from now on (idempotent)."""
+    global _relay
+    with _relay_lock:
+        if _relay is None:
+            _relay = []
+
+
+def stop_relay() -> None:
+    global _relay
+    with _relay_lock:
+        _relay = None
+
+
+def drain_relay() -> list[list[Any]]:
+    """The updates kept since the last drain, oldest first: ``[name, [label values], "inc" |
+    "observe", value]`` each (plain lists: they travel in vLLM's msgpack messages)."""
+    global _relay
+    with _relay_lock:
+        if not _relay:
+            return []
+        out, _relay = _relay, []
+    return out
+
+
+def replay(updates: list[Any]) -> int:
+    """Applies updates from :func:`drain_relay` of another process to this process's metrics
+    (not relayed again); returns how many applied. Unknown names or kinds are skipped."""
+    done = 0
+    for item in updates:
+        try:
+            name, values, kind, value = item
+            metric = _RELAYED[name].metric
+            if kind not in ("inc", "observe"):
+                continue
+            _update(metric, tuple(values), kind, float(value))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            continue
+        done += 1
+    return done

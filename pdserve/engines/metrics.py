@@ -1,28 +1,36 @@
 """Engine metrics, defined once so that every engine implementation (and the KV connector)
-shares them in :data:`pdserve.telemetry.REGISTRY`."""
+shares them in :data:`pdserve.telemetry.REGISTRY`. The store metrics are
+:class:`~pdserve.telemetry.Relayed`: the vLLM engine's KV connector updates them inside vLLM's
+engine-core process, and they reach the worker's ``/metrics`` from there."""
 
 from __future__ import annotations
 
 from prometheus_client import Counter, Histogram
 
-from pdserve.telemetry import REGISTRY
+from pdserve.telemetry import REGISTRY, Relayed
 
 #: Store operations that failed (master unreachable, timeout, no space): the engine went on
 #: without the store, recomputing what it could not load. ``op``: lookup|load|save.
-KV_STORE_ERRORS = Counter(
-    "pdserve_kv_store_errors_total",
-    "KV store operations that failed; the engine recomputed instead",
-    ["op"],
-    registry=REGISTRY,
+KV_STORE_ERRORS = Relayed(
+    "kv_store_errors",
+    Counter(
+        "pdserve_kv_store_errors_total",
+        "KV store operations that failed; the engine recomputed instead",
+        ["op"],
+        registry=REGISTRY,
+    ),
 )
 #: Time of the store operations that succeeded (``pdserve.engines.chunk_io``). ``op``:
 #: lookup|load|save.
-KV_STORE_SECONDS = Histogram(
-    "pdserve_kv_store_op_seconds",
-    "Time of one engine store operation (a batched lookup, read or save)",
-    ["op"],
-    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
-    registry=REGISTRY,
+KV_STORE_SECONDS = Relayed(
+    "kv_store_seconds",
+    Histogram(
+        "pdserve_kv_store_op_seconds",
+        "Time of one engine store operation (a batched lookup, read or save)",
+        ["op"],
+        buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+        registry=REGISTRY,
+    ),
 )
 #: Prompt tokens whose KV came from the store. ``phase``: prefill|decode.
 KV_LOADED_TOKENS = Counter(
@@ -42,22 +50,31 @@ KV_COMPUTED_TOKENS = Counter(
 )
 #: Chunks a handle or prefix lookup promised but that could not be used (missing, corrupt,
 #: wrong shape). ``kind``: chunk|tail.
-KV_CHUNK_MISSES = Counter(
-    "pdserve_kv_chunk_misses_total",
-    "KV chunks that were expected in the store but missing or invalid when loaded",
-    ["kind"],
-    registry=REGISTRY,
+KV_CHUNK_MISSES = Relayed(
+    "kv_chunk_misses",
+    Counter(
+        "pdserve_kv_chunk_misses_total",
+        "KV chunks that were expected in the store but missing or invalid when loaded",
+        ["kind"],
+        registry=REGISTRY,
+    ),
 )
-KV_CHUNKS_WRITTEN = Counter(
-    "pdserve_kv_chunks_written_total",
-    "KV chunks written to the store (kind: chunk|tail)",
-    ["kind"],
-    registry=REGISTRY,
+KV_CHUNKS_WRITTEN = Relayed(
+    "kv_chunks_written",
+    Counter(
+        "pdserve_kv_chunks_written_total",
+        "KV chunks written to the store (kind: chunk|tail)",
+        ["kind"],
+        registry=REGISTRY,
+    ),
 )
-KV_CHUNKS_SKIPPED = Counter(
-    "pdserve_kv_chunks_skipped_total",
-    "Full KV chunks not written because the store already held them",
-    registry=REGISTRY,
+KV_CHUNKS_SKIPPED = Relayed(
+    "kv_chunks_skipped",
+    Counter(
+        "pdserve_kv_chunks_skipped_total",
+        "Full KV chunks not written because the store already held them",
+        registry=REGISTRY,
+    ),
 )
 GENERATED_TOKENS = Counter(
     "pdserve_engine_generated_tokens_total", "Tokens generated", registry=REGISTRY

@@ -67,9 +67,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.logger import init_logger
 
-from pdserve import hashing, identity
+from pdserve import hashing, identity, telemetry
 from pdserve.engines.chunk_io import ChunkIO
 from pdserve.kvformat import DTYPE_NAMES, encoded_size
 from pdserve.store.api import ChunkMeta
@@ -284,6 +285,26 @@ def _layer_index(name: str) -> int:
     return int(found[-1]) if found else 0
 
 
+@dataclass
+class StoreMetricStats(KVConnectorStats):
+    """The connector's store metric updates (:func:`pdserve.telemetry.drain_relay`) on
+    their way from vLLM's engine core to the worker's process, where the engine's stat logger
+    replays them into the metrics its ``/metrics`` serves. ``data``: ``{"updates": [...]}``."""
+
+    def reset(self) -> None:
+        self.data = {"updates": []}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        self.data.setdefault("updates", []).extend(other.data.get("updates", []))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {"store_metric_updates": len(self.data.get("updates", []))}
+
+    def is_empty(self) -> bool:
+        return not self.data.get("updates")
+
+
 class PdserveConnector(KVConnectorBase_V1):
     """Loads and saves pdserve KV chunks between the pdserve store and vLLM's paged cache."""
 
@@ -291,6 +312,8 @@ class PdserveConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        # This process's registry is not served: the store metrics go to the worker's.
+        telemetry.start_relay()
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.settings = ConnectorSettings.from_extra(extra)
         self.fp = self.settings.fingerprint
@@ -841,6 +864,18 @@ class PdserveConnector(KVConnectorBase_V1):
     def _rank_key(self, key: str) -> str:
         """Where this worker's TP rank keeps its share of the chunk rank 0 keeps at ``key``."""
         return hashing.rank_key(key, self.rank_fp)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """The store metric updates of this process since the last call (vLLM asks both
+        roles every step; in one process the first takes them all)."""
+        updates = telemetry.drain_relay()
+        return StoreMetricStats(data={"updates": updates}) if updates else None
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return StoreMetricStats(data={"updates": list((data or {}).get("updates", []))})
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:

@@ -41,7 +41,7 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from pdserve import hashing, identity
+from pdserve import hashing, identity, telemetry
 from pdserve.engines import metrics, vllm_args
 from pdserve.engines.base import (
     Engine,
@@ -470,7 +470,9 @@ def kv_usage_logger(engine: VllmEngine) -> Any:
     """A vLLM stat logger (class) that keeps ``engine._kv_usage`` at the KV cache usage of
     vLLM's scheduler stats (``SchedulerStats.kv_cache_usage``: the fraction of KV cache blocks
     in use, cached blocks no request holds counting as free), which the engine core sends with
-    every step's outputs. vLLM calls ``record`` on its output handler task, in the engine's
+    every step's outputs, and applies the store metric updates the KV connector made in the
+    engine core (``SchedulerStats.kv_connector_stats``, :func:`pdserve.telemetry.replay`) to
+    this process's metrics. vLLM calls ``record`` on its output handler task, in the engine's
     event loop. Passing a logger turns vLLM's stats on without its default loggers (vLLM
     still adds its Prometheus logger, on prometheus_client's default registry, which pdserve's
     /metrics does not serve)."""
@@ -489,6 +491,9 @@ def kv_usage_logger(engine: VllmEngine) -> Any:
         ) -> None:
             if scheduler_stats is not None:
                 engine._kv_usage = float(scheduler_stats.kv_cache_usage)
+                relayed = scheduler_stats.kv_connector_stats
+                if relayed:
+                    telemetry.replay(relayed.get("updates", []))
 
         def log_engine_initialized(self) -> None:
             pass

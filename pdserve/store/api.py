@@ -16,16 +16,19 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import Counter
 
 from pdserve import errors, kvformat
-from pdserve.telemetry import REGISTRY
+from pdserve.telemetry import REGISTRY, Relayed
 from pdserve.v1 import kvstore_pb2
 
 if TYPE_CHECKING:
     import torch
 
-CORRUPT_CHUNKS = Counter(
-    "pdserve_store_corrupt_chunks_total",
-    "KV chunks that failed verification (checksum, header or fingerprint) on every replica",
-    registry=REGISTRY,
+CORRUPT_CHUNKS = Relayed(
+    "store_corrupt_chunks",
+    Counter(
+        "pdserve_store_corrupt_chunks_total",
+        "KV chunks that failed verification (checksum, header or fingerprint) on every replica",
+        registry=REGISTRY,
+    ),
 )
 
 

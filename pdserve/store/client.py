@@ -52,7 +52,7 @@ from pdserve.store.transports import PREFERENCE
 from pdserve.store.transports.base import Transport, TransportError
 from pdserve.store.wire import VERSION as WIRE_VERSION
 from pdserve.store.wire import WireClient, WireUnreachable
-from pdserve.telemetry import REGISTRY
+from pdserve.telemetry import REGISTRY, Relayed
 from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 if TYPE_CHECKING:
@@ -60,17 +60,23 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-READ_FAILOVERS = Counter(
-    "pdserve_store_read_failovers_total",
-    "reads from a replica (one request, which may carry a batch of objects) that failed, "
-    "or objects that failed verification, and moved on to other replicas",
-    ["transport"],
-    registry=REGISTRY,
+READ_FAILOVERS = Relayed(
+    "store_read_failovers",
+    Counter(
+        "pdserve_store_read_failovers_total",
+        "reads from a replica (one request, which may carry a batch of objects) that failed, "
+        "or objects that failed verification, and moved on to other replicas",
+        ["transport"],
+        registry=REGISTRY,
+    ),
 )
-PUT_RETRIES = Counter(
-    "pdserve_store_put_retries_total",
-    "puts retried after a replica write failed",
-    registry=REGISTRY,
+PUT_RETRIES = Relayed(
+    "store_put_retries",
+    Counter(
+        "pdserve_store_put_retries_total",
+        "puts retried after a replica write failed",
+        registry=REGISTRY,
+    ),
 )
 
 #: How long lease releases wait to be sent together (seconds).

@@ -132,6 +132,7 @@ def pd_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
             "prefill": by_key,
             "decode": dict(zip(prompts, decode[:n], strict=True)),
             "salted": salted,
+            "runs": {"single": single, "prefill": prefill, "decode": decode},
         }
 
 
@@ -237,3 +238,18 @@ def test_cache_salt_isolates_the_store_and_vllms_own_prefix_cache(pd_run: dict[s
     for name in ("c", "none"):
         assert s[name]["tokens"] == want, name
         assert (s[name]["loaded"], s[name]["prefix_cached"], s[name]["recomputed"]) == (0, 0, n)
+
+
+def test_the_connectors_store_metrics_reach_the_workers_process(pd_run: dict[str, Any]) -> None:
+    """The connector saves and loads in vLLM's engine-core process, whose registry nobody
+    serves: its store metrics are relayed to the worker's process, which serves /metrics."""
+    runs = pd_run["runs"]
+    single, prefill, decode = (
+        runs[k][-1]["store_metrics"] for k in ("single", "prefill", "decode")
+    )
+    assert not any(single.values()), single  # no store
+    stored_chunks = sum(len(r["kv"]["chunk_keys"]) for r in pd_run["prefill"].values())
+    assert prefill["chunks_written"] >= stored_chunks > 0, prefill
+    assert prefill["save_ops"] > 0 and prefill["lookup_ops"] > 0, prefill
+    assert decode["load_ops"] > 0 and decode["lookup_ops"] > 0, decode
+    assert prefill["errors"] == decode["errors"] == 0

@@ -9,7 +9,7 @@ blocker), "prompts": [[int]], "max_tokens": int}``: the blocker first, then ever
 ``first_order``, the burst's indices in the order their first tokens came.
 RESULTS.json: one object per job with the tokens and the KV counters the engine reported (for
 generations also the counts it put on events before the last, its KV usage at each event and
-after, and vLLM's number of KV blocks).
+after, and vLLM's number of KV blocks), and this process's store metrics after it.
 Tests call :func:`run_engine`, which runs this script in a fresh process and returns them.
 """
 
@@ -102,10 +102,26 @@ async def run(spec: dict) -> list[dict]:
                     kv_usage_after=engine.load().kv_usage,
                     kv_blocks=engine._llm.vllm_config.cache_config.num_gpu_blocks,
                 )
+            out["store_metrics"] = _store_metrics()
             results.append(out)
     finally:
         await engine.close()
     return results
+
+
+def _store_metrics() -> dict[str, float]:
+    """This (the worker's) process's store metrics, as its /metrics serves them: what the KV
+    connector did in vLLM's engine core, relayed with vLLM's stats."""
+    from pdserve.telemetry import REGISTRY
+
+    get = REGISTRY.get_sample_value
+    out = {f"{op}_ops": get("pdserve_kv_store_op_seconds_count", {"op": op}) or 0.0
+           for op in ("lookup", "load", "save")}  # fmt: skip
+    out["chunks_written"] = get("pdserve_kv_chunks_written_total", {"kind": "chunk"}) or 0.0
+    out["errors"] = sum(
+        get("pdserve_kv_store_errors_total", {"op": op}) or 0.0 for op in ("lookup", "load", "save")
+    )
+    return out
 
 
 async def burst(engine, job: dict, sampling) -> dict:

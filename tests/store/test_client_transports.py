@@ -53,7 +53,7 @@ def test_client_corrupt_replica_falls_over_then_misses(cluster) -> None:
     ).results
     assert len(res.replicas) == 2
     shm = ShmTransport(client.host_id)
-    before = CORRUPT_CHUNKS._value.get()
+    before = CORRUPT_CHUNKS.metric._value.get()
     # Flip one payload byte in the first replica: the read verifies and takes the second.
     first = res.replicas[0]
     raw = bytearray(first.size)
@@ -62,12 +62,12 @@ def test_client_corrupt_replica_falls_over_then_misses(cluster) -> None:
     shm.write(first, memoryview(bytes(raw)))
     back = client.get_chunk(key, FP)
     assert back is not None and torch.equal(back, kv)
-    assert CORRUPT_CHUNKS._value.get() == before
+    assert CORRUPT_CHUNKS.metric._value.get() == before
     # Corrupt the second as well: now a miss, counted once.
     second = res.replicas[1]
     shm.write(second, memoryview(bytes(raw)))
     assert client.get_chunk(key, FP) is None
-    assert CORRUPT_CHUNKS._value.get() == before + 1
+    assert CORRUPT_CHUNKS.metric._value.get() == before + 1
     assert client.get(key) == bytes(raw)  # raw gets do not verify
     client.close()
 

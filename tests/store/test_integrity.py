@@ -20,7 +20,7 @@ SIZE = 256 * 1024
 
 
 def _failovers() -> float:
-    return READ_FAILOVERS.labels("tcp")._value.get()
+    return READ_FAILOVERS.metric.labels("tcp")._value.get()
 
 
 def _replica(client: StoreClient, key: str) -> pb.Replica:

@@ -121,7 +121,7 @@ def test_the_store_client_reconnects_when_the_node_closed_an_idle_connection(clu
 
     c = cluster_factory()
     c.add_node(transports="tcp", segment_sizes="8MiB", idle_timeout_s=0.3)
-    failovers = READ_FAILOVERS.labels("tcp")
+    failovers = READ_FAILOVERS.metric.labels("tcp")
     with StoreClient(c.address, transport="tcp") as client:
         data = bytes(range(256)) * 1024
         assert client.put("idle", data)

@@ -109,6 +109,7 @@ def writev_pad(count: int) -> bytes:
     """The reserved bytes between a WRITEV's table of ``count`` ranges and its payloads."""
     return bytes(-(REQ.size + count * RANGE.size) % ALIGN)
 
+
 ST_OK = 0
 ST_BAD_MAGIC = 1
 ST_BAD_VERSION = 2
