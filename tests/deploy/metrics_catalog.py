@@ -93,10 +93,15 @@ def _from_collectors(collectors) -> dict[str, Metric]:
 def _registered(modules: list[str]) -> dict[str, Metric]:
     from prometheus_client.metrics import MetricWrapperBase
 
+    from pdserve.telemetry import Relayed
+
     collectors = []
     for m in modules:
         mod = importlib.import_module(m)
-        collectors += [v for v in vars(mod).values() if isinstance(v, MetricWrapperBase)]
+        for v in vars(mod).values():
+            v = v.metric if isinstance(v, Relayed) else v
+            if isinstance(v, MetricWrapperBase):
+                collectors.append(v)
     return _from_collectors(collectors)
 
 
