@@ -14,8 +14,9 @@ measures from this (a different) process, per transport and object size, in two 
 Reported: put and get GB/s (bytes moved / wall time of sequential operations) and p50/p99
 latency per operation. Every system is measured ``--rounds`` times (default 3), in turn, each
 store started afresh for each round, and each figure is the median across the rounds: the
-machines are noisy, and a slow spell during one system's turn would otherwise decide a ratio. Alongside: numpy memcpy of the same objects (the local limit: as many
-distinct sources as the store run reads, so they are as far from the CPU caches), plain
+machines are noisy, and a slow spell during one system's turn would otherwise decide a
+ratio. Alongside: numpy memcpy of the same objects (the local limit: as many distinct
+sources as the store run reads, so they are as far from the CPU caches), plain
 loopback TCP with the same socket settings and nothing else (``tcp-plain``: what any tcp
 transport here works against; machine noise can put a run of it below pdserve's), Mooncake Store's own client
 (``put_from`` / ``get_into`` and ``batch_put_from`` / ``batch_get_into`` with registered
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -656,12 +658,6 @@ def _round(
     return rows, prefix, control
 
 
-def _median(values: list[float]) -> float:
-    s = sorted(values)
-    mid = len(s) // 2
-    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
-
-
 def median_rows(rounds: list[list[Row]]) -> list[Row]:
     """One row per (system, size, batch) over the rounds: each figure the median of that
     figure across the rounds that measured it, ``iterations`` their sum, ``rounds`` their
@@ -674,7 +670,7 @@ def median_rows(rounds: list[list[Row]]) -> list[Row]:
     out = []
     for (system, size, batch), rs in groups.items():
         figures = {
-            f: _median([getattr(r, f) for r in rs])
+            f: statistics.median([getattr(r, f) for r in rs])
             for f in (
                 "put_gbps",
                 "put_p50_us",
@@ -703,7 +699,7 @@ def _median_dicts(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[s
     out: dict[str, dict[str, float]] = {}
     for name in rounds[0]:
         got = [r[name] for r in rounds if name in r]
-        out[name] = {f: _median([g[f] for g in got]) for f in got[0]}
+        out[name] = {f: statistics.median([g[f] for g in got]) for f in got[0]}
     return out
 
 

@@ -46,6 +46,7 @@ def test_relayed_updates_are_kept_in_order_and_applied_here_too(relay) -> None:
 
 
 def test_replay_applies_another_processes_updates_once() -> None:
+    telemetry.stop_relay()  # as in a worker's process (a connector test may have turned it on)
     updates = [
         ["kv_store_seconds", ["load"], "observe", 0.002],
         ["kv_chunks_written", ["chunk"], "inc", 5],
