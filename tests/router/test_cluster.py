@@ -160,18 +160,28 @@ class Cluster:
         for name in node.info.get("shm_names", []) if node else []:
             Path("/dev/shm", name).unlink(missing_ok=True)
 
-    def traces(self) -> dict[str, dict]:
-        """The router's per-request trace lines, by request id."""
-        out = {}
-        for line in self.router.log_path.read_text().splitlines():
-            try:
-                msg = json.loads(line)["msg"]
-            except (ValueError, KeyError):
-                continue
-            if msg.startswith("request "):
-                _, rid, outcome, body = msg.split(" ", 3)
-                out[rid] = {"outcome": outcome, **json.loads(body)}
-        return out
+    def traces(self, *wait_for: str, timeout_s: float = 10.0) -> dict[str, dict]:
+        """The router's per-request trace lines, by request id, once the lines of the ids in
+        ``wait_for`` are there: the router logs a request's line as its stream ends, and a
+        thread of this process copies the router's output into the log file, so a line can
+        land a moment after the caller saw the stream end."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            out = {}
+            for line in self.router.log_path.read_text().splitlines():
+                try:
+                    msg = json.loads(line)["msg"]
+                except (ValueError, KeyError):
+                    continue
+                if msg.startswith("request "):
+                    _, rid, outcome, body = msg.split(" ", 3)
+                    out[rid] = {"outcome": outcome, **json.loads(body)}
+            missing = [r for r in wait_for if r not in out]
+            if not missing:
+                return out
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no router trace line for {missing} in {timeout_s:g} s")
+            time.sleep(0.05)
 
 
 def metric(proc: ServiceProcess, name: str) -> float:
@@ -260,7 +270,7 @@ def test_grpc_stream_matches_hf_greedy_in_read_and_write_mode(cluster, tok, hf_g
     assert ids(got) == want2
     read2 = stream(cluster, prompt=text2, sampling=greedy(20), mode=router_pb2.DISAGG_MODE_READ)
     assert ids(read2) == want2
-    tr = cluster.traces()[rid]
+    tr = cluster.traces(rid)[rid]
     assert tr["plan"] == "write" and tr["cached_tokens"] == 0  # nothing stored at the start
     assert tr["decode_start"] < tr["prefill_end"]  # decode was called before prefill returned
     # ... and it loaded the chunks that prefill published meanwhile
@@ -327,7 +337,7 @@ def test_cache_salt_keeps_tenants_apart_with_identical_tokens(cluster, tok, hf_g
     assert complete("a2", tenant_a) == (full, len(prompt) - full)
     assert complete("b2", tenant_b) == (full, len(prompt) - full)
     # decode found each tenant's chunks under its salted keys: nothing recomputed
-    traces = cluster.traces()
+    traces = cluster.traces(*(f"{rid}-{run}" for rid in ("a1", "b", "a2")))
     for rid in ("a1", "b", "a2"):
         tr = traces[f"{rid}-{run}"]
         assert (tr["decode_loaded"], tr["decode_recomputed"]) == (len(prompt), 0), tr

@@ -104,7 +104,7 @@ def test_logprobs_match_hf_and_every_plan_agrees(cluster, tok, hf, name):
             mode=value,
             request_id=f"{name}-{mode}-{salt}",
         )
-    traces = cluster.traces()
+    traces = cluster.traces(*(f"{name}-{mode}-{salt}" for mode in MODES))
     assert traces[f"{name}-read-{salt}"]["plan"] == "read"
     assert traces[f"{name}-write-{salt}"]["plan"] == "write"
     assert traces[f"{name}-colocated-{salt}"]["plan"] == "local"

@@ -66,7 +66,7 @@ def test_write_mode_on_vllm_is_token_exact(cluster, hf_greedy, n):
     rid = f"vllm-write-{n}"
     got = stream(cluster, prompt_token_ids=toks, sampling=greedy(MAX), request_id=rid, mode=WRITE)
     assert ids(got) == hf_greedy(toks, MAX)
-    tr = cluster.traces()[rid]
+    tr = cluster.traces(rid)[rid]
     k = (n - 1) // CHUNK
     assert tr["plan"] == "write" and tr["cached_tokens"] == 0  # nothing stored at the start
     # decode was called before prefill returned (prefill_end 0: prefill had not even returned
@@ -87,7 +87,7 @@ def test_write_mode_prompt_within_one_chunk_reads(cluster, hf_greedy):
         cluster, prompt_token_ids=toks, sampling=greedy(MAX), request_id="w-one", mode=WRITE
     )
     assert ids(got) == hf_greedy(toks, MAX)
-    assert cluster.traces()["w-one"]["plan"] == "read"
+    assert cluster.traces("w-one")["w-one"]["plan"] == "read"
 
 
 @pytest.mark.parametrize("mode", [READ, router_pb2.DISAGG_MODE_COLOCATED], ids=["read", "local"])
@@ -96,4 +96,4 @@ def test_read_and_colocated_plans_on_vllm_are_token_exact(cluster, hf_greedy, mo
     rid = f"vllm-{mode}"
     got = stream(cluster, prompt_token_ids=toks, sampling=greedy(MAX), request_id=rid, mode=mode)
     assert ids(got) == hf_greedy(toks, MAX)
-    assert cluster.traces()[rid]["plan"] == ("read" if mode == READ else "local")
+    assert cluster.traces(rid)[rid]["plan"] == ("read" if mode == READ else "local")
