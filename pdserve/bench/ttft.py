@@ -55,8 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--transport",
         choices=["auto", "shm", "tcp"],
         default="auto",
-        help="how the engines reach the store's data: auto (shm here, the node is on this "
-        "host) or tcp (as a worker on another host would) (default: auto)",
+        help="how the engines reach the store's data: auto (shm when the node is on this "
+        "host, as here), shm, or tcp (as a worker on another host would) (default: auto)",
     )
 
 
