@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import openai
 import pytest
+from router_traces import read_router_traces
 from transformers import AutoTokenizer
 
 from pdserve import certs, grpcutil, identity
@@ -161,27 +162,8 @@ class Cluster:
             Path("/dev/shm", name).unlink(missing_ok=True)
 
     def traces(self, *wait_for: str, timeout_s: float = 10.0) -> dict[str, dict]:
-        """The router's per-request trace lines, by request id, once the lines of the ids in
-        ``wait_for`` are there: the router logs a request's line as its stream ends, and a
-        thread of this process copies the router's output into the log file, so a line can
-        land a moment after the caller saw the stream end."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            out = {}
-            for line in self.router.log_path.read_text().splitlines():
-                try:
-                    msg = json.loads(line)["msg"]
-                except (ValueError, KeyError):
-                    continue
-                if msg.startswith("request "):
-                    _, rid, outcome, body = msg.split(" ", 3)
-                    out[rid] = {"outcome": outcome, **json.loads(body)}
-            missing = [r for r in wait_for if r not in out]
-            if not missing:
-                return out
-            if time.monotonic() > deadline:
-                raise AssertionError(f"no router trace line for {missing} in {timeout_s:g} s")
-            time.sleep(0.05)
+        """The router's per-request trace lines, by request id (waiting for ``wait_for``)."""
+        return read_router_traces(self.router.log_path, *wait_for, timeout_s=timeout_s)
 
 
 def metric(proc: ServiceProcess, name: str) -> float:

@@ -6,7 +6,6 @@ Hugging Face run token for token, and a repeated prompt must load its chunks fro
 
 from __future__ import annotations
 
-import json
 import time
 import urllib.request
 import uuid
@@ -14,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from router_traces import read_router_traces
 from transformers import AutoTokenizer
 
 from pdserve import grpcutil
@@ -89,18 +89,9 @@ class MooncakeServices:
             stub = router_pb2_grpc.RouterServiceStub(ch)
             return list(stub.GenerateStream(router_pb2.GenerateRequest(**kw), timeout=120))
 
-    def traces(self) -> dict[str, dict]:
-        """The router's per-request trace lines, by request id."""
-        out = {}
-        for line in self.router.log_path.read_text().splitlines():
-            try:
-                msg = json.loads(line)["msg"]
-            except (ValueError, KeyError):
-                continue
-            if msg.startswith("request "):
-                _, rid, outcome, body = msg.split(" ", 3)
-                out[rid] = {"outcome": outcome, **json.loads(body)}
-        return out
+    def traces(self, *wait_for: str) -> dict[str, dict]:
+        """The router's per-request trace lines, by request id (waiting for ``wait_for``)."""
+        return read_router_traces(self.router.log_path, *wait_for)
 
     def close(self) -> None:
         for proc in reversed(self.procs):
@@ -152,7 +143,7 @@ def test_prefill_decode_router_on_mooncake_store_are_token_exact(
     assert [t for m in second for t in m.token_ids] == want
     assert second[0].cached_tokens == full
     assert metric(services.prefill, cached_metric) - before == full
-    traces = services.traces()
+    traces = services.traces(f"a-{salt}", f"b-{salt}")
     for rid in (f"a-{salt}", f"b-{salt}"):
         tr = traces[rid]
         assert tr["outcome"] == "ok", tr
