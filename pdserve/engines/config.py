@@ -78,15 +78,18 @@ class EngineConfig(StoreBackendConfig):
         "vllm: which waiting prompts prefill together: deadline = those that can all still "
         "get their first token within ttft_target_ms share a step, oldest first (a burst that "
         "fits is batched as vLLM does; of one too large, what can still be on time goes "
-        "first), late ones one at a time, oldest first (one waiting twice ttft_target_ms heads "
-        "the next step); shortest / arrival = one prompt per "
+        "first), late ones together, oldest first, in a step of at most a quarter of "
+        "ttft_target_ms (one waiting twice ttft_target_ms heads the next step), and a stream "
+        "whose first token was late no longer limits the steps; shortest / arrival = one "
+        "prompt per "
         "step, fewest tokens to compute / oldest first; batched = vLLM's own (every waiting "
         "prompt in the next step)",
     )
     ttft_target_ms: float = help_field(
         2000.0,
         "vllm: the time to first token prefill_order deadline plans for (a prompt's deadline "
-        "is its arrival plus this; 0 = every prompt late: one at a time, oldest first)",
+        "is its arrival plus this; 0 = every prompt late: one at a time, oldest first, and "
+        "every stream kept within tpot_target_ms)",
     )
     store_master: str = help_field(
         "", "KV store master address host:port (empty = no store: always recompute)"

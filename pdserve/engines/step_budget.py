@@ -135,10 +135,18 @@ def next_prompt(prompts: Sequence[Prompt], now: float, urgent_s: float, order: s
 
 #: ``deadline``: a late prompt that has waited this many times ``target_s`` is overdue.
 OVERDUE_TARGETS = 2.0
+#: ``deadline``: with no prompt on time, late prompts share a step of at most this many times
+#: ``target_s`` (the scheduler's ``late_s``).
+LATE_STEP_TARGETS = 0.25
 
 
 def deadline_group(
-    prompts: Sequence[Prompt], now: float, target_s: float, cost: StepCost, block_tokens: int = 0
+    prompts: Sequence[Prompt],
+    now: float,
+    target_s: float,
+    cost: StepCost,
+    block_tokens: int = 0,
+    late_s: float = 0.0,
 ) -> tuple[list[int], bool]:
     """The prompts to prefill together in the next step (``deadline``), and whether they can
     all still get their first token within ``target_s`` of their arrival (their deadline).
@@ -149,12 +157,14 @@ def deadline_group(
     fewest steps, so the most tokens per second), and one too large for the time left
     prefills what can still be on time first instead of making every prompt late. A step's
     tokens count a prefix the group shares once (:func:`group_tokens`). With no live
-    prompt, the oldest late one goes alone: late prompts no longer hold each other up, and the
-    longest wait is the shortest it can be. So that a load that keeps live prompts coming does
-    not starve the late ones for ever, the oldest late prompt once overdue (waiting
-    ``OVERDUE_TARGETS`` times ``target_s``) heads the step, and live prompts join it while
-    they still fit: late prompts drain one per step at least, and the longest wait stays
-    bounded at the price of some live prompts' deadlines.
+    prompt, late ones go together, oldest first, in a step projected to take at most
+    ``late_s`` (at least the oldest, alone when ``late_s`` is 0): their first tokens are late
+    whatever the order, and a backlog drains fastest in steps that pay the fixed cost once for
+    many prompts, while a bounded step keeps the next live prompt's wait short. So that a load
+    that keeps live prompts coming does not starve the late ones for ever, the oldest late
+    prompt once overdue (waiting ``OVERDUE_TARGETS`` times ``target_s``) heads the step, and
+    live prompts join it while they still fit: late prompts drain one per step at least, and
+    the longest wait stays bounded at the price of some live prompts' deadlines.
     Contract: ``prompts`` is non-empty; returns a non-empty list of indices."""
 
     def oldest(indices: Iterable[int]) -> list[int]:
@@ -180,9 +190,17 @@ def deadline_group(
             tokens += more
             claimed.update(p.blocks)
             deadline = min(deadline, p.arrival + target_s)
-    if group:
+    if len(group) > len(overdue[:1]):
         return group, not overdue
-    return oldest(range(len(prompts)))[:1], False
+    group, tokens, claimed = [], 0, set()
+    for i in oldest(range(len(prompts))):
+        more = _tokens_beside(prompts[i], claimed, block_tokens)
+        if group and cost.step_s(tokens + more) > late_s:
+            break
+        group.append(i)
+        tokens += more
+        claimed.update(prompts[i].blocks)
+    return group, False
 
 
 def chunked_on_time(tokens: int, budget: int, time_left_s: float, cost: StepCost) -> bool:

@@ -33,11 +33,17 @@ waiting prompt into the next step; ``deadline`` (the default) gives each prompt 
 time together, oldest first (:func:`~pdserve.engines.step_budget.deadline_group`; a prefix
 they share counts once, as vLLM computes it once): a burst that fits is batched as vLLM does,
 and of a burst too large for its time, what can be on time goes first instead of every prompt
-being late. Late prompts then go one at a time, oldest first, and are never urgent (their
-first token is lost to the target either way; they no longer stretch the streams' steps); one
-that has waited twice ``ttft_target_ms`` heads the next step, so a steady stream of live
-prompts cannot starve it. The others are held out of vLLM's waiting queue for the step and
-put back after it; ``shortest`` and ``arrival`` take one prompt per step.
+being late. With none on time, late prompts go together, oldest first, in a step of at most
+a quarter of ``ttft_target_ms``, and are never urgent (their first token is lost to the target
+either way: a backlog drains fastest in steps that pay the fixed cost once for several of them,
+and a bounded step keeps the next live prompt's wait short); one that has waited twice
+``ttft_target_ms`` heads the next step, so a steady stream of live prompts cannot starve it.
+A stream whose first token came after ``ttft_target_ms`` does not limit the step budget: its
+request has missed its SLO whatever its later tokens do, and in a backlog, where every stream
+is late, steps keeping them to ``tpot_target_ms`` would cut the prompt throughput that drains
+it (one block per step beside a stream that is behind). The others are held out of vLLM's
+waiting queue for the step and put back after it; ``shortest`` and ``arrival`` take one prompt
+per step.
 
 While every request the engine holds is waiting for its KV to arrive (write mode's
 asynchronous load, :mod:`pdserve.engines.vllm_connector`) and nothing else is runnable, each
@@ -63,6 +69,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from pdserve.engines.step_budget import (
+    LATE_STEP_TARGETS,
     PREFILL_ORDER_KEY,
     TPOT_TARGET_KEY,
     TTFT_TARGET_KEY,
@@ -108,7 +115,8 @@ class StreamFirstScheduler(Scheduler):
         self.prefill_order = str(extra.get(PREFILL_ORDER_KEY, "batched"))
         self.full_step_tokens = self.max_num_scheduled_tokens
         self.cost = StepCost()
-        self._first_token_at: dict[str, float] = {}
+        #: request id -> (when its first token was seen, whether it came after the target)
+        self._first_token_at: dict[str, tuple[float, bool]] = {}
         self._step_started = 0.0
         self._step_prompt_tokens = 0
 
@@ -117,12 +125,16 @@ class StreamFirstScheduler(Scheduler):
             time.sleep(REMOTE_KV_IDLE_S)
         now = time.monotonic()
         seen = self._first_token_at
-        live = {}
+        live: dict[str, tuple[float, bool]] = {}
         streams = []
         for r in self.running:
             if r.num_computed_tokens >= r.num_prompt_tokens and r.num_output_tokens > 0:
-                first = live[r.request_id] = seen.get(r.request_id, now)
-                streams.append(Stream(first, r.num_output_tokens, r.max_tokens))
+                first, late = live[r.request_id] = seen.get(r.request_id) or (
+                    now,
+                    self._late_first_token(r),
+                )
+                if not late:
+                    streams.append(Stream(first, r.num_output_tokens, r.max_tokens))
         self._first_token_at = live
         pick = self._pick_prompts()
         try:
@@ -180,7 +192,14 @@ class StreamFirstScheduler(Scheduler):
         else:
             prompts = [self._prompt(r, block) for r in new]
             if order == "deadline":
-                picked, _ = deadline_group(prompts, now, self.ttft_target_s, self.cost, block)
+                picked, _ = deadline_group(
+                    prompts,
+                    now,
+                    self.ttft_target_s,
+                    self.cost,
+                    block,
+                    late_s=LATE_STEP_TARGETS * self.ttft_target_s,
+                )
                 # whether the group is on time is checked below, alike for a part-way prompt
             else:
                 picked = [next_prompt(prompts, now, self.ttft_urgent_s, order)]
@@ -201,6 +220,15 @@ class StreamFirstScheduler(Scheduler):
             queue.clear()
             queue.extend(kept + chosen)
         return pick
+
+    def _late_first_token(self, request: Request) -> bool:
+        """Under ``deadline``: the request's first token came after ``ttft_target_ms`` (its
+        SLO is lost whatever its later tokens do, so its stream does not limit the steps)."""
+        return (
+            self.prefill_order == "deadline"
+            and self.ttft_target_s > 0
+            and time.time() - request.arrival_time > self.ttft_target_s
+        )
 
     @staticmethod
     def _still_arriving(new: list[Request], now: float) -> bool:

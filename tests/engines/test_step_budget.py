@@ -89,6 +89,25 @@ def test_deadline_group_batches_what_can_be_on_time():
     assert deadline_group([Prompt(now, 10)], now, 0.0, cost) == ([0], False)  # no target
 
 
+def test_late_prompts_share_a_bounded_step():
+    cost = StepCost(fixed_s=0.030, per_token_s=0.0015)
+    now = 10.0
+    # a backlog: nobody can be on time; oldest first, while the step stays within 0.5 s
+    late = [Prompt(now - 2.5, 100), Prompt(now - 3.0, 100), Prompt(now - 2.1, 200)]
+    late += [Prompt(now - 2.2, 100)]
+    # 1 (0.18 s), 0 (0.33 s), 3 (0.48 s); 2 would make 0.78 s
+    assert deadline_group(late, now, 2.0, cost, late_s=0.5) == ([1, 0, 3], False)
+    # the oldest goes even when alone it takes longer than late_s; nobody joins it
+    big = [Prompt(now - 3.0, 600), Prompt(now - 2.5, 10)]
+    assert deadline_group(big, now, 2.0, cost, late_s=0.5) == ([0], False)
+    # an overdue prompt with no live one to join it: late ones fill its step the same way
+    overdue = [Prompt(now - 4.5, 100), Prompt(now - 2.5, 100), Prompt(now - 2.4, 300)]
+    assert deadline_group(overdue, now, 2.0, cost, late_s=0.5) == ([0, 1], False)
+    # a live prompt still goes on time, without the late ones
+    mixed = [Prompt(now - 3.0, 100), Prompt(now, 100)]
+    assert deadline_group(mixed, now, 2.0, cost, late_s=0.5) == ([1], True)
+
+
 def test_an_overdue_prompt_heads_the_step_and_live_ones_join_while_they_fit():
     cost = StepCost(fixed_s=0.030, per_token_s=0.0015)
     now = 10.0
