@@ -208,3 +208,21 @@ def chunked_on_time(tokens: int, budget: int, time_left_s: float, cost: StepCost
     (each step pays the fixed cost once)."""
     steps = -(-tokens // max(1, budget))
     return steps * cost.fixed_s + tokens * cost.per_token_s <= time_left_s
+
+
+#: :func:`on_time_budget` plans to finish within this share of the time left (the cost model
+#: is an average: a step can take longer than projected).
+ON_TIME_MARGIN = 0.8
+
+
+def on_time_budget(tokens: int, time_left_s: float, cost: StepCost) -> int:
+    """The smallest prompt budget per step with which ``tokens`` are computed within
+    ``ON_TIME_MARGIN`` of ``time_left_s`` (:func:`chunked_on_time`), so that a group that must
+    be on time stretches the streams' steps as little as it can: a 1 s group with 2 s left
+    goes in many short steps, not one long one. ``tokens`` (in full, one step) when no split
+    fits."""
+    spare = ON_TIME_MARGIN * time_left_s - tokens * cost.per_token_s
+    steps = int(spare / cost.fixed_s) if spare > 0 else 0
+    if steps <= 1:
+        return tokens
+    return -(-tokens // steps)

@@ -33,7 +33,9 @@ waiting prompt into the next step; ``deadline`` (the default) gives each prompt 
 time together, oldest first (:func:`~pdserve.engines.step_budget.deadline_group`; a prefix
 they share counts once, as vLLM computes it once): a burst that fits is batched as vLLM does,
 and of a burst too large for its time, what can be on time goes first instead of every prompt
-being late. With none on time, late prompts go together, oldest first, in a step of at most
+being late. When the streams' budget would make that group late, its steps grow just enough for
+it to be on time (:func:`~pdserve.engines.step_budget.on_time_budget`: many short steps where
+the time left allows, its whole prompt in one step only where it does not). With none on time, late prompts go together, oldest first, in a step of at most
 a quarter of ``ttft_target_ms``, and are never urgent (their first token is lost to the target
 either way: a backlog drains fastest in steps that pay the fixed cost once for several of them,
 and a bounded step keeps the next live prompt's wait short); one that has waited twice
@@ -81,6 +83,7 @@ from pdserve.engines.step_budget import (
     deadline_group,
     group_tokens,
     next_prompt,
+    on_time_budget,
     prompt_budget,
 )
 
@@ -126,9 +129,11 @@ class StreamFirstScheduler(Scheduler):
         now = time.monotonic()
         seen = self._first_token_at
         live: dict[str, tuple[float, bool]] = {}
-        streams = []
+        streams = []  # the decoding streams whose first token was on time
+        decoding = 0  # all decoding streams: one token each in the step
         for r in self.running:
             if r.num_computed_tokens >= r.num_prompt_tokens and r.num_output_tokens > 0:
+                decoding += 1
                 first, late = live[r.request_id] = seen.get(r.request_id) or (
                     now,
                     self._late_first_token(r),
@@ -144,11 +149,12 @@ class StreamFirstScheduler(Scheduler):
                 )
                 if self.prefill_order != "deadline":
                     budget = max(budget, self._urgent_prompt_tokens())
-                elif pick.deadline and not chunked_on_time(
-                    pick.tokens, budget, pick.deadline - time.time(), self.cost
-                ):
-                    budget = max(budget, pick.tokens)  # in full, or it misses its deadline
-                self.max_num_scheduled_tokens = min(self.full_step_tokens, len(streams) + budget)
+                elif pick.deadline:
+                    left = pick.deadline - time.time()
+                    if not chunked_on_time(pick.tokens, budget, left, self.cost):
+                        # larger steps, just enough for the group to be on time
+                        budget = max(budget, on_time_budget(pick.tokens, left, self.cost))
+                self.max_num_scheduled_tokens = min(self.full_step_tokens, decoding + budget)
             else:
                 self.max_num_scheduled_tokens = self.full_step_tokens
             out = super().schedule(*args, **kwargs)
@@ -158,7 +164,7 @@ class StreamFirstScheduler(Scheduler):
             time.sleep(GATHER_POLL_S)
         total = sum(out.num_scheduled_tokens.values())
         self._step_started = time.monotonic()
-        self._step_prompt_tokens = max(0, total - len(streams))
+        self._step_prompt_tokens = max(0, total - decoding)
         return out
 
     def _pick_prompts(self) -> Pick:

@@ -14,6 +14,7 @@ from pdserve.engines.step_budget import (
     future_tokens,
     group_tokens,
     next_prompt,
+    on_time_budget,
     prompt_budget,
 )
 
@@ -142,3 +143,16 @@ def test_chunked_on_time_counts_a_fixed_cost_per_step():
     assert chunked_on_time(300, 300, 0.48, cost)  # one step: 30 + 450 ms
     assert not chunked_on_time(300, 100, 0.48, cost)  # three steps: 90 + 450 ms
     assert chunked_on_time(300, 100, 0.54, cost)
+
+
+def test_on_time_budget_splits_a_group_into_the_shortest_steps_that_stay_on_time():
+    cost = StepCost(fixed_s=0.030, per_token_s=0.0015)
+    # 600 tokens (0.9 s of compute) with 2 s left: 80% of it is 1.6 s, 0.7 s spare for fixed
+    # costs = 23 steps of 27 tokens, not one 0.93 s step beside the streams
+    budget = on_time_budget(600, 2.0, cost)
+    assert budget == 27
+    assert chunked_on_time(600, budget, 0.8 * 2.0, cost)
+    assert not chunked_on_time(600, budget - 2, 0.8 * 2.0, cost)  # it is about the smallest
+    # no time to split: in full, one step (also when the deadline has passed)
+    assert on_time_budget(600, 1.15, cost) == 600  # 0.92 - 0.9 s spare: no second step
+    assert on_time_budget(600, -0.5, cost) == 600
