@@ -81,9 +81,8 @@ class EngineConfig(StoreBackendConfig):
         "first), late ones together, oldest first, in a step of at most a quarter of "
         "ttft_target_ms (one waiting twice ttft_target_ms heads the next step), and a stream "
         "whose first token was late no longer limits the steps; shortest / arrival = one "
-        "prompt per "
-        "step, fewest tokens to compute / oldest first; batched = vLLM's own (every waiting "
-        "prompt in the next step)",
+        "prompt per step, fewest tokens to compute / oldest first; batched = vLLM's own "
+        "(every waiting prompt in the next step)",
     )
     ttft_target_ms: float = help_field(
         2000.0,

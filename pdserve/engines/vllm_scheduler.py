@@ -33,12 +33,13 @@ waiting prompt into the next step; ``deadline`` (the default) gives each prompt 
 time together, oldest first (:func:`~pdserve.engines.step_budget.deadline_group`; a prefix
 they share counts once, as vLLM computes it once): a burst that fits is batched as vLLM does,
 and of a burst too large for its time, what can be on time goes first instead of every prompt
-being late. When the streams' budget would make that group late, its steps grow just enough for
-it to be on time (:func:`~pdserve.engines.step_budget.on_time_budget`: many short steps where
-the time left allows, its whole prompt in one step only where it does not). With none on time, late prompts go together, oldest first, in a step of at most
-a quarter of ``ttft_target_ms``, and are never urgent (their first token is lost to the target
-either way: a backlog drains fastest in steps that pay the fixed cost once for several of them,
-and a bounded step keeps the next live prompt's wait short); one that has waited twice
+being late. When the streams' budget would make that group late, its steps grow just enough
+for it to be on time (:func:`~pdserve.engines.step_budget.on_time_budget`: many short steps
+where the time left allows, its whole prompt in one step only where it does not). With none
+on time, late prompts go together, oldest first, in a step of at most a quarter of
+``ttft_target_ms``, and are never urgent (their first token is lost to the target either way:
+a backlog drains fastest in steps that pay the fixed cost once for several of them, and a
+bounded step keeps the next live prompt's wait short); one that has waited twice
 ``ttft_target_ms`` heads the next step, so a steady stream of live prompts cannot starve it.
 A stream whose first token came after ``ttft_target_ms`` does not limit the step budget: its
 request has missed its SLO whatever its later tokens do, and in a backlog, where every stream
