@@ -209,6 +209,7 @@ def test_zmq_subscriber_decodes_stored_removed_and_replays(store) -> None:
         _put(client, keys, meta)
         assert client.remove([keys[2]]) == 1
         ours = {bytes.fromhex(k) for k in keys}
+        seen: list[tuple[int, object]] = []
 
         def our_events() -> list:
             # a probe's batch can still be on its way (a loaded machine): only ours count
@@ -219,7 +220,6 @@ def test_zmq_subscriber_decodes_stored_removed_and_replays(store) -> None:
                 if ours & set(e.block_hashes)
             ]
 
-        seen: list[tuple[int, object]] = []
         while len(our_events()) < 2:
             assert sub.poll(10_000), "timed out waiting for KV events"
             topic, seq, payload = sub.recv_multipart()
