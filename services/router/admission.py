@@ -1,6 +1,12 @@
-"""Admission control: a bounded queue in front of a fixed number of in-flight requests, and
-optional SLO targets. A request that cannot be served in time is refused at once with
+"""Admission control: a bounded queue in front of a number of in-flight requests, and optional
+SLO targets. A request that cannot be served in time is refused at once with
 RESOURCE_EXHAUSTED and a reason, instead of waiting forever.
+
+The in-flight limit is ``max_inflight``, or with ``max_inflight`` 0 what the decode workers
+can run: the sum of their ``max_num_seqs`` as they register it (``DEFAULT_INFLIGHT`` while none
+has). Requests beyond it wait here, first in first out, out of the workers' sight; a worker's
+scheduler can only order (by deadline, by shared prefix) the requests it has, so the default
+hands the workers as many as they can run.
 
 Predictions come from what the router observed (EWMAs, so they follow the cluster's speed):
     predicted TTFT = base_ms + ms_per_prefill_token * (own uncached tokens
@@ -13,7 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 
 from prometheus_client import Counter, Gauge
 
@@ -28,6 +35,14 @@ REJECTED = Counter(
 )
 QUEUED = Gauge("pdserve_router_queued", "Requests waiting for admission", registry=REGISTRY)
 INFLIGHT = Gauge("pdserve_router_inflight", "Requests being orchestrated", registry=REGISTRY)
+INFLIGHT_LIMIT = Gauge(
+    "pdserve_router_inflight_limit",
+    "Requests orchestrated at once before more wait (max_inflight, or the workers' capacity)",
+    registry=REGISTRY,
+)
+
+#: The in-flight limit under ``max_inflight`` 0 until a decode worker reports its capacity.
+DEFAULT_INFLIGHT = 64
 
 
 class Ewma:
@@ -47,12 +62,18 @@ class Admission:
         *,
         slo_ttft_ms: float = 0.0,
         slo_tpot_ms: float = 0.0,
+        capacity: Callable[[], int] | None = None,
     ) -> None:
+        """``max_inflight`` 0: the limit is ``capacity()`` (requests the workers can run at
+        once; 0 when unknown), read on every admission and release."""
         self.max_inflight = max_inflight
         self.max_queue = max_queue
         self.slo_ttft_ms = slo_ttft_ms
         self.slo_tpot_ms = slo_tpot_ms
-        self._sem = asyncio.Semaphore(max_inflight)
+        self._capacity = capacity
+        #: Requests waiting for a slot, oldest first: each is woken with its slot taken.
+        self._slots: deque[asyncio.Future[None]] = deque()
+        INFLIGHT_LIMIT.set(self.limit())
         self.waiting = 0
         self.inflight = 0
         #: Uncached prefill tokens of admitted-or-waiting requests not past their first token.
@@ -76,6 +97,13 @@ class Admission:
 
     # --- decisions --------------------------------------------------------------------------
 
+    def limit(self) -> int:
+        """Requests orchestrated at once (see the module docstring)."""
+        if self.max_inflight > 0:
+            return self.max_inflight
+        known = self._capacity() if self._capacity is not None else 0
+        return known if known > 0 else DEFAULT_INFLIGHT
+
     def predicted_ttft_ms(self, uncached_tokens: int, prefill_workers: int) -> float | None:
         if self.ms_per_token.value is None or self.base_ms.value is None:
             return None
@@ -84,7 +112,7 @@ class Admission:
 
     def check(self, uncached_tokens: int, prefill_workers: int) -> None:
         """Raises ResourceExhausted with the reason when the request should be refused."""
-        if self.inflight >= self.max_inflight and self.waiting >= self.max_queue:
+        if self.inflight >= self.limit() and self.waiting >= self.max_queue:
             REJECTED.labels("queue_full").inc()
             raise ResourceExhausted(
                 f"queue full: {self.waiting} requests waiting (max_queue={self.max_queue})"
@@ -117,22 +145,54 @@ class Admission:
         self.waiting += 1
         QUEUED.set(self.waiting)
         try:
-            await self._sem.acquire()
+            await self._slot()
         except BaseException:
             ticket.first_token()
             raise
         finally:
             self.waiting -= 1
             QUEUED.set(self.waiting)
-        self.inflight += 1
-        INFLIGHT.set(self.inflight)
         try:
             yield ticket
         finally:
             ticket.first_token()
-            self.inflight -= 1
-            INFLIGHT.set(self.inflight)
-            self._sem.release()
+            self._release()
+
+    async def _slot(self) -> None:
+        """Takes an in-flight slot, at once if none is waiting and one is free, else in turn."""
+        if not self._slots and self.inflight < self.limit():
+            self._take()
+            return
+        granted = asyncio.get_running_loop().create_future()
+        self._slots.append(granted)
+        try:
+            await granted
+        except BaseException:
+            if granted.done() and not granted.cancelled():  # its slot came with the cancel
+                self._release()
+            elif granted in self._slots:
+                self._slots.remove(granted)
+            raise
+
+    def _take(self) -> None:
+        self.inflight += 1
+        INFLIGHT.set(self.inflight)
+
+    def _release(self) -> None:
+        self.inflight -= 1
+        INFLIGHT.set(self.inflight)
+        self.wake()
+
+    def wake(self) -> None:
+        """Hands free slots to the waiting requests, oldest first; called on every release
+        and whenever the workers' capacity changes."""
+        limit = self.limit()
+        INFLIGHT_LIMIT.set(limit)
+        while self._slots and self.inflight < limit:
+            granted = self._slots.popleft()
+            if not granted.done():  # a cancelled one is on its way out
+                self._take()
+                granted.set_result(None)
 
 
 class Ticket:

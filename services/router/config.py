@@ -68,7 +68,11 @@ class RouterConfig(SecurityConfig, StoreBackendConfig):
     request_tokens: int = help_field(
         256, "tokens of prefill work assumed per request a worker reports as queued/running"
     )
-    max_inflight: int = help_field(64, "requests orchestrated at once; more wait in the queue")
+    max_inflight: int = help_field(
+        0,
+        "requests orchestrated at once; more wait in the queue, out of the workers' sight "
+        "(0 = the decode workers' max_num_seqs summed, 64 until one registers it)",
+    )
     max_queue: int = help_field(256, "requests allowed to wait; beyond that 429")
     slo_ttft_ms: float = help_field(0.0, "reject requests predicted to miss this TTFT (0 = off)")
     slo_tpot_ms: float = help_field(
@@ -118,8 +122,11 @@ class RouterConfig(SecurityConfig, StoreBackendConfig):
             raise ConfigError(
                 f"prefix_source must be auto, events or master, got {self.prefix_source!r}"
             )
-        if self.max_inflight <= 0 or self.max_queue < 0:
-            raise ConfigError("max_inflight must be positive and max_queue >= 0")
+        if self.max_inflight < 0 or self.max_queue < 0:
+            raise ConfigError(
+                f"max_inflight ({self.max_inflight}) and max_queue ({self.max_queue}) must be "
+                ">= 0 (max_inflight 0 = the workers' capacity)"
+            )
         if not self.meta and not self.decode:
             raise ConfigError("give --meta or at least one --decode worker address")
         if not self.meta and self.store_master and (self.kv_dtype == "auto" or not self.chunk_size):

@@ -118,6 +118,14 @@ def build(cfg: RouterConfig, tokenizer=None) -> Frontend:
         kv_compression=cfg.kv_compression,
     )
     pool.refusals = fingerprints.refusals
+    admission = Admission(
+        cfg.max_inflight,
+        cfg.max_queue,
+        slo_ttft_ms=cfg.slo_ttft_ms,
+        slo_tpot_ms=cfg.slo_tpot_ms,
+        capacity=pool.decode_capacity,
+    )
+    pool.on_change = admission.wake
     orch = Orchestrator(
         OrchestratorConfig(
             model=cfg.name,
@@ -136,12 +144,7 @@ def build(cfg: RouterConfig, tokenizer=None) -> Frontend:
             load_weight=cfg.load_weight,
             request_tokens=cfg.request_tokens,
         ),
-        admission=Admission(
-            cfg.max_inflight,
-            cfg.max_queue,
-            slo_ttft_ms=cfg.slo_ttft_ms,
-            slo_tpot_ms=cfg.slo_tpot_ms,
-        ),
+        admission=admission,
         prefix_lookup=store_lookup(cfg),
         detokenize=tokenizer.decode,
     )

@@ -103,13 +103,16 @@ class WorkerPool:
         #: Given every worker's labels, why each must get no work ("" = it may):
         #: ``FingerprintSource.refusals``, set by the router; checked on every meta update.
         self.refusals: Callable[[Sequence[Mapping[str, str]]], list[str]] | None = None
+        #: Called after every change of membership, capacity or health (the router's admission
+        #: control: its in-flight limit may follow the workers' capacity).
+        self.on_change: Callable[[], None] | None = None
 
     # --- membership -------------------------------------------------------------------------
 
     def add_static(self, role: str, addresses: list[str]) -> None:
         for addr in addresses:
             self.workers[role][f"{role}@{addr}"] = Worker(f"{role}@{addr}", addr, role)
-        self._update_gauges()
+        self._changed()
 
     def apply(self, event_type: int, inst: meta_pb2.Instance) -> None:
         """Applies one meta InstanceEvent (JOINED / UPDATED / LEFT)."""
@@ -177,7 +180,7 @@ class WorkerPool:
                 elif w.refused and not reason:
                     log.info("worker %s (%s) accepted: its KV fingerprint matches", w.id, w.address)
                 w.refused = reason
-        self._update_gauges()
+        self._changed()
 
     # --- circuit breaker --------------------------------------------------------------------
 
@@ -192,7 +195,7 @@ class WorkerPool:
             log.warning(
                 "worker %s (%s) out of rotation after %d failures", w.id, w.address, w.failures
             )
-            self._update_gauges()
+            self._changed()
 
     async def probe_once(self) -> None:
         """Health-checks broken workers whose cooldown passed; SERVING puts them back."""
@@ -206,7 +209,7 @@ class WorkerPool:
                         log.info("worker %s (%s) back in rotation", w.id, w.address)
                     else:
                         w.open_until = time.monotonic() + self.breaker_cooldown_s
-        self._update_gauges()
+        self._changed()
 
     async def probe_loop(self, stop: asyncio.Event, period_s: float = 0.5) -> None:
         while not stop.is_set():
@@ -254,8 +257,16 @@ class WorkerPool:
             for w in table.values():
                 await w.close()
 
-    def _update_gauges(self) -> None:
+    def decode_capacity(self) -> int:
+        """Requests the decode workers in rotation can run at once: their ``max_num_seqs``
+        summed (0 when none reported it, as static workers do not)."""
+        return sum(w.max_running for w in self.candidates(DECODE))
+
+    def _changed(self) -> None:
+        """Membership, capacity or health changed: the gauges, then ``on_change``."""
         for role, table in self.workers.items():
             WORKERS.labels(role).set(
                 sum(1 for w in table.values() if not w.broken and not w.refused)
             )
+        if self.on_change is not None:
+            self.on_change()

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from pdserve.errors import ResourceExhausted
-from pdserve.services.router.admission import Admission
+from pdserve.services.router.admission import DEFAULT_INFLIGHT, Admission
 
 
 def test_queue_bound_and_fifo_slots():
@@ -60,3 +60,68 @@ def test_tpot_slo_rejects_while_running_slow():
     adm.inflight = 3
     with pytest.raises(ResourceExhausted, match=r"time per output token is 80\.0 ms"):
         adm.check(10, 1)
+
+
+def test_auto_limit_follows_capacity_and_wakes_waiters_in_order():
+    async def main():
+        capacity = [0]
+        adm = Admission(0, 8, capacity=lambda: capacity[0])
+        assert adm.limit() == DEFAULT_INFLIGHT  # nothing reported yet
+        capacity[0] = 2
+        assert adm.limit() == 2
+        release = asyncio.Event()
+        order: list[str] = []
+
+        async def req(name):
+            async with adm.admit(10, 1):
+                order.append(name)
+                await release.wait()
+
+        tasks = [asyncio.ensure_future(req(n)) for n in "abcde"]
+        await asyncio.sleep(0.01)
+        assert order == ["a", "b"] and adm.waiting == 3
+        tasks[2].cancel()  # "c" gives up while it waits: no slot taken, none lost
+        await asyncio.sleep(0.01)
+        capacity[0] = 3  # a worker joined; the pool tells admission
+        adm.wake()
+        await asyncio.sleep(0.01)
+        assert order == ["a", "b", "d"] and adm.inflight == 3 and adm.waiting == 1
+        release.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert order == ["a", "b", "d", "e"]
+        assert adm.inflight == 0 and adm.waiting == 0 and adm.pending_prefill_tokens == 0
+
+    asyncio.run(main())
+
+
+def test_a_waiter_cancelled_as_its_slot_comes_hands_the_slot_on():
+    async def main():
+        adm = Admission(1, 8)
+        entered = asyncio.Event()
+        release = asyncio.Event()
+        got: list[str] = []
+
+        async def req(name):
+            async with adm.admit(1, 1):
+                got.append(name)
+                entered.set()
+                await release.wait()
+
+        a = asyncio.ensure_future(req("a"))
+        await entered.wait()
+        b = asyncio.ensure_future(req("b"))
+        c = asyncio.ensure_future(req("c"))
+        await asyncio.sleep(0.01)
+        hand_on = adm.wake
+
+        def wake_then_cancel_b():
+            hand_on()  # "a" left: "b" is handed the slot ...
+            b.cancel()  # ... and cancelled before it runs: the slot must go on to "c"
+
+        adm.wake = wake_then_cancel_b
+        release.set()
+        # a lost slot would leave "c" waiting for ever
+        await asyncio.wait_for(asyncio.gather(a, b, c, return_exceptions=True), 5)
+        assert got == ["a", "c"] and adm.inflight == 0 and adm.waiting == 0
+
+    asyncio.run(main())

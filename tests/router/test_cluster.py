@@ -192,7 +192,12 @@ def tok(tiny_model_dir):
 def stream(cluster: Cluster, **kw) -> list[router_pb2.GenerateStreamResponse]:
     with grpcutil.sync_channel(cluster.grpc, public=True) as ch:  # the router's API: no mTLS
         stub = router_pb2_grpc.RouterServiceStub(ch)
-        return list(stub.GenerateStream(router_pb2.GenerateRequest(**kw), timeout=120))
+        # wait_for_ready: on a loaded 2-core machine a fresh channel's first connection
+        # attempt can time out (UNAVAILABLE, no SETTINGS frame); the RPC then waits for the
+        # reconnect within its deadline, as a real client would retry
+        return list(
+            stub.GenerateStream(router_pb2.GenerateRequest(**kw), timeout=120, wait_for_ready=True)
+        )
 
 
 def ids(msgs) -> list[int]:

@@ -109,3 +109,25 @@ def test_workers_with_another_kv_fingerprint_are_refused_logged_and_counted_once
         await pool.close()
 
     asyncio.run(main())
+
+
+def test_decode_capacity_follows_registered_workers_and_reports_changes():
+    async def main():
+        pool = WorkerPool(model="tiny")
+        changes = []
+        pool.on_change = lambda: changes.append(pool.decode_capacity())
+        pool.add_static(DECODE, ["127.0.0.1:1"])  # static: no capacity reported
+        assert pool.decode_capacity() == 0 and changes == [0]
+        d0 = inst("d0", common_pb2.ROLE_DECODE, "127.0.0.1:2")
+        d1 = inst("d1", common_pb2.ROLE_DECODE, "127.0.0.1:3")
+        d1.max_running = 128
+        pool.sync([d0, d1, inst("p0", common_pb2.ROLE_PREFILL, "127.0.0.1:4")])
+        assert pool.decode_capacity() == 8 + 128  # prefill-only workers run no generation
+        pool.apply(meta_pb2.INSTANCE_EVENT_LEFT, d1)
+        assert changes[-2:] == [136, 8]
+        for _ in range(pool.breaker_failures):  # a broken worker's slots are not counted
+            pool.record_failure(pool.workers[DECODE]["d0"])
+        assert changes[-1] == 0
+        await pool.close()
+
+    asyncio.run(main())
