@@ -172,6 +172,7 @@ class Admission:
                 self._release()
             elif granted in self._slots:
                 self._slots.remove(granted)
+                self.wake()  # one that queued behind it while a slot was free goes now
             raise
 
     def _take(self) -> None:

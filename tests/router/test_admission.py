@@ -125,3 +125,32 @@ def test_a_waiter_cancelled_as_its_slot_comes_hands_the_slot_on():
         assert got == ["a", "c"] and adm.inflight == 0 and adm.waiting == 0
 
     asyncio.run(main())
+
+
+def test_a_cancelled_waiter_lets_the_next_one_take_a_free_slot():
+    async def main():
+        capacity = [1]
+        adm = Admission(0, 8, capacity=lambda: capacity[0])
+        release = asyncio.Event()
+        got: list[str] = []
+
+        async def req(name):
+            async with adm.admit(1, 1):
+                got.append(name)
+                await release.wait()
+
+        a = asyncio.ensure_future(req("a"))
+        await asyncio.sleep(0.01)
+        b = asyncio.ensure_future(req("b"))
+        c = asyncio.ensure_future(req("c"))
+        await asyncio.sleep(0.01)
+        assert got == ["a"] and adm.waiting == 2
+        capacity[0] = 2  # grown with no call to wake (a broken worker's cooldown ran out)
+        b.cancel()  # "c", queued behind "b", takes the free slot now, not when "a" ends
+        await asyncio.sleep(0.01)
+        assert got == ["a", "c"] and adm.inflight == 2
+        release.set()
+        await asyncio.gather(a, b, c, return_exceptions=True)
+        assert adm.inflight == 0 and adm.waiting == 0
+
+    asyncio.run(main())
