@@ -10,6 +10,22 @@ from pdserve.errors import ResourceExhausted
 from pdserve.services.router.admission import DEFAULT_INFLIGHT, Admission
 
 
+async def hold_slot(
+    adm: Admission,
+    name: str,
+    got: list[str],
+    release: asyncio.Event,
+    entered: asyncio.Event | None = None,
+) -> None:
+    """One request: admitted, it records its name (and sets ``entered``), then keeps its
+    in-flight slot until ``release``."""
+    async with adm.admit(10, 1):
+        got.append(name)
+        if entered is not None:
+            entered.set()
+        await release.wait()
+
+
 def test_queue_bound_and_fifo_slots():
     async def main():
         adm = Admission(max_inflight=1, max_queue=1)
@@ -17,15 +33,9 @@ def test_queue_bound_and_fifo_slots():
         entered = asyncio.Event()
         release = asyncio.Event()
 
-        async def req(name):
-            async with adm.admit(10, 1):
-                order.append(name)
-                entered.set()
-                await release.wait()
-
-        t1 = asyncio.ensure_future(req("a"))
+        t1 = asyncio.ensure_future(hold_slot(adm, "a", order, release, entered))
         await entered.wait()
-        t2 = asyncio.ensure_future(req("b"))  # waits in the queue
+        t2 = asyncio.ensure_future(hold_slot(adm, "b", order, release))  # waits in the queue
         await asyncio.sleep(0.01)
         assert adm.waiting == 1 and adm.inflight == 1
         with pytest.raises(
@@ -72,12 +82,7 @@ def test_auto_limit_follows_capacity_and_wakes_waiters_in_order():
         release = asyncio.Event()
         order: list[str] = []
 
-        async def req(name):
-            async with adm.admit(10, 1):
-                order.append(name)
-                await release.wait()
-
-        tasks = [asyncio.ensure_future(req(n)) for n in "abcde"]
+        tasks = [asyncio.ensure_future(hold_slot(adm, n, order, release)) for n in "abcde"]
         await asyncio.sleep(0.01)
         assert order == ["a", "b"] and adm.waiting == 3
         tasks[2].cancel()  # "c" gives up while it waits: no slot taken, none lost
@@ -101,16 +106,10 @@ def test_a_waiter_cancelled_as_its_slot_comes_hands_the_slot_on():
         release = asyncio.Event()
         got: list[str] = []
 
-        async def req(name):
-            async with adm.admit(1, 1):
-                got.append(name)
-                entered.set()
-                await release.wait()
-
-        a = asyncio.ensure_future(req("a"))
+        a = asyncio.ensure_future(hold_slot(adm, "a", got, release, entered))
         await entered.wait()
-        b = asyncio.ensure_future(req("b"))
-        c = asyncio.ensure_future(req("c"))
+        b = asyncio.ensure_future(hold_slot(adm, "b", got, release))
+        c = asyncio.ensure_future(hold_slot(adm, "c", got, release))
         await asyncio.sleep(0.01)
         hand_on = adm.wake
 
@@ -134,15 +133,10 @@ def test_a_cancelled_waiter_lets_the_next_one_take_a_free_slot():
         release = asyncio.Event()
         got: list[str] = []
 
-        async def req(name):
-            async with adm.admit(1, 1):
-                got.append(name)
-                await release.wait()
-
-        a = asyncio.ensure_future(req("a"))
+        a = asyncio.ensure_future(hold_slot(adm, "a", got, release))
         await asyncio.sleep(0.01)
-        b = asyncio.ensure_future(req("b"))
-        c = asyncio.ensure_future(req("c"))
+        b = asyncio.ensure_future(hold_slot(adm, "b", got, release))
+        c = asyncio.ensure_future(hold_slot(adm, "c", got, release))
         await asyncio.sleep(0.01)
         assert got == ["a"] and adm.waiting == 2
         capacity[0] = 2  # grown with no call to wake (a broken worker's cooldown ran out)
