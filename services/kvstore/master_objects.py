@@ -257,6 +257,7 @@ class ObjectsMixin:
             self._mark(obj)
             self.on_event(pb.KV_EVENT_STORED, key, obj.size, pb.KV_EVENT_REASON_UNSPECIFIED)
             out.append(KeyOutcome(key, OK))
+        self._touch([o.key for o in out if o.code == OK])
         self.flush()
         return out
 
@@ -313,6 +314,7 @@ class ObjectsMixin:
         until = now + lease_s
         out = []
         hits = 0
+        found: list[str] = []
         for key in keys:
             obj = self.objects.get(key)
             if obj is None or self._expired(obj, now):
@@ -320,7 +322,7 @@ class ObjectsMixin:
                 out.append(GetOutcome(key, pb.KV_INVALID if problem else pb.KV_NOT_FOUND))
                 continue
             hits += 1
-            self.objects.move_to_end(key)
+            found.append(key)
             lease = obj.leases[client_id] = max(obj.leases.get(client_id, 0.0), until)
             out.append(
                 GetOutcome(
@@ -333,9 +335,17 @@ class ObjectsMixin:
                     int((lease - now) * 1000),
                 )
             )
+        self._touch(found)
         self.counters.gets += len(keys)
         self.counters.get_hits += hits
         return out
+
+    def _touch(self, keys: Sequence[str]) -> None:
+        """Marks ``keys`` (committed, in chain order) most recently used, the first key most
+        recent of all: LRU eviction then takes a chain's deepest chunks first, so what is
+        left of a prefix stays a usable prefix (a lost head would strand the rest)."""
+        for key in reversed(keys):
+            self.objects.move_to_end(key)
 
     def release(self, client_id: str, keys: Sequence[str]) -> list[KeyOutcome]:
         self.check_batch(len(keys))
@@ -362,7 +372,11 @@ class ObjectsMixin:
         return out
 
     def longest_prefix(self, keys: Sequence[str]) -> int:
-        """Number of leading keys that are committed: a plain dict walk."""
+        """Number of leading keys that are committed: a plain dict walk. The keys found
+        count as used for LRU eviction, as a read does: a worker asks this of every prompt
+        it schedules, and a prefix that its own cache serves (so it reads nothing from the
+        store) is still in demand; without the touch a hot prefix would age out behind the
+        one-off tails written after it."""
         self.check_batch(len(keys))
         now = self.clock.mono()
         objs = self.objects
@@ -372,6 +386,7 @@ class ObjectsMixin:
             if o is None or (o.ttl_deadline and o.ttl_deadline <= now):
                 break
             n += 1
+        self._touch(keys[:n])
         self.counters.prefix_queries += 1
         self.counters.prefix_hit_keys += n
         return n

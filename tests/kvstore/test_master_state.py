@@ -182,6 +182,29 @@ def test_eviction_under_2x_pressure_keeps_leased_and_is_lru(make_state, clock, e
     assert s.segments["s1"].used <= s.segments["s1"].capacity
 
 
+def test_prefix_lookups_keep_a_prefix_and_eviction_takes_a_chain_from_its_end(
+    make_state, events
+) -> None:
+    """A worker whose own cache serves a prefix reads nothing from the store, but asks
+    LongestPrefix of every prompt: that counts as use, so one-off tails written after the
+    prefix are evicted before it. Within a chain the deepest chunks go first, so what is
+    left is still a prefix that LongestPrefix finds."""
+    s = make_state(high_watermark=1.0, low_watermark=1.0)  # on-demand eviction only
+    mount(s, "s1", "n1", 8 * KB)  # 8 objects of 1 KiB
+    prefix = ["p0", "p1", "p2", "p3"]
+    for k in prefix:
+        assert put(s, k) == pb.KV_OK
+    for i in range(12):  # 3x the room left: every tail is evicted once room runs out
+        assert put(s, f"tail{i}") == pb.KV_OK
+        assert s.longest_prefix([*prefix, f"tail{i}"]) == 5
+    assert s.exists(prefix) == [True] * 4
+    # Without the lookups the prefix is the oldest: the tails push it out, deepest first.
+    for i in range(12, 20):
+        assert put(s, f"tail{i}") == pb.KV_OK
+    evicted = [e[1] for e in events.events if e[0] == pb.KV_EVENT_REMOVED]
+    assert [k for k in evicted if k in prefix] == ["p3", "p2", "p1", "p0"]
+
+
 def test_soft_pin_evicted_last(make_state) -> None:
     s = make_state(high_watermark=1.0, low_watermark=1.0)
     mount(s, "s1", "n1", 4 * KB)
