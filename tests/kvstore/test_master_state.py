@@ -183,7 +183,7 @@ def test_eviction_under_2x_pressure_keeps_leased_and_is_lru(make_state, clock, e
 
 
 def test_prefix_lookups_keep_a_prefix_and_eviction_takes_a_chain_from_its_end(
-    make_state, events
+    make_state, clock, events
 ) -> None:
     """A worker whose own cache serves a prefix reads nothing from the store, but asks
     LongestPrefix of every prompt: that counts as use, so one-off tails written after the
@@ -203,6 +203,16 @@ def test_prefix_lookups_keep_a_prefix_and_eviction_takes_a_chain_from_its_end(
         assert put(s, f"tail{i}") == pb.KV_OK
     evicted = [e[1] for e in events.events if e[0] == pb.KV_EVENT_REMOVED]
     assert [k for k in evicted if k in prefix] == ["p3", "p2", "p1", "p0"]
+    # A chain put in one batch, and one read in one batch, leave its head the most recent.
+    for keys in (["b0", "b1", "b2"], ["r0", "r1", "r2"]):
+        assert all(r.code == pb.KV_OK for r in s.put_start("c", [(k, KB) for k in keys]))
+        assert all(r.code == pb.KV_OK for r in s.put_end("c", keys))
+    s.get_replicas("reader", ["r0", "r1", "r2"], lease_ms=1)
+    clock.advance(0.01)  # the read's 1 ms lease is over: r0-r2 may be evicted
+    for i in range(20, 28):
+        assert put(s, f"tail{i}") == pb.KV_OK
+    evicted = [e[1] for e in events.events if e[0] == pb.KV_EVENT_REMOVED]
+    assert [k for k in evicted if k[0] in "br"] == ["b2", "b1", "b0", "r2", "r1", "r0"]
 
 
 def test_soft_pin_evicted_last(make_state) -> None:
