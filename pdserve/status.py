@@ -55,6 +55,8 @@ async def collect(meta: str, store_master: str, timeout: float) -> dict:
                 "kv_usage": round(inst.load.kv_usage, 4),
                 # workers: the KV fingerprint they registered (services/worker.py)
                 "fingerprint": inst.labels.get("fingerprint", ""),
+                # workers: "on", "none" (no store configured) or "off: <why>"
+                "kv_store": inst.labels.get("kv_store", ""),
             }
         )
     if not store_master:
@@ -100,6 +102,9 @@ def render(report: dict) -> str:
                 r["model"],
             )
         )
+    for r in report["instances"]:
+        if r.get("kv_store", "").startswith("off"):
+            lines.append(f"  {r['id']} serves WITHOUT the KV store ({r['kv_store']})")
     by_fp: dict[str, list[str]] = {}
     for r in report["instances"]:
         if r.get("fingerprint"):

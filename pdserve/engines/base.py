@@ -220,6 +220,9 @@ class Engine(abc.ABC):
     max_model_len: int
     eos_token_id: int
     vocab_size: int
+    #: Why this engine serves without the KV store ("" = it uses it, or has none configured):
+    #: set by ``start``, shown in the worker's registration and ``pdserve status``.
+    store_off: str = ""
 
     @abc.abstractmethod
     async def start(self) -> None: ...

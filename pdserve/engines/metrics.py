@@ -5,7 +5,7 @@ engine-core process, and they reach the worker's ``/metrics`` from there."""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from pdserve.telemetry import REGISTRY, Relayed
 
@@ -31,6 +31,14 @@ KV_STORE_SECONDS = Relayed(
         buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
         registry=REGISTRY,
     ),
+)
+#: 1 while the engine serves without the store: vLLM handed it a KV cache layout the
+#: connector cannot convert (:mod:`pdserve.engines.kv_layout`; the reason is in the worker's
+#: log and ``pdserve status``). vLLM's own prefix cache still works.
+KV_STORE_OFF = Gauge(
+    "pdserve_kv_store_off",
+    "1 while this engine serves without the KV store (a KV layout it cannot convert)",
+    registry=REGISTRY,
 )
 #: Prompt tokens whose KV came from the store. ``phase``: prefill|decode.
 KV_LOADED_TOKENS = Counter(

@@ -71,6 +71,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.logger import init_logger
 
 from pdserve import hashing, identity, telemetry
+from pdserve.engines import kv_layout
 from pdserve.engines.chunk_io import ChunkIO
 from pdserve.kvformat import DTYPE_NAMES, encoded_size
 from pdserve.store.api import ChunkMeta
@@ -341,6 +342,21 @@ class PdserveConnector(KVConnectorBase_V1):
         self.io = ChunkIO(
             self.settings.make_client(), self.rank_fp, replicas=self.settings.replicas
         )
+        #: why this engine serves without the store ("" = it uses it): a KV layout the
+        #: connector cannot convert. Each role derives it (the scheduler from the config, the
+        #: worker from its caches), so neither plans nor moves a chunk in a layout it would
+        #: read or write wrong.
+        self._off_reason = ""
+        #: the worker's caches' layout (kv_layout), set in register_kv_caches
+        self._layout: kv_layout.BlockLayout | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            model = vllm_config.model_config
+            try:
+                kv_layout.engine_layout(
+                    vllm_config, model.dtype, self.block_size, model.get_head_size()
+                )
+            except kv_layout.LayoutError as exc:
+                self._store_off(str(exc))
         # scheduler role
         self._plans: dict[str, _LoadPlan] = {}
         self._trackers: dict[str, _SaveTracker] = {}
@@ -369,9 +385,22 @@ class PdserveConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ scheduler side
 
+    def _store_off(self, reason: str) -> None:
+        """Serve without the store from now on (logged once): vLLM computes every prompt
+        and keeps its own prefix cache; nothing is loaded or saved."""
+        if not self._off_reason:
+            log.error(
+                "pdserve KV connector: serving WITHOUT the KV store (no chunk loaded or "
+                "saved; vLLM's own prefix cache still works): %s",
+                reason,
+            )
+        self._off_reason = reason
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        if self._off_reason:
+            return 0, False
         tokens = list(request.prompt_token_ids or [])
         limit = len(tokens) - 1  # the last prompt token is always computed
         cs = self.chunk_size
@@ -437,6 +466,8 @@ class PdserveConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = PdserveConnectorMetadata()
+        if self._off_reason:
+            return meta
         for req_id in scheduler_output.finished_req_ids:
             self._trackers.pop(req_id, None)
             self._plans.pop(req_id, None)
@@ -589,25 +620,26 @@ class PdserveConnector(KVConnectorBase_V1):
                 f"vLLM's KV cache dtype {self._caches[0].dtype} does not match the "
                 f"fingerprint's kv_dtype {self.fp.kv_dtype!r}"
             )
-        if self._caches[0].dim() == 4:
-            check_cpu_layout(self._caches[0], self.block_size)
-
-    def _kv_views(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V views ``[num_blocks, kv_heads, block_size, head_dim]`` of one layer's cache.
-
-        CPU backend (verified against vLLM 0.32.0's ``cpu_attn_reshape_and_cache`` by
-        :func:`check_cpu_layout`): ``[blocks, kv_heads, block_size, 2 * head_dim]`` whose memory
-        per (block, head) is K transposed (``[head_dim, block_size]``) then V
-        (``[block_size, head_dim]``). Flash-attention layout: ``[2, blocks, block_size,
-        kv_heads, head_dim]``.
-        """
-        return kv_views(cache, self.block_size)
+        cache = self._caches[0]
+        try:
+            self._layout = kv_layout.engine_layout(
+                self._vllm_config, cache.dtype, int(cache.shape[2]), int(cache.shape[3]) // 2
+            )
+            self._layout.views(cache)  # checks the cache's shape and strides against it
+        except kv_layout.LayoutError as exc:
+            self._store_off(str(exc))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, PdserveConnectorMetadata)
         for load in meta.loads:
-            if load.wait_ms:
+            if self._off_reason:  # planned by a scheduler that could convert: recompute it
+                with self._lock:
+                    if load.chunks:
+                        self._failed_blocks.update(self._blocks_from(load, 0))
+                    if load.wait_ms:
+                        self._landed.add(load.req_id)
+            elif load.wait_ms:
                 self._start_wait(load)
             else:
                 self._load_request(load)
@@ -702,10 +734,10 @@ class PdserveConnector(KVConnectorBase_V1):
     def _arena_for(self, load: RequestLoad) -> memoryview:
         """The reusable read buffer, grown to hold every chunk of ``load`` (the chunks are
         scattered into the paged cache before the next load reuses it)."""
-        k, _ = self._kv_views(self._caches[0])
-        layers, heads, dim = len(self._caches), k.shape[1], k.shape[3]
+        cache = self._caches[0]
+        layers, heads, dim = len(self._caches), cache.shape[1], self._layout.head_dim
         need = sum(
-            encoded_size((layers, 2, heads, c.num_tokens, dim), k.dtype, self.fp.kv_compression)
+            encoded_size((layers, 2, heads, c.num_tokens, dim), cache.dtype, self.fp.kv_compression)
             for c in load.chunks
         )
         if len(self._arena) < need:
@@ -716,8 +748,8 @@ class PdserveConnector(KVConnectorBase_V1):
     def _valid(self, kv: torch.Tensor | None, num_tokens: int) -> bool:
         if kv is None or not self._caches:
             return False
-        k, _ = self._kv_views(self._caches[0])
-        expected = (len(self._caches), 2, k.shape[1], num_tokens, k.shape[3])
+        heads, dim = self._caches[0].shape[1], self._layout.head_dim
+        expected = (len(self._caches), 2, heads, num_tokens, dim)
         return tuple(kv.shape) == expected and kv.dtype == self._caches[0].dtype
 
     def _scatter_all(
@@ -740,12 +772,16 @@ class PdserveConnector(KVConnectorBase_V1):
             per = shape[3] // bs  # blocks per chunk (chunk sizes are multiples of bs)
             src = self._stacked([kv for _, kv in group])  # [n, L, 2, H, t, D]
             idx = torch.tensor(
-                [[block_ids[c.start // bs + j] for j in range(per)] for c, _ in group]
+                [[block_ids[c.start // bs + j] for j in range(per)] for c, _ in group],
+                device=self._caches[0].device,
             )
+            layout = self._layout
             for layer, cache in enumerate(self._caches):
-                for part, view in enumerate(self._kv_views(cache)):
-                    # [n, H, t, D] -> [n, per, H, bs, D], a view: one index_put per layer/part
-                    view[idx] = src[:, layer, part].unflatten(2, (per, bs)).transpose(1, 2)
+                for part, view in enumerate(layout.views(cache)):
+                    # [n, H, t, D] -> [n, per, H, bs, D] in the layout's axes, a view: one
+                    # index_put per layer and part
+                    blocks = src[:, layer, part].unflatten(2, (per, bs)).transpose(1, 2)
+                    view[idx] = layout.factor(blocks, part).to(cache.device)
 
     def _stacked(self, kvs: list[torch.Tensor]) -> torch.Tensor:
         """``torch.stack(kvs)``, without the copy when the chunks lie evenly spaced in the
@@ -775,14 +811,19 @@ class PdserveConnector(KVConnectorBase_V1):
         return torch.stack(kvs)
 
     def _scatter(self, kv: torch.Tensor, chunk: ChunkLoad, block_ids: list[int]) -> None:
+        """Writes the positions ``[max(start, skip_before), stop)`` of one chunk, block by
+        block. A block written in part is read, patched and written back whole (a layout may
+        interleave neighbouring tokens); its other positions are recomputed by vLLM later."""
         bs = self.block_size
         begin, end = max(chunk.start, chunk.skip_before), chunk.stop
         for b in range(begin // bs, (end + bs - 1) // bs):
             lo, hi = max(b * bs, begin), min((b + 1) * bs, end)
             src = kv[:, :, :, lo - chunk.start : hi - chunk.start, :]  # [L, 2, H, t, D]
             for layer, cache in enumerate(self._caches):
-                for part, view in enumerate(self._kv_views(cache)):
-                    view[block_ids[b], :, lo - b * bs : hi - b * bs, :].copy_(src[layer, part])
+                ids = torch.tensor([block_ids[b]], device=cache.device)
+                block = self._layout.gather(cache, ids)  # [1, 2, H, bs, D]
+                block[0, :, :, lo - b * bs : hi - b * bs] = src[layer]
+                self._layout.scatter(cache, ids, block)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -802,7 +843,7 @@ class PdserveConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, PdserveConnectorMetadata)
-        if not meta.saves or not self.io.available():
+        if not meta.saves or self._off_reason or not self.io.available():
             return
         # one batched put per TTL (prompt chunks; request tails): two master round trips per
         # step whatever the chunk count, and existing keys skipped by the master, no pre-check
@@ -845,20 +886,17 @@ class PdserveConnector(KVConnectorBase_V1):
         ``[lists, layers, 2, kv_heads, nb * block_size, head_dim]``, one indexed copy per
         layer and K or V for all the lists, each list's slice contiguous."""
         n, nb = len(block_lists), len(block_lists[0])
-        ids = torch.tensor([b for blocks in block_lists for b in blocks], dtype=torch.long)
-        out: torch.Tensor | None = None
+        layout, first = self._layout, self._caches[0]
+        heads, bs, dim = first.shape[1], self.block_size, layout.head_dim
+        ids = [b for blocks in block_lists for b in blocks]
+        index = torch.tensor(ids, dtype=torch.long, device=first.device)
+        # on the host: the store reads and writes host memory
+        out = torch.empty((n, len(self._caches), 2, heads, nb * bs, dim), dtype=first.dtype)
         for layer, cache in enumerate(self._caches):
-            for half, view in enumerate(self._kv_views(cache)):
-                blocks = view.index_select(0, ids)  # [n * nb, H, bs, D]
-                _, heads, bs, dim = blocks.shape
-                if out is None:
-                    out = torch.empty(
-                        (n, len(self._caches), 2, heads, nb * bs, dim), dtype=blocks.dtype
-                    )
-                out[:, layer, half].view(n, heads, nb, bs, dim).copy_(
-                    blocks.view(n, nb, heads, bs, dim).transpose(1, 2)
-                )
-        assert out is not None
+            for half, view in enumerate(layout.views(cache)):
+                blocks = view.index_select(0, index)  # [n * nb, H, t_hi, t_lo, d_hi, d_lo]
+                dst = out[:, layer, half].view(n, heads, nb, bs, dim).transpose(1, 2)
+                layout.factor(dst, half).copy_(blocks.view(n, nb, *blocks.shape[1:]))
         return out
 
     def _rank_key(self, key: str) -> str:
@@ -889,48 +927,3 @@ class PdserveConnector(KVConnectorBase_V1):
         if self._waiter is not None:
             self._waiter.shutdown(wait=True, cancel_futures=True)
         self.io.close()
-
-
-def kv_views(cache: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """See :meth:`PdserveConnector._kv_views`."""
-    if cache.dim() == 4:
-        nb, heads, bs, width = cache.shape
-        assert bs == block_size, (bs, block_size)
-        dim = width // 2
-        halves = cache.view(nb, heads, 2, bs * dim)
-        k = halves[:, :, 0].view(nb, heads, dim, bs).transpose(2, 3)
-        v = halves[:, :, 1].view(nb, heads, bs, dim)
-        return k, v
-    if cache.dim() == 5 and cache.shape[0] == 2:
-        return cache[0].transpose(1, 2), cache[1].transpose(1, 2)
-    raise ValueError(f"unsupported vLLM KV cache layout {tuple(cache.shape)}")
-
-
-def check_cpu_layout(cache: torch.Tensor, block_size: int) -> None:
-    """Writes known K/V through vLLM's own CPU cache kernel into a scratch block and checks
-    that :func:`kv_views` reads them back at the right token positions (the in-block layout
-    depends on the kernel's ISA). Raises instead of ever storing non-canonical chunks."""
-    from vllm import _custom_ops as ops
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    _, heads, bs, width = cache.shape
-    dim = width // 2
-    scratch = torch.zeros((1, heads, bs, width), dtype=cache.dtype)
-    halves = scratch.view(1, heads, 2 * bs, dim)
-    key_cache, value_cache = halves.chunk(2, dim=2)
-    n = min(5, bs)
-    key = torch.arange(n * heads * dim, dtype=torch.float32).view(n, heads, dim).to(cache.dtype)
-    value = -key - 1
-    isa = _get_attn_isa(cache.dtype, bs, dim, "auto")
-    ops.cpu_attn_reshape_and_cache(
-        key, value, key_cache, value_cache, torch.arange(n), isa, kv_cache_dtype="auto"
-    )
-    k, v = kv_views(scratch, block_size)
-    if not (
-        torch.equal(k[0, :, :n], key.transpose(0, 1))
-        and torch.equal(v[0, :, :n], value.transpose(0, 1))
-    ):
-        raise ValueError(
-            f"vLLM's CPU KV block layout (isa {isa!r}) is not the one pdserve's connector "
-            "converts; refusing to store non-canonical chunks"
-        )

@@ -1,5 +1,7 @@
 """The vLLM connector's batched scatter writes exactly what the per-block path writes, from
-chunks read into the arena (a strided view, no copy) and from scattered tensors (stacked)."""
+chunks read into the arena (a strided view, no copy) and from scattered tensors (stacked), in
+the GPU backends' content layout and in the CPU ISAs' layouts (``amx`` interleaves tokens and
+dims, so a block written in part is patched whole)."""
 
 from __future__ import annotations
 
@@ -9,32 +11,43 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed")
 
 from pdserve import kvformat
+from pdserve.engines import kv_layout
 from pdserve.engines.vllm_connector import ChunkLoad, PdserveConnector
 
-L, H, D, BS, CHUNK = 3, 2, 8, 4, 8
+L, H = 3, 2
+#: (block size, head_dim, layout): the content layout at a toy size, and vLLM's CPU ISAs
+LAYOUTS = {
+    "content": lambda: kv_layout.content_layout(4, 8),
+    "cpu-vec": lambda: kv_layout.cpu_layout(torch.bfloat16, 32, 32, "vec"),
+    "cpu-amx": lambda: kv_layout.cpu_layout(torch.bfloat16, 32, 32, "amx"),
+}
 
 
-def _connector(caches: list[torch.Tensor]) -> PdserveConnector:
+def _connector(layout: kv_layout.BlockLayout) -> PdserveConnector:
     # Only the worker-side state the scatter reads; no vLLM engine behind it.
     conn = object.__new__(PdserveConnector)
-    conn.block_size = BS
-    conn._caches = caches
+    conn.block_size = layout.block_size
+    conn._layout = layout
+    conn._caches = [
+        torch.zeros(16, H, layout.block_size, 2 * layout.head_dim, dtype=torch.bfloat16)
+        for _ in range(L)
+    ]
     conn._arena = bytearray()
     conn._arena_tensor = torch.empty(0, dtype=torch.uint8)
     return conn
 
 
-def _caches() -> list[torch.Tensor]:
-    return [torch.zeros(16, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
-
-
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
 @pytest.mark.parametrize("in_arena", [True, False])
-def test_batched_scatter_matches_per_block(in_arena: bool) -> None:
+def test_batched_scatter_matches_per_block(in_arena: bool, name: str) -> None:
+    layout = LAYOUTS[name]()
+    BS, D = layout.block_size, layout.head_dim
+    CHUNK = 2 * BS
     fp = bytes(32)
     torch.manual_seed(0)
     kvs = [torch.randn(L, 2, H, CHUNK, D).to(torch.bfloat16) for _ in range(4)]
-    # chunk 0 overlaps the local cache up to token 5; chunk 3 stops before the last token;
-    # chunk 4 is a request's tail of 5 tokens, written whole.
+    # chunk 0 overlaps the local cache up to token 5 (inside a block); chunk 3 stops before the
+    # last token; chunk 4 is a request's tail of 5 tokens, written whole.
     chunks = [
         ChunkLoad(f"k{i}", i * CHUNK, CHUNK, 5 if i == 0 else 0, (i + 1) * CHUNK - (i == 3))
         for i in range(4)
@@ -42,7 +55,7 @@ def test_batched_scatter_matches_per_block(in_arena: bool) -> None:
     kvs.append(torch.randn(L, 2, H, 5, D).to(torch.bfloat16))
     chunks.append(ChunkLoad("tail", 4 * CHUNK, 5, 0, 4 * CHUNK + 5))
     block_ids = [3, 9, 1, 14, 7, 2, 11, 5, 8, 4]
-    fast = _connector(_caches())
+    fast = _connector(layout)
     if in_arena:  # laid out as StoreClient.batch_get_chunks reads them: back to back
         blobs = [kvformat.encode(kv, fp, f"k{i}") for i, kv in enumerate(kvs)]
         fast._arena = bytearray(b"".join(blobs))
@@ -57,9 +70,19 @@ def test_batched_scatter_matches_per_block(in_arena: bool) -> None:
     else:
         got = [kv.clone() for kv in kvs]
     fast._scatter_all(list(zip(chunks, got, strict=True)), block_ids)
-    slow = _connector(_caches())
+    slow = _connector(layout)
     for chunk, kv in zip(chunks, kvs, strict=True):
         slow._scatter(kv, chunk, block_ids)
     for a, b in zip(fast._caches, slow._caches, strict=True):
         assert torch.equal(a, b)
-    assert any(c.abs().sum() > 0 for c in fast._caches)
+    # and what landed, read back through the layout token by token, is each chunk's KV at
+    # the positions it wrote, zero elsewhere
+    ids = torch.tensor(block_ids)
+    tokens = torch.stack(  # [L, 2, H, tokens, D]
+        [layout.gather(c, ids).permute(1, 2, 0, 3, 4).flatten(2, 3) for c in fast._caches]
+    )
+    want = torch.zeros_like(tokens)
+    for chunk, kv in zip(chunks, kvs, strict=True):
+        lo, hi = max(chunk.start, chunk.skip_before), chunk.stop
+        want[:, :, :, lo:hi] = kv[:, :, :, lo - chunk.start : hi - chunk.start]
+    assert torch.equal(tokens, want)

@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed")
 
 from pdserve import hashing
+from pdserve.engines import kv_layout
 from pdserve.engines.chunk_io import ChunkIO
 from pdserve.engines.vllm_connector import PARAMS_KEY, PdserveConnector, RequestLoad
 
@@ -34,6 +35,8 @@ def _connector(store) -> PdserveConnector:
     conn._waited = set()
     conn.settings = SimpleNamespace(tail_ttl_ms=1000)
     conn._caches = [torch.zeros(32, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
+    conn._layout = kv_layout.content_layout(BS, D)
+    conn._off_reason = ""
     conn._failed_blocks = set()
     conn._arena = bytearray()
     conn._arena_tensor = torch.empty(0, dtype=torch.uint8)
@@ -128,7 +131,7 @@ def test_a_steps_chunks_are_gathered_together_as_one_at_a_time(memory_store) -> 
     """_gather_all (one indexed copy per layer for all of a step's full chunks) gives each
     save the bytes _gather gives it alone, and both the tokens the cache's K and V views hold
     at the save's blocks, in order; a partial tail goes its own way."""
-    from pdserve.engines.vllm_connector import ChunkSave, kv_views
+    from pdserve.engines.vllm_connector import ChunkSave
 
     conn = _connector(memory_store)
     torch.manual_seed(5)
@@ -151,7 +154,7 @@ def test_a_steps_chunks_are_gathered_together_as_one_at_a_time(memory_store) -> 
             return torch.stack(rows, dim=1)  # [H, tokens, D]
 
         return torch.stack(
-            [torch.stack([tokens(v) for v in kv_views(c, BS)]) for c in conn._caches]
+            [torch.stack([tokens(c[..., :D]), tokens(c[..., D:])]) for c in conn._caches]
         )
 
     assert all(torch.equal(t, reference(s)) for t, s in zip(together, saves, strict=True))
@@ -228,3 +231,44 @@ def test_an_aborted_wait_stops_and_is_reported_without_failures(memory_store) ->
     assert _finished(conn, aborted={"r"}) == {"r"}
     assert conn.get_block_ids_with_load_errors() == set()
     conn.shutdown()
+
+
+def test_a_layout_it_cannot_convert_turns_the_store_off_not_the_engine(memory_store) -> None:
+    """Never down because of a layout: the scheduler side plans no load and no save; a
+    worker side that cannot convert what a scheduler planned reports the blocks as failed
+    (vLLM recomputes them) and the wait as over, and writes nothing into the cache."""
+    for i in range(3):
+        _publish(memory_store, i)
+    planner = _connector(memory_store)
+    planned = _request(wait_ms=0)
+    assert planner.get_num_new_matched_tokens(planned, 0) == (3 * CHUNK, False)
+    blocks = list(range(3, 3 + 3 * CHUNK // BS))
+    planner.update_state_after_alloc(
+        planned, SimpleNamespace(get_block_ids=lambda: [blocks]), 3 * CHUNK
+    )
+    out = _empty_output()
+    out.scheduled_new_reqs = [
+        SimpleNamespace(req_id="r", block_ids=[blocks], prompt_token_ids=TOKENS,
+                        num_computed_tokens=0)
+    ]  # fmt: skip
+    out.num_scheduled_tokens = {"r": len(TOKENS)}
+    meta = planner.build_connector_meta(out)
+    assert meta.loads
+
+    off = _connector(memory_store)
+    off._store_off("test: a layout no strided view reproduces")
+    assert off.get_num_new_matched_tokens(_request(), 0) == (0, False)
+    assert off.build_connector_meta(out) == type(meta)()  # no load, no save
+    off._connector_metadata = meta  # the worker side, handed another scheduler's plan
+    off.start_load_kv(None)
+    assert off.get_block_ids_with_load_errors() == set(blocks)
+    assert all(not c.any() for c in off._caches)
+    from pdserve.engines.vllm_connector import ChunkSave
+
+    meta.saves = [ChunkSave("never-saved", 0, CHUNK, blocks[: CHUNK // BS])]
+    off.wait_for_save()
+    assert memory_store.exists(["never-saved"]) == [False]
+    planner._connector_metadata = meta  # (the same save, where the store is on, is written)
+    planner._caches = off._caches
+    planner.wait_for_save()
+    assert memory_store.exists(["never-saved"]) == [True]

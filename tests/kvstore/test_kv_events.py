@@ -413,6 +413,7 @@ def test_vllm_connector_saves_carry_the_chain() -> None:
     keys = chunk_keys(fp, prompt)
     conn = object.__new__(PdserveConnector)  # the two methods alone, no vLLM engine
     conn.chunk_size, conn.block_size, conn.blocks_per_chunk = cs, bs, cs // bs
+    conn._off_reason = ""
     conn.settings = type("S", (), {"tail_ttl_ms": 5000})()
     conn._trackers = {"r": _SaveTracker(keys, len(prompt), prompt, "tail-x", list(range(6)))}
     meta = PdserveConnectorMetadata()

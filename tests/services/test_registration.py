@@ -60,6 +60,7 @@ def test_register_serve_without_store_and_deregister(tmp_path: Path, tiny_model_
                 "tp": "0/1",
                 "max_model_len": "4096",
                 "max_tokens_limit": "4096",
+                "kv_store": "none",  # started without a store master
             }
             # serves without a store: local prefill, every prompt token recomputed
             with grpcutil.sync_channel(worker.info["grpc"]) as wch:

@@ -1,0 +1,64 @@
+"""Where each worker of ``pdserve up`` runs: a GPU of its own, or a CPU core of its own.
+
+A pure function of what is visible and the topology (:func:`place_workers`), so that what a
+machine with GPUs gets is decided, and tested, on a machine without one:
+
+- vLLM workers on a machine with visible NVIDIA GPUs get one GPU each
+  (``CUDA_VISIBLE_DEVICES`` set to that one device, in the order the machine lists them).
+  vLLM sizes its KV cache from a share of the whole GPU (``gpu_memory_utilization``), so two
+  engines on one GPU do not fit: more vLLM workers than GPUs is refused with the numbers.
+- Without GPUs, each vLLM worker is pinned to one core (``VLLM_CPU_OMP_THREADS_BIND``), round
+  robin: vLLM pins its OpenMP threads, and two engines on one core halve each other.
+- The torch engine runs on the CPU and is left alone.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One worker's share of the machine."""
+
+    #: environment the worker starts with (``CUDA_VISIBLE_DEVICES``)
+    env: dict[str, str] = field(default_factory=dict)
+    #: the worker's ``vllm_cpu_cores`` (None: not pinned)
+    cpu_cores: str | None = None
+
+
+def visible_gpus(environ: Mapping[str, str], dev_dir: str | Path = "/dev") -> list[str]:
+    """The NVIDIA GPUs this process may use, as ``CUDA_VISIBLE_DEVICES`` entries: that
+    variable's list when it is set (up to an entry that hides the rest, as CUDA reads it),
+    else the ``/dev/nvidiaN`` devices."""
+    listed = environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        out = []
+        for entry in (e.strip() for e in listed.split(",")):
+            if not entry or entry.startswith("-"):
+                break  # CUDA ignores this entry and every one after it
+            out.append(entry)
+        return out
+    found = [p.name for p in Path(dev_dir).glob("nvidia*") if re.fullmatch(r"nvidia\d+", p.name)]
+    return sorted((name.removeprefix("nvidia") for name in found), key=int)
+
+
+def place_workers(
+    workers: Sequence[tuple[str, int]], *, engine: str, gpus: Sequence[str], cores: int
+) -> list[Placement]:
+    """Each worker's :class:`Placement` (see the module docstring); ``workers`` in start
+    order. Raises ValueError when vLLM workers outnumber the GPUs."""
+    if engine != "vllm":
+        return [Placement() for _ in workers]
+    if gpus:
+        if len(workers) > len(gpus):
+            raise ValueError(
+                f"{len(workers)} vLLM workers on {len(gpus)} visible GPU(s) "
+                f"({','.join(gpus)}): each vLLM engine needs a GPU of its own; start at most "
+                f"{len(gpus)} (prefill_workers + decode_workers) or make more GPUs visible"
+            )
+        return [Placement(env={"CUDA_VISIBLE_DEVICES": gpu}) for gpu in gpus[: len(workers)]]
+    return [Placement(cpu_cores=str(n % max(cores, 1))) for n in range(len(workers))]

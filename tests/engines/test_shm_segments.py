@@ -1,0 +1,40 @@
+"""A worker finds the shared-memory segments its engine's processes map, and only those, and
+removes what outlives them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from multiprocessing import shared_memory
+from pathlib import Path
+
+from pdserve.engines import shm_segments
+
+CHILD = """
+import sys, time
+from multiprocessing import resource_tracker, shared_memory
+m = shared_memory.SharedMemory(create=True, size=4096)
+resource_tracker.unregister(m._name, "shared_memory")  # leak it, as a killed engine does
+print(m.name, flush=True)
+time.sleep(60)
+"""
+
+
+def test_segments_of_a_process_tree_are_found_and_removed_after_it_dies() -> None:
+    mine = shared_memory.SharedMemory(create=True, size=4096)  # this process's own: not named
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True)
+    try:
+        name = child.stdout.readline().strip()
+        found = shm_segments.mapped_segments(child.pid)
+        assert found == {name}
+        assert mine.name in shm_segments.mapped_segments()  # ours, with our children's
+        assert name in shm_segments.mapped_segments()
+    finally:
+        child.kill()
+        child.wait()
+    assert (Path("/dev/shm") / name).exists()  # killed: left behind
+    assert shm_segments.remove(found) == [name]
+    assert not (Path("/dev/shm") / name).exists()
+    assert shm_segments.remove(found) == []  # gone already: nothing to do
+    mine.close()
+    mine.unlink()

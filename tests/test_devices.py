@@ -1,0 +1,68 @@
+"""Where `pdserve up` puts each worker: a pure function of the visible GPUs and the topology,
+tested here on machines that have none (docs/deploy.md says what has run on a GPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pdserve.devices import Placement, place_workers, visible_gpus
+from pdserve.up import UpConfig
+
+TWO = [("decode", 0), ("decode", 1)]
+
+
+def test_vllm_workers_get_a_gpu_each_in_the_order_listed() -> None:
+    places = place_workers(
+        [("prefill", 0), *TWO], engine="vllm", gpus=["3", "1", "GPU-abc"], cores=16
+    )
+    assert [p.env for p in places] == [
+        {"CUDA_VISIBLE_DEVICES": "3"},
+        {"CUDA_VISIBLE_DEVICES": "1"},
+        {"CUDA_VISIBLE_DEVICES": "GPU-abc"},
+    ]
+    assert all(p.cpu_cores is None for p in places)  # not pinned to cores on a GPU
+
+
+def test_more_vllm_workers_than_gpus_is_refused_with_the_numbers() -> None:
+    with pytest.raises(ValueError, match=r"3 vLLM workers on 2 visible GPU\(s\) \(0,1\)"):
+        place_workers([("prefill", 0), *TWO], engine="vllm", gpus=["0", "1"], cores=16)
+
+
+def test_without_gpus_vllm_workers_are_pinned_a_core_each_round_robin() -> None:
+    places = place_workers([*TWO, ("decode", 2)], engine="vllm", gpus=[], cores=2)
+    assert [p.cpu_cores for p in places] == ["0", "1", "0"]
+    assert all(p.env == {} for p in places)
+
+
+def test_the_torch_engine_is_left_alone() -> None:
+    assert place_workers(TWO, engine="torch", gpus=["0"], cores=2) == [Placement(), Placement()]
+
+
+@pytest.mark.parametrize(
+    "listed,want",
+    [("0,1", ["0", "1"]), ("", []), ("2, 0", ["2", "0"]), ("1,-1,0", ["1"]), ("GPU-a", ["GPU-a"])],
+)
+def test_cuda_visible_devices_is_read_as_cuda_reads_it(listed: str, want: list[str]) -> None:
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": listed}) == want
+
+
+def test_without_the_variable_the_nvidia_device_files_count(tmp_path: Path) -> None:
+    for name in ("nvidia1", "nvidia0", "nvidia10", "nvidiactl", "nvidia-uvm"):
+        (tmp_path / name).touch()
+    assert visible_gpus({}, tmp_path) == ["0", "1", "10"]
+    assert visible_gpus({}, tmp_path / "none") == []
+
+
+def test_the_default_topology_is_a_worker_per_gpu_else_per_core(monkeypatch) -> None:
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    on_gpus = UpConfig(engine="vllm")
+    on_gpus.resolve(["0", "1"])
+    assert (on_gpus.prefill_workers, on_gpus.decode_workers) == (0, 2)
+    on_cpu = UpConfig(engine="vllm")
+    on_cpu.resolve([])
+    assert (on_cpu.prefill_workers, on_cpu.decode_workers) == (0, 8)
+    torch_on_gpus = UpConfig(engine="torch")
+    torch_on_gpus.resolve(["0"])
+    assert torch_on_gpus.decode_workers == 8
