@@ -50,6 +50,19 @@ def cluster(tmp_path_factory, tiny_model_dir) -> Iterator[Cluster]:
         c.close()
 
 
+def _store_log_lines(cluster: Cluster) -> list[str]:
+    """What the workers logged about the store (errors, misses, chunks that did not land,
+    a store turned off): the evidence when a load did not happen."""
+    marks = ("KV store", "pdserve chunk", "WITHOUT the KV store", "Traceback")
+    return [
+        f"{log.name}: {line}"
+        for log in sorted(cluster.log_dir.glob("*.log"))
+        if log.name.startswith(("prefill", "decode"))
+        for line in log.read_text(errors="replace").splitlines()
+        if any(m in line for m in marks)
+    ][-40:]
+
+
 def prompt(n: int, seed: int) -> list[int]:
     """Random tokens: no two prompts share a chunk (vLLM's own prefix cache stays out)."""
     rng = random.Random(seed)
@@ -76,7 +89,7 @@ def test_write_mode_on_vllm_is_token_exact(cluster, hf_greedy, n):
     # prefill had stored more by then: the connector loads the longest stored prefix), and
     # computed the rest itself
     loaded, recomputed = tr["decode_loaded"], tr["decode_recomputed"]
-    assert k * CHUNK <= loaded < n and loaded + recomputed == n, tr
+    assert k * CHUNK <= loaded < n and loaded + recomputed == n, (tr, _store_log_lines(cluster))
     assert got[-1].finish_reason != 0
 
 
