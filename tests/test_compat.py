@@ -12,7 +12,7 @@ import yaml
 
 from pdserve import compat, config
 from pdserve.config import ConfigError
-from pdserve.engines.vllm_connector import ConnectorSettings, extra_config
+from pdserve.engines.connector_data import ConnectorSettings, extra_config
 from pdserve.hashing import ModelFingerprint
 from pdserve.services.decode.config import DecodeConfig
 from pdserve.services.kvstore.node_config import NodeConfig

@@ -55,6 +55,7 @@ from pdserve.engines.base import (
     next_text,
 )
 from pdserve.engines.config import VLLM_STEP_TOKENS, EngineConfig
+from pdserve.engines.connector_data import PARAMS_KEY, extra_config
 from pdserve.engines.fingerprint import model_fingerprint
 from pdserve.engines.step_budget import (
     PREFILL_ORDER_KEY,
@@ -63,7 +64,6 @@ from pdserve.engines.step_budget import (
     TTFT_URGENT_KEY,
 )
 from pdserve.engines.textstream import TextStream
-from pdserve.engines.vllm_connector import PARAMS_KEY, extra_config
 from pdserve.errors import InvalidArgument
 
 CONNECTOR_MODULE = "pdserve.engines.vllm_connector"

@@ -12,7 +12,10 @@ pytest.importorskip("vllm", reason="vLLM is not installed")
 
 from pdserve import kvformat
 from pdserve.engines import kv_layout
-from pdserve.engines.vllm_connector import ChunkLoad, PdserveConnector
+from pdserve.engines.chunk_io import ChunkIO
+from pdserve.engines.connector_data import ChunkLoad
+from pdserve.engines.connector_worker import ConnectorWorker
+from pdserve.hashing import ModelFingerprint
 
 L, H = 3, 2
 #: (block size, head_dim, layout): the content layout at a toy size, and vLLM's CPU ISAs
@@ -23,17 +26,15 @@ LAYOUTS = {
 }
 
 
-def _connector(layout: kv_layout.BlockLayout) -> PdserveConnector:
-    # Only the worker-side state the scatter reads; no vLLM engine behind it.
-    conn = object.__new__(PdserveConnector)
-    conn.block_size = layout.block_size
+def _connector(layout: kv_layout.BlockLayout) -> ConnectorWorker:
+    # The worker half alone, over plain tensors: no vLLM engine, no store behind it.
+    fp = ModelFingerprint("m", kv_dtype="bfloat16", chunk_size=2 * layout.block_size)
+    conn = ConnectorWorker(None, fp, fp, layout.block_size, ChunkIO(None, fp))
     conn._layout = layout
     conn._caches = [
         torch.zeros(16, H, layout.block_size, 2 * layout.head_dim, dtype=torch.bfloat16)
         for _ in range(L)
     ]
-    conn._arena = bytearray()
-    conn._arena_tensor = torch.empty(0, dtype=torch.uint8)
     return conn
 
 

@@ -5,7 +5,6 @@ blocks before it reports the request, and stops waiting when the request is abor
 
 from __future__ import annotations
 
-import threading
 import time
 from types import SimpleNamespace
 
@@ -17,7 +16,15 @@ pytest.importorskip("vllm", reason="vLLM is not installed")
 from pdserve import hashing
 from pdserve.engines import kv_layout
 from pdserve.engines.chunk_io import ChunkIO
-from pdserve.engines.vllm_connector import PARAMS_KEY, PdserveConnector, RequestLoad
+from pdserve.engines.connector_data import (
+    PARAMS_KEY,
+    ChunkSave,
+    ConnectorSettings,
+    PdserveConnectorMetadata,
+    RequestLoad,
+)
+from pdserve.engines.connector_scheduler import ConnectorScheduler
+from pdserve.engines.connector_worker import ConnectorWorker
 
 L, H, D, BS, CHUNK = 2, 2, 8, 4, 8
 FP = hashing.ModelFingerprint(model_id="m", revision="r", kv_dtype="bfloat16", chunk_size=CHUNK)
@@ -25,26 +32,25 @@ TOKENS = list(range(10, 10 + 3 * CHUNK + 5))  # 3 full chunks + 5: the handle na
 KEYS = hashing.chunk_keys(FP, TOKENS)
 
 
-def _connector(store) -> PdserveConnector:
-    # Only the state these paths use; no vLLM engine behind it.
-    conn = object.__new__(PdserveConnector)
-    conn.__dict__.update(fp=FP, rank_fp=FP, chunk_size=CHUNK, block_size=BS, io=ChunkIO(store, FP))
-    conn.blocks_per_chunk = CHUNK // BS
-    for name in ("_plans", "_async_plans", "_outcomes", "_trackers", "_requests", "_stored"):
-        setattr(conn, name, {})
-    conn._waited = set()
-    conn.settings = SimpleNamespace(tail_ttl_ms=1000)
-    conn._caches = [torch.zeros(32, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
-    conn._layout = kv_layout.content_layout(BS, D)
-    conn._off_reason = ""
-    conn._failed_blocks = set()
-    conn._arena = bytearray()
-    conn._arena_tensor = torch.empty(0, dtype=torch.uint8)
-    conn._lock = threading.Lock()
-    conn._waits = {}
-    conn._landed = set()
-    conn._waiter = None
-    return conn
+class _Connector:
+    """Both halves of the connector over one store, as vLLM's two roles hold them (no engine
+    behind them: the worker half's caches are plain tensors in the content layout)."""
+
+    def __init__(self, store, off_reason: str = "") -> None:
+        io = ChunkIO(store, FP)
+        settings = ConnectorSettings(master_address="", fingerprint=FP, tail_ttl_ms=1000)
+        self.scheduler = ConnectorScheduler(settings, BS, io, off_reason)
+        self.worker = ConnectorWorker(None, FP, FP, BS, io)
+        self.worker._caches = [
+            torch.zeros(32, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)
+        ]
+        self.worker._layout = kv_layout.content_layout(BS, D)
+        if off_reason:
+            self.worker.turn_off(off_reason)
+
+
+def _connector(store, off_reason: str = "") -> _Connector:
+    return _Connector(store, off_reason)
 
 
 def _request(wait_ms: int = 1000) -> SimpleNamespace:
@@ -80,20 +86,22 @@ def test_missing_chunks_become_one_async_load_and_a_request_waits_once(memory_st
     conn = _connector(memory_store)
     _publish(memory_store, 0)
     req = _request()
-    assert conn.get_num_new_matched_tokens(req, 0) == (3 * CHUNK, True)
+    assert conn.scheduler.get_num_new_matched_tokens(req, 0) == (3 * CHUNK, True)
     blocks = list(range(7, 7 + 3 * CHUNK // BS))
-    conn.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: [blocks]), 3 * CHUNK)
-    (load,) = conn.build_connector_meta(_empty_output()).loads
+    conn.scheduler.update_state_after_alloc(
+        req, SimpleNamespace(get_block_ids=lambda: [blocks]), 3 * CHUNK
+    )
+    (load,) = conn.scheduler.build_connector_meta(_empty_output()).loads
     assert (load.req_id, load.block_ids, load.wait_ms) == ("r", blocks, 1000)
     assert [c.key for c in load.chunks] == KEYS
-    assert not conn.build_connector_meta(_empty_output()).loads  # emitted once
+    assert not conn.scheduler.build_connector_meta(_empty_output()).loads  # emitted once
     # rescheduled after a failed wait: no second wait, a synchronous load of what is stored
-    assert conn.get_num_new_matched_tokens(req, 0) == (CHUNK, False)
+    assert conn.scheduler.get_num_new_matched_tokens(req, 0) == (CHUNK, False)
     # every chunk stored already: no wait at all
     fresh = _connector(memory_store)
     for i in (1, 2):
         _publish(memory_store, i)
-    assert fresh.get_num_new_matched_tokens(_request(), 0) == (3 * CHUNK, False)
+    assert fresh.scheduler.get_num_new_matched_tokens(_request(), 0) == (3 * CHUNK, False)
 
 
 def test_chunks_the_store_holds_are_not_saved_again_after_a_local_cache_hit(memory_store):
@@ -106,9 +114,9 @@ def test_chunks_the_store_holds_are_not_saved_again_after_a_local_cache_hit(memo
     req = SimpleNamespace(
         request_id="r", prompt_token_ids=TOKENS, cache_salt=None, kv_transfer_params=None
     )
-    conn.on_new_request(req)
+    conn.scheduler.on_new_request(req)
     local = 2 * CHUNK  # vLLM's local hit: the two stored chunks
-    assert conn.get_num_new_matched_tokens(req, local) == (0, False)
+    assert conn.scheduler.get_num_new_matched_tokens(req, local) == (0, False)
     out = _empty_output()
     blocks = list(range(len(TOKENS) // BS + 1))
     out.scheduled_new_reqs = [
@@ -117,33 +125,31 @@ def test_chunks_the_store_holds_are_not_saved_again_after_a_local_cache_hit(memo
         )
     ]
     out.num_scheduled_tokens = {"r": len(TOKENS) - local}
-    saves = conn.build_connector_meta(out).saves
+    saves = conn.scheduler.build_connector_meta(out).saves
     assert [s.key for s in saves] == [KEYS[2]]
     # a store that held nothing at the lookup: every chunk the step completes is saved
     other = _connector(memory_store)
-    other.on_new_request(req)
+    other.scheduler.on_new_request(req)
     memory_store.remove(KEYS[:2])
-    assert other.get_num_new_matched_tokens(req, local) == (0, False)
-    assert [s.key for s in other.build_connector_meta(out).saves] == KEYS
+    assert other.scheduler.get_num_new_matched_tokens(req, local) == (0, False)
+    assert [s.key for s in other.scheduler.build_connector_meta(out).saves] == KEYS
 
 
 def test_a_steps_chunks_are_gathered_together_as_one_at_a_time(memory_store) -> None:
     """_gather_all (one indexed copy per layer for all of a step's full chunks) gives each
     save the bytes _gather gives it alone, and both the tokens the cache's K and V views hold
     at the save's blocks, in order; a partial tail goes its own way."""
-    from pdserve.engines.vllm_connector import ChunkSave
-
     conn = _connector(memory_store)
     torch.manual_seed(5)
-    conn._caches = [torch.randn(32, H, BS, 2 * D).to(torch.bfloat16) for _ in range(L)]
+    conn.worker._caches = [torch.randn(32, H, BS, 2 * D).to(torch.bfloat16) for _ in range(L)]
     saves = [
         ChunkSave("a", 0, CHUNK, [9, 3]),
         ChunkSave("b", CHUNK, CHUNK, [17, 30, 4]),  # more block ids than the chunk needs
         ChunkSave("t", 2 * CHUNK, 5, [21, 22], ttl_ms=10),
         ChunkSave("c", 3 * CHUNK, CHUNK, [0, 31]),
     ]
-    together = conn._gather_all(saves)
-    alone = [conn._gather(s) for s in saves]
+    together = conn.worker._gather_all(saves)
+    alone = [conn.worker._gather(s) for s in saves]
     assert [t.shape for t in together] == [a.shape for a in alone]
     assert all(torch.equal(t, a) for t, a in zip(together, alone, strict=True))
     assert together[0].is_contiguous()
@@ -154,7 +160,7 @@ def test_a_steps_chunks_are_gathered_together_as_one_at_a_time(memory_store) -> 
             return torch.stack(rows, dim=1)  # [H, tokens, D]
 
         return torch.stack(
-            [torch.stack([tokens(c[..., :D]), tokens(c[..., D:])]) for c in conn._caches]
+            [torch.stack([tokens(c[..., :D]), tokens(c[..., D:])]) for c in conn.worker._caches]
         )
 
     assert all(torch.equal(t, reference(s)) for t, s in zip(together, saves, strict=True))
@@ -182,36 +188,38 @@ class _Landing:
         pass
 
 
-def _wait_load(conn: PdserveConnector, wait_ms: int) -> RequestLoad:
+def _wait_load(conn: _Connector, wait_ms: int) -> RequestLoad:
     req = _request(wait_ms)
-    conn.get_num_new_matched_tokens(req, 0)
+    conn.scheduler.get_num_new_matched_tokens(req, 0)
     blocks = list(range(3, 3 + 3 * CHUNK // BS))
-    conn.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: [blocks]), 3 * CHUNK)
-    (load,) = conn.build_connector_meta(_empty_output()).loads
-    conn._start_wait(load)
+    conn.scheduler.update_state_after_alloc(
+        req, SimpleNamespace(get_block_ids=lambda: [blocks]), 3 * CHUNK
+    )
+    (load,) = conn.scheduler.build_connector_meta(_empty_output()).loads
+    conn.worker._start_wait(load)
     return load
 
 
-def _finished(conn: PdserveConnector, aborted: set[str] | None = None) -> set[str]:
+def _finished(conn: _Connector, aborted: set[str] | None = None) -> set[str]:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        _, done = conn.get_finished(aborted or set())
+        _, done = conn.worker.get_finished(aborted or set())
         if done:
             return done
         time.sleep(0.01)
     raise AssertionError("the wait never ended")
 
 
-def _scattered(conn: PdserveConnector, load: RequestLoad, i: int) -> torch.Tensor:
+def _scattered(conn: _Connector, load: RequestLoad, i: int) -> torch.Tensor:
     blocks = load.block_ids[i * CHUNK // BS : (i + 1) * CHUNK // BS]
-    return conn._gather(SimpleNamespace(num_tokens=CHUNK, block_ids=blocks))
+    return conn.worker._gather(SimpleNamespace(num_tokens=CHUNK, block_ids=blocks))
 
 
 def test_chunks_are_scattered_as_they_land(memory_store) -> None:
     conn = _connector(_Landing(memory_store, up_to=3))
     load = _wait_load(conn, wait_ms=60_000)
     assert _finished(conn) == {"r"}
-    assert conn.get_block_ids_with_load_errors() == set()
+    assert conn.worker.get_block_ids_with_load_errors() == set()
     for i in range(3):
         assert torch.equal(_scattered(conn, load, i), _chunk(i))
 
@@ -221,7 +229,7 @@ def test_chunks_that_never_land_are_failed_blocks_reported_first(memory_store) -
     load = _wait_load(conn, wait_ms=50)
     # failed blocks are set before the request is reported (the order vLLM reads them in)
     assert _finished(conn) == {"r"}
-    assert conn.get_block_ids_with_load_errors() == set(load.block_ids[CHUNK // BS :])
+    assert conn.worker.get_block_ids_with_load_errors() == set(load.block_ids[CHUNK // BS :])
     assert torch.equal(_scattered(conn, load, 0), _chunk(0))
 
 
@@ -229,8 +237,8 @@ def test_an_aborted_wait_stops_and_is_reported_without_failures(memory_store) ->
     conn = _connector(_Landing(memory_store, up_to=0))
     _wait_load(conn, wait_ms=600_000)
     assert _finished(conn, aborted={"r"}) == {"r"}
-    assert conn.get_block_ids_with_load_errors() == set()
-    conn.shutdown()
+    assert conn.worker.get_block_ids_with_load_errors() == set()
+    conn.worker.shutdown()
 
 
 def test_a_layout_it_cannot_convert_turns_the_store_off_not_the_engine(memory_store) -> None:
@@ -241,9 +249,9 @@ def test_a_layout_it_cannot_convert_turns_the_store_off_not_the_engine(memory_st
         _publish(memory_store, i)
     planner = _connector(memory_store)
     planned = _request(wait_ms=0)
-    assert planner.get_num_new_matched_tokens(planned, 0) == (3 * CHUNK, False)
+    assert planner.scheduler.get_num_new_matched_tokens(planned, 0) == (3 * CHUNK, False)
     blocks = list(range(3, 3 + 3 * CHUNK // BS))
-    planner.update_state_after_alloc(
+    planner.scheduler.update_state_after_alloc(
         planned, SimpleNamespace(get_block_ids=lambda: [blocks]), 3 * CHUNK
     )
     out = _empty_output()
@@ -252,23 +260,17 @@ def test_a_layout_it_cannot_convert_turns_the_store_off_not_the_engine(memory_st
                         num_computed_tokens=0)
     ]  # fmt: skip
     out.num_scheduled_tokens = {"r": len(TOKENS)}
-    meta = planner.build_connector_meta(out)
+    meta = planner.scheduler.build_connector_meta(out)
     assert meta.loads
 
-    off = _connector(memory_store)
-    off._store_off("test: a layout no strided view reproduces")
-    assert off.get_num_new_matched_tokens(_request(), 0) == (0, False)
-    assert off.build_connector_meta(out) == type(meta)()  # no load, no save
-    off._connector_metadata = meta  # the worker side, handed another scheduler's plan
-    off.start_load_kv(None)
-    assert off.get_block_ids_with_load_errors() == set(blocks)
-    assert all(not c.any() for c in off._caches)
-    from pdserve.engines.vllm_connector import ChunkSave
-
+    off = _connector(memory_store, off_reason="test: a layout no strided view reproduces")
+    assert off.scheduler.get_num_new_matched_tokens(_request(), 0) == (0, False)
+    assert off.scheduler.build_connector_meta(out) == PdserveConnectorMetadata()  # nothing
+    off.worker.start_load_kv(meta)  # the worker side, handed another scheduler's plan
+    assert off.worker.get_block_ids_with_load_errors() == set(blocks)
+    assert all(not c.any() for c in off.worker._caches)
     meta.saves = [ChunkSave("never-saved", 0, CHUNK, blocks[: CHUNK // BS])]
-    off.wait_for_save()
+    off.worker.wait_for_save(meta)
     assert memory_store.exists(["never-saved"]) == [False]
-    planner._connector_metadata = meta  # (the same save, where the store is on, is written)
-    planner._caches = off._caches
-    planner.wait_for_save()
+    planner.worker.wait_for_save(meta)  # (the same save, where the store is on, is written)
     assert memory_store.exists(["never-saved"]) == [True]

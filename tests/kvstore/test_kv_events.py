@@ -401,23 +401,19 @@ def test_vllm_connector_saves_carry_the_chain() -> None:
     pytest.importorskip("vllm")
     import torch
 
-    from pdserve.engines.vllm_connector import (
-        PdserveConnector,
-        PdserveConnectorMetadata,
-        _SaveTracker,
-    )
+    from pdserve.engines.connector_data import ConnectorSettings, PdserveConnectorMetadata
+    from pdserve.engines.connector_scheduler import ConnectorScheduler, _SaveTracker
+    from pdserve.engines.connector_worker import ConnectorWorker
 
     cs, bs = 8, 4
     fp = ModelFingerprint("kv-events-vllm", chunk_size=cs)
     prompt = list(range(10, 10 + 2 * cs + 3))
     keys = chunk_keys(fp, prompt)
-    conn = object.__new__(PdserveConnector)  # the two methods alone, no vLLM engine
-    conn.chunk_size, conn.block_size, conn.blocks_per_chunk = cs, bs, cs // bs
-    conn._off_reason = ""
-    conn.settings = type("S", (), {"tail_ttl_ms": 5000})()
-    conn._trackers = {"r": _SaveTracker(keys, len(prompt), prompt, "tail-x", list(range(6)))}
+    settings = ConnectorSettings(master_address="", fingerprint=fp, tail_ttl_ms=5000)
+    sched = ConnectorScheduler(settings, bs, io=None)  # the save tracking alone: no lookups
+    sched._trackers = {"r": _SaveTracker(keys, len(prompt), prompt, "tail-x", list(range(6)))}
     meta = PdserveConnectorMetadata()
-    conn._advance("r", len(prompt), meta)
+    sched._advance("r", len(prompt), meta)
     assert [(s.key, s.parent, s.tokens) for s in meta.saves] == [
         (keys[0], "", prompt[:cs]),
         (keys[1], keys[0], prompt[cs : 2 * cs]),
@@ -434,11 +430,9 @@ def test_vllm_connector_saves_carry_the_chain() -> None:
             saved.append((ttl_ms, {k: meta[k] for k, _ in items if meta and k in meta}))
             return len(items)
 
-    conn.io = IO()
-    conn.rank_fp = fp  # TP rank 0 (the only one that publishes the chain)
-    conn._connector_metadata = meta
-    conn._gather_all = lambda saves: [torch.zeros(1) for _ in saves]
-    conn.wait_for_save()
+    worker = ConnectorWorker(None, fp, fp, bs, IO())  # TP rank 0: it publishes the chain
+    worker._gather_all = lambda saves: [torch.zeros(1) for _ in saves]
+    worker.wait_for_save(meta)
     chunks = dict(saved)[0]
     assert {k: (m.parent, list(m.tokens)) for k, m in chunks.items()} == {
         keys[0]: ("", prompt[:cs]),

@@ -1,0 +1,172 @@
+"""What the pdserve vLLM connector's two halves share: the settings it reads from
+``kv_connector_extra_config`` (:class:`ConnectorSettings`, written by :func:`extra_config`),
+and the per-step metadata the scheduler half hands the worker half
+(:class:`PdserveConnectorMetadata`: the chunks to load into which blocks, the chunks to save
+from which blocks). See :mod:`pdserve.engines.vllm_connector` for the flow."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from pdserve import hashing, identity
+
+log = logging.getLogger("pdserve.engines.vllm_connector")
+
+#: Key of pdserve's entry in a request's ``kv_transfer_params``.
+PARAMS_KEY = "pdserve"
+DEFAULT_STORE_CLIENT = "pdserve.store.client.StoreClient"
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """What ``kv_connector_extra_config`` carries (all JSON-serialisable)."""
+
+    master_address: str
+    fingerprint: hashing.ModelFingerprint
+    tail_ttl_ms: int = 30_000
+    transport: str = "auto"
+    store_client: str = DEFAULT_STORE_CLIENT
+    replicas: int = 1
+    #: timeout of one store operation (seconds), the engine's ``store_timeout_s``
+    timeout_s: float = 5.0
+    #: the engine's ``store_backend``: "pdserve", or "mooncake" (a Mooncake Store cluster)
+    backend: str = "pdserve"
+    #: ``MooncakeStoreClient``'s arguments (``StoreBackendConfig.mooncake_options``)
+    backend_options: dict[str, Any] = field(default_factory=dict)
+    #: the worker's TLS files (CA, certificate, key paths; empty = plaintext). vLLM runs the
+    #: connector in processes of its own, which do not inherit the worker's configured TLS.
+    tls_paths: tuple[str, str, str] = ("", "", "")
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
+        return cls(
+            master_address=str(extra["master_address"]),
+            fingerprint=hashing.ModelFingerprint(
+                model_id=str(extra["model_id"]),
+                revision=str(extra.get("revision", "")),
+                kv_dtype=str(extra.get("kv_dtype", "float32")),
+                chunk_size=int(extra["chunk_size"]),
+                kv_compression=str(extra.get("kv_compression", "none")),
+                tp_size=int(extra.get("tp_size", 1)),
+            ),
+            tail_ttl_ms=int(extra.get("tail_ttl_ms", 30_000)),
+            transport=str(extra.get("transport", "auto")),
+            store_client=str(extra.get("store_client", DEFAULT_STORE_CLIENT)),
+            replicas=int(extra.get("replicas", 1)),
+            timeout_s=float(extra.get("timeout_s", 5.0)),
+            backend=str(extra.get("store_backend", "pdserve")),
+            backend_options=dict(extra.get("store_backend_options") or {}),
+            tls_paths=(
+                str(extra.get("tls_ca", "")),
+                str(extra.get("tls_cert", "")),
+                str(extra.get("tls_key", "")),
+            ),
+        )
+
+    def make_client(self) -> Any:
+        if identity.tls() is None:  # this process is vLLM's: take the worker's identity
+            identity.configure_files(identity.TlsFiles.load(*self.tls_paths))
+        if self.backend == "mooncake":
+            from pdserve.store import open_store
+
+            return open_store(self.master_address, backend="mooncake", **self.backend_options)
+        module, _, name = self.store_client.rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+        return cls(self.master_address, transport=self.transport, timeout_s=self.timeout_s)
+
+
+def extra_config(
+    master_address: str,
+    fingerprint: hashing.ModelFingerprint,
+    *,
+    tail_ttl_ms: int = 30_000,
+    transport: str = "auto",
+    store_client: str = DEFAULT_STORE_CLIENT,
+    replicas: int = 1,
+    timeout_s: float = 5.0,
+    backend: str = "pdserve",
+    backend_options: dict[str, Any] | None = None,
+    tls: identity.TlsFiles | None = None,
+) -> dict[str, Any]:
+    """The ``kv_connector_extra_config`` for :class:`ConnectorSettings.from_extra` (``tls``:
+    the worker's TLS files, passed on by path)."""
+    ca, cert, key = tls.paths if tls is not None else ("", "", "")
+    return {
+        "master_address": master_address,
+        "model_id": fingerprint.model_id,
+        "revision": fingerprint.revision,
+        "kv_dtype": fingerprint.kv_dtype,
+        "chunk_size": fingerprint.chunk_size,
+        "kv_compression": fingerprint.kv_compression,
+        "tp_size": fingerprint.tp_size,
+        "tail_ttl_ms": tail_ttl_ms,
+        "transport": transport,
+        "store_client": store_client,
+        "replicas": replicas,
+        "timeout_s": timeout_s,
+        "store_backend": backend,
+        "store_backend_options": dict(backend_options or {}),
+        "tls_ca": ca,
+        "tls_cert": cert,
+        "tls_key": key,
+    }
+
+
+def log_store_off(reason: str) -> None:
+    """The one log line of a connector half that serves without the store."""
+    log.error(
+        "pdserve KV connector: serving WITHOUT the KV store (no chunk loaded or saved; "
+        "vLLM's own prefix cache still works): %s",
+        reason,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Metadata (scheduler -> worker, one per step)
+
+
+@dataclass
+class ChunkLoad:
+    """Store object ``key`` holds tokens ``[start, start + num_tokens)``; write the positions
+    ``[skip_before, stop)`` of it (before ``skip_before`` vLLM's local prefix cache has them;
+    ``stop < start + num_tokens`` only for the chunk holding the last prompt token)."""
+
+    key: str
+    start: int
+    num_tokens: int
+    skip_before: int
+    stop: int
+
+
+@dataclass
+class RequestLoad:
+    req_id: str
+    block_ids: list[int]
+    chunks: list[ChunkLoad]
+    #: Write mode: load asynchronously, waiting up to this long for each chunk (ms); 0 = a
+    #: synchronous load of stored chunks before this step's forward.
+    wait_ms: int = 0
+
+
+@dataclass
+class ChunkSave:
+    key: str
+    start: int
+    num_tokens: int
+    block_ids: list[int]
+    ttl_ms: int = 0
+    #: For the master's KV events: the chain's previous key and the chunk's token ids
+    #: (full chunks only; empty tokens = none).
+    parent: str = ""
+    tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class PdserveConnectorMetadata(KVConnectorMetadata):
+    loads: list[RequestLoad] = field(default_factory=list)
+    saves: list[ChunkSave] = field(default_factory=list)

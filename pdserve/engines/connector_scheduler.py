@@ -1,0 +1,312 @@
+"""The scheduler half of the pdserve vLLM connector (:mod:`pdserve.engines.vllm_connector`):
+per request, how much of the prompt the store holds (a load plan), which of its chunks each
+step completes (saves), and what the loads came to (``request_finished``). It runs in vLLM's
+scheduler process, reaches the store only for lookups, and touches no KV memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pdserve import hashing
+from pdserve.engines.chunk_io import ChunkIO
+from pdserve.engines.connector_data import (
+    PARAMS_KEY,
+    ChunkLoad,
+    ChunkSave,
+    ConnectorSettings,
+    PdserveConnectorMetadata,
+    RequestLoad,
+    log_store_off,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+
+@dataclass
+class _LoadPlan:
+    start: int  # tokens vLLM already has locally (block aligned)
+    end: int  # tokens available after the load (<= len(prompt) - 1)
+    keys: list[str]  # stored chunk keys covering [0, len(keys) * chunk_size), maybe past end
+    tail_key: str  # "" when the plan ends on a chunk boundary
+    block_ids: list[int] = field(default_factory=list)
+    wait_ms: int = 0  # write mode: the keys may still be landing (an asynchronous load)
+
+
+@dataclass
+class _SaveTracker:
+    keys: list[str]
+    prompt_len: int
+    prompt: list[int]
+    tail_key: str
+    block_ids: list[int]
+    computed: int = 0
+    next_chunk: int = 0
+    tail_done: bool = False
+
+
+@dataclass
+class _Outcome:
+    planned: int = 0  # tokens the load plan covered (beyond the local prefix cache)
+    plan_start: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    failed_from: int | None = None  # first token position that failed to load
+    chunks: int = 0  # chunks the plan loads (an asynchronous load: saved by their writer)
+
+
+def _request_params(request: Any) -> dict[str, Any]:
+    params = getattr(request, "kv_transfer_params", None) or {}
+    inner = params.get(PARAMS_KEY) if isinstance(params, dict) else None
+    return inner if isinstance(inner, dict) else {}
+
+
+def _cache_salt(request: Any) -> str:
+    """The request's cache salt ("" = none): vLLM's ``Request.cache_salt``, which the engine
+    sets from the prompt's ``cache_salt`` (and which salts vLLM's own block hashes)."""
+    salt = getattr(request, "cache_salt", None)
+    return salt if isinstance(salt, str) else ""
+
+
+class ConnectorScheduler:
+    """The scheduler-side state and calls (see the module docstring). ``off_reason``: serve
+    without the store (a KV layout the engine's workers cannot convert)."""
+
+    def __init__(
+        self, settings: ConnectorSettings, block_size: int, io: ChunkIO, off_reason: str = ""
+    ) -> None:
+        self.settings = settings
+        self.fp = settings.fingerprint
+        self.block_size = block_size
+        self.chunk_size = self.fp.chunk_size
+        self.blocks_per_chunk = self.chunk_size // block_size
+        self.io = io
+        self.off_reason = off_reason
+        if off_reason:
+            log_store_off(off_reason)
+        self._plans: dict[str, _LoadPlan] = {}
+        self._trackers: dict[str, _SaveTracker] = {}
+        self._outcomes: dict[str, _Outcome] = {}
+        self._requests: dict[str, Request] = {}
+        #: leading prompt chunks the store held at each waiting request's last lookup: a
+        #: request need not save them again (its local prefix-cache hit is not loaded, and
+        #: without this every later request on a cached prefix gathered and encoded the whole
+        #: prefix again, inside its step, for the master to skip it)
+        self._stored: dict[str, int] = {}
+        #: write mode: asynchronous loads allocated, for the next metadata; requests that
+        #: have had their one wait
+        self._async_plans: dict[str, _LoadPlan] = {}
+        self._waited: set[str] = set()
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if self.off_reason:
+            return 0, False
+        tokens = list(request.prompt_token_ids or [])
+        limit = len(tokens) - 1  # the last prompt token is always computed
+        cs = self.chunk_size
+        params = _request_params(request)
+        keys = hashing.chunk_keys(self.fp, tokens, _cache_salt(request))
+        # a store that fails answers no hit (ChunkIO): vLLM computes everything
+        hit = self.io.lookup(keys)
+        self._stored[request.request_id] = hit
+        # a stored chunk holding the last token is loaded up to that token (a prefix slice)
+        end = min(hit * cs, limit)
+        tail_key = str(params.get("load_tail_key", ""))
+        tail_end = int(params.get("load_tail_tokens", 0))
+        use_tail = (
+            bool(tail_key)
+            and cs * (tail_end // cs) == end
+            and end < tail_end <= limit
+            and self.io.has(tail_key)
+        )
+        if use_tail:
+            end = tail_end
+        else:
+            tail_key = ""
+        awaited = min(int(params.get("await_chunks", 0)), limit // cs)
+        wait_ms = int(params.get("chunk_wait_ms", 0))
+        if (
+            hit < awaited
+            and wait_ms > 0
+            and num_computed_tokens < awaited * cs
+            and request.request_id not in self._waited
+        ):
+            # write mode: the chunks are still landing; vLLM parks the request meanwhile
+            self._plans[request.request_id] = _LoadPlan(
+                start=num_computed_tokens,
+                end=awaited * cs,
+                keys=keys[:awaited],
+                tail_key="",
+                wait_ms=wait_ms,
+            )
+            return awaited * cs - num_computed_tokens, True
+        if end <= num_computed_tokens:
+            self._plans.pop(request.request_id, None)
+            return 0, False
+        self._plans[request.request_id] = _LoadPlan(
+            start=num_computed_tokens, end=end, keys=keys[:hit], tail_key=tail_key
+        )
+        return end - num_computed_tokens, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        plan = self._plans.get(request.request_id)
+        if plan is None:
+            return
+        if num_external_tokens <= 0:
+            del self._plans[request.request_id]
+            return
+        # The scheduler may trim a sub-block local hit: re-derive where the load starts.
+        plan.start = plan.end - num_external_tokens
+        plan.block_ids = list(blocks.get_block_ids()[0])
+        if plan.wait_ms:  # parked in WAITING_FOR_REMOTE_KVS: not in this step's new requests
+            self._waited.add(request.request_id)
+            self._async_plans[request.request_id] = self._plans.pop(request.request_id)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PdserveConnectorMetadata:
+        meta = PdserveConnectorMetadata()
+        if self.off_reason:
+            return meta
+        for req_id in scheduler_output.finished_req_ids:
+            self._trackers.pop(req_id, None)
+            self._plans.pop(req_id, None)
+            self._stored.pop(req_id, None)
+        for req_id in scheduler_output.preempted_req_ids or ():
+            self._trackers.pop(req_id, None)
+        for req_id, plan in self._async_plans.items():
+            meta.loads.append(self._load_meta(req_id, plan, plan.block_ids))
+            self._outcomes[req_id] = _Outcome(
+                planned=plan.end - plan.start,
+                plan_start=plan.start,
+                block_ids=plan.block_ids,
+                chunks=len(plan.keys),
+            )
+        self._async_plans.clear()
+
+        for new in scheduler_output.scheduled_new_reqs:
+            plan = self._plans.pop(new.req_id, None)
+            block_ids = list(new.block_ids[0])
+            # chunks the store holds: not saved again (a local prefix-cache hit's included)
+            loaded_chunks = self._stored.pop(new.req_id, 0)
+            if plan is not None:
+                meta.loads.append(self._load_meta(new.req_id, plan, block_ids))
+                loaded_chunks = len(plan.keys)
+                self._outcomes[new.req_id] = _Outcome(
+                    planned=plan.end - plan.start, plan_start=plan.start, block_ids=block_ids
+                )
+            elif new.req_id in self._outcomes:  # its asynchronous load is over
+                done = self._outcomes[new.req_id]
+                failed = done.failed_from
+                loaded_chunks = done.chunks if failed is None else failed // self.chunk_size
+            self._track(new.req_id, new.prompt_token_ids or [], block_ids, loaded_chunks)
+            self._advance(
+                new.req_id,
+                new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id],
+                meta,
+            )
+
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracker = self._trackers.get(req_id)
+            if tracker is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                tracker.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                tracker.block_ids.extend(new_ids[0])
+            self._advance(
+                req_id,
+                cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id],
+                meta,
+            )
+        return meta
+
+    def _load_meta(self, req_id: str, plan: _LoadPlan, block_ids: list[int]) -> RequestLoad:
+        cs = self.chunk_size
+        chunks = [
+            ChunkLoad(key, i * cs, cs, plan.start, min((i + 1) * cs, plan.end))
+            for i, key in enumerate(plan.keys)
+            if (i + 1) * cs > plan.start
+        ]
+        if plan.tail_key:
+            base = len(plan.keys) * cs
+            chunks.append(ChunkLoad(plan.tail_key, base, plan.end - base, plan.start, plan.end))
+        return RequestLoad(req_id, block_ids, chunks, plan.wait_ms)
+
+    def _track(
+        self, req_id: str, prompt: list[int], block_ids: list[int], loaded_chunks: int
+    ) -> None:
+        request = self._requests.get(req_id)
+        params = _request_params(request)
+        self._trackers[req_id] = _SaveTracker(
+            keys=hashing.chunk_keys(self.fp, prompt, _cache_salt(request)),
+            prompt_len=len(prompt),
+            prompt=prompt,
+            tail_key=str(params.get("save_tail_key", "")),
+            block_ids=block_ids,
+            next_chunk=loaded_chunks,
+        )
+
+    def _advance(self, req_id: str, computed: int, meta: PdserveConnectorMetadata) -> None:
+        """Emits saves for the prompt chunks (and tail) that ``computed`` tokens complete."""
+        tracker = self._trackers[req_id]
+        tracker.computed = computed
+        cs, bs = self.chunk_size, self.block_size
+        done = min(computed, tracker.prompt_len) // cs
+        for i in range(tracker.next_chunk, done):
+            blocks = tracker.block_ids[i * self.blocks_per_chunk : (i + 1) * self.blocks_per_chunk]
+            parent = tracker.keys[i - 1] if i else ""
+            tokens = list(tracker.prompt[i * cs : (i + 1) * cs])
+            meta.saves.append(ChunkSave(tracker.keys[i], i * cs, cs, blocks, 0, parent, tokens))
+        tracker.next_chunk = max(tracker.next_chunk, done)
+        if tracker.tail_key and not tracker.tail_done and computed >= tracker.prompt_len:
+            start = len(tracker.keys) * cs
+            n = tracker.prompt_len - start
+            if n > 0:
+                blocks = tracker.block_ids[start // bs : (tracker.prompt_len + bs - 1) // bs]
+                meta.saves.append(
+                    ChunkSave(tracker.tail_key, start, n, blocks, self.settings.tail_ttl_ms)
+                )
+            tracker.tail_done = True
+
+    def on_new_request(self, request: Request) -> None:
+        self._requests[request.request_id] = request
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if not invalid:
+            return
+        bs = self.block_size
+        for outcome in self._outcomes.values():
+            first = outcome.plan_start // bs
+            last = (outcome.plan_start + outcome.planned + bs - 1) // bs
+            for idx in range(first, min(last, len(outcome.block_ids))):
+                if outcome.block_ids[idx] in invalid:
+                    pos = idx * bs
+                    if outcome.failed_from is None or pos < outcome.failed_from:
+                        outcome.failed_from = pos
+                    break
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        self._requests.pop(req_id, None)
+        self._trackers.pop(req_id, None)
+        self._plans.pop(req_id, None)
+        self._stored.pop(req_id, None)
+        self._async_plans.pop(req_id, None)
+        self._waited.discard(req_id)
+        outcome = self._outcomes.pop(req_id, _Outcome())
+        failed = 0
+        if outcome.failed_from is not None:
+            failed = (
+                outcome.plan_start + outcome.planned - max(outcome.failed_from, outcome.plan_start)
+            )
+        return False, {
+            PARAMS_KEY: {"loaded_tokens": outcome.planned - failed, "failed_tokens": failed}
+        }
