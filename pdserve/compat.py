@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.config import ConfigError
+from pdserve.sizes import parse_size
 
 #: Environment variables that name a Mooncake / LMCache config file, as those tools read them.
 MOONCAKE_ENV = "MOONCAKE_CONFIG_PATH"
@@ -168,24 +169,6 @@ def suggest(name: str, known: Any) -> str:
     """``" (did you mean 'x'?)"`` for the closest of ``known``, or ``""``."""
     close = difflib.get_close_matches(str(name), [str(k) for k in known], n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def parse_size(value: Any, *, what: str) -> int:
-    """Bytes from Mooncake's size notation (an int, or ``"512MB"`` / ``"4GB"``, binary units
-    as Mooncake reads them), also taking pdserve's ``"512MiB"`` / ``"4GiB"``; 0 allowed."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{what}: expected a size, got {value!r}")
-    if isinstance(value, int | float):
-        n = int(value)
-    else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*", str(value).lower())
-        if not m:
-            raise ConfigError(f"{what}: invalid size {value!r}: expected bytes, 512MB or 4GB")
-        unit = (m.group(2) or "b").replace("i", "").rstrip("b") or "b"
-        n = int(float(m.group(1)) * 1024 ** "bkmgt".index(unit))
-    if n < 0:
-        raise ConfigError(f"{what}: size must be >= 0, got {value!r}")
-    return n
 
 
 def rdma_devices() -> list[str]:
@@ -351,7 +334,9 @@ def translate(keys: Mapping[str, Any], section: str, source: str | Path) -> dict
         if section in store_sections:
             out["store_metadata_server"] = server
     if keys.get("global_segment_size") is not None:
-        size = parse_size(keys["global_segment_size"], what=f"{what}: global_segment_size")
+        size = parse_size(
+            keys["global_segment_size"], what=f"{what}: global_segment_size", minimum=0
+        )
         if section == "kvstore_node" and size:
             out["segment_sizes"] = [str(size)]
         elif section == "up" and size:
@@ -359,7 +344,7 @@ def translate(keys: Mapping[str, Any], section: str, source: str | Path) -> dict
         elif section in WORKERS and backend == "mooncake":
             out["store_segment_size"] = str(size)
     if keys.get("local_buffer_size") is not None:
-        size = parse_size(keys["local_buffer_size"], what=f"{what}: local_buffer_size")
+        size = parse_size(keys["local_buffer_size"], what=f"{what}: local_buffer_size", minimum=0)
         if section in store_sections:
             out["store_buffer_size"] = str(size)
     if keys.get("transfer_timeout") is not None and section in WORKERS:

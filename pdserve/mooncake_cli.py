@@ -102,12 +102,13 @@ def _stop_child(child: subprocess.Popen) -> int:
 
 
 def _storage(args: argparse.Namespace) -> int:
-    from pdserve import compat, errors
+    from pdserve import errors
     from pdserve.lifecycle import announce_ready
+    from pdserve.sizes import parse_size
     from pdserve.store.mooncake_backend import MooncakeStoreClient
 
     stop = _stop_event()
-    segment = compat.parse_size(args.segment_size, what="segment_size")
+    segment = parse_size(args.segment_size, what="segment_size", minimum=0)
     try:
         store = MooncakeStoreClient(
             args.master,

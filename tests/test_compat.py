@@ -18,6 +18,7 @@ from pdserve.services.decode.config import DecodeConfig
 from pdserve.services.kvstore.node_config import NodeConfig
 from pdserve.services.prefill.config import PrefillConfig
 from pdserve.services.router.config import RouterConfig
+from pdserve.sizes import parse_size
 from pdserve.up import UpConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -238,7 +239,7 @@ def test_store_backend_flags_are_checked(flags, message):
      ("64MiB", 64 * 1024**2), ("0", 0), ("3355443200", 3355443200)],
 )  # fmt: skip
 def test_sizes_as_mooncake_reads_them(value, size):
-    assert compat.parse_size(value, what="x") == size
+    assert parse_size(value, what="x", minimum=0) == size
 
 
 def test_vllm_connector_carries_the_backend_choice():

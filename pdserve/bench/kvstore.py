@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.store.segment import parse_size
+from pdserve.sizes import parse_size
 
 #: Bytes moved per (transport, size, direction) at most; bounds the run time of big sizes.
 BYTES_BUDGET = 512 * 1024 * 1024
@@ -560,7 +560,7 @@ def plot(rows: list[Row], path: Path) -> Path:
 def run(args: argparse.Namespace) -> int:
     from pdserve.store.mooncake_backend import available as mooncake_available
 
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    sizes = [parse_size(s, what="--sizes") for s in args.sizes.split(",")]
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
     unknown = set(transports) - {"shm", "tcp", "mooncake"}
     if unknown:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pdserve.config import ConfigError, help_field
+from pdserve.sizes import parse_size
 
 if TYPE_CHECKING:
     from pdserve.store.api import StoreBackend
@@ -66,7 +67,7 @@ class StoreBackendConfig:
             raise ConfigError(
                 f"store_backend must be one of {', '.join(BACKENDS)}, got {self.store_backend!r}"
             )
-        compat.parse_size(self.store_buffer_size, what="store_buffer_size")
+        parse_size(self.store_buffer_size, what="store_buffer_size", minimum=0)
         if self.store_backend == "mooncake":
             compat.check_metadata_server(self.store_metadata_server, what="store_metadata_server")
             compat.check_transport(self.store_protocol, self.store_device, what="store_protocol")
@@ -88,14 +89,12 @@ class StoreBackendConfig:
 
     def mooncake_options(self, segment_size: str = "0") -> dict[str, Any]:
         """``MooncakeStoreClient``'s keyword arguments (JSON-serialisable)."""
-        from pdserve import compat
-
         host = getattr(self, "advertise_host", "") or getattr(self, "host", "") or "127.0.0.1"
         if host in ("0.0.0.0", "::"):
             host = "127.0.0.1"
         return {
-            "segment_bytes": compat.parse_size(segment_size, what="store_segment_size"),
-            "buffer_bytes": compat.parse_size(self.store_buffer_size, what="store_buffer_size"),
+            "segment_bytes": parse_size(segment_size, what="store_segment_size", minimum=0),
+            "buffer_bytes": parse_size(self.store_buffer_size, what="store_buffer_size", minimum=0),
             "host": host,
             "metadata_server": self.store_metadata_server,
             "protocol": self.store_protocol,

@@ -331,9 +331,11 @@ class MooncakeStoreClient(StoreBackend):
 def _serve(args: argparse.Namespace) -> None:
     """Contributes a segment to a Mooncake cluster until SIGTERM (a Mooncake "storage node")."""
     from pdserve.lifecycle import announce_ready
-    from pdserve.store.segment import parse_size
+    from pdserve.sizes import parse_size
 
-    store = MooncakeStoreClient(args.master, segment_bytes=parse_size(args.segment_size))
+    store = MooncakeStoreClient(
+        args.master, segment_bytes=parse_size(args.segment_size, what="--segment-size")
+    )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     announce_ready("mooncake-storage", master=args.master)

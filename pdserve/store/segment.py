@@ -26,34 +26,6 @@ SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "pdserve-kv-"
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 _SHM_NAME = re.compile(re.escape(SHM_PREFIX) + r"[A-Za-z0-9_.-]+")
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-}
-
-
-def parse_size(text: str | int) -> int:
-    """Parses ``"256MiB"``, ``"1GiB"``, ``"4096"`` or an int into bytes (> 0)."""
-    if isinstance(text, int):
-        value = text
-    else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-        if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"invalid size {text!r}: expected e.g. 4096, 64MiB or 1GiB")
-        value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if value <= 0:
-        raise ValueError(f"size must be positive, got {text!r}")
-    return value
 
 
 def shm_name(segment_id: str) -> str:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from pdserve.config import ConfigError, help_field
 from pdserve.identity import SecurityConfig
-from pdserve.store.segment import parse_size
+from pdserve.sizes import parse_size
 
 TRANSPORTS = ("shm", "tcp", "mooncake")
 
@@ -78,4 +78,4 @@ class NodeConfig(SecurityConfig):
             )
 
     def segment_bytes(self) -> list[int]:
-        return [parse_size(s) for s in self.segment_sizes]
+        return [parse_size(s, what="segment_sizes") for s in self.segment_sizes]

@@ -9,7 +9,8 @@ import pytest
 
 from pdserve.config import ConfigError, load
 from pdserve.services.kvstore.node_config import NodeConfig
-from pdserve.store.segment import parse_size, shm_name
+from pdserve.sizes import parse_size
+from pdserve.store.segment import shm_name
 
 
 @pytest.mark.parametrize(
@@ -19,7 +20,7 @@ from pdserve.store.segment import parse_size, shm_name
         ("4KiB", 4096),
         ("1GiB", 1 << 30),
         ("1.5MiB", 1572864),
-        ("2mb", 2_000_000),
+        ("2mb", 2 * 1024**2),  # binary, as Mooncake reads it (pdserve.sizes)
         (7, 7),
     ],
 )
