@@ -11,13 +11,17 @@ from pathlib import Path
 
 import grpc
 
-ROLE_LABELS = {
-    1: "router",
-    2: "prefill",
-    3: "decode",
-    4: "kvstore-master",
-    5: "kvstore-node",
-}
+
+def role_label(role: int) -> str:
+    """How status shows a registered ``common.Role``: the proto's own name, without its
+    prefix, dashed (``ROLE_KVSTORE_MASTER`` -> ``kvstore-master``); the number when unknown."""
+    from pdserve.v1 import common_pb2
+
+    try:
+        name = common_pb2.Role.Name(role)
+    except ValueError:
+        return str(role)
+    return name.removeprefix("ROLE_").lower().replace("_", "-")
 
 
 def _gib(n: int) -> str:
@@ -37,7 +41,8 @@ async def collect(meta: str, store_master: str, timeout: float) -> dict:
         await client.close()
     rows = []
     for inst in sorted(instances, key=lambda i: (i.role, i.instance_id)):
-        public = ROLE_LABELS.get(inst.role) == "router"  # its gRPC port is the public API
+        role = role_label(inst.role)
+        public = role == "router"  # its gRPC port is the public API
         healthy = (
             await grpcutil.check_health(inst.address, timeout, public=public)
             if inst.address
@@ -46,7 +51,7 @@ async def collect(meta: str, store_master: str, timeout: float) -> dict:
         rows.append(
             {
                 "id": inst.instance_id,
-                "role": ROLE_LABELS.get(inst.role, str(inst.role)),
+                "role": role,
                 "address": inst.address,
                 "model": inst.model,
                 "healthy": healthy,
