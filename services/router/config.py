@@ -8,10 +8,10 @@ from pdserve.auth import load_key
 from pdserve.config import ConfigError, help_field
 from pdserve.hashing import KV_COMPRESSIONS
 from pdserve.identity import SecurityConfig
+from pdserve.services.router.request import MODES
 from pdserve.store import StoreBackendConfig
 
 POLICIES = ("round_robin", "least_load", "cache_aware")
-MODES = ("read", "write", "colocated")
 
 
 @dataclass

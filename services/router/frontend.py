@@ -20,13 +20,6 @@ from pdserve.services.router.orchestrator import Orchestrator, StreamChunk
 from pdserve.services.router.workers import DECODE, PREFILL, WorkerPool
 from pdserve.v1 import router_pb2
 
-_MODES = {
-    router_pb2.DISAGG_MODE_UNSPECIFIED: "",
-    router_pb2.DISAGG_MODE_READ: "read",
-    router_pb2.DISAGG_MODE_WRITE: "write",
-    router_pb2.DISAGG_MODE_COLOCATED: "colocated",
-}
-
 
 class TokenizerLike(Protocol):
     vocab_size: int
@@ -148,7 +141,7 @@ class Frontend:
             json_object=s.json_object,
             json_schema=s.json_schema,
         )
-        mode = _MODES.get(req.mode)
+        mode = rq.MODE_NAMES.get(req.mode)
         if mode is None:
             raise InvalidArgument(f"mode: unknown value {req.mode}", param="mode")
         return rq.GenRequest(rid, ids, sampling, mode, salt)

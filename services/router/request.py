@@ -23,7 +23,16 @@ from pdserve.v1 import router_pb2
 from pdserve.validation import check_cache_salt as check_cache_salt
 from pdserve.validation import check_request_id as check_request_id
 
-MODES = ("read", "write", "colocated")
+#: DisaggMode (the gRPC enum) -> the mode's name in config, traces and the OpenAI API, taken
+#: from the proto ("" for UNSPECIFIED: the router's configured default).
+MODE_NAMES = {
+    value: router_pb2.DisaggMode.Name(value).removeprefix("DISAGG_MODE_").lower()
+    if value != router_pb2.DISAGG_MODE_UNSPECIFIED
+    else ""
+    for value in router_pb2.DisaggMode.values()
+}
+#: The modes a request or the config may name.
+MODES = tuple(name for name in MODE_NAMES.values() if name)
 #: ChatMessage.role (the gRPC enum) -> the role name chat templates and OpenAI use.
 ROLE_NAMES = {
     router_pb2.CHAT_ROLE_SYSTEM: "system",
