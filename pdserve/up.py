@@ -26,16 +26,11 @@ API key (``<run_dir>/api_key``, mode 0600). ``--no-tls`` / ``--no-auth`` turn th
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import importlib.util
-import json
 import os
-import secrets
 import shlex
 import signal
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -46,7 +41,6 @@ from pdserve import config
 from pdserve.config import ConfigError, help_field
 
 if TYPE_CHECKING:
-    from pdserve.devices import Placement
     from pdserve.identity import TlsFiles
 
 
@@ -210,18 +204,6 @@ class UpConfig:
 #: Where ``up`` binds Mooncake (store_backend mooncake), and the ``host`` values it accepts then.
 MOONCAKE_HOST = "127.0.0.1"
 LOOPBACK_OR_ANY = ("127.0.0.1", "localhost", "0.0.0.0", "::")
-#: Services started without ``--config`` (they are not pdserve config sections).
-NO_CONFIG = ("mooncake-",)
-MOONCAKE_SECURITY_NOTE = (
-    "store backend mooncake: Mooncake's own links (mooncake_master RPC, Transfer Engine data "
-    "and handshakes) carry no TLS and no authentication, unlike pdserve's services (mutual "
-    f"TLS); up binds them to {MOONCAKE_HOST}, so only local processes reach the KV cache"
-)
-
-#: Seconds before the n-th restart in a row of a service (the last value repeats).
-RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
-#: A service that ran this long (seconds) starts its backoff over.
-STABLE_S = 60.0
 #: What ``up`` writes for ``pdserve status``, in the run dir.
 SERVICES_FILE = "services.json"
 #: The run dir's certificates (``pdserve certs`` layout) and the router's API key file.
@@ -248,404 +230,6 @@ def admin_tls(run_dir: str | Path) -> TlsFiles | None:
     return TlsFiles.load(
         **{k.removeprefix("tls_"): v for k, v in tls_files(run_dir, ADMIN).items()}
     )
-
-
-@dataclass
-class Supervised:
-    """One service's supervision record."""
-
-    args: list[str]
-    #: environment it starts with besides up's own (a worker's GPU)
-    env: dict[str, str] = field(default_factory=dict)
-    started: float = field(default_factory=time.monotonic)
-    restarts: int = 0
-    in_a_row: int = 0
-    last_exit: int | None = None
-    #: "running", "restarting" (waiting out its backoff) or "starting" (not ready yet).
-    state: str = "running"
-    #: monotonic time of the next start while restarting.
-    next_start: float = 0.0
-
-
-@dataclass
-class Cluster:
-    """The services of one ``pdserve up``, in start order."""
-
-    cfg: UpConfig
-    config_path: str | None
-    #: each worker's share of the machine, in ``cfg.workers()`` order (:mod:`pdserve.devices`)
-    places: Sequence[Placement] = ()
-    procs: list = field(default_factory=list)
-    supervised: dict[str, Supervised] = field(default_factory=dict)
-    stopping: bool = False
-    #: This cluster's restart threads (the finished ones are dropped as new ones start).
-    restarts: list[threading.Thread] = field(default_factory=list)
-
-    @property
-    def log_dir(self) -> Path:
-        return Path(self.cfg.run_dir) / "logs"
-
-    def _common(self) -> list[str]:
-        return ["--config", self.config_path] if self.config_path else []
-
-    def _start(self, specs: list[tuple[str, list[str]]], envs: Sequence[dict] = ()) -> list:
-        """Starts ``specs`` (name, args), each with its ``envs`` entry added to its
-        environment, and waits until each is ready."""
-        from pdserve import grpcutil
-        from pdserve.procs import spawn_service, wait_ready
-
-        started = []
-        for n, (name, args) in enumerate(specs):
-            full = args if name.startswith(NO_CONFIG) else [*args, *self._common()]
-            env = dict(envs[n]) if n < len(envs) else {}
-            started.append(spawn_service(name, full, self.log_dir, env=env))
-            self.supervised[name] = Supervised(full, env)
-        self.procs.extend(started)
-        for proc in started:
-            _progress(f"waiting for {proc.name} (log: {proc.log_path})")
-            wait_ready(proc, self.cfg.ready_timeout_s)
-            public = proc.name == "router"  # its gRPC port is the public API, no client certs
-            if "grpc" in proc.info and not asyncio.run(
-                grpcutil.check_health(proc.info["grpc"], public=public)
-            ):
-                raise RuntimeError(f"{proc.name} is up but its gRPC health check fails")
-            _progress(f"{proc.name} ready: {_endpoints(proc.info)}")
-        return started
-
-    def start(self) -> None:
-        from pdserve.procs import service_args
-
-        c = self.cfg
-        mooncake = c.store_backend == "mooncake"
-        meta = f"{c.host}:{c.meta_port}"
-        master = f"{MOONCAKE_HOST if mooncake else c.host}:{c.master_port}"
-        etcd = ",".join(c.etcd_endpoints) if c.meta_backend == "etcd" else None
-        # unique per cluster: node ids name /dev/shm segments, so two `pdserve up` on one host
-        # must not share them (and a node's certificate names its node id)
-        node_ids = [] if mooncake else [f"node-{i}-{c.master_port}" for i in range(c.storage_nodes)]
-        workers = c.workers()
-        if mooncake:
-            from pdserve.store.mooncake_backend import available
-
-            if not available():
-                raise RuntimeError(
-                    "store_backend mooncake needs the mooncake wheel (pip install "
-                    "mooncake-transfer-engine-non-cuda; apt-get install libibverbs1): "
-                    "mooncake.store does not import"
-                )
-            _progress(MOONCAKE_SECURITY_NOTE)
-        self._secure(
-            [
-                "meta:meta",
-                *([] if mooncake else ["master:kvstore-master"]),
-                *(f"node:{n}" for n in node_ids),
-                *(f"worker:{role}-{i}" for role, i in workers),
-                "router:router",
-                f"admin:{ADMIN}",
-            ]
-        )
-        meta_args = service_args(
-            "meta",
-            host=c.host,
-            port=c.meta_port,
-            http_port=c.meta_http_port,
-            backend=c.meta_backend,
-            etcd_endpoints=etcd,
-            **self._tls("meta"),
-        )
-        self._start([("meta", meta_args)])
-        if mooncake:
-            self._start_mooncake(master)
-        else:
-            self._start_pdserve_store(meta, master, node_ids)
-        store = (
-            dict(store_backend="mooncake", store_metadata_server=c.mooncake_metadata())
-            if mooncake
-            else {}
-        )
-        self._start_workers_and_router(meta, master, workers, store)
-
-    def _start_pdserve_store(self, meta: str, master: str, node_ids: list[str]) -> None:
-        """pdserve's own KV store: its master, then the storage nodes."""
-        from pdserve.procs import service_args
-
-        c = self.cfg
-        state_dir = Path(c.run_dir) / "kvstore-master"
-        master_args = service_args(
-            "kvstore-master",
-            host=c.host,
-            port=c.master_port,
-            state_dir=state_dir,
-            meta=meta,
-            **self._tls("kvstore-master"),
-        )
-        self._start([("kvstore-master", master_args)])
-        nodes = [
-            (
-                f"kvstore-node-{i}",
-                service_args(
-                    "kvstore-node",
-                    master_address=master,
-                    node_id=node_id,
-                    segment_sizes=c.segment_size,
-                    host=c.host,
-                    meta=meta,
-                    **self._tls(node_id),
-                ),
-            )
-            for i, node_id in enumerate(node_ids)
-        ]
-        self._start(nodes)
-
-    def _start_mooncake(self, master: str) -> None:
-        """A Mooncake Store on 127.0.0.1: mooncake_master, then the storage processes."""
-        from pdserve.procs import service_args
-
-        c = self.cfg
-        self._start(
-            [
-                (
-                    "mooncake-master",
-                    service_args("mooncake-master", host=MOONCAKE_HOST, port=c.master_port),
-                )
-            ]
-        )
-        self._start(
-            [
-                (
-                    f"mooncake-storage-{i}",
-                    service_args(
-                        "mooncake-storage",
-                        master=master,
-                        segment_size=c.segment_size,
-                        host=MOONCAKE_HOST,
-                        metadata_server=c.mooncake_metadata(),
-                    ),
-                )
-                for i in range(c.storage_nodes)
-            ]
-        )
-
-    def _start_workers_and_router(
-        self, meta: str, master: str, workers: list[tuple[str, int]], store: dict[str, str]
-    ) -> None:
-        from pdserve.devices import Placement
-        from pdserve.procs import service_args
-
-        c = self.cfg
-        places = self.places or [Placement() for _ in workers]
-        self._start(
-            [
-                (
-                    f"{role}-{i}",
-                    service_args(
-                        role,
-                        engine=c.engine,
-                        model=c.model,
-                        chunk_size=c.chunk_size,
-                        kv_compression=c.kv_compression,
-                        store_master=master,
-                        **store,
-                        meta=meta,
-                        host=c.host,
-                        instance_id=f"{role}-{i}",
-                        # one engine per core: vLLM pins its OpenMP threads
-                        vllm_cpu_cores=place.cpu_cores,
-                        **self._tls(f"{role}-{i}"),
-                    ),
-                )
-                for place, (role, i) in zip(places, workers, strict=True)
-            ],
-            [place.env for place in places],
-        )
-        router_args = service_args(
-            "router",
-            host=c.host,
-            port=c.router_port,
-            http_port=c.http_port,
-            meta=meta,
-            store_master=master,
-            **store,
-            model=c.model,
-            chunk_size=c.chunk_size,
-            api_key_file=self._key_file(),
-            **self._tls("router"),
-        )
-        (router,) = self._start([("router", router_args)])
-        self._wait_for_workers(router.info["grpc"])
-
-    def _secure(self, identities: list[str]) -> None:
-        """With TLS on, (re)issues every service's certificate and ``up``'s admin one from the
-        run dir's CA (made once, then reused) and makes ``up`` dial as admin; with it off,
-        ``up`` dials plaintext (whatever PDSERVE_TLS_* says)."""
-        from pdserve import certs, identity
-
-        c = self.cfg
-        if not c.tls:
-            identity.configure_files(None)
-            return
-        # leaf certificates are cheap: made anew each start, they follow a changed --host
-        certs.make(Path(c.run_dir) / CERTS_DIR, identities, hosts=[c.host])
-        identity.configure_files(admin_tls(c.run_dir))
-
-    def _tls(self, name: str) -> dict[str, str]:
-        """The tls_* flags of the service whose certificate is ``name`` (none: TLS off)."""
-        return tls_files(self.cfg.run_dir, name) if self.cfg.tls else {}
-
-    def _key_file(self) -> Path | None:
-        """With auth on, writes the router's API key to ``<run_dir>/api_key`` (0600; a file,
-        not a flag: flags show in `ps`): api_key, else the key an earlier run left there,
-        else a new one. Sets ``cfg.api_key`` to it."""
-        c = self.cfg
-        if not c.auth:
-            return None
-        path = Path(c.run_dir) / API_KEY_FILE
-        if not c.api_key:
-            with contextlib.suppress(OSError):
-                c.api_key = path.read_text().partition("\n")[0].strip()
-            c.api_key = c.api_key or secrets.token_urlsafe(32)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.fchmod(fd, 0o600)  # O_CREAT's mode does not apply to a file that exists
-        with os.fdopen(fd, "w") as f:
-            f.write(c.api_key + "\n")
-        return path
-
-    def _wait_for_workers(self, router: str) -> None:
-        """Ready means the router routes: it must see every worker ``up`` started."""
-        from pdserve import grpcutil
-        from pdserve.auth import bearer
-        from pdserve.v1 import router_pb2, router_pb2_grpc
-
-        want = (self.cfg.prefill_workers, self.cfg.decode_workers)
-        deadline = time.monotonic() + self.cfg.ready_timeout_s
-        with grpcutil.sync_channel(router, public=True) as ch:
-            stub = router_pb2_grpc.RouterServiceStub(ch)
-            while True:
-                models = stub.ListModels(
-                    router_pb2.ListModelsRequest(), timeout=5, metadata=bearer(self.cfg.api_key)
-                ).models
-                seen = (
-                    sum(m.prefill_workers for m in models),
-                    sum(m.decode_workers for m in models),
-                )
-                if seen[0] >= want[0] and seen[1] >= want[1]:
-                    return
-                if time.monotonic() > deadline:
-                    refused = [r for m in models for r in m.refused_workers]
-                    raise RuntimeError(
-                        f"router sees (prefill, decode) workers {seen}, want {want}"
-                        + (f"; it refuses {refused}" if refused else "")
-                    )
-                time.sleep(0.2)
-
-    def stop(self) -> None:
-        self.stopping = True
-        for t in self.restarts:
-            t.join()  # a restart in flight: its process is in self.procs once it returns
-        (Path(self.cfg.run_dir) / SERVICES_FILE).unlink(missing_ok=True)
-        for proc in reversed(self.procs):
-            if proc.alive():
-                _progress(f"stopping {proc.name} (pid {proc.pid})")
-                code = proc.stop()
-                if code not in (0, None, -signal.SIGTERM):
-                    _progress(f"{proc.name} exited with code {code}; see {proc.log_path}")
-        self.procs.clear()
-
-    def wait(self) -> str:
-        """Supervises until a signal arrives (returns its name): restarts what dies."""
-        stopping: list[str] = []
-
-        def on_signal(signum: int, _frame: object) -> None:
-            stopping.append(signal.Signals(signum).name)
-
-        signal.signal(signal.SIGINT, on_signal)
-        signal.signal(signal.SIGTERM, on_signal)
-        self.write_status()
-        while not stopping:
-            if self.supervise_once():
-                self.write_status()
-            time.sleep(0.5)
-        return f"received {stopping[0]}"
-
-    def supervise_once(self) -> bool:
-        """One supervision pass; True when some service changed state."""
-        now = time.monotonic()
-        changed = False
-        for i, proc in enumerate(self.procs):
-            sup = self.supervised[proc.name]
-            if sup.state == "starting":
-                continue  # a restart thread owns it
-            if sup.state == "running":
-                if proc.alive():
-                    if sup.in_a_row and now - sup.started > STABLE_S:
-                        sup.in_a_row = 0
-                    continue
-                sup.last_exit = proc.popen.returncode
-                delay = RESTART_BACKOFF_S[min(sup.in_a_row, len(RESTART_BACKOFF_S) - 1)]
-                sup.state, sup.next_start = "restarting", now + delay
-                _progress(
-                    f"{proc.name} exited with code {sup.last_exit}; restarting it in {delay:.0f}s "
-                    f"(restart {sup.restarts + 1}); the rest keeps serving. Log tail:\n"
-                    f"{proc.log_tail(10)}"
-                )
-                changed = True
-            elif now >= sup.next_start:
-                sup.state = "starting"
-                t = threading.Thread(
-                    target=self._restart, args=(i, proc.name), name=f"restart-{proc.name}"
-                )
-                self.restarts = [r for r in self.restarts if r.is_alive()] + [t]
-                t.start()
-                changed = True
-        return changed
-
-    def _restart(self, index: int, name: str) -> None:
-        from pdserve.procs import ProcessStartError, spawn_service, wait_ready
-
-        sup = self.supervised[name]
-        if self.stopping:
-            return
-        proc = spawn_service(name, sup.args, self.log_dir, env=sup.env, append=True)
-        self.procs[index] = proc
-        sup.restarts += 1
-        sup.in_a_row += 1
-        sup.started = time.monotonic()
-        try:
-            wait_ready(proc, self.cfg.ready_timeout_s)
-        except ProcessStartError as exc:
-            _progress(f"{name} did not come back: {exc}")
-            sup.state = "running"  # dead: the next pass schedules another try
-            return
-        _progress(f"{name} restarted (pid {proc.pid}): {_endpoints(proc.info)}")
-        sup.state = "running"
-        self.write_status()
-
-    def write_status(self) -> None:
-        """``<run_dir>/services.json``: each service's pid, state, restarts and last exit."""
-        rows = [
-            {
-                "name": p.name,
-                "pid": p.pid,
-                "state": self.supervised[p.name].state,
-                "restarts": self.supervised[p.name].restarts,
-                "last_exit": self.supervised[p.name].last_exit,
-            }
-            for p in list(self.procs)
-        ]
-        path = Path(self.cfg.run_dir) / SERVICES_FILE
-        tmp = path.with_suffix(".tmp")
-        data = {"up_pid": os.getpid(), "tls": self.cfg.tls, "services": rows}
-        tmp.write_text(json.dumps(data, indent=2))
-        tmp.replace(path)
-
-
-def _endpoints(info: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in info.items() if k != "service")
-
-
-def _progress(msg: str) -> None:
-    print(f"[pdserve up] {msg}", file=sys.stderr, flush=True)
 
 
 def banner(cfg: UpConfig) -> str:
@@ -710,6 +294,7 @@ def _interrupt(_signum: int, _frame: object) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pdserve.devices import place_workers, visible_gpus
+    from pdserve.up_cluster import Cluster, progress
 
     gpus = visible_gpus(os.environ)
     try:
@@ -737,11 +322,11 @@ def run(args: argparse.Namespace) -> int:
         return 130
     try:
         print(banner(cfg), flush=True)
-        _progress(f"healthy in {time.monotonic() - t0:.1f}s")
+        progress(f"healthy in {time.monotonic() - t0:.1f}s")
         reason = cluster.wait()
     except KeyboardInterrupt:  # Ctrl-C / SIGTERM before wait() took over the signals
         reason = "received SIGINT"
-    _progress(f"shutting down: {reason}")
+    progress(f"shutting down: {reason}")
     cluster.stop()
     return 0 if reason.startswith("received") else 1
 

@@ -221,7 +221,8 @@ class BenchCluster:
 
     def __init__(self, args: argparse.Namespace, config_yaml: str = "") -> None:
         from pdserve.procs import free_ports
-        from pdserve.up import Cluster, UpConfig
+        from pdserve.up import UpConfig
+        from pdserve.up_cluster import Cluster
 
         self.args = args
         self.run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="pdserve-chaos-"))
