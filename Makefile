@@ -1,5 +1,5 @@
 # The two commands of the README. Both set up (idempotently) first.
-.PHONY: up test setup lint
+.PHONY: up test check setup lint
 
 setup:
 	@bash scripts/setup.sh
@@ -13,3 +13,7 @@ lint:
 
 test: setup lint
 	.venv/bin/python -m pytest
+
+# Lint and the tests that start no process (a process-starting test not marked slow fails).
+check: setup lint
+	PDSERVE_NO_PROCESSES=1 .venv/bin/python -m pytest -m "not slow" -q

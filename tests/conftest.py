@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+# `make check`'s guard: a test that starts a process must be marked slow (process_guard.py)
+from process_guard import pytest_configure, pytest_runtest_protocol  # noqa: F401
+
 from pdserve import procs
 
 

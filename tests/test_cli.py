@@ -19,6 +19,7 @@ def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
                 yield from _commands(sub, (*path, name))
 
 
+@pytest.mark.slow
 def test_top_level_help_lists_every_command():
     out = subprocess.run(
         [sys.executable, "-m", "pdserve.cli", "--help"], capture_output=True, text=True, check=True
@@ -38,6 +39,7 @@ def test_every_command_has_a_useful_help(path, capsys):
     assert len(out.splitlines()) > 4
 
 
+@pytest.mark.slow
 def test_no_command_prints_help_and_fails():
     proc = subprocess.run([sys.executable, "-m", "pdserve.cli"], capture_output=True, text=True)
     assert proc.returncode == 2 and "usage: pdserve" in proc.stdout

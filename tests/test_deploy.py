@@ -82,11 +82,13 @@ def _compose(*args: str, key: str | None = "lab-key") -> subprocess.CompletedPro
     )
 
 
+@pytest.mark.slow
 def test_compose_file_is_valid():
     res = _compose("config", "-q")
     assert res.returncode == 0 and not res.stderr, res.stderr
 
 
+@pytest.mark.slow
 def test_the_router_does_not_start_without_an_api_key():
     res = _compose("config", "-q", key=None)
     assert res.returncode != 0 and "set PDSERVE_API_KEY" in res.stderr, res.stderr
@@ -175,6 +177,7 @@ def _host_ip(port: str | dict) -> str:
     return parts[0].strip("[]") if len(parts) == 3 else ""
 
 
+@pytest.mark.slow
 def test_no_port_is_published_on_all_interfaces():
     published = [(n, p) for n, svc in _services().items() for p in svc.get("ports", [])]
     if _compose_binary() is not None:  # as compose reads them, too

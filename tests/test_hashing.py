@@ -73,6 +73,7 @@ def test_salted_chains_share_no_key_with_each_other_or_the_unsalted_one(a, b):
     assert tail_key(FP, tokens[:9], "r", a) != tail_key(FP, tokens[:9], "r")
 
 
+@pytest.mark.slow
 def test_keys_identical_across_processes_and_hash_seeds():
     code = (
         "from pdserve.hashing import ModelFingerprint, chunk_keys;"

@@ -40,6 +40,7 @@ def test_certs_refuse_bad_identities(bad: str, tmp_path: Path):
         certs.make(tmp_path, [bad])
 
 
+@pytest.mark.slow
 def test_the_certs_command_writes_files_and_explains_mistakes(tmp_path: Path):
     run = [sys.executable, "-m", "pdserve.cli", "certs", "--out", str(tmp_path)]
     ok = subprocess.run([*run, "router:r1"], capture_output=True, text=True, check=True)
@@ -117,6 +118,7 @@ def test_protected_mode_accepts_tls_or_for_the_router_a_key(tmp_path: Path):
         identity.configure_files(None)
 
 
+@pytest.mark.slow
 def test_an_exposed_service_without_tls_exits_with_the_reason(tmp_path: Path):
     cmd = [sys.executable, "-m", "pdserve.cli", "kvstore", "master", "--host", "0.0.0.0"]
     cmd += ["--port", "0", "--state-dir", ""]

@@ -39,6 +39,7 @@ def _setup(tmp_path: Path, python: str) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "python,says",
     [

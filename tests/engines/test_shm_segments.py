@@ -8,6 +8,8 @@ import sys
 from multiprocessing import shared_memory
 from pathlib import Path
 
+import pytest
+
 from pdserve.engines import shm_segments
 
 CHILD = """
@@ -20,6 +22,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.slow
 def test_segments_of_a_process_tree_are_found_and_removed_after_it_dies() -> None:
     mine = shared_memory.SharedMemory(create=True, size=4096)  # this process's own: not named
     child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True)

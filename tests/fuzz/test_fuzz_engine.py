@@ -8,10 +8,12 @@ import pytest
 from pdserve.bench import fuzz
 
 
+@pytest.mark.slow
 def test_engine(workers, fuzz_cases: int) -> None:
     assert fuzz.fuzz(fuzz.Engine(*workers, "tiny"), fuzz_cases).cases > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("op", ["PrefillService.Prefill", "DecodeService.Decode"])
 def test_engine_serves_a_denormal_temperature_greedily(workers, op: str) -> None:
     """temperature=1e-45 is valid (>= 0); logits / 1e-45 overflowed float32 and the torch

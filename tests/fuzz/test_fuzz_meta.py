@@ -6,6 +6,7 @@ from __future__ import annotations
 import urllib.parse
 
 import grpc
+import pytest
 
 from pdserve.bench import fuzz
 from pdserve.v1 import meta_pb2
@@ -15,10 +16,12 @@ def surface(meta) -> fuzz.Meta:
     return fuzz.Meta(meta.info["grpc"], urllib.parse.urlsplit(meta.info["http"]).netloc)
 
 
+@pytest.mark.slow
 def test_meta(meta, fuzz_cases: int) -> None:
     assert fuzz.fuzz(surface(meta), fuzz_cases).cases > 0
 
 
+@pytest.mark.slow
 def test_meta_regressions(meta) -> None:
     s = surface(meta)
     # A PUT body nested past json's recursion limit was a 500 (RecursionError).

@@ -12,14 +12,17 @@ from pdserve.store.transports import tcp
 from pdserve.v1 import kvstore_pb2 as pb
 
 
+@pytest.mark.slow
 def test_master_grpc(store, fuzz_cases: int) -> None:
     assert fuzz.fuzz(fuzz.Master(store), fuzz_cases).cases > 0
 
 
+@pytest.mark.slow
 def test_control_wire(store, fuzz_cases: int) -> None:
     assert fuzz.fuzz(fuzz.Wire(store), fuzz_cases).cases > 0
 
 
+@pytest.mark.slow
 def test_tcp_data_port(store, fuzz_cases: int) -> None:
     assert fuzz.fuzz(fuzz.TcpPort(store), fuzz_cases).cases > 0
 
@@ -28,6 +31,7 @@ def _frame(name: str, message) -> tuple[int, bytes, None]:
     return wire.METHOD_IDS[name], message.SerializeToString(), None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("hello", "frames", "lie"),
     [
@@ -62,6 +66,7 @@ def _vec(op: int, ranges: list[tuple], count: int | None = None) -> bytes:
     return head + b"".join(tcp.RANGE.pack(*r) for r in ranges) + pad
 
 
+@pytest.mark.slow
 def test_tcp_data_port_answers(store) -> None:
     """Every reply status, each checked by the protocol model (:func:`fuzz.tcp_expect`);
     ST_EXPIRED, which needs a grant that ran out, is checked in tests/store/test_data_tokens.py."""

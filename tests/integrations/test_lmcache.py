@@ -110,6 +110,7 @@ def test_plugin_name_is_found_from_the_config():
         plug.plugin_name_for(config("a", "b"), fake)
 
 
+@pytest.mark.slow
 def test_module_imports_without_lmcache():
     """The codec stays usable where LMCache is not installed."""
     code = (

@@ -120,6 +120,7 @@ def test_wire_client_reports_an_unreachable_master() -> None:
         WireClient("127.0.0.1", port, timeout_s=2).call("Stats", pb.StatsRequest())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wire_port", [0, -1])
 def test_store_client_uses_the_wire_when_the_master_has_one(tmp_path: Path, wire_port: int) -> None:
     master = procs.start_master(tmp_path, wire_port=wire_port)
@@ -144,6 +145,7 @@ def test_store_client_uses_the_wire_when_the_master_has_one(tmp_path: Path, wire
         master.stop()
 
 
+@pytest.mark.slow
 def test_store_client_falls_back_to_grpc_when_the_wire_goes_away(cluster) -> None:
     """The wire port stops answering (a master restarted elsewhere, a firewall): the call in
     flight goes over gRPC and the client keeps working."""
@@ -161,6 +163,7 @@ def test_store_client_falls_back_to_grpc_when_the_wire_goes_away(cluster) -> Non
     client.close()
 
 
+@pytest.mark.slow
 def test_events_of_wire_calls_reach_watchers(cluster) -> None:
     """Puts and removes over the wire (its own threads) still publish to WatchEvents (the
     event loop's subscribers)."""
@@ -201,6 +204,7 @@ def test_wire_client_times_out_on_a_silent_master() -> None:
     srv.close()
 
 
+@pytest.mark.slow
 def test_small_gets_are_served_inline_without_touching_a_node(cluster) -> None:
     """An object up to inline_max_bytes travels with its put and comes back with the lookup:
     the node serves no bytes for it; a larger one is read from the node as before."""

@@ -182,6 +182,7 @@ def _check_chain(stored, keys: list[str], tokens: list[int]) -> None:
         parent = h
 
 
+@pytest.mark.slow
 def test_zmq_subscriber_decodes_stored_removed_and_replays(store) -> None:
     kv = vllm_classes()
     import msgspec
@@ -259,6 +260,7 @@ def test_zmq_subscriber_decodes_stored_removed_and_replays(store) -> None:
         ctx.term()
 
 
+@pytest.mark.slow
 def test_grpc_subscription_sees_the_same_and_replays(store) -> None:
     master, client = store
     channel = grpc.insecure_channel(master.info["grpc"])
@@ -314,6 +316,7 @@ def test_grpc_subscription_sees_the_same_and_replays(store) -> None:
         channel.close()
 
 
+@pytest.mark.slow
 def test_put_rejects_bad_block_metadata(store) -> None:
     master, _ = store
     channel = grpc.insecure_channel(master.info["grpc"])
@@ -344,6 +347,7 @@ def test_tokens_round_trip() -> None:
     assert tokens_of(packed([0, 1, 2**32 - 1])) == [0, 1, 2**32 - 1]
 
 
+@pytest.mark.slow
 def test_torch_engine_saves_chunks_with_their_chain(store, tiny_model_dir) -> None:
     """The torch engine's saves carry parent keys and token ids through ChunkIO and the store
     client to the master's stored events."""

@@ -113,6 +113,7 @@ def expect_status(call, code: grpc.StatusCode, *words: str) -> None:
         assert w in info.value.details()
 
 
+@pytest.mark.slow
 def test_bad_input_statuses_and_messages(master) -> None:
     ch, stub = stub_for(master)
     node = FakeNode(master.info["grpc"], "n1", {"s1": 1024 * KB})
@@ -186,6 +187,7 @@ def test_bad_input_statuses_and_messages(master) -> None:
         ch.close()
 
 
+@pytest.mark.slow
 def test_events_and_dead_node(master) -> None:
     ch, stub = stub_for(master)
     n1 = FakeNode(master.info["grpc"], "n1", {"s1": 1024 * KB})
@@ -222,6 +224,7 @@ def test_events_and_dead_node(master) -> None:
         ch.close()
 
 
+@pytest.mark.slow
 def test_restart_keeps_committed_objects(tmp_path: Path) -> None:
     state = tmp_path / "state"
     proc = start_master(tmp_path, "--state-dir", str(state), name="master1")

@@ -50,6 +50,7 @@ def test_node_shm_names_are_safe() -> None:
     assert shm_name("a/b c-seg0") == "pdserve-kv-a_b_c-seg0"
 
 
+@pytest.mark.slow
 def test_node_cli_rejects_bad_size() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "pdserve.cli", "kvstore", "node", "--segment-sizes", "12XB"],

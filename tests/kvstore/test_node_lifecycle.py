@@ -25,6 +25,7 @@ def shm_leftovers(node: procs.ServiceProcess) -> list[str]:
     return [n for n in node.info.get("shm_names", []) if (Path("/dev/shm") / n).exists()]
 
 
+@pytest.mark.slow
 def test_node_sigterm_unlinks_shm_and_unmounts(cluster_factory) -> None:
     c = cluster_factory()
     node = c.add_node(segment_sizes="16MiB,8MiB")
@@ -41,6 +42,7 @@ def test_node_sigterm_unlinks_shm_and_unmounts(cluster_factory) -> None:
     client.close()
 
 
+@pytest.mark.slow
 def test_node_stats_and_garbage_on_data_port(cluster_factory) -> None:
     c = cluster_factory()
     node = c.add_node(transports="tcp", metrics_port=0)
@@ -120,6 +122,7 @@ def test_node_duplicate_id_refused_and_restart_keeps_bytes(cluster_factory) -> N
     client.close()
 
 
+@pytest.mark.slow
 def test_a_node_advertises_its_advertise_host_in_segment_endpoints(cluster_factory) -> None:
     """Bound to one address, reached at another (a NAT, a container name): the tcp endpoint
     the master hands to readers carries --advertise-host, and reads through it work."""

@@ -31,6 +31,7 @@ async def expect_error(call, code: grpc.StatusCode, message: str) -> None:
     assert message in err.value.details(), err.value.details()
 
 
+@pytest.mark.slow
 def test_register_list_watch_and_bad_input(start_meta) -> None:
     meta = start_meta()
 
@@ -116,6 +117,7 @@ def http(method: str, url: str, body: bytes | None = None) -> tuple[int, bytes]:
         return err.code, err.read()
 
 
+@pytest.mark.slow
 def test_http_metadata_protocol(start_meta) -> None:
     url = start_meta().info["http"]
     seg = {"name": "seg-a", "buffers": [{"addr": 1234, "length": 4096}]}
@@ -133,6 +135,7 @@ def test_http_metadata_protocol(start_meta) -> None:
     assert http("POST", f"{url}?key=x", b"{}")[0] == 405
 
 
+@pytest.mark.slow
 def test_silent_instance_expires_and_watchers_see_it_leave(start_meta) -> None:
     meta = start_meta()
     addr = meta.info["grpc"]
@@ -162,6 +165,7 @@ def test_silent_instance_expires_and_watchers_see_it_leave(start_meta) -> None:
     asyncio.run(main())
 
 
+@pytest.mark.slow
 def test_meta_restart(start_meta, backend: str) -> None:
     meta = start_meta()
     grpc_port = int(meta.info["grpc"].rsplit(":", 1)[1])

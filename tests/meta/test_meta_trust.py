@@ -70,6 +70,7 @@ async def refused(call, code: grpc.StatusCode, message: str = "") -> None:
     assert message in (err.value.details() or ""), err.value.details()
 
 
+@pytest.mark.slow
 def test_identities_own_their_instances(start_meta, backend: str, certdir: Path) -> None:
     meta = start_meta(0, 0, *tls_flags(certdir), "--max-instances-per-identity", "3")
     addr = meta.info["grpc"]
@@ -139,6 +140,7 @@ def test_identities_own_their_instances(start_meta, backend: str, certdir: Path)
     asyncio.run(main(meta))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["memory"])  # the handshake does not depend on it
 def test_a_certificate_of_another_ca_is_refused(start_meta, certdir: Path, tmp_path: Path) -> None:
     meta = start_meta(0, -1, *tls_flags(certdir))
@@ -162,6 +164,7 @@ def as_worker(certdir: Path) -> Iterator[None]:
         identity.configure_files(None)
 
 
+@pytest.mark.slow
 def test_meta_client_and_discovery_work_under_tls(start_meta, certdir: Path, as_worker) -> None:
     meta = start_meta(0, -1, *tls_flags(certdir))
     addr = meta.info["grpc"]
@@ -183,6 +186,7 @@ def test_meta_client_and_discovery_work_under_tls(start_meta, certdir: Path, as_
     asyncio.run(main())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["memory"])  # caps and pages live above the backend
 def test_junk_registrations_are_capped_and_lists_come_in_pages(start_meta) -> None:
     meta = start_meta(0, -1)  # plaintext: no per-identity cap, the total cap applies
@@ -246,6 +250,7 @@ def http(method: str, url: str, *, body: bytes | None = None, auth: str = "", ct
         return err.code, err.read()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["memory"])  # the HTTP checks do not depend on it
 def test_http_metadata_takes_a_token_for_writes_and_serves_https(
     start_meta, certdir: Path, tmp_path: Path
@@ -301,6 +306,7 @@ async def _enable_etcd_auth(endpoint: str, d: Path, password: str) -> None:
         await client.auth.auth_enable()
 
 
+@pytest.mark.slow
 @pytest.mark.etcd
 def test_etcd_backend_over_tls_with_a_user(etcd_tls: tuple[str, Path], tmp_path: Path) -> None:
     endpoint, d = etcd_tls

@@ -34,6 +34,7 @@ def _mooncake_missing() -> str:
     return ""
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(bool(_mooncake_missing()), reason=_mooncake_missing() or "mooncake present")
 @pytest.mark.parametrize(
     ("backend", "token"),

@@ -75,6 +75,7 @@ class CountingMaster:
         return await self.lookup(keys)
 
 
+@pytest.mark.slow
 def test_index_answers_what_the_master_answers(store) -> None:
     address, client = store
     rng = random.Random(7)
@@ -145,6 +146,7 @@ class _Stream:
             yield batch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["gap", "end"])
 def test_a_broken_subscription_falls_back_to_the_master_then_resyncs(store, how) -> None:
     address, client = store

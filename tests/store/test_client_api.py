@@ -37,6 +37,7 @@ def _key(name: str) -> str:
     return f"{name}-{os.getpid()}-{np.random.default_rng().integers(1 << 40)}"
 
 
+@pytest.mark.slow
 def test_client_put_get_roundtrip(store: StoreBackend) -> None:
     k = _key("rt")
     data = _blob(300_001, 1)
@@ -50,6 +51,7 @@ def test_client_put_get_roundtrip(store: StoreBackend) -> None:
     assert store.get(k) is None
 
 
+@pytest.mark.slow
 def test_client_get_into(store: StoreBackend) -> None:
     k = _key("into")
     data = _blob(4 * 1024 * 1024 + 3, 3)
@@ -64,6 +66,7 @@ def test_client_get_into(store: StoreBackend) -> None:
     assert store.get_into(_key("absent"), memoryview(buf)) is None
 
 
+@pytest.mark.slow
 def test_client_batched_ops(store: StoreBackend) -> None:
     items = [(_key(f"b{i}"), _blob(1 + i * 40_000, 10 + i)) for i in range(6)]
     assert store.batch_put(items) == [True] * 6
@@ -75,6 +78,7 @@ def test_client_batched_ops(store: StoreBackend) -> None:
     assert store.exists([k for k, _ in items[:3]]) == [True, False, True]
 
 
+@pytest.mark.slow
 def test_client_batch_get_into(store: StoreBackend) -> None:
     items = [(_key(f"bi{i}"), _blob(1 + i * 300_000, 20 + i)) for i in range(4)]
     store.batch_put(items)
@@ -95,6 +99,7 @@ def test_client_batch_get_into(store: StoreBackend) -> None:
     assert store.remove([items[3][0]]) == 1
 
 
+@pytest.mark.slow
 def test_client_longest_prefix(store: StoreBackend) -> None:
     keys = [_key(f"chain{i}") for i in range(64)]
     assert store.longest_prefix(keys) == 0
@@ -107,6 +112,7 @@ def test_client_longest_prefix(store: StoreBackend) -> None:
     assert store.longest_prefix([]) == 0
 
 
+@pytest.mark.slow
 def test_client_chunks(store: StoreBackend) -> None:
     kv = torch.randn(2, 2, 3, 16, 8)
     k = _key("chunk")
@@ -120,6 +126,7 @@ def test_client_chunks(store: StoreBackend) -> None:
     assert store.batch_get_chunks([raw], FP) == [None]
 
 
+@pytest.mark.slow
 def test_client_rejects_bad_input(store: StoreBackend) -> None:
     with pytest.raises(errors.InvalidArgument):
         store.put("", b"x")

@@ -24,6 +24,7 @@ def _blob(n: int, seed: int) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "transport",
     ["shm", "tcp", pytest.param("mooncake", marks=pytest.mark.mooncake), "auto"],
@@ -42,6 +43,7 @@ def test_client_roundtrip_over_each_transport(cluster, transport: str) -> None:
     client.close()
 
 
+@pytest.mark.slow
 def test_client_corrupt_replica_falls_over_then_misses(cluster) -> None:
     client = StoreClient(cluster.address, transport="shm")
     kv = torch.randn(2, 2, 2, 64, 16)  # 32 KiB: above inline_max_bytes, read from replicas
@@ -83,6 +85,7 @@ def test_client_unreachable_master_is_unavailable() -> None:
         StoreClient("127.0.0.1:1", transport="carrier-pigeon")
 
 
+@pytest.mark.slow
 def test_client_no_space_is_resource_exhausted(cluster) -> None:
     client = StoreClient(cluster.address)
     with pytest.raises(errors.ResourceExhausted):
@@ -90,6 +93,7 @@ def test_client_no_space_is_resource_exhausted(cluster) -> None:
     client.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_client_is_thread_safe(cluster, transport: str) -> None:
     """One client shared by several threads (as in the engines): every thread reads back
@@ -115,6 +119,7 @@ def test_client_is_thread_safe(cluster, transport: str) -> None:
     client.close()
 
 
+@pytest.mark.slow
 def test_client_reports_a_failed_put_end_as_a_failure(cluster) -> None:
     """A put whose commit fails (every replica's node died meanwhile) raises; it is not the
     "already existed" False of an idempotent put."""

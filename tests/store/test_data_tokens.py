@@ -9,6 +9,8 @@ import os
 import socket
 import time
 
+import pytest
+
 from pdserve import errors, procs
 from pdserve.store.client import StoreClient
 from pdserve.store.transports import tcp
@@ -66,6 +68,7 @@ def _write_replica(client: StoreClient, key: str) -> pb.Replica:
     return resp.results[0].replicas[0]
 
 
+@pytest.mark.slow
 def test_the_node_refuses_ranges_without_a_valid_grant(cluster_factory):
     c = cluster_factory()
     node = c.add_node(transports="tcp", segment_sizes="4MiB,4MiB", grant_clock_skew_ms=0)
@@ -112,6 +115,7 @@ def test_the_node_refuses_ranges_without_a_valid_grant(cluster_factory):
         assert client.batch_get(["a", "b"]) == [a, b]
 
 
+@pytest.mark.slow
 def test_the_client_paths_carry_their_grants(cluster_factory):
     """get / put / batches, over tcp (a big object as pieces on parallel connections, each
     within the one grant) and shm, with data tokens on."""
@@ -136,6 +140,7 @@ def test_the_client_paths_carry_their_grants(cluster_factory):
         assert client.batch_get(list(objects)) == list(objects.values())
 
 
+@pytest.mark.slow
 def test_with_data_tokens_off_the_node_serves_any_range(cluster_factory):
     c = cluster_factory(data_tokens=False)
     node = c.add_node(transports="tcp", segment_sizes="4MiB")
@@ -149,6 +154,7 @@ def test_with_data_tokens_off_the_node_serves_any_range(cluster_factory):
         assert _exchange(node.info["tcp_port"], tcp.OP_READV, [plain]) == (tcp.ST_OK, data)
 
 
+@pytest.mark.slow
 def test_a_node_learns_a_restarted_masters_key(tmp_path):
     """The master's key is new at every start: after a restart the node's remount brings it
     the new key; grants of the old master are refused, the new master's are served."""

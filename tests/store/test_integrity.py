@@ -8,6 +8,7 @@ import os
 import signal
 import time
 
+import pytest
 import torch
 
 from pdserve import errors, kvformat, procs
@@ -44,6 +45,7 @@ def _write(client: StoreClient, rep: pb.Replica, data: bytes) -> None:
     assert err is None
 
 
+@pytest.mark.slow
 def test_a_late_writer_cannot_corrupt_the_object_that_reused_its_region(cluster_factory):
     """Put timeout: the master reclaims a stalled put's region and gives it to the next put.
     When the late writer's bytes land there, a reader of the new object gets a miss (raw
@@ -79,6 +81,7 @@ def test_a_late_writer_cannot_corrupt_the_object_that_reused_its_region(cluster_
         assert client.get_chunk("chunk", FP) is None
 
 
+@pytest.mark.slow
 def test_a_torn_write_is_a_miss(cluster_factory):
     """A write that stopped half way (the writer died, the connection broke) leaves bytes
     that match no checksum: readers miss, before and after the object is committed. (Data
@@ -111,6 +114,7 @@ def test_a_torn_write_is_a_miss(cluster_factory):
         assert client.get("unchecked") == bytes(SIZE // 2) + data[SIZE // 2 :]
 
 
+@pytest.mark.slow
 def test_a_read_that_outlives_its_lease_is_discarded(cluster_factory):
     """Past its read lease the region may already hold another object: a read that ends
     later is a miss, though every byte arrived."""
@@ -134,6 +138,7 @@ def _end(client: StoreClient, key: str) -> pb.KeyResult:
     return resp.results[0]
 
 
+@pytest.mark.slow
 def test_a_master_restart_with_a_put_in_flight(tmp_path):
     """SIGKILL of the master while a put is in flight: the restarted master does not know the
     put's region and hands it out again. The first writer's late bytes are refused by the
@@ -171,6 +176,7 @@ def test_a_master_restart_with_a_put_in_flight(tmp_path):
         master.stop()
 
 
+@pytest.mark.slow
 def test_a_node_blip_during_a_put(cluster_factory):
     """The node pauses long enough to be declared dead while a put to it is in flight: its
     committed objects come back when it remounts with its bytes; the put in flight fails at
@@ -200,6 +206,7 @@ def test_a_node_blip_during_a_put(cluster_factory):
         assert client.get("mine") is None
 
 
+@pytest.mark.slow
 def test_a_lost_replica_is_made_again_on_another_node(cluster_factory):
     """Two copies on three nodes; the node of one copy is SIGKILLed: the master copies the
     object to the third node, so losing the node of the other copy next loses nothing."""

@@ -9,6 +9,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from pdserve.store.netio import ConnectionServer
 
 
@@ -46,6 +48,7 @@ def test_connections_beyond_the_cap_are_closed_and_the_rest_served() -> None:
         server.close()
 
 
+@pytest.mark.slow
 def test_running_out_of_descriptors_does_not_stop_accepting() -> None:
     """With RLIMIT_NOFILE low, connections beyond it fail to be accepted (EMFILE); once some
     close, new ones are accepted again (the loop used to end on the first EMFILE)."""
@@ -114,6 +117,7 @@ def test_a_connection_that_goes_quiet_is_closed_after_the_idle_timeout() -> None
         server.close()
 
 
+@pytest.mark.slow
 def test_the_store_client_reconnects_when_the_node_closed_an_idle_connection(cluster_factory):
     """A node closes pooled connections idle past its idle timeout; the client's next request
     on one goes out again on a fresh connection: served, no replica failover, no miss."""

@@ -91,6 +91,7 @@ def _code(call) -> grpc.StatusCode:
     return info.value.code()
 
 
+@pytest.mark.slow
 def test_a_caller_without_a_certificate_is_refused(peers: Peers):
     stub = peers.stub(None)
     code = _code(lambda: stub.Stats(pb.StatsRequest(), timeout=5))
@@ -103,6 +104,7 @@ def test_a_caller_without_a_certificate_is_refused(peers: Peers):
         WireClient("127.0.0.1", port, 2.0, tls=None).call("Stats", pb.StatsRequest())
 
 
+@pytest.mark.slow
 def test_only_a_node_mounts_and_only_its_own_node_id(peers: Peers):
     seg = pb.Segment(
         segment_id="node-a-seg0",
@@ -151,6 +153,7 @@ def _start(stub, key: str, client_id: str = "c") -> None:
     assert resp.results[0].code == pb.KV_OK, resp
 
 
+@pytest.mark.slow
 def test_a_client_ends_only_its_own_puts_and_removes_only_its_own_objects(peers: Peers):
     w1, w2, ops = peers.stub("w1"), peers.stub("w2"), peers.stub("ops")
     _start(w1, "t-owned")
@@ -176,6 +179,7 @@ def test_a_client_ends_only_its_own_puts_and_removes_only_its_own_objects(peers:
     assert ops.BatchRemove(pb.BatchKeysRequest(keys=["t-admin"])).results[0].code == pb.KV_OK
 
 
+@pytest.mark.slow
 def test_nodes_may_not_act_as_clients_nor_clients_as_nodes(peers: Peers):
     node = peers.stub("node-b")
     put = pb.BatchPutStartRequest(client_id="n", items=[pb.PutStartItem(key="t-n", size=1)])
@@ -188,6 +192,7 @@ def test_nodes_may_not_act_as_clients_nor_clients_as_nodes(peers: Peers):
     assert node.LongestPrefix(pb.LongestPrefixRequest(keys=["a"]), timeout=5).length == 0
 
 
+@pytest.mark.slow
 def test_the_control_wire_applies_the_same_rules(peers: Peers):
     w1, w2 = peers.wire("w1"), peers.wire("w2")
     try:
@@ -205,6 +210,7 @@ def test_the_control_wire_applies_the_same_rules(peers: Peers):
         w2.close()
 
 
+@pytest.mark.slow
 def test_the_right_identity_round_trips_bytes(peers: Peers):
     """The store client as worker w1: gRPC, the control wire and the tcp data port."""
     identity.configure_files(_files(peers.dir, "w1"))
@@ -219,6 +225,7 @@ def test_the_right_identity_round_trips_bytes(peers: Peers):
         identity.configure_files(None)
 
 
+@pytest.mark.slow
 def test_a_certificate_from_another_ca_is_refused(peers: Peers, tmp_path: Path):
     certs.make(tmp_path, ["admin:ops"])  # same name and role, another CA
     f = _files(tmp_path, "ops")

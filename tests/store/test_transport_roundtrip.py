@@ -104,22 +104,26 @@ def _roundtrip(peer: Peer, name: str) -> None:
         t.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("peer", ["shm"], indirect=True)
 def test_transport_shm_roundtrip(peer: Peer) -> None:
     _roundtrip(peer, "shm")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("peer", ["tcp"], indirect=True)
 def test_transport_tcp_roundtrip(peer: Peer) -> None:
     _roundtrip(peer, "tcp")
 
 
+@pytest.mark.slow
 @pytest.mark.mooncake
 @pytest.mark.parametrize("peer", ["mooncake"], indirect=True)
 def test_transport_mooncake_roundtrip(peer: Peer) -> None:
     _roundtrip(peer, "mooncake")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("peer", ["shm,tcp"], indirect=True)
 def test_transport_shm_refuses_other_host_and_out_of_range(peer: Peer) -> None:
     from pdserve.store.transports.shm import ShmTransport
@@ -185,6 +189,7 @@ def _raw(port: int, payload: bytes) -> bytes:
         return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("peer", ["tcp"], indirect=True)
 def test_transport_tcp_garbage_is_rejected_and_damages_nothing(peer: Peer) -> None:
     before = peer.ask("fill 0 1048576 3")
@@ -269,6 +274,7 @@ def test_transport_tcp_client_rejects_a_bad_reply(answer: bytes, error: str) -> 
     srv.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("peer", ["tcp"], indirect=True)
 def test_transport_tcp_batches_and_parallel_streams_roundtrip(peer: Peer, monkeypatch) -> None:
     """write_many / read_many: many objects per request (WRITEV / READV) and objects big
@@ -310,6 +316,7 @@ def test_transport_tcp_batches_and_parallel_streams_roundtrip(peer: Peer, monkey
     t.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("peer", ["tcp"], indirect=True)
 def test_transport_tcp_vector_requests_are_checked_before_any_byte_moves(peer: Peer) -> None:
     before = peer.ask("fill 0 65536 5")
@@ -394,6 +401,7 @@ def test_iov_stops_at_the_first_buffer_longer_than_a_slice(monkeypatch) -> None:
     assert [len(v) for v in netio.iov([memoryview(bytearray(1))] * 3, first=1)] == [1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("peer", ["shm"], indirect=True)
 def test_transport_shm_batches_copy_on_two_threads(peer: Peer) -> None:
     """A batch past PARALLEL_MIN_BYTES (and one object that large, cut in two) is copied on
