@@ -244,7 +244,7 @@ class Cluster:
                         meta=meta,
                         host=c.host,
                         instance_id=f"{role}-{i}",
-                        # one engine per core: vLLM pins its OpenMP threads
+                        # a core of its own on a CPU (vLLM pins its OpenMP threads), a GPU elsewhere
                         vllm_cpu_cores=place.cpu_cores,
                         **self._tls(f"{role}-{i}"),
                     ),
