@@ -4,6 +4,7 @@ the gRPC SubscribeKVEvents stream."""
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import blake3
@@ -221,18 +222,28 @@ def test_zmq_subscriber_decodes_stored_removed_and_replays(store) -> None:
                 if ours & set(e.block_hashes)
             ]
 
-        while len(our_events()) < 2:
+        def ours_of(kind: type) -> list:
+            return [e for e in our_events() if isinstance(e, kind)]
+
+        # the master publishes what committed since its last batch: a chain's put can land in
+        # more than one batch, each run of it one BlockStored (as vLLM splits them too)
+        while sum(len(e.block_hashes) for e in ours_of(kv.BlockStored)) < len(keys) or not ours_of(
+            kv.BlockRemoved
+        ):
             assert sub.poll(10_000), "timed out waiting for KV events"
             topic, seq, payload = sub.recv_multipart()
             assert topic == b"kv" and len(seq) == 8
             seen.append((int.from_bytes(seq, "big"), decoder.decode(payload)))
-        stored, removed = our_events()
-        assert isinstance(stored, kv.BlockStored) and isinstance(removed, kv.BlockRemoved)
-        assert stored.parent_block_hash is None  # the chain's first chunk
-        assert stored.token_ids == tokens and stored.medium == "CPU"
-        assert stored.block_hashes == [bytes.fromhex(k) for k in keys]
+        runs, (removed,) = ours_of(kv.BlockStored), ours_of(kv.BlockRemoved)
+        assert runs[0].parent_block_hash is None  # the chain's first chunk
+        for before, run in itertools.pairwise(runs):  # each run continues the last
+            assert run.parent_block_hash == before.block_hashes[-1]
+        assert all(run.medium == "CPU" for run in runs)
+        assert [t for run in runs for t in run.token_ids] == tokens
+        hashes = [h for run in runs for h in run.block_hashes]
+        assert hashes == [bytes.fromhex(k) for k in keys]
         for i in (1, 2):
-            parent, h = stored.block_hashes[i - 1], stored.block_hashes[i]
+            parent, h = hashes[i - 1], hashes[i]
             assert blake3.blake3(parent + packed(tokens[i * CS : (i + 1) * CS])).digest() == h
         assert removed.block_hashes == [bytes.fromhex(keys[2])]
         seqs = [s for s, _ in seen]
