@@ -182,10 +182,14 @@ class UpConfig:
             return f"http://{MOONCAKE_HOST}:{self.meta_http_port}/metadata"
         return self.store_metadata_server
 
-    def resolve(self, gpus: Sequence[str] = ()) -> None:
+    def resolve(self, gpus: Sequence[str] | None = None) -> None:
         """Replaces the auto values (engine, topology) with what they mean on this machine,
-        whose visible GPUs are ``gpus`` (:func:`pdserve.devices.visible_gpus`): one worker
-        per GPU (vLLM), else per core, at most 8."""
+        whose visible GPUs are ``gpus`` (default :func:`pdserve.devices.visible_gpus`): one
+        worker per GPU (vLLM), else per core, at most 8."""
+        if gpus is None:
+            from pdserve.devices import visible_gpus
+
+            gpus = visible_gpus(os.environ)
         if self.engine == "auto":
             self.engine = "vllm" if importlib.util.find_spec("vllm") is not None else "torch"
         if self.prefill_workers < 0:
@@ -293,20 +297,15 @@ def _interrupt(_signum: int, _frame: object) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.devices import place_workers, visible_gpus
     from pdserve.up_cluster import Cluster, progress
 
-    gpus = visible_gpus(os.environ)
     try:
         cfg = config.from_args(UpConfig, "up", args)
-        cfg.resolve(gpus)
-        places = place_workers(
-            cfg.workers(), engine=cfg.engine, gpus=gpus, cores=os.cpu_count() or 1
-        )
+        cfg.resolve()
+        cluster = Cluster(cfg, args.config)  # places the workers: ValueError when it cannot
     except (ConfigError, ValueError) as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2
-    cluster = Cluster(cfg, args.config, places)
     t0 = time.monotonic()
     # SIGTERM while starting stops what already started, as Ctrl-C does (the services run in
     # their own sessions: an `up` killed outright would leave them running)

@@ -67,13 +67,25 @@ class Cluster:
     cfg: UpConfig
     config_path: str | None
     #: each worker's share of the machine, in ``cfg.workers()`` order (:mod:`pdserve.devices`;
-    #: empty: placed on this machine's visible GPUs, else its cores)
+    #: made from this machine's visible GPUs, else its cores, before anything starts)
     places: Sequence[Placement] = ()
     procs: list = field(default_factory=list)
     supervised: dict[str, Supervised] = field(default_factory=dict)
     stopping: bool = False
     #: This cluster's restart threads (the finished ones are dropped as new ones start).
     restarts: list[threading.Thread] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        """Places the workers (ValueError when this machine cannot hold them, e.g. more vLLM
+        workers than GPUs), so a start that cannot succeed fails before anything starts."""
+        if not self.places:
+            c = self.cfg
+            self.places = place_workers(
+                c.workers(),
+                engine=c.engine,
+                gpus=visible_gpus(os.environ),
+                cores=os.cpu_count() or 1,
+            )
 
     @property
     def log_dir(self) -> Path:
@@ -226,9 +238,7 @@ class Cluster:
         from pdserve.procs import service_args
 
         c = self.cfg
-        places = self.places or place_workers(
-            workers, engine=c.engine, gpus=visible_gpus(os.environ), cores=os.cpu_count() or 1
-        )
+        places = self.places
         self._start(
             [
                 (

@@ -3,6 +3,7 @@ tested here on machines that have none (docs/deploy.md says what has run on a GP
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,19 @@ def test_workers_are_listed_in_start_order_for_placement() -> None:
     assert cfg.workers() == [("prefill", 0), ("decode", 0), ("decode", 1)]
     places = place_workers(cfg.workers(), engine=cfg.engine, gpus=["0", "1", "2"], cores=2)
     assert [p.env["CUDA_VISIBLE_DEVICES"] for p in places] == ["0", "1", "2"]
+
+
+def test_a_cluster_that_cannot_be_placed_is_refused_before_anything_starts(
+    monkeypatch, tmp_path: Path
+) -> None:
+    from pdserve.up_cluster import Cluster
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    cfg = UpConfig(engine="vllm", decode_workers=2, run_dir=str(tmp_path))
+    cfg.resolve()
+    with pytest.raises(ValueError, match=r"2 vLLM workers on 1 visible GPU"):
+        Cluster(cfg, None)
+    assert not (tmp_path / "logs").exists()  # nothing started
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    placed = Cluster(cfg, None).places
+    assert [p.cpu_cores for p in placed] == [str(n % (os.cpu_count() or 1)) for n in range(2)]

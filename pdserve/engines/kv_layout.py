@@ -233,6 +233,20 @@ def engine_layout(
     return cpu_layout(dtype, block_size, head_dim, isa, kv_cache_dtype=kv_cache_dtype)
 
 
+def config_layout_error(vllm_config: Any) -> str:
+    """Why the caches an engine of ``vllm_config`` will allocate cannot be converted ("" =
+    they can): :func:`engine_layout` from the config alone (the model's dtype, the block size,
+    the head size), for the processes that hold no cache: the connector's scheduler side
+    and the worker that reports the store's state."""
+    model = vllm_config.model_config
+    block_size = int(vllm_config.cache_config.block_size)
+    try:
+        engine_layout(vllm_config, model.dtype, block_size, model.get_head_size())
+    except LayoutError as exc:
+        return str(exc)
+    return ""
+
+
 def _layers_isa(vllm_config: Any) -> str:
     """The ISA vLLM's CPU attention builder gave the engine's layers ("" before it ran, as in
     the scheduler's process, or when they disagree)."""

@@ -151,12 +151,7 @@ class PdserveConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             # the scheduler plans no chunk in a layout its workers would convert wrong: the
             # same derivation as theirs, from the config
-            model = vllm_config.model_config
-            off = ""
-            try:
-                kv_layout.engine_layout(vllm_config, model.dtype, block_size, model.get_head_size())
-            except kv_layout.LayoutError as exc:
-                off = str(exc)
+            off = kv_layout.config_layout_error(vllm_config)
             self._scheduler = ConnectorScheduler(settings, block_size, self.io, off)
         else:
             self._worker = ConnectorWorker(vllm_config, fp, rank_fp, block_size, self.io)

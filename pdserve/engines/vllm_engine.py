@@ -189,11 +189,12 @@ class VllmEngine(Engine):
         )
         prepare_environment(cfg)
         self._llm = await asyncio.to_thread(self._build, model_dir, served)
-        if cfg.store_master:
-            self.store_off = store_off_reason(self._llm.vllm_config)
-            metrics.KV_STORE_OFF.set(1 if self.store_off else 0)
-            if self.store_off:
+        if cfg.store_master:  # the same check as the connector's scheduler side
+            reason = kv_layout.config_layout_error(self._llm.vllm_config)
+            if reason:
+                self.store_off = f"vLLM's KV cache layout cannot be converted: {reason}"
                 log.error("serving WITHOUT the KV store: %s", self.store_off)
+            metrics.KV_STORE_OFF.set(1 if reason else 0)
         self._tokenizer = self._llm.get_tokenizer()
         model_config = self._llm.model_config
         self.max_model_len = int(model_config.max_model_len)
@@ -472,18 +473,6 @@ class VllmEngine(Engine):
             running_requests=self._running,
             kv_usage=min(1.0, max(0.0, self._kv_usage)),
         )
-
-
-def store_off_reason(vllm_config: Any) -> str:
-    """Why the connector of an engine of ``vllm_config`` serves without the store ("" = it
-    does not): the same check its scheduler side makes (:func:`kv_layout.engine_layout`)."""
-    model = vllm_config.model_config
-    block_size = int(vllm_config.cache_config.block_size)
-    try:
-        kv_layout.engine_layout(vllm_config, model.dtype, block_size, model.get_head_size())
-    except kv_layout.LayoutError as exc:
-        return f"vLLM's KV cache layout cannot be converted: {exc}"
-    return ""
 
 
 def kv_usage_logger(engine: VllmEngine) -> Any:
