@@ -1,6 +1,6 @@
 """Starting and stopping pdserve service processes (used by ``pdserve up`` and the tests).
 
-Each child runs ``python -m pdserve.cli ...`` in its own process group, its output goes to a
+Each child runs ``python -m pdserve.commands.cli ...`` in its own process group, its output goes to a
 log file, and it is "up" once it prints its READY line (see :mod:`pdserve.lifecycle`).
 """
 
@@ -102,7 +102,7 @@ def spawn_service(
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with log_path.open("a" if append else "w") as log:
         popen = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "pdserve.cli", *args],
+            [*prefix, sys.executable, "-m", "pdserve.commands.cli", *args],
             stdout=subprocess.PIPE,
             stderr=log,
             env=full_env,

@@ -50,8 +50,9 @@ if [[ "${PDSERVE_SKIP_APT:-0}" != 1 ]]; then
   fi
 fi
 
-# 2. Virtual environment with pdserve (editable) and its extras; redone when pyproject changes.
-want="$(sha256sum pyproject.toml | cut -c1-16) $EXTRAS"
+# 2. Virtual environment with pdserve (editable) and its extras; redone when pyproject.toml or
+#    setup.py (which finds the packages) changes.
+want="$(cat pyproject.toml setup.py | sha256sum | cut -c1-16) $EXTRAS"
 if [[ ! -x $VENV/bin/python ]]; then
   step "creating $VENV"
   "$PY" -m venv "$VENV"

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdserve import cli, config
+from pdserve import config
+from pdserve.commands import cli
 from pdserve.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.commands.up import UpConfig
 from pdserve.devices import Placement, place_workers, visible_gpus
-from pdserve.up import UpConfig
 
 TWO = [("decode", 0), ("decode", 1)]
 
@@ -80,7 +80,7 @@ def test_workers_are_listed_in_start_order_for_placement() -> None:
 def test_a_cluster_that_cannot_be_placed_is_refused_before_anything_starts(
     monkeypatch, tmp_path: Path
 ) -> None:
-    from pdserve.up_cluster import Cluster
+    from pdserve.commands.up_cluster import Cluster
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     cfg = UpConfig(engine="vllm", decode_workers=2, run_dir=str(tmp_path))

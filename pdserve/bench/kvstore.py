@@ -708,7 +708,8 @@ def _bench_tls(
 ) -> tuple[list[Row], dict[str, float]]:
     """pdserve tcp (and one control round trip) against a store whose master and node run
     with mutual TLS, this process presenting a worker certificate."""
-    from pdserve import certs, identity
+    from pdserve import identity
+    from pdserve.commands import certs
     from pdserve.procs import local_store
 
     d = log_dir / "certs"

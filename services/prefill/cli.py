@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.servicecli import add_service_command
+from pdserve.commands.service import add_service_command
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -17,7 +17,7 @@ def test_bench_kvstore_small_run(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "pdserve.cli",
+            "pdserve.commands.cli",
             "bench",
             "kvstore",
             "--sizes",

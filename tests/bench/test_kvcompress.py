@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pdserve.bench import kvcompress
-from pdserve.cli import build_parser
+from pdserve.commands.cli import build_parser
 
 
 def test_drift_prompts_are_fifty_distinct_stdlib_docstrings():

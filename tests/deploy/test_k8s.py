@@ -21,7 +21,7 @@ import yaml
 from test_deploy import CONFIGS, ROLES  # one table of service commands for both labs
 
 from pdserve import config
-from pdserve.cli import build_parser
+from pdserve.commands.cli import build_parser
 from pdserve.identity import Identity, TlsFiles
 
 kv = pytest.importorskip(

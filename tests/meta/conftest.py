@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve import certs
+from pdserve.commands import certs
 from pdserve.procs import ServiceProcess, service_args, start_service
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"

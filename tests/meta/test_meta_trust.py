@@ -18,7 +18,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from pdserve import certs, grpcutil, identity
+from pdserve import grpcutil, identity
+from pdserve.commands import certs
 from pdserve.discovery import Discovery, MetaClient
 from pdserve.procs import ProcessStartError, ServiceProcess, service_args, start_service
 from pdserve.v1 import common_pb2, meta_pb2, meta_pb2_grpc

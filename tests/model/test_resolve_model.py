@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cli import main
+from pdserve.commands.cli import main
 from pdserve.model import prepare
 from pdserve.model.prepare import (
     FORMAT_VERSION,

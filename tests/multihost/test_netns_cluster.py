@@ -37,8 +37,9 @@ import pytest
 from netns import Lab, can_create_namespaces
 from transformers import AutoTokenizer
 
-from pdserve import certs, grpcutil, identity
+from pdserve import grpcutil, identity
 from pdserve.auth import bearer
+from pdserve.commands import certs
 from pdserve.identity import TlsFiles
 from pdserve.procs import ServiceProcess, flag_args, service_args, spawn_service, wait_ready
 from pdserve.v1 import (

@@ -96,7 +96,7 @@ def test_key_file_and_bad_settings(tmp_path):
 
 
 def test_up_banner_sends_the_key_without_printing_it():
-    from pdserve.up import UpConfig, banner
+    from pdserve.commands.up import UpConfig, banner
 
     text = banner(UpConfig(api_key=KEY))
     assert KEY not in text

@@ -17,7 +17,8 @@ import pytest
 from router_traces import read_router_traces
 from transformers import AutoTokenizer
 
-from pdserve import certs, grpcutil, identity
+from pdserve import grpcutil, identity
+from pdserve.commands import certs
 from pdserve.procs import ServiceProcess, service_args, start_service
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from pdserve import certs, errors, identity, procs
+from pdserve import errors, identity, procs
+from pdserve.commands import certs
 from pdserve.store.client import StoreClient
 from pdserve.store.wire import WireClient
 from pdserve.v1 import kvstore_pb2 as pb

@@ -297,7 +297,7 @@ def _interrupt(_signum: int, _frame: object) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.up_cluster import Cluster, progress
+    from pdserve.commands.up_cluster import Cluster, progress
 
     try:
         cfg = config.from_args(UpConfig, "up", args)

@@ -1,4 +1,4 @@
-"""The processes of one ``pdserve up`` (:mod:`pdserve.up`): started in order and waited for,
+"""The processes of one ``pdserve up`` (:mod:`pdserve.commands.up`): started in order and waited for,
 supervised (a service that dies is restarted with backoff while the rest keeps serving, and
 ``<run_dir>/services.json`` says what runs), and stopped in reverse order."""
 
@@ -17,8 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.devices import Placement, place_workers, visible_gpus
-from pdserve.up import (
+from pdserve.commands.up import (
     ADMIN,
     API_KEY_FILE,
     CERTS_DIR,
@@ -28,6 +27,7 @@ from pdserve.up import (
     admin_tls,
     tls_files,
 )
+from pdserve.devices import Placement, place_workers, visible_gpus
 
 #: Services started without ``--config`` (they are not pdserve config sections).
 NO_CONFIG = ("mooncake-",)
@@ -283,7 +283,8 @@ class Cluster:
         """With TLS on, (re)issues every service's certificate and ``up``'s admin one from the
         run dir's CA (made once, then reused) and makes ``up`` dial as admin; with it off,
         ``up`` dials plaintext (whatever PDSERVE_TLS_* says)."""
-        from pdserve import certs, identity
+        from pdserve import identity
+        from pdserve.commands import certs
 
         c = self.cfg
         if not c.tls:

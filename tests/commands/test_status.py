@@ -3,7 +3,7 @@ that serve without the KV store, are named."""
 
 from __future__ import annotations
 
-from pdserve.status import render
+from pdserve.commands.status import render
 
 
 def row(iid: str, fingerprint: str) -> dict:
@@ -31,7 +31,7 @@ def test_render_names_workers_serving_without_the_store():
 
 
 def test_roles_are_named_from_the_proto_enum():
-    from pdserve.status import role_label
+    from pdserve.commands.status import role_label
     from pdserve.v1 import common_pb2
 
     assert role_label(common_pb2.ROLE_KVSTORE_MASTER) == "kvstore-master"

@@ -147,7 +147,7 @@ def render(report: dict) -> str:
 
 def supervised(run_dir: str) -> dict | None:
     """What a running ``pdserve up`` wrote about its services (None when none runs there)."""
-    from pdserve.up import SERVICES_FILE
+    from pdserve.commands.up import SERVICES_FILE
 
     try:
         data = json.loads((Path(run_dir) / SERVICES_FILE).read_text())
@@ -159,7 +159,7 @@ def supervised(run_dir: str) -> dict | None:
 
 def run(args: argparse.Namespace) -> int:
     from pdserve import identity
-    from pdserve.up import admin_tls
+    from pdserve.commands.up import admin_tls
 
     up = supervised(args.run_dir)
     if up and up.get("tls") and identity.tls() is None:

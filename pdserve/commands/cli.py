@@ -16,9 +16,9 @@ from pdserve import __version__
 
 #: Modules that contribute subcommands, in the order ``--help`` lists them.
 COMMAND_MODULES = [
-    "pdserve.up",
-    "pdserve.status",
-    "pdserve.certs",
+    "pdserve.commands.up",
+    "pdserve.commands.status",
+    "pdserve.commands.certs",
     "pdserve.generate",
     "pdserve.services.router.cli",
     "pdserve.services.prefill.cli",
@@ -28,7 +28,7 @@ COMMAND_MODULES = [
     "pdserve.services.meta.cli",
     "pdserve.model.cli",
     "pdserve.bench.cli",
-    "pdserve.vllm_cli",
+    "pdserve.commands.vllm",
 ]
 
 

