@@ -99,7 +99,7 @@ class Load:
     def __init__(
         self, http: int, model: str, prompts: list[str], timeout_s: float, key: str = ""
     ) -> None:
-        from pdserve.bench.serve import auth_headers
+        from pdserve.bench.serve.http import auth_headers
 
         self.url = f"http://127.0.0.1:{http}/v1/completions"
         self.headers = {"Content-Type": "application/json", **auth_headers(key)}
@@ -174,7 +174,7 @@ class Load:
 
 def _metric(address: str, name: str) -> float:
     """Sum of a counter over its labels, from the /metrics at ``address`` (0 if it is down)."""
-    from pdserve.bench.serve import scrape
+    from pdserve.bench.serve.http import scrape
 
     samples = scrape(f"http://{address}") or {}
     return sum(v for (n, _labels), v in samples.items() if n == name)
@@ -220,9 +220,9 @@ class BenchCluster:
     run dir's admin identity once :meth:`start` returns) and an API key on the router."""
 
     def __init__(self, args: argparse.Namespace, config_yaml: str = "") -> None:
+        from pdserve.commands.up import UpConfig
+        from pdserve.commands.up_cluster import Cluster
         from pdserve.procs import free_ports
-        from pdserve.up import UpConfig
-        from pdserve.up_cluster import Cluster
 
         self.args = args
         self.run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="pdserve-chaos-"))

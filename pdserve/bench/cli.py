@@ -68,6 +68,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     meta_arguments(mb)
     mb.set_defaults(func=_meta)
     from pdserve.bench import serve  # stdlib imports only; the rest loads when it runs
+    from pdserve.bench.serve.cli import add_arguments as serve_arguments
 
     sv = sub.add_parser(
         "serve",
@@ -75,7 +76,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description=serve.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    serve.add_arguments(sv)
+    serve_arguments(sv)
     from pdserve.bench import chaos  # stdlib imports only
 
     ch = sub.add_parser(

@@ -170,7 +170,7 @@ def drift_texts(n: int) -> list[str]:
 
 async def _engine_phase(spec: dict[str, Any]) -> dict[str, Any]:
     from pdserve.engines import create_engine
-    from pdserve.engines.base import Sampling
+    from pdserve.requests import Sampling
     from pdserve.engines.config import EngineConfig
 
     engine = create_engine(EngineConfig(**spec["config"]))
@@ -247,7 +247,7 @@ def _agreement(out: list[int], ref: list[int]) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.bench.workloads import TOKEN_LOW
+    from pdserve.bench.serve.workloads import TOKEN_LOW
     from pdserve.engines.config import EngineConfig
     from pdserve.engines.fingerprint import model_fingerprint
     from pdserve.model.prepare import resolve_model

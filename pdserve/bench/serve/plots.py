@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.bench.serve_metrics import (
+from pdserve.bench.serve.metrics import (
     RequestRecord,
     completions_per_window,
     duration_s,

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pdserve.bench import workloads as wl
-from pdserve.bench.workloads import TraceRow
+from pdserve.bench.serve import workloads as wl
+from pdserve.bench.serve.workloads import TraceRow
 
 
 def test_random_is_deterministic_by_seed_and_in_range() -> None:

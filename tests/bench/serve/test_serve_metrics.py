@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from pdserve.bench.serve_metrics import (
+from pdserve.bench.serve.metrics import (
     RequestRecord,
     completions_per_window,
     compute_metrics,
@@ -191,8 +191,8 @@ async def _fake_server(bodies: list[dict]):
 def test_client_records_stream_and_errors() -> None:
     import aiohttp
 
-    from pdserve.bench.serve import Client, run_requests
-    from pdserve.bench.workloads import Request
+    from pdserve.bench.serve.client import Client, run_requests
+    from pdserve.bench.serve.workloads import Request
 
     bodies: list[dict] = []
 

@@ -1,0 +1,19 @@
+"""``pdserve bench serve``: an online serving benchmark like ``vllm bench serve``, optionally
+side by side with a colocated vLLM baseline.
+
+A streaming OpenAI client (``POST /v1/completions``, prompts as token ids, ``temperature 0``,
+``ignore_eos``) sends a seeded workload open loop at its arrival times (multi-round
+conversations send each round when the previous one finished) and reports TTFT, TPOT, ITL and
+end-to-end latency, throughput and goodput with vLLM's definitions (see
+:mod:`pdserve.bench.serve.metrics`). Against pdserve it also reports the router's prompt
+tokens by source and mean time per request phase from its ``/metrics``.
+
+Systems: ``--target URL`` (a running ``pdserve up``, or any OpenAI-compatible server; its API
+key from ``$PDSERVE_API_KEY`` or ``--api-key``), or ``--start-pdserve "ARGS"`` (the benchmark
+starts ``pdserve up ARGS`` on free ports, sends the key that ``up`` writes to its run dir, and
+stops it). ``--compare colocated`` then runs the same workload against two plain ``vllm serve``
+engines, one per core, behind a round-robin proxy, and prints both side by side.
+
+``pdserve bench serve gen-trace --out FILE`` writes a conversation-like Mooncake trace for
+``--workload trace --trace FILE``.
+"""

@@ -1,0 +1,76 @@
+"""The colocated vLLM baseline of ``--compare colocated``: plain ``vllm serve`` engines, one
+per core, behind the round-robin proxy (:mod:`pdserve.bench.serve.proxy`)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shlex
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from pdserve.bench.serve.harness import spawn, wait_http_ready
+from pdserve.bench.serve.status import say
+from pdserve.procs import ServiceProcess, free_ports
+
+#: Flags of the colocated baseline engines (ENVIRONMENT.md's baseline; the last flag only adds
+#: ``cached_tokens`` to the usage vLLM reports).
+BASELINE_VLLM_FLAGS = (
+    "--dtype bfloat16 --max-model-len 4096 --block-size 32 --enforce-eager "
+    "--enable-prefix-caching --enable-prompt-tokens-details"
+)
+
+
+def baseline_env(core: int, kv_gib: float, tmp: Path) -> dict[str, str]:
+    """Environment of the colocated baseline engine pinned to ``core``."""
+    for sub in ("tmp", "vllm-cache", "inductor"):
+        (tmp / sub).mkdir(parents=True, exist_ok=True)
+    return {
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_CPU_OMP_THREADS_BIND": str(core),
+        "VLLM_CPU_KVCACHE_SPACE": f"{kv_gib:g}",
+        "TMPDIR": str(tmp / "tmp"),
+        "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor"),
+        "VLLM_NO_USAGE_STATS": "1",
+    }
+
+
+@contextlib.contextmanager
+def started_colocated(args: argparse.Namespace, work: Path) -> Iterator[str]:
+    """Runs the colocated vLLM baseline (engines + round-robin proxy); yields the proxy URL."""
+    from pdserve.model.prepare import resolve_model
+
+    model_dir = resolve_model(args.model)
+    cores = os.cpu_count() or 1
+    procs: list[ServiceProcess] = []
+    try:
+        bases = []
+        t0 = time.monotonic()
+        for i in range(args.baseline_engines):
+            port = free_ports(1)[0]
+            argv = [sys.executable, "-m", "pdserve.commands.vllm", "serve", str(model_dir)]
+            argv += ["--served-model-name", args.model, "--host", "127.0.0.1", "--port", str(port)]
+            argv += shlex.split(args.baseline_args)
+            env = baseline_env(i % cores, args.baseline_kv_cache_gib, work / f"vllm-{i}")
+            say(f"starting vllm-{i} on core {i % cores}: {shlex.join(argv[1:])}")
+            procs.append(spawn(f"vllm-{i}", argv, work / f"vllm-{i}.log", env))
+            bases.append(f"http://127.0.0.1:{port}")
+        for proc, base in zip(procs, bases, strict=True):
+            wait_http_ready(proc, base, args.model, args.start_timeout)
+        port = free_ports(1)[0]
+        argv = [sys.executable, "-m", "pdserve.bench.serve.proxy", str(port), *bases]
+        procs.append(spawn("proxy", argv, work / "proxy.log"))
+        proxy = f"http://127.0.0.1:{port}"
+        wait_http_ready(procs[-1], proxy, args.model, 60.0)
+        say(f"colocated baseline ready in {time.monotonic() - t0:.1f}s at {proxy} -> {bases}")
+        yield proxy
+    finally:
+        t1 = time.monotonic()
+        for proc in reversed(procs):
+            say(f"stopping {proc.name}")
+            proc.stop(60.0)
+        say(f"colocated baseline stopped in {time.monotonic() - t1:.1f}s")

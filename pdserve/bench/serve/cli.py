@@ -1,0 +1,315 @@
+"""Flags of ``pdserve bench serve`` and its ``gen-trace`` subcommand, and the command's exit
+codes (:func:`run_cli`). Imports only the standard library; the benchmark loads when it runs."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import signal
+import sys
+import time
+from typing import Any
+
+from pdserve.bench.serve.baseline import BASELINE_VLLM_FLAGS
+from pdserve.bench.serve.status import BenchError, say
+
+DEFAULT_TARGET = "http://127.0.0.1:8000"
+WORKLOADS = ("random", "prefix-repetition", "multi-round", "trace")
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError("must be positive (or inf)")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``pdserve bench serve`` (and its ``gen-trace`` subcommand)."""
+    d = "(default: %(default)s)"
+    # NOTE: abbreviations would let this parser claim gen-trace's --out as --output-len.
+    parser.allow_abbrev = False
+    sysg = parser.add_argument_group("systems")
+    sysg.add_argument(
+        "--target",
+        default=DEFAULT_TARGET,
+        help=f"OpenAI-compatible base URL of the system under test, e.g. a running 'pdserve up' {d}",
+    )
+    sysg.add_argument(
+        "--api-key",
+        default="",
+        help="the target's API key, sent as 'Authorization: Bearer KEY' (default: "
+        "$PDSERVE_API_KEY, which unlike a flag does not show in ps; --start-pdserve reads the "
+        "key from its run dir)",
+    )
+    sysg.add_argument("--model", default="smollm2", help=f"model name sent in requests {d}")
+    sysg.add_argument(
+        "--label", default="pdserve", help=f"name of the system under test in the output {d}"
+    )
+    sysg.add_argument(
+        "--start-pdserve",
+        metavar="ARGS",
+        help="start 'pdserve up ARGS' on free ports for the run and stop it after (replaces "
+        "--target; --model is passed to it unless ARGS has --model; do not pass ports or "
+        "--run-dir) (default: use --target)",
+    )
+    sysg.add_argument(
+        "--compare",
+        choices=["none", "colocated"],
+        default="none",
+        help="also run the workload against a colocated vLLM baseline: two 'vllm serve' "
+        "engines, one per core (VLLM_CPU_OMP_THREADS_BIND=0/1, VLLM_CPU_KVCACHE_SPACE), behind "
+        f"a round-robin proxy, started after the system under test is done {d}",
+    )
+    sysg.add_argument(
+        "--baseline-engines", type=int, default=2, help=f"colocated vLLM engines, one per core {d}"
+    )
+    sysg.add_argument(
+        "--baseline-kv-cache-gib",
+        type=float,
+        default=2.0,
+        help=f"VLLM_CPU_KVCACHE_SPACE of each baseline engine {d}",
+    )
+    sysg.add_argument(
+        "--baseline-args",
+        default=BASELINE_VLLM_FLAGS,
+        metavar="ARGS",
+        help=f"flags of each baseline 'vllm serve' {d}",
+    )
+    sysg.add_argument(
+        "--start-timeout",
+        type=float,
+        default=600.0,
+        help=f"seconds a started system may take to become ready {d}",
+    )
+    sysg.add_argument(
+        "--keep-logs",
+        action="store_true",
+        help="keep the logs of started systems (a temporary folder, printed) even on success",
+    )
+
+    wl = parser.add_argument_group("workload")
+    wl.add_argument("--workload", choices=WORKLOADS, default="random", help=f"workload kind {d}")
+    wl.add_argument("--seed", type=int, default=0, help=f"seed of every random choice {d}")
+    wl.add_argument(
+        "--vocab-size",
+        type=int,
+        help="token ids are drawn from [100, vocab size) (default: the model folder's "
+        "config.json vocab_size when it is prepared here, else 49152)",
+    )
+    wl.add_argument(
+        "--request-rate",
+        type=_rate,
+        default=math.inf,
+        help="Poisson arrival rate in requests/s of random and prefix-repetition workloads, "
+        f"conversation starts/s of multi-round; inf sends everything at once {d}",
+    )
+    wl.add_argument("--num-prompts", type=int, default=100, help=f"requests (random, prefix) {d}")
+    wl.add_argument("--input-len", type=int, default=256, help=f"random: prompt tokens {d}")
+    wl.add_argument(
+        "--output-len",
+        type=int,
+        default=16,
+        help=f"random, prefix-repetition, multi-round: max_tokens (ignore_eos) {d}",
+    )
+    wl.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help=f"random: lengths uniform in [len*(1-r), len*(1+r)] {d}",
+    )
+    wl.add_argument("--num-prefixes", type=int, default=4, help=f"prefix-repetition: prefixes {d}")
+    wl.add_argument("--prefix-len", type=int, default=256, help=f"prefix-repetition: tokens {d}")
+    wl.add_argument("--suffix-len", type=int, default=32, help=f"prefix-repetition: tokens {d}")
+    wl.add_argument(
+        "--num-conversations", type=int, default=8, help=f"multi-round: conversations {d}"
+    )
+    wl.add_argument("--rounds", type=int, default=4, help=f"multi-round: rounds each {d}")
+    wl.add_argument(
+        "--turn-len", type=int, default=64, help=f"multi-round: new user tokens per round {d}"
+    )
+    wl.add_argument("--trace", metavar="FILE", help="trace: Mooncake JSONL trace to replay")
+    wl.add_argument(
+        "--block-tokens",
+        type=int,
+        default=16,
+        help="trace: tokens per hash block (the trace's are 512; input lengths scale by "
+        f"N/512) {d}",
+    )
+    wl.add_argument(
+        "--time-scale", type=float, default=1.0, help=f"trace: multiply arrival times by X {d}"
+    )
+    wl.add_argument(
+        "--output-scale",
+        type=float,
+        help="trace: multiply output lengths by X (default: block-tokens/512, as the input)",
+    )
+    wl.add_argument("--min-output", type=int, default=1, help=f"trace: clamp max_tokens below {d}")
+    wl.add_argument(
+        "--max-output", type=int, default=0, help=f"trace: clamp max_tokens above (0 = none) {d}"
+    )
+    wl.add_argument("--max-rows", type=int, default=0, help=f"trace: first N rows (0 = all) {d}")
+
+    run = parser.add_argument_group("run and output")
+    run.add_argument(
+        "--max-concurrency",
+        type=int,
+        help="most requests in flight; later arrivals wait for a slot (default: unlimited)",
+    )
+    run.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="unmeasured requests before each run, one after the other (random prompts of the "
+        "first request's length, so no workload prefix gets cached; 2 reach both engines of "
+        f"the round-robin baseline) {d}",
+    )
+    run.add_argument(
+        "--request-timeout", type=float, default=600.0, help=f"seconds per request {d}"
+    )
+    run.add_argument(
+        "--goodput",
+        nargs="+",
+        metavar="NAME:MS",
+        help="SLOs for goodput, e.g. ttft:500 tpot:50 [e2el:3000]: completed requests/s that "
+        "meet all of them (default: no goodput)",
+    )
+    run.add_argument("--json", metavar="FILE", help="write every number and per-request record")
+    run.add_argument(
+        "--plot-dir",
+        metavar="DIR",
+        help="write ttft_cdf.png, tpot_cdf.png, throughput.png and inflight.png",
+    )
+    run.add_argument(
+        "--window-s", type=float, default=5.0, help=f"throughput plot window in seconds {d}"
+    )
+    run.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    parser.set_defaults(func=run_cli)
+
+    sub = parser.add_subparsers(dest="serve_command", metavar="{gen-trace}")
+    gen = sub.add_parser(
+        "gen-trace",
+        help="write a conversation-like Mooncake trace (JSONL) for --workload trace",
+        description=(
+            "Writes a Mooncake JSONL trace: rows {timestamp ms, input_length, output_length, "
+            "hash_ids} at Poisson arrivals, floored to --arrival-step-ms. Every row starts "
+            "with the shared system block 0; a row is a new session (system block + new "
+            "blocks) or the next turn of an earlier session (its previous blocks + new ones). "
+            "Prints the reuse fraction (share of "
+            "blocks whose id appeared in an earlier row) and the replayed sizes. With "
+            "--block-tokens 16, '--reuse light' gives a mean input near 220 tokens, output "
+            "2-16, about 17% reused blocks; '--reuse heavy' about 300 tokens and 45%."
+        ),
+    )
+    add_gen_trace_arguments(gen)
+
+
+def _pair(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition(":")
+    try:
+        pair = (int(lo), int(hi if sep else lo))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not LO:HI") from None
+    if pair[0] < 0 or pair[1] < pair[0]:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 0 <= LO <= HI")
+    return pair
+
+
+def add_gen_trace_arguments(p: argparse.ArgumentParser) -> None:
+    d = "(default: %(default)s)"
+    p.add_argument("--out", required=True, metavar="FILE", help="JSONL file to write")
+    p.add_argument("--rows", type=int, default=500, help=f"requests {d}")
+    p.add_argument("--rate", type=_rate, default=1.0, help=f"Poisson arrivals per second {d}")
+    p.add_argument("--seed", type=int, default=0, help=f"seed {d}")
+    p.add_argument(
+        "--arrival-step-ms",
+        type=_non_negative,
+        default=3000.0,
+        help="floor each arrival to a multiple of this, so requests come in bursts as in the "
+        f"Mooncake conversation trace, which logs arrivals in 3,000 ms steps (0 = Poisson) {d}",
+    )
+    p.add_argument(
+        "--reuse", choices=["light", "heavy"], default="light", help=f"parameter preset {d}"
+    )
+    p.add_argument(
+        "--first-blocks",
+        type=_pair,
+        metavar="LO:HI",
+        help="new blocks of a session's first turn (default: preset)",
+    )
+    p.add_argument(
+        "--turn-blocks",
+        type=_pair,
+        metavar="LO:HI",
+        help="new blocks of a later turn (default: preset)",
+    )
+    p.add_argument(
+        "--follow-up", type=float, help="probability a row continues a session (default: preset)"
+    )
+    p.add_argument("--max-turns", type=int, help="turns per session (default: preset)")
+    p.add_argument("--output-tokens", type=_pair, metavar="LO:HI", help="output_length range in trace tokens (default: 64:512, i.e. 2-16 at --block-tokens 16)")  # fmt: skip
+    p.add_argument(
+        "--block-tokens",
+        type=int,
+        default=16,
+        help=f"block size for the printed replay sizes only {d}",
+    )
+    p.set_defaults(func=gen_trace_cli)
+
+
+def gen_trace_cli(args: argparse.Namespace) -> int:
+    from pdserve.bench.serve import workloads as wl
+
+    kw: dict[str, Any] = dict(wl.REUSE_PRESETS[args.reuse])
+    for name in ("first_blocks", "turn_blocks", "follow_up", "max_turns", "output_tokens"):
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
+    cfg = wl.TraceGenConfig(
+        rows=args.rows,
+        rate=args.rate,
+        seed=args.seed,
+        arrival_step_ms=args.arrival_step_ms,
+        **kw,
+    )
+    rows = wl.generate_trace(cfg)
+    wl.write_trace(args.out, rows)
+    stats = wl.workload_stats(wl.trace_workload(rows, block=args.block_tokens))
+    print(
+        f"wrote {len(rows)} rows to {args.out}: span {stats.span_s:.1f} s, reuse fraction "
+        f"{wl.reuse_fraction(rows):.3f}; replayed at --block-tokens {args.block_tokens}: mean "
+        f"input {stats.mean_input:.1f} tokens, output {stats.min_output}-{stats.max_output} "
+        f"(mean {stats.mean_output:.1f})"
+    )
+    return 0
+
+
+def _sigterm_as_interrupt(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """``pdserve bench serve``: exit 0, 1 (failed start / bad input) or 2 (unreachable)."""
+    signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    t0 = time.monotonic()
+    from pdserve.bench.serve.run import run
+
+    try:
+        results = run(args)
+    except BenchError as exc:
+        print(f"pdserve bench serve: {exc}", file=sys.stderr)
+        return exc.code
+    except ValueError as exc:
+        print(f"pdserve bench serve: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("pdserve bench serve: interrupted", file=sys.stderr)
+        return 130
+    say(f"total wall time {time.monotonic() - t0:.1f}s")
+    return 0 if all(r.metrics.completed for r in results) else 1

@@ -1,0 +1,186 @@
+"""One ``pdserve bench serve`` run: the workload the flags describe, then each system in
+turn (started or given), measured and reported."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pdserve.bench.serve.baseline import started_colocated
+from pdserve.bench.serve.client import send_workload
+from pdserve.bench.serve.harness import logs_dir, started_pdserve
+from pdserve.bench.serve.http import check_target, scrape
+from pdserve.bench.serve.report import (
+    SystemResult,
+    format_comparison,
+    format_result,
+    write_json,
+)
+from pdserve.bench.serve.status import BenchError, say
+
+if TYPE_CHECKING:
+    from pdserve.bench.serve.metrics import RequestRecord
+    from pdserve.bench.serve.workloads import Request
+
+MAX_ERRORS_SHOWN = 5
+
+
+def model_vocab_size(model: str) -> int | None:
+    """``vocab_size`` from the config.json of a model prepared here (None if unknown)."""
+    from pdserve.model.prepare import known_model_dir
+
+    try:
+        cfg = json.loads((known_model_dir(model) / "config.json").read_text())
+    except (ValueError, OSError):
+        return None
+    size = cfg.get("vocab_size")
+    return int(size) if isinstance(size, int) else None
+
+
+def vocab_size(args: argparse.Namespace) -> int:
+    """``--vocab-size``, else the prepared model's, else SmolLM2's 49152."""
+    from pdserve.bench.serve.workloads import DEFAULT_VOCAB
+
+    return args.vocab_size or model_vocab_size(args.model) or DEFAULT_VOCAB
+
+
+def build_workload(args: argparse.Namespace) -> tuple[Request, ...]:
+    """The requests ``args`` describe (prints the trace's reuse fraction when loading one)."""
+    from pdserve.bench.serve import workloads as wl
+
+    common = {"seed": args.seed, "vocab_size": vocab_size(args)}
+    if args.workload == "random":
+        return wl.random_workload(
+            args.num_prompts,
+            args.input_len,
+            args.output_len,
+            args.range_ratio,
+            args.request_rate,
+            **common,
+        )
+    if args.workload == "prefix-repetition":
+        return wl.prefix_repetition_workload(
+            args.num_prompts,
+            args.num_prefixes,
+            args.prefix_len,
+            args.suffix_len,
+            args.output_len,
+            args.request_rate,
+            **common,
+        )
+    if args.workload == "multi-round":
+        return wl.multi_round_workload(
+            args.num_conversations,
+            args.rounds,
+            args.turn_len,
+            args.output_len,
+            args.request_rate,
+            **common,
+        )
+    if not args.trace:
+        raise BenchError("--workload trace needs --trace FILE (make one with 'gen-trace')")
+    rows = wl.read_trace(args.trace, args.max_rows)
+    say(f"trace {args.trace}: {len(rows)} rows, reuse fraction {wl.reuse_fraction(rows):.3f}")
+    return wl.trace_workload(
+        rows,
+        block=args.block_tokens,
+        time_scale=args.time_scale,
+        output_scale=args.output_scale,
+        min_output=args.min_output,
+        max_output=args.max_output,
+        **common,
+    )
+
+
+def bench_system(
+    name: str,
+    base: str,
+    requests: Sequence[Request],
+    args: argparse.Namespace,
+    slos: dict[str, float],
+    router_metrics: bool,
+    key: str = "",
+) -> SystemResult:
+    """Runs the workload against ``base`` (with API key ``key``) and computes its numbers
+    (exit 2 if unreachable)."""
+    from pdserve.bench.serve.metrics import compute_metrics, router_figures
+
+    check_target(base, args.model, key)
+    scraped: dict[str, Any] = {}
+
+    def before_measuring() -> None:
+        scraped["before"] = scrape(base, key) if router_metrics else None
+        scraped["t0"] = time.monotonic()
+
+    vocab = vocab_size(args)
+    records = asyncio.run(
+        send_workload(base, args.model, requests, args, name, before_measuring, vocab, key)
+    )
+    say(f"{name}: {len(records)} requests in {time.monotonic() - scraped['t0']:.1f}s")
+    before = scraped["before"]
+    after = scrape(base, key) if before is not None else None
+    router = router_figures(before, after) if before is not None and after is not None else None
+    if router is not None and not (router.prompt_tokens or router.phase_count):
+        router = None
+    _print_errors(name, records)
+    return SystemResult(name, base, compute_metrics(records, slos), router, tuple(records))
+
+
+def _print_errors(name: str, records: Sequence[RequestRecord]) -> None:
+    errors = [r for r in records if r.error]
+    if not errors:
+        return
+    say(f"{name}: {len(errors)} of {len(records)} requests failed; first errors:")
+    for r in errors[:MAX_ERRORS_SHOWN]:
+        say(f"  request {r.index}: {r.error}")
+
+
+def run(args: argparse.Namespace) -> list[SystemResult]:
+    """Runs every system of ``args`` in turn, prints and writes the results."""
+    from pdserve.bench.serve.metrics import parse_goodput
+    from pdserve.bench.serve.workloads import workload_stats
+
+    slos = parse_goodput(args.goodput or [])
+    requests = build_workload(args)
+    if not requests:
+        raise BenchError("the workload has no requests")
+    st = workload_stats(requests)
+    say(
+        f"workload {args.workload}: {st.requests} requests, mean input {st.mean_input:.1f} "
+        f"tokens, output {st.min_output}-{st.max_output} (mean {st.mean_output:.1f}), "
+        f"arrivals over {st.span_s:.1f}s"
+    )
+    if args.compare == "colocated" and args.start_pdserve is None:
+        say("note: --target stays up while the baseline runs; make sure it is idle")
+    results: list[SystemResult] = []
+    starts = args.start_pdserve is not None or args.compare == "colocated"
+    with logs_dir(args.keep_logs) if starts else contextlib.nullcontext(Path()) as work:
+        if args.start_pdserve is not None:
+            started = started_pdserve(args.start_pdserve, args.model, work, args.start_timeout)
+            with started as (base, key):
+                results.append(bench_system(args.label, base, requests, args, slos, True, key))
+        else:
+            key = args.api_key or os.environ.get("PDSERVE_API_KEY", "")
+            results.append(bench_system(args.label, args.target, requests, args, slos, True, key))
+        print(format_result(results[-1]), flush=True)
+        if args.compare == "colocated":
+            with started_colocated(args, work) as base:
+                results.append(bench_system("colocated", base, requests, args, slos, False))
+            print(format_result(results[-1]), flush=True)
+            print(format_comparison(results[0], results[1]), flush=True)
+    if args.json:
+        write_json(args.json, args, requests, results)
+        say(f"wrote {args.json}")
+    if args.plot_dir:
+        from pdserve.bench.serve.plots import write_plots
+
+        paths = write_plots(args.plot_dir, {r.name: r.records for r in results}, args.window_s)
+        say(f"wrote {', '.join(str(p) for p in paths)}")
+    return results
