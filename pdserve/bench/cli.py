@@ -10,7 +10,7 @@ KV_DEFAULT_SIZES = "4KiB,1MiB,16MiB,64MiB"
 
 
 def _kvstore(args: argparse.Namespace) -> int:
-    from pdserve.bench.kvstore import run
+    from pdserve.bench.kvstore.run import run
 
     return run(args)
 

@@ -68,7 +68,7 @@ def test_bench_kvstore_small_run(tmp_path: Path) -> None:
 
 
 def test_median_rows_takes_each_figure_median_across_rounds() -> None:
-    from pdserve.bench.kvstore import Row, median_rows
+    from pdserve.bench.kvstore.measure import Row, median_rows
 
     def row(system: str, get_gbps: float, put_p50: float, n: int = 3) -> Row:
         return Row(system, 1 << 20, n, "single", 1, 1.0, put_p50, 9.0, get_gbps, 5.0, 7.0)

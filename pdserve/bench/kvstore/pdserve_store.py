@@ -1,0 +1,133 @@
+"""pdserve's own store client under ``pdserve bench kvstore``: put and get per transport, one
+object and a batch per call, one master round trip and ``longest_prefix``."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from pdserve.bench.kvstore.measure import (
+    Row,
+    batch_for,
+    fmt_size,
+    iterations_for,
+    measure,
+    pct,
+    progress,
+    timed_row,
+)
+
+
+def bench_pdserve(
+    address: str,
+    transport: str,
+    sizes: list[int],
+    iterations: int,
+    batch: int,
+    checksums: bool = False,
+    suffix: str = "",
+) -> list[Row]:
+    """pdserve's client over ``transport``. ``checksums``: objects stored with the raw
+    checksum every read verifies (the default for raw objects); without, as KV chunks are
+    stored (their header carries their checksum, checked when decoded) and as Mooncake
+    stores everything. ``suffix`` ends the rows' system name (e.g. "-notok")."""
+    from pdserve.store import open_store
+    from pdserve.store.api import StoreOptions
+
+    client = open_store(address, transport=transport, timeout_s=30)
+    opts = StoreOptions(checksum=checksums)
+    name = f"pdserve/{transport}" + ("+sum" if checksums else "") + suffix
+    rows = []
+    tag = f"{transport}-{int(checksums)}-{os.getpid()}"
+    try:
+        for size in sizes:
+            n = iterations_for(size, iterations)
+            progress(f"{name} {fmt_size(size)} x {n}")
+            data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+            view = memoryview(data)
+            buf = np.empty(size, dtype=np.uint8)
+            keys = [f"bench-{tag}-{size}-{i}" for i in range(n)]
+            client.put(f"warm-{tag}-{size}", view, opts)  # connections, mappings
+            client.get_into(f"warm-{tag}-{size}", memoryview(buf))
+            put = measure(n, lambda i, k=keys, v=view: client.put(k[i], v, opts))
+            bview = memoryview(buf)
+            get = measure(n, lambda i, k=keys, b=bview: client.get_into(k[i], b))
+            if not np.array_equal(buf, data):
+                raise RuntimeError(f"{name}: read back different bytes")
+            client.remove([*keys, f"warm-{tag}-{size}"])
+            rows.append(timed_row(name, size, n, put, get))
+            if batch > 1:
+                rows.append(_bench_pdserve_batch(client, name, opts, tag, size, iterations, batch))
+    finally:
+        client.close()
+    return rows
+
+
+def _bench_pdserve_batch(
+    client, name: str, opts, tag: str, size: int, iterations: int, batch: int
+) -> Row:
+    nb = batch_for(size, batch)
+    n = iterations_for(size * nb, iterations)
+    progress(f"{name} batches of {nb} x {fmt_size(size)}, {n} batches")
+    data = np.random.default_rng(size + 1).integers(0, 256, (nb, size), dtype=np.uint8)
+    srcs = [memoryview(row) for row in data]
+    out = np.empty_like(data)
+    dsts = [memoryview(row) for row in out]
+    keys = [[f"batch-{tag}-{size}-{i}-{j}" for j in range(nb)] for i in range(n + 1)]
+    client.batch_put(list(zip(keys[n], srcs, strict=True)), opts)  # warm-up batch
+    client.batch_get_into(keys[n], dsts)
+    put = measure(n, lambda i: client.batch_put(list(zip(keys[i], srcs, strict=True)), opts))
+    get = measure(n, lambda i: client.batch_get_into(keys[i], dsts))
+    if not np.array_equal(out, data):
+        raise RuntimeError(f"{name} batch: read back different bytes")
+    client.remove([k for ks in keys for k in ks])
+    return timed_row(name, size, n, put, get, nb)
+
+
+def bench_control(address: str, rounds: int = 500) -> dict[str, dict[str, float]]:
+    """One master round trip, over gRPC and over the control wire: BatchGetReplicaList of
+    one key (what a get waits for before its data moves) and LongestPrefix of 64 keys."""
+    from pdserve.store import open_store
+
+    out: dict[str, dict[str, float]] = {}
+    keys = [f"control-{os.getpid()}-{i}" for i in range(64)]
+    for control in ("grpc", "auto"):
+        client = open_store(address, control=control)
+        try:
+            if control == "auto" and client.control_path != "wire":
+                progress("the master's control wire is off: skipping it")
+                continue
+            client.batch_put([(k, b"c" * 256) for k in keys[:48]])
+            for _ in range(50):
+                client._replica_lists(keys[:1])
+                client.longest_prefix(keys)
+            lookup, _ = measure(rounds, lambda _i, c=client: c._replica_lists(keys[:1]))
+            prefix, _ = measure(rounds, lambda _i, c=client: c.longest_prefix(keys))
+            client._release(keys[:1])  # the lookups' lease (remove flushes it first)
+            client.remove(keys)
+        finally:
+            client.close()
+        out["grpc" if control == "grpc" else "wire"] = {
+            "lookup_p50_us": pct(lookup, 0.5) * 1e6,
+            "lookup_p99_us": pct(lookup, 0.99) * 1e6,
+            "prefix64_p50_us": pct(prefix, 0.5) * 1e6,
+            "prefix64_p99_us": pct(prefix, 0.99) * 1e6,
+        }
+    return out
+
+
+def bench_longest_prefix(address: str, rounds: int = 300) -> dict[str, float]:
+    from pdserve.store import open_store
+
+    client = open_store(address)
+    keys = [f"prefix-{os.getpid()}-{i}" for i in range(64)]
+    client.batch_put([(k, b"p" * 256) for k in keys[:48]])
+    for _ in range(20):
+        client.longest_prefix(keys)
+    lat, _ = measure(rounds, lambda _i: client.longest_prefix(keys))
+    if client.longest_prefix(keys) != 48:
+        raise RuntimeError("longest_prefix answered wrong")
+    client.remove(keys)
+    client.close()
+    return {"keys": 64, "p50_us": pct(lat, 0.5) * 1e6, "p99_us": pct(lat, 0.99) * 1e6}

@@ -1,0 +1,107 @@
+"""What ``pdserve bench kvstore`` prints and draws: the table, the ratios the targets name,
+and get GB/s per size per system as a PNG."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pdserve.bench.kvstore.measure import Row, fmt_size
+
+
+def render(
+    rows: list[Row], prefix: dict[str, dict[str, float]], control: dict[str, dict[str, float]]
+) -> str:
+    head = (
+        f"{'system':<18}{'size':>8}{'batch':>6}{'n':>5}  {'put GB/s':>9}{'p50 us':>10}"
+        f"{'p99 us':>10}  {'get GB/s':>9}{'p50 us':>10}{'p99 us':>10}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in sorted(rows, key=lambda r: (r.mode != "single", r.size, r.system)):
+        lines.append(
+            f"{r.system:<18}{fmt_size(r.size):>8}{r.batch:>6}{r.iterations:>5}  "
+            f"{r.put_gbps:>9.2f}{r.put_p50_us:>10.0f}{r.put_p99_us:>10.0f}  "
+            f"{r.get_gbps:>9.2f}{r.get_p50_us:>10.0f}{r.get_p99_us:>10.0f}"
+        )
+    lines.append("")
+    for name, c in control.items():
+        lines.append(
+            f"one master round trip over {name}: lookup of 1 key p50 {c['lookup_p50_us']:.0f} us"
+            f" (p99 {c['lookup_p99_us']:.0f}), longest_prefix of 64 p50 "
+            f"{c['prefix64_p50_us']:.0f} us (p99 {c['prefix64_p99_us']:.0f})"
+        )
+    for name, p in prefix.items():
+        lines.append(
+            f"longest_prefix over {p['keys']:.0f} keys ({name}): p50 {p['p50_us']:.0f} us, "
+            f"p99 {p['p99_us']:.0f} us"
+        )
+    lines += ratios(rows)
+    return "\n".join(lines)
+
+
+def ratios(rows: list[Row]) -> list[str]:
+    """The comparisons the issue's targets name, one line each."""
+    by = {(r.system, r.size, r.mode): r for r in rows}
+    lines = []
+    for r in sorted(rows, key=lambda r: (r.mode, r.size)):
+        mc = by.get(("mooncake-store", r.size, r.mode))
+        mem = by.get(("memcpy", r.size, r.mode))
+        plain = by.get(("tcp-plain", r.size, "single"))
+        where = f"{fmt_size(r.size)} {r.mode}"
+        if r.system in ("pdserve/tcp", "pdserve/tcp+sum") and mc is not None:
+            lines.append(
+                f"{r.system[8:]} / mooncake-store at {where}: get {r.get_gbps / mc.get_gbps:.2f}x "
+                f"(p50 {r.get_p50_us:.0f} vs {mc.get_p50_us:.0f} us), "
+                f"put {r.put_gbps / mc.put_gbps:.2f}x"
+            )
+        tls = by.get(("pdserve/tcp-tls", r.size, r.mode))
+        if r.system == "pdserve/tcp" and tls is not None:
+            lines.append(
+                f"tcp with / without mutual TLS on the control path at {where}: get "
+                f"{tls.get_gbps:.2f} vs {r.get_gbps:.2f} GB/s (p50 {tls.get_p50_us:.0f} vs "
+                f"{r.get_p50_us:.0f} us), put p50 {tls.put_p50_us:.0f} vs {r.put_p50_us:.0f} us"
+            )
+        notok = by.get(("pdserve/tcp-notok", r.size, r.mode))
+        if r.system == "pdserve/tcp" and notok is not None:
+            lines.append(
+                f"tcp with / without data tokens at {where}: get {r.get_gbps:.2f} vs "
+                f"{notok.get_gbps:.2f} GB/s (p50 {r.get_p50_us:.0f} vs {notok.get_p50_us:.0f} us), "
+                f"put p50 {r.put_p50_us:.0f} vs {notok.put_p50_us:.0f} us"
+            )
+        if r.system == "pdserve/tcp" and plain is not None and r.size >= 1 << 20:
+            lines.append(
+                f"tcp / plain loopback tcp at {where}: get {r.get_gbps / plain.get_gbps:.0%}"
+            )
+        if r.system == "pdserve/shm" and mem is not None:
+            lines.append(
+                f"shm / memcpy at {where}: put {r.put_gbps / mem.put_gbps:.0%}, "
+                f"get {r.get_gbps / mem.get_gbps:.0%}"
+            )
+    return lines
+
+
+def plot(rows: list[Row], path: Path) -> Path:
+    """get GB/s per object size, one line per system, single and batch side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = [m for m in ("single", "batch") if any(r.mode == m for r in rows)]
+    fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes), 4.5), squeeze=False)
+    for ax, mode in zip(axes[0], modes, strict=True):
+        for system in sorted({r.system for r in rows if r.mode == mode}):
+            pts = sorted(
+                (r.size, r.get_gbps) for r in rows if r.mode == mode and r.system == system
+            )
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=system)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("object size (bytes)")
+        ax.set_ylabel("get GB/s")
+        ax.set_title(f"KV store get, {'one object' if mode == 'single' else 'batched'} per call")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
