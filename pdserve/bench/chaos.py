@@ -312,7 +312,7 @@ class Chaos(BenchCluster):
             self.stop()
 
     def _run(self) -> list[FaultRow]:
-        from pdserve.store.client import StoreClient
+        from pdserve.store import open_store
 
         words = "the of a KV cache store chunk node master router token prefill decode"
         texts = prompts(0, 12, words)
@@ -324,7 +324,7 @@ class Chaos(BenchCluster):
         if [load.ask(i).text for i in range(len(texts))] != refs:
             raise RuntimeError("greedy answers are not repeatable: cannot tell wrong from right")
         rows = []
-        with StoreClient(f"127.0.0.1:{self.cfg.master_port}", timeout_s=10) as store:
+        with open_store(f"127.0.0.1:{self.cfg.master_port}", timeout_s=10) as store:
             for n, fault in enumerate(self.args.faults.split(",")):
                 rows.append(self._phase(fault.strip(), n, load, refs, store))
                 print(json.dumps(asdict(rows[-1])), file=sys.stderr, flush=True)

@@ -170,8 +170,8 @@ def drift_texts(n: int) -> list[str]:
 
 async def _engine_phase(spec: dict[str, Any]) -> dict[str, Any]:
     from pdserve.engines import create_engine
-    from pdserve.requests import Sampling
     from pdserve.engines.config import EngineConfig
+    from pdserve.requests import Sampling
 
     engine = create_engine(EngineConfig(**spec["config"]))
     await engine.start()
@@ -227,10 +227,10 @@ def _stored_bytes(master: str, fp: Any, tokens: list[int]) -> tuple[int, int, st
     """(bytes of the first chunk, bytes of all full chunks, encoding in their header) of
     ``tokens`` as stored under ``fp``."""
     from pdserve import hashing, kvformat
-    from pdserve.store.client import StoreClient
+    from pdserve.store import open_store
 
     keys = hashing.chunk_keys(fp, tokens)
-    with StoreClient(master) as client:
+    with open_store(master) as client:
         blobs = client.batch_get(keys)
     if not blobs or any(b is None for b in blobs):
         raise SystemExit(f"the writer did not store every chunk ({fp.kv_compression})")

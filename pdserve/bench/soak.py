@@ -58,10 +58,10 @@ def _proc(pid: int) -> tuple[int, int, int]:
 
 
 def _store_load(address: str, stop: threading.Event, counts: dict[str, int]) -> None:
-    from pdserve.store.client import StoreClient
+    from pdserve.store import open_store
 
     data = os.urandom(1 << 20)
-    with StoreClient(address, timeout_s=10) as client:
+    with open_store(address, timeout_s=10) as client:
         i = 0
         while not stop.is_set():
             keys = [f"soak-{i}-{j}" for j in range(8)]
