@@ -15,7 +15,7 @@ def create_engine(cfg: EngineConfig) -> Engine:
     process (closed with the engine); vLLM's KV connector opens its clients inside vLLM's own
     processes. No store address: always recompute. vLLM is imported only when asked for."""
     if cfg.engine == "torch":
-        from pdserve.engines.torch_engine import TorchEngine
+        from pdserve.engines.torch_engine.engine import TorchEngine
 
         store: Any | None = None
         if cfg.store_master:

@@ -1,5 +1,5 @@
 """The engine interface every model backend implements (one file per implementation:
-``torch_engine.py``, ``vllm_engine.py``).
+``torch_engine/``, ``vllm_engine.py``).
 
 An engine owns one model and its tokenizer, and talks to the KV store itself: prefill loads the
 longest cached prefix and writes new chunks; generate loads a request's chunks by handle (or

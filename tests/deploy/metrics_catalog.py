@@ -45,7 +45,7 @@ ENTRY_POINTS = [
     "pdserve.services.kvstore.node",
     "pdserve.services.meta.server",
     "pdserve.services.worker",
-    "pdserve.engines.torch_engine",
+    "pdserve.engines.torch_engine.engine",
     "pdserve.store.client",
 ]
 #: Suffixes a metric family's samples carry, by type (what PromQL names).

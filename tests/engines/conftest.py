@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pdserve.engines.config import EngineConfig
-from pdserve.engines.torch_engine import TorchEngine
+from pdserve.engines.torch_engine.engine import TorchEngine
 from pdserve.errors import Unavailable
 from pdserve.store.api import DEFAULT_OPTIONS
 from pdserve.store.memory import MemoryBackend

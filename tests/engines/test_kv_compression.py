@@ -18,7 +18,7 @@ from pdserve import kvformat
 from pdserve.config import ConfigError
 from pdserve.engines.base import Sampling
 from pdserve.engines.config import EngineConfig
-from pdserve.engines.torch_engine import TorchEngine
+from pdserve.engines.torch_engine.engine import TorchEngine
 
 CS = 16
 MAX = 16

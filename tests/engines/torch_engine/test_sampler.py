@@ -11,13 +11,13 @@ import asyncio
 import pytest
 import torch
 
-from pdserve.engines.base import Finish, Sampling
-from pdserve.engines.torch_engine import (
+from pdserve.engines.torch_engine.sampler import (
     process_logits,
     sample_token,
     token_logprob,
 )
 from pdserve.errors import InvalidArgument
+from pdserve.requests import Finish, Sampling
 
 
 def test_process_logits_matches_hand_computed_values():

@@ -7,9 +7,9 @@ import asyncio
 import pytest
 
 from pdserve import hashing
-from pdserve.engines.base import Finish, KVRef, Sampling
-from pdserve.engines.torch_engine import TorchEngine
+from pdserve.engines.torch_engine.engine import TorchEngine
 from pdserve.errors import InvalidArgument
+from pdserve.requests import Finish, KVRef, Sampling
 from pdserve.telemetry import REGISTRY
 
 CS = 16
@@ -387,8 +387,8 @@ def test_kv_usage_is_the_kv_bytes_held_over_the_capacity(eng) -> None:
     """Load.kv_usage on the torch engine: the bytes of KV its running generations hold
     (prompt + output so far, float32 K and V of every layer) over max_num_seqs contexts of
     max_model_len tokens (8 x 256 here); 0 once they end."""
-    conf = eng.model.config
-    token_bytes = 2 * conf.num_hidden_layers * conf.num_key_value_heads * eng.head_dim * 4
+    conf = eng.model.hf.config
+    token_bytes = 2 * conf.num_hidden_layers * conf.num_key_value_heads * eng.model.head_dim * 4
     capacity = 8 * 256 * token_bytes
     toks = prompt(30)
     sampling = Sampling(max_tokens=20, temperature=0.0, ignore_eos=True)
