@@ -87,20 +87,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     chaos.add_arguments(ch)
     ch.set_defaults(func=chaos.run)
-    fz = sub.add_parser(
-        "fuzz",
-        help="hypothesis over every public RPC and HTTP route, the tcp data port and the wire",
-        description=(
-            "Starts a KV store, torch prefill and decode workers (tiny model), a router and a "
-            "meta, and sends each surface --cases generated requests: valid ones with one "
-            "hostile field, hostile everywhere, raw malformed bytes. Every answer must keep "
-            "the invariants: no crash or hang, no INTERNAL/UNKNOWN/UNAVAILABLE or 5xx for bad "
-            "input, and an INVALID_ARGUMENT that names the field. Needs hypothesis (the test "
-            "extra)."
-        ),
-    )
-    fuzz_arguments(fz)
-    fz.set_defaults(func=_fuzz)
     from pdserve.bench import soak  # stdlib imports only
 
     so = sub.add_parser(
@@ -112,30 +98,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     soak.add_arguments(so)
     so.set_defaults(func=soak.run)
     bench.set_defaults(func=lambda _args: bench.print_help() or 2)
-
-
-FUZZ_SURFACES = "router-http,router-grpc,engine,master,wire,tcp,meta"
-
-
-def fuzz_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``pdserve bench fuzz`` (here: the fuzzer imports hypothesis)."""
-    parser.add_argument(
-        "--cases", type=int, default=10_000, help="generated cases per surface (default: 10000)"
-    )
-    parser.add_argument(
-        "--surfaces", default=FUZZ_SURFACES, help="comma-separated surfaces (default: all)"
-    )
-    parser.add_argument("--log-dir", metavar="DIR", help="service logs (default: a temp dir)")
-
-
-def _fuzz(args: argparse.Namespace) -> int:
-    try:
-        from pdserve.bench import fuzz
-    except ImportError as exc:
-        raise SystemExit(
-            f"pdserve bench fuzz needs hypothesis: pip install hypothesis ({exc})"
-        ) from None
-    return fuzz.run(args)
 
 
 def meta_arguments(parser: argparse.ArgumentParser) -> None:

@@ -12,9 +12,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tools.fuzz.engine import start_workers
+from tools.fuzz.store import STORE_MASTER_FLAGS, StoreTarget
 
 from pdserve import procs
-from pdserve.bench import fuzz
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "router"))  # router_fakes
 
@@ -22,17 +23,17 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "router"))  # router_fakes
 @pytest.fixture
 def fuzz_cases() -> int:
     """Hypothesis cases per surface: a few dozen in CI (PDSERVE_FUZZ_CASES to change it;
-    ``pdserve bench fuzz`` runs thousands)."""
+    ``python -m tests.tools.fuzz`` runs thousands)."""
     return int(os.environ.get("PDSERVE_FUZZ_CASES", "60"))
 
 
 @pytest.fixture(scope="session")
-def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[fuzz.StoreTarget]:
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreTarget]:
     log_dir = tmp_path_factory.mktemp("fuzz-store")
     with procs.local_store(
-        log_dir, segment_size="1MiB", transports="tcp", master_flags=fuzz.STORE_MASTER_FLAGS
+        log_dir, segment_size="1MiB", transports="tcp", master_flags=STORE_MASTER_FLAGS
     ) as (master, node):
-        yield fuzz.StoreTarget.of(master.info, node.info)
+        yield StoreTarget.of(master.info, node.info)
 
 
 @pytest.fixture(scope="session")
@@ -82,7 +83,7 @@ def router(tiny_model_dir: Path) -> Iterator[tuple[str, str]]:
 @pytest.fixture(scope="session")
 def workers(store, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     """(prefill, decode) gRPC addresses of torch workers on the tiny model."""
-    started = fuzz.start_workers(tmp_path_factory.mktemp("fuzz-workers"), store.master)
+    started = start_workers(tmp_path_factory.mktemp("fuzz-workers"), store.master)
     try:
         yield started[0].info["grpc"], started[1].info["grpc"]
     finally:

@@ -7,20 +7,24 @@ import json
 
 import grpc
 import pytest
+from tools.fuzz.cases import Case
+from tools.fuzz.grpc_surface import grpc_call
+from tools.fuzz.http import http_call
+from tools.fuzz.router import RouterGrpc, RouterHttp
+from tools.fuzz.runner import fuzz
 
 from pdserve import grpcutil
-from pdserve.bench import fuzz
 from pdserve.v1 import router_pb2
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
 def test_router_http(router, fuzz_cases: int) -> None:
-    assert fuzz.fuzz(fuzz.RouterHttp(router[1], "tiny"), fuzz_cases).cases > 0
+    assert fuzz(RouterHttp(router[1], "tiny"), fuzz_cases).cases > 0
 
 
 def test_router_grpc(router, fuzz_cases: int) -> None:
-    assert fuzz.fuzz(fuzz.RouterGrpc(router[0], "tiny"), fuzz_cases).cases > 0
+    assert fuzz(RouterGrpc(router[0], "tiny"), fuzz_cases).cases > 0
 
 
 @pytest.mark.parametrize(
@@ -39,24 +43,24 @@ def test_router_grpc(router, fuzz_cases: int) -> None:
     ],
 )
 def test_router_http_refuses_what_it_once_failed_on(router, body, param) -> None:
-    surface = fuzz.RouterHttp(router[1], "tiny")
-    case = fuzz.Case("POST /v1/chat/completions", body, param)
+    surface = RouterHttp(router[1], "tiny")
+    case = Case("POST /v1/chat/completions", body, param)
     surface.check(case)
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    status, reply = fuzz.http_call(router[1], "POST", "/v1/chat/completions", raw)
+    status, reply = http_call(router[1], "POST", "/v1/chat/completions", raw)
     assert status == 400, reply
     assert json.loads(reply)["error"]["param"] == param
 
 
 def test_router_grpc_keeps_its_status_for_what_it_once_lost(router) -> None:
-    surface = fuzz.RouterGrpc(router[0], "tiny")
+    surface = RouterGrpc(router[0], "tiny")
     channel, method = surface.routes["RouterService.Generate"]
     sampling = router_pb2.GenerateRequest().sampling
 
     def call(**kw) -> tuple[grpc.StatusCode, str]:
         request = router_pb2.GenerateRequest(**kw)
-        surface.check(fuzz.Case("RouterService.Generate", request))
-        code, details, _ = fuzz.grpc_call(channel, method, request.SerializeToString())
+        surface.check(Case("RouterService.Generate", request))
+        code, details, _ = grpc_call(channel, method, request.SerializeToString())
         return code, details
 
     # A 1 MiB model name, echoed in full, overflowed gRPC's trailer limit: the client saw

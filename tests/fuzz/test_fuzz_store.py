@@ -5,8 +5,12 @@ answer the wire and the tcp port define, so that every one is checked in every r
 from __future__ import annotations
 
 import pytest
+from tools.fuzz.cases import Case
+from tools.fuzz.control_wire import Wire
+from tools.fuzz.runner import fuzz
+from tools.fuzz.store import Master
+from tools.fuzz.tcp_port import TcpPort, tcp_expect
 
-from pdserve.bench import fuzz
 from pdserve.store import wire
 from pdserve.store.transports import tcp
 from pdserve.v1 import kvstore_pb2 as pb
@@ -14,17 +18,17 @@ from pdserve.v1 import kvstore_pb2 as pb
 
 @pytest.mark.slow
 def test_master_grpc(store, fuzz_cases: int) -> None:
-    assert fuzz.fuzz(fuzz.Master(store), fuzz_cases).cases > 0
+    assert fuzz(Master(store), fuzz_cases).cases > 0
 
 
 @pytest.mark.slow
 def test_control_wire(store, fuzz_cases: int) -> None:
-    assert fuzz.fuzz(fuzz.Wire(store), fuzz_cases).cases > 0
+    assert fuzz(Wire(store), fuzz_cases).cases > 0
 
 
 @pytest.mark.slow
 def test_tcp_data_port(store, fuzz_cases: int) -> None:
-    assert fuzz.fuzz(fuzz.TcpPort(store), fuzz_cases).cases > 0
+    assert fuzz(TcpPort(store), fuzz_cases).cases > 0
 
 
 def _frame(name: str, message) -> tuple[int, bytes, None]:
@@ -46,8 +50,8 @@ def _frame(name: str, message) -> tuple[int, bytes, None]:
     ],
 )
 def test_control_wire_answers(store, hello, frames, lie) -> None:
-    surface = fuzz.Wire(store)
-    surface.check(fuzz.Case("wire", frames, None, (hello, lie)))
+    surface = Wire(store)
+    surface.check(Case("wire", frames, None, (hello, lie)))
     surface.alive()
 
 
@@ -68,9 +72,9 @@ def _vec(op: int, ranges: list[tuple], count: int | None = None) -> bytes:
 
 @pytest.mark.slow
 def test_tcp_data_port_answers(store) -> None:
-    """Every reply status, each checked by the protocol model (:func:`fuzz.tcp_expect`);
+    """Every reply status, each checked by the protocol model (:func:`tcp_expect`);
     ST_EXPIRED, which needs a grant that ran out, is checked in tests/store/test_data_tokens.py."""
-    surface = fuzz.TcpPort(store)
+    surface = TcpPort(store)
     seg, off, size, *grant = surface._target(write=False)
     wseg, woff, wsize, *wgrant = surface._target(write=True)
     assert store.grants, "the fuzz store runs with data tokens on"
@@ -89,6 +93,6 @@ def test_tcp_data_port_answers(store) -> None:
         tcp.ST_FORBIDDEN: _vec(tcp.OP_WRITEV, reads[:1]) + bytes(8),  # a read grant, a write
     }
     for status, stream in streams.items():
-        assert fuzz.tcp_expect(stream, store.segments, store.grants)[-1][0] == status
-        surface.check(fuzz.Case("tcp", stream))
+        assert tcp_expect(stream, store.segments, store.grants)[-1][0] == status
+        surface.check(Case("tcp", stream))
         surface.alive()
