@@ -1,7 +1,7 @@
 """The distribution holds every package (``setup.py`` finds them; nothing is listed by hand):
 every folder with an ``__init__.py`` under ``pdserve/`` and ``services/`` is found, no folder
 of Python files lacks one (it would be left out of a wheel), and a built wheel holds exactly
-the packages found, with the ``pdserve`` command."""
+the packages found, with the ``pdserve`` command; the image copies what the build reads."""
 
 from __future__ import annotations
 
@@ -59,6 +59,16 @@ def test_no_folder_of_python_files_lacks_an_init() -> None:
         if any(d.glob("*.py")) and not (d / "__init__.py").is_file()
     ]
     assert missing == [], "folders of Python files without __init__.py (left out of a wheel)"
+
+
+def test_the_image_copies_what_the_build_reads() -> None:
+    copied = {
+        name
+        for line in (ROOT / "deploy" / "Dockerfile").read_text().splitlines()
+        if line.startswith("COPY ")
+        for name in line.split()[1:-1]
+    }
+    assert {"pyproject.toml", "setup.py", "README.md", "pdserve", "services"} <= copied
 
 
 @pytest.mark.slow
