@@ -10,7 +10,7 @@ import pytest
 
 from pdserve import telemetry
 from pdserve.engines import metrics
-from pdserve.store.client import READ_FAILOVERS
+from pdserve.store.client.reads import READ_FAILOVERS
 from pdserve.telemetry import REGISTRY
 
 

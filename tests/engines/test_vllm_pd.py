@@ -52,9 +52,9 @@ def _flip_chunk_bytes(master: str, key: str) -> None:
     """Replaces a stored chunk by a copy with flipped payload bytes (objects are immutable:
     remove, then put the corrupted bytes under the same key)."""
     from pdserve.kvformat import HEADER_SIZE
-    from pdserve.store.client import StoreClient
+    from pdserve.store import open_store
 
-    client = StoreClient(master)
+    client = open_store(master)
     try:
         data = client.get(key)
         assert data is not None, f"chunk {key} is not in the store"

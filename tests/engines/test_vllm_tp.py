@@ -38,7 +38,7 @@ def test_tp_ranks_store_and_load_their_shares_token_exact(tmp_path: Path) -> Non
     from pdserve.engines.fingerprint import model_fingerprint
     from pdserve.model.prepare import build_tiny_model
     from pdserve.procs import local_store
-    from pdserve.store.client import StoreClient
+    from pdserve.store import open_store
 
     model_dir = build_tiny_model()
     rng = random.Random(11)
@@ -59,7 +59,7 @@ def test_tp_ranks_store_and_load_their_shares_token_exact(tmp_path: Path) -> Non
         rank0 = [k for r in prefill for k in r["kv"]["chunk_keys"]]
         assert rank0 == [k for p in prompts for k in hashing.chunk_keys(fp, p)]
         rank1 = [hashing.rank_key(k, replace(fp, tp_rank=1)) for k in rank0]
-        client = StoreClient(address)
+        client = open_store(address)
         try:
             assert client.exists(rank0) == [True] * len(rank0)
             assert client.exists(rank1) == [True] * len(rank1)  # rank 1's share, its own key

@@ -21,7 +21,7 @@ from pdserve import grpcutil, procs
 from pdserve.hashing import ModelFingerprint, chunk_keys
 from pdserve.services.router.prefix_index import IndexedLookup
 from pdserve.services.router.server import prefix_lookup
-from pdserve.store.client import StoreClient
+from pdserve.store import open_store
 from pdserve.v1 import kvstore_pb2_grpc
 
 FP = ModelFingerprint("prefix-index-bench", chunk_size=32)
@@ -94,6 +94,6 @@ if __name__ == "__main__":
             m,
             _node,
         ),
-        StoreClient(m.info["grpc"]) as c,
+        open_store(m.info["grpc"]) as c,
     ):
         asyncio.run(main(prompts, chunks, lookups, c, m.info["grpc"]))

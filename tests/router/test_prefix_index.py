@@ -14,7 +14,8 @@ from pdserve import grpcutil, procs
 from pdserve.hashing import ModelFingerprint, chunk_keys
 from pdserve.services.router.prefix_index import IndexedLookup, PrefixIndex
 from pdserve.services.router.server import prefix_lookup
-from pdserve.store.client import StoreClient
+from pdserve.store import open_store
+from pdserve.store.api import StoreBackend
 from pdserve.v1 import kvstore_pb2 as pb
 from pdserve.v1 import kvstore_pb2_grpc
 
@@ -28,7 +29,7 @@ def store(tmp_path_factory: pytest.TempPathFactory):
         segment_size="32MiB",
         master_flags={"state_dir": ""},
     ) as (master, _node):
-        client = StoreClient(master.info["grpc"])
+        client = open_store(master.info["grpc"])
         try:
             yield master.info["grpc"], client
         finally:
@@ -45,7 +46,7 @@ def prompts(rng: random.Random, n: int) -> list[list[str]]:
     return out
 
 
-def put(client: StoreClient, keys: list[str]) -> None:
+def put(client: StoreBackend, keys: list[str]) -> None:
     if keys:
         client.batch_put([(k, b"v" * 64) for k in keys])
 
@@ -57,7 +58,7 @@ async def wait_for(cond, what: str, timeout: float = 20.0) -> None:
         await asyncio.sleep(0.01)
 
 
-async def caught_up(client: StoreClient, index: PrefixIndex) -> None:
+async def caught_up(client: StoreBackend, index: PrefixIndex) -> None:
     """Puts a fresh sentinel chunk and waits until the index holds it: events are in order,
     so everything stored or removed before it is applied too."""
     (sentinel,) = chunk_keys(FP, [random.randrange(2**31) for _ in range(4)])

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from pdserve import grpcutil
-from pdserve.store.client import StoreClient
+from pdserve.store import open_store
 from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 CS = 16  # the chunk size the workers run with (see conftest.py)
@@ -105,7 +105,7 @@ def test_reuse_on_another_prefill_worker_loads_exactly_the_shared_chunks(
     b = a[: 2 * CS] + prompt(CS + 9, salt=200)
     pa = do_prefill(first_worker, a, "reuse-a")
     assert pa.cached_tokens == 0
-    with StoreClient(stack.store_address) as sc:
+    with open_store(stack.store_address) as sc:
         before = sc.stats()
         pb = do_prefill(second_worker, b, "reuse-b")
         after = sc.stats()
@@ -138,7 +138,7 @@ def test_corrupt_chunk_is_detected_and_recomputed(stack, workers, hf_greedy) -> 
     good = kvformat.encode(torch.ones(2, 2, 2, CS, 32), fp.digest(), keys[1])
     bad = bytearray(good)
     bad[-10] ^= 0xFF
-    with StoreClient(stack.store_address) as sc:
+    with open_store(stack.store_address) as sc:
         assert sc.put(keys[1], bytes(bad))
     before = metric(decode, "pdserve_store_corrupt_chunks_total")
     pre = do_prefill(prefill, toks, "corrupt")

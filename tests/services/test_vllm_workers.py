@@ -15,7 +15,7 @@ from test_prefill_decode import GREEDY, MAX, do_decode, do_prefill, metric, prom
 
 from pdserve import hashing
 from pdserve.engines.fingerprint import model_fingerprint
-from pdserve.store.client import StoreClient
+from pdserve.store import open_store
 from pdserve.v1 import common_pb2, engine_pb2
 
 pytestmark = [
@@ -83,7 +83,7 @@ def write_handle(stack, toks: list[int]) -> tuple[common_pb2.KVHandle, list[str]
 
 
 def stored(stack, keys: list[str]) -> int:
-    with StoreClient(stack.store_address) as sc:
+    with open_store(stack.store_address) as sc:
         return sc.longest_prefix(keys)
 
 

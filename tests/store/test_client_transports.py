@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from pdserve import errors, grpcutil
-from pdserve.store.api import CORRUPT_CHUNKS
-from pdserve.store.client import StoreClient, StoreOptions
+from pdserve.store import open_store
+from pdserve.store.api import CORRUPT_CHUNKS, StoreOptions
 from pdserve.store.transports.mooncake import available as mooncake_available
 from pdserve.store.transports.shm import ShmTransport
 from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
@@ -32,7 +32,7 @@ def _blob(n: int, seed: int) -> bytes:
 def test_client_roundtrip_over_each_transport(cluster, transport: str) -> None:
     if transport == "mooncake" and not mooncake_available():
         pytest.skip("mooncake-transfer-engine is not installed")
-    client = StoreClient(cluster.address, transport=transport)
+    client = open_store(cluster.address, transport=transport)
     key = f"{transport}-{uuid.uuid4().hex}"
     data = _blob(2 * 1024 * 1024 + 1, 4)
     assert client.put(key, data, StoreOptions(replicas=2))
@@ -45,7 +45,7 @@ def test_client_roundtrip_over_each_transport(cluster, transport: str) -> None:
 
 @pytest.mark.slow
 def test_client_corrupt_replica_falls_over_then_misses(cluster) -> None:
-    client = StoreClient(cluster.address, transport="shm")
+    client = open_store(cluster.address, transport="shm")
     kv = torch.randn(2, 2, 2, 64, 16)  # 32 KiB: above inline_max_bytes, read from replicas
     key = f"chunk-{uuid.uuid4().hex}"
     assert client.put_chunk(key, kv, FP, StoreOptions(replicas=2))
@@ -75,19 +75,19 @@ def test_client_corrupt_replica_falls_over_then_misses(cluster) -> None:
 
 
 def test_client_unreachable_master_is_unavailable() -> None:
-    client = StoreClient("127.0.0.1:1", timeout_s=0.5)
+    client = open_store("127.0.0.1:1", timeout_s=0.5)
     with pytest.raises(errors.Unavailable):
         client.put("k", b"v")
     with pytest.raises(errors.Unavailable):
         client.get("k")
     client.close()
     with pytest.raises(errors.InvalidArgument):
-        StoreClient("127.0.0.1:1", transport="carrier-pigeon")
+        open_store("127.0.0.1:1", transport="carrier-pigeon")
 
 
 @pytest.mark.slow
 def test_client_no_space_is_resource_exhausted(cluster) -> None:
-    client = StoreClient(cluster.address)
+    client = open_store(cluster.address)
     with pytest.raises(errors.ResourceExhausted):
         client.put(f"huge-{uuid.uuid4().hex}", bytes(200 * 1024 * 1024))
     client.close()
@@ -100,7 +100,7 @@ def test_client_is_thread_safe(cluster, transport: str) -> None:
     exactly its own bytes."""
     from concurrent.futures import ThreadPoolExecutor
 
-    client = StoreClient(cluster.address, transport=transport)
+    client = open_store(cluster.address, transport=transport)
     tag = uuid.uuid4().hex
 
     def work(t: int) -> bool:
@@ -125,8 +125,8 @@ def test_client_reports_a_failed_put_end_as_a_failure(cluster) -> None:
     "already existed" False of an idempotent put."""
     from pdserve import errors
 
-    client = StoreClient(cluster.address)
-    real = client._call
+    client = open_store(cluster.address)
+    real = client._master.call
 
     def call(method, request):
         if method == "BatchPutEnd":
@@ -140,7 +140,7 @@ def test_client_reports_a_failed_put_end_as_a_failure(cluster) -> None:
             )
         return real(method, request)
 
-    client._call = call
+    client._master.call = call
     with pytest.raises(errors.PdserveError, match="KV_NOT_ENOUGH_NODES: nodes died"):
         client.put(f"end-fails-{uuid.uuid4().hex}", b"x" * 100)
     client.close()

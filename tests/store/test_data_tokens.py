@@ -12,6 +12,7 @@ import time
 import pytest
 
 from pdserve import errors, procs
+from pdserve.store import open_store
 from pdserve.store.client import StoreClient
 from pdserve.store.transports import tcp
 from pdserve.v1 import kvstore_pb2 as pb
@@ -47,18 +48,18 @@ def _grant(rep: pb.Replica) -> tuple:
 def _read_replica(
     client: StoreClient, key: str, lease_ms: int = 0, client_id: str = ""
 ) -> pb.Replica:
-    resp = client._call(
+    resp = client._master.call(
         "BatchGetReplicaList",
         pb.BatchGetReplicaListRequest(
             client_id=client_id or client.client_id, keys=[key], lease_ms=lease_ms
         ),
     )
-    client._finish(resp.results)
+    client._leases.release([key])
     return resp.results[0].replicas[0]
 
 
 def _write_replica(client: StoreClient, key: str) -> pb.Replica:
-    resp = client._call(
+    resp = client._master.call(
         "BatchPutStart",
         pb.BatchPutStartRequest(
             client_id=client.client_id, items=[pb.PutStartItem(key=key, size=SIZE)]
@@ -73,7 +74,7 @@ def test_the_node_refuses_ranges_without_a_valid_grant(cluster_factory):
     c = cluster_factory()
     node = c.add_node(transports="tcp", segment_sizes="4MiB,4MiB", grant_clock_skew_ms=0)
     port = node.info["tcp_port"]
-    with StoreClient(c.address, transport="tcp") as client:
+    with open_store(c.address, transport="tcp") as client:
         a, b = os.urandom(SIZE), os.urandom(SIZE)
         assert client.batch_put([("a", a), ("b", b)]) == [True, True]
         ra, rb = _read_replica(client, "a"), _read_replica(client, "b")
@@ -126,7 +127,7 @@ def test_the_client_paths_carry_their_grants(cluster_factory):
         "mid": os.urandom(3 << 20),
         "big": os.urandom(tcp.PARALLEL_MIN_BYTES + 12345),
     }
-    with StoreClient(c.address, transport="tcp") as client:
+    with open_store(c.address, transport="tcp") as client:
         assert client.batch_put(list(objects.items())) == [True] * 3
         assert client.batch_get(list(objects)) == list(objects.values())
         assert client.get("big") == objects["big"]
@@ -136,7 +137,7 @@ def test_the_client_paths_carry_their_grants(cluster_factory):
         rep = _read_replica(client, "small")
         assert len(rep.token) == 16 and rep.alloc_id > 0
         assert rep.token_expires_ms > time.time() * 1000
-    with StoreClient(c.address) as client:  # shm on this host: no per-request check there
+    with open_store(c.address) as client:  # shm on this host: no per-request check there
         assert client.batch_get(list(objects)) == list(objects.values())
 
 
@@ -144,7 +145,7 @@ def test_the_client_paths_carry_their_grants(cluster_factory):
 def test_with_data_tokens_off_the_node_serves_any_range(cluster_factory):
     c = cluster_factory(data_tokens=False)
     node = c.add_node(transports="tcp", segment_sizes="4MiB")
-    with StoreClient(c.address, transport="tcp") as client:
+    with open_store(c.address, transport="tcp") as client:
         data = os.urandom(SIZE)
         assert client.put("a", data) and client.get("a") == data
         rep = _read_replica(client, "a")
@@ -164,7 +165,7 @@ def test_a_node_learns_a_restarted_masters_key(tmp_path):
     node = procs.start_node(address, tmp_path / "logs", segment_sizes="4MiB", transports="tcp")
     port = node.info["tcp_port"]
     try:
-        with StoreClient(address, transport="tcp") as client:
+        with open_store(address, transport="tcp") as client:
             data = os.urandom(SIZE)
             assert client.put("a", data)
             old = _read_replica(client, "a")

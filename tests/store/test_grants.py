@@ -12,7 +12,7 @@ import pytest
 from pdserve.store import grants
 from pdserve.store.grants import EXPIRED, FORGED, OP_READ, OP_WRITE, OUTSIDE, GrantKey
 from pdserve.store.segment import SegmentMemory, shm_name
-from pdserve.store.transports import tcp
+from pdserve.store.transports import tcp, tcp_server
 
 KEY = bytes(range(32))
 SEG = 0x1234_5678_9ABC_DEF0
@@ -74,7 +74,7 @@ def test_segment_keys_differ_per_segment_and_master() -> None:
 def server():
     seg_id = f"grants-{uuid.uuid4().hex[:8]}-seg0"
     seg = SegmentMemory.create(seg_id, shm_name(seg_id), 1 << 20)
-    srv = tcp.TcpServer(clock_skew_ms=0)
+    srv = tcp_server.TcpServer(clock_skew_ms=0)
     srv.start([seg])
     yield srv, seg
     srv.stop()

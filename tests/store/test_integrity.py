@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from pdserve import errors, kvformat, procs
+from pdserve.store import open_store
 from pdserve.store.api import StoreOptions
-from pdserve.store.client import READ_FAILOVERS, StoreClient
+from pdserve.store.client import StoreClient
+from pdserve.store.client.reads import READ_FAILOVERS
 from pdserve.v1 import kvstore_pb2 as pb
 
 FP = bytes(range(32))
@@ -25,14 +27,14 @@ def _failovers() -> float:
 
 
 def _replica(client: StoreClient, key: str) -> pb.Replica:
-    (res,) = client._replica_lists([key])
-    client._finish([res])
+    (res,) = client._reads.replica_lists([key])
+    client._leases.release([key])
     return res.replicas[0]
 
 
 def _late_writer(client: StoreClient, key: str, size: int) -> pb.Replica:
     """Starts a put of ``key`` and stalls before writing: the region it was given."""
-    resp = client._call(
+    resp = client._master.call(
         "BatchPutStart",
         pb.BatchPutStartRequest(client_id="late", items=[pb.PutStartItem(key=key, size=size)]),
     )
@@ -41,7 +43,7 @@ def _late_writer(client: StoreClient, key: str, size: int) -> pb.Replica:
 
 
 def _write(client: StoreClient, rep: pb.Replica, data: bytes) -> None:
-    (err,) = client._get_transport("tcp").write_many([(rep, memoryview(data))])
+    (err,) = client._routes.get("tcp").write_many([(rep, memoryview(data))])
     assert err is None
 
 
@@ -52,7 +54,7 @@ def test_a_late_writer_cannot_corrupt_the_object_that_reused_its_region(cluster_
     objects: their checksum; KV chunks: their header binds the key), never those bytes."""
     c = cluster_factory(put_timeout_s=0.5)
     c.add_node(transports="tcp", segment_sizes="8MiB")
-    with StoreClient(c.address, transport="tcp") as client:
+    with open_store(c.address, transport="tcp") as client:
         late = _late_writer(client, "late-raw", SIZE)
         time.sleep(1.0)  # the put times out; its region is free again
         mine = os.urandom(SIZE)
@@ -89,7 +91,7 @@ def test_a_torn_write_is_a_miss(cluster_factory):
     them on only a writer holding the object's write grant could.)"""
     c = cluster_factory(data_tokens=False)
     c.add_node(transports="tcp", segment_sizes="8MiB")
-    with StoreClient(c.address, transport="tcp") as client:
+    with open_store(c.address, transport="tcp") as client:
         data = os.urandom(SIZE)
         assert client.put("torn", data)
         rep = _replica(client, "torn")
@@ -122,19 +124,19 @@ def test_a_read_that_outlives_its_lease_is_discarded(cluster_factory):
     short = cluster_factory(default_lease_ms=1)  # shorter than moving 16 MiB
     short.add_node(transports="tcp", segment_sizes="64MiB")
     data = os.urandom(big)
-    with StoreClient(short.address, transport="tcp") as client:
+    with open_store(short.address, transport="tcp") as client:
         assert client.put("big", data)
         assert client.get("big") is None
         assert client.batch_get(["big"]) == [None]
     normal = cluster_factory()
     normal.add_node(transports="tcp", segment_sizes="64MiB")
-    with StoreClient(normal.address, transport="tcp") as client:
+    with open_store(normal.address, transport="tcp") as client:
         assert client.put("big", data)
         assert client.get("big") == data
 
 
 def _end(client: StoreClient, key: str) -> pb.KeyResult:
-    resp = client._call("BatchPutEnd", pb.BatchKeysRequest(client_id="late", keys=[key]))
+    resp = client._master.call("BatchPutEnd", pb.BatchKeysRequest(client_id="late", keys=[key]))
     return resp.results[0]
 
 
@@ -149,7 +151,7 @@ def test_a_master_restart_with_a_put_in_flight(tmp_path):
     address = master.info["grpc"]
     node = procs.start_node(address, tmp_path / "logs", segment_sizes="8MiB", transports="tcp")
     try:
-        with StoreClient(address, transport="tcp") as client:
+        with open_store(address, transport="tcp") as client:
             late = _late_writer(client, "in-flight", SIZE)
             master.kill()
             master = procs.start_master(
@@ -165,7 +167,7 @@ def test_a_master_restart_with_a_put_in_flight(tmp_path):
                     assert time.monotonic() < deadline, "the node did not remount"
                     time.sleep(0.2)
             assert _replica(client, "mine").offset == late.offset
-            (err,) = client._get_transport("tcp").write_many([(late, memoryview(mine[::-1]))])
+            (err,) = client._routes.get("tcp").write_many([(late, memoryview(mine[::-1]))])
             assert err is not None and "no valid grant" in str(err)
             assert _end(client, "in-flight").code == pb.KV_NO_PENDING_PUT
             assert client.get("mine") == mine
@@ -183,7 +185,7 @@ def test_a_node_blip_during_a_put(cluster_factory):
     its end, and its late bytes in the region the master has since reused read as a miss."""
     c = cluster_factory(heartbeat_interval_ms=200, heartbeat_miss_limit=3)
     node = c.add_node(transports="tcp", segment_sizes="8MiB")
-    with StoreClient(c.address, transport="tcp") as client:
+    with open_store(c.address, transport="tcp") as client:
         kept = os.urandom(SIZE)
         assert client.put("kept", kept)
         late = _late_writer(client, "blip", SIZE)
@@ -215,15 +217,15 @@ def test_a_lost_replica_is_made_again_on_another_node(cluster_factory):
     for _ in range(3):
         n = c.add_node(transports="tcp", segment_sizes="8MiB")
         nodes[n.info["node_id"]] = n
-    with StoreClient(c.address, transport="tcp") as client:
+    with open_store(c.address, transport="tcp") as client:
         data = {f"r{i}": os.urandom(SIZE) for i in range(4)}
         client.batch_put(list(data.items()), StoreOptions(replicas=2))
         first = _replica(client, "r0").node_id
         nodes[first].kill()
         deadline = time.monotonic() + 15
         while True:
-            results = client._replica_lists(list(data))
-            client._finish(results)
+            results = client._reads.replica_lists(list(data))
+            client._leases.release(list(data))
             held = [{r.node_id for r in res.replicas} for res in results]
             if all(len(h) == 2 and first not in h for h in held):
                 break

@@ -121,12 +121,13 @@ def test_a_connection_that_goes_quiet_is_closed_after_the_idle_timeout() -> None
 def test_the_store_client_reconnects_when_the_node_closed_an_idle_connection(cluster_factory):
     """A node closes pooled connections idle past its idle timeout; the client's next request
     on one goes out again on a fresh connection: served, no replica failover, no miss."""
-    from pdserve.store.client import READ_FAILOVERS, StoreClient
+    from pdserve.store import open_store
+    from pdserve.store.client.reads import READ_FAILOVERS
 
     c = cluster_factory()
     c.add_node(transports="tcp", segment_sizes="8MiB", idle_timeout_s=0.3)
     failovers = READ_FAILOVERS.metric.labels("tcp")
-    with StoreClient(c.address, transport="tcp") as client:
+    with open_store(c.address, transport="tcp") as client:
         data = bytes(range(256)) * 1024
         assert client.put("idle", data)
         assert client.get("idle") == data

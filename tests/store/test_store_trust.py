@@ -14,7 +14,7 @@ import pytest
 
 from pdserve import errors, identity, procs
 from pdserve.commands import certs
-from pdserve.store.client import StoreClient
+from pdserve.store import open_store
 from pdserve.store.wire import WireClient
 from pdserve.v1 import kvstore_pb2 as pb
 from pdserve.v1 import kvstore_pb2_grpc
@@ -216,7 +216,7 @@ def test_the_right_identity_round_trips_bytes(peers: Peers):
     """The store client as worker w1: gRPC, the control wire and the tcp data port."""
     identity.configure_files(_files(peers.dir, "w1"))
     try:
-        with StoreClient(peers.address, transport="tcp") as client:
+        with open_store(peers.address, transport="tcp") as client:
             assert client.control_path == "wire"
             data = bytes(range(256)) * 4096  # 1 MiB
             assert client.put("t-bytes", data)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pdserve.store.segment import SegmentMemory, shm_name
-from pdserve.store.transports import tcp
+from pdserve.store.transports import tcp, tcp_server
 from pdserve.store.wire import FrameReader
 
 SEG_BYTES = 1 << 20
@@ -25,7 +25,7 @@ def node():
     seg_id = f"framing-{uuid.uuid4().hex[:8]}-seg0"
     seg = SegmentMemory.create(seg_id, shm_name(seg_id), SEG_BYTES)
     seg.mm[:] = np.arange(SEG_BYTES, dtype=np.uint32).astype(np.uint8).tobytes()
-    srv = tcp.TcpServer()
+    srv = tcp_server.TcpServer()
     srv.start([seg])
     srv.set_data_key(seg_id, b"")
     yield srv, seg
@@ -98,7 +98,7 @@ def test_pipelined_requests_in_one_send_are_answered_in_order(node) -> None:
 def test_a_table_larger_than_the_read_ahead_buffer_is_served(node) -> None:
     srv, seg = node
     key = tcp.segment_key(seg.segment_id)
-    count = tcp.READ_AHEAD // tcp.RANGE.size * 3
+    count = tcp_server.READ_AHEAD // tcp.RANGE.size * 3
     ranges = [(i * 64, 8) for i in range(count)]
     with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
         s.sendall(_head(tcp.OP_READV, count) + _table(key, ranges))

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from pdserve.store import netio
-from pdserve.store.transports import tcp
+from pdserve.store.transports import tcp, tcp_client
 from pdserve.store.transports.base import TransportError
 from pdserve.v1 import kvstore_pb2
 
@@ -72,7 +72,7 @@ def _client(name: str):
 
         return ShmTransport("peer-host")
     if name == "tcp":
-        return tcp.TcpTransport()
+        return tcp_client.TcpTransport()
     pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine not installed")
     from pdserve.store.transports.mooncake import MooncakeTransport
 
@@ -226,7 +226,7 @@ def test_transport_tcp_garbage_is_rejected_and_damages_nothing(peer: Peer) -> No
     assert _raw(peer.tcp_port, b"PDKT\x01") == b""
     # Nothing stored was touched, and the node still serves.
     assert peer.ask("sum 0 1048576") == before
-    t = tcp.TcpTransport()
+    t = tcp_client.TcpTransport()
     buf = bytearray(1048576)
     t.read_into(peer.replica(0, len(buf)), memoryview(buf))
     assert blake3.blake3(bytes(buf)).hexdigest() == before
@@ -270,7 +270,7 @@ def test_transport_tcp_client_rejects_a_bad_reply(answer: bytes, error: str) -> 
         ],
     )
     with pytest.raises(TransportError, match=error):
-        tcp.TcpTransport(timeout_s=2).read_into(rep, memoryview(bytearray(10)))
+        tcp_client.TcpTransport(timeout_s=2).read_into(rep, memoryview(bytearray(10)))
     srv.close()
 
 
@@ -279,7 +279,7 @@ def test_transport_tcp_client_rejects_a_bad_reply(answer: bytes, error: str) -> 
 def test_transport_tcp_batches_and_parallel_streams_roundtrip(peer: Peer, monkeypatch) -> None:
     """write_many / read_many: many objects per request (WRITEV / READV) and objects big
     enough to travel over parallel connections; bytes checked on both sides."""
-    t = tcp.TcpTransport()
+    t = tcp_client.TcpTransport()
     rng = np.random.default_rng(11)
     sizes = [1, 4096, 70_000, 1]
     offsets = [0, 4096, 16384, 100_000]
@@ -342,12 +342,12 @@ def test_transport_tcp_vector_requests_are_checked_before_any_byte_moves(peer: P
 
 def test_split_groups_by_bytes() -> None:
     ranges = [(i, 0, 0, n, None) for i, n in enumerate([4, 4, 4, 4])]
-    assert tcp._split(ranges, 2) == [ranges]  # below PARALLEL_MIN_BYTES: one stream
+    assert tcp_client._split(ranges, 2) == [ranges]  # below PARALLEL_MIN_BYTES: one stream
     big = tcp.PARALLEL_MIN_BYTES
     ranges = [(i, 0, 0, n, None) for i, n in enumerate([big // 2, big // 2, big // 2, big // 2])]
-    assert tcp._split(ranges, 2) == [ranges[:2], ranges[2:]]
+    assert tcp_client._split(ranges, 2) == [ranges[:2], ranges[2:]]
     one = [(0, 0, 0, 4 * big, None)]
-    assert tcp._split(one, 2) == [one]
+    assert tcp_client._split(one, 2) == [one]
 
 
 def _through_socket_pair(a: socket.socket, b: socket.socket, parts: list[bytes]) -> None:
@@ -451,6 +451,6 @@ def test_transport_tcp_times_out_on_a_silent_node() -> None:
     )
     start = time.monotonic()
     with pytest.raises(TransportError):
-        tcp.TcpTransport(timeout_s=0.5).read_into(rep, memoryview(bytearray(10)))
+        tcp_client.TcpTransport(timeout_s=0.5).read_into(rep, memoryview(bytearray(10)))
     assert 0.4 < time.monotonic() - start < 3.0
     srv.close()

@@ -34,7 +34,7 @@ def main() -> None:
 
             servers.append(ShmServer())
         elif name == "tcp":
-            from pdserve.store.transports.tcp import TcpServer
+            from pdserve.store.transports.tcp_server import TcpServer
 
             servers.append(TcpServer())
         else:

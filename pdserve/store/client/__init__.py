@@ -1,0 +1,217 @@
+"""The client of pdserve's own KV store, used by the engines (contract:
+:class:`pdserve.store.api.StoreBackend`; open one with :func:`pdserve.store.open_store`).
+
+:class:`StoreClient` is synchronous and thread-safe (asyncio code calls it through
+``asyncio.to_thread``), and made of small parts, each with its state in plain view:
+
+* :mod:`.control` (:class:`~.control.MasterLink`): calls to the master over its control wire
+  (:mod:`pdserve.store.wire`, the same messages without HTTP/2), or gRPC when the wire is off
+  or unreachable (``control="grpc"`` forces gRPC);
+* :mod:`.routing` (:class:`~.routing.ReplicaRoutes`): the data-plane transport per replica:
+  shm when the node is on this host, else tcp, else mooncake (``transport=`` forces one);
+* :mod:`.writes`: ``BatchPutStart`` (with the object's checksum) -> write every replica ->
+  ``BatchPutEnd`` (``BatchPutRevoke`` and a retry when a write fails);
+* :mod:`.reads`: ``BatchGetReplicaList`` (grants a read lease) -> read the best replica,
+  falling over to the next on failure, verify -> release the lease;
+* :mod:`.leases` (:class:`~.leases.LeaseReleaser`): the thread that releases read leases in
+  batches.
+
+Every replica the master hands out carries its data-plane grant (``Replica.token``: a read
+grant from the lookup, a write grant from ``BatchPutStart``; :mod:`pdserve.store.grants`),
+which the tcp transport sends with each range; a node that refuses a range (no valid grant,
+an expired one) fails that replica like any other transfer error.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from pdserve import errors
+from pdserve.store.api import (
+    DEFAULT_OPTIONS,
+    ChunkMeta,
+    StoreBackend,
+    StoreOptions,
+    byte_view,
+    check_keys,
+    decode_chunk,
+)
+from pdserve.store.client.control import MasterLink
+from pdserve.store.client.leases import LeaseReleaser
+from pdserve.store.client.reads import Reads
+from pdserve.store.client.routing import ReplicaRoutes
+from pdserve.store.client.writes import Writes
+from pdserve.store.segment import host_id as local_host_id
+from pdserve.store.transports import PREFERENCE
+from pdserve.v1 import kvstore_pb2
+
+if TYPE_CHECKING:
+    import torch
+
+
+class StoreClient(StoreBackend):
+    """Synchronous, thread-safe client of a pdserve KV store. ``transport``: "auto" or the
+    one data-plane transport to use (shm, tcp, mooncake); ``control``: "auto" (the master's
+    control wire when it has one) or "grpc"; ``put_retries``: retries of a put after a
+    failed replica write; ``timeout_s``: of one master call or transfer."""
+
+    carries_chunk_meta = True
+
+    def __init__(
+        self,
+        master_address: str,
+        *,
+        client_id: str | None = None,
+        transport: str = "auto",
+        timeout_s: float = 5.0,
+        put_retries: int = 2,
+        control: str = "auto",
+    ) -> None:
+        if transport not in ("auto", *PREFERENCE):
+            raise errors.InvalidArgument(
+                f"transport must be auto, shm, tcp or mooncake, got {transport!r}"
+            )
+        if control not in ("auto", "grpc"):
+            raise errors.InvalidArgument(f"control must be auto or grpc, got {control!r}")
+        self.master_address = master_address
+        self.client_id = client_id or f"client-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.transport = transport
+        self.timeout_s = timeout_s
+        self.put_retries = put_retries
+        self.control = control
+        self.host_id = local_host_id()
+        self._master = MasterLink(master_address, timeout_s, control)
+        self._routes = ReplicaRoutes(transport, self.host_id, timeout_s)
+        self._leases = LeaseReleaser(self._master.call, self.client_id, timeout_s)
+        self._writes = Writes(self._master, self._routes, self.client_id, put_retries)
+        self._reads = Reads(self._master, self._routes, self._leases, self.client_id)
+
+    @property
+    def control_path(self) -> str:
+        """``"wire"`` when calls go to the master's control wire, else ``"grpc"``."""
+        return self._master.path
+
+    # -- puts -------------------------------------------------------------------------------
+
+    def batch_put(
+        self,
+        items: Sequence[tuple[str, bytes | memoryview]],
+        options: StoreOptions = DEFAULT_OPTIONS,
+        *,
+        meta: Mapping[str, ChunkMeta] | None = None,
+    ) -> list[bool]:
+        """Puts several objects with one master round trip per phase. Items that succeed are
+        committed even when another item fails; the first hard failure is then raised.
+        ``meta``: per key, the chunk's place in its chain (``PutStartItem.block``), which the
+        master publishes with the stored event."""
+        return self._writes.batch_put(items, options, meta)
+
+    # -- gets -------------------------------------------------------------------------------
+
+    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        keys = check_keys(keys)
+        views = self._reads.read(keys, lambda _i, n: memoryview(bytearray(n)))
+        return [None if v is None else bytes(v) for v in views]
+
+    def get_into(self, key: str, buf: memoryview) -> int | None:
+        """Copies the object into ``buf`` (zero-copy where the transport allows it); returns
+        the number of bytes written, or None on a miss. Raises InvalidArgument when ``buf`` is
+        read-only or smaller than the object."""
+        return self.batch_get_into([key], [buf])[0]
+
+    def batch_get_into(
+        self, keys: Sequence[str], buffers: Sequence[memoryview]
+    ) -> list[int | None]:
+        """Reads each object into its buffer with one master lookup for all of them (and
+        one lease release, sent in the background); returns the bytes written per key, or
+        None for a miss. Raises InvalidArgument, before anything is read, when a buffer is
+        read-only or smaller than its object."""
+        keys = check_keys(keys)
+        if len(buffers) != len(keys):
+            raise errors.InvalidArgument(
+                f"batch_get_into: {len(keys)} keys but {len(buffers)} buffers"
+            )
+        views = [byte_view(b, writable=True, allow_empty=True) for b in buffers]
+
+        def buffer_for(i: int, size: int) -> memoryview:
+            if size > len(views[i]):
+                raise errors.InvalidArgument(
+                    f"buffer of {len(views[i])} bytes is smaller than object {keys[i]!r} "
+                    f"({size} bytes)"
+                )
+            return views[i]
+
+        return [None if v is None else len(v) for v in self._reads.read(keys, buffer_for)]
+
+    def batch_get_chunks(
+        self, keys: Sequence[str], fingerprint: bytes, *, arena: memoryview | None = None
+    ) -> list[torch.Tensor | None]:
+        """Chunks verified against their checksum and ``fingerprint``; a corrupt replica is
+        skipped for the next one, and a chunk with no good replica is a miss.
+
+        ``arena``: a writable byte buffer the caller reuses across calls (e.g. a KV connector
+        loading a prompt's chunks every step). The chunks are read into consecutive slices of
+        it instead of fresh buffers (no allocation, no page faults: fresh buffers cost about as
+        much as the read itself), and the returned tensors are views of it, valid until the
+        caller reuses the arena. Chunks that do not fit get fresh buffers."""
+        keys = check_keys(keys)
+        used = 0
+
+        def buffer_for(_i: int, n: int) -> memoryview:
+            nonlocal used
+            if arena is not None and used + n <= len(arena):
+                used += n
+                return arena[used - n : used]
+            return memoryview(bytearray(n))
+
+        return self._reads.read(keys, buffer_for, lambda k, v: decode_chunk(v, fingerprint, k))
+
+    # -- metadata ---------------------------------------------------------------------------
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        keys = check_keys(keys)
+        resp = self._master.call(
+            "BatchExists", kvstore_pb2.BatchKeysRequest(client_id=self.client_id, keys=keys)
+        )
+        return list(resp.exists)
+
+    def longest_prefix(self, keys: Sequence[str]) -> int:
+        """How many leading ``keys`` are committed in the store."""
+        keys = check_keys(keys)
+        if not keys:
+            return 0
+        request = kvstore_pb2.LongestPrefixRequest(keys=keys)
+        return self._master.call("LongestPrefix", request).length
+
+    def remove(self, keys: Sequence[str]) -> int:
+        """Removes objects; returns how many were removed (leased or absent ones are not)."""
+        keys = check_keys(keys)
+        if not keys:
+            return 0
+        self._flush_releases()  # our own read leases must not block our removal
+        resp = self._master.call(
+            "BatchRemove", kvstore_pb2.BatchKeysRequest(client_id=self.client_id, keys=keys)
+        )
+        return sum(1 for r in resp.results if r.code == kvstore_pb2.KV_OK)
+
+    def stats(self) -> kvstore_pb2.StatsResponse:
+        return self._master.call("Stats", kvstore_pb2.StatsRequest())
+
+    def _flush_releases(self) -> None:
+        """Sends the queued lease releases now (tests and the soak bench call it to let the
+        master's state settle)."""
+        self._leases.flush()
+
+    def close(self) -> None:
+        self._leases.close()
+        self._routes.close()
+        self._master.close()
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
