@@ -24,7 +24,7 @@ so every rank finds its share from the keys the scheduler hands out.
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import blake3
@@ -38,6 +38,8 @@ KV_DTYPES = ("float32", "bfloat16", "float16")
 #: e4m3 with per-channel scales.
 KV_COMPRESSIONS = ("none", "bf16", "fp8")
 MAX_TOKEN_ID = 2**32 - 1
+#: The label of a fingerprint's digest (hex) in :meth:`ModelFingerprint.to_labels`.
+DIGEST_LABEL = "fingerprint"
 
 
 def _h(data: bytes) -> bytes:
@@ -95,10 +97,14 @@ class ModelFingerprint:
             "<IIII", self.layout_version, self.chunk_size, self.tp_rank, self.tp_size
         )
 
-    def labels(self) -> dict[str, str]:
-        """The fields besides the model id, as workers register them with meta (labels) and
-        the router compares them to name why a worker's fingerprint differs."""
+    def to_labels(self) -> dict[str, str]:
+        """The fingerprint as strings, the one form every process writes it in (a worker's
+        registration labels with meta, which the router reads; the vLLM connector's extra
+        config): every field, and the digest (hex) under ``"fingerprint"``.
+        :meth:`from_labels` reads it back."""
         return {
+            DIGEST_LABEL: self.digest().hex(),
+            "model_id": self.model_id,
             "model_revision": self.revision,
             "kv_dtype": self.kv_dtype,
             "chunk_size": str(self.chunk_size),
@@ -106,6 +112,34 @@ class ModelFingerprint:
             "kv_layout": str(self.layout_version),
             "tp": f"{self.tp_rank}/{self.tp_size}",
         }
+
+    @classmethod
+    def from_labels(cls, labels: Mapping[str, str], *, model_id: str = "") -> ModelFingerprint:
+        """The fingerprint :meth:`to_labels` wrote. ``kv_dtype`` and ``chunk_size`` are
+        required; ``model_id`` defaults to the argument, the others to the field defaults
+        (a worker that registers no ``kv_compression`` stores uncompressed chunks). The
+        digest label is not read: it follows from the fields. Raises ValueError naming the
+        field that is missing or invalid."""
+        for name in ("kv_dtype", "chunk_size"):
+            if not labels.get(name):
+                raise ValueError(f"fingerprint label {name!r} is missing")
+        rank, sep, size = labels.get("tp", "0/1").partition("/")
+        try:
+            chunk_size = int(labels["chunk_size"])
+            layout = int(labels.get("kv_layout", LAYOUT_VERSION))
+            tp_rank, tp_size = int(rank), int(size if sep else "")
+        except ValueError as exc:
+            raise ValueError(f"fingerprint labels: a number is not one: {exc}") from None
+        return cls(
+            model_id=labels.get("model_id", model_id),
+            revision=labels.get("model_revision", ""),
+            kv_dtype=labels["kv_dtype"],
+            chunk_size=chunk_size,
+            layout_version=layout,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            kv_compression=labels.get("kv_compression", "none"),
+        )
 
     def digest(self) -> bytes:
         """``h_0``: the 32-byte root of every chain for this model."""

@@ -216,8 +216,7 @@ def registration_labels(cfg: EngineConfig, engine: Engine) -> dict[str, str]:
     fp = engine.fingerprint
     return {
         "engine": cfg.engine,
-        "fingerprint": fp.digest().hex(),
-        **fp.labels(),
+        **fp.to_labels(),
         "max_model_len": str(engine.max_model_len),
         "max_tokens_limit": str(cfg.resolved_max_tokens_limit(engine.max_model_len)),
         # "on", or why the engine serves without the store (pdserve status shows it)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import os
 import struct
 import subprocess
@@ -11,7 +12,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdserve.hashing import ModelFingerprint, chain_hashes, chain_root, chunk_keys, tail_key
+from pdserve.hashing import (
+    DIGEST_LABEL,
+    ModelFingerprint,
+    chain_hashes,
+    chain_root,
+    chunk_keys,
+    tail_key,
+)
 
 FP = ModelFingerprint("test-model", chunk_size=4)
 
@@ -145,6 +153,45 @@ def test_chain_is_prefix_stable(tokens):
 def test_invalid_fingerprints_are_rejected(kwargs):
     with pytest.raises(ValueError):
         ModelFingerprint(**{"model_id": "m", **kwargs})
+
+
+@pytest.mark.parametrize(
+    "fp",
+    [
+        FP,
+        ModelFingerprint("m/x y", "rev", "bfloat16", 256, kv_compression="fp8", tp_size=4),
+        ModelFingerprint("m", kv_dtype="float16", chunk_size=32, tp_rank=1, tp_size=2),
+        replace(FP, layout_version=2),
+    ],
+)
+def test_fingerprint_labels_round_trip(fp):
+    """One string form (registration labels, the vLLM connector's config), read back whole;
+    the digest rides along as hex."""
+    labels = fp.to_labels()
+    assert all(isinstance(v, str) for v in labels.values())
+    assert labels[DIGEST_LABEL] == fp.digest().hex()
+    assert ModelFingerprint.from_labels(labels) == fp
+    assert ModelFingerprint.from_labels(json.loads(json.dumps(labels))) == fp
+
+
+def test_fingerprint_labels_defaults_and_errors():
+    # only the settings: the model id from the caller, the rest the field defaults
+    fp = ModelFingerprint.from_labels({"kv_dtype": "float32", "chunk_size": "4"}, model_id="m")
+    assert fp == ModelFingerprint("m", chunk_size=4)
+    good = FP.to_labels()
+    for bad in (
+        {"kv_dtype": ""},
+        {"chunk_size": "four"},
+        {"chunk_size": "0"},
+        {"tp": "2"},
+        {"tp": "2/2"},
+        {"kv_compression": "zstd"},
+        {"model_id": ""},
+    ):
+        with pytest.raises(ValueError):
+            ModelFingerprint.from_labels({**good, **bad})
+    with pytest.raises(ValueError, match="chunk_size"):
+        ModelFingerprint.from_labels({"kv_dtype": "float32"}, model_id="m")
 
 
 def test_out_of_range_token_ids_are_rejected():

@@ -24,7 +24,8 @@ DEFAULT_STORE_CLIENT = "pdserve.store.client.StoreClient"
 
 @dataclass(frozen=True)
 class ConnectorSettings:
-    """What ``kv_connector_extra_config`` carries (all JSON-serialisable)."""
+    """What ``kv_connector_extra_config`` carries (all JSON-serialisable; the fingerprint in
+    its one string form, :meth:`pdserve.hashing.ModelFingerprint.to_labels`)."""
 
     master_address: str
     fingerprint: hashing.ModelFingerprint
@@ -46,14 +47,7 @@ class ConnectorSettings:
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
         return cls(
             master_address=str(extra["master_address"]),
-            fingerprint=hashing.ModelFingerprint(
-                model_id=str(extra["model_id"]),
-                revision=str(extra.get("revision", "")),
-                kv_dtype=str(extra.get("kv_dtype", "float32")),
-                chunk_size=int(extra["chunk_size"]),
-                kv_compression=str(extra.get("kv_compression", "none")),
-                tp_size=int(extra.get("tp_size", 1)),
-            ),
+            fingerprint=hashing.ModelFingerprint.from_labels(extra["fingerprint"]),
             tail_ttl_ms=int(extra.get("tail_ttl_ms", 30_000)),
             transport=str(extra.get("transport", "auto")),
             store_client=str(extra.get("store_client", DEFAULT_STORE_CLIENT)),
@@ -98,12 +92,7 @@ def extra_config(
     ca, cert, key = tls.paths if tls is not None else ("", "", "")
     return {
         "master_address": master_address,
-        "model_id": fingerprint.model_id,
-        "revision": fingerprint.revision,
-        "kv_dtype": fingerprint.kv_dtype,
-        "chunk_size": fingerprint.chunk_size,
-        "kv_compression": fingerprint.kv_compression,
-        "tp_size": fingerprint.tp_size,
+        "fingerprint": fingerprint.to_labels(),
         "tail_ttl_ms": tail_ttl_ms,
         "transport": transport,
         "store_client": store_client,

@@ -5,10 +5,11 @@ The router computes chain keys to ask the store how much of a prompt is cached a
 it, so its fingerprint must equal the workers' (model revision, served name, KV dtype, chunk
 size, chunk encoding, layout, TP). The model part comes from the router's own model folder;
 ``kv_dtype``, ``chunk_size`` and ``kv_compression`` come from the router's config when set,
-else from what the workers registered (labels of the same names, written by
-``services/worker.py``'s ``registration_labels``; workers that register no ``kv_compression``
-store uncompressed chunks). When workers disagree, the cluster's settings are those most
-workers registered (ties: the smallest), among those an explicit router setting allows.
+else from what the workers registered (their fingerprint's labels,
+:meth:`pdserve.hashing.ModelFingerprint.to_labels`, read back with ``from_labels``; workers
+that register no ``kv_compression`` store uncompressed chunks). When workers disagree, the
+cluster's settings are those most workers registered (ties: the smallest), among those an
+explicit router setting allows.
 
 Every worker also registers its fingerprint's digest (label ``fingerprint``). A worker whose
 digest differs from the router's fingerprint would miss every lookup and store chunks no one
@@ -22,7 +23,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from pdserve.hashing import KV_COMPRESSIONS, KV_DTYPES, ModelFingerprint
+from pdserve.hashing import DIGEST_LABEL, ModelFingerprint
 
 log = logging.getLogger(__name__)
 
@@ -39,18 +40,16 @@ def _stored_encoding(kv_compression: str, kv_dtype: str) -> str:
 
 
 def _settings(labels: Mapping[str, str]) -> Settings | None:
-    """A worker's registered settings; None when it registered none (or ones no fingerprint
-    can have: its digest then differs, and it is refused)."""
-    dtype, chunk = labels.get("kv_dtype", ""), labels.get("chunk_size", "")
-    encoding = labels.get("kv_compression", "none")
-    if dtype not in KV_DTYPES or not chunk.isdigit() or not int(chunk):
+    """A worker's registered settings, read with the fingerprint codec
+    (:meth:`ModelFingerprint.from_labels`); None when it registered none (or ones no
+    fingerprint can have: its digest then differs, and it is refused)."""
+    dtype = labels.get("kv_dtype", "")
+    encoding = _stored_encoding(labels.get("kv_compression", "none"), dtype)
+    try:
+        fp = ModelFingerprint.from_labels({**labels, "kv_compression": encoding}, model_id="?")
+    except ValueError:
         return None
-    if encoding not in KV_COMPRESSIONS:
-        return None
-    tp = labels.get("tp", "0/1").partition("/")[2]
-    if not tp.isdigit() or not int(tp):
-        return None
-    return dtype, int(chunk), _stored_encoding(encoding, dtype), int(tp)
+    return fp.kv_dtype, fp.chunk_size, fp.kv_compression, fp.tp_size
 
 
 class FingerprintSource:
@@ -159,11 +158,11 @@ class FingerprintSource:
         fp = self.current()
         if fp is None:
             return [""] * len(workers)
-        ours = fp.digest().hex()
-        expected = fp.labels()
+        expected = fp.to_labels()
+        ours = expected.pop(DIGEST_LABEL)
         out = []
         for labels in workers:
-            theirs = labels.get("fingerprint", "")
+            theirs = labels.get(DIGEST_LABEL, "")
             if not theirs or theirs == ours:
                 out.append("")
                 continue

@@ -11,17 +11,8 @@ from pdserve.services.router.fingerprint import FingerprintSource
 
 
 def registered(fp: ModelFingerprint, **override: str) -> dict[str, str]:
-    """The labels a worker serving ``fp`` registers (services/worker.py)."""
-    labels = {
-        "fingerprint": fp.digest().hex(),
-        "model_revision": fp.revision,
-        "kv_dtype": fp.kv_dtype,
-        "chunk_size": str(fp.chunk_size),
-        "kv_compression": fp.kv_compression,
-        "kv_layout": str(fp.layout_version),
-        "tp": f"{fp.tp_rank}/{fp.tp_size}",
-    }
-    return {**labels, **override}
+    """The fingerprint labels a worker serving ``fp`` registers (services/worker/)."""
+    return {**fp.to_labels(), **override}
 
 
 def source(workers: list[dict[str, str]], **settings) -> FingerprintSource:

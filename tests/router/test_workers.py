@@ -79,8 +79,7 @@ def test_workers_with_another_kv_fingerprint_are_refused_logged_and_counted_once
 
     def labels(chunk: int) -> dict[str, str]:
         fp = ModelFingerprint("tiny", "rev", "float32", chunk)
-        return {"fingerprint": fp.digest().hex(), "kv_dtype": "float32",
-                "chunk_size": str(chunk), "max_model_len": str(chunk * 16)}  # fmt: skip
+        return {**fp.to_labels(), "max_model_len": str(chunk * 16)}
 
     def worker(iid: str, chunk: int) -> meta_pb2.Instance:
         i = inst(iid, common_pb2.ROLE_DECODE, f"127.0.0.1:{len(iid)}0")

@@ -52,6 +52,7 @@ def test_register_serve_without_store_and_deregister(tmp_path: Path, tiny_model_
             assert {k: v for k, v in listed[0].labels.items() if k != "metrics"} == {
                 "engine": "torch",
                 "fingerprint": fp.digest().hex(),
+                "model_id": "tiny",
                 "model_revision": fp.revision,
                 "kv_dtype": "float32",
                 "chunk_size": "16",
