@@ -61,9 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def _engine_phase(spec: dict[str, Any]) -> dict[str, Any]:
-    from pdserve.engines.base import Sampling
     from pdserve.engines.config import EngineConfig
     from pdserve.engines.vllm_engine import VllmEngine
+    from pdserve.requests import Sampling
 
     engine = VllmEngine(EngineConfig(engine="vllm", **spec["config"]))
     await engine.start()

@@ -43,17 +43,7 @@ from typing import Any
 
 from pdserve import hashing, identity, telemetry
 from pdserve.engines import kv_layout, metrics, shm_segments, vllm_args
-from pdserve.engines.base import (
-    Engine,
-    EngineLoad,
-    Finish,
-    KVRef,
-    PrefillOutcome,
-    Sampling,
-    TokenEvent,
-    TokenLogprob,
-    next_text,
-)
+from pdserve.engines.base import Engine, EngineLoad, PrefillOutcome, TokenEvent, next_text
 from pdserve.engines.config import VLLM_STEP_TOKENS, EngineConfig
 from pdserve.engines.connector_data import PARAMS_KEY, extra_config
 from pdserve.engines.fingerprint import model_fingerprint
@@ -65,6 +55,7 @@ from pdserve.engines.step_budget import (
 )
 from pdserve.engines.textstream import TextStream
 from pdserve.errors import InvalidArgument
+from pdserve.requests import Finish, KVRef, Sampling, TokenLogprob
 
 CONNECTOR_MODULE = "pdserve.engines.vllm_connector"
 CONNECTOR_CLASS = "PdserveConnector"
@@ -222,9 +213,6 @@ class VllmEngine(Engine):
                     transport=cfg.store_transport,
                     replicas=cfg.store_replicas,
                     timeout_s=cfg.store_timeout_s,
-                    store_client=os.environ.get(
-                        "PDSERVE_STORE_CLIENT", "pdserve.store.client.StoreClient"
-                    ),
                     backend=cfg.store_backend,
                     backend_options=(
                         cfg.mooncake_options(cfg.store_segment_size)

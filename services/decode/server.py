@@ -1,16 +1,17 @@
-"""``pdserve decode`` server: the shared worker skeleton (pdserve.services.worker.serve) with the
+"""``pdserve decode`` server: the worker service's skeleton (pdserve.services.worker.serve) with the
 DecodeService servicer."""
 
 from __future__ import annotations
 
 import asyncio
 
-from pdserve.services import worker
 from pdserve.services.decode.config import DecodeConfig
 from pdserve.services.decode.servicer import DecodeServicer
+from pdserve.services.worker.serve import WorkerSpec
+from pdserve.services.worker.serve import serve as serve_worker
 from pdserve.v1 import common_pb2, engine_pb2_grpc
 
-SPEC = worker.WorkerSpec(
+SPEC = WorkerSpec(
     service="decode",
     role=common_pb2.ROLE_DECODE,
     add_servicer=engine_pb2_grpc.add_DecodeServiceServicer_to_server,
@@ -20,4 +21,4 @@ SPEC = worker.WorkerSpec(
 
 
 async def serve(cfg: DecodeConfig, stop: asyncio.Event) -> None:
-    await worker.serve(SPEC, cfg, stop)
+    await serve_worker(SPEC, cfg, stop)

@@ -9,19 +9,14 @@ from collections.abc import AsyncIterator
 import grpc
 from prometheus_client import Counter, Gauge
 
-from pdserve import telemetry
 from pdserve.engines.base import Engine
 from pdserve.grpcutil import rpc
-from pdserve.logprobs import to_proto as logprobs_to_proto
-from pdserve.services.worker import (
-    SlotLimit,
-    WorkerConfig,
-    kvref_from_proto,
-    sampling_from_proto,
-)
+from pdserve.requests_codec import kvref_from_proto, logprobs_to_proto
+from pdserve.services.worker.config import WorkerConfig
+from pdserve.services.worker.request import check_request
+from pdserve.services.worker.slots import SlotLimit
 from pdserve.telemetry import REGISTRY
 from pdserve.v1 import engine_pb2, engine_pb2_grpc
-from pdserve.validation import check_cache_salt, check_model, check_request_id
 
 RUNNING = Gauge("pdserve_decode_running_requests", "Decode streams in progress", registry=REGISTRY)
 REQUESTS = Counter(
@@ -48,7 +43,6 @@ class DecodeServicer(engine_pb2_grpc.DecodeServiceServicer):
     def __init__(self, engine: Engine, cfg: WorkerConfig) -> None:
         self.engine = engine
         self.cfg = cfg
-        self.served = cfg.served_name()
         self.slots = SlotLimit(
             cfg.resolved_max_num_seqs() + cfg.max_queue, "max_num_seqs + max_queue"
         )
@@ -57,12 +51,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServiceServicer):
     async def Decode(
         self, request: engine_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.DecodeResponse]:
-        rid = check_request_id(request.request_id)
-        telemetry.request_id_var.set(rid)
-        check_model(request.model, self.served)
-        salt = check_cache_salt(request.cache_salt or None)
-        tokens = list(request.prompt_token_ids)
-        sampling = sampling_from_proto(request.sampling, self.engine, self.cfg, len(tokens))
+        req = check_request(request, self.engine, self.cfg)
         kv = kvref_from_proto(request.kv) if request.HasField("kv") else None
         first = request.first_token_id if request.HasField("first_token_id") else None
         outcome = "error"
@@ -72,13 +61,13 @@ class DecodeServicer(engine_pb2_grpc.DecodeServiceServicer):
             RUNNING.inc()
             try:
                 async for ev in self.engine.generate(
-                    rid,
-                    tokens,
-                    sampling,
+                    req.request_id,
+                    req.prompt_token_ids,
+                    req.sampling,
                     kv=kv,
                     first_token_id=first,
                     chunk_wait_ms=request.chunk_wait_ms,
-                    cache_salt=salt,
+                    cache_salt=req.cache_salt,
                 ):
                     if ev.loaded_tokens or ev.recomputed_tokens or ev.prefix_cached_tokens:
                         counts = (ev.loaded_tokens, ev.recomputed_tokens, ev.prefix_cached_tokens)

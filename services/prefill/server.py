@@ -1,16 +1,17 @@
-"""``pdserve prefill`` server: the shared worker skeleton (pdserve.services.worker.serve) with the
+"""``pdserve prefill`` server: the worker service's skeleton (pdserve.services.worker.serve) with the
 PrefillService servicer."""
 
 from __future__ import annotations
 
 import asyncio
 
-from pdserve.services import worker
 from pdserve.services.prefill.config import PrefillConfig
 from pdserve.services.prefill.servicer import PrefillServicer
+from pdserve.services.worker.serve import WorkerSpec
+from pdserve.services.worker.serve import serve as serve_worker
 from pdserve.v1 import common_pb2, engine_pb2_grpc
 
-SPEC = worker.WorkerSpec(
+SPEC = WorkerSpec(
     service="prefill",
     role=common_pb2.ROLE_PREFILL,
     add_servicer=engine_pb2_grpc.add_PrefillServiceServicer_to_server,
@@ -20,4 +21,4 @@ SPEC = worker.WorkerSpec(
 
 
 async def serve(cfg: PrefillConfig, stop: asyncio.Event) -> None:
-    await worker.serve(SPEC, cfg, stop)
+    await serve_worker(SPEC, cfg, stop)

@@ -7,19 +7,14 @@ import time
 import grpc
 from prometheus_client import Counter, Histogram
 
-from pdserve import telemetry
 from pdserve.engines.base import Engine
 from pdserve.grpcutil import rpc
-from pdserve.logprobs import to_proto as logprobs_to_proto
-from pdserve.services.worker import (
-    SlotLimit,
-    WorkerConfig,
-    kvref_to_proto,
-    sampling_from_proto,
-)
+from pdserve.requests_codec import kvref_to_proto, logprobs_to_proto
+from pdserve.services.worker.config import WorkerConfig
+from pdserve.services.worker.request import check_request
+from pdserve.services.worker.slots import SlotLimit
 from pdserve.telemetry import REGISTRY
 from pdserve.v1 import engine_pb2, engine_pb2_grpc
-from pdserve.validation import check_cache_salt, check_model, check_request_id
 
 REQUESTS = Counter(
     "pdserve_prefill_requests_total", "Prefill requests by outcome", ["outcome"], registry=REGISTRY
@@ -37,7 +32,6 @@ class PrefillServicer(engine_pb2_grpc.PrefillServiceServicer):
     def __init__(self, engine: Engine, cfg: WorkerConfig) -> None:
         self.engine = engine
         self.cfg = cfg
-        self.served = cfg.served_name()
         self.slots = SlotLimit(max(1, cfg.max_queue), "max_queue")
 
     @rpc
@@ -45,20 +39,15 @@ class PrefillServicer(engine_pb2_grpc.PrefillServiceServicer):
         self, request: engine_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.PrefillResponse:
         t0 = time.perf_counter()
-        rid = check_request_id(request.request_id)
-        telemetry.request_id_var.set(rid)
-        check_model(request.model, self.served)
-        salt = check_cache_salt(request.cache_salt or None)
-        tokens = list(request.prompt_token_ids)
-        sampling = sampling_from_proto(request.sampling, self.engine, self.cfg, len(tokens))
+        req = check_request(request, self.engine, self.cfg)
         try:
             async with self.slots.slot():
                 out = await self.engine.prefill(
-                    rid,
-                    tokens,
-                    sampling,
+                    req.request_id,
+                    req.prompt_token_ids,
+                    req.sampling,
                     publish_incrementally=request.publish_incrementally,
-                    cache_salt=salt,
+                    cache_salt=req.cache_salt,
                 )
         except Exception as exc:
             REQUESTS.labels(type(exc).__name__).inc()

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from pdserve import __version__
-from pdserve.engines.base import MAX_LOGPROBS
 from pdserve.errors import InvalidArgument
+from pdserve.requests import MAX_LOGPROBS
 from pdserve.services.router import request as rq
 from pdserve.services.router.orchestrator import Orchestrator, StreamChunk
 from pdserve.services.router.workers import DECODE, PREFILL, WorkerPool
@@ -75,7 +75,7 @@ class Frontend:
             kv_dtype=fp.kv_dtype if fp is not None else "",
             prefill_workers=len(self.pool.candidates(PREFILL)),
             decode_workers=len(self.pool.candidates(DECODE)),
-            active_requests=sum(len(v) for v in self.orchestrator.running.values()),
+            active_requests=len(self.orchestrator.running),
             uptime_seconds=time.monotonic() - self.started,
             server_type="pdserve-router",
             max_logprobs=MAX_LOGPROBS,

@@ -33,7 +33,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve import auth, errors
-from pdserve.engines.base import TokenLogprob
+from pdserve.requests import TokenLogprob
 from pdserve.services.router.frontend import Frontend, openai_n
 from pdserve.services.router.orchestrator import StreamChunk
 from pdserve.services.router.workers import DECODE

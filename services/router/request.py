@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve import validation
-from pdserve.engines.base import MAX_LOGPROBS, Sampling
 from pdserve.errors import InvalidArgument
+from pdserve.requests import MAX_LOGPROBS, Sampling
 from pdserve.v1 import router_pb2
 
 # Re-exported: the front ends call rq.check_request_id and rq.check_cache_salt, the rules

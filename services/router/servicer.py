@@ -7,10 +7,10 @@ import contextlib
 
 import grpc
 
-from pdserve.engines.base import TokenLogprob
 from pdserve.errors import InvalidArgument, NotFound
 from pdserve.grpcutil import rpc
-from pdserve.logprobs import to_proto as logprobs_to_proto
+from pdserve.requests import TokenLogprob
+from pdserve.requests_codec import logprobs_to_proto
 from pdserve.services.router.frontend import Frontend, proto_n
 from pdserve.services.router.request import GenRequest, check_model
 from pdserve.telemetry import REQUEST_ID_HEADER, request_id_var

@@ -15,8 +15,8 @@ import pytest
 from vllm_runner import run_engine
 
 from pdserve.engines import create_engine
-from pdserve.engines.base import Sampling
 from pdserve.engines.config import EngineConfig
+from pdserve.requests import Sampling
 
 pytestmark = [
     pytest.mark.vllm,

@@ -16,9 +16,9 @@ import torch
 
 from pdserve import kvformat
 from pdserve.config import ConfigError
-from pdserve.engines.base import Sampling
 from pdserve.engines.config import EngineConfig
 from pdserve.engines.torch_engine.engine import TorchEngine
+from pdserve.requests import Sampling
 
 CS = 16
 MAX = 16

@@ -38,9 +38,9 @@ VLLM_ENGINE_MARKS = [
 
 
 async def run(spec: dict) -> list[dict]:
-    from pdserve.engines.base import KVRef, Sampling
     from pdserve.engines.config import EngineConfig
     from pdserve.engines.vllm_engine import VllmEngine
+    from pdserve.requests import KVRef, Sampling
 
     engine = VllmEngine(EngineConfig(engine="vllm", **spec["config"]))
     await engine.start()

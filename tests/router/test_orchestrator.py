@@ -11,8 +11,8 @@ import pytest
 from router_fakes import expected_tokens, next_token
 
 from pdserve import errors
-from pdserve.engines.base import Sampling
 from pdserve.hashing import ModelFingerprint, chunk_keys
+from pdserve.requests import Sampling
 from pdserve.services.router.admission import Admission
 from pdserve.services.router.fingerprint import FingerprintSource
 from pdserve.services.router.orchestrator import Orchestrator, OrchestratorConfig
@@ -190,7 +190,7 @@ def test_local_plan_places_on_the_worker_holding_the_prefix():
     client = FakeWorkers()
     orch = orchestrator(client, prefill=0)
     keys = chunk_keys(FP, PROMPT)
-    orch.placement.affinity.record("decode@d1", keys)  # d1 served this prefix before
+    orch.place.placement.affinity.record("decode@d1", keys)  # d1 served this prefix before
     chunks = generate(orch, 3)
     assert [t for c in chunks for t in c.token_ids] == expected_tokens(PROMPT, 3)
     ((kind, wid, dreq),) = client.calls
@@ -204,7 +204,7 @@ def test_local_plan_places_on_the_worker_holding_the_prefix():
     assert chunks[0].cached_tokens == 0 and orch.traces[-1].decode_prefix_cached == 8
     assert generate(orch, 1)[0].cached_tokens == 8
     assert orch.traces[-1].plan == Plan.LOCAL
-    assert orch.placement.affinity.longest("decode@d1", keys) == len(keys)
+    assert orch.place.placement.affinity.longest("decode@d1", keys) == len(keys)
 
 
 def test_colocated_mode_runs_locally_even_with_prefill_workers():
@@ -250,7 +250,7 @@ def test_cache_salt_keys_the_lookup_the_handles_placement_and_every_worker_reque
     generate(orch, 6, cache_salt="tenant-a")
     first, resumed = (req for _, _, req in client.calls)
     assert first.cache_salt == resumed.cache_salt == "tenant-a" and resumed.prompt_token_ids
-    affinity = orch.placement.affinity
+    affinity = orch.place.placement.affinity
     for _, wid, _ in client.calls:
         assert affinity.longest(wid, keys["tenant-a"]) == 2
         assert affinity.longest(wid, keys["tenant-b"]) == affinity.longest(wid, keys[""]) == 0

@@ -6,9 +6,10 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from pdserve.engines.base import Finish, TokenEvent
+from pdserve.engines.base import TokenEvent
+from pdserve.requests import Finish
 from pdserve.services.decode.servicer import DecodeServicer
-from pdserve.services.worker import WorkerConfig
+from pdserve.services.worker.config import WorkerConfig
 from pdserve.v1 import common_pb2, engine_pb2
 
 

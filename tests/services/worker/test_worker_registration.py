@@ -1,21 +1,38 @@
-"""A decode worker registers with a real meta process, reports load, and deregisters when it
-drains on SIGTERM. No store: it recomputes (and says so in its metrics)."""
+"""services/worker/registration.py: the load a worker reports (no process), and a decode worker
+that registers with a real meta process, reports load, and deregisters when it drains on
+SIGTERM. No store: it recomputes (and says so in its metrics)."""
 
 from __future__ import annotations
 
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from pdserve import grpcutil
 from pdserve.engines.fingerprint import model_fingerprint
 from pdserve.procs import service_args, start_service
+from pdserve.services.worker.registration import load_proto
+from pdserve.services.worker.slots import SlotLimit
 from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc, meta_pb2, meta_pb2_grpc
 
-pytestmark = pytest.mark.slow
+
+def test_reported_load_is_the_slots_split_by_the_engine() -> None:
+    def engine(running: int, queued: int):
+        load = SimpleNamespace(running_requests=running, queue_length=queued, kv_usage=0.5)
+        return SimpleNamespace(load=lambda: load)
+
+    slots = SlotLimit(8, "max_queue")
+    slots.active = 3
+    load = load_proto(engine(2, 0), slots)  # the engine has not queued the third one yet
+    assert (load.running_requests, load.queue_length, load.kv_usage) == (2, 1, 0.5)
+    slots.active = 0
+    load = load_proto(engine(1, 0), slots)  # the engine frees its slot a step later
+    assert (load.running_requests, load.queue_length) == (0, 0)
 
 
+@pytest.mark.slow
 def test_register_serve_without_store_and_deregister(tmp_path: Path, tiny_model_dir: Path) -> None:
     meta = start_service(
         "meta", service_args("meta", port=0, http_port=0, metrics_port=-1), tmp_path, timeout=60

@@ -1,0 +1,95 @@
+"""The serve skeleton of both worker roles: engine, gRPC server with the role's servicer,
+/metrics, meta registration with live load, READY line, and the drain on stop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve import grpcutil, lifecycle, telemetry
+from pdserve.discovery import leave, register_service
+from pdserve.engines import create_engine
+from pdserve.engines.base import Engine
+from pdserve.identity import RequireRole, advertised
+from pdserve.services.worker.config import WorkerConfig
+from pdserve.services.worker.registration import load_proto, registration_labels
+from pdserve.v1 import meta_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerSpec:
+    """What distinguishes one worker role from the other."""
+
+    service: str  # "prefill" | "decode"
+    role: int  # common_pb2.Role
+    #: (add_XServicer_to_server, full gRPC service name)
+    add_servicer: Callable[[Any, Any], None]
+    grpc_name: str
+    #: Builds the servicer; it holds its :class:`~pdserve.services.worker.slots.SlotLimit`
+    #: as ``slots``.
+    make_servicer: Callable[[Engine, WorkerConfig], Any]
+
+
+async def serve(spec: WorkerSpec, cfg: WorkerConfig, stop: asyncio.Event) -> None:
+    """Runs one worker until ``stop`` is set, then drains: health NOT_SERVING and deregister
+    first (no new work is routed here), wait up to ``drain_timeout_s`` for in-flight RPCs,
+    then close the engine (and with it its store clients)."""
+    engine = create_engine(cfg)
+    meta_client = None
+    server = None
+    try:
+        await engine.start()
+        servicer = spec.make_servicer(engine, cfg)
+        server = await grpcutil.start_server(
+            [(spec.add_servicer, servicer, spec.grpc_name)],
+            f"{cfg.host}:{cfg.port}",
+            # with mutual TLS, only the router (and admins) place work on a worker
+            interceptors=[RequireRole(("router",), f"call a {spec.service} worker")],
+        )
+        address = advertised(cfg, server.port)
+        metrics_port = telemetry.serve_metrics(cfg.metrics_port, cfg.host)
+        instance_id = cfg.instance_id or f"{spec.service}-{uuid.uuid4().hex[:8]}"
+        labels = registration_labels(cfg, engine)
+        if metrics_port:
+            labels["metrics"] = advertised(cfg, metrics_port)
+        meta_client = await register_service(
+            cfg.meta,
+            meta_pb2.Instance(
+                instance_id=instance_id,
+                role=spec.role,
+                address=address,
+                model=cfg.served_name(),
+                max_running=cfg.resolved_max_num_seqs(),
+                labels=labels,
+            ),
+            ttl_ms=cfg.heartbeat_ttl_ms,
+            load_fn=lambda: load_proto(engine, servicer.slots),
+            load_changed=servicer.slots.changed,
+        )
+        lifecycle.announce_ready(
+            spec.service,
+            grpc=address,
+            metrics=f"{cfg.host}:{metrics_port}" if metrics_port else "",
+            instance_id=instance_id,
+            model=cfg.served_name(),
+            engine=cfg.engine,
+            pid=os.getpid(),
+        )
+        log.info("%s %s serving %s on %s", spec.service, instance_id, cfg.served_name(), address)
+        await stop.wait()
+        log.info("%s %s draining", spec.service, instance_id)
+        server.set_serving(False)
+        await leave(meta_client)  # first, so routers stop sending work here
+        meta_client = None
+    finally:
+        if server is not None:
+            await server.stop(cfg.drain_timeout_s)
+        await leave(meta_client)
+        await engine.close()
