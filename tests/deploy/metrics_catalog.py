@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 MODULES = {
     "router": [
         "pdserve.services.router.admission",
-        "pdserve.services.router.orchestrator",
+        "pdserve.services.router.trace",
         "pdserve.services.router.workers",
         "pdserve.services.router.prefix_index",
     ],
@@ -44,7 +44,7 @@ ENTRY_POINTS = [
     "pdserve.services.kvstore.master",
     "pdserve.services.kvstore.node",
     "pdserve.services.meta.server",
-    "pdserve.services.worker",
+    "pdserve.services.worker.serve",
     "pdserve.engines.torch_engine.engine",
     "pdserve.store.client",
 ]
