@@ -104,8 +104,8 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
 SECTIONS: dict[str, str] = {
     "up": "pdserve.up:UpConfig",
     "meta": "pdserve.services.meta.server:MetaConfig",
-    "kvstore_master": "pdserve.services.kvstore.master_config:MasterConfig",
-    "kvstore_node": "pdserve.services.kvstore.node_config:NodeConfig",
+    "kvstore_master": "pdserve.services.kvstore.master.config:MasterConfig",
+    "kvstore_node": "pdserve.services.kvstore.node.config:NodeConfig",
     "prefill": "pdserve.services.prefill.config:PrefillConfig",
     "decode": "pdserve.services.decode.config:DecodeConfig",
     "router": "pdserve.services.router.config:RouterConfig",

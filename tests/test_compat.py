@@ -15,7 +15,7 @@ from pdserve.config import ConfigError
 from pdserve.engines.connector_data import ConnectorSettings, extra_config
 from pdserve.hashing import ModelFingerprint
 from pdserve.services.decode.config import DecodeConfig
-from pdserve.services.kvstore.node_config import NodeConfig
+from pdserve.services.kvstore.node.config import NodeConfig
 from pdserve.services.prefill.config import PrefillConfig
 from pdserve.services.router.config import RouterConfig
 from pdserve.sizes import parse_size

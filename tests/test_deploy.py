@@ -21,8 +21,8 @@ from pdserve import config
 from pdserve.cli import build_parser
 from pdserve.identity import Identity, TlsFiles
 from pdserve.services.decode.config import DecodeConfig
-from pdserve.services.kvstore.master_config import MasterConfig
-from pdserve.services.kvstore.node_config import NodeConfig
+from pdserve.services.kvstore.master.config import MasterConfig
+from pdserve.services.kvstore.node.config import NodeConfig
 from pdserve.services.meta.server import MetaConfig
 from pdserve.services.prefill.config import PrefillConfig
 from pdserve.services.router.config import RouterConfig

@@ -11,7 +11,7 @@ import pytest
 from pdserve import certs, identity
 from pdserve.config import ConfigError
 from pdserve.identity import Identity, SecurityConfig, TlsFiles
-from pdserve.services.kvstore.master_config import MasterConfig
+from pdserve.services.kvstore.master.config import MasterConfig
 
 
 def test_certs_name_the_role_and_name_and_share_one_ca(tmp_path: Path):

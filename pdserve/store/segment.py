@@ -30,7 +30,7 @@ _SHM_NAME = re.compile(re.escape(SHM_PREFIX) + r"[A-Za-z0-9_.-]+")
 
 def shm_name(segment_id: str) -> str:
     """Stable shared-memory file name of a segment (its id already carries the node id, see
-    :mod:`pdserve.services.kvstore.node`); filesystem-safe, no slashes."""
+    :mod:`pdserve.services.kvstore.node.node`); filesystem-safe, no slashes."""
     return _UNSAFE.sub("_", f"{SHM_PREFIX}{segment_id}")
 
 

@@ -4,7 +4,7 @@ A store operation is one or two master round trips plus the data transfer. Over 
 gRPC a round trip costs about 0.5 ms on loopback, ten times a 4 KiB tcp read, so small
 gets and prefix lookups were all control path. The wire carries *the same protobuf
 messages* as the gRPC methods (the protos stay the contract) in a lean framing that the
-master answers from a thread per connection (:mod:`pdserve.services.kvstore.master_wire`).
+master answers from a thread per connection (:mod:`pdserve.services.kvstore.master.wire`).
 
 Connection: the client first sends an 8-byte hello ``b"PDKC" | version u8 | 3 zero
 bytes``. Then any number of calls, one at a time per connection, each a frame::

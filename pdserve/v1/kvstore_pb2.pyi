@@ -131,14 +131,16 @@ class PutOptions(_message.Message):
     def __init__(self, replicas: _Optional[int] = ..., soft_pin: _Optional[bool] = ..., ttl_ms: _Optional[int] = ..., placement: _Optional[_Union[PlacementStrategy, str]] = ...) -> None: ...
 
 class MountSegmentRequest(_message.Message):
-    __slots__ = ("segment", "held", "keeps_bytes")
+    __slots__ = ("segment", "held", "keeps_bytes", "node_address")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
     KEEPS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     segment: Segment
     held: _containers.RepeatedCompositeFieldContainer[HeldObject]
     keeps_bytes: bool
-    def __init__(self, segment: _Optional[_Union[Segment, _Mapping]] = ..., held: _Optional[_Iterable[_Union[HeldObject, _Mapping]]] = ..., keeps_bytes: _Optional[bool] = ...) -> None: ...
+    node_address: str
+    def __init__(self, segment: _Optional[_Union[Segment, _Mapping]] = ..., held: _Optional[_Iterable[_Union[HeldObject, _Mapping]]] = ..., keeps_bytes: _Optional[bool] = ..., node_address: _Optional[str] = ...) -> None: ...
 
 class HeldObject(_message.Message):
     __slots__ = ("key", "offset", "size")
@@ -469,3 +471,21 @@ class NodeStatsResponse(_message.Message):
     bytes_read: int
     bytes_written: int
     def __init__(self, node_id: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ...) -> None: ...
+
+class CopyReplicaRequest(_message.Message):
+    __slots__ = ("key", "size", "source", "target")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    size: int
+    source: Replica
+    target: Replica
+    def __init__(self, key: _Optional[str] = ..., size: _Optional[int] = ..., source: _Optional[_Union[Replica, _Mapping]] = ..., target: _Optional[_Union[Replica, _Mapping]] = ...) -> None: ...
+
+class CopyReplicaResponse(_message.Message):
+    __slots__ = ("size",)
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    def __init__(self, size: _Optional[int] = ...) -> None: ...

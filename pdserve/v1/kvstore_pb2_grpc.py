@@ -115,19 +115,22 @@ class KVMasterServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def MountSegment(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Adds a node's segment to the pool (or remounts it); the node's identity only.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def UnmountSegment(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Takes a segment out of the pool with every replica in it; the owning node only.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Keeps a node alive; tells it to remount segments the master does not know.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -168,25 +171,29 @@ class KVMasterServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def BatchExists(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Whether each key is committed (and its TTL not ended).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def LongestPrefix(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """How many leading keys of a chain are committed (one batched prefix lookup).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def BatchRemove(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Removes committed objects that no reader holds; only their writer's identity (or admin).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Stats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Pool-wide counters and each segment's capacity and use.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -723,13 +730,30 @@ class KVNodeServiceStub:
                 request_serializer=pdserve_dot_v1_dot_kvstore__pb2.NodeStatsRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_kvstore__pb2.NodeStatsResponse.FromString,
                 _registered_method=True)
+        self.CopyReplica = channel.unary_unary(
+                '/pdserve.v1.KVNodeService/CopyReplica',
+                request_serializer=pdserve_dot_v1_dot_kvstore__pb2.CopyReplicaRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kvstore__pb2.CopyReplicaResponse.FromString,
+                _registered_method=True)
 
 
 class KVNodeServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Stats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The node's segments and data-plane byte counters; any identity of the cluster.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CopyReplica(self, request, context):
+        """Copies an object's bytes from a replica on another node into a range of this node's
+        segment (re-replication: the master asks, so no payload passes through it). Only the
+        master's identity may ask when mutual TLS is on. INVALID_ARGUMENT for a malformed request
+        (a target that is not this node's, a range outside the segment, sizes that disagree),
+        PERMISSION_DENIED for a bad write grant, UNAVAILABLE when the source cannot be read.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -741,6 +765,11 @@ def add_KVNodeServiceServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=pdserve_dot_v1_dot_kvstore__pb2.NodeStatsRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_kvstore__pb2.NodeStatsResponse.SerializeToString,
+            ),
+            'CopyReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.CopyReplica,
+                    request_deserializer=pdserve_dot_v1_dot_kvstore__pb2.CopyReplicaRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kvstore__pb2.CopyReplicaResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -770,6 +799,33 @@ class KVNodeService:
             '/pdserve.v1.KVNodeService/Stats',
             pdserve_dot_v1_dot_kvstore__pb2.NodeStatsRequest.SerializeToString,
             pdserve_dot_v1_dot_kvstore__pb2.NodeStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CopyReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVNodeService/CopyReplica',
+            pdserve_dot_v1_dot_kvstore__pb2.CopyReplicaRequest.SerializeToString,
+            pdserve_dot_v1_dot_kvstore__pb2.CopyReplicaResponse.FromString,
             options,
             channel_credentials,
             insecure,

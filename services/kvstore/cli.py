@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.servicecli import add_service_command
+from pdserve.commands.service import add_service_command
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from pdserve.services.kvstore.master_config import MasterConfig
-    from pdserve.services.kvstore.node_config import NodeConfig
+    from pdserve.services.kvstore.master.config import MasterConfig
+    from pdserve.services.kvstore.node.config import NodeConfig
 
     kv = subparsers.add_parser(
         "kvstore",
@@ -23,7 +23,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "master",
         config_cls=MasterConfig,
         section="kvstore_master",
-        serve="pdserve.services.kvstore.master:serve",
+        serve="pdserve.services.kvstore.master.serve:serve",
         service="kvstore-master",
         help="run the KV store master (metadata and allocation, no payload bytes)",
         description=(
@@ -40,7 +40,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "node",
         config_cls=NodeConfig,
         section="kvstore_node",
-        serve="pdserve.services.kvstore.node:serve",
+        serve="pdserve.services.kvstore.node.serve:serve",
         service="kvstore-node",
         help="run a KV store storage node",
         description=(

@@ -41,8 +41,8 @@ ENTRY_POINTS = [
     "pdserve.services.router.prefix_index",
     "pdserve.services.prefill.server",
     "pdserve.services.decode.server",
-    "pdserve.services.kvstore.master",
-    "pdserve.services.kvstore.node",
+    "pdserve.services.kvstore.master.serve",
+    "pdserve.services.kvstore.node.serve",
     "pdserve.services.meta.server",
     "pdserve.services.worker.serve",
     "pdserve.engines.torch_engine.engine",
@@ -115,11 +115,11 @@ def registered_at_import() -> set[str]:
 
 
 def _master() -> dict[str, Metric]:
-    from pdserve.services.kvstore.events import EventHub
-    from pdserve.services.kvstore.kv_events import KVEventLog
-    from pdserve.services.kvstore.master import _StateCollector
-    from pdserve.services.kvstore.master_config import MasterConfig
-    from pdserve.services.kvstore.master_state import MasterState
+    from pdserve.services.kvstore.master.events import EventHub
+    from pdserve.services.kvstore.master.kv_events import KVEventLog
+    from pdserve.services.kvstore.master.serve import _StateCollector
+    from pdserve.services.kvstore.master.config import MasterConfig
+    from pdserve.services.kvstore.master.state import MasterState
 
     cfg = MasterConfig()
     state = MasterState(cfg, store=None, on_event=lambda *a: None)
@@ -139,7 +139,7 @@ def _meta() -> dict[str, Metric]:
 
 def _node() -> dict[str, Metric]:
     from pdserve import telemetry
-    from pdserve.services.kvstore import node
+    from pdserve.services.kvstore.node import serve as node
 
     registry, saved = CollectorRegistry(), telemetry.REGISTRY
     telemetry.REGISTRY = registry  # _export_metrics registers in the process registry

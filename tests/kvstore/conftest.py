@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.services.kvstore.master_config import MasterConfig
-from pdserve.services.kvstore.master_state import Clock, MasterState
+from pdserve.services.kvstore.master.config import MasterConfig
+from pdserve.services.kvstore.master.state import MasterState
+from pdserve.services.kvstore.master.types import Clock
 
 
 class FakeClock(Clock):

@@ -40,7 +40,7 @@ from array import array
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from pdserve.services.kvstore.master_types import BlockMeta, is_block_key
+from pdserve.services.kvstore.master.types import BlockMeta, is_block_key
 from pdserve.v1 import kvstore_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -13,11 +13,11 @@ import grpc
 import pytest
 
 from pdserve import errors, procs
-from pdserve.services.kvstore.master_config import MasterConfig
-from pdserve.services.kvstore.master_servicer import MasterHandlers
-from pdserve.services.kvstore.master_state import MasterState
-from pdserve.services.kvstore.master_wire import WireServer
-from pdserve.store.client import StoreClient
+from pdserve.services.kvstore.master.config import MasterConfig
+from pdserve.services.kvstore.master.servicer import MasterHandlers
+from pdserve.services.kvstore.master.state import MasterState
+from pdserve.services.kvstore.master.wire import WireServer
+from pdserve.store import open_store
 from pdserve.store.wire import FRAME, HELLO, MAX_BODY, METHOD_IDS, WireClient, WireUnreachable
 from pdserve.v1 import kvstore_pb2 as pb
 
@@ -127,14 +127,14 @@ def test_store_client_uses_the_wire_when_the_master_has_one(tmp_path: Path, wire
     node = procs.start_node(master.info["grpc"], tmp_path, segment_sizes="16MiB")
     try:
         assert (master.info["wire"] > 0) == (wire_port == 0)
-        client = StoreClient(master.info["grpc"])
+        client = open_store(master.info["grpc"])
         assert client.control_path == ("wire" if wire_port == 0 else "grpc")
         assert client.put("k", b"v" * 1000)
         assert client.get("k") == b"v" * 1000
         with pytest.raises(errors.ResourceExhausted, match="max_batch_keys"):
             client.exists(["k"] * 5000)
         client.close()
-        forced = StoreClient(master.info["grpc"], control="grpc")
+        forced = open_store(master.info["grpc"], control="grpc")
         assert forced.control_path == "grpc" and forced.get("k") == b"v" * 1000
         with pytest.raises(errors.ResourceExhausted, match="max_batch_keys"):
             forced.exists(["k"] * 5000)  # the same answer over gRPC
@@ -149,17 +149,17 @@ def test_store_client_uses_the_wire_when_the_master_has_one(tmp_path: Path, wire
 def test_store_client_falls_back_to_grpc_when_the_wire_goes_away(cluster) -> None:
     """The wire port stops answering (a master restarted elsewhere, a firewall): the call in
     flight goes over gRPC and the client keeps working."""
-    client = StoreClient(cluster.address)
+    client = open_store(cluster.address)
     assert client.put("fb", b"x" * 10)
     assert client.control_path == "wire"
     dead = socket.socket()
     dead.bind(("127.0.0.1", 0))
     port = dead.getsockname()[1]
     dead.close()
-    client._wire.close()
-    client._wire = WireClient("127.0.0.1", port, timeout_s=2)
+    client._master.wire.close()
+    client._master.wire = WireClient("127.0.0.1", port, timeout_s=2)
     assert client.get("fb") == b"x" * 10
-    assert client._wire is None  # dropped; looked up again after WIRE_RETRY_S
+    assert client._master.wire is None  # dropped; looked up again after WIRE_RETRY_S
     client.close()
 
 
@@ -172,7 +172,7 @@ def test_events_of_wire_calls_reach_watchers(cluster) -> None:
 
     channel = grpcutil.sync_channel(cluster.address)
     events = kvstore_pb2_grpc.KVMasterServiceStub(channel).WatchEvents(pb.WatchEventsRequest())
-    client = StoreClient(cluster.address)
+    client = open_store(cluster.address)
     try:
         assert client.control_path == "wire"
         time.sleep(0.2)  # let the watch subscribe
@@ -219,7 +219,7 @@ def test_small_gets_are_served_inline_without_touching_a_node(cluster) -> None:
     def served() -> int:  # tcp bytes the nodes sent to readers
         return sum(s.Stats(pb.NodeStatsRequest(), timeout=5).bytes_read for s in stubs)
 
-    client = StoreClient(cluster.address, transport="tcp")
+    client = open_store(cluster.address, transport="tcp")
     small, big = b"s" * 4096, b"b" * 20000
     client.batch_put([("inline-small", small), ("inline-big", big)])
     before = served()
@@ -229,7 +229,7 @@ def test_small_gets_are_served_inline_without_touching_a_node(cluster) -> None:
     assert served() == before + len(big)
     client.close()
     # A client kept on gRPC (control="grpc") learns the limit from GetControlWire too.
-    forced = StoreClient(cluster.address, transport="tcp", control="grpc")
+    forced = open_store(cluster.address, transport="tcp", control="grpc")
     forced.put("inline-grpc", b"g" * 100)
     before = served()
     assert forced.get("inline-grpc") == b"g" * 100

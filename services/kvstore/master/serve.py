@@ -1,8 +1,9 @@
 """The KV store master process: serves KVMasterService, runs housekeeping, exports metrics.
 
 ``serve(cfg, stop)`` starts the control wire and the gRPC server, announces READY (grpc
-address, metrics port, wire port), ticks :meth:`MasterState.tick` every
-``tick_interval_ms`` until ``stop`` is set, then drains.
+address, metrics port, wire port), ticks :meth:`MasterState.tick` and runs a
+re-replication pass (:class:`~.repair_loop.RepairLoop`: the nodes copy, the master only
+asks) every ``tick_interval_ms`` until ``stop`` is set, then drains.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import logging
 import threading
 
 from pdserve.identity import advertised
-from pdserve.services.kvstore.master_config import MasterConfig
+from pdserve.services.kvstore.master.config import MasterConfig
 
-__all__ = ["MasterConfig", "serve"]
+__all__ = ["serve"]
 
 log = logging.getLogger(__name__)
 
@@ -71,20 +72,19 @@ class _StateCollector:
             ),
         ):
             yield CounterMetricFamily(p + name, doc, value=value)
-        live = [seg for seg in s.segments.values() if seg.alive]
         for name, value, doc in (
             ("objects", len(s.objects), "committed objects"),
             ("under_replicated", s.under_replicated(), "objects waiting for a new replica"),
-            ("pending_puts", len(s.pending), "puts started and not ended"),
-            ("used_bytes", s.used_bytes, "bytes in committed objects"),
+            ("pending_puts", s.objects.pending_count, "puts started and not ended"),
+            ("used_bytes", s.objects.used_bytes, "bytes in committed objects"),
             (
                 "inline_bytes",
-                s.inline_bytes,
+                s.objects.inline_bytes,
                 "bytes of small objects kept in memory, served inline",
             ),
-            ("allocated_bytes", sum(x.used for x in live), "bytes allocated in alive segments"),
-            ("capacity_bytes", sum(x.capacity for x in live), "bytes of alive segments"),
-            ("alive_nodes", len(s.nodes), "storage nodes alive"),
+            ("allocated_bytes", s.segments.used(), "bytes allocated in alive segments"),
+            ("capacity_bytes", s.segments.capacity(), "bytes of alive segments"),
+            ("alive_nodes", s.alive_nodes(), "storage nodes alive"),
             ("dormant_objects", len(s.dormant), "persisted objects waiting for their segment"),
             ("watchers", len(self.hub.subscribers), "WatchEvents subscribers"),
             ("kv_event_subscribers", self.kv_events.subscribers, "SubscribeKVEvents streams"),
@@ -96,16 +96,13 @@ async def serve(cfg: MasterConfig, stop: asyncio.Event) -> None:
     """Runs the master until ``stop`` is set."""
     from pdserve import grpcutil, telemetry
     from pdserve.lifecycle import announce_ready
-    from pdserve.services.kvstore.events import EventHub
-    from pdserve.services.kvstore.kv_events import KVEventLog, ZmqPublisher
-    from pdserve.services.kvstore.master_repair import REPAIR_LEASE_S, RepairJob
-    from pdserve.services.kvstore.master_servicer import KVMasterServicer, MasterHandlers
-    from pdserve.services.kvstore.master_state import MasterState
-    from pdserve.services.kvstore.master_wire import WireServer
-    from pdserve.services.kvstore.persistence import MetadataStore
-    from pdserve.store.grants import OP_READ, OP_WRITE
-    from pdserve.store.transports.base import TransportError
-    from pdserve.store.transports.tcp import TcpTransport
+    from pdserve.services.kvstore.master.events import EventHub
+    from pdserve.services.kvstore.master.kv_events import KVEventLog, ZmqPublisher
+    from pdserve.services.kvstore.master.persistence import MetadataStore
+    from pdserve.services.kvstore.master.repair_loop import RepairLoop
+    from pdserve.services.kvstore.master.servicer import KVMasterServicer, MasterHandlers
+    from pdserve.services.kvstore.master.state import MasterState
+    from pdserve.services.kvstore.master.wire import WireServer
     from pdserve.v1 import kvstore_pb2 as pb
     from pdserve.v1 import kvstore_pb2_grpc
 
@@ -128,8 +125,7 @@ async def serve(cfg: MasterConfig, stop: asyncio.Event) -> None:
     def on_event(type_: int, key: str, size: int, reason: int) -> None:
         # Called with the state lock held, so recording is ordered with the state change.
         if type_ == pb.KV_EVENT_STORED:
-            obj = holder[0].objects.get(key) if holder else None
-            kv_events.stored(key, obj.block if obj is not None else None)
+            kv_events.stored(key, holder[0].block_of(key) if holder else None)
         else:
             kv_events.removed(key)
         args = (type_, key, size, reason, int(telemetry.now_ms()))
@@ -206,46 +202,12 @@ async def serve(cfg: MasterConfig, stop: asyncio.Event) -> None:
             except Exception:  # keep the master up; the next tick retries
                 log.exception("housekeeping pass failed")
 
-    def repair_jobs() -> list[tuple[RepairJob, pb.Replica, pb.Replica]]:
-        """The next copies, with the source and target replicas they read and write (and
-        the master's own grants for both, as long as the repair lease)."""
-        with handlers.lock:
-            out = []
-            expires = int(state.clock.wall_ms() + REPAIR_LEASE_S * 1000)
-            for job in state.repair_jobs(cfg.max_repairs_per_tick):
-                reps = pb.ReplicaListResult()
-                handlers._fill(reps.replicas, [job.source], job.size, OP_READ, expires)
-                handlers._fill(reps.replicas, [job.target], job.size, OP_WRITE, expires)
-                out.append((job, reps.replicas[0], reps.replicas[1]))
-            return out
-
-    def copy(jobs: list[tuple[RepairJob, pb.Replica, pb.Replica]]) -> None:
-        for job, source, target in jobs:
-            buf = memoryview(bytearray(job.size))
-            try:
-                tcp.read_into(source, buf)
-                (err,) = tcp.write_many([(target, buf)])
-                ok = err is None
-            except TransportError as exc:
-                log.warning("re-replication of %r failed: %s", job.key, exc)
-                ok = False
-            with handlers.lock:
-                state.repair_done(job, ok)
-
-    async def repair() -> None:
-        # Copies go node -> master -> node over tcp, off the event loop, a few per pass.
-        while True:
-            await asyncio.sleep(cfg.tick_interval_ms / 1000)
-            try:
-                jobs = await asyncio.to_thread(repair_jobs)
-                if jobs:
-                    await asyncio.to_thread(copy, jobs)
-            except Exception:  # keep the master up; the next pass retries
-                log.exception("re-replication pass failed")
-
-    tcp = TcpTransport(timeout_s=10.0)
     task = asyncio.create_task(housekeeping())
-    repairer = asyncio.create_task(repair()) if cfg.max_repairs_per_tick > 0 else None
+    # Re-replication: the target's node copies from a source node; the master only asks.
+    repair_loop = RepairLoop(handlers, cfg.max_repairs_per_tick)
+    repairer = None
+    if cfg.max_repairs_per_tick > 0:
+        repairer = asyncio.create_task(repair_loop.run(cfg.tick_interval_ms / 1000))
     try:
         await stop.wait()
     finally:
@@ -254,7 +216,7 @@ async def serve(cfg: MasterConfig, stop: asyncio.Event) -> None:
         task.cancel()
         if repairer is not None:
             repairer.cancel()
-        tcp.close()
+        await repair_loop.close()
         hub.close()
         kv_events.close()
         if zmq_pub is not None:

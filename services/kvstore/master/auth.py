@@ -17,7 +17,7 @@ from typing import Any
 
 from pdserve.errors import PermissionDenied
 from pdserve.identity import Identity, require
-from pdserve.services.kvstore.master_state import MasterState
+from pdserve.services.kvstore.master.state import MasterState
 
 NODE_CALLS = frozenset({"MountSegment", "UnmountSegment", "Heartbeat"})
 CLIENT_CALLS = frozenset(

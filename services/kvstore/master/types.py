@@ -1,6 +1,10 @@
-"""Plain types of the KV store master's state (:class:`~.master_state.MasterState`): the clock,
-the segment, node, object and replica records, the counters, what the state's calls return
-(outcomes, :class:`StoreStats`) and the event sink. No protobuf messages are built here."""
+"""Plain types of the KV store master's state (:class:`~.state.MasterState`): the clock, the
+segment, node, object and replica records, the counters, what the state's calls return
+(outcomes, :class:`StoreStats`) and the event sink. No protobuf messages are built here.
+
+The records are owned by the part that holds them (objects by :class:`~.objects.ObjectTable`,
+segments and nodes by :class:`~.segments.SegmentTable`); the others change them only through
+that part's methods."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.services.kvstore.allocator import OffsetAllocator
+from pdserve.services.kvstore.master.allocator import OffsetAllocator
 from pdserve.v1 import kvstore_pb2 as pb
 
 OK = pb.KV_OK
@@ -57,6 +61,8 @@ class NodeState:
     node_id: str
     last_heartbeat: float
     segment_ids: set[str] = field(default_factory=set)
+    # Its KVNodeService address host:port, as its mount said ("" = not given).
+    address: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +173,8 @@ class KeyOutcome:
 class GetOutcome:
     key: str
     code: int
+    # The object's size (bytes; 0 when not found).
+    size: int = 0
     replicas: tuple[ReplicaLoc, ...] = ()
     lease_expires_ms: int = 0
     inline: bytes = b""
@@ -186,7 +194,7 @@ class SegmentStats:
 
 @dataclass(frozen=True)
 class StoreStats:
-    """What :meth:`~.master_state.MasterState.stats` returns: the fields of
+    """What :meth:`~.state.MasterState.stats` returns: the fields of
     ``pb.StatsResponse``, one for one (the servicer converts it)."""
 
     objects: int

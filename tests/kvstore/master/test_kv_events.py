@@ -14,11 +14,11 @@ import pytest
 from pdserve import procs
 from pdserve.config import ConfigError
 from pdserve.hashing import ModelFingerprint, chunk_keys
-from pdserve.services.kvstore.kv_events import KVEventLog, tokens_of
-from pdserve.services.kvstore.master_config import MasterConfig
-from pdserve.services.kvstore.master_types import BlockMeta
-from pdserve.store.api import ChunkMeta
-from pdserve.store.client import StoreClient
+from pdserve.services.kvstore.master.config import MasterConfig
+from pdserve.services.kvstore.master.kv_events import KVEventLog, tokens_of
+from pdserve.services.kvstore.master.types import BlockMeta
+from pdserve.store import open_store
+from pdserve.store.api import ChunkMeta, StoreBackend
 from pdserve.v1 import kvstore_pb2 as pb
 from pdserve.v1 import kvstore_pb2_grpc
 
@@ -86,6 +86,7 @@ def test_blocks_of_other_chains_start_a_new_stored_event() -> None:
     assert ev.removed.medium == "GPU"
 
 
+@pytest.mark.slow  # importing vLLM runs `file` on the interpreter (a process)
 def test_vllm_decodes_the_payload_with_its_own_classes() -> None:
     kv = vllm_classes()
     import msgspec
@@ -160,14 +161,14 @@ def store(tmp_path_factory: pytest.TempPathFactory):
             "kv_events_topic": "kv",
         },
     ) as (master, _node):
-        client = StoreClient(master.info["grpc"])
+        client = open_store(master.info["grpc"])
         try:
             yield master, client
         finally:
             client.close()
 
 
-def _put(client: StoreClient, keys: list[str], meta: dict[str, ChunkMeta] | None) -> None:
+def _put(client: StoreBackend, keys: list[str], meta: dict[str, ChunkMeta] | None) -> None:
     assert all(client.batch_put([(k, b"x" * 100) for k in keys], meta=meta))
 
 
@@ -365,8 +366,8 @@ def test_torch_engine_saves_chunks_with_their_chain(store, tiny_model_dir) -> No
     import asyncio
 
     from pdserve.engines import create_engine
-    from pdserve.engines.base import Sampling
     from pdserve.engines.config import EngineConfig
+    from pdserve.requests import Sampling
 
     master, _ = store
     cs = 32
@@ -410,6 +411,7 @@ def test_torch_engine_saves_chunks_with_their_chain(store, tiny_model_dir) -> No
         channel.close()
 
 
+@pytest.mark.slow  # imports vLLM, which runs `file` on the interpreter (a process)
 def test_vllm_connector_saves_carry_the_chain() -> None:
     """The connector's scheduler side puts each full chunk's parent key and tokens in its
     save, and its worker side hands them to ChunkIO.save (tails carry none)."""

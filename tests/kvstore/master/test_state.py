@@ -7,8 +7,8 @@ import itertools
 import pytest
 
 from pdserve import errors
-from pdserve.services.kvstore.master_state import MasterState
-from pdserve.services.kvstore.persistence import MetadataStore
+from pdserve.services.kvstore.master.state import MasterState
+from pdserve.services.kvstore.master.persistence import MetadataStore
 from pdserve.v1 import kvstore_pb2 as pb
 
 KB = 1024
@@ -412,10 +412,10 @@ def test_small_objects_are_kept_inline_within_the_cap(make_state) -> None:
     a, b = s.get_replicas("c", ["a", "b"])
     assert a.inline == b"x" * 100 and a.replicas  # the replica exists as well
     assert b.inline == b""  # 160 bytes would pass inline_capacity_bytes: served from replicas
-    assert s.inline_bytes == 100
+    assert s.objects.inline_bytes == 100
     s.release("c", ["a", "b"])
     assert s.remove(["a"])[0].code == pb.KV_OK
-    assert s.inline_bytes == 0
+    assert s.objects.inline_bytes == 0
     # The inline copy must be the object and fit the limit; each item is judged alone.
     bad = s.put_start(
         "c", [("short", 10), ("big", 101), ("ok", 3)], inline=[b"x" * 9, b"x" * 101, b"abc"]
@@ -427,7 +427,7 @@ def test_small_objects_are_kept_inline_within_the_cap(make_state) -> None:
         s.put_start("c", [("z", 1)], inline=[b"a", b"b"])
     # A revoked or timed-out put never counts.
     s.put_revoke("c", ["ok"])
-    assert s.inline_bytes == 0
+    assert s.objects.inline_bytes == 0
 
 
 def _silence(s: MasterState, clock, seconds: float, step: float = 0.1) -> None:
@@ -557,7 +557,7 @@ def test_an_object_that_lost_a_replica_is_re_replicated(make_state, clock) -> No
     s.release("c", ["a"])
     assert put(s, "b", replicas=2) == pb.KV_OK
     s.objects["b"].replicas.pop()
-    s._want_repair(s.objects["b"])
+    s.repairer.want(s.objects["b"])
     (job,) = s.repair_jobs(8)
     used = s.segments[job.target.segment_id].allocator.used
     assert not s.repair_done(job, ok=False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from pdserve.services.kvstore.events import EventHub
+from pdserve.services.kvstore.master.events import EventHub
 from pdserve.v1 import kvstore_pb2 as pb
 
 

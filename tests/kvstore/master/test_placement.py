@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.services.kvstore.placement import FreeRatioFirst, RandomPlacement
+from pdserve.services.kvstore.master.placement import FreeRatioFirst, RandomPlacement
 
 
 @dataclass

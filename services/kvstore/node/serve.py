@@ -1,12 +1,11 @@
-"""The KV store storage node: owns memory segments, mounts them at the master, heartbeats,
-and serves the data plane (shm / tcp / mooncake) from the same memory.
+"""The KV store storage node process: segments and data servers (:class:`~.node.KVNode`),
+the KVNodeService gRPC server (:mod:`.servicer`), mount at the master, heartbeats.
 
 The node's memory outlives master restarts: when the master answers a heartbeat with
 ``remount_required`` (it restarted, or declared the node dead after a pause), the node mounts
-the same segment ids again; their bytes are untouched. Each mount answer carries the
-segment's data key (:mod:`pdserve.store.grants`), with which the tcp server checks every
-request range's grant; until the first answer it refuses them all. On SIGTERM it unmounts its segments,
-stops its servers and unlinks its shared memory.
+the same segment ids again; their bytes are untouched. Each mount tells the master the node's
+gRPC address (for re-replication copies) and its answer carries the segment's data key. On
+SIGTERM it unmounts its segments, stops its servers and unlinks its shared memory.
 """
 
 from __future__ import annotations
@@ -20,89 +19,19 @@ from pdserve import grpcutil
 from pdserve.discovery import leave, register_service
 from pdserve.identity import advertised
 from pdserve.lifecycle import announce_ready
-from pdserve.services.kvstore.node_config import NodeConfig
-from pdserve.store.segment import SegmentMemory, host_id, shm_name
-from pdserve.store.transports.base import TransportServer
+from pdserve.services.kvstore.node.config import NodeConfig
+from pdserve.services.kvstore.node.node import KVNode
+from pdserve.services.kvstore.node.servicer import NodeServicer
+from pdserve.store.transports.tcp_client import TcpTransport
 from pdserve.telemetry import serve_metrics
 from pdserve.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc, meta_pb2
 
-__all__ = ["KVNode", "NodeConfig", "serve"]
+__all__ = ["serve"]
 
 log = logging.getLogger(__name__)
 RPC_TIMEOUT_S = 2.0
-
-
-def _make_server(name: str, cfg: NodeConfig) -> TransportServer:
-    if name == "shm":
-        from pdserve.store.transports.shm import ShmServer
-
-        return ShmServer()
-    if name == "tcp":
-        from pdserve.store.transports.tcp import TcpServer
-
-        # the endpoint holds the address other hosts dial: the advertised one
-        host = advertised(cfg, 0).rsplit(":", 1)[0]
-        return TcpServer(cfg.host, cfg.tcp_port, cfg.grant_clock_skew_ms, cfg.idle_timeout_s, host)
-    from pdserve.store.transports.mooncake import MooncakeServer
-
-    return MooncakeServer(cfg.host)
-
-
-class KVNode:
-    """Segments plus the data servers that expose them (no gRPC; see :func:`serve`)."""
-
-    def __init__(self, cfg: NodeConfig) -> None:
-        self.cfg = cfg
-        self.host_id = cfg.host_id or host_id()
-        self.segments: list[SegmentMemory] = []
-        self.servers: list[TransportServer] = []
-        # Segments whose memory holds what the master may remember (mounted before, or a
-        # file a killed previous run left intact).
-        self.kept: set[str] = set()
-
-    def start(self) -> None:
-        for i, size in enumerate(self.cfg.segment_bytes()):
-            seg_id = f"{self.cfg.node_id}-seg{i}"
-            seg = SegmentMemory.create(seg_id, shm_name(seg_id), size, prefault=self.cfg.prefault)
-            if seg.reused:
-                log.warning("segment %s: kept the bytes a killed previous run left", seg_id)
-                self.kept.add(seg_id)
-            self.segments.append(seg)
-        for name in self.cfg.transports:
-            server = _make_server(name, self.cfg)
-            server.start(self.segments)
-            self.servers.append(server)
-
-    def segment_proto(self, seg: SegmentMemory) -> kvstore_pb2.Segment:
-        return kvstore_pb2.Segment(
-            segment_id=seg.segment_id,
-            node_id=self.cfg.node_id,
-            size=seg.size,
-            endpoints=[s.endpoint(seg, self.host_id) for s in self.servers],
-        )
-
-    def stats(self) -> kvstore_pb2.NodeStatsResponse:
-        return kvstore_pb2.NodeStatsResponse(
-            node_id=self.cfg.node_id,
-            segments=[self.segment_proto(s) for s in self.segments],
-            bytes_read=sum(s.bytes_read for s in self.servers),
-            bytes_written=sum(s.bytes_written for s in self.servers),
-        )
-
-    def stop(self) -> None:
-        for server in self.servers:
-            server.stop()
-        for seg in self.segments:
-            seg.unlink()
-
-
-class NodeServicer(kvstore_pb2_grpc.KVNodeServiceServicer):
-    def __init__(self, node: KVNode) -> None:
-        self.node = node
-
-    @grpcutil.rpc
-    async def Stats(self, request, context):
-        return self.node.stats()
+#: How long a re-replication copy may wait on the source node's tcp server (seconds).
+COPY_TIMEOUT_S = 10.0
 
 
 def _export_metrics(node: KVNode) -> None:
@@ -131,26 +60,32 @@ def _export_metrics(node: KVNode) -> None:
         Gauge(name, doc, registry=REGISTRY).set_function(fn)
 
 
-async def _mount_all(node: KVNode, stub: kvstore_pb2_grpc.KVMasterServiceStub) -> int:
-    """Mounts every segment; returns the heartbeat interval (ms) the master asked for."""
+async def _mount_all(node: KVNode, stub: kvstore_pb2_grpc.KVMasterServiceStub, address: str) -> int:
+    """Mounts every segment, saying the node's gRPC ``address``; returns the heartbeat
+    interval (ms) the master asked for."""
     interval = 1000
     for seg in node.segments:
         resp = await stub.MountSegment(
             kvstore_pb2.MountSegmentRequest(
-                segment=node.segment_proto(seg), keeps_bytes=seg.segment_id in node.kept
+                segment=node.segment_proto(seg),
+                keeps_bytes=seg.segment_id in node.kept,
+                node_address=address,
             ),
             timeout=RPC_TIMEOUT_S,
         )
         node.kept.add(seg.segment_id)
-        for server in node.servers:  # a restarted master has a new key
-            server.set_data_key(seg.segment_id, resp.data_key)
+        node.set_data_key(seg.segment_id, resp.data_key)  # a restarted master has a new key
         interval = resp.heartbeat_interval_ms or interval
     log.info("mounted %d segment(s) at %s", len(node.segments), node.cfg.master_address)
     return interval
 
 
 async def _heartbeat_loop(
-    node: KVNode, stub: kvstore_pb2_grpc.KVMasterServiceStub, interval_ms: int, stop: asyncio.Event
+    node: KVNode,
+    stub: kvstore_pb2_grpc.KVMasterServiceStub,
+    address: str,
+    interval_ms: int,
+    stop: asyncio.Event,
 ) -> None:
     req = kvstore_pb2.NodeHeartbeatRequest(
         node_id=node.cfg.node_id, segment_ids=[s.segment_id for s in node.segments]
@@ -165,7 +100,7 @@ async def _heartbeat_loop(
             resp = await stub.Heartbeat(req, timeout=RPC_TIMEOUT_S)
             if resp.remount_required:
                 log.warning("master asked for a remount; mounting the same segments again")
-                interval_ms = await _mount_all(node, stub)
+                interval_ms = await _mount_all(node, stub, address)
         except grpc.aio.AioRpcError as exc:
             log.warning("heartbeat to %s failed: %s", node.cfg.master_address, exc.code().name)
 
@@ -175,6 +110,7 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event) -> None:
     node = KVNode(cfg)
     server = None
     channel = grpcutil.channel(cfg.master_address)
+    tcp = TcpTransport(timeout_s=COPY_TIMEOUT_S)
     try:
         node.start()
         stub = kvstore_pb2_grpc.KVMasterServiceStub(channel)
@@ -182,7 +118,7 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event) -> None:
             [
                 (
                     kvstore_pb2_grpc.add_KVNodeServiceServicer_to_server,
-                    NodeServicer(node),
+                    NodeServicer(node, tcp),
                     "pdserve.v1.KVNodeService",
                 )
             ],
@@ -190,9 +126,10 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event) -> None:
         )
         _export_metrics(node)
         metrics_port = serve_metrics(cfg.metrics_port, cfg.host)
+        address = advertised(cfg, server.port)
         while True:
             try:
-                interval = await _mount_all(node, stub)
+                interval = await _mount_all(node, stub, address)
                 break
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:
@@ -219,13 +156,13 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event) -> None:
             meta_pb2.Instance(
                 instance_id=cfg.node_id,
                 role=common_pb2.ROLE_KVSTORE_NODE,
-                address=advertised(cfg, server.port),
+                address=address,
                 kv_capacity_bytes=sum(s.size for s in node.segments),
                 labels={"tcp": advertised(cfg, tcp_port), "transports": ",".join(cfg.transports)},
             ),
         )
         try:
-            await _heartbeat_loop(node, stub, interval, stop)
+            await _heartbeat_loop(node, stub, address, interval, stop)
         finally:
             await leave(meta_client)
         for seg in node.segments:
@@ -238,6 +175,7 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event) -> None:
                 log.warning("unmount of %s failed: %s", seg.segment_id, exc.code().name)
     finally:
         node.stop()
+        tcp.close()
         if server is not None:
             await server.stop(1.0)
         await channel.close()

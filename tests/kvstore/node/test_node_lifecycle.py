@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from pdserve import grpcutil, procs
-from pdserve.store.client import StoreClient, StoreOptions
+from pdserve.store import open_store
+from pdserve.store.api import StoreOptions
 from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 
@@ -31,7 +32,7 @@ def test_node_sigterm_unlinks_shm_and_unmounts(cluster_factory) -> None:
     node = c.add_node(segment_sizes="16MiB,8MiB")
     names = node.info["shm_names"]
     assert len(names) == 2 and all((Path("/dev/shm") / n).exists() for n in names)
-    client = StoreClient(c.address)
+    client = open_store(c.address)
     assert client.stats().capacity_bytes == 24 * 1024 * 1024
     assert node.stop() == 0
     assert shm_leftovers(node) == []
@@ -46,7 +47,7 @@ def test_node_sigterm_unlinks_shm_and_unmounts(cluster_factory) -> None:
 def test_node_stats_and_garbage_on_data_port(cluster_factory) -> None:
     c = cluster_factory()
     node = c.add_node(transports="tcp", metrics_port=0)
-    client = StoreClient(c.address, transport="tcp")
+    client = open_store(c.address, transport="tcp")
     data = _blob(1_000_000, 1)
     assert client.put("keep", data)
     rng = np.random.default_rng(2)
@@ -82,7 +83,7 @@ def test_node_survives_master_restart(tmp_path: Path) -> None:
     port = master.info["grpc"].rsplit(":", 1)[1]
     node = procs.start_node(master.info["grpc"], tmp_path / "logs", segment_sizes="16MiB")
     try:
-        client = StoreClient(master.info["grpc"], transport="tcp")
+        client = open_store(master.info["grpc"], transport="tcp")
         data = {f"k{i}": _blob(200_000 + i, i) for i in range(5)}
         client.batch_put(list(data.items()), StoreOptions(replicas=1))
         master.stop()
@@ -110,7 +111,7 @@ def test_node_duplicate_id_refused_and_restart_keeps_bytes(cluster_factory) -> N
     # A second node with the same id must not take over (or wipe) the live node's memory.
     with pytest.raises(ProcessStartError, match="same node id"):
         c.add_node(node_id=node_id, segment_sizes="8MiB", transports="tcp")
-    client = StoreClient(c.address, transport="tcp")
+    client = open_store(c.address, transport="tcp")
     data = _blob(500_000, 9)
     assert client.put("survivor", data)
     # SIGKILL and an immediate restart with the same id, before the master declares the node
@@ -128,10 +129,10 @@ def test_a_node_advertises_its_advertise_host_in_segment_endpoints(cluster_facto
     the master hands to readers carries --advertise-host, and reads through it work."""
     c = cluster_factory()
     node = c.add_node(transports="tcp", advertise_host="localhost")
-    with StoreClient(c.address, transport="tcp") as client:
+    with open_store(c.address, transport="tcp") as client:
         data = _blob(100_000, 3)
         assert client.put("adv", data) and client.get("adv") == data
-        (res,) = client._replica_lists(["adv"])
-        client._finish([res])
+        (res,) = client._reads.replica_lists(["adv"])
+        client._leases.release(["adv"])
     (rep,) = res.replicas
     assert [e.address for e in rep.endpoints] == [f"localhost:{node.info['tcp_port']}"]

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from pdserve import grpcutil
-from pdserve.store.client import StoreClient, StoreOptions
+from pdserve.store import open_store
+from pdserve.store.api import StoreOptions
 from pdserve.telemetry import REGISTRY
 from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 
@@ -30,7 +31,7 @@ def test_node_sigkill_failover(cluster_factory) -> None:
     c = cluster_factory()
     nodes = [c.add_node(segment_sizes="32MiB", transports="tcp") for _ in range(3)]
     stub = kvstore_pb2_grpc.KVMasterServiceStub(grpcutil.sync_channel(c.address))
-    client = StoreClient(c.address, transport="tcp", timeout_s=2.0)
+    client = open_store(c.address, transport="tcp", timeout_s=2.0)
     rng = np.random.default_rng(5)
     blobs = {
         f"obj-{i}": rng.integers(0, 256, 50_000 + i, dtype=np.uint8).tobytes() for i in range(30)

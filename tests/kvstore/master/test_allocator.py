@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.services.kvstore.allocator import ALIGNMENT, AllocatorError, OffsetAllocator
+from pdserve.services.kvstore.master.allocator import ALIGNMENT, AllocatorError, OffsetAllocator
 
 
 def check_invariants(a: OffsetAllocator) -> None:

@@ -7,7 +7,7 @@ object (key, size, pin, TTL deadline, replicas as segment id + node id + offset,
 checksum) and re-loads
 them on start as *dormant* replicas, which become visible again when their segment (same stable
 segment id, same node) remounts. Nodes may still re-report ``held`` objects on mount; the master
-accepts both paths (see :mod:`pdserve.services.kvstore.master_state`).
+accepts both paths (see :mod:`pdserve.services.kvstore.master.state`).
 
 Writes are batched: the master calls :meth:`MetadataStore.apply` once per RPC with every
 upsert and delete of that RPC, which is one transaction. Only JSON and plain columns are

@@ -19,7 +19,7 @@ from google.protobuf.message import DecodeError
 from pdserve import identity
 from pdserve.grpcutil import error_status
 from pdserve.identity import Identity
-from pdserve.services.kvstore.master_servicer import MasterHandlers
+from pdserve.services.kvstore.master.servicer import MasterHandlers
 from pdserve.store.netio import ConnectionServer
 from pdserve.store.wire import FRAME, HELLO, MAX_BODY, METHODS, FrameReader
 

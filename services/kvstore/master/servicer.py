@@ -1,6 +1,6 @@
 """KVMasterService: :class:`MasterHandlers` turns requests into :class:`MasterState` calls and
 results into responses (plain, synchronous, no gRPC); :class:`KVMasterServicer` is the thin
-gRPC layer over it, and the control wire (:mod:`.master_wire`) serves the same handlers.
+gRPC layer over it, and the control wire (:mod:`.wire`) serves the same handlers.
 
 Whole-call problems (empty batch, too many keys, bad options, unknown segment, duplicate
 mount) are raised as :mod:`pdserve.errors` and become statuses; per-item outcomes are
@@ -19,11 +19,11 @@ import grpc
 
 from pdserve.grpcutil import rpc
 from pdserve.identity import Identity, grpc_caller
-from pdserve.services.kvstore.events import EventHub
-from pdserve.services.kvstore.kv_events import KVEventLog
-from pdserve.services.kvstore.master_auth import authorize, owner_prefix
-from pdserve.services.kvstore.master_state import MasterState, ReplicaLoc
-from pdserve.services.kvstore.master_types import BlockMeta
+from pdserve.services.kvstore.master.auth import authorize, owner_prefix
+from pdserve.services.kvstore.master.events import EventHub
+from pdserve.services.kvstore.master.kv_events import KVEventLog
+from pdserve.services.kvstore.master.state import MasterState
+from pdserve.services.kvstore.master.types import BlockMeta, ReplicaLoc
 from pdserve.store.grants import OP_READ, OP_WRITE, GrantKey, new_master_key, segment_key_for
 from pdserve.store.transports.tcp import segment_key
 from pdserve.store.wire import VERSION as WIRE_VERSION
@@ -63,14 +63,14 @@ class MasterHandlers:
 
     def call(self, method: str, request: Any, caller: Identity | None = None) -> Any:
         """Runs the handler ``method`` for ``caller`` (None = a plaintext master: anyone)
-        once :func:`.master_auth.authorize` lets it."""
+        once :func:`.auth.authorize` lets it."""
         with self.lock:
             authorize(self.state, method, request, caller)
             if method == "BatchRemove":
                 return self.BatchRemove(request, caller)
             return getattr(self, method)(request)
 
-    def _fill(self, out, locs: Sequence[ReplicaLoc], size: int, op: int, expires_ms: int) -> None:
+    def fill(self, out, locs: Sequence[ReplicaLoc], size: int, op: int, expires_ms: int) -> None:
         """Appends a Replica per location to the repeated field ``out``: a copy of the
         segment's cached template (node, segment, endpoints) plus offset and size, about
         three times cheaper than building each one with its endpoints; with data tokens on,
@@ -115,6 +115,7 @@ class MasterHandlers:
             list(seg.endpoints),
             [(h.key, h.offset, h.size) for h in request.held],
             keeps_bytes=request.keeps_bytes,
+            address=request.node_address,
         )
         return pb.MountSegmentResponse(
             heartbeat_interval_ms=self.state.cfg.heartbeat_interval_ms,
@@ -150,7 +151,7 @@ class MasterHandlers:
             res = resp.results.add(
                 key=r.key, code=r.code, message=r.message, already_exists=r.already_exists
             )
-            self._fill(res.replicas, r.replicas, item.size, OP_WRITE, expires)
+            self.fill(res.replicas, r.replicas, item.size, OP_WRITE, expires)
         return resp
 
     def BatchPutEnd(self, request: pb.BatchKeysRequest) -> pb.BatchKeysResponse:
@@ -163,7 +164,6 @@ class MasterHandlers:
         self, request: pb.BatchGetReplicaListRequest
     ) -> pb.BatchGetReplicaListResponse:
         outcomes = self.state.get_replicas(request.client_id, list(request.keys), request.lease_ms)
-        objs = self.state.objects
         resp = pb.BatchGetReplicaListResponse()
         for r in outcomes:
             res = resp.results.add(
@@ -175,7 +175,7 @@ class MasterHandlers:
                 lease_ms=r.lease_ms,
             )
             if r.replicas:
-                self._fill(res.replicas, r.replicas, objs[r.key].size, OP_READ, r.lease_expires_ms)
+                self.fill(res.replicas, r.replicas, r.size, OP_READ, r.lease_expires_ms)
         return resp
 
     def BatchReleaseLease(self, request: pb.BatchKeysRequest) -> pb.BatchKeysResponse:
@@ -298,13 +298,7 @@ class KVMasterServicer(kvstore_pb2_grpc.KVMasterServiceServicer):
                 from_seq = request.from_seq if request.HasField("from_seq") else None
                 return events.subscribe(from_seq=from_seq)
             with self.h.lock:  # the keys and the subscription at one point of the history
-                now = self.h.state.clock.mono()
-                keys = [
-                    k
-                    for k, o in self.h.state.objects.items()
-                    if not (o.ttl_deadline and o.ttl_deadline <= now)  # as LongestPrefix
-                ]
-                return events.subscribe(snapshot=keys)
+                return events.subscribe(snapshot=self.h.state.visible_keys())
 
         sub, first = await asyncio.to_thread(subscribe)
         try:

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from pdserve.config import ConfigError, load
-from pdserve.services.kvstore.node_config import NodeConfig
+from pdserve.services.kvstore.node.config import NodeConfig
 from pdserve.sizes import parse_size
 from pdserve.store.segment import shm_name
 
@@ -53,7 +53,7 @@ def test_node_shm_names_are_safe() -> None:
 @pytest.mark.slow
 def test_node_cli_rejects_bad_size() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "kvstore", "node", "--segment-sizes", "12XB"],
+        [sys.executable, "-m", "pdserve.commands.cli", "kvstore", "node", "--segment-sizes", "12XB"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -1,0 +1,94 @@
+"""The master's evictor: which committed objects go when space runs short, as Mooncake's
+master hands eviction to its own strategy object.
+
+LRU (last put end, get or prefix hit), soft-pinned objects only after every other candidate,
+never a leased one (pending puts are not candidates at all). It evicts on demand, when an
+allocation fails, and between the watermarks, when a segment or the pool passes
+``high_watermark`` (down to ``low_watermark``). It reads the object and segment tables and
+removes objects through the ``evict`` callable it is given (the facade's, which frees the
+space, journals the removal and publishes the event).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from pdserve.services.kvstore.master.config import MasterConfig
+from pdserve.services.kvstore.master.objects import ObjectTable
+from pdserve.services.kvstore.master.placement import PlacementStrategy
+from pdserve.services.kvstore.master.segments import SegmentTable
+from pdserve.services.kvstore.master.types import ObjectState, ReplicaLoc
+
+
+class Evictor:
+    def __init__(
+        self,
+        cfg: MasterConfig,
+        objects: ObjectTable,
+        segments: SegmentTable,
+        evict: Callable[[ObjectState], None],
+    ) -> None:
+        self.cfg = cfg
+        self.objects = objects
+        self.segments = segments
+        self.evict = evict
+
+    def candidates(self, now: float, segment_id: str | None = None) -> Iterator[ObjectState]:
+        """Evictable objects (on ``segment_id`` when given) in eviction order. One pass over
+        a snapshot; objects removed meanwhile are skipped."""
+        pinned: list[ObjectState] = []
+        for obj in self.objects.lru():
+            if segment_id is not None and not any(r.segment_id == segment_id for r in obj.replicas):
+                continue
+            if obj.soft_pin:
+                pinned.append(obj)
+            elif self._evictable(obj, now):
+                yield obj
+        for obj in pinned:
+            if self._evictable(obj, now):
+                yield obj
+
+    def _evictable(self, obj: ObjectState, now: float) -> bool:
+        return self.objects.get(obj.key) is obj and not obj.leased(now)
+
+    def make_room(
+        self, strategy: PlacementStrategy, size: int, n_rep: int, now: float
+    ) -> list[ReplicaLoc] | None:
+        """``n_rep`` new ranges of ``size`` bytes on distinct nodes (as
+        :meth:`.segments.SegmentTable.try_place`), evicting in LRU order (at most
+        ``max_evictions_per_alloc`` objects) until they fit; None when they never do."""
+        locs = self.segments.try_place(strategy, size, n_rep)
+        if locs is not None:
+            return locs
+        victims = self.candidates(now)
+        for _ in range(self.cfg.max_evictions_per_alloc):
+            victim = next(victims, None)
+            if victim is None:
+                return None
+            self.evict(victim)
+            locs = self.segments.try_place(strategy, size, n_rep)
+            if locs is not None:
+                return locs
+        return None
+
+    def to_watermarks(self, now: float) -> int:
+        """Evicts every segment, then the pool, above the high watermark down to the low
+        one; returns how many objects went."""
+        cfg = self.cfg
+        evicted = 0
+        for seg in self.segments.live():
+            if seg.capacity == 0 or seg.used <= cfg.high_watermark * seg.capacity:
+                continue
+            for obj in self.candidates(now, seg.segment_id):
+                if seg.used <= cfg.low_watermark * seg.capacity:
+                    break
+                self.evict(obj)
+                evicted += 1
+        cap = self.segments.capacity()
+        if cap and self.segments.used() > cfg.high_watermark * cap:
+            for obj in self.candidates(now):
+                if self.segments.used() <= cfg.low_watermark * cap:
+                    break
+                self.evict(obj)
+                evicted += 1
+        return evicted

@@ -1,0 +1,293 @@
+"""The master's object table: committed objects in LRU order, pending puts, read leases, TTLs
+and the byte accounting of what is committed.
+
+It holds the :class:`~.types.ObjectState` records and answers the read path (replica lists
+with their leases, exists, longest prefix, lease release) by itself. Whatever else an object's
+life touches (its replicas' space, the journal, events) is the facade's
+(:class:`~.state.MasterState`) to combine: :meth:`ObjectTable.drop` only forgets an object.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+
+from pdserve.services.kvstore.master.config import MasterConfig
+from pdserve.services.kvstore.master.limits import key_problem
+from pdserve.services.kvstore.master.types import (
+    CHECKSUM_BYTES,
+    MAX_BLOCK_TOKENS,
+    OK,
+    BlockMeta,
+    Counters,
+    GetOutcome,
+    KeyOutcome,
+    ObjectState,
+    ReplicaLoc,
+    is_block_key,
+)
+from pdserve.v1 import kvstore_pb2 as pb
+
+
+def _block_problem(block: BlockMeta) -> str:
+    """Why a put's KV block metadata is invalid, or "" when it is fine."""
+    if len(block.tokens) % 4:
+        return f"block.token_ids has {len(block.tokens)} bytes, not a multiple of 4 (uint32)"
+    if len(block.tokens) > 4 * MAX_BLOCK_TOKENS:
+        return f"block.token_ids holds more than {MAX_BLOCK_TOKENS} tokens"
+    if block.parent and not is_block_key(block.parent):
+        return "block.parent_key must be a chunk key (64 hex characters) or empty"
+    if len(block.medium) > 32:
+        return "block.medium is longer than 32 characters"
+    return ""
+
+
+def item_problem(
+    cfg: MasterConfig, key: str, size: int, data: bytes, checksum: bytes, block: BlockMeta | None
+) -> str:
+    """Why one put item is invalid, or "" when it is fine."""
+    problem = key_problem(cfg, key)
+    if not problem and block is not None:
+        problem = _block_problem(block)
+    if not problem and size <= 0:
+        problem = f"size must be > 0, got {size}"
+    if not problem and size > cfg.max_object_bytes:
+        problem = f"size {size} exceeds max_object_bytes={cfg.max_object_bytes}"
+    if not problem and len(checksum) not in (0, CHECKSUM_BYTES):
+        problem = f"checksum has {len(checksum)} bytes; want {CHECKSUM_BYTES} or none"
+    if not problem and data and len(data) != size:
+        problem = f"inline_data has {len(data)} bytes, the object {size}"
+    if not problem and len(data) > cfg.inline_max_bytes:
+        problem = (
+            f"inline_data of {len(data)} bytes exceeds inline_max_bytes={cfg.inline_max_bytes}"
+        )
+    return problem
+
+
+def expired(obj: ObjectState, now: float) -> bool:
+    """Whether ``obj``'s TTL ended by ``now`` (monotonic seconds)."""
+    return bool(obj.ttl_deadline) and obj.ttl_deadline <= now
+
+
+class ObjectTable(Mapping[str, ObjectState]):
+    """A read-only mapping of the committed objects (least recently used first), plus the
+    pending puts and the calls that change either. Single-threaded, like the facade."""
+
+    def __init__(self, cfg: MasterConfig, counters: Counters) -> None:
+        self.cfg = cfg
+        self.counters = counters
+        self._lru: OrderedDict[str, ObjectState] = OrderedDict()
+        self._pending: dict[str, ObjectState] = {}
+        # (monotonic TTL deadline, key) of committed objects with a TTL.
+        self._ttl_heap: list[tuple[float, str]] = []
+        #: Bytes of committed objects (object size, not per replica).
+        self.used_bytes = 0
+        #: Bytes of committed objects kept inline.
+        self.inline_bytes = 0
+
+    # ------------------------------------------------------------------ the mapping
+
+    def __getitem__(self, key: str) -> ObjectState:
+        return self._lru[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._lru)
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def visible(self, key: str, now: float) -> ObjectState | None:
+        """The committed object ``key`` unless its TTL ended."""
+        obj = self._lru.get(key)
+        return None if obj is None or expired(obj, now) else obj
+
+    def visible_keys(self, now: float) -> list[str]:
+        """Every key a reader can see now, least recently used first."""
+        return [k for k, o in self._lru.items() if not expired(o, now)]
+
+    def lru(self) -> list[ObjectState]:
+        """A snapshot of the committed objects, least recently used first."""
+        return list(self._lru.values())
+
+    def on_segment(self, segment_id: str) -> list[ObjectState]:
+        """The committed objects with a replica on ``segment_id``."""
+        return [
+            o for o in self._lru.values() if any(r.segment_id == segment_id for r in o.replicas)
+        ]
+
+    # ------------------------------------------------------------------ pending puts
+
+    def pending(self, key: str) -> ObjectState | None:
+        return self._pending.get(key)
+
+    @property
+    def pending_count(self) -> int:
+        return len(self._pending)
+
+    def add_pending(self, obj: ObjectState) -> None:
+        self._pending[obj.key] = obj
+
+    def take_pending(self, key: str) -> ObjectState:
+        return self._pending.pop(key)
+
+    def timed_out_puts(self, now: float) -> list[ObjectState]:
+        """Takes out the pending puts whose time is up."""
+        late = [k for k, o in self._pending.items() if o.put_deadline <= now]
+        return [self._pending.pop(k) for k in late]
+
+    def strip_pending(self, segment_id: str) -> None:
+        """Forgets the pending puts' replicas on ``segment_id`` (its node is gone)."""
+        for obj in self._pending.values():
+            obj.replicas = [r for r in obj.replicas if r.segment_id != segment_id]
+
+    # ------------------------------------------------------------------ commit and drop
+
+    def commit(self, obj: ObjectState, now: float) -> None:
+        """Makes the pending put ``obj`` (already taken out) a committed object, most
+        recently used; its inline bytes are dropped when the inline budget is full."""
+        obj.put_deadline = 0.0
+        self._set_ttl(obj, now + obj.ttl_ms / 1000 if obj.ttl_ms else 0.0)
+        if self.inline_bytes + len(obj.inline) > self.cfg.inline_capacity_bytes:
+            obj.inline = b""  # full: served from its replicas like any other
+        self.inline_bytes += len(obj.inline)
+        self._lru[obj.key] = obj
+        self.used_bytes += obj.size
+        self.counters.puts += 1
+
+    def restore(self, obj: ObjectState, ttl_deadline: float) -> None:
+        """Adds an object brought back from a node or the journal, as the coldest."""
+        self._set_ttl(obj, ttl_deadline)
+        self._lru[obj.key] = obj
+        self._lru.move_to_end(obj.key, last=False)
+        self.used_bytes += obj.size
+
+    def drop(self, obj: ObjectState) -> None:
+        """Forgets the committed object ``obj`` (its replicas' space is the caller's)."""
+        del self._lru[obj.key]
+        self.used_bytes -= obj.size
+        self.inline_bytes -= len(obj.inline)
+
+    def add_replica(self, obj: ObjectState, replica: ReplicaLoc) -> None:
+        obj.replicas.append(replica)
+
+    def strip_segment(self, obj: ObjectState, segment_id: str) -> list[ReplicaLoc]:
+        """Takes ``obj``'s replicas on ``segment_id`` out; returns them."""
+        mine = [r for r in obj.replicas if r.segment_id == segment_id]
+        obj.replicas = [r for r in obj.replicas if r.segment_id != segment_id]
+        return mine
+
+    # ------------------------------------------------------------------ TTLs and leases
+
+    def _set_ttl(self, obj: ObjectState, deadline: float) -> None:
+        obj.ttl_deadline = deadline
+        if deadline:
+            heapq.heappush(self._ttl_heap, (deadline, obj.key))
+
+    def expired_ttls(self, now: float) -> list[ObjectState]:
+        """The objects whose TTL ended and that no reader holds (they are invisible from the
+        deadline on; a leased one keeps its space until the lease ends)."""
+        still_leased, out = [], []
+        heap = self._ttl_heap
+        while heap and heap[0][0] <= now:
+            deadline, key = heapq.heappop(heap)
+            obj = self._lru.get(key)
+            if obj is None or obj.ttl_deadline != deadline:
+                continue  # removed, or a newer object under the same key
+            if obj.leased(now):
+                still_leased.append((deadline, key))
+            else:
+                out.append(obj)
+        for item in still_leased:
+            heapq.heappush(heap, item)
+        return out
+
+    @staticmethod
+    def lease(obj: ObjectState, holder: str, until: float) -> float:
+        """Extends ``holder``'s read lease of ``obj`` to ``until``; returns its end."""
+        end = obj.leases[holder] = max(obj.leases.get(holder, 0.0), until)
+        return end
+
+    @staticmethod
+    def unlease(obj: ObjectState, holder: str) -> bool:
+        """Ends ``holder``'s lease of ``obj``; False when it held none."""
+        return obj.leases.pop(holder, None) is not None
+
+    # ------------------------------------------------------------------ reads
+
+    def touch(self, keys: Sequence[str]) -> None:
+        """Marks ``keys`` (committed, in chain order) most recently used, the first key most
+        recent of all: LRU eviction then takes a chain's deepest chunks first, so what is
+        left of a prefix stays a usable prefix (a lost head would strand the rest)."""
+        for key in reversed(keys):
+            self._lru.move_to_end(key)
+
+    def get_replicas(
+        self, client_id: str, keys: Sequence[str], lease_s: float, now: float, wall_ms: float
+    ) -> list[GetOutcome]:
+        """Each key's replicas, leased to ``client_id`` for ``lease_s`` more seconds."""
+        until = now + lease_s
+        out = []
+        found: list[str] = []
+        for key in keys:
+            obj = self.visible(key, now)
+            if obj is None:
+                problem = key_problem(self.cfg, key)
+                out.append(GetOutcome(key, pb.KV_INVALID if problem else pb.KV_NOT_FOUND))
+                continue
+            found.append(key)
+            lease = self.lease(obj, client_id, until)
+            out.append(
+                GetOutcome(
+                    key,
+                    OK,
+                    obj.size,
+                    tuple(obj.replicas),
+                    int(wall_ms + (lease - now) * 1000),
+                    obj.inline,
+                    obj.checksum,
+                    int((lease - now) * 1000),
+                )
+            )
+        self.touch(found)
+        self.counters.gets += len(keys)
+        self.counters.get_hits += len(found)
+        return out
+
+    def release(self, client_id: str, keys: Sequence[str]) -> list[KeyOutcome]:
+        out = []
+        for key in keys:
+            obj = self._lru.get(key)
+            if obj is None:
+                out.append(KeyOutcome(key, pb.KV_NOT_FOUND, "no such object"))
+            elif self.unlease(obj, client_id):
+                out.append(KeyOutcome(key, OK))
+            else:
+                out.append(KeyOutcome(key, OK, "this client held no lease"))
+        return out
+
+    def exists(self, keys: Sequence[str], now: float) -> list[bool]:
+        objs = self._lru
+        out = []
+        for key in keys:
+            o = objs.get(key)
+            out.append(o is not None and not (o.ttl_deadline and o.ttl_deadline <= now))
+        return out
+
+    def longest_prefix(self, keys: Sequence[str], now: float) -> int:
+        """Number of leading keys that are committed: a plain dict walk. The keys found
+        count as used for LRU eviction, as a read does: a worker asks this of every prompt
+        it schedules, and a prefix that its own cache serves (so it reads nothing from the
+        store) is still in demand; without the touch a hot prefix would age out behind the
+        one-off tails written after it."""
+        objs = self._lru
+        n = 0
+        for key in keys:
+            o = objs.get(key)
+            if o is None or (o.ttl_deadline and o.ttl_deadline <= now):
+                break
+            n += 1
+        self.touch(keys[:n])
+        self.counters.prefix_queries += 1
+        self.counters.prefix_hit_keys += n
+        return n

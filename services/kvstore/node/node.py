@@ -1,0 +1,95 @@
+"""A KV store storage node's memory and data servers: :class:`KVNode` owns the segments,
+serves them on the data plane (shm / tcp / mooncake) and keeps each segment's data key
+(:mod:`pdserve.store.grants`), with which the tcp server checks every request range's grant;
+until the first mount answer it refuses them all. The process around it (gRPC, mount,
+heartbeats) is :mod:`.serve`."""
+
+from __future__ import annotations
+
+import logging
+
+from pdserve.identity import advertised
+from pdserve.services.kvstore.node.config import NodeConfig
+from pdserve.store.segment import SegmentMemory, host_id, shm_name
+from pdserve.store.transports.base import TransportServer
+from pdserve.v1 import kvstore_pb2
+
+log = logging.getLogger(__name__)
+
+
+def _make_server(name: str, cfg: NodeConfig) -> TransportServer:
+    if name == "shm":
+        from pdserve.store.transports.shm import ShmServer
+
+        return ShmServer()
+    if name == "tcp":
+        from pdserve.store.transports.tcp_server import TcpServer
+
+        # the endpoint holds the address other hosts dial: the advertised one
+        host = advertised(cfg, 0).rsplit(":", 1)[0]
+        return TcpServer(cfg.host, cfg.tcp_port, cfg.grant_clock_skew_ms, cfg.idle_timeout_s, host)
+    from pdserve.store.transports.mooncake import MooncakeServer
+
+    return MooncakeServer(cfg.host)
+
+
+class KVNode:
+    """Segments plus the data servers that expose them (no gRPC; see :func:`serve`)."""
+
+    def __init__(self, cfg: NodeConfig) -> None:
+        self.cfg = cfg
+        self.host_id = cfg.host_id or host_id()
+        self.segments: list[SegmentMemory] = []
+        self.servers: list[TransportServer] = []
+        # Segments whose memory holds what the master may remember (mounted before, or a
+        # file a killed previous run left intact).
+        self.kept: set[str] = set()
+        # segment id -> its data key from the last mount answer (b"" = data tokens off);
+        # a segment not mounted yet has none.
+        self.data_keys: dict[str, bytes] = {}
+        #: Bytes copied into this node's segments for re-replication (CopyReplica).
+        self.bytes_copied = 0
+
+    def start(self) -> None:
+        for i, size in enumerate(self.cfg.segment_bytes()):
+            seg_id = f"{self.cfg.node_id}-seg{i}"
+            seg = SegmentMemory.create(seg_id, shm_name(seg_id), size, prefault=self.cfg.prefault)
+            if seg.reused:
+                log.warning("segment %s: kept the bytes a killed previous run left", seg_id)
+                self.kept.add(seg_id)
+            self.segments.append(seg)
+        for name in self.cfg.transports:
+            server = _make_server(name, self.cfg)
+            server.start(self.segments)
+            self.servers.append(server)
+
+    def segment(self, segment_id: str) -> SegmentMemory | None:
+        return next((s for s in self.segments if s.segment_id == segment_id), None)
+
+    def set_data_key(self, segment_id: str, key: bytes) -> None:
+        """The master's answer to a mount: the key ``segment_id``'s grants are checked with."""
+        self.data_keys[segment_id] = key
+        for server in self.servers:
+            server.set_data_key(segment_id, key)
+
+    def segment_proto(self, seg: SegmentMemory) -> kvstore_pb2.Segment:
+        return kvstore_pb2.Segment(
+            segment_id=seg.segment_id,
+            node_id=self.cfg.node_id,
+            size=seg.size,
+            endpoints=[s.endpoint(seg, self.host_id) for s in self.servers],
+        )
+
+    def stats(self) -> kvstore_pb2.NodeStatsResponse:
+        return kvstore_pb2.NodeStatsResponse(
+            node_id=self.cfg.node_id,
+            segments=[self.segment_proto(s) for s in self.segments],
+            bytes_read=sum(s.bytes_read for s in self.servers),
+            bytes_written=sum(s.bytes_written for s in self.servers),
+        )
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+        for seg in self.segments:
+            seg.unlink()
