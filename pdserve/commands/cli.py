@@ -24,7 +24,7 @@ COMMAND_MODULES = [
     "pdserve.services.prefill.cli",
     "pdserve.services.decode.cli",
     "pdserve.services.kvstore.cli",
-    "pdserve.mooncake_cli",
+    "pdserve.commands.mooncake",
     "pdserve.services.meta.cli",
     "pdserve.model.cli",
     "pdserve.bench.cli",

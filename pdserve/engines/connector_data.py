@@ -6,7 +6,6 @@ from which blocks). See :mod:`pdserve.engines.vllm_connector` for the flow."""
 
 from __future__ import annotations
 
-import importlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +18,6 @@ log = logging.getLogger("pdserve.engines.vllm_connector")
 
 #: Key of pdserve's entry in a request's ``kv_transfer_params``.
 PARAMS_KEY = "pdserve"
-DEFAULT_STORE_CLIENT = "pdserve.store.client.StoreClient"
 
 
 @dataclass(frozen=True)
@@ -31,7 +29,6 @@ class ConnectorSettings:
     fingerprint: hashing.ModelFingerprint
     tail_ttl_ms: int = 30_000
     transport: str = "auto"
-    store_client: str = DEFAULT_STORE_CLIENT
     replicas: int = 1
     #: timeout of one store operation (seconds), the engine's ``store_timeout_s``
     timeout_s: float = 5.0
@@ -50,7 +47,6 @@ class ConnectorSettings:
             fingerprint=hashing.ModelFingerprint.from_labels(extra["fingerprint"]),
             tail_ttl_ms=int(extra.get("tail_ttl_ms", 30_000)),
             transport=str(extra.get("transport", "auto")),
-            store_client=str(extra.get("store_client", DEFAULT_STORE_CLIENT)),
             replicas=int(extra.get("replicas", 1)),
             timeout_s=float(extra.get("timeout_s", 5.0)),
             backend=str(extra.get("store_backend", "pdserve")),
@@ -65,13 +61,11 @@ class ConnectorSettings:
     def make_client(self) -> Any:
         if identity.tls() is None:  # this process is vLLM's: take the worker's identity
             identity.configure_files(identity.TlsFiles.load(*self.tls_paths))
-        if self.backend == "mooncake":
-            from pdserve.store import open_store
+        from pdserve.store import open_store
 
+        if self.backend == "mooncake":
             return open_store(self.master_address, backend="mooncake", **self.backend_options)
-        module, _, name = self.store_client.rpartition(".")
-        cls = getattr(importlib.import_module(module), name)
-        return cls(self.master_address, transport=self.transport, timeout_s=self.timeout_s)
+        return open_store(self.master_address, transport=self.transport, timeout_s=self.timeout_s)
 
 
 def extra_config(
@@ -80,7 +74,6 @@ def extra_config(
     *,
     tail_ttl_ms: int = 30_000,
     transport: str = "auto",
-    store_client: str = DEFAULT_STORE_CLIENT,
     replicas: int = 1,
     timeout_s: float = 5.0,
     backend: str = "pdserve",
@@ -95,7 +88,6 @@ def extra_config(
         "fingerprint": fingerprint.to_labels(),
         "tail_ttl_ms": tail_ttl_ms,
         "transport": transport,
-        "store_client": store_client,
         "replicas": replicas,
         "timeout_s": timeout_s,
         "store_backend": backend,

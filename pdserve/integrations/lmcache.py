@@ -238,10 +238,9 @@ class PluginSettings:
             os.environ.get(f"PDSERVE_TLS_{v}") for v in ("CA", "CERT", "KEY")
         ):
             identity.configure_env()
-        kwargs: dict[str, Any] = {"timeout_s": self.timeout_s}
-        if self.backend == "pdserve":
-            kwargs["transport"] = self.transport
-        return open_store(self.master_address, backend=self.backend, **kwargs)
+        if self.backend == "mooncake":  # Mooncake's client takes no transport or timeout
+            return open_store(self.master_address, backend="mooncake")
+        return open_store(self.master_address, transport=self.transport, timeout_s=self.timeout_s)
 
 
 def _to_bool(value: Any) -> bool:

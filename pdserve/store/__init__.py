@@ -17,8 +17,19 @@ BACKENDS = ("pdserve", "mooncake")
 
 
 def open_store(master_address: str, *, backend: str = "pdserve", **kwargs: Any) -> StoreBackend:
-    """A store client: pdserve's own store (``StoreClient``) or a Mooncake Store cluster
-    (``MooncakeStoreClient``); ``kwargs`` go to the backend's constructor."""
+    """The one way to open a store client (code outside :mod:`pdserve.store` constructs no
+    backend class itself); ``kwargs`` go to the backend's constructor:
+
+    * ``backend="pdserve"``: pdserve's own store (:class:`pdserve.store.client.StoreClient`).
+      ``master_address`` is the KV store master's gRPC HOST:PORT; ``transport`` ("auto",
+      "shm", "tcp", "mooncake"), ``timeout_s`` (one master call or transfer), ``control``
+      ("auto": the master's control wire when it has one, or "grpc"), ``put_retries``,
+      ``client_id``.
+    * ``backend="mooncake"``: a Mooncake Store cluster
+      (:class:`pdserve.store.mooncake_backend.MooncakeStoreClient`). ``master_address`` is
+      the ``mooncake_master`` HOST:PORT; ``segment_bytes`` (memory contributed, 0 = none),
+      ``buffer_bytes``, ``host``, ``metadata_server``, ``protocol``, ``device_name``: what
+      :meth:`StoreBackendConfig.mooncake_options` gives."""
     if backend == "pdserve":
         from pdserve.store.client import StoreClient
 

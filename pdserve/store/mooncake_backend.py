@@ -5,35 +5,29 @@ Mooncake differs from pdserve's store in ways the API hides or documents:
 * ``put`` of an existing key is a silent no-op there; this backend asks ``batch_is_exist``
   first so that ``put`` still answers False for an existing key.
 * Storage lives in the segments clients contribute (``global_segment_size``); run
-  ``python -m pdserve.store.mooncake_backend serve`` to contribute memory from a process of
-  its own, the way a pdserve storage node does.
+  ``pdserve mooncake storage`` (:mod:`pdserve.commands.mooncake`) to contribute memory from a
+  process of its own, the way a pdserve storage node does.
 * ``longest_prefix`` is ``batch_is_exist`` plus a count on the client side.
 * Mooncake's ``get`` / ``is_exist`` hold read leases the client cannot release, so
   ``remove`` waits (bounded) for them to lapse.
 
 Connection: P2PHANDSHAKE metadata (no metadata server), tcp protocol, 127.0.0.1 by default;
-services choose it with ``--store-backend mooncake`` (``pdserve.store.StoreBackendConfig``).
+services choose it with ``--store-backend mooncake`` (``pdserve.store.StoreBackendConfig``), and
+code opens it with ``pdserve.store.open_store(..., backend="mooncake")``. A local cluster for
+tests and benchmarks: :mod:`pdserve.store.mooncake_cluster`.
 Mooncake has no per-object TTL: request-scoped tail chunks stay until evicted.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from pdserve import errors
-from pdserve.lifecycle import parse_ready
 from pdserve.store.api import (
     DEFAULT_OPTIONS,
     StoreBackend,
@@ -53,126 +47,12 @@ _KV_CODES = {NO_AVAILABLE_HANDLE: kvstore_pb2.KV_NO_SPACE}
 
 
 def available() -> bool:
+    """Whether the mooncake package (its store binding) is installed."""
     try:
         import mooncake.store  # noqa: F401
     except ImportError:
         return False
     return True
-
-
-def master_binary() -> Path:
-    """The ``mooncake_master`` executable shipped inside the installed wheel."""
-    import mooncake
-
-    path = Path(mooncake.__file__).with_name("mooncake_master")
-    if not path.exists():
-        raise FileNotFoundError(f"mooncake_master not found next to {mooncake.__file__}")
-    return path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class MooncakeMaster:
-    """A ``mooncake_master`` child process (its own process group)."""
-
-    popen: subprocess.Popen
-    address: str
-
-    @classmethod
-    def start(cls, log_path: Path, *, lease_ms: int = 5000) -> MooncakeMaster:
-        port, metrics = _free_port(), _free_port()
-        log = log_path.open("w")
-        popen = subprocess.Popen(
-            [
-                str(master_binary()),
-                f"-rpc_port={port}",
-                "-rpc_address=127.0.0.1",
-                f"-metrics_port={metrics}",
-                f"-default_kv_lease_ttl={lease_ms}",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        log.close()
-        address = f"127.0.0.1:{port}"
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if popen.poll() is not None:
-                raise RuntimeError(f"mooncake_master exited: {log_path.read_text()[-2000:]}")
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                return cls(popen, address)
-            except OSError:
-                time.sleep(0.1)
-        os.killpg(popen.pid, signal.SIGKILL)
-        raise RuntimeError("mooncake_master did not listen within 20 s")
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            os.killpg(self.popen.pid, signal.SIGTERM)
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait()
-
-
-@dataclass
-class MooncakeCluster:
-    """A local Mooncake Store: ``mooncake_master`` plus one process contributing a segment
-    (``python -m pdserve.store.mooncake_backend serve``), for tests and benchmarks."""
-
-    master: MooncakeMaster
-    storage: subprocess.Popen
-
-    @property
-    def address(self) -> str:
-        return self.master.address
-
-    @classmethod
-    def start(
-        cls, log_dir: Path, segment_size: str | int, *, lease_ms: int = 5000
-    ) -> MooncakeCluster:
-        log_dir.mkdir(parents=True, exist_ok=True)
-        master = MooncakeMaster.start(log_dir / "mooncake_master.log", lease_ms=lease_ms)
-        with (log_dir / "mooncake_storage.log").open("w") as log:
-            storage = subprocess.Popen(
-                [sys.executable, "-m", "pdserve.store.mooncake_backend", "serve",
-                 "--master", master.address, "--segment-size", str(segment_size)],
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-                start_new_session=True,
-                env={**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"},
-            )  # fmt: skip
-        cluster = cls(master, storage)
-        deadline = time.monotonic() + 60
-        assert storage.stdout is not None
-        while time.monotonic() < deadline:
-            line = storage.stdout.readline()
-            if not line:
-                cluster.stop()
-                raise RuntimeError("mooncake storage process exited before READY")
-            if parse_ready(line) is not None:
-                return cluster
-        cluster.stop()
-        raise RuntimeError("mooncake storage process not ready in 60 s")
-
-    def stop(self) -> None:
-        if self.storage.poll() is None:
-            os.killpg(self.storage.pid, signal.SIGTERM)
-            try:
-                self.storage.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.storage.pid, signal.SIGKILL)
-                self.storage.wait()
-        self.master.stop()
 
 
 class MooncakeStoreClient(StoreBackend):
@@ -326,32 +206,3 @@ class MooncakeStoreClient(StoreBackend):
             if self._store is not None:
                 self._store.close()
                 self._store = None
-
-
-def _serve(args: argparse.Namespace) -> None:
-    """Contributes a segment to a Mooncake cluster until SIGTERM (a Mooncake "storage node")."""
-    from pdserve.lifecycle import announce_ready
-    from pdserve.sizes import parse_size
-
-    store = MooncakeStoreClient(
-        args.master, segment_bytes=parse_size(args.segment_size, what="--segment-size")
-    )
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    announce_ready("mooncake-storage", master=args.master)
-    stop.wait()
-    store.close()
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m pdserve.store.mooncake_backend")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    serve = sub.add_parser("serve", help="contribute a memory segment to a Mooncake Store")
-    serve.add_argument("--master", required=True, help="mooncake_master address host:port")
-    serve.add_argument("--segment-size", default="256MiB", help="segment size (e.g. 1GiB)")
-    args = parser.parse_args(argv)
-    _serve(args)
-
-
-if __name__ == "__main__":
-    main()

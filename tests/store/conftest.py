@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdserve.store.mooncake_backend import MooncakeCluster
+from pdserve.store.mooncake_cluster import MooncakeCluster
 
 
 @pytest.fixture(scope="module")

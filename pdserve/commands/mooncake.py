@@ -38,24 +38,9 @@ def _stop_event() -> threading.Event:
     return stop
 
 
-def master_command(host: str, port: int, metrics_port: int, lease_ms: int) -> list[str]:
-    """The ``mooncake_master`` command line: RPC and metrics bound to ``host``, no HTTP
-    metadata server of its own (pdserve meta serves that protocol)."""
-    from pdserve.store.mooncake_backend import master_binary
-
-    return [
-        str(master_binary()),
-        f"-rpc_address={host}",
-        f"-rpc_port={port}",
-        f"-metrics_host={host}",
-        f"-metrics_port={metrics_port}",
-        f"-default_kv_lease_ttl={lease_ms}",
-        "-enable_http_metadata_server=false",
-    ]
-
-
 def _master(args: argparse.Namespace) -> int:
     from pdserve.lifecycle import announce_ready
+    from pdserve.store.mooncake_cluster import master_command
 
     stop = _stop_event()
     metrics = args.metrics_port or _free_port(args.host)
@@ -105,13 +90,14 @@ def _storage(args: argparse.Namespace) -> int:
     from pdserve import errors
     from pdserve.lifecycle import announce_ready
     from pdserve.sizes import parse_size
-    from pdserve.store.mooncake_backend import MooncakeStoreClient
+    from pdserve.store import open_store
 
     stop = _stop_event()
     segment = parse_size(args.segment_size, what="segment_size", minimum=0)
     try:
-        store = MooncakeStoreClient(
+        store = open_store(
             args.master,
+            backend="mooncake",
             segment_bytes=segment,
             host=args.host,
             metadata_server=args.metadata_server,
