@@ -24,13 +24,15 @@ MODULES = {
     "prefill": [
         "pdserve.services.prefill.servicer",
         "pdserve.engines.metrics",
-        "pdserve.store.client",
+        "pdserve.store.client.reads",
+        "pdserve.store.client.writes",
         "pdserve.store.api",
     ],
     "decode": [
         "pdserve.services.decode.servicer",
         "pdserve.engines.metrics",
-        "pdserve.store.client",
+        "pdserve.store.client.reads",
+        "pdserve.store.client.writes",
         "pdserve.store.api",
     ],
 }
@@ -115,10 +117,10 @@ def registered_at_import() -> set[str]:
 
 
 def _master() -> dict[str, Metric]:
+    from pdserve.services.kvstore.master.config import MasterConfig
     from pdserve.services.kvstore.master.events import EventHub
     from pdserve.services.kvstore.master.kv_events import KVEventLog
     from pdserve.services.kvstore.master.serve import _StateCollector
-    from pdserve.services.kvstore.master.config import MasterConfig
     from pdserve.services.kvstore.master.state import MasterState
 
     cfg = MasterConfig()
