@@ -12,6 +12,7 @@ def run(args: argparse.Namespace) -> int:
 
     from pdserve import grpcutil
     from pdserve.auth import bearer
+    from pdserve.enums import FINISH_REASON
     from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
     sampling = common_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
@@ -32,8 +33,7 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout.write(msg.text)
                 sys.stdout.flush()
                 if msg.finish_reason:
-                    reason = common_pb2.FinishReason.Name(msg.finish_reason)
-                    print(f"[{reason.removeprefix('FINISH_REASON_').lower()}]", file=sys.stderr)
+                    print(f"[{FINISH_REASON.name(msg.finish_reason)}]", file=sys.stderr)
         except grpc.RpcError as exc:
             print(f"\npdserve generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1

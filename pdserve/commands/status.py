@@ -12,18 +12,6 @@ from pathlib import Path
 import grpc
 
 
-def role_label(role: int) -> str:
-    """How status shows a registered ``common.Role``: the proto's own name, without its
-    prefix, dashed (``ROLE_KVSTORE_MASTER`` -> ``kvstore-master``); the number when unknown."""
-    from pdserve.v1 import common_pb2
-
-    try:
-        name = common_pb2.Role.Name(role)
-    except ValueError:
-        return str(role)
-    return name.removeprefix("ROLE_").lower().replace("_", "-")
-
-
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
@@ -32,6 +20,7 @@ async def collect(meta: str, store_master: str, timeout: float) -> dict:
     """Everything status shows, as plain data (JSON-friendly)."""
     from pdserve import grpcutil
     from pdserve.discovery import MetaClient
+    from pdserve.enums import ROLE
     from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 
     client = MetaClient(meta, call_timeout_s=timeout)
@@ -41,7 +30,7 @@ async def collect(meta: str, store_master: str, timeout: float) -> dict:
         await client.close()
     rows = []
     for inst in sorted(instances, key=lambda i: (i.role, i.instance_id)):
-        role = role_label(inst.role)
+        role = ROLE.name(inst.role)
         public = role == "router"  # its gRPC port is the public API
         healthy = (
             await grpcutil.check_health(inst.address, timeout, public=public)

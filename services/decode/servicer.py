@@ -10,6 +10,7 @@ import grpc
 from prometheus_client import Counter, Gauge
 
 from pdserve.engines.base import Engine
+from pdserve.enums import FINISH_REASON
 from pdserve.grpcutil import rpc
 from pdserve.requests_codec import kvref_from_proto, logprobs_to_proto
 from pdserve.services.worker.config import WorkerConfig
@@ -34,7 +35,6 @@ PROMPT_TOKENS = Counter(
     registry=REGISTRY,
 )
 
-_FINISH_NAMES = {1: "length", 2: "eos", 3: "stop", 4: "cancelled"}
 #: PROMPT_TOKENS sources, in the order of the counts (loaded, recomputed, prefix cached).
 _SOURCES = ("loaded", "recomputed", "prefix_cache")
 
@@ -74,7 +74,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServiceServicer):
                     TOKENS.inc(len(ev.token_ids))
                     last = (0, 0, 0)
                     if ev.finish is not None:
-                        outcome = _FINISH_NAMES[int(ev.finish)]
+                        outcome = FINISH_REASON.names[int(ev.finish)]
                         last = counts
                         for source, n in zip(_SOURCES, last, strict=True):
                             PROMPT_TOKENS.labels(source).inc(n)

@@ -33,6 +33,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
+from pdserve.enums import ROLE
 from pdserve.errors import InvalidArgument, ResourceExhausted, Unavailable
 from pdserve.identity import Identity
 from pdserve.services.meta import access
@@ -52,7 +53,6 @@ PAGE_BYTES = 4 * 1024 * 1024
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 _MAX_MODEL = 256
 _MAX_ADDRESS = 300
-ROLE_NAMES = {v.number: v.name for v in common_pb2.Role.DESCRIPTOR.values if v.number != 0}
 
 
 @dataclass(frozen=True)
@@ -83,9 +83,10 @@ class Limits:
 def check_role(role: int, *, allow_any: bool) -> None:
     if role == common_pb2.ROLE_UNSPECIFIED and allow_any:
         return
-    if role not in ROLE_NAMES:
+    if role not in ROLE.specified:
         raise InvalidArgument(
-            f"unknown role {role}; expected one of {', '.join(ROLE_NAMES.values())}"
+            f"unknown role {role}; expected one of "
+            f"{', '.join(ROLE.proto_names[r] for r in ROLE.specified)}"
             + (" (or ROLE_UNSPECIFIED for all)" if allow_any else "")
         )
 

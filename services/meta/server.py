@@ -11,11 +11,11 @@ from pathlib import Path
 from pdserve import identity, lifecycle, telemetry
 from pdserve.auth import load_key
 from pdserve.config import ConfigError, help_field
+from pdserve.enums import ROLE
 from pdserve.identity import SecurityConfig
 from pdserve.services.meta import http_metadata
 from pdserve.services.meta.backends.base import Backend
 from pdserve.services.meta.registry import (
-    ROLE_NAMES,
     TTL_MAX_MS,
     TTL_MIN_MS,
     Limits,
@@ -184,8 +184,8 @@ class _MetaCollector:
         instances = GaugeMetricFamily(
             "pdserve_meta_instances", "Registered instances by role", labels=["role"]
         )
-        for number, name in ROLE_NAMES.items():
-            instances.add_metric([name], counts[number])
+        for number in ROLE.specified:
+            instances.add_metric([ROLE.proto_names[number]], counts[number])
         yield instances
         yield CounterMetricFamily(
             "pdserve_meta_heartbeats",

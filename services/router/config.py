@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 from pdserve.auth import load_key
 from pdserve.config import ConfigError, help_field
+from pdserve.enums import DISAGG_MODE
 from pdserve.hashing import KV_COMPRESSIONS
 from pdserve.identity import SecurityConfig
-from pdserve.services.router.request import MODES
 from pdserve.store import StoreBackendConfig
 
 POLICIES = ("round_robin", "least_load", "cache_aware")
@@ -55,7 +55,7 @@ class RouterConfig(SecurityConfig, StoreBackendConfig):
     max_tokens_limit: int = help_field(4096, "largest max_tokens a request may ask for")
     default_max_tokens: int = help_field(256, "max_tokens when a request leaves it unset")
     policy: str = help_field("cache_aware", f"prefill routing policy: {', '.join(POLICIES)}")
-    mode: str = help_field("read", f"default orchestration mode: {', '.join(MODES)}")
+    mode: str = help_field("read", f"default orchestration mode: {', '.join(DISAGG_MODE.choices)}")
     local_prefill_threshold: int = help_field(
         32, "uncached prompt tokens below which the decode worker prefills locally (0 = never)"
     )
@@ -108,8 +108,8 @@ class RouterConfig(SecurityConfig, StoreBackendConfig):
     def validate(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.mode not in MODES:
-            raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode not in DISAGG_MODE.choices:
+            raise ConfigError(f"mode must be one of {DISAGG_MODE.choices}, got {self.mode!r}")
         if self.chunk_size < 0:
             raise ConfigError("chunk_size must be positive (or 0 = from the workers)")
         if self.kv_compression not in ("auto", *KV_COMPRESSIONS):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from pdserve import __version__
+from pdserve.enums import DISAGG_MODE
 from pdserve.errors import InvalidArgument
 from pdserve.requests import MAX_LOGPROBS
 from pdserve.services.router import request as rq
@@ -141,7 +142,7 @@ class Frontend:
             json_object=s.json_object,
             json_schema=s.json_schema,
         )
-        mode = rq.MODE_NAMES.get(req.mode)
+        mode = DISAGG_MODE.names.get(req.mode) if req.mode else ""  # "": the router's default
         if mode is None:
             raise InvalidArgument(f"mode: unknown value {req.mode}", param="mode")
         return rq.GenRequest(rid, ids, sampling, mode, salt)

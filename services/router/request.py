@@ -14,32 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve import validation
+from pdserve.enums import CHAT_ROLE
 from pdserve.errors import InvalidArgument
 from pdserve.requests import MAX_LOGPROBS, Sampling
-from pdserve.v1 import router_pb2
 
 # Re-exported: the front ends call rq.check_request_id and rq.check_cache_salt, the rules
 # shared with the workers.
 from pdserve.validation import check_cache_salt as check_cache_salt
 from pdserve.validation import check_request_id as check_request_id
-
-#: DisaggMode (the gRPC enum) -> the mode's name in config, traces and the OpenAI API, taken
-#: from the proto ("" for UNSPECIFIED: the router's configured default).
-MODE_NAMES = {
-    value: router_pb2.DisaggMode.Name(value).removeprefix("DISAGG_MODE_").lower()
-    if value != router_pb2.DISAGG_MODE_UNSPECIFIED
-    else ""
-    for value in router_pb2.DisaggMode.values()
-}
-#: The modes a request or the config may name.
-MODES = tuple(name for name in MODE_NAMES.values() if name)
-#: ChatMessage.role (the gRPC enum) -> the role name chat templates and OpenAI use.
-ROLE_NAMES = {
-    router_pb2.CHAT_ROLE_SYSTEM: "system",
-    router_pb2.CHAT_ROLE_USER: "user",
-    router_pb2.CHAT_ROLE_ASSISTANT: "assistant",
-}
-_ROLES = tuple(ROLE_NAMES.values())
 
 
 @dataclass(frozen=True)
@@ -81,18 +63,17 @@ def check_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
     for i, m in enumerate(messages):
         role, content = m.get("role"), m.get("content")
         if isinstance(role, int) and not isinstance(role, bool):
-            if role not in ROLE_NAMES:
-                known = role in router_pb2.ChatRole.values()
+            if role not in CHAT_ROLE.specified:
                 raise InvalidArgument(
                     f"messages[{i}].role must be one of "
-                    f"{[router_pb2.ChatRole.Name(r) for r in ROLE_NAMES]}, got "
-                    f"{router_pb2.ChatRole.Name(role) if known else role}",
+                    f"{[CHAT_ROLE.proto_names[r] for r in CHAT_ROLE.specified]}, got "
+                    f"{CHAT_ROLE.proto_names.get(role, role)}",
                     param=f"messages[{i}].role",
                 )
-            role = ROLE_NAMES[role]
-        if role not in _ROLES:
+            role = CHAT_ROLE.names[role]
+        if role not in CHAT_ROLE.choices:
             raise InvalidArgument(
-                f"messages[{i}].role must be one of {_ROLES}, got {role!r}",
+                f"messages[{i}].role must be one of {CHAT_ROLE.choices}, got {role!r}",
                 param=f"messages[{i}].role",
             )
         if isinstance(content, list):  # OpenAI content parts: only text parts are supported

@@ -16,15 +16,16 @@ import grpc
 from prometheus_client import Counter, Gauge
 
 from pdserve import grpcutil
+from pdserve.enums import ROLE
 from pdserve.telemetry import REGISTRY
 from pdserve.v1 import common_pb2, engine_pb2_grpc, meta_pb2
 
 log = logging.getLogger(__name__)
 
-PREFILL = "prefill"
-DECODE = "decode"
-_ROLES = {common_pb2.ROLE_PREFILL: PREFILL, common_pb2.ROLE_DECODE: DECODE}
-_ROLE_CODES = {v: k for k, v in _ROLES.items()}
+#: The worker roles, spelled as the Role enum's table spells them (the keys of
+#: ``WorkerPool.workers``).
+PREFILL = ROLE.names[common_pb2.ROLE_PREFILL]
+DECODE = ROLE.names[common_pb2.ROLE_DECODE]
 
 BREAKER_TRIPS = Counter(
     "pdserve_router_breaker_trips", "Workers taken out of rotation", ["role"], registry=REGISTRY
@@ -120,8 +121,8 @@ class WorkerPool:
         self._check_refusals()
 
     def _apply(self, event_type: int, inst: meta_pb2.Instance) -> None:
-        role = _ROLES.get(inst.role)
-        if role is None or (self.model and inst.model and inst.model != self.model):
+        role = ROLE.names.get(inst.role)
+        if role not in self.workers or (self.model and inst.model and inst.model != self.model):
             return
         table = self.workers[role]
         if event_type == meta_pb2.INSTANCE_EVENT_LEFT:
@@ -224,7 +225,7 @@ class WorkerPool:
         Static workers (ids ``role@address``) are left alone."""
         present = set()
         for inst in instances:
-            if _ROLES.get(inst.role) is not None:
+            if ROLE.names.get(inst.role) in self.workers:
                 self._apply(meta_pb2.INSTANCE_EVENT_UPDATED, inst)
                 present.add(inst.instance_id)
         for role, table in self.workers.items():
@@ -232,7 +233,7 @@ class WorkerPool:
                 if wid not in present and not wid.startswith(f"{role}@"):
                     self._apply(
                         meta_pb2.INSTANCE_EVENT_LEFT,
-                        meta_pb2.Instance(instance_id=wid, role=_ROLE_CODES[role]),
+                        meta_pb2.Instance(instance_id=wid, role=ROLE.values[role]),
                     )
         self._check_refusals()
 

@@ -28,12 +28,3 @@ def test_render_names_workers_serving_without_the_store():
     text = render({"meta": "m", "store": None, "instances": [on, off]})
     assert "d1 serves WITHOUT the KV store (off: vLLM's KV cache layout" in text
     assert "d0 serves WITHOUT" not in text
-
-
-def test_roles_are_named_from_the_proto_enum():
-    from pdserve.commands.status import role_label
-    from pdserve.v1 import common_pb2
-
-    assert role_label(common_pb2.ROLE_KVSTORE_MASTER) == "kvstore-master"
-    assert role_label(common_pb2.ROLE_DECODE) == "decode"
-    assert role_label(99) == "99"
