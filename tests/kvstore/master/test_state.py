@@ -7,8 +7,8 @@ import itertools
 import pytest
 
 from pdserve import errors
-from pdserve.services.kvstore.master.state import MasterState
 from pdserve.services.kvstore.master.persistence import MetadataStore
+from pdserve.services.kvstore.master.state import MasterState
 from pdserve.v1 import kvstore_pb2 as pb
 
 KB = 1024

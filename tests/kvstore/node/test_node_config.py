@@ -53,7 +53,15 @@ def test_node_shm_names_are_safe() -> None:
 @pytest.mark.slow
 def test_node_cli_rejects_bad_size() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "pdserve.commands.cli", "kvstore", "node", "--segment-sizes", "12XB"],
+        [
+            sys.executable,
+            "-m",
+            "pdserve.commands.cli",
+            "kvstore",
+            "node",
+            "--segment-sizes",
+            "12XB",
+        ],
         capture_output=True,
         text=True,
         timeout=60,
