@@ -102,7 +102,7 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
 #: Every section a config file may hold, and the config class that reads it (imported only to
 #: check a file): one file can describe a whole cluster (``pdserve up --config``).
 SECTIONS: dict[str, str] = {
-    "up": "pdserve.up:UpConfig",
+    "up": "pdserve.commands.up:UpConfig",
     "meta": "pdserve.services.meta.server:MetaConfig",
     "kvstore_master": "pdserve.services.kvstore.master.config:MasterConfig",
     "kvstore_node": "pdserve.services.kvstore.node.config:NodeConfig",

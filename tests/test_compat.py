@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from pdserve import compat, config
+from pdserve.commands.up import UpConfig
 from pdserve.config import ConfigError
 from pdserve.engines.connector_data import ConnectorSettings, extra_config
 from pdserve.hashing import ModelFingerprint
@@ -19,7 +20,6 @@ from pdserve.services.kvstore.node.config import NodeConfig
 from pdserve.services.prefill.config import PrefillConfig
 from pdserve.services.router.config import RouterConfig
 from pdserve.sizes import parse_size
-from pdserve.up import UpConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -202,7 +202,7 @@ def test_up_refuses_an_external_store(tmp_path, capsys, key):
     path = mooncake_file(tmp_path) if key == "master_server_address" else lmcache_file(tmp_path)
     with pytest.raises(ConfigError, match="pdserve up starts its own"):
         config.load(UpConfig, "up", yaml_path=path, env={})
-    from pdserve import cli
+    from pdserve.commands import cli
 
     assert cli.main(["up", "--config", str(path)]) == 2
     assert "pdserve up starts its own" in capsys.readouterr().err

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from pdserve import config
-from pdserve.cli import build_parser
+from pdserve.commands.cli import build_parser
 from pdserve.identity import Identity, TlsFiles
 from pdserve.services.decode.config import DecodeConfig
 from pdserve.services.kvstore.master.config import MasterConfig

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve import certs, identity
+from pdserve import identity
+from pdserve.commands import certs
 from pdserve.config import ConfigError
 from pdserve.identity import Identity, SecurityConfig, TlsFiles
 from pdserve.services.kvstore.master.config import MasterConfig
@@ -42,7 +43,7 @@ def test_certs_refuse_bad_identities(bad: str, tmp_path: Path):
 
 @pytest.mark.slow
 def test_the_certs_command_writes_files_and_explains_mistakes(tmp_path: Path):
-    run = [sys.executable, "-m", "pdserve.cli", "certs", "--out", str(tmp_path)]
+    run = [sys.executable, "-m", "pdserve.commands.cli", "certs", "--out", str(tmp_path)]
     ok = subprocess.run([*run, "router:r1"], capture_output=True, text=True, check=True)
     assert "r1.crt" in ok.stdout and (tmp_path / "r1.key").exists()
     bad = subprocess.run([*run, "boss:x"], capture_output=True, text=True)
@@ -120,7 +121,7 @@ def test_protected_mode_accepts_tls_or_for_the_router_a_key(tmp_path: Path):
 
 @pytest.mark.slow
 def test_an_exposed_service_without_tls_exits_with_the_reason(tmp_path: Path):
-    cmd = [sys.executable, "-m", "pdserve.cli", "kvstore", "master", "--host", "0.0.0.0"]
+    cmd = [sys.executable, "-m", "pdserve.commands.cli", "kvstore", "master", "--host", "0.0.0.0"]
     cmd += ["--port", "0", "--state-dir", ""]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
