@@ -1,3 +1,3 @@
 """The ``pdserve`` commands that are not a service: the entry point (:mod:`.cli`), ``up`` and
-its cluster, ``status``, ``certs``, ``vllm``, and the skeleton every service's command is built
-with (:mod:`.service`)."""
+its cluster, ``status``, ``certs``, ``mooncake``, ``vllm``, and the skeleton every service's
+command is built with (:mod:`.service`)."""
