@@ -17,7 +17,8 @@ from pdserve.enums import DISAGG_MODE
 from pdserve.errors import InvalidArgument
 from pdserve.requests import MAX_LOGPROBS
 from pdserve.services.router import request as rq
-from pdserve.services.router.orchestrator import Orchestrator, StreamChunk
+from pdserve.services.router.orchestrator import Orchestrator
+from pdserve.services.router.stream import StreamChunk
 from pdserve.services.router.workers import DECODE, PREFILL, WorkerPool
 from pdserve.v1 import router_pb2
 

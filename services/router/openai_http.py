@@ -35,7 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pdserve import auth, errors
 from pdserve.requests import TokenLogprob
 from pdserve.services.router.frontend import Frontend, openai_n
-from pdserve.services.router.orchestrator import StreamChunk
+from pdserve.services.router.stream import StreamChunk
 from pdserve.services.router.workers import DECODE
 from pdserve.telemetry import REGISTRY, REQUEST_ID_HEADER, request_id_var
 from pdserve.v1 import common_pb2
