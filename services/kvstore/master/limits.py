@@ -3,6 +3,8 @@ the parts of :class:`~.state.MasterState` that take requests."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pdserve import errors
 from pdserve.services.kvstore.master.config import MasterConfig
 
@@ -35,3 +37,30 @@ def key_problem(cfg: MasterConfig, key: str) -> str:
     if n > cfg.max_key_bytes:
         return f"key is {n} bytes; the limit is max_key_bytes={cfg.max_key_bytes}"
     return ""
+
+
+def check_put(
+    cfg: MasterConfig,
+    n_items: int,
+    replicas: int,
+    ttl_ms: int,
+    inline: Sequence[object],
+    checksums: Sequence[object],
+    blocks: Sequence[object],
+) -> int:
+    """Whole-call checks of a put start (``inline``, ``checksums`` and ``blocks``: empty, or
+    one per item); returns the replica count to place (0 asks for the default)."""
+    check_batch(cfg, n_items, "items")
+    for what, given in (("block metadata", blocks), ("inline payloads", inline)):
+        if given and len(given) != n_items:
+            raise errors.InvalidArgument(f"{len(given)} {what} for {n_items} items")
+    if checksums and len(checksums) != n_items:
+        raise errors.InvalidArgument(f"{len(checksums)} checksums for {n_items} items")
+    n_rep = replicas or cfg.default_replicas
+    if n_rep > cfg.max_replicas:
+        raise errors.InvalidArgument(
+            f"options.replicas={replicas} exceeds max_replicas={cfg.max_replicas}"
+        )
+    if ttl_ms > cfg.max_ttl_ms:
+        raise errors.InvalidArgument(f"options.ttl_ms={ttl_ms} exceeds max_ttl_ms={cfg.max_ttl_ms}")
+    return n_rep

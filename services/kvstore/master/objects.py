@@ -131,6 +131,28 @@ class ObjectTable(Mapping[str, ObjectState]):
     def take_pending(self, key: str) -> ObjectState:
         return self._pending.pop(key)
 
+    def owned_pending(self, client_id: str, key: str) -> ObjectState | KeyOutcome:
+        """The pending put of ``key`` when ``client_id`` started it; else why not."""
+        obj = self._pending.get(key)
+        if obj is None:
+            problem = key_problem(self.cfg, key)
+            if problem:
+                return KeyOutcome(key, pb.KV_INVALID, problem)
+            if key in self._lru:
+                return KeyOutcome(
+                    key, pb.KV_NO_PENDING_PUT, "no put in progress: already committed"
+                )
+            return KeyOutcome(
+                key,
+                pb.KV_NO_PENDING_PUT,
+                "no put in progress (never started, already ended or revoked, or timed out)",
+            )
+        if obj.client_id != client_id:
+            return KeyOutcome(
+                key, pb.KV_NOT_OWNER, "another writer started this put: only it may end it"
+            )
+        return obj
+
     def timed_out_puts(self, now: float) -> list[ObjectState]:
         """Takes out the pending puts whose time is up."""
         late = [k for k, o in self._pending.items() if o.put_deadline <= now]

@@ -53,7 +53,7 @@ from pdserve.services.kvstore.master.config import MasterConfig
 from pdserve.services.kvstore.master.dormant import DormantReplicas
 from pdserve.services.kvstore.master.eviction import Evictor
 from pdserve.services.kvstore.master.journal import Journal
-from pdserve.services.kvstore.master.limits import check_batch, key_problem
+from pdserve.services.kvstore.master.limits import check_batch, check_put, key_problem
 from pdserve.services.kvstore.master.membership import Membership
 from pdserve.services.kvstore.master.objects import ObjectTable, expired, item_problem
 from pdserve.services.kvstore.master.persistence import MetadataStore
@@ -226,21 +226,7 @@ class MasterState:
         item's BLAKE3-16 (b"" = none); ``blocks`` each item's KV block metadata (None =
         none), kept with the object for its stored event."""
         cfg = self.cfg
-        check_batch(cfg, len(items), "items")
-        for what, given in (("block metadata", blocks), ("inline payloads", inline)):
-            if given and len(given) != len(items):
-                raise errors.InvalidArgument(f"{len(given)} {what} for {len(items)} items")
-        if checksums and len(checksums) != len(items):
-            raise errors.InvalidArgument(f"{len(checksums)} checksums for {len(items)} items")
-        n_rep = replicas or cfg.default_replicas
-        if n_rep > cfg.max_replicas:
-            raise errors.InvalidArgument(
-                f"options.replicas={replicas} exceeds max_replicas={cfg.max_replicas}"
-            )
-        if ttl_ms > cfg.max_ttl_ms:
-            raise errors.InvalidArgument(
-                f"options.ttl_ms={ttl_ms} exceeds max_ttl_ms={cfg.max_ttl_ms}"
-            )
+        n_rep = check_put(cfg, len(items), replicas, ttl_ms, inline, checksums, blocks)
         strategy = self.segments.strategy(placement)
         if strategy is None:
             raise errors.InvalidArgument(f"options.placement={placement} is not a known strategy")
@@ -300,34 +286,12 @@ class MasterState:
         self.flush()
         return out
 
-    def _owned_pending(self, client_id: str, key: str) -> ObjectState | KeyOutcome:
-        """The pending put of ``key`` when ``client_id`` started it; else why not."""
-        obj = self.objects.pending(key)
-        if obj is None:
-            problem = key_problem(self.cfg, key)
-            if problem:
-                return KeyOutcome(key, pb.KV_INVALID, problem)
-            if key in self.objects:
-                return KeyOutcome(
-                    key, pb.KV_NO_PENDING_PUT, "no put in progress: already committed"
-                )
-            return KeyOutcome(
-                key,
-                pb.KV_NO_PENDING_PUT,
-                "no put in progress (never started, already ended or revoked, or timed out)",
-            )
-        if obj.client_id != client_id:
-            return KeyOutcome(
-                key, pb.KV_NOT_OWNER, "another writer started this put: only it may end it"
-            )
-        return obj
-
     def put_end(self, client_id: str, keys: Sequence[str]) -> list[KeyOutcome]:
         check_batch(self.cfg, len(keys))
         now = self.clock.mono()
         out = []
         for key in keys:
-            obj = self._owned_pending(client_id, key)
+            obj = self.objects.owned_pending(client_id, key)
             if isinstance(obj, KeyOutcome):
                 out.append(obj)
                 continue
@@ -348,7 +312,7 @@ class MasterState:
         check_batch(self.cfg, len(keys))
         out = []
         for key in keys:
-            obj = self._owned_pending(client_id, key)
+            obj = self.objects.owned_pending(client_id, key)
             if isinstance(obj, KeyOutcome):
                 out.append(obj)
                 continue

@@ -54,11 +54,15 @@ class FakeNode:
         return pb.CopyReplicaResponse(size=request.size)
 
 
-def _lose_a_replica(s, clock) -> str:
-    """Three nodes, an object on two; the node of one copy stops heartbeating. Returns it."""
+def _lose_a_replica(s, clock, silent: str = "") -> str:
+    """Three nodes, an object on two; the node of one copy stops heartbeating. Returns it.
+    ``silent``: a node that mounts without its address."""
     for i in (1, 2, 3):
-        s.mount(f"s{i}", f"n{i}", 1 << 20, [], address=f"10.0.0.{i}:7000")
+        address = "" if f"n{i}" == silent else f"10.0.0.{i}:7000"
+        s.mount(f"s{i}", f"n{i}", 1 << 20, [], address=address)
     (out,) = s.put_start("c", [("a", 1000)], replicas=2)
+    # The placement is seeded: the copies land on n1 and n2, so n3 is the repair target.
+    assert {r.node_id for r in out.replicas} == {"n1", "n2"}
     assert out.code == pb.KV_OK
     s.put_end("c", ["a"])
     lost = out.replicas[0].node_id
@@ -121,20 +125,7 @@ def test_a_failed_copy_frees_the_target_and_queues_the_object_again(
 
 def test_a_node_that_mounted_without_its_address_is_not_asked(make_state, clock) -> None:
     s = make_state(heartbeat_interval_ms=500, heartbeat_miss_limit=3)
-    for i in (1, 2):
-        s.mount(f"s{i}", f"n{i}", 1 << 20, [], address=f"10.0.0.{i}:7000")
-    s.mount("s3", "n3", 1 << 20, [])
-    (out,) = s.put_start("c", [("a", 1000)], replicas=2, placement=pb.PLACEMENT_UNSPECIFIED)
-    s.put_end("c", ["a"])
-    holders = {r.node_id for r in out.replicas}
-    assert "n3" not in holders  # the placement is seeded: n3 is the only possible target
-    lost = sorted(holders)[0]
-    for _ in range(20):
-        clock.advance(0.1)
-        for n in ("n1", "n2", "n3"):
-            if n != lost:
-                s.heartbeat(n, [f"s{n[-1]}"])
-        s.tick()
+    _lose_a_replica(s, clock, silent="n3")
     node = FakeNode()
     assert asyncio.run(_loop(s, node).run_once()) == 0
     assert node.calls == [] and s.under_replicated() == 1
