@@ -10,15 +10,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from pdserve.enums import TRANSPORT
 from pdserve.store.transports import PREFERENCE
 from pdserve.store.transports.base import Transport
 from pdserve.v1 import kvstore_pb2
-
-TRANSPORT_NAMES = {
-    kvstore_pb2.TRANSPORT_SHM: "shm",
-    kvstore_pb2.TRANSPORT_TCP: "tcp",
-    kvstore_pb2.TRANSPORT_MOONCAKE: "mooncake",
-}
 
 #: How long a node that failed a read is tried after the other replicas (seconds).
 SUSPECT_S = 5.0
@@ -62,7 +57,7 @@ class ReplicaRoutes:
 
     def route(self, replica: kvstore_pb2.Replica) -> Transport | None:
         """The best transport that reaches ``replica``, or None."""
-        offered = {TRANSPORT_NAMES.get(ep.transport) for ep in replica.endpoints}
+        offered = {TRANSPORT.names.get(ep.transport) for ep in replica.endpoints}
         names = PREFERENCE if self.transport == "auto" else (self.transport,)
         for name in names:
             if name not in offered:
