@@ -380,7 +380,7 @@ class Chaos(BenchCluster):
 
         late = []
         for i in range(8):
-            resp = store._call(
+            resp = store._master.call(
                 "BatchPutStart",
                 pb.BatchPutStartRequest(
                     client_id="late-writer",
@@ -394,7 +394,7 @@ class Chaos(BenchCluster):
         garbage = os.urandom(1 << 20)
         landed = 0
         for _ in range(3):
-            errs = store._get_transport("tcp").write_many(
+            errs = store._routes.get("tcp").write_many(
                 [(rep, memoryview(garbage)) for rep in late]
             )
             landed += sum(e is None for e in errs)

@@ -27,7 +27,7 @@ def bench_mooncake(
     batch_get_into with registered buffers."""
     from mooncake.store import MooncakeDistributedStore
 
-    from pdserve.store.mooncake_backend import MooncakeCluster
+    from pdserve.store.mooncake_cluster import MooncakeCluster
 
     cluster = MooncakeCluster.start(log_dir, segment)
     rows = []
