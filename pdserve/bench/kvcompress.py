@@ -249,7 +249,7 @@ def _agreement(out: list[int], ref: list[int]) -> int:
 def run(args: argparse.Namespace) -> int:
     from pdserve.bench.serve.workloads import TOKEN_LOW
     from pdserve.engines.config import EngineConfig
-    from pdserve.engines.fingerprint import model_fingerprint
+    from pdserve.model.fingerprint import model_fingerprint
     from pdserve.model.prepare import resolve_model
     from pdserve.procs import local_store
     from pdserve.services.router.tokenizer import Tokenizer

@@ -46,7 +46,6 @@ from pdserve.engines import kv_layout, metrics, shm_segments, vllm_args
 from pdserve.engines.base import Engine, EngineLoad, PrefillOutcome, TokenEvent, next_text
 from pdserve.engines.config import VLLM_STEP_TOKENS, EngineConfig
 from pdserve.engines.connector_data import PARAMS_KEY, extra_config
-from pdserve.engines.fingerprint import model_fingerprint
 from pdserve.engines.step_budget import (
     PREFILL_ORDER_KEY,
     TPOT_TARGET_KEY,
@@ -55,6 +54,7 @@ from pdserve.engines.step_budget import (
 )
 from pdserve.engines.textstream import TextStream
 from pdserve.errors import InvalidArgument
+from pdserve.model.fingerprint import model_fingerprint
 from pdserve.requests import Finish, KVRef, Sampling, TokenLogprob
 
 CONNECTOR_MODULE = "pdserve.engines.vllm_connector"

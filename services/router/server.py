@@ -14,8 +14,8 @@ from aiohttp import web
 from pdserve import grpcutil, lifecycle
 from pdserve.auth import RequireKey
 from pdserve.discovery import leave, register_service
-from pdserve.engines.fingerprint import model_revision
 from pdserve.identity import advertised
+from pdserve.model.fingerprint import model_revision
 from pdserve.services.router.admission import Admission
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.fingerprint import FingerprintSource

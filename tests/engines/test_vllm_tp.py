@@ -35,7 +35,7 @@ TP2 = {**BASE, "vllm_cpu_cores": "0|1", "vllm_args": {"tensor_parallel_size": 2}
 
 
 def test_tp_ranks_store_and_load_their_shares_token_exact(tmp_path: Path) -> None:
-    from pdserve.engines.fingerprint import model_fingerprint
+    from pdserve.model.fingerprint import model_fingerprint
     from pdserve.model.prepare import build_tiny_model
     from pdserve.procs import local_store
     from pdserve.store import open_store

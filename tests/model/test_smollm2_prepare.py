@@ -29,7 +29,15 @@ COMMON_WORDS = frozenset([
 def _prepare(cache: Path) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     return subprocess.run(
-        [sys.executable, "-m", "pdserve.commands.cli", "model", "prepare", "--cache-dir", str(cache)],
+        [
+            sys.executable,
+            "-m",
+            "pdserve.commands.cli",
+            "model",
+            "prepare",
+            "--cache-dir",
+            str(cache),
+        ],
         capture_output=True,
         text=True,
         env=env,

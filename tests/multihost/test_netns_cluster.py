@@ -297,8 +297,8 @@ def master_stats(c: NetCluster) -> kvstore_pb2.StatsResponse:
 def replicas(c: NetCluster, model_dir: Path, tokens: list[int]) -> list[list[kvstore_pb2.Replica]]:
     """For each full chunk of ``tokens``: its replicas, in the order the master hands them to
     readers (who try the first one first)."""
-    from pdserve.engines.fingerprint import model_fingerprint
     from pdserve.hashing import chunk_keys
+    from pdserve.model.fingerprint import model_fingerprint
 
     keys = chunk_keys(model_fingerprint(model_dir, "tiny", "float32", CS), tokens)
     client = f"multihost-test-{c.run_id}"

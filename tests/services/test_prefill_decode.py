@@ -128,7 +128,7 @@ def test_corrupt_chunk_is_detected_and_recomputed(stack, workers, hf_greedy) -> 
     import torch
 
     from pdserve import hashing, kvformat
-    from pdserve.engines.fingerprint import model_fingerprint
+    from pdserve.model.fingerprint import model_fingerprint
 
     prefill, _, decode = workers
     toks = prompt(2 * CS + 7, salt=300)

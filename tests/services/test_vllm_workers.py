@@ -14,7 +14,7 @@ import pytest
 from test_prefill_decode import GREEDY, MAX, do_decode, do_prefill, metric, prompt, tokens_of
 
 from pdserve import hashing
-from pdserve.engines.fingerprint import model_fingerprint
+from pdserve.model.fingerprint import model_fingerprint
 from pdserve.store import open_store
 from pdserve.v1 import common_pb2, engine_pb2
 

@@ -25,12 +25,12 @@ from collections.abc import AsyncIterator, Sequence
 from pdserve.engines.base import Engine, EngineLoad, PrefillOutcome, TokenEvent
 from pdserve.engines.chunk_io import ChunkIO, ChunkStore
 from pdserve.engines.config import EngineConfig
-from pdserve.engines.fingerprint import model_fingerprint
 from pdserve.engines.torch_engine.kv import PromptKV
 from pdserve.engines.torch_engine.model import TorchModel
 from pdserve.engines.torch_engine.sampler import refuse_constrained
 from pdserve.engines.torch_engine.scheduler import GenJob, PrefillJob, Scheduler
 from pdserve.errors import InvalidArgument, Unavailable
+from pdserve.model.fingerprint import model_fingerprint
 from pdserve.requests import KVRef, Sampling
 
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from pdserve import grpcutil
-from pdserve.engines.fingerprint import model_fingerprint
+from pdserve.model.fingerprint import model_fingerprint
 from pdserve.procs import service_args, start_service
 from pdserve.services.worker.registration import load_proto
 from pdserve.services.worker.slots import SlotLimit

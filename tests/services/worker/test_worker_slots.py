@@ -23,4 +23,3 @@ def test_slot_limit_refuses_beyond_the_limit_and_signals_every_change() -> None:
         assert slots.active == 0 and slots.changed.is_set()
 
     asyncio.run(main())
-
