@@ -11,8 +11,10 @@ lint:
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
 
+# One pytest worker per core (at most 4); a test file runs whole on one worker, so a module's
+# shared engine or cluster starts once.
 test: setup lint
-	.venv/bin/python -m pytest
+	.venv/bin/python -m pytest -n auto --maxprocesses 4 --dist loadfile
 
 # Lint and the tests that start no process (a process-starting test not marked slow fails).
 check: setup lint

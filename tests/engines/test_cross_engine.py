@@ -65,7 +65,7 @@ def test_torch_writes_what_vllm_reads_and_the_reverse(tmp_path: Path, hf_greedy)
     with local_store(tmp_path / "logs", segment_size="64MiB") as (master, _node):
         config = _config(master.info["grpc"])
         vllm_config = {**config, "vllm_block_size": 32, "vllm_kv_cache_gib": 1,
-                       "vllm_cpu_cores": "0", "max_num_seqs": 4}  # fmt: skip
+                       "max_num_seqs": 4}  # fmt: skip
         asyncio.run(_torch(config, by_torch, prefill=True))
         jobs = [
             {"mode": "single", "id": "read-torch", "prompt": by_torch, "max_tokens": MAX_TOKENS},

@@ -188,7 +188,7 @@ def test_vllm_reads_and_writes_fp8_chunks(tmp_path: Path, hf_greedy):
 
         asyncio.run(torch_run(by_torch, write=True))
         vllm_config = {**config, "vllm_block_size": 32, "vllm_kv_cache_gib": 1,
-                       "vllm_cpu_cores": "0", "max_num_seqs": 4}  # fmt: skip
+                       "max_num_seqs": 4}  # fmt: skip
         jobs = [
             {"mode": "single", "id": "read", "prompt": by_torch, "max_tokens": MAX},
             {"mode": "prefill", "id": "write", "prompt": by_vllm, "max_tokens": MAX},

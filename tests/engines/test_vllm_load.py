@@ -29,7 +29,6 @@ def test_vllm_kv_usage_and_prompt_counts(tmp_path: Path) -> None:
         "max_model_len": 512,
         "max_num_seqs": 4,
         "vllm_kv_cache_gib": 1,
-        "vllm_cpu_cores": "0",
     }
     prompt = [random.Random(7).randrange(3, 500) for _ in range(N)]
     jobs = [

@@ -85,7 +85,6 @@ def pd_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
             "max_model_len": 512,
             "max_num_seqs": 4,
             "vllm_kv_cache_gib": 1,
-            "vllm_cpu_cores": "0",
             # decode starts in a fresh process (tens of seconds): keep the tails alive
             "tail_ttl_ms": 900_000,
         }

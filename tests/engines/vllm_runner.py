@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -147,14 +148,25 @@ async def burst(engine, job: dict, sampling) -> dict:
     return {"tokens": outs, "blocker_tokens": await blocker, "first_order": first_order}
 
 
+def worker_core() -> str:
+    """The core this pytest process's engines run on: one per xdist worker (gw0 on core 0,
+    gw1 on core 1, ...), so the engines of two workers never share a core."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    return str(int(worker.removeprefix("gw") or 0) % (os.cpu_count() or 1))
+
+
 def run_engine(tmp: Path, name: str, config: dict, jobs: list[dict]) -> list[dict]:
-    """Runs ``jobs`` on one fresh VllmEngine process with ``config`` (EngineConfig fields);
-    its log is ``tmp/<name>.log``, quoted when it fails."""
+    """Runs ``jobs`` on one fresh VllmEngine process with ``config`` (EngineConfig fields; on
+    :func:`worker_core` unless it names its cores); its log is ``tmp/<name>.log``, quoted when
+    it fails."""
     spec, out = tmp / f"{name}.json", tmp / f"{name}.out.json"
+    config = {"vllm_cpu_cores": worker_core(), **config}
     spec.write_text(json.dumps({"config": config, "jobs": jobs}))
-    env = {**os.environ, "TMPDIR": str(tmp), "PDSERVE_CACHE_DIR": str(tmp / "cache")}
     log = tmp / f"{name}.log"
-    with log.open("w") as f:
+    # vLLM's ZMQ sockets live in TMPDIR, and a socket path has at most 107 characters: a
+    # short folder of its own, not the test's (deeper under pytest-xdist)
+    with tempfile.TemporaryDirectory(prefix="pdv-") as short, log.open("w") as f:
+        env = {**os.environ, "TMPDIR": short, "PDSERVE_CACHE_DIR": str(tmp / "cache")}
         proc = subprocess.run(
             [sys.executable, __file__, str(spec), str(out)],
             stdout=f,
