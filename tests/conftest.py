@@ -14,6 +14,35 @@ from process_guard import pytest_configure, pytest_runtest_protocol  # noqa: F40
 
 from pdserve import procs
 
+#: Test files that share one started engine or cluster through a package-scoped fixture: under
+#: `make test` (pytest-xdist, ``--dist loadfile``) each group runs whole on one test worker, so
+#: its fixture starts once.
+SHARED_SCOPES = {
+    "tests/services/test_vllm_workers.py": "tests/services/vllm",
+    "tests/services/test_vllm_params.py": "tests/services/vllm",
+}
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """``--dist loadfile``, with the files of a :data:`SHARED_SCOPES` group kept together."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedScopeScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return SHARED_SCOPES.get(path, path)
+
+    return SharedScopeScheduling(config, log)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files with vLLM tests (the longest: an engine takes tens of seconds to start)
+    first, so that the test workers finish together, not one alone on a long file at the end."""
+    heavy = {item.path for item in items if item.get_closest_marker("vllm") is not None}
+    items.sort(key=lambda item: item.path not in heavy)  # stable: a file stays together
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:

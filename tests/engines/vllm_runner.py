@@ -157,10 +157,12 @@ def worker_core() -> str:
 
 def run_engine(tmp: Path, name: str, config: dict, jobs: list[dict]) -> list[dict]:
     """Runs ``jobs`` on one fresh VllmEngine process with ``config`` (EngineConfig fields; on
-    :func:`worker_core` unless it names its cores); its log is ``tmp/<name>.log``, quoted when
+    :func:`worker_core` unless it names its cores, with a long store timeout); its log is ``tmp/<name>.log``, quoted when
     it fails."""
     spec, out = tmp / f"{name}.json", tmp / f"{name}.out.json"
-    config = {"vllm_cpu_cores": worker_core(), **config}
+    # two test workers share 2 cores: a store call may wait long behind a busy engine, and a
+    # timed-out one is skipped (recomputed), which would change the counts the tests check
+    config = {"vllm_cpu_cores": worker_core(), "store_timeout_s": 30.0, **config}
     spec.write_text(json.dumps({"config": config, "jobs": jobs}))
     log = tmp / f"{name}.log"
     # vLLM's ZMQ sockets live in TMPDIR, and a socket path has at most 107 characters: a

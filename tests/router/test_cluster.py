@@ -5,6 +5,7 @@ Ground truth is a single-process Hugging Face greedy run."""
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.request
 import uuid
@@ -51,7 +52,8 @@ class Cluster:
         self.worker_flags = worker_flags or (lambda role, i: {})
         self.router_flags = router_flags or {}
         self.certs = log_dir / "certs" if tls else None
-        self.node_id = node_id or ("n0-tls" if tls else "n0")
+        # this test process's pid in it: another test worker may run a cluster at the same time
+        self.node_id = node_id or (f"n0-tls-{os.getpid()}" if tls else f"n0-{os.getpid()}")
         if self.certs is not None:
             names = ["meta:meta", "master:master", f"node:{self.node_id}", "router:router"]
             names.append("admin:test")

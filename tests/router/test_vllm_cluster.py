@@ -10,6 +10,7 @@ connector in processes of its own, which must reach the store with the worker's 
 from __future__ import annotations
 
 import importlib.util
+import os
 import random
 from collections.abc import Iterator
 
@@ -28,7 +29,10 @@ pytestmark = [
 
 CHUNK = 64
 MAX = 12
-VLLM = {"engine": "vllm", "kv_dtype": "float32", "chunk_size": CHUNK, "vllm_kv_cache_gib": 0.25}
+# a long store timeout: on 2 busy cores a TLS handshake with the master can take seconds, and
+# a timed-out store call is skipped (recomputed), which would change the counts checked here
+VLLM = {"engine": "vllm", "kv_dtype": "float32", "chunk_size": CHUNK, "vllm_kv_cache_gib": 0.25,
+        "store_timeout_s": 30}  # fmt: skip
 WRITE, READ = router_pb2.DISAGG_MODE_WRITE, router_pb2.DISAGG_MODE_READ
 
 
@@ -41,7 +45,7 @@ def cluster(tmp_path_factory, tiny_model_dir) -> Iterator[Cluster]:
         # two vLLM CPU engines on a 2-core machine: one core each
         worker_flags=lambda role, i: {**VLLM, "vllm_cpu_cores": "0" if role == "prefill" else "1"},
         router_flags={"chunk_size": CHUNK},
-        node_id="n0-vllm",
+        node_id=f"n0-vllm-{os.getpid()}",
         tls=True,
     )
     try:

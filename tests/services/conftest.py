@@ -1,5 +1,7 @@
 """Real processes for the worker service tests: a KV store master and one node, torch-engine
-prefill and decode workers on the tiny model (chunk_size 16), all stopped by pid."""
+prefill and decode workers on the tiny model (chunk_size 16), all stopped by pid; and, for
+the vLLM test modules, one vLLM prefill and one vLLM decode worker on a store of their own,
+started once for all of them (tests/conftest.py keeps those modules on one test worker)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from vllm_flags import VLLM
 
 from pdserve.procs import (
     ServiceProcess,
@@ -51,7 +54,7 @@ class Stack:
         self.model_dir = model_dir
         self.procs: list[ServiceProcess] = []
         self.master = self._add(start_master(log_dir, name="master"))
-        self.node = self._add(start_node(self.store_address, log_dir, node_id="n0"))
+        self.node = self._add(start_node(self.store_address, log_dir))  # a node id of its own
 
     def _add(self, proc: ServiceProcess) -> ServiceProcess:
         self.procs.append(proc)
@@ -77,5 +80,20 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
     s = Stack(tmp_path_factory.mktemp("stack"), tiny_model_dir)
     try:
         yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture(scope="package")
+def vllm_stack(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
+) -> Iterator[tuple[Stack, ServiceProcess, ServiceProcess]]:
+    """A store, a vLLM prefill worker and a vLLM decode worker (one core each), shared by
+    every vLLM module here: a vLLM engine takes tens of seconds to start on 2 cores."""
+    s = Stack(tmp_path_factory.mktemp("vllm-stack"), tiny_model_dir)
+    try:
+        prefill = s.worker("prefill", *VLLM, "--vllm-cpu-cores", "0")
+        decode = s.worker("decode", *VLLM, "--vllm-cpu-cores", "1")
+        yield s, prefill, decode
     finally:
         s.close()

@@ -12,7 +12,6 @@ import json
 import pytest
 import torch
 from test_prefill_decode import prompt, stubs
-from test_vllm_workers import VLLM
 
 from pdserve.v1 import common_pb2, engine_pb2
 
@@ -25,11 +24,9 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def vllm_workers(stack):
-    prefill = stack.worker("prefill", *VLLM, "--vllm-cpu-cores", "0")
-    decode = stack.worker("decode", *VLLM, "--vllm-cpu-cores", "1")
-    return prefill, decode
+@pytest.fixture
+def vllm_workers(vllm_stack):
+    return vllm_stack[1:]
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import time
 
 import pytest
 from test_prefill_decode import GREEDY, MAX, do_decode, do_prefill, metric, prompt, tokens_of
+from vllm_flags import CHUNK
 
 from pdserve import hashing
 from pdserve.model.fingerprint import model_fingerprint
@@ -26,25 +27,15 @@ pytestmark = [
     ),
 ]
 
-CHUNK = 64
-VLLM = [
-    "--engine",
-    "vllm",
-    "--kv-dtype",
-    "float32",
-    "--chunk-size",
-    str(CHUNK),
-    "--vllm-kv-cache-gib",
-    "0.25",
-]
+
+@pytest.fixture
+def stack(vllm_stack):
+    return vllm_stack[0]
 
 
-@pytest.fixture(scope="module")
-def vllm_workers(stack):
-    # Two vLLM CPU engines on a 2-core machine: one core each.
-    prefill = stack.worker("prefill", *VLLM, "--vllm-cpu-cores", "0")
-    decode = stack.worker("decode", *VLLM, "--vllm-cpu-cores", "1")
-    return prefill, decode
+@pytest.fixture
+def vllm_workers(vllm_stack):
+    return vllm_stack[1:]
 
 
 @pytest.mark.parametrize("n", [5, 63, 64, 65, 130])
