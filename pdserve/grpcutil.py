@@ -206,10 +206,14 @@ def _credentials(public: bool | bytes) -> grpc.ChannelCredentials | None:
 
 
 #: Client-side reconnect backoff: gRPC's default starts at 1 s and grows to minutes, longer
-#: than a heartbeat interval; pdserve peers restart and must be found again quickly.
+#: than a heartbeat interval; pdserve peers restart and must be found again quickly. NOTE:
+#: ``grpc.min_reconnect_backoff_ms`` is not set: gRPC takes it as the minimum time one
+#: connection attempt may take (default 20 s). Set to 100 ms, an attempt whose TCP and TLS
+#: handshake took longer on a busy machine was cut off, again and again ("connection attempt
+#: timed out before receiving SETTINGS frame"), and a worker's store stayed out of reach.
+#: A refused connection still fails at once, so a restarted peer is found within 300 ms.
 _RECONNECT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 300),
 ]
 
