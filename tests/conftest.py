@@ -15,8 +15,8 @@ from process_guard import pytest_configure, pytest_runtest_protocol  # noqa: F40
 from pdserve import procs
 
 #: Test files that share one started engine or cluster through a package-scoped fixture: under
-#: `make test` (pytest-xdist, ``--dist loadfile``) each group runs whole on one test worker, so
-#: its fixture starts once.
+#: pytest-xdist with ``--dist loadfile`` (``make test PYTEST_ARGS="-n auto --dist loadfile"``)
+#: each group runs whole on one test worker, so its fixture starts once.
 SHARED_SCOPES = {
     "tests/services/test_vllm_workers.py": "tests/services/vllm",
     "tests/services/test_vllm_params.py": "tests/services/vllm",
