@@ -47,7 +47,8 @@ def test_vllm_kv_usage_and_prompt_counts(tmp_path: Path) -> None:
     for run in (cold, again):
         blocks = run["kv_blocks"] - 1
         held = math.ceil((N + MAX_TOKENS) / BLOCK)
-        assert len(run["kv_usage"]) == MAX_TOKENS
+        # one event per token, or fewer when a busy engine hands over two tokens at once
+        assert len(run["tokens"]) == MAX_TOKENS and 1 <= len(run["kv_usage"]) <= MAX_TOKENS
         for usage in run["kv_usage"][:-1]:
             assert round(usage * blocks) == held, (usage, blocks)
         assert run["kv_usage_after"] == 0.0, run

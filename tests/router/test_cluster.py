@@ -262,7 +262,9 @@ def test_grpc_stream_matches_hf_greedy_in_read_and_write_mode(cluster, tok, hf_g
     assert ids(read2) == want2
     tr = cluster.traces(rid)[rid]
     assert tr["plan"] == "write" and tr["cached_tokens"] == 0  # nothing stored at the start
-    assert tr["decode_start"] < tr["prefill_end"]  # decode was called before prefill returned
+    # decode was called before prefill returned (prefill_end 0: prefill had not even returned
+    # when decode finished, as on a busy machine)
+    assert tr["prefill_end"] == 0 or tr["decode_start"] < tr["prefill_end"], tr
     # ... and it loaded the chunks that prefill published meanwhile
     assert tr["decode_loaded"] == (len(prompt2) - 1) // CS * CS, tr
 
