@@ -12,8 +12,8 @@ lint:
 	.venv/bin/ruff format --check .
 
 # PYTEST_ARGS="-n auto --dist loadfile" runs one pytest worker per core (pytest-xdist; a
-# file whole on one worker): about 18 minutes instead of 30 on 2 cores, but a few tests that
-# assume an idle machine's timing still fail under it (README, "Tests").
+# file whole on one worker): about 18 minutes instead of 30 on 2 cores; not the default yet
+# (README, "Tests").
 test: setup lint
 	.venv/bin/python -m pytest $(PYTEST_ARGS)
 
