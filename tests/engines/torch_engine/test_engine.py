@@ -391,21 +391,30 @@ def test_kv_usage_is_the_kv_bytes_held_over_the_capacity(eng) -> None:
     token_bytes = 2 * conf.num_hidden_layers * conf.num_key_value_heads * eng.model.head_dim * 4
     capacity = 8 * 256 * token_bytes
     toks = prompt(30)
-    sampling = Sampling(max_tokens=20, temperature=0.0, ignore_eos=True)
+    # many more tokens than are read, so the model's thread (which runs ahead of this
+    # consumer) is very unlikely to have ended the job by the 18th read
+    sampling = Sampling(max_tokens=120, temperature=0.0, ignore_eos=True)
+    reads = 18
 
     async def go():
-        held = []  # tokens the usage stands for, read at each token but the last two
+        held = []  # (tokens the usage stands for, running requests) at the first reads
         async for ev in eng.generate("usage", toks, sampling):
-            if ev.finish is None and len(held) < sampling.max_tokens - 2:
-                held.append(eng.load().kv_usage * capacity / token_bytes)
+            if ev.finish is None and len(held) < reads:
+                load = eng.load()
+                held.append((load.kv_usage * capacity / token_bytes, load.running_requests))
         for _ in range(200):
             if eng.load().running_requests == 0:
                 break
             await asyncio.sleep(0.01)
         return held[1:], eng.load().kv_usage  # at the 1st the job may not run yet
 
-    during, after = asyncio.run(go())
-    assert after == 0.0 and len(during) == sampling.max_tokens - 3
+    readings, after = asyncio.run(go())
+    assert after == 0.0 and len(readings) == reads - 1
+    # a reading of 0 is only right once the job has ended in the model's thread
+    for tokens, running in readings:
+        assert tokens > 0 or running == 0, readings
+    during = [tokens for tokens, _ in readings if tokens > 0]
+    assert during, readings
     # at the k-th token the context holds the prompt and at least k outputs (the model's
     # thread may have produced more already): a whole number of tokens' bytes
     for k, tokens in enumerate(during, start=2):
