@@ -9,16 +9,14 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from pdserve.enums import FINISH_REASON
 from pdserve.errors import InvalidArgument
 
-
-class Finish(enum.IntEnum):
-    """Mirrors pdserve.v1.FinishReason."""
-
-    LENGTH = 1
-    EOS = 2
-    STOP = 3
-    CANCELLED = 4
+#: Why a generation ended: an IntEnum (LENGTH, EOS, STOP, CANCELLED) whose values are
+#: pdserve.v1.FinishReason's, taken from its table (:data:`pdserve.enums.FINISH_REASON`).
+Finish = enum.IntEnum(
+    "Finish", {FINISH_REASON.names[v].upper(): v for v in FINISH_REASON.specified}
+)
 
 
 @dataclass(frozen=True)

@@ -380,7 +380,7 @@ class Chaos(BenchCluster):
 
         late = []
         for i in range(8):
-            resp = store._master.call(
+            resp = store.master.call(
                 "BatchPutStart",
                 pb.BatchPutStartRequest(
                     client_id="late-writer",
@@ -394,7 +394,7 @@ class Chaos(BenchCluster):
         garbage = os.urandom(1 << 20)
         landed = 0
         for _ in range(3):
-            errs = store._routes.get("tcp").write_many([(rep, memoryview(garbage)) for rep in late])
+            errs = store.routes.get("tcp").write_many([(rep, memoryview(garbage)) for rep in late])
             landed += sum(e is None for e in errs)
             time.sleep(0.5)
         # With data tokens on, the nodes refuse writes past the grant's expiry (the put

@@ -69,7 +69,7 @@ def _store_load(address: str, stop: threading.Event, counts: dict[str, int]) -> 
             got = client.batch_get(keys)
             counts["store_ops"] += 1
             counts["store_bad"] += sum(g != data for g in got)
-            client._flush_releases()
+            client.release_leases()
             client.remove(keys)
             i += 1
             time.sleep(0.05)

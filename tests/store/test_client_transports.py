@@ -126,7 +126,7 @@ def test_client_reports_a_failed_put_end_as_a_failure(cluster) -> None:
     from pdserve import errors
 
     client = open_store(cluster.address)
-    real = client._master.call
+    real = client.master.call
 
     def call(method, request):
         if method == "BatchPutEnd":
@@ -140,7 +140,7 @@ def test_client_reports_a_failed_put_end_as_a_failure(cluster) -> None:
             )
         return real(method, request)
 
-    client._master.call = call
+    client.master.call = call
     with pytest.raises(errors.PdserveError, match="KV_NOT_ENOUGH_NODES: nodes died"):
         client.put(f"end-fails-{uuid.uuid4().hex}", b"x" * 100)
     client.close()

@@ -48,18 +48,18 @@ def _grant(rep: pb.Replica) -> tuple:
 def _read_replica(
     client: StoreClient, key: str, lease_ms: int = 0, client_id: str = ""
 ) -> pb.Replica:
-    resp = client._master.call(
+    resp = client.master.call(
         "BatchGetReplicaList",
         pb.BatchGetReplicaListRequest(
             client_id=client_id or client.client_id, keys=[key], lease_ms=lease_ms
         ),
     )
-    client._leases.release([key])
+    client.leases.release([key])
     return resp.results[0].replicas[0]
 
 
 def _write_replica(client: StoreClient, key: str) -> pb.Replica:
-    resp = client._master.call(
+    resp = client.master.call(
         "BatchPutStart",
         pb.BatchPutStartRequest(
             client_id=client.client_id, items=[pb.PutStartItem(key=key, size=SIZE)]

@@ -27,14 +27,14 @@ def _failovers() -> float:
 
 
 def _replica(client: StoreClient, key: str) -> pb.Replica:
-    (res,) = client._reads.replica_lists([key])
-    client._leases.release([key])
+    (res,) = client.reads.replica_lists([key])
+    client.leases.release([key])
     return res.replicas[0]
 
 
 def _late_writer(client: StoreClient, key: str, size: int) -> pb.Replica:
     """Starts a put of ``key`` and stalls before writing: the region it was given."""
-    resp = client._master.call(
+    resp = client.master.call(
         "BatchPutStart",
         pb.BatchPutStartRequest(client_id="late", items=[pb.PutStartItem(key=key, size=size)]),
     )
@@ -43,7 +43,7 @@ def _late_writer(client: StoreClient, key: str, size: int) -> pb.Replica:
 
 
 def _write(client: StoreClient, rep: pb.Replica, data: bytes) -> None:
-    (err,) = client._routes.get("tcp").write_many([(rep, memoryview(data))])
+    (err,) = client.routes.get("tcp").write_many([(rep, memoryview(data))])
     assert err is None
 
 
@@ -68,7 +68,7 @@ def test_a_late_writer_cannot_corrupt_the_object_that_reused_its_region(cluster_
         assert client.get("mine") is None
         assert _failovers() > before
 
-        client._flush_releases()
+        client.release_leases()
         assert client.exists(["mine"]) == [False]  # removed: its next writer stores it again
 
         # The same with KV chunks: a whole, valid chunk of another key is refused.
@@ -104,7 +104,7 @@ def test_a_torn_write_is_a_miss(cluster_factory):
         assert client.get("torn") is None
         # The reader removes what no replica holds right, so the next writer stores it again
         # instead of skipping it as already there.
-        client._flush_releases()
+        client.release_leases()
         assert client.exists(["torn"]) == [False]
         assert client.put("torn", data) and client.get("torn") == data
         # Without a checksum (the writer turned it off) nothing can tell: that is what the
@@ -136,7 +136,7 @@ def test_a_read_that_outlives_its_lease_is_discarded(cluster_factory):
 
 
 def _end(client: StoreClient, key: str) -> pb.KeyResult:
-    resp = client._master.call("BatchPutEnd", pb.BatchKeysRequest(client_id="late", keys=[key]))
+    resp = client.master.call("BatchPutEnd", pb.BatchKeysRequest(client_id="late", keys=[key]))
     return resp.results[0]
 
 
@@ -167,7 +167,7 @@ def test_a_master_restart_with_a_put_in_flight(tmp_path):
                     assert time.monotonic() < deadline, "the node did not remount"
                     time.sleep(0.2)
             assert _replica(client, "mine").offset == late.offset
-            (err,) = client._routes.get("tcp").write_many([(late, memoryview(mine[::-1]))])
+            (err,) = client.routes.get("tcp").write_many([(late, memoryview(mine[::-1]))])
             assert err is not None and "no valid grant" in str(err)
             assert _end(client, "in-flight").code == pb.KV_NO_PENDING_PUT
             assert client.get("mine") == mine
@@ -224,8 +224,8 @@ def test_a_lost_replica_is_made_again_on_another_node(cluster_factory):
         nodes[first].kill()
         deadline = time.monotonic() + 15
         while True:
-            results = client._reads.replica_lists(list(data))
-            client._leases.release(list(data))
+            results = client.reads.replica_lists(list(data))
+            client.leases.release(list(data))
             held = [{r.node_id for r in res.replicas} for res in results]
             if all(len(h) == 2 and first not in h for h in held):
                 break

@@ -38,13 +38,13 @@ def _tcp_limit_peer(port_out, size: int, streams: int) -> None:
     import socket
     import threading
 
-    from pdserve.store.transports.tcp import _tune
+    from pdserve.store.transports.tcp import tune_socket
 
     mm = mmap.mmap(-1, size)
     mm.write(b"\x07" * size)
     view = memoryview(mm)
     listener = socket.socket()
-    _tune(listener)
+    tune_socket(listener)
     listener.bind(("127.0.0.1", 0))
     listener.listen(streams)
     port_out.put(listener.getsockname()[1])
@@ -85,7 +85,7 @@ def bench_tcp_limit(sizes: list[int], iterations: int) -> list[Row]:
             socks = []
             for _ in range(streams):
                 sock = socket.socket()
-                tcp._tune(sock)
+                tcp.tune_socket(sock)
                 sock.connect(("127.0.0.1", port))
                 socks.append(sock)
             buf = memoryview(np.empty(size, dtype=np.uint8))

@@ -100,7 +100,7 @@ def bench_control(address: str, rounds: int = 500) -> dict[str, dict[str, float]
                 continue
             client.batch_put([(k, b"c" * 256) for k in keys[:48]])
             # NOTE: the lookup alone is the client's read part (no public call stops there).
-            reads = client._reads
+            reads = client.reads
             for _ in range(50):
                 reads.replica_lists(keys[:1])
                 client.longest_prefix(keys)

@@ -83,16 +83,19 @@ class StoreClient(StoreBackend):
         self.put_retries = put_retries
         self.control = control
         self.host_id = local_host_id()
-        self._master = MasterLink(master_address, timeout_s, control)
-        self._routes = ReplicaRoutes(transport, self.host_id, timeout_s)
-        self._leases = LeaseReleaser(self._master.call, self.client_id, timeout_s)
-        self._writes = Writes(self._master, self._routes, self.client_id, put_retries)
-        self._reads = Reads(self._master, self._routes, self._leases, self.client_id)
+        # The parts, in plain view: the control path to the master, the data-plane route to
+        # each replica, the lease releaser, the put and read paths. Tools that inject faults
+        # or inspect placement (bench chaos, the store tests) drive one of them directly.
+        self.master = MasterLink(master_address, timeout_s, control)
+        self.routes = ReplicaRoutes(transport, self.host_id, timeout_s)
+        self.leases = LeaseReleaser(self.master.call, self.client_id, timeout_s)
+        self.writes = Writes(self.master, self.routes, self.client_id, put_retries)
+        self.reads = Reads(self.master, self.routes, self.leases, self.client_id)
 
     @property
     def control_path(self) -> str:
         """``"wire"`` when calls go to the master's control wire, else ``"grpc"``."""
-        return self._master.path
+        return self.master.path
 
     # -- puts -------------------------------------------------------------------------------
 
@@ -107,13 +110,13 @@ class StoreClient(StoreBackend):
         committed even when another item fails; the first hard failure is then raised.
         ``meta``: per key, the chunk's place in its chain (``PutStartItem.block``), which the
         master publishes with the stored event."""
-        return self._writes.batch_put(items, options, meta)
+        return self.writes.batch_put(items, options, meta)
 
     # -- gets -------------------------------------------------------------------------------
 
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
         keys = check_keys(keys)
-        views = self._reads.read(keys, lambda _i, n: memoryview(bytearray(n)))
+        views = self.reads.read(keys, lambda _i, n: memoryview(bytearray(n)))
         return [None if v is None else bytes(v) for v in views]
 
     def get_into(self, key: str, buf: memoryview) -> int | None:
@@ -144,7 +147,7 @@ class StoreClient(StoreBackend):
                 )
             return views[i]
 
-        return [None if v is None else len(v) for v in self._reads.read(keys, buffer_for)]
+        return [None if v is None else len(v) for v in self.reads.read(keys, buffer_for)]
 
     def batch_get_chunks(
         self, keys: Sequence[str], fingerprint: bytes, *, arena: memoryview | None = None
@@ -167,13 +170,13 @@ class StoreClient(StoreBackend):
                 return arena[used - n : used]
             return memoryview(bytearray(n))
 
-        return self._reads.read(keys, buffer_for, lambda k, v: decode_chunk(v, fingerprint, k))
+        return self.reads.read(keys, buffer_for, lambda k, v: decode_chunk(v, fingerprint, k))
 
     # -- metadata ---------------------------------------------------------------------------
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         keys = check_keys(keys)
-        resp = self._master.call(
+        resp = self.master.call(
             "BatchExists", kvstore_pb2.BatchKeysRequest(client_id=self.client_id, keys=keys)
         )
         return list(resp.exists)
@@ -184,31 +187,31 @@ class StoreClient(StoreBackend):
         if not keys:
             return 0
         request = kvstore_pb2.LongestPrefixRequest(keys=keys)
-        return self._master.call("LongestPrefix", request).length
+        return self.master.call("LongestPrefix", request).length
 
     def remove(self, keys: Sequence[str]) -> int:
         """Removes objects; returns how many were removed (leased or absent ones are not)."""
         keys = check_keys(keys)
         if not keys:
             return 0
-        self._flush_releases()  # our own read leases must not block our removal
-        resp = self._master.call(
+        self.release_leases()  # our own read leases must not block our removal
+        resp = self.master.call(
             "BatchRemove", kvstore_pb2.BatchKeysRequest(client_id=self.client_id, keys=keys)
         )
         return sum(1 for r in resp.results if r.code == kvstore_pb2.KV_OK)
 
     def stats(self) -> kvstore_pb2.StatsResponse:
-        return self._master.call("Stats", kvstore_pb2.StatsRequest())
+        return self.master.call("Stats", kvstore_pb2.StatsRequest())
 
-    def _flush_releases(self) -> None:
-        """Sends the queued lease releases now (tests and the soak bench call it to let the
-        master's state settle)."""
-        self._leases.flush()
+    def release_leases(self) -> None:
+        """Sends the read leases queued for release now, instead of with the next call (so
+        a tool or test that reads then removes sees the master's state settle)."""
+        self.leases.flush()
 
     def close(self) -> None:
-        self._leases.close()
-        self._routes.close()
-        self._master.close()
+        self.leases.close()
+        self.routes.close()
+        self.master.close()
 
     def __enter__(self) -> StoreClient:
         return self

@@ -128,7 +128,7 @@ def segment_key(segment_id: str) -> int:
     return int.from_bytes(blake3.blake3(segment_id.encode()).digest(length=8), "little")
 
 
-def _tune(sock: socket.socket) -> None:
+def tune_socket(sock: socket.socket) -> None:
     """Sets a data-plane socket's options (client and node alike)."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if SOCK_BUF:

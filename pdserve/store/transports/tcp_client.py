@@ -33,8 +33,8 @@ from pdserve.store.transports.tcp import (
     ST_OK,
     STATUS_TEXT,
     VERSION,
-    _tune,
     segment_key,
+    tune_socket,
     writev_pad,
 )
 from pdserve.v1 import kvstore_pb2
@@ -79,7 +79,7 @@ class TcpTransport(Transport):
     def _connect(self, address: str) -> socket.socket:
         host, _, port = address.rpartition(":")
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        _tune(sock)  # before connect: the receive window is sized at the handshake
+        tune_socket(sock)  # before connect: the receive window is sized at the handshake
         sock.settimeout(self.timeout_s)
         try:
             sock.connect((host, int(port)))

@@ -37,8 +37,8 @@ from pdserve.store.transports.tcp import (
     ST_UNKNOWN_SEGMENT,
     STATUS_TEXT,
     VERSION,
-    _tune,
     segment_key,
+    tune_socket,
     writev_pad,
 )
 from pdserve.v1 import kvstore_pb2
@@ -150,7 +150,7 @@ class TcpServer(TransportServer):
             self.requested_port,
             self._serve,
             "kv-tcp-conn",
-            tune=_tune,
+            tune=tune_socket,
             idle_timeout_s=self.idle_timeout_s,
         )
         self.port = self._server.port

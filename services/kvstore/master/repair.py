@@ -68,13 +68,14 @@ class Repairer:
 
     def jobs(self, limit: int) -> list[RepairJob]:
         """Up to ``limit`` copies to make, each with its target allocated (on a live node that
-        holds no copy yet) and its object leased. An object no node can take yet stays
-        queued."""
+        holds no copy yet and that mounted with its address, so it can be asked to copy) and
+        its object leased. An object no node can take yet stays queued."""
         jobs: list[RepairJob] = []
         now = self.clock.mono()
         waiting = []
         strategy = self.segments.strategy(pb.PLACEMENT_UNSPECIFIED)
         assert strategy is not None
+        unaddressed = self.segments.unaddressed()
         while self._queue and len(jobs) < limit:
             key = self._queue.popleft()
             self._queued.discard(key)
@@ -82,7 +83,7 @@ class Repairer:
             if obj is None or key in self._running or len(obj.replicas) >= obj.want:
                 continue
             held = {r.node_id for r in obj.replicas}
-            placed = self.segments.try_place(strategy, obj.size, 1, held)
+            placed = self.segments.try_place(strategy, obj.size, 1, held | unaddressed)
             if placed is None:
                 waiting.append(key)
                 continue
@@ -110,6 +111,8 @@ class Repairer:
             self.objects.add_replica(job.obj, job.target)
             self.counters.repairs += 1
             return True
+        if not ok:
+            self.counters.repair_failures += 1
         if usable:
             self.segments.free([job.target])
         if live:

@@ -179,6 +179,11 @@ class SegmentTable(Mapping[str, SegmentState]):
         """Nodes whose last heartbeat is more than ``dead_after`` seconds old."""
         return [n for n in self._nodes.values() if now - n.last_heartbeat > dead_after]
 
+    def unaddressed(self) -> set[str]:
+        """The nodes that mounted without a KVNodeService address (the master cannot ask
+        them to copy a replica)."""
+        return {n.node_id for n in self._nodes.values() if not n.address}
+
     def address_of(self, node_id: str) -> str:
         """The KVNodeService address of ``node_id`` ("" = unknown)."""
         node = self._nodes.get(node_id)

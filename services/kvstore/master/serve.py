@@ -57,6 +57,11 @@ class _StateCollector:
             ),
             ("stalls", c.stalls, "housekeeping passes late enough not to count missed beats"),
             ("repairs", c.repairs, "replicas re-made on another node after one was lost"),
+            (
+                "repair_failures",
+                c.repair_failures,
+                "re-replication copies that failed (the object is queued again)",
+            ),
             ("prefix_queries", c.prefix_queries, "LongestPrefix calls"),
             ("prefix_hit_keys", c.prefix_hit_keys, "sum of LongestPrefix answers (keys)"),
             ("events_dropped", self.hub.dropped, "events dropped for slow watchers"),

@@ -151,6 +151,7 @@ class Counters:
     stalls: int = 0
     node_dead_objects: int = 0
     repairs: int = 0
+    repair_failures: int = 0
 
 
 @dataclass(frozen=True)

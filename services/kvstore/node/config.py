@@ -8,10 +8,12 @@ import socket
 from dataclasses import dataclass
 
 from pdserve.config import ConfigError, help_field
+from pdserve.enums import TRANSPORT
 from pdserve.identity import SecurityConfig
 from pdserve.sizes import parse_size
 
-TRANSPORTS = ("shm", "tcp", "mooncake")
+#: The transports a node may serve: every value of the proto enum (shm, tcp, mooncake).
+TRANSPORTS = TRANSPORT.choices
 
 
 @dataclass

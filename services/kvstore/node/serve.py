@@ -52,6 +52,11 @@ def _export_metrics(node: KVNode) -> None:
             lambda: sum(s.bytes_written for s in node.servers),
         ),
         (
+            "pdserve_kvnode_bytes_copied",
+            "payload bytes this node copied in from other nodes to re-replicate (CopyReplica)",
+            lambda: node.bytes_copied,
+        ),
+        (
             "pdserve_kvnode_capacity_bytes",
             "bytes of memory segments this node contributes",
             lambda: sum(s.size for s in node.segments),

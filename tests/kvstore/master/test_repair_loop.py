@@ -120,12 +120,24 @@ def test_a_failed_copy_frees_the_target_and_queues_the_object_again(
     assert len(node.calls) == 1
     assert s.segments.used() == used  # the target's range is free again
     assert s.under_replicated() == 1 and s.counters.repairs == 0
+    assert s.counters.repair_failures == 1
     assert s.remove(["a"])[0].code == pb.KV_OK  # the repair lease is gone
 
 
-def test_a_node_that_mounted_without_its_address_is_not_asked(make_state, clock) -> None:
+def test_a_node_that_mounted_without_its_address_is_not_a_repair_target(make_state, clock) -> None:
+    """n3, the only node that could take the copy, cannot be asked to make it: no job is
+    handed out (nothing allocated, no failure counted, no warning each pass); the object
+    waits, queued, for a node that can."""
     s = make_state(heartbeat_interval_ms=500, heartbeat_miss_limit=3)
     _lose_a_replica(s, clock, silent="n3")
+    used = s.segments.used()
     node = FakeNode()
-    assert asyncio.run(_loop(s, node).run_once()) == 0
+    loop = _loop(s, node)
+    for _ in range(3):
+        assert asyncio.run(loop.run_once()) == 0
     assert node.calls == [] and s.under_replicated() == 1
+    assert s.segments.used() == used and s.counters.repair_failures == 0
+    s.mount("s4", "n4", 1 << 20, [], address="10.0.0.4:7000")  # a node that can
+    assert asyncio.run(loop.run_once()) == 1
+    ((address, _req),) = node.calls
+    assert address == "10.0.0.4:7000" and s.under_replicated() == 0

@@ -24,7 +24,8 @@ def put(state: MasterState, key: str, size: int = KB, client: str = "c", **opts)
 
 
 def mount(state: MasterState, seg: str, node: str, size: int = 64 * KB, held=()) -> int:
-    return state.mount(seg, node, size, [], held)
+    """Mounts ``seg`` of ``node``, which gives its KVNodeService address as nodes do."""
+    return state.mount(seg, node, size, [], held, address=f"{node}.nodes:7000")
 
 
 def test_put_get_and_idempotent_put(make_state, events) -> None:

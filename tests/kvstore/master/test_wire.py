@@ -156,10 +156,10 @@ def test_store_client_falls_back_to_grpc_when_the_wire_goes_away(cluster) -> Non
     dead.bind(("127.0.0.1", 0))
     port = dead.getsockname()[1]
     dead.close()
-    client._master.wire.close()
-    client._master.wire = WireClient("127.0.0.1", port, timeout_s=2)
+    client.master.wire.close()
+    client.master.wire = WireClient("127.0.0.1", port, timeout_s=2)
     assert client.get("fb") == b"x" * 10
-    assert client._master.wire is None  # dropped; looked up again after WIRE_RETRY_S
+    assert client.master.wire is None  # dropped; looked up again after WIRE_RETRY_S
     client.close()
 
 

@@ -132,7 +132,7 @@ def test_a_node_advertises_its_advertise_host_in_segment_endpoints(cluster_facto
     with open_store(c.address, transport="tcp") as client:
         data = _blob(100_000, 3)
         assert client.put("adv", data) and client.get("adv") == data
-        (res,) = client._reads.replica_lists(["adv"])
-        client._leases.release(["adv"])
+        (res,) = client.reads.replica_lists(["adv"])
+        client.leases.release(["adv"])
     (rep,) = res.replicas
     assert [e.address for e in rep.endpoints] == [f"localhost:{node.info['tcp_port']}"]
