@@ -228,11 +228,16 @@ def test_cancel_and_deadline_free_the_slot(workers) -> None:
         )
         next(call)
         call.cancel()
+        # As long a generation as the context allows (512 tokens), with 20 logprobs at each:
+        # an idle machine made 400 plain tokens of the tiny model in under 0.3 s.
+        longest = common_pb2.SamplingParams(
+            max_tokens=512 - len(toks), temperature=0.0, ignore_eos=True, logprobs=20
+        )
         with pytest.raises(grpc.RpcError) as info:
             list(
                 d.Decode(
-                    engine_pb2.DecodeRequest(model="tiny", prompt_token_ids=toks, sampling=long),
-                    timeout=0.3,
+                    engine_pb2.DecodeRequest(model="tiny", prompt_token_ids=toks, sampling=longest),
+                    timeout=0.15,
                 )
             )
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
