@@ -168,7 +168,10 @@ def run_engine(tmp: Path, name: str, config: dict, jobs: list[dict]) -> list[dic
     # vLLM's ZMQ sockets live in TMPDIR, and a socket path has at most 107 characters: a
     # short folder of its own, not the test's (deeper under pytest-xdist)
     with tempfile.TemporaryDirectory(prefix="pdv-") as short, log.open("w") as f:
-        env = {**os.environ, "TMPDIR": short, "PDSERVE_CACHE_DIR": str(tmp / "cache")}
+        # the model folder and vLLM's caches come from the session's PDSERVE_CACHE_DIR, as
+        # for every other process the tests start: a folder per test made each engine
+        # prepare SmolLM2 again (about 20 s) and vLLM inspect the model in a subprocess (9 s)
+        env = {**os.environ, "TMPDIR": short}
         proc = subprocess.run(
             [sys.executable, __file__, str(spec), str(out)],
             stdout=f,
