@@ -11,9 +11,10 @@ lint:
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
 
-# PYTEST_ARGS="-n auto --dist loadfile" runs one pytest worker per core (pytest-xdist; a
-# file whole on one worker): about 18 minutes instead of 30 on 2 cores; not the default yet
-# (README, "Tests").
+# One pytest worker per core (pytest-xdist), a file whole on one worker, the files with vLLM
+# tests first. PYTEST_ARGS= (empty) runs the suite serially in one process.
+PYTEST_ARGS ?= -n auto --dist loadfile
+
 test: setup lint
 	.venv/bin/python -m pytest $(PYTEST_ARGS)
 
