@@ -24,10 +24,14 @@ SHARED_SCOPES = {
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
-    """``--dist loadfile``, with the files of a :data:`SHARED_SCOPES` group kept together."""
+    """``--dist loadfile``, with the files of a :data:`SHARED_SCOPES` group kept together and
+    handed out in collection order (the vLLM files first, :func:`pytest_collection_modifyitems`):
+    xdist's own order, most tests first, left the longest files, the vLLM ones, to the end."""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
+
+    config.option.loadscopereorder = False
 
     class SharedScopeScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:

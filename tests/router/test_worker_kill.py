@@ -13,7 +13,8 @@ import time
 import pytest
 from test_cluster import Cluster, ids, metric, stream
 
-from pdserve.v1 import common_pb2
+from pdserve import grpcutil
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 pytestmark = pytest.mark.slow
 GREEDY = common_pb2.SamplingParams(max_tokens=8, temperature=0.0)
@@ -71,20 +72,30 @@ def test_kill_decode_mid_stream_resumes(cluster, hf_greedy) -> None:
     assert len(expected) >= 30, "pick a prompt whose greedy run is long enough"
     alive = [d for d in cluster.decodes if d.alive()]
     before = {d.pid: metric(d, "pdserve_decode_tokens_total") for d in alive}
-    result: dict = {}
+    result: dict = {"msgs": []}
 
     def run() -> None:
         sampling = common_pb2.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        result["msgs"] = stream(cluster, model="tiny", prompt_token_ids=toks, sampling=sampling)
+        with grpcutil.sync_channel(cluster.grpc, public=True) as ch:
+            call = router_pb2_grpc.RouterServiceStub(ch).GenerateStream(
+                router_pb2.GenerateRequest(model="tiny", prompt_token_ids=toks, sampling=sampling),
+                timeout=120,
+                wait_for_ready=True,
+            )
+            for msg in call:  # kept as they come: the kill waits for the client to have some
+                result["msgs"].append(msg)
 
     thread = threading.Thread(target=run)
     thread.start()
     busy = None
     deadline = time.monotonic() + 30
+    # mid-stream from the client's side: the router has passed on decode tokens (a kill
+    # before any reached the router would be a plain retry, not a resume)
     while busy is None and time.monotonic() < deadline:
-        for d in alive:
-            if metric(d, "pdserve_decode_tokens_total") - before[d.pid] >= 5:
-                busy = d
+        if len(ids(list(result["msgs"]))) >= 6:
+            for d in alive:
+                if metric(d, "pdserve_decode_tokens_total") - before[d.pid] >= 5:
+                    busy = d
         time.sleep(0.005)
     assert busy is not None, "no decode worker streamed the request"
     busy.kill()
