@@ -15,7 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+# the cluster harness (tests/router) and the helpers it imports (tests/)
+sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]
 
 from test_cluster import Cluster
 
