@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 # the cluster harness (tests/router) and the helpers it imports (tests/)
-sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]
+sys.path.insert(0, str(Path(__file__).parents[1]))
+sys.path.insert(0, str(Path(__file__).parent))
 
 from test_cluster import Cluster
 
