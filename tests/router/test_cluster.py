@@ -192,15 +192,21 @@ def tok(tiny_model_dir):
     return AutoTokenizer.from_pretrained(str(tiny_model_dir))
 
 
-def stream(cluster: Cluster, **kw) -> list[router_pb2.GenerateStreamResponse]:
+def stream(
+    cluster: Cluster, into: list | None = None, **kw
+) -> list[router_pb2.GenerateStreamResponse]:
+    """The router's stream for ``GenerateRequest(**kw)``; each message is appended to ``into``
+    (when given, and returned) as it arrives, for a caller watching from another thread."""
+    out = [] if into is None else into
     with grpcutil.sync_channel(cluster.grpc, public=True) as ch:  # the router's API: no mTLS
         stub = router_pb2_grpc.RouterServiceStub(ch)
         # wait_for_ready: on a loaded 2-core machine a fresh channel's first connection
         # attempt can time out (UNAVAILABLE, no SETTINGS frame); the RPC then waits for the
         # reconnect within its deadline, as a real client would retry
-        return list(
-            stub.GenerateStream(router_pb2.GenerateRequest(**kw), timeout=120, wait_for_ready=True)
-        )
+        request = router_pb2.GenerateRequest(**kw)
+        for msg in stub.GenerateStream(request, timeout=120, wait_for_ready=True):
+            out.append(msg)
+    return out
 
 
 def ids(msgs) -> list[int]:

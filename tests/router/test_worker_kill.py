@@ -13,8 +13,7 @@ import time
 import pytest
 from test_cluster import Cluster, ids, metric, stream
 
-from pdserve import grpcutil
-from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from pdserve.v1 import common_pb2
 
 pytestmark = pytest.mark.slow
 GREEDY = common_pb2.SamplingParams(max_tokens=8, temperature=0.0)
@@ -76,14 +75,8 @@ def test_kill_decode_mid_stream_resumes(cluster, hf_greedy) -> None:
 
     def run() -> None:
         sampling = common_pb2.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        with grpcutil.sync_channel(cluster.grpc, public=True) as ch:
-            call = router_pb2_grpc.RouterServiceStub(ch).GenerateStream(
-                router_pb2.GenerateRequest(model="tiny", prompt_token_ids=toks, sampling=sampling),
-                timeout=120,
-                wait_for_ready=True,
-            )
-            for msg in call:  # kept as they come: the kill waits for the client to have some
-                result["msgs"].append(msg)
+        # kept as they come: the kill waits for the client to have some
+        stream(cluster, into=result["msgs"], model="tiny", prompt_token_ids=toks, sampling=sampling)
 
     thread = threading.Thread(target=run)
     thread.start()
