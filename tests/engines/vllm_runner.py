@@ -6,7 +6,10 @@ JOBS.json: ``{"config": {EngineConfig fields}, "jobs": [{"mode": "single"|"prefi
 "cache_salt": str (optional)}]}``; or ``{"mode": "burst", "id": str, "prompt": [int] (the
 blocker), "prompts": [[int]], "max_tokens": int}``: the blocker first, then every prompt of
 ``prompts`` at once while it prefills; the result has each generation's ``tokens`` and
-``first_order``, the burst's indices in the order their first tokens came.
+``first_order``, the burst's indices in the order their first tokens came; or
+``{"mode": "forget", "id": str}``: vLLM's local prefix cache emptied, so that the jobs after it
+find what earlier jobs stored only in the KV store (one engine writes, then reads its own
+chunks back from the store process, instead of a second engine process started to read them).
 RESULTS.json: one object per job with the tokens and the KV counters the engine reported (for
 generations also the counts it put on events before the last, its KV usage at each event and
 after, and vLLM's number of KV blocks), and this process's store metrics after it.
@@ -37,6 +40,9 @@ VLLM_ENGINE_MARKS = [
     ),
 ]
 
+#: A job that empties vLLM's local prefix cache: what the next jobs find, they load from the store.
+FORGET = {"mode": "forget", "id": "forget"}
+
 
 async def run(spec: dict) -> list[dict]:
     from pdserve.engines.config import EngineConfig
@@ -48,11 +54,16 @@ async def run(spec: dict) -> list[dict]:
     results = []
     try:
         for job in spec["jobs"]:
-            sampling = Sampling(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True)
+            sampling = Sampling(
+                max_tokens=job.get("max_tokens", 1), temperature=0.0, ignore_eos=True
+            )
             out: dict = {"id": job["id"], "mode": job["mode"]}
             salt = job.get("cache_salt", "")
             if job["mode"] == "burst":
                 out.update(await burst(engine, job, sampling))
+            elif job["mode"] == "forget":
+                out["reset"] = await engine._llm.reset_prefix_cache()
+                assert out["reset"], "vLLM did not empty its prefix cache"
             elif job["mode"] == "prefill":
                 res = await engine.prefill(job["id"], job["prompt"], sampling, cache_salt=salt)
                 kv = res.kv
