@@ -1,6 +1,7 @@
 """End-to-end on real processes: meta, a KV store (master + one node), two torch prefill
-workers and one torch decode worker on the tiny model, and the router found through meta.
-Ground truth is a single-process Hugging Face greedy run."""
+workers and one torch decode worker on the tiny model, and the router found through meta; every
+internal link mutual TLS, as under ``pdserve up``. Ground truth is a single-process Hugging Face
+greedy run."""
 
 from __future__ import annotations
 
@@ -180,7 +181,7 @@ def metric(proc: ServiceProcess, name: str) -> float:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_model_dir) -> Iterator[Cluster]:
-    c = Cluster(tmp_path_factory.mktemp("cluster"), tiny_model_dir)
+    c = Cluster(tmp_path_factory.mktemp("cluster"), tiny_model_dir, tls=True)
     try:
         yield c
     finally:
@@ -352,7 +353,7 @@ def test_cache_salt_keeps_tenants_apart_with_identical_tokens(cluster, tok, hf_g
 def test_cancel_mid_stream_frees_the_decode_slot(cluster):
     d = cluster.decode
     cancelled = metric(d, 'pdserve_decode_requests_total{outcome="cancelled"}')
-    with grpcutil.sync_channel(cluster.grpc) as ch:
+    with grpcutil.sync_channel(cluster.grpc, public=True) as ch:
         stub = router_pb2_grpc.RouterServiceStub(ch)
         call = stub.GenerateStream(
             router_pb2.GenerateRequest(
@@ -439,14 +440,14 @@ def test_vllm_bench_serve_runs_unchanged(cluster, tiny_model_dir, backend, endpo
 
 
 def test_a_mutual_tls_cluster_serves_token_exact_and_refuses_other_identities(
-    tmp_path: Path, tiny_model_dir: Path, tok, hf_greedy
+    cluster: Cluster, tok, hf_greedy
 ):
     """Every internal link is mutual TLS (the router's public API is plain with no key): the
     answer is token-for-token the ground truth; a worker refuses a node's identity, and a
     caller without a certificate reaches nothing inside."""
     from pdserve.v1 import engine_pb2, engine_pb2_grpc, meta_pb2, meta_pb2_grpc
 
-    c = Cluster(tmp_path, tiny_model_dir, tls=True)
+    c = cluster
     try:
         prompt = tok.encode("Mutual TLS between every service, and the same tokens. " * 3)
         with grpcutil.sync_channel(c.grpc, public=True) as ch:
@@ -474,4 +475,4 @@ def test_a_mutual_tls_cluster_serves_token_exact_and_refuses_other_identities(
                     )
                 assert info.value.code() == grpc.StatusCode.UNAVAILABLE, address
     finally:
-        c.close()
+        identity.configure_files(c.files("test"))  # the admin identity, for the tests after
