@@ -14,17 +14,14 @@ from process_guard import pytest_configure, pytest_runtest_protocol  # noqa: F40
 
 from pdserve import procs
 
-#: Test files that share one started engine or cluster through a package-scoped fixture: under
-#: pytest-xdist with ``--dist loadfile`` (``make test PYTEST_ARGS="-n auto --dist loadfile"``)
-#: each group runs whole on one test worker, so its fixture starts once.
-SHARED_SCOPES = {
-    "tests/services/test_vllm_workers.py": "tests/services/vllm",
-    "tests/services/test_vllm_params.py": "tests/services/vllm",
-}
+#: Test folders whose files share one started cluster through a package-scoped fixture: under
+#: pytest-xdist with ``--dist loadfile`` (``make test``) each runs whole on one test worker, so
+#: its fixture starts once.
+SHARED_FOLDERS = ("tests/vllm_services/",)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
-    """``--dist loadfile``, with the files of a :data:`SHARED_SCOPES` group kept together and
+    """``--dist loadfile``, with the files of a :data:`SHARED_FOLDERS` folder kept together and
     handed out in collection order (the vLLM files first, :func:`pytest_collection_modifyitems`):
     xdist's own order, most tests first, left the longest files, the vLLM ones, to the end."""
     if config.getoption("dist") != "loadfile":
@@ -36,7 +33,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
     class SharedScopeScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = super()._split_scope(nodeid)
-            return SHARED_SCOPES.get(path, path)
+            return next((f for f in SHARED_FOLDERS if path.startswith(f)), path)
 
     return SharedScopeScheduling(config, log)
 

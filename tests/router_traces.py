@@ -1,5 +1,5 @@
 """The router's per-request trace lines, read from its log file (a test helper for the
-clusters that tests start: tests/router/test_cluster.py, tests/store/test_mooncake_services.py)."""
+clusters that tests start: tests/cluster_harness.py, tests/store/test_mooncake_services.py)."""
 
 from __future__ import annotations
 

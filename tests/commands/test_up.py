@@ -40,7 +40,11 @@ def _up(tmp_path: Path) -> tuple[subprocess.Popen, str, dict[str, int], Path]:
 
 
 @pytest.mark.slow
-def test_up_serves_the_printed_examples_and_stops_cleanly(tmp_path: Path):
+def test_up_serves_the_printed_examples_is_secure_by_default_and_stops_cleanly(tmp_path: Path):
+    """The banner's examples work as printed. Secure by default: the router wants the key in
+    <run_dir>/api_key (401 without it), the internal services take mutual TLS only (a
+    plaintext client of the master is turned away), and `pdserve status --run-dir` dials them
+    with up's admin certificate. Ctrl-C stops every process and leaves no shared memory."""
     proc, banner, ports, run_dir = _up(tmp_path)
     meta, master = ports["meta"], ports["master"]
     try:
@@ -71,6 +75,41 @@ def test_up_serves_the_printed_examples_and_stops_cleanly(tmp_path: Path):
         assert status.returncode == 0, status.stdout + status.stderr
         for role in ("decode", "kvstore-master", "kvstore-node"):
             assert role in status.stdout
+
+        key_file = run_dir / "api_key"
+        assert key_file.stat().st_mode & 0o777 == 0o600
+        key = key_file.read_text().strip()
+        assert len(key) >= 32
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            _complete(ports["http"], "Once upon a time", "")
+        assert refused.value.code == 401
+        with pytest.raises(urllib.error.HTTPError) as wrong:
+            _complete(ports["http"], "Once upon a time", key + "x")
+        assert wrong.value.code == 401
+        done = _complete(ports["http"], "Once upon a time", key)
+        assert done["choices"][0]["finish_reason"] == "length"
+
+        with (
+            grpc.insecure_channel(f"127.0.0.1:{ports['master']}") as ch,
+            pytest.raises(grpc.RpcError) as plain,
+        ):
+            kvstore_pb2_grpc.KVMasterServiceStub(ch).Stats(kvstore_pb2.StatsRequest(), timeout=10)
+        assert plain.value.code() == grpc.StatusCode.UNAVAILABLE
+        status = subprocess.run(
+            [sys.executable, "-m", "pdserve.commands.cli", "status", "--meta",
+             f"127.0.0.1:{ports['meta']}", "--run-dir", str(run_dir)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert status.returncode == 0, status.stdout + status.stderr
+        assert "kvstore-master" in status.stdout and " NO " not in status.stdout
+        # without the run dir (and without PDSERVE_TLS_*) it cannot reach meta, and says why
+        bare = subprocess.run(
+            [sys.executable, "-m", "pdserve.commands.cli", "status", "--meta",
+             f"127.0.0.1:{ports['meta']}", "--run-dir", str(tmp_path / "elsewhere")],
+            capture_output=True, text=True, timeout=60,
+            env={k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_TLS_")},
+        )  # fmt: skip
+        assert bare.returncode == 1 and "PDSERVE_TLS_CA" in bare.stderr, bare.stderr
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(60)
@@ -148,52 +187,6 @@ def test_up_restarts_a_killed_service_while_the_rest_keeps_serving(tmp_path: Pat
         proc.send_signal(signal.SIGINT)
         proc.wait(60)
     assert not (run_dir / "services.json").exists()
-
-
-@pytest.mark.slow
-def test_up_is_secure_by_default(tmp_path: Path):
-    """Defaults: the router wants the key in <run_dir>/api_key (401 without it), the internal
-    services take mutual TLS only (a plaintext client of the master is turned away), and
-    `pdserve status --run-dir` dials them with up's admin certificate."""
-    proc, _banner, ports, run_dir = _up(tmp_path)
-    try:
-        key_file = run_dir / "api_key"
-        assert key_file.stat().st_mode & 0o777 == 0o600
-        key = key_file.read_text().strip()
-        assert len(key) >= 32
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            _complete(ports["http"], "Once upon a time", "")
-        assert refused.value.code == 401
-        with pytest.raises(urllib.error.HTTPError) as wrong:
-            _complete(ports["http"], "Once upon a time", key + "x")
-        assert wrong.value.code == 401
-        done = _complete(ports["http"], "Once upon a time", key)
-        assert done["choices"][0]["finish_reason"] == "length"
-
-        with (
-            grpc.insecure_channel(f"127.0.0.1:{ports['master']}") as ch,
-            pytest.raises(grpc.RpcError) as plain,
-        ):
-            kvstore_pb2_grpc.KVMasterServiceStub(ch).Stats(kvstore_pb2.StatsRequest(), timeout=10)
-        assert plain.value.code() == grpc.StatusCode.UNAVAILABLE
-        status = subprocess.run(
-            [sys.executable, "-m", "pdserve.commands.cli", "status", "--meta",
-             f"127.0.0.1:{ports['meta']}", "--run-dir", str(run_dir)],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
-        assert status.returncode == 0, status.stdout + status.stderr
-        assert "kvstore-master" in status.stdout and " NO " not in status.stdout
-        # without the run dir (and without PDSERVE_TLS_*) it cannot reach meta, and says why
-        bare = subprocess.run(
-            [sys.executable, "-m", "pdserve.commands.cli", "status", "--meta",
-             f"127.0.0.1:{ports['meta']}", "--run-dir", str(tmp_path / "elsewhere")],
-            capture_output=True, text=True, timeout=60,
-            env={k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_TLS_")},
-        )  # fmt: skip
-        assert bare.returncode == 1 and "PDSERVE_TLS_CA" in bare.stderr, bare.stderr
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(60)
 
 
 def test_tls_and_auth_turn_off_with_flags(tmp_path: Path):

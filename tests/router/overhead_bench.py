@@ -1,6 +1,6 @@
 """Router overhead per request: router wall time minus worker time (prefill worker_ms + the
 decode worker's time to its last token), read plan, on the real-process cluster of
-test_cluster.py. Prints p50/p99 and the client-side latency for scale; with ``--tls`` it
+cluster_harness.py. Prints p50/p99 and the client-side latency for scale; with ``--tls`` it
 measures a plaintext cluster and then one with mutual TLS on every internal link, side by
 side in one run.
 
@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parents[1]))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from test_cluster import Cluster
+from cluster_harness import Cluster
 
 from pdserve import grpcutil
 from pdserve.model.prepare import build_tiny_model

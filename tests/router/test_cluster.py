@@ -6,177 +6,20 @@ greedy run."""
 from __future__ import annotations
 
 import json
-import os
 import time
-import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 
 import grpc
 import openai
 import pytest
-from router_traces import read_router_traces
+from cluster_harness import CS, Cluster, greedy, ids, metric, stream
 from transformers import AutoTokenizer
 
 from pdserve import grpcutil, identity
-from pdserve.commands import certs
-from pdserve.procs import ServiceProcess, service_args, start_service
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 pytestmark = pytest.mark.slow
-CS = 16
-
-
-class Cluster:
-    def __init__(
-        self,
-        log_dir: Path,
-        model_dir: Path,
-        *,
-        decodes: int = 1,
-        prefills: int = 2,
-        tls: bool = False,
-        worker_flags: Callable[[str, int], dict[str, object]] | None = None,
-        router_flags: dict[str, object] | None = None,
-        node_id: str = "",
-    ) -> None:
-        """``tls``: every service gets its own certificate (made in ``log_dir/certs``), and
-        this process an admin one, so every internal link is mutual TLS. ``worker_flags(role,
-        index)``: flags that replace or add to a worker's defaults (another engine, its
-        cores); ``router_flags`` likewise for the router. ``node_id``: the storage node's id,
-        which names its /dev/shm files (two clusters at once need two)."""
-        self.procs: list[ServiceProcess] = []
-        self.log_dir = log_dir
-        self.n_decodes = decodes
-        self.n_prefills = prefills
-        self.worker_flags = worker_flags or (lambda role, i: {})
-        self.router_flags = router_flags or {}
-        self.certs = log_dir / "certs" if tls else None
-        # this test process's pid in it: another test worker may run a cluster at the same time
-        self.node_id = node_id or (f"n0-tls-{os.getpid()}" if tls else f"n0-{os.getpid()}")
-        if self.certs is not None:
-            names = ["meta:meta", "master:master", f"node:{self.node_id}", "router:router"]
-            names.append("admin:test")
-            names += [f"worker:prefill{i}" for i in range(prefills)]
-            names += [f"worker:decode{i}" for i in range(decodes)]
-            certs.make(self.certs, names)
-            identity.configure_files(self.files("test"))
-        try:
-            self._start(model_dir)
-        except BaseException:
-            self.close()
-            raise
-
-    def files(self, name: str) -> identity.TlsFiles:
-        """The TLS files of the identity ``name`` (a tls cluster only)."""
-        d = self.certs
-        return identity.TlsFiles.load(f"{d}/ca.crt", f"{d}/{name}.crt", f"{d}/{name}.key")
-
-    def _add(self, name: str, args: list[str], **kw) -> ServiceProcess:
-        if self.certs is not None:
-            d, cert = self.certs, {"node": self.node_id}.get(name, name)  # a node's name is its id
-            args = [*args, "--tls-ca", f"{d}/ca.crt", "--tls-cert", f"{d}/{cert}.crt"]
-            args += ["--tls-key", f"{d}/{cert}.key"]
-        proc = start_service(name, args, self.log_dir, timeout=90, **kw)
-        self.procs.append(proc)
-        return proc
-
-    def _start(self, model_dir: Path) -> None:
-        self.meta = self._add("meta", service_args("meta", port=0, http_port=-1))
-        meta = self.meta.info["grpc"]
-        master_args = service_args("kvstore-master", port=0, state_dir=self.log_dir / "master")
-        self.master = self._add("master", master_args)
-        master = self.master.info["grpc"]
-        self.node = self._add(
-            "node",
-            service_args(
-                "kvstore-node",
-                master_address=master,
-                node_id=self.node_id,
-                segment_sizes="64MiB",
-                transports="shm,tcp",
-            ),
-            env={"MC_TCP_BIND_ADDRESS": "127.0.0.1"},
-        )
-        common = dict(
-            engine="torch",
-            model=model_dir,
-            served_model_name="tiny",
-            chunk_size=CS,
-            max_model_len=2048,
-            store_master=master,
-            meta=meta,
-            port=0,
-            metrics_port=0,
-        )
-        self.prefills = [
-            self._add(
-                f"prefill{i}",
-                service_args("prefill", **{**common, **self.worker_flags("prefill", i)}),
-            )
-            for i in range(self.n_prefills)
-        ]
-        self.decodes = [
-            self._add(
-                f"decode{i}", service_args("decode", **{**common, **self.worker_flags("decode", i)})
-            )
-            for i in range(self.n_decodes)
-        ]
-        self.decode = self.decodes[0]
-        self.router = self._add(
-            "router",
-            service_args(
-                "router",
-                **{
-                    "model": model_dir,
-                    "served_name": "tiny",
-                    "chunk_size": CS,
-                    "max_model_len": 2048,
-                    "port": 0,
-                    "http_port": 0,
-                    "meta": meta,
-                    "store_master": master,
-                    "policy": "cache_aware",
-                    "local_prefill_threshold": 0,
-                    **self.router_flags,
-                },
-            ),
-        )
-        self.grpc = self.router.info["grpc"]
-        self.http = self.router.info["http"]
-        with grpcutil.sync_channel(self.grpc, public=True) as ch:
-            stub = router_pb2_grpc.RouterServiceStub(ch)
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                (m,) = stub.ListModels(router_pb2.ListModelsRequest()).models
-                if m.prefill_workers == self.n_prefills and m.decode_workers == self.n_decodes:
-                    break
-                time.sleep(0.2)
-            else:
-                raise RuntimeError(f"router did not discover the workers: {m}")
-
-    def close(self) -> None:
-        if self.certs is not None:
-            identity.configure_files(None)
-        for proc in reversed(self.procs):
-            proc.stop()
-        node = getattr(self, "node", None)
-        for name in node.info.get("shm_names", []) if node else []:
-            Path("/dev/shm", name).unlink(missing_ok=True)
-
-    def traces(self, *wait_for: str, timeout_s: float = 10.0) -> dict[str, dict]:
-        """The router's per-request trace lines, by request id (waiting for ``wait_for``)."""
-        return read_router_traces(self.router.log_path, *wait_for, timeout_s=timeout_s)
-
-
-def metric(proc: ServiceProcess, name: str) -> float:
-    text = urllib.request.urlopen(f"http://{proc.info['metrics']}/metrics", timeout=5).read()
-    total = 0.0
-    for line in text.decode().splitlines():
-        if line.startswith(name) and not line.startswith("#"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 @pytest.fixture(scope="module")
@@ -191,31 +34,6 @@ def cluster(tmp_path_factory, tiny_model_dir) -> Iterator[Cluster]:
 @pytest.fixture(scope="module")
 def tok(tiny_model_dir):
     return AutoTokenizer.from_pretrained(str(tiny_model_dir))
-
-
-def stream(
-    cluster: Cluster, into: list | None = None, **kw
-) -> list[router_pb2.GenerateStreamResponse]:
-    """The router's stream for ``GenerateRequest(**kw)``; each message is appended to ``into``
-    (when given, and returned) as it arrives, for a caller watching from another thread."""
-    out = [] if into is None else into
-    with grpcutil.sync_channel(cluster.grpc, public=True) as ch:  # the router's API: no mTLS
-        stub = router_pb2_grpc.RouterServiceStub(ch)
-        # wait_for_ready: on a loaded 2-core machine a fresh channel's first connection
-        # attempt can time out (UNAVAILABLE, no SETTINGS frame); the RPC then waits for the
-        # reconnect within its deadline, as a real client would retry
-        request = router_pb2.GenerateRequest(**kw)
-        for msg in stub.GenerateStream(request, timeout=120, wait_for_ready=True):
-            out.append(msg)
-    return out
-
-
-def ids(msgs) -> list[int]:
-    return [t for m in msgs for t in m.token_ids]
-
-
-def greedy(n: int) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(max_tokens=n, temperature=0.0)
 
 
 def test_openai_chat_stream_matches_hf_greedy(cluster, tok, hf_greedy):

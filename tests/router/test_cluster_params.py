@@ -12,8 +12,8 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 
+import cluster_harness as tc
 import pytest
-import test_cluster as tc
 import torch
 from transformers import AutoTokenizer
 

@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from test_cluster import Cluster, ids, metric, stream
+from cluster_harness import Cluster, ids, metric, stream
 
 from pdserve.v1 import common_pb2
 

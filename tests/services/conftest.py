@@ -1,7 +1,6 @@
 """Real processes for the worker service tests: a KV store master and one node, torch-engine
-prefill and decode workers on the tiny model (chunk_size 16), all stopped by pid; and, for
-the vLLM test modules, one vLLM prefill and one vLLM decode worker on a store of their own,
-started once for all of them (tests/conftest.py keeps those modules on one test worker)."""
+prefill and decode workers on the tiny model (chunk_size 16), all stopped by pid. (The vLLM
+workers' service tests are tests/vllm_services'.)"""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from vllm_flags import VLLM
+from cluster_harness import CS
 
 from pdserve.procs import (
     ServiceProcess,
@@ -20,8 +19,6 @@ from pdserve.procs import (
     start_node,
     start_service,
 )
-
-CS = 16
 
 
 def start_worker(
@@ -80,20 +77,5 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
     s = Stack(tmp_path_factory.mktemp("stack"), tiny_model_dir)
     try:
         yield s
-    finally:
-        s.close()
-
-
-@pytest.fixture(scope="package")
-def vllm_stack(
-    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
-) -> Iterator[tuple[Stack, ServiceProcess, ServiceProcess]]:
-    """A store, a vLLM prefill worker and a vLLM decode worker (one core each), shared by
-    every vLLM module here: a vLLM engine takes tens of seconds to start on 2 cores."""
-    s = Stack(tmp_path_factory.mktemp("vllm-stack"), tiny_model_dir)
-    try:
-        prefill = s.worker("prefill", *VLLM, "--vllm-cpu-cores", "0")
-        decode = s.worker("decode", *VLLM, "--vllm-cpu-cores", "1")
-        yield s, prefill, decode
     finally:
         s.close()

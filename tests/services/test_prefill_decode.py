@@ -3,80 +3,32 @@ engine on the tiny model (chunk_size 16), compared with a single-process HF gree
 
 from __future__ import annotations
 
-import urllib.request
-
 import grpc
 import pytest
+from cluster_harness import (
+    CS,  # the chunk size the workers run with (see conftest.py)
+    GREEDY,
+    MAX,
+    do_decode,
+    do_prefill,
+    metric,
+    prompt,
+    stubs,
+    tokens_of,
+)
 
-from pdserve import grpcutil
 from pdserve.store import open_store
-from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-
-CS = 16  # the chunk size the workers run with (see conftest.py)
+from pdserve.v1 import common_pb2, engine_pb2
 
 pytestmark = pytest.mark.slow
-
-MAX = 10
-GREEDY = common_pb2.SamplingParams(max_tokens=MAX, temperature=0.0)
 #: shorter than one chunk, exact multiples and in between
 LENGTHS = [3, 15, 16, 17, 32, 40, 48, 61]
-
-
-def prompt(n: int, salt: int = 0) -> list[int]:
-    return [(11 * i + 5 + salt) % 500 + 5 for i in range(n)]
 
 
 @pytest.fixture(scope="module")
 def workers(stack):
     """Two prefill workers and one decode worker (3 model processes)."""
     return stack.worker("prefill"), stack.worker("prefill"), stack.worker("decode")
-
-
-def stubs(proc):
-    ch = grpcutil.sync_channel(proc.info["grpc"])
-    return ch, engine_pb2_grpc.PrefillServiceStub(ch), engine_pb2_grpc.DecodeServiceStub(ch)
-
-
-def do_prefill(proc, toks, rid, **kw) -> engine_pb2.PrefillResponse:
-    ch, p, _ = stubs(proc)
-    with ch:
-        # wait_for_ready: a fresh channel to a worker whose cores are busy (two vLLM engines
-        # on two cores) may need more than one connection attempt.
-        return p.Prefill(
-            engine_pb2.PrefillRequest(
-                request_id=rid, model="tiny", prompt_token_ids=toks, sampling=GREEDY, **kw
-            ),
-            timeout=60,
-            wait_for_ready=True,
-        )
-
-
-def do_decode(proc, toks, rid, **kw) -> list[engine_pb2.DecodeResponse]:
-    ch, _, d = stubs(proc)
-    with ch:
-        req = engine_pb2.DecodeRequest(
-            request_id=rid,
-            model="tiny",
-            prompt_token_ids=toks,
-            sampling=kw.pop("sampling", GREEDY),
-            **kw,
-        )
-        return list(d.Decode(req, timeout=60, wait_for_ready=True))
-
-
-def tokens_of(msgs) -> list[int]:
-    return [t for m in msgs for t in m.token_ids]
-
-
-def metric(proc, name: str) -> float:
-    text = (
-        urllib.request.urlopen(f"http://{proc.info['metrics']}/metrics", timeout=5).read().decode()
-    )
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and not line.startswith("#"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def test_prefill_store_decode_is_token_exact(workers, hf_greedy) -> None:

