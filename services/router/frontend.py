@@ -10,6 +10,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Protocol
 
 from pdserve import __version__
@@ -17,6 +18,7 @@ from pdserve.enums import DISAGG_MODE
 from pdserve.errors import InvalidArgument
 from pdserve.requests import MAX_LOGPROBS
 from pdserve.services.router import request as rq
+from pdserve.services.router.openai_fields import chat_options, check_fields, flag, truncate
 from pdserve.services.router.orchestrator import Orchestrator
 from pdserve.services.router.stream import StreamChunk
 from pdserve.services.router.workers import DECODE, PREFILL, WorkerPool
@@ -25,11 +27,20 @@ from pdserve.v1 import router_pb2
 
 class TokenizerLike(Protocol):
     vocab_size: int
+    model_dir: Path  # the model's folder (/v1/models' root)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, token_ids: Sequence[int]) -> str: ...
     def token_strings(self, token_ids: Sequence[int]) -> list[str]: ...
-    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict[str, str]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]: ...
 
 
 @dataclass
@@ -120,7 +131,7 @@ class Frontend:
             ids = rq.check_token_ids(list(req.prompt_token_ids), limits, "prompt_token_ids")
         else:
             ids = self._chat_ids(
-                [{"role": m.role, "content": m.content} for m in req.messages], limits
+                [{"role": m.role, "content": m.content} for m in req.messages], limits, {}
             )
         s = req.sampling
         sampling = rq.make_sampling(
@@ -151,7 +162,8 @@ class Frontend:
     # --- OpenAI -----------------------------------------------------------------------------
 
     def from_openai(self, body: Any, *, chat: bool) -> rq.GenRequest:
-        """Validates an OpenAI completions / chat completions body (unknown fields ignored)."""
+        """Validates an OpenAI completions / chat completions body: every field is honoured or
+        refused (:mod:`~pdserve.services.router.openai_fields`)."""
         if not isinstance(body, dict):
             raise InvalidArgument("request body must be a JSON object")
         model = body.get("model")
@@ -160,7 +172,7 @@ class Frontend:
         limits = self.current_limits()
         rq.check_model(model, limits)
         openai_n(body)
-        _refuse_unsupported(body)
+        check_fields(body, chat=chat)
         extra = _openai_sampling(body, chat=chat)
         salt = rq.check_cache_salt(body.get("cache_salt"))
         if chat:
@@ -169,9 +181,11 @@ class Frontend:
                 raise InvalidArgument(
                     "messages must be a list of {role, content} objects", param="messages"
                 )
-            ids = self._chat_ids(msgs, limits)
+            ids = self._chat_ids(msgs, limits, body)
         else:
-            ids = self._openai_prompt(body.get("prompt"), limits)
+            special = flag(body, "add_special_tokens", True)
+            ids = self._openai_prompt(body.get("prompt"), limits, special)
+        ids = truncate(ids, body.get("truncate_prompt_tokens"), limits.max_model_len)
         max_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
         max_tokens = body.get(max_field)
         if max_tokens is None and not chat:
@@ -200,21 +214,27 @@ class Frontend:
             raise InvalidArgument("request_id must be a string", param="request_id")
         return rq.GenRequest(rq.check_request_id(rid), ids, sampling, "", salt)
 
-    def _chat_ids(self, messages: list[dict[str, Any]], limits: rq.Limits) -> list[int]:
+    def _chat_ids(
+        self, messages: list[dict[str, Any]], limits: rq.Limits, body: dict[str, Any]
+    ) -> list[int]:
         """The prompt of validated chat ``messages``, refused before templating when their
-        text cannot fit the context."""
+        text cannot fit the context; templated with vLLM's chat options
+        (``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``,
+        ``add_special_tokens``)."""
         msgs = rq.check_messages(messages)
         rq.check_text_size(sum(len(m["content"]) for m in msgs), limits, "messages")
-        return self.tokenizer.apply_chat_template(msgs)
+        options = chat_options(body, msgs)
+        return self.tokenizer.apply_chat_template(msgs, **options)
 
-    def _openai_prompt(self, prompt: Any, limits: rq.Limits) -> list[int]:
+    def _openai_prompt(self, prompt: Any, limits: rq.Limits, special: bool) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidArgument("prompt must not be empty", param="prompt")
             rq.check_text_size(len(prompt), limits, "prompt")
-            return rq.check_token_ids(self.tokenizer.encode(prompt), limits, "prompt")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=special)
+            return rq.check_token_ids(ids, limits, "prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return rq.check_token_ids(prompt, limits, "prompt")
         if isinstance(prompt, list) and len(prompt) > 1:
@@ -410,35 +430,3 @@ def _openai_sampling(body: dict, *, chat: bool) -> dict[str, Any]:
 #: OpenAI (and vLLM) parameters pdserve does not implement, with the values that mean "off"
 #: and why. A request that sets one to anything else gets 400 naming it and the reason, never
 #: an answer that ignores it.
-UNSUPPORTED_OPENAI: dict[str, tuple[tuple[Any, ...], str]] = {
-    "tools": ((None, []), "no tool calling (no tool parser)"),
-    "tool_choice": ((None, "none"), "no tool calling (no tool parser)"),
-    "functions": ((None, []), "no function calling (no tool parser)"),
-    "function_call": ((None, "none"), "no function calling (no tool parser)"),
-    "best_of": ((None, 1), "best_of > 1 is not supported (as in vLLM V1); use n"),
-    "suffix": ((None, ""), "no fill-in-the-middle"),
-    "min_p": ((None, 0, 0.0), "not implemented"),
-    "min_tokens": ((None, 0), "not implemented"),
-    "prompt_logprobs": ((None,), "prompt logprobs are not computed"),
-    "include_stop_str_in_output": ((None, False), "not implemented"),
-    "allowed_token_ids": ((None, []), "not implemented"),
-    "bad_words": ((None, []), "not implemented"),
-    "structured_outputs": ((None,), "use response_format"),
-    "guided_json": ((None,), "use response_format"),
-    "guided_regex": ((None,), "not implemented"),
-    "guided_choice": ((None,), "not implemented"),
-    "guided_grammar": ((None,), "not implemented"),
-    "audio": ((None,), "text only"),
-    "modalities": ((None, ["text"]), "text only"),
-    "prediction": ((None,), "no predicted outputs"),
-}
-
-
-def _refuse_unsupported(body: dict) -> None:
-    for name, (off, why) in UNSUPPORTED_OPENAI.items():
-        if name in body and not any(body[name] == v and type(body[name]) is type(v) for v in off):
-            raise InvalidArgument(
-                f"{name}: not supported by this server ({why}; got {body[name]!r:.100}); "
-                "leave it unset",
-                param=name,
-            )

@@ -1,5 +1,6 @@
 """OpenAI-compatible HTTP API (aiohttp): /v1/completions, /v1/chat/completions (SSE streaming
-and not), /v1/models, /health, /metrics.
+and not); the endpoints that describe the server (/v1/models, /tokenize, /version, /health,
+/metrics, ...) are :mod:`~pdserve.services.router.openai_info`'s.
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` with 400 (bad
 input), 404 (unknown model), 429 (admission refused), 503 (no worker), 504 (deadline).
@@ -30,14 +31,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve import auth, errors
 from pdserve.requests import TokenLogprob
+from pdserve.services.router import openai_info
 from pdserve.services.router.frontend import Frontend, openai_n
+from pdserve.services.router.openai_errors import error_body, error_response, http_errors
 from pdserve.services.router.stream import StreamChunk
-from pdserve.services.router.workers import DECODE
-from pdserve.telemetry import REGISTRY, REQUEST_ID_HEADER, request_id_var
+from pdserve.telemetry import REQUEST_ID_HEADER, request_id_var
 from pdserve.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -48,52 +49,6 @@ FINISH = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_CANCELLED: "abort",
 }
-#: Error class -> HTTP status, OpenAI type and code; the first match wins (subclasses first).
-_STATUS = {
-    errors.InvalidArgument: (400, "invalid_request_error", "invalid_value"),
-    errors.ModelNotFound: (404, "invalid_request_error", "model_not_found"),
-    errors.NotFound: (404, "invalid_request_error", "not_found"),
-    errors.ResourceExhausted: (429, "rate_limit_error", "rate_limit_exceeded"),
-    errors.Unavailable: (503, "service_unavailable", "service_unavailable"),
-    errors.DeadlineExceeded: (504, "timeout", "timeout"),
-}
-
-
-def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
-    """HTTP status and OpenAI error JSON for an exception."""
-    status, etype, code = 500, "internal_error", "internal_error"
-    for cls, info in _STATUS.items():
-        if isinstance(exc, cls):
-            status, etype, code = info
-            break
-    message = str(exc) or type(exc).__name__
-    param = exc.param if isinstance(exc, errors.PdserveError) else None
-    return status, {"error": {"message": message, "type": etype, "param": param, "code": code}}
-
-
-def error_response(exc: BaseException, headers: dict[str, str] | None = None) -> web.Response:
-    status, body = error_body(exc)
-    if status == 500:
-        log.error("internal error: %r", exc, exc_info=exc)
-    return web.json_response(body, status=status, headers=headers)
-
-
-@web.middleware
-async def _http_errors(request: web.Request, handler) -> web.StreamResponse:
-    """Unknown paths and methods answer in the OpenAI error shape too."""
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        etype = "not_found" if exc.status == 404 else "invalid_request_error"
-        body = {
-            "message": f"{request.method} {request.path}: {exc.reason}",
-            "type": etype,
-            "param": None,
-            "code": exc.status,
-        }
-        return web.json_response({"error": body}, status=exc.status)
 
 
 def _require_key(key: str, metrics_need_key: bool):
@@ -121,7 +76,7 @@ def _require_key(key: str, metrics_need_key: bool):
 
 
 def make_app(fe: Frontend, *, api_key: str = "", metrics_need_key: bool = False) -> web.Application:
-    middlewares = [_http_errors]
+    middlewares = [http_errors]
     if api_key:
         middlewares.insert(0, _require_key(api_key, metrics_need_key))
     app = web.Application(middlewares=middlewares)
@@ -132,44 +87,10 @@ def make_app(fe: Frontend, *, api_key: str = "", metrics_need_key: bool = False)
     async def chat_completions(request: web.Request) -> web.StreamResponse:
         return await _generate(fe, request, chat=True)
 
-    async def models(request: web.Request) -> web.Response:
-        return await _models(fe)
-
-    async def health(request: web.Request) -> web.Response:
-        return await _health(fe)
-
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", _metrics)
+    openai_info.add_routes(app, fe)
     return app
-
-
-async def _models(fe: Frontend) -> web.Response:
-    info = fe.model_info()
-    model = {
-        "id": info.name,
-        "object": "model",
-        "created": 0,
-        "owned_by": "pdserve",
-        "max_model_len": info.max_model_len,
-    }
-    if info.refused_workers:
-        model["refused_workers"] = list(info.refused_workers)
-    return web.json_response({"object": "list", "data": [model]})
-
-
-async def _health(fe: Frontend) -> web.Response:
-    decode = len(fe.pool.candidates(DECODE))
-    body = {"status": "ok" if decode else "no decode worker", "decode_workers": decode}
-    return web.json_response(body, status=200 if decode else 503)
-
-
-async def _metrics(request: web.Request) -> web.Response:
-    resp = web.Response(body=generate_latest(REGISTRY))
-    resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
-    return resp
 
 
 async def _generate(fe: Frontend, request: web.Request, *, chat: bool) -> web.StreamResponse:

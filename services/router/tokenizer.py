@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from pdserve.errors import InvalidArgument
 
@@ -32,13 +33,32 @@ class Tokenizer:
     def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         return [self._tok.decode([t]) for t in token_ids]
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict[str, str]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """The token ids of ``messages`` in the model's chat template, with vLLM's options:
+        ``template_kwargs`` are the template's own variables (``chat_template_kwargs``)."""
+        from jinja2 import TemplateError
+
         if not getattr(self._tok, "chat_template", None):
             raise InvalidArgument("messages: this model has no chat template; send a prompt")
-        text = self._tok.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=False
-        )
-        return self.encode(text, add_special_tokens=False)
+        try:
+            text = self._tok.apply_chat_template(
+                list(messages),
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **(template_kwargs or {}),
+            )
+        except (ValueError, TypeError, TemplateError) as exc:  # e.g. its raise_exception
+            raise InvalidArgument(f"messages: the chat template refused them: {exc}") from None
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _max_model_len(model_dir: Path) -> int:

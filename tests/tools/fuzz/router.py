@@ -36,23 +36,25 @@ class RouterHttp:
     ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
     def __init__(self, address: str, model: str) -> None:
-        from pdserve.services.router.frontend import UNSUPPORTED_OPENAI
+        from pdserve.services.router.openai_fields import ACCEPTED, REFUSED
 
         self.address = address
         self.model = model
         common = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p"}
         common |= {"top_k", "seed", "stop", "stream", "stream_options", "n", "ignore_eos"}
-        common |= {"request_id", "cache_salt", "unknown_field", *UNSUPPORTED_OPENAI}
+        common |= {"request_id", "cache_salt", "unknown_field", *REFUSED, *ACCEPTED}
         common |= {"logprobs", "top_logprobs", "presence_penalty", "frequency_penalty"}
         common |= {"repetition_penalty", "logit_bias", "stop_token_ids", "echo"}
-        common |= {"response_format"}
+        common |= {"response_format", "truncate_prompt_tokens", "add_special_tokens"}
         prompt = {"model": model, "prompt": "hello fuzz", "max_tokens": 2}
         chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         self.bodies = {
             "/v1/completions": ([prompt, {**prompt, "prompt": [1, 2, 3], "stream": True}], common),
             "/v1/chat/completions": (
                 [chat, {**chat, "stream": True}],
-                common | {"messages", "messages[0].role", "messages[0].content"},
+                common
+                | {"messages", "messages[0].role", "messages[0].content"}
+                | {"add_generation_prompt", "continue_final_message", "chat_template_kwargs"},
             ),
         }
 

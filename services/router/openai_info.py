@@ -1,0 +1,133 @@
+"""The HTTP endpoints that describe the server, shaped as vLLM's OpenAI server answers them:
+``GET /v1/models`` (with ``root``, the model's folder, which ``vllm bench serve`` without
+``--model`` reads as its tokenizer) and ``GET /v1/models/{id}`` (the OpenAI SDK's
+``models.retrieve``), ``POST /tokenize`` and ``/detokenize``, ``GET /version``, ``/health``
+and ``/metrics``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from pdserve import __version__
+from pdserve.errors import InvalidArgument, ModelNotFound
+from pdserve.services.router import request as rq
+from pdserve.services.router.frontend import Frontend
+from pdserve.services.router.openai_errors import error_response
+from pdserve.services.router.openai_fields import chat_options, flag
+from pdserve.services.router.workers import DECODE
+from pdserve.telemetry import REGISTRY
+
+
+def add_routes(app: web.Application, fe: Frontend) -> None:
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [_model(fe)]})
+
+    async def model(request: web.Request) -> web.Response:
+        name = request.match_info["model_id"]
+        if name != fe.limits.model:
+            return error_response(ModelNotFound(f"the model {name!r:.80} does not exist"))
+        return web.json_response(_model(fe))
+
+    async def tokenize(request: web.Request) -> web.Response:
+        try:
+            return web.json_response(
+                await asyncio.to_thread(_tokenize, fe, await _body(request, fe))
+            )
+        except Exception as exc:
+            return error_response(exc)
+
+    async def detokenize(request: web.Request) -> web.Response:
+        try:
+            return web.json_response(
+                await asyncio.to_thread(_detokenize, fe, await _body(request, fe))
+            )
+        except Exception as exc:
+            return error_response(exc)
+
+    async def version(request: web.Request) -> web.Response:
+        return web.json_response({"version": __version__})
+
+    async def health(request: web.Request) -> web.Response:
+        decode = len(fe.pool.candidates(DECODE))
+        body = {"status": "ok" if decode else "no decode worker", "decode_workers": decode}
+        return web.json_response(body, status=200 if decode else 503)
+
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model_id:.+}", model)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", version)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", _metrics)
+
+
+def _model(fe: Frontend) -> dict[str, Any]:
+    """One /v1/models entry, with vLLM's ``root``, ``parent`` and ``max_model_len``."""
+    info = fe.model_info()
+    out: dict[str, Any] = {
+        "id": info.name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "pdserve",
+        "root": str(fe.tokenizer.model_dir),
+        "parent": None,
+        "max_model_len": info.max_model_len,
+    }
+    if info.refused_workers:
+        out["refused_workers"] = list(info.refused_workers)
+    return out
+
+
+async def _body(request: web.Request, fe: Frontend) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.read())
+    except (ValueError, RecursionError) as exc:
+        raise InvalidArgument(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidArgument("request body must be a JSON object")
+    model = body.get("model")
+    if model is not None:  # optional, as in vLLM
+        if not isinstance(model, str):
+            raise InvalidArgument("model must be a string", param="model")
+        rq.check_model(model, fe.limits)
+    return body
+
+
+def _tokenize(fe: Frontend, body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's /tokenize: ``prompt`` (with ``add_special_tokens``, default true) or ``messages``
+    (with the chat options of /v1/chat/completions) -> ``{count, max_model_len, tokens}``."""
+    limits = fe.current_limits()
+    if "messages" in body:
+        msgs = body["messages"]
+        if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
+            raise InvalidArgument("messages must be a list of {role, content} objects")
+        checked = rq.check_messages(msgs)
+        rq.check_text_size(sum(len(m["content"]) for m in checked), limits, "messages")
+        ids = fe.tokenizer.apply_chat_template(checked, **chat_options(body, checked))
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise InvalidArgument("prompt (a string) or messages is required", param="prompt")
+        rq.check_text_size(len(prompt), limits, "prompt")
+        ids = fe.tokenizer.encode(prompt, add_special_tokens=flag(body, "add_special_tokens", True))
+    return {"count": len(ids), "max_model_len": limits.max_model_len, "tokens": ids}
+
+
+def _detokenize(fe: Frontend, body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's /detokenize: ``tokens`` -> ``{prompt}``."""
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list):
+        raise InvalidArgument("tokens must be a list of token ids", param="tokens")
+    ids = rq.check_token_ids(tokens, fe.current_limits(), "tokens") if tokens else []
+    return {"prompt": fe.tokenizer.decode(ids)}
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    resp = web.Response(body=generate_latest(REGISTRY))
+    resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
+    return resp
