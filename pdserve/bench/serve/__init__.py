@@ -16,4 +16,10 @@ engines, one per core, behind a round-robin proxy, and prints both side by side.
 
 ``pdserve bench serve gen-trace --out FILE`` writes a conversation-like Mooncake trace for
 ``--workload trace --trace FILE``.
+
+``vllm bench serve``'s spellings work as aliases: ``--base-url``, ``--dataset-name random |
+prefix_repetition``, ``--random-input-len``, ``--random-output-len``, ``--random-range-ratio``,
+``--prefix-repetition-{num-prefixes,prefix-len,suffix-len,output-len}``, ``--save-result
+[--result-dir DIR] [--result-filename NAME]``; ``--num-prompts``, ``--request-rate``,
+``--max-concurrency``, ``--seed``, ``--goodput`` and ``--disable-tqdm`` are the same flags.
 """

@@ -17,6 +17,11 @@ DEFAULT_TARGET = "http://127.0.0.1:8000"
 WORKLOADS = ("random", "prefix-repetition", "multi-round", "trace")
 
 
+def _workload(text: str) -> str:
+    """A workload name; vLLM's ``--dataset-name`` spellings (``prefix_repetition``) too."""
+    return text.replace("_", "-")
+
+
 def _rate(text: str) -> float:
     value = float(text)
     if value <= 0:
@@ -39,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sysg = parser.add_argument_group("systems")
     sysg.add_argument(
         "--target",
+        "--base-url",
         default=DEFAULT_TARGET,
         help=f"OpenAI-compatible base URL of the system under test, e.g. a running 'pdserve up' {d}",
     )
@@ -96,7 +102,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     wl = parser.add_argument_group("workload")
-    wl.add_argument("--workload", choices=WORKLOADS, default="random", help=f"workload kind {d}")
+    wl.add_argument(
+        "--workload",
+        "--dataset-name",
+        type=_workload,
+        choices=WORKLOADS,
+        default="random",
+        help=f"workload kind {d}",
+    )
     wl.add_argument("--seed", type=int, default=0, help=f"seed of every random choice {d}")
     wl.add_argument(
         "--vocab-size",
@@ -112,22 +125,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"conversation starts/s of multi-round; inf sends everything at once {d}",
     )
     wl.add_argument("--num-prompts", type=int, default=100, help=f"requests (random, prefix) {d}")
-    wl.add_argument("--input-len", type=int, default=256, help=f"random: prompt tokens {d}")
+    wl.add_argument(
+        "--input-len",
+        "--random-input-len",
+        type=int,
+        default=256,
+        help=f"random: prompt tokens {d}",
+    )
     wl.add_argument(
         "--output-len",
+        "--random-output-len",
+        "--prefix-repetition-output-len",
         type=int,
         default=16,
         help=f"random, prefix-repetition, multi-round: max_tokens (ignore_eos) {d}",
     )
     wl.add_argument(
         "--range-ratio",
+        "--random-range-ratio",
         type=float,
         default=0.0,
         help=f"random: lengths uniform in [len*(1-r), len*(1+r)] {d}",
     )
-    wl.add_argument("--num-prefixes", type=int, default=4, help=f"prefix-repetition: prefixes {d}")
-    wl.add_argument("--prefix-len", type=int, default=256, help=f"prefix-repetition: tokens {d}")
-    wl.add_argument("--suffix-len", type=int, default=32, help=f"prefix-repetition: tokens {d}")
+    for flag, vllm_flag, default, what in (
+        ("--num-prefixes", "--prefix-repetition-num-prefixes", 4, "prefixes"),
+        ("--prefix-len", "--prefix-repetition-prefix-len", 256, "prefix tokens"),
+        ("--suffix-len", "--prefix-repetition-suffix-len", 32, "suffix tokens"),
+    ):
+        wl.add_argument(
+            flag, vllm_flag, type=int, default=default, help=f"prefix-repetition: {what} {d}"
+        )
     wl.add_argument(
         "--num-conversations", type=int, default=8, help=f"multi-round: conversations {d}"
     )
@@ -182,6 +209,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "meet all of them (default: no goodput)",
     )
     run.add_argument("--json", metavar="FILE", help="write every number and per-request record")
+    run.add_argument(
+        "--save-result",
+        action="store_true",
+        help="as vllm bench serve: write the JSON of --json to --result-dir/--result-filename",
+    )
+    run.add_argument("--result-dir", metavar="DIR", help="--save-result's folder (default: .)")
+    run.add_argument(
+        "--result-filename",
+        metavar="NAME",
+        help="--save-result's file name (default: pdserve-<workload>-<time>.json)",
+    )
     run.add_argument(
         "--plot-dir",
         metavar="DIR",

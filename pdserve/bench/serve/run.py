@@ -175,12 +175,22 @@ def run(args: argparse.Namespace) -> list[SystemResult]:
                 results.append(bench_system("colocated", base, requests, args, slos, False))
             print(format_result(results[-1]), flush=True)
             print(format_comparison(results[0], results[1]), flush=True)
-    if args.json:
-        write_json(args.json, args, requests, results)
-        say(f"wrote {args.json}")
+    path = result_path(args)
+    if path:
+        write_json(path, args, requests, results)
+        say(f"wrote {path}")
     if args.plot_dir:
         from pdserve.bench.serve.plots import write_plots
 
         paths = write_plots(args.plot_dir, {r.name: r.records for r in results}, args.window_s)
         say(f"wrote {', '.join(str(p) for p in paths)}")
     return results
+
+
+def result_path(args: argparse.Namespace) -> str:
+    """Where the run's JSON goes: ``--json``, else (``--save-result``, as ``vllm bench serve``)
+    ``--result-dir``/``--result-filename``; "" for none."""
+    if args.json or not args.save_result:
+        return args.json or ""
+    name = args.result_filename or f"pdserve-{args.workload}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    return str(Path(args.result_dir or ".") / name)

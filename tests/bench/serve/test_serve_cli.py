@@ -1,0 +1,87 @@
+"""``pdserve bench serve`` takes ``vllm bench serve``'s spellings of its flags: the same run as
+pdserve's own spellings, and ``--save-result`` writes where vLLM's would."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from pdserve.bench.serve.cli import add_arguments
+from pdserve.bench.serve.run import result_path
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_vllm_bench_serve_spellings_mean_the_same_run() -> None:
+    vllm = _parse(
+        [
+            "--base-url",
+            "http://h:1",
+            "--dataset-name",
+            "prefix_repetition",
+            "--random-input-len",
+            "77",
+            "--random-output-len",
+            "9",
+            "--random-range-ratio",
+            "0.5",
+            "--prefix-repetition-num-prefixes",
+            "3",
+            "--prefix-repetition-prefix-len",
+            "40",
+            "--prefix-repetition-suffix-len",
+            "8",
+            "--num-prompts",
+            "12",
+            "--request-rate",
+            "2",
+            "--max-concurrency",
+            "4",
+            "--seed",
+            "5",
+        ]
+    )
+    ours = _parse(
+        [
+            "--target",
+            "http://h:1",
+            "--workload",
+            "prefix-repetition",
+            "--input-len",
+            "77",
+            "--output-len",
+            "9",
+            "--range-ratio",
+            "0.5",
+            "--num-prefixes",
+            "3",
+            "--prefix-len",
+            "40",
+            "--suffix-len",
+            "8",
+            "--num-prompts",
+            "12",
+            "--request-rate",
+            "2",
+            "--max-concurrency",
+            "4",
+            "--seed",
+            "5",
+        ]
+    )
+    assert vars(vllm) == vars(ours)
+    assert ours.workload == "prefix-repetition" and ours.suffix_len == 8
+    assert _parse(["--prefix-repetition-output-len", "3"]).output_len == 3
+
+
+def test_save_result_writes_where_vllm_would(tmp_path: Path) -> None:
+    assert result_path(_parse([])) == ""
+    assert result_path(_parse(["--json", "a.json", "--save-result"])) == "a.json"
+    named = _parse(f"--save-result --result-dir {tmp_path} --result-filename r.json".split())
+    assert result_path(named) == str(tmp_path / "r.json")
+    default = Path(result_path(_parse(["--save-result", "--dataset-name", "random"])))
+    assert default.parent == Path(".") and default.name.startswith("pdserve-random-")
