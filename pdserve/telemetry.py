@@ -27,6 +27,27 @@ REQUEST_ID_HEADER = "x-request-id"
 REGISTRY = CollectorRegistry(auto_describe=True)
 
 
+class _VllmMetrics:
+    """vLLM's own metrics (``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, its
+    latency histograms, ...), which vLLM's Prometheus stat logger keeps in prometheus_client's
+    default registry of a worker on the vLLM engine: served beside pdserve's, under their own
+    names, so vLLM's dashboards, KEDA/HPA rules and llm-d's scorers see a pdserve worker as
+    they see ``vllm serve`` (none in a process without a vLLM engine)."""
+
+    def collect(self) -> Any:
+        from prometheus_client import REGISTRY as vllm_registry
+
+        for family in vllm_registry.collect():
+            if family.name.startswith("vllm:"):
+                yield family
+
+    def describe(self) -> list[Any]:
+        return []  # the families appear once an engine starts
+
+
+REGISTRY.register(_VllmMetrics())
+
+
 class _JsonFormatter(logging.Formatter):
     def __init__(self, service: str) -> None:
         super().__init__()

@@ -471,8 +471,8 @@ def kv_usage_logger(engine: VllmEngine) -> Any:
     engine core (``SchedulerStats.kv_connector_stats``, :func:`pdserve.telemetry.replay`) to
     this process's metrics. vLLM calls ``record`` on its output handler task, in the engine's
     event loop. Passing a logger turns vLLM's stats on without its default loggers (vLLM
-    still adds its Prometheus logger, on prometheus_client's default registry, which pdserve's
-    /metrics does not serve)."""
+    still adds its Prometheus logger, on prometheus_client's default registry, whose
+    ``vllm:*`` families pdserve's /metrics serves beside its own: telemetry.py)."""
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class KVUsageLogger(StatLoggerBase):

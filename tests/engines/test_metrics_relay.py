@@ -77,3 +77,21 @@ def test_two_relayed_metrics_cannot_share_a_name() -> None:
 
     with pytest.raises(ValueError, match="exists already"):
         telemetry.Relayed("kv_store_errors", Counter("x_total", "x", registry=CollectorRegistry()))
+
+
+def test_vllms_own_metrics_are_served_beside_pdserves() -> None:
+    """vLLM keeps its metrics (``vllm:*``) in prometheus_client's default registry; pdserve's
+    /metrics serves them too, and nothing else of that registry."""
+    import prometheus_client
+    from prometheus_client import Gauge, generate_latest
+
+    default = prometheus_client.REGISTRY
+    gauge = Gauge("vllm:test_requests_waiting", "a vLLM-shaped gauge", ["model_name"])
+    try:
+        gauge.labels(model_name="tiny").set(4)
+        text = generate_latest(REGISTRY).decode()
+        assert 'vllm:test_requests_waiting{model_name="tiny"} 4.0' in text
+        assert "python_gc_objects_collected_total" in generate_latest(default).decode()
+        assert "python_gc_objects_collected_total" not in text
+    finally:
+        default.unregister(gauge)

@@ -127,3 +127,18 @@ def test_vllm_write_mode_chunks_that_never_land_are_recomputed(cluster, vllm_wor
     assert tokens_of(msgs) == hf_greedy(toks, MAX)
     assert sum(m.loaded_tokens for m in msgs) == CHUNK
     assert sum(m.recomputed_tokens for m in msgs) == len(toks) - CHUNK
+
+
+def test_vllm_metrics_are_served_beside_pdserves(vllm_workers) -> None:
+    """vLLM's own series (what its dashboards, KEDA/HPA and llm-d read) on the worker's
+    /metrics, next to pdserve's: after the requests above, with the counts they left."""
+    import urllib.request
+
+    for worker in vllm_workers:
+        url = f"http://{worker.info['metrics']}/metrics"
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        for name in ("vllm:num_requests_waiting", "vllm:num_requests_running",
+                     "vllm:kv_cache_usage_perc", "pdserve_kv_store_op_seconds"):  # fmt: skip
+            assert f"\n{name}" in text, name
+        prompt = [ln for ln in text.splitlines() if ln.startswith("vllm:prompt_tokens_total")]
+        assert prompt and float(prompt[0].rsplit(" ", 1)[1]) > 0, prompt
