@@ -13,7 +13,7 @@ from pdserve.auth import load_key
 from pdserve.config import ConfigError, help_field
 from pdserve.enums import ROLE
 from pdserve.identity import SecurityConfig
-from pdserve.services.meta import http_metadata
+from pdserve.services.meta import http_metadata, prometheus_sd
 from pdserve.services.meta.backends.base import Backend
 from pdserve.services.meta.registry import (
     TTL_MAX_MS,
@@ -36,7 +36,8 @@ class MetaConfig(SecurityConfig):
     port: int = help_field(DEFAULT_PORT, "gRPC port (0 = a free port)")
     http_port: int = help_field(
         DEFAULT_HTTP_PORT,
-        "Mooncake HTTP metadata port, served at /metadata (0 = a free port, -1 = off)",
+        "HTTP port: Mooncake metadata at /metadata, Prometheus service discovery of every "
+        "service's /metrics at /prometheus/targets (0 = a free port, -1 = off)",
     )
     metrics_port: int = help_field(-1, "Prometheus /metrics port (0 = a free port, -1 = off)")
     backend: str = help_field("memory", "registry storage: memory (embedded) or etcd")
@@ -229,6 +230,7 @@ async def serve(cfg: MetaConfig, stop: asyncio.Event) -> None:
             max_keys=cfg.http_max_keys,
             max_value_bytes=cfg.http_max_value_bytes,
         )
+        prometheus_sd.add_route(app, registry)
         ssl_context = http_metadata.ssl_context(tls) if tls is not None else None
         runner, http_port = await http_metadata.start(app, cfg.host, cfg.http_port, ssl_context)
     metrics_port = telemetry.serve_metrics(cfg.metrics_port, cfg.host)
