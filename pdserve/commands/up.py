@@ -276,12 +276,19 @@ def banner(cfg: UpConfig) -> str:
         )
     else:
         store_line = f"KV store master  {cfg.host}:{cfg.master_port}"
+    sd_line = ""
+    if cfg.meta_http_port >= 0:
+        scheme = "https" if cfg.tls else "http"
+        sd_line = (
+            f"  Prometheus targets (http_sd_configs)  {scheme}://{cfg.host}:{cfg.meta_http_port}"
+            "/prometheus/targets\n"
+        )
     return f"""
 pdserve is up.
   OpenAI-compatible HTTP  {http}/v1   (health: {http}/health, metrics: {http}/metrics)
   gRPC (pdserve.v1.RouterService)  {grpc_addr}
 {auth_line}  meta (registry)  {cfg.host}:{cfg.meta_port}   {store_line}
-{tls_lines}  logs  {Path(cfg.run_dir) / "logs"}/<service>.log      status: {status}
+{sd_line}{tls_lines}  logs  {Path(cfg.run_dir) / "logs"}/<service>.log      status: {status}
 
 Try it:
   curl -s {http}/v1/completions -H 'Content-Type: application/json'{curl_key} \\
