@@ -57,5 +57,5 @@ DISAGG_MODE = ProtoEnum(router_pb2.DisaggMode, "DISAGG_MODE_")
 TRANSPORT = ProtoEnum(kvstore_pb2.Transport, "TRANSPORT_")
 #: Why a generation ended (common.proto ``FinishReason``): length, eos, stop, cancelled.
 FINISH_REASON = ProtoEnum(common_pb2.FinishReason, "FINISH_REASON_")
-#: Who wrote a chat message (router.proto ``ChatRole``): system, user, assistant.
+#: Who wrote a chat message (router.proto ``ChatRole``): system, user, assistant, developer, tool.
 CHAT_ROLE = ProtoEnum(router_pb2.ChatRole, "CHAT_ROLE_")

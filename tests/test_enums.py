@@ -37,7 +37,7 @@ def test_the_spellings_users_see():
     assert enums.DISAGG_MODE.choices == ("read", "write", "colocated")
     assert enums.TRANSPORT.choices == ("shm", "tcp", "mooncake")
     assert enums.FINISH_REASON.choices == ("length", "eos", "stop", "cancelled")
-    assert enums.CHAT_ROLE.choices == ("system", "user", "assistant")
+    assert enums.CHAT_ROLE.choices == ("system", "user", "assistant", "developer", "tool")
     assert enums.ROLE.name(common_pb2.ROLE_KVSTORE_MASTER) == "kvstore-master"
 
 

@@ -21,6 +21,8 @@ class ChatRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CHAT_ROLE_SYSTEM: _ClassVar[ChatRole]
     CHAT_ROLE_USER: _ClassVar[ChatRole]
     CHAT_ROLE_ASSISTANT: _ClassVar[ChatRole]
+    CHAT_ROLE_DEVELOPER: _ClassVar[ChatRole]
+    CHAT_ROLE_TOOL: _ClassVar[ChatRole]
 DISAGG_MODE_UNSPECIFIED: DisaggMode
 DISAGG_MODE_READ: DisaggMode
 DISAGG_MODE_WRITE: DisaggMode
@@ -29,6 +31,8 @@ CHAT_ROLE_UNSPECIFIED: ChatRole
 CHAT_ROLE_SYSTEM: ChatRole
 CHAT_ROLE_USER: ChatRole
 CHAT_ROLE_ASSISTANT: ChatRole
+CHAT_ROLE_DEVELOPER: ChatRole
+CHAT_ROLE_TOOL: ChatRole
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")

@@ -2,8 +2,8 @@
 by the router (services/router/openai_fields.py), each refused one accepting its default; a
 field neither API has is a 400 naming it. vLLM's prompt options reach the workers as vLLM
 applies them: ``truncate_prompt_tokens``, ``add_special_tokens``, ``add_generation_prompt``,
-``continue_final_message`` and ``chat_template_kwargs`` (the prompt ids a fake decode worker
-receives, against the model's own tokenizer)."""
+``continue_final_message`` and ``chat_template_kwargs``, and the ``developer`` and ``tool``
+roles (the prompt ids a fake decode worker receives, against the model's own tokenizer)."""
 
 from __future__ import annotations
 
@@ -96,6 +96,13 @@ def test_prompt_options_reach_the_workers_as_vllm_applies_them(tiny_model_dir):
     continued = chat_ids(add_generation_prompt=False, continue_final_message=True)
     generation = chat_ids(add_generation_prompt=True)
     assert continued != generation
+    # OpenAI's developer and tool roles reach the template as vLLM passes them
+    roles = [{"role": "developer", "content": "Be brief."}, msgs[0],
+             {"role": "tool", "content": "42"}]  # fmt: skip
+    with_roles = tok.encode(
+        tok.apply_chat_template(roles, tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    )
     runs = _run(
         tiny_model_dir,
         [
@@ -108,10 +115,12 @@ def test_prompt_options_reach_the_workers_as_vllm_applies_them(tiny_model_dir):
                 {"messages": msgs, "add_generation_prompt": False, "continue_final_message": True},
             ),
             ("/v1/chat/completions", {"messages": msgs, "chat_template_kwargs": {"x": 1}}),
+            ("/v1/chat/completions", {"messages": roles}),
         ],
     )
     assert [r[0] for r in runs] == [200] * len(runs), runs
-    assert [r[2] for r in runs] == [plain[-3:], bare, plain, generation, continued, generation]
+    want = [plain[-3:], bare, plain, generation, continued, generation, with_roles]
+    assert [r[2] for r in runs] == want
 
 
 def test_prompt_options_refuse_what_vllm_refuses(tiny_model_dir):
