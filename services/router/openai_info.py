@@ -33,21 +33,16 @@ def add_routes(app: web.Application, fe: Frontend) -> None:
             return error_response(ModelNotFound(f"the model {name!r:.80} does not exist"))
         return web.json_response(_model(fe))
 
-    async def tokenize(request: web.Request) -> web.Response:
-        try:
-            return web.json_response(
-                await asyncio.to_thread(_tokenize, fe, await _body(request, fe))
-            )
-        except Exception as exc:
-            return error_response(exc)
+    def answer(compute):  # a POST body -> JSON (tokenizing off the event loop)
+        async def handle(request: web.Request) -> web.Response:
+            try:
+                return web.json_response(
+                    await asyncio.to_thread(compute, fe, await _body(request, fe))
+                )
+            except Exception as exc:
+                return error_response(exc)
 
-    async def detokenize(request: web.Request) -> web.Response:
-        try:
-            return web.json_response(
-                await asyncio.to_thread(_detokenize, fe, await _body(request, fe))
-            )
-        except Exception as exc:
-            return error_response(exc)
+        return handle
 
     async def version(request: web.Request) -> web.Response:
         return web.json_response({"version": __version__})
@@ -59,8 +54,8 @@ def add_routes(app: web.Application, fe: Frontend) -> None:
 
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model_id:.+}", model)
-    app.router.add_post("/tokenize", tokenize)
-    app.router.add_post("/detokenize", detokenize)
+    app.router.add_post("/tokenize", answer(_tokenize))
+    app.router.add_post("/detokenize", answer(_detokenize))
     app.router.add_get("/version", version)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", _metrics)

@@ -16,6 +16,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+#: Flags both tools spell alike.
+SHARED = ["--num-prompts", "12", "--request-rate", "2", "--max-concurrency", "4", "--seed", "5"]
+
+
 def test_vllm_bench_serve_spellings_mean_the_same_run() -> None:
     vllm = _parse(
         [
@@ -35,14 +39,7 @@ def test_vllm_bench_serve_spellings_mean_the_same_run() -> None:
             "40",
             "--prefix-repetition-suffix-len",
             "8",
-            "--num-prompts",
-            "12",
-            "--request-rate",
-            "2",
-            "--max-concurrency",
-            "4",
-            "--seed",
-            "5",
+            *SHARED,
         ]
     )
     ours = _parse(
@@ -63,14 +60,7 @@ def test_vllm_bench_serve_spellings_mean_the_same_run() -> None:
             "40",
             "--suffix-len",
             "8",
-            "--num-prompts",
-            "12",
-            "--request-rate",
-            "2",
-            "--max-concurrency",
-            "4",
-            "--seed",
-            "5",
+            *SHARED,
         ]
     )
     assert vars(vllm) == vars(ours)
