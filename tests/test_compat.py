@@ -259,3 +259,24 @@ def test_docs_carry_the_key_table():
     assert compat.markdown_table() in doc
     for key in compat.KEYS:
         assert f"`{key.name}`" in doc
+
+
+def test_the_lmcache_file_of_docs_lmcache_md_configures_pdserve_too(tmp_path):
+    """One LMCACHE_CONFIG_FILE for both: LMCache's own keys (remote_storage_plugins,
+    pre_caching_hash_algorithm, the plugin's extra_config) are LMCache's to read; pdserve's
+    services take the keys they share (chunk_size) and still refuse a typo."""
+    doc = (Path(__file__).parents[1] / "docs" / "lmcache.md").read_text()
+    block = doc.split("## Configure LMCache", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    assert "remote_storage_plugins" in block and "remote_storage_plugin.pdserve" in block
+    path = lmcache_file(tmp_path, block)
+    env = {"LMCACHE_CONFIG_FILE": str(path)}
+    assert config.load(PrefillConfig, "prefill", env=env).chunk_size == 256
+    typo = lmcache_file(tmp_path, block + "local_cpux: true\n")
+    with pytest.raises(ConfigError, match=r"'local_cpux' \(did you mean 'local_cpu'\?\)"):
+        config.load(PrefillConfig, "prefill", env={"LMCACHE_CONFIG_FILE": str(typo)})
+
+
+def test_lmcache_own_keys_are_the_installed_lmcaches():
+    lm = pytest.importorskip("lmcache.v1.config")
+    upstream = set(lm._CONFIG_DEFINITIONS) | set(lm._CONFIG_ALIASES)
+    assert upstream - set(compat.BY_NAME) == compat.LMCACHE_OWN
