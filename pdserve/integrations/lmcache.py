@@ -30,6 +30,7 @@ LMCache nor torch; ``PdserveConnector`` is built (and LMCache imported) on first
 from __future__ import annotations
 
 import asyncio
+import difflib
 import json
 import logging
 import math
@@ -39,7 +40,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import blake3
@@ -204,6 +205,16 @@ class PluginSettings:
             value = extra.get(prefix + name)
             return default if value is None else conv(value)
 
+        known = {f.name for f in fields(cls)} | {"module_path", "class_name"}
+        for key in extra:
+            field_name = key[len(prefix) :] if key.startswith(prefix) else None
+            if field_name is not None and field_name not in known:
+                close = difflib.get_close_matches(field_name, sorted(known), n=1)
+                hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+                raise errors.InvalidArgument(
+                    f"LMCache extra_config: unknown key {key!r}{hint}; the pdserve plugin "
+                    f"takes {', '.join(prefix + k for k in sorted(known))}"
+                )
         master = get("master_address", "", str)
         if not master:
             raise errors.InvalidArgument(

@@ -91,6 +91,12 @@ def test_settings_from_extra_config():
         plug.PluginSettings.from_extra_config(
             {**extra, "remote_storage_plugin.pd.replicas": 0}, "pd"
         )
+    # strict: a typo in the plugin's keys is named (another plugin's keys are not ours)
+    typo = {**extra, "remote_storage_plugin.pd.replica": "2", "remote_storage_plugin.x.y": 1}
+    with pytest.raises(
+        errors.InvalidArgument, match=r"did you mean remote_storage_plugin\.pd\.replicas"
+    ):
+        plug.PluginSettings.from_extra_config(typo, "pd")
 
 
 def test_plugin_name_is_found_from_the_config():
