@@ -9,7 +9,8 @@ meaning pdserve cannot honour is a :class:`~pdserve.config.ConfigError` that say
 silent default. :data:`KEYS` is the table (docs/configuration.md and the tests use it);
 :func:`translate` applies it to one service's section.
 
-Precedence, lowest first: field defaults, the file ``MOONCAKE_CONFIG_PATH`` names, the file
+Precedence, lowest first: field defaults, Mooncake's ``MOONCAKE_*`` variables (read only without
+``MOONCAKE_CONFIG_PATH``, as Mooncake does), the file ``MOONCAKE_CONFIG_PATH`` names, the file
 ``LMCACHE_CONFIG_FILE`` names, these keys at the top of ``--config``, the service's own
 section of ``--config``, ``PDSERVE_<SECTION>_<FIELD>`` variables, flags.
 """
@@ -303,11 +304,13 @@ def flatten(data: Mapping[str, Any], path: str | Path) -> dict[str, Any]:
     return out
 
 
-def translate(keys: Mapping[str, Any], section: str, source: str | Path) -> dict[str, Any]:
+def translate(
+    keys: Mapping[str, Any], section: str, source: str | Path, *, what: str = ""
+) -> dict[str, Any]:
     """The pdserve settings of ``section`` that the familiar ``keys`` (from :func:`flatten`)
     mean; ``source`` names the file in errors. Settings a section does not have are left out:
     each service takes what applies to it."""
-    what = f"config file {source}"
+    what = what or f"config file {source}"
     for name in keys:
         if name not in BY_NAME:
             raise ConfigError(f"{what}: unknown key {name!r}{suggest(name, BY_NAME)}")
@@ -408,11 +411,44 @@ def read_file(path: str | Path) -> dict[str, Any]:
     return read_config(path)
 
 
+#: Mooncake's configuration by environment alone (``MooncakeConfig.load_from_env``: read when
+#: ``MOONCAKE_CONFIG_PATH`` is unset and ``MOONCAKE_MASTER`` is set): variable -> its key.
+MOONCAKE_ENV_KEYS = {
+    "MOONCAKE_MASTER": "master_server_address",
+    "MOONCAKE_LOCAL_HOSTNAME": "local_hostname",
+    "MOONCAKE_TE_META_DATA_SERVER": "metadata_server",
+    "MOONCAKE_GLOBAL_SEGMENT_SIZE": "global_segment_size",
+    "MOONCAKE_LOCAL_BUFFER_SIZE": "local_buffer_size",
+    "MOONCAKE_PROTOCOL": "protocol",
+    "MOONCAKE_DEVICE": "device_name",
+}
+#: Mooncake variables pdserve cannot honour when set to anything but their default: variable ->
+#: (accepted values, why).
+MOONCAKE_ENV_REFUSED = {
+    "MOONCAKE_OFFLOAD_ENABLED": (("", "0", "false", "False"), "pdserve's store has no SSD tier"),
+    "MOONCAKE_TENANT_ID": (("", "default"), "tenants are kept apart by cache_salt in pdserve"),
+    "MOONCAKE_ENABLE_CLIENT_HTTP_SERVER": (("", "0", "false", "False"), "not implemented"),
+}
+
+
+def from_mooncake_env(env: Mapping[str, str], section: str) -> dict[str, Any]:
+    """``section``'s settings from Mooncake's environment-only configuration, as Mooncake reads
+    it (only when ``MOONCAKE_CONFIG_PATH`` is unset and ``MOONCAKE_MASTER`` is set)."""
+    if env.get(MOONCAKE_ENV) or not env.get("MOONCAKE_MASTER"):
+        return {}
+    for var, (off, why) in MOONCAKE_ENV_REFUSED.items():
+        if env.get(var, "") not in off:
+            raise ConfigError(f"{var}={env[var]!r}: not supported by pdserve ({why}); unset it")
+    keys = {key: env[var] for var, key in MOONCAKE_ENV_KEYS.items() if env.get(var)}
+    return translate(keys, section, "MOONCAKE_*", what="Mooncake's environment (MOONCAKE_*)")
+
+
 def from_env(env: Mapping[str, str], section: str) -> dict[str, Any]:
-    """``section``'s settings from the files ``MOONCAKE_CONFIG_PATH`` and
-    ``LMCACHE_CONFIG_FILE`` name (LMCache's over Mooncake's). Every key of those files must be
-    a familiar one: a ConfigError names the file, the variable and the key otherwise."""
-    out: dict[str, Any] = {}
+    """``section``'s settings from Mooncake's environment-only configuration, then the files
+    ``MOONCAKE_CONFIG_PATH`` and ``LMCACHE_CONFIG_FILE`` name (LMCache's over Mooncake's). Every
+    key of those files must be a familiar one: a ConfigError names the file, the variable and
+    the key otherwise."""
+    out: dict[str, Any] = from_mooncake_env(env, section)
     for var in (MOONCAKE_ENV, LMCACHE_ENV):
         path = env.get(var)
         if not path:

@@ -280,3 +280,32 @@ def test_lmcache_own_keys_are_the_installed_lmcaches():
     lm = pytest.importorskip("lmcache.v1.config")
     upstream = set(lm._CONFIG_DEFINITIONS) | set(lm._CONFIG_ALIASES)
     assert upstream - set(compat.BY_NAME) == compat.LMCACHE_OWN
+
+
+def test_mooncakes_environment_only_configuration_is_read(tmp_path):
+    """As MooncakeConfig.load_from_env: MOONCAKE_MASTER and its siblings, when no
+    MOONCAKE_CONFIG_PATH is set; what pdserve cannot honour is refused with its reason."""
+    env = {
+        "MOONCAKE_MASTER": "10.0.0.5:50051",
+        "MOONCAKE_LOCAL_HOSTNAME": "10.0.0.7",
+        "MOONCAKE_PROTOCOL": "tcp",
+        "MOONCAKE_GLOBAL_SEGMENT_SIZE": "512MB",
+        "MOONCAKE_TE_META_DATA_SERVER": "P2PHANDSHAKE",
+    }
+    cfg = config.load(PrefillConfig, "prefill", env=env)
+    assert (cfg.store_backend, cfg.store_master) == ("mooncake", "10.0.0.5:50051")
+    assert cfg.store_segment_size == str(512 * 1024**2) and cfg.advertise_host == "10.0.0.7"
+    # a config file wins, as in Mooncake: the variables are not read at all then
+    path = mooncake_file(tmp_path, master_server_address="10.0.0.9:50051")
+    with_file = config.load(
+        PrefillConfig, "prefill", env={**env, "MOONCAKE_CONFIG_PATH": str(path)}
+    )
+    assert with_file.store_master == "10.0.0.9:50051"
+    with pytest.raises(ConfigError, match="MOONCAKE_TENANT_ID='t1': not supported by pdserve"):
+        config.load(PrefillConfig, "prefill", env={**env, "MOONCAKE_TENANT_ID": "t1"})
+    with pytest.raises(ConfigError, match=r"Mooncake's environment \(MOONCAKE_\*\): metadata"):
+        config.load(PrefillConfig, "prefill", env={**env, "MOONCAKE_TE_META_DATA_SERVER": "x"})
+    # without MOONCAKE_MASTER, Mooncake reads no variable either
+    assert (
+        config.load(PrefillConfig, "prefill", env={"MOONCAKE_PROTOCOL": "rdma"}).store_master == ""
+    )
