@@ -304,13 +304,10 @@ def flatten(data: Mapping[str, Any], path: str | Path) -> dict[str, Any]:
     return out
 
 
-def translate(
-    keys: Mapping[str, Any], section: str, source: str | Path, *, what: str = ""
-) -> dict[str, Any]:
+def translate(keys: Mapping[str, Any], section: str, what: str) -> dict[str, Any]:
     """The pdserve settings of ``section`` that the familiar ``keys`` (from :func:`flatten`)
-    mean; ``source`` names the file in errors. Settings a section does not have are left out:
-    each service takes what applies to it."""
-    what = what or f"config file {source}"
+    mean; ``what`` names where they came from in errors ("config file PATH"). Settings a
+    section does not have are left out: each service takes what applies to it."""
     for name in keys:
         if name not in BY_NAME:
             raise ConfigError(f"{what}: unknown key {name!r}{suggest(name, BY_NAME)}")
@@ -440,7 +437,7 @@ def from_mooncake_env(env: Mapping[str, str], section: str) -> dict[str, Any]:
         if env.get(var, "") not in off:
             raise ConfigError(f"{var}={env[var]!r}: not supported by pdserve ({why}); unset it")
     keys = {key: env[var] for var, key in MOONCAKE_ENV_KEYS.items() if env.get(var)}
-    return translate(keys, section, "MOONCAKE_*", what="Mooncake's environment (MOONCAKE_*)")
+    return translate(keys, section, "Mooncake's environment (MOONCAKE_*)")
 
 
 def from_env(env: Mapping[str, str], section: str) -> dict[str, Any]:
@@ -464,7 +461,7 @@ def from_env(env: Mapping[str, str], section: str) -> dict[str, Any]:
                     f"config file {path}: unknown key(s) "
                     + ", ".join(f"{k!r}{suggest(k, allowed)}" for k in unknown)
                 )
-            out.update(translate(flatten(data, path), section, path))
+            out.update(translate(flatten(data, path), section, f"config file {path}"))
         except ConfigError as exc:
             raise ConfigError(f"{exc} (the file {var} names)") from exc
     return out

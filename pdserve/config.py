@@ -206,7 +206,8 @@ def load(
         data = read_config(yaml_path)
         if section in SECTIONS:
             check_file(yaml_path, data)  # the whole file: a typo anywhere is an error
-        take(compat.translate(compat.flatten(data, yaml_path), section, yaml_path))
+        keys = compat.flatten(data, yaml_path)
+        take(compat.translate(keys, section, f"config file {yaml_path}"))
         sect = data.get(section) or {}
         if not isinstance(sect, dict):
             raise ConfigError(f"config section {section!r} must be a mapping")

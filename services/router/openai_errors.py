@@ -1,9 +1,11 @@
 """The OpenAI error shape of the router's HTTP API: ``{"error": {"message", "type", "param",
 "code"}}`` with 400 (bad input), 404 (unknown model or path), 429 (admission refused), 503 (no
-worker), 504 (deadline), 500 (a bug, logged)."""
+worker), 504 (deadline), 500 (a bug, logged); and :func:`read_json`, every endpoint's JSON
+body, refused in that shape when it is not one."""
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -59,3 +61,21 @@ async def http_errors(request: web.Request, handler) -> web.StreamResponse:
             "code": exc.status,
         }
         return web.json_response({"error": body}, status=exc.status)
+
+
+async def read_json(request: web.Request) -> Any:
+    """The request's JSON body; InvalidArgument when it is not JSON, holds a lone surrogate
+    (``\\ud800``: JSON may spell one, no UTF-8 text can hold it, and the tokenizer would fail
+    on it deep inside) or is nested too deeply for the parser."""
+    try:
+        body = json.loads(await request.read())
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:  # a ValueError too: first
+        raise errors.InvalidArgument(
+            "request body holds invalid Unicode (a lone surrogate)"
+        ) from None
+    except ValueError as exc:
+        raise errors.InvalidArgument(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:  # [[[[... thousands deep: json gives up (a RuntimeError)
+        raise errors.InvalidArgument("request body is nested too deeply") from None
+    return body

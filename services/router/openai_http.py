@@ -36,7 +36,12 @@ from pdserve import auth, errors
 from pdserve.requests import TokenLogprob
 from pdserve.services.router import openai_info
 from pdserve.services.router.frontend import Frontend, openai_n
-from pdserve.services.router.openai_errors import error_body, error_response, http_errors
+from pdserve.services.router.openai_errors import (
+    error_body,
+    error_response,
+    http_errors,
+    read_json,
+)
 from pdserve.services.router.stream import StreamChunk
 from pdserve.telemetry import REQUEST_ID_HEADER, request_id_var
 from pdserve.v1 import common_pb2
@@ -95,18 +100,9 @@ def make_app(fe: Frontend, *, api_key: str = "", metrics_need_key: bool = False)
 
 async def _generate(fe: Frontend, request: web.Request, *, chat: bool) -> web.StreamResponse:
     try:
-        body = json.loads(await request.read())
-        # JSON may spell a lone surrogate (\ud800) that no UTF-8 text can hold; the tokenizer
-        # would fail on it deep inside. Refuse it here, whatever field it is in.
-        json.dumps(body, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        return error_response(
-            errors.InvalidArgument("request body holds invalid Unicode (a lone surrogate)")
-        )
-    except ValueError as exc:
-        return error_response(errors.InvalidArgument(f"request body is not valid JSON: {exc}"))
-    except RecursionError:  # [[[[... thousands deep: json gives up (a RuntimeError)
-        return error_response(errors.InvalidArgument("request body is nested too deeply"))
+        body = await read_json(request)
+    except errors.InvalidArgument as exc:
+        return error_response(exc)
     header_id = request.headers.get(REQUEST_ID_HEADER, "")
     if header_id and isinstance(body, dict) and not body.get("request_id"):
         body = {**body, "request_id": header_id}

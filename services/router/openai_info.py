@@ -7,7 +7,6 @@ and ``/metrics``."""
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 from aiohttp import web
@@ -17,8 +16,8 @@ from pdserve import __version__
 from pdserve.errors import InvalidArgument, ModelNotFound
 from pdserve.services.router import request as rq
 from pdserve.services.router.frontend import Frontend
-from pdserve.services.router.openai_errors import error_response
-from pdserve.services.router.openai_fields import chat_options, flag
+from pdserve.services.router.openai_errors import error_response, read_json
+from pdserve.services.router.openai_fields import flag
 from pdserve.services.router.workers import DECODE
 from pdserve.telemetry import REGISTRY
 
@@ -79,10 +78,7 @@ def _model(fe: Frontend) -> dict[str, Any]:
 
 
 async def _body(request: web.Request, fe: Frontend) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.read())
-    except (ValueError, RecursionError) as exc:
-        raise InvalidArgument(f"request body is not valid JSON: {exc}") from None
+    body = await read_json(request)
     if not isinstance(body, dict):
         raise InvalidArgument("request body must be a JSON object")
     model = body.get("model")
@@ -98,12 +94,7 @@ def _tokenize(fe: Frontend, body: dict[str, Any]) -> dict[str, Any]:
     (with the chat options of /v1/chat/completions) -> ``{count, max_model_len, tokens}``."""
     limits = fe.current_limits()
     if "messages" in body:
-        msgs = body["messages"]
-        if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
-            raise InvalidArgument("messages must be a list of {role, content} objects")
-        checked = rq.check_messages(msgs)
-        rq.check_text_size(sum(len(m["content"]) for m in checked), limits, "messages")
-        ids = fe.tokenizer.apply_chat_template(checked, **chat_options(body, checked))
+        ids = fe.chat_ids(body["messages"], limits, body)
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
