@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve import compat_upstream as upstream
+from pdserve import errors
 from pdserve.config import ConfigError
 from pdserve.sizes import parse_size
 
@@ -32,49 +34,11 @@ from pdserve.sizes import parse_size
 MOONCAKE_ENV = "MOONCAKE_CONFIG_PATH"
 LMCACHE_ENV = "LMCACHE_CONFIG_FILE"
 
-#: LMCache's own settings (LMCache 0.5.6's ``lmcache.v1.config`` definitions and aliases, less
-#: the keys of :data:`KEYS`): they configure the LMCache engine, not pdserve, so in the file
-#: ``LMCACHE_CONFIG_FILE`` names pdserve's services leave them to LMCache (one file serves
-#: both; tests/test_compat.py keeps this list in step with the installed LMCache).
-LMCACHE_OWN = frozenset(
-    """
-    app_id audit_actual_remote_url blend_check_layers blend_min_tokens
-    blend_recompute_ratios blend_special_str blend_thresholds blocking_timeout_secs
-    cache_policy chunk_statistics_auto_exit_target_unique_chunks
-    chunk_statistics_auto_exit_timeout_hours chunk_statistics_auto_start_statistics
-    chunk_statistics_strategy controller_pull_url controller_reply_url controller_url
-    enable_async_loading enable_blending enable_chunk_statistics enable_controller
-    enable_hidden_state_cache enable_kv_events enable_lazy_memory_allocator enable_p2p
-    enable_pd enable_scheduler_bypass_lookup enable_xpyd external_backends
-    external_lookup_client gds_backend gds_buffer_size gds_path gds_path_sharding
-    hidden_state_layers hidden_states_retrieve_mode hit_miss_ratio
-    internal_api_server_enabled internal_api_server_host
-    internal_api_server_include_index_list internal_api_server_port_start
-    internal_api_server_socket_path_prefix lazy_memory_expand_trigger_ratio
-    lazy_memory_initial_ratio lazy_memory_safe_size lazy_memory_step_ratio
-    lmcache_instance_id lmcache_worker_heartbeat_delay_time lmcache_worker_heartbeat_time
-    lmcache_worker_ids lmcache_worker_port lmcache_worker_ports local_cpu_use_hugepages
-    local_disk local_disk_path_sharding lookup_server_worker_ids lookup_timeout_ms maru_path
-    maru_pool_size max_hidden_state_cpu_size max_local_disk_size min_retrieve_tokens mp_host
-    mp_port nixl_backends nixl_buffer_device nixl_buffer_size nixl_peer_alloc_port
-    nixl_peer_host nixl_peer_init_port nixl_proxy_host nixl_proxy_port nixl_role numa_mode
-    p2p_host p2p_init_ports p2p_lookup_ports pd_allocation_timeout_sec pd_backend_mode
-    pd_bidirectional pd_buffer_device pd_buffer_size pd_condition_poll_interval_sec
-    pd_max_prefill_len pd_peer_alloc_port pd_peer_host pd_peer_init_port pd_peer_query_port
-    pd_proxy_host pd_proxy_port pd_role pd_shutdown_timeout_sec pd_skip_proxy_notification
-    pin_check_interval_sec pin_timeout_sec plugin_locations pre_caching_hash_algorithm
-    priority_limit py_enable_gc remote_config_url remote_storage_plugins
-    reserve_local_cpu_size retrieve_locations run_script_api_enabled
-    runtime_plugin_locations save_decode_cache save_unfull_chunk script_allowed_imports
-    storage_plugins store_location transfer_channel use_gds use_gpu_connector_v3
-    use_layerwise
-    """.split()  # noqa: SIM905 (a word list reads better than 110 quoted strings)
-)
 #: What pdserve's services pass over in the file ``LMCACHE_CONFIG_FILE`` names: LMCache's own
 #: settings, and its CPU buffer (``local_cpu``, ``max_local_cpu_size``: the LMCache engine's,
 #: which its remote backends need; in pdserve's own config files they are refused, pdserve
 #: having no per-process CPU tier).
-LMCACHE_ENGINE = LMCACHE_OWN | {"local_cpu", "max_local_cpu_size"}
+LMCACHE_ENGINE = upstream.LMCACHE_OWN | {"local_cpu", "max_local_cpu_size"}
 #: ``extra_config`` keys of LMCache's remote storage plugins (``remote_storage_plugin.<name>.
 #: <field>``, pdserve's own LMCache plugin among them): the plugin's, which checks them itself.
 LMCACHE_PLUGIN_PREFIX = "remote_storage_plugin."
@@ -273,6 +237,13 @@ def _remote_url(url: str, *, what: str) -> tuple[str, str]:
             f"mooncakestore://MASTER_HOST:PORT/ (LMCache's {scheme or url!r} servers are not "
             "a pdserve store)"
         )
+    if scheme == "pdserve":  # its ?key=value settings are the LMCache adapter's
+        from pdserve.integrations.lmcache_url import settings_from_url
+
+        try:
+            return "pdserve", settings_from_url(url).master_address
+        except errors.InvalidArgument as exc:
+            raise ConfigError(f"{what}: {exc}") from exc
     if not re.fullmatch(r"[^\s/:]+:\d+", address):
         raise ConfigError(f"{what}: remote_url {url!r} must name the master as HOST:PORT")
     return backends[scheme], address
@@ -290,7 +261,13 @@ def flatten(data: Mapping[str, Any], path: str | Path) -> dict[str, Any]:
     for key, value in extra.items():
         if str(key).startswith(LMCACHE_PLUGIN_PREFIX):
             continue  # an LMCache plugin's setting (pdserve's LMCache plugin checks its own)
-        if key not in MOONCAKE_KEYS:
+        bare = str(key).removeprefix("mooncake_")  # LMCache's prefixed form of a Mooncake key
+        if bare in upstream.REFUSED:
+            upstream.check(bare, value, what=f"config file {path}: extra_config")
+            continue
+        if bare in MOONCAKE_KEYS:
+            key = bare
+        else:
             raise ConfigError(
                 f"config file {path}: unknown key extra_config.{key}{suggest(key, MOONCAKE_KEYS)}"
                 f" (pdserve takes these Mooncake keys there: {', '.join(MOONCAKE_KEYS)})"
@@ -419,13 +396,6 @@ MOONCAKE_ENV_KEYS = {
     "MOONCAKE_PROTOCOL": "protocol",
     "MOONCAKE_DEVICE": "device_name",
 }
-#: Mooncake variables pdserve cannot honour when set to anything but their default: variable ->
-#: (accepted values, why).
-MOONCAKE_ENV_REFUSED = {
-    "MOONCAKE_OFFLOAD_ENABLED": (("", "0", "false", "False"), "pdserve's store has no SSD tier"),
-    "MOONCAKE_TENANT_ID": (("", "default"), "tenants are kept apart by cache_salt in pdserve"),
-    "MOONCAKE_ENABLE_CLIENT_HTTP_SERVER": (("", "0", "false", "False"), "not implemented"),
-}
 
 
 def from_mooncake_env(env: Mapping[str, str], section: str) -> dict[str, Any]:
@@ -433,9 +403,8 @@ def from_mooncake_env(env: Mapping[str, str], section: str) -> dict[str, Any]:
     it (only when ``MOONCAKE_CONFIG_PATH`` is unset and ``MOONCAKE_MASTER`` is set)."""
     if env.get(MOONCAKE_ENV) or not env.get("MOONCAKE_MASTER"):
         return {}
-    for var, (off, why) in MOONCAKE_ENV_REFUSED.items():
-        if env.get(var, "") not in off:
-            raise ConfigError(f"{var}={env[var]!r}: not supported by pdserve ({why}); unset it")
+    for var, key in upstream.REFUSED_ENV.items():
+        upstream.check(key, env.get(var), what=f"{var} (Mooncake's environment)")
     keys = {key: env[var] for var, key in MOONCAKE_ENV_KEYS.items() if env.get(var)}
     return translate(keys, section, "Mooncake's environment (MOONCAKE_*)")
 
@@ -454,6 +423,8 @@ def from_env(env: Mapping[str, str], section: str) -> dict[str, Any]:
             data = read_file(path)
             if var == LMCACHE_ENV:  # LMCache's own settings are LMCache's to read
                 data = {k: v for k, v in data.items() if k not in LMCACHE_ENGINE}
+            for key in [k for k in data if k not in BY_NAME and upstream.known(k)]:
+                upstream.check(key, data.pop(key), what=f"config file {path}")
             unknown = [k for k in data if k not in BY_NAME]
             if unknown:
                 allowed = MOONCAKE_KEYS if var == MOONCAKE_ENV else BY_NAME

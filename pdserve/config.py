@@ -153,7 +153,7 @@ def check_file(path: str | Path, data: Mapping[str, Any] | None = None) -> dict[
     """Reads (unless given) and checks a whole config file: every top-level key is a section or
     a familiar Mooncake / LMCache key (:mod:`pdserve.compat`), every section a mapping of
     fields its service has, every value of its field's type. Returns the data."""
-    from pdserve import compat
+    from pdserve import compat, compat_upstream
 
     data = read_config(path) if data is None else dict(data)
     known = [*SECTIONS, *compat.BY_NAME]
@@ -173,6 +173,8 @@ def check_file(path: str | Path, data: Mapping[str, Any] | None = None) -> dict[
                 )
             for name, v in value.items():
                 _coerce(f"{key}.{name}", types_[name], v)
+        elif compat_upstream.known(key):
+            compat_upstream.check(key, value, what=f"config file {path}")
         elif key not in compat.BY_NAME:
             raise ConfigError(
                 f"config file {path}: unknown section or key {key!r}{_did_you_mean(key, known)}; "

@@ -81,4 +81,8 @@ if "$VENV/bin/pdserve" model --help >/dev/null 2>&1; then
   "$VENV/bin/pdserve" model prepare
   "$VENV/bin/pdserve" model prepare --tiny
 fi
+# 4. LMCache finds pdserve's remote_url scheme (pdserve://) among its own adapters.
+if [[ ",$EXTRAS," == *",lmcache,"* ]]; then
+  "$VENV/bin/pdserve" lmcache register
+fi
 step "set-up done"

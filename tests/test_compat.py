@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdserve import compat, config
+from pdserve import compat, compat_upstream, config
 from pdserve.commands.up import UpConfig
 from pdserve.config import ConfigError
 from pdserve.engines.connector_data import ConnectorSettings, extra_config
@@ -177,9 +177,9 @@ def test_rdma_devices_are_checked_by_name(tmp_path, monkeypatch):
         ("remote_serde: cachegen\n", "remote_serde 'cachegen': pdserve stores KV chunks as raw"),
         ("local_cpu: true\n", "local_cpu True: pdserve has no per-process CPU cache tier"),
         ("remote_url: lm://h:65432\n", "remote_url must be pdserve://MASTER_HOST:PORT or"),
-        ("remote_url: pdserve://h\n", "must name the master as HOST:PORT"),
+        ("remote_url: pdserve://h\n", "must name the KV store master as pdserve://HOST:PORT"),
         ("max_local_cpu_size: -1\n", "max_local_cpu_size must be a number of GB >= 0"),
-        ("local_disk: file:///tmp/\n", "unknown section or key 'local_disk'"),
+        ("local_disk: file:///tmp/\n", "local_disk is LMCache.s own setting .pdserve.s store keeps KV"),
         ("extra_config:\n  use_ascend_direct: true\n", "unknown key extra_config.use_ascend_direct"),
         ("remote_url: pdserve://h:1\nmaster_server_address: h:2\n", "keep one"),
     ],
@@ -257,6 +257,7 @@ def test_vllm_connector_carries_the_backend_choice():
 def test_docs_carry_the_key_table():
     doc = (ROOT / "docs" / "configuration.md").read_text()
     assert compat.markdown_table() in doc
+    assert compat_upstream.markdown_table() in doc
     for key in compat.KEYS:
         assert f"`{key.name}`" in doc
 
@@ -279,7 +280,7 @@ def test_the_lmcache_file_of_docs_lmcache_md_configures_pdserve_too(tmp_path):
 def test_lmcache_own_keys_are_the_installed_lmcaches():
     lm = pytest.importorskip("lmcache.v1.config")
     upstream = set(lm._CONFIG_DEFINITIONS) | set(lm._CONFIG_ALIASES)
-    assert upstream - set(compat.BY_NAME) == compat.LMCACHE_OWN
+    assert upstream - set(compat.BY_NAME) == compat_upstream.LMCACHE_OWN
 
 
 def test_mooncakes_environment_only_configuration_is_read(tmp_path):
@@ -301,7 +302,7 @@ def test_mooncakes_environment_only_configuration_is_read(tmp_path):
         PrefillConfig, "prefill", env={**env, "MOONCAKE_CONFIG_PATH": str(path)}
     )
     assert with_file.store_master == "10.0.0.9:50051"
-    with pytest.raises(ConfigError, match="MOONCAKE_TENANT_ID='t1': not supported by pdserve"):
+    with pytest.raises(ConfigError, match=r"MOONCAKE_TENANT_ID .*: tenant_id 't1' is not supp"):
         config.load(PrefillConfig, "prefill", env={**env, "MOONCAKE_TENANT_ID": "t1"})
     with pytest.raises(ConfigError, match=r"Mooncake's environment \(MOONCAKE_\*\): metadata"):
         config.load(PrefillConfig, "prefill", env={**env, "MOONCAKE_TE_META_DATA_SERVER": "x"})
@@ -309,3 +310,63 @@ def test_mooncakes_environment_only_configuration_is_read(tmp_path):
     assert (
         config.load(PrefillConfig, "prefill", env={"MOONCAKE_PROTOCOL": "rdma"}).store_master == ""
     )
+
+
+@pytest.mark.parametrize("via", ["--config", "MOONCAKE_CONFIG_PATH"])
+@pytest.mark.parametrize(
+    ("key", "default", "other", "why"),
+    [
+        ("mode", "embedded", "standalone-store", "embedded clients"),
+        ("tenant_id", "default", "team-a", "cache_salt"),
+        ("enable_offload", False, True, "no SSD or disk tier"),
+        ("ssd_offload_path", "", "/mnt/ssd", "no SSD or disk tier"),
+        ("enable_client_http_server", "false", "true", "HTTP server is not implemented"),
+    ],
+)  # fmt: skip
+def test_mooncake_keys_pdserve_does_not_honour_name_their_reason(
+    tmp_path, via, key, default, other, why
+):
+    """vLLM's and Mooncake's own JSON keys: at their default they change nothing and pass; any
+    other value is refused with the reason, never as an unknown key."""
+    kw = lambda p: {"yaml_path": p, "env": {}} if via == "--config" else {"env": {via: str(p)}}  # noqa: E731
+    ok = config.load(PrefillConfig, "prefill", **kw(mooncake_file(tmp_path, **{key: default})))
+    assert ok.store_master == MOONCAKE["master_server_address"]
+    with pytest.raises(ConfigError, match=f"{key} {other!r} is not supported by pdserve.*{why}"):
+        config.load(PrefillConfig, "prefill", **kw(mooncake_file(tmp_path, **{key: other})))
+
+
+def test_lmcache_mooncake_extra_config_takes_the_prefixed_keys(tmp_path):
+    """LMCache's mooncakestore:// extra_config: ``mooncake_<key>`` is Mooncake's ``<key>``;
+    LMCache's own knobs pdserve does not have are refused with the reason."""
+    text = (
+        "remote_url: mooncakestore://10.0.0.5:50051/\n"
+        "extra_config:\n"
+        "  mooncake_protocol: tcp\n"
+        "  mooncake_global_segment_size: 256MB\n"
+        "  mooncake_transfer_timeout: 3\n"
+        "  mooncake_prefer_local_alloc: false\n"
+    )
+    cfg = config.load(
+        PrefillConfig, "prefill", env={"LMCACHE_CONFIG_FILE": str(lmcache_file(tmp_path, text))}
+    )
+    assert (cfg.store_master, cfg.store_protocol) == ("10.0.0.5:50051", "tcp")
+    assert (cfg.store_segment_size, cfg.store_timeout_s) == (str(256 * 1024**2), 3)
+    bad = lmcache_file(tmp_path, text.replace("alloc: false", "alloc: true"))
+    with pytest.raises(
+        ConfigError, match=r"prefer_local_alloc True is not supported .*places every"
+    ):
+        config.load(PrefillConfig, "prefill", env={"LMCACHE_CONFIG_FILE": str(bad)})
+    typo = lmcache_file(tmp_path, text + "  mooncake_protocl: tcp\n")
+    with pytest.raises(ConfigError, match=r"unknown key extra_config.mooncake_protocl"):
+        config.load(PrefillConfig, "prefill", env={"LMCACHE_CONFIG_FILE": str(typo)})
+
+
+def test_lmcache_engine_keys_in_pdserves_own_file_say_where_they_belong(tmp_path):
+    path = lmcache_file(tmp_path, "chunk_size: 16\nsave_decode_cache: true\n")
+    with pytest.raises(
+        ConfigError, match=r"save_decode_cache is LMCache's own setting .*LMCACHE_CONFIG_FILE"
+    ):
+        config.load(PrefillConfig, "prefill", yaml_path=path, env={})
+    # the same file through LMCACHE_CONFIG_FILE: LMCache's setting, passed over
+    cfg = config.load(PrefillConfig, "prefill", env={"LMCACHE_CONFIG_FILE": str(path)})
+    assert cfg.chunk_size == 16

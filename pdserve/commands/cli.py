@@ -29,6 +29,7 @@ COMMAND_MODULES = [
     "pdserve.model.cli",
     "pdserve.bench.cli",
     "pdserve.commands.vllm",
+    "pdserve.integrations.lmcache_url",
 ]
 
 

@@ -325,6 +325,7 @@ def _connector_class() -> type:
             config: Any,
             *,
             plugin_name: str | None = None,
+            settings: PluginSettings | None = None,
             store: StoreBackend | None = None,
         ) -> None:
             metadata = getattr(local_cpu_backend, "metadata", None)
@@ -336,7 +337,8 @@ def _connector_class() -> type:
             self.local_cpu_backend = local_cpu_backend
             self.config = config
             self.plugin_name = plugin_name or plugin_name_for(config, type(self))
-            self.settings = PluginSettings.from_extra_config(
+            # settings: given by a remote_url (lmcache_url), else the plugin's extra_config
+            self.settings = settings or PluginSettings.from_extra_config(
                 getattr(config, "extra_config", None), self.plugin_name
             )
             self.options = self.settings.options()

@@ -212,10 +212,21 @@ extra_config:
 """
 
 
-def _manager(lmc, tmp_path: Path, master: str, instance: str):
+def _url_config_yaml(master: str, instance: str) -> str:
+    """LMCache configured with nothing of pdserve's but its remote_url."""
+    return f"""\
+chunk_size: {CHUNK}
+local_cpu: true
+max_local_cpu_size: 0.05
+lmcache_instance_id: {instance}
+remote_url: pdserve://{master}?namespace=lmcache-url
+"""
+
+
+def _manager(lmc, tmp_path: Path, master: str, instance: str, yaml=_config_yaml):
     torch = lmc.torch
     path = tmp_path / f"{instance}.yaml"
-    path.write_text(_config_yaml(master, instance))
+    path.write_text(yaml(master, instance))
     config = lmc.LMCacheEngineConfig.from_file(str(path))
     metadata = lmc.LMCacheMetadata(
         model_name=MODEL,
@@ -244,10 +255,10 @@ def _filled(sm, seed: int, shape=SHAPE):
     return obj
 
 
-def _wait_contains(sm, keys, timeout: float = 20.0) -> int:
+def _wait_contains(sm, keys, timeout: float = 20.0, backend: str = BACKEND) -> int:
     deadline = time.monotonic() + timeout
     while True:
-        hit, _ = sm.batched_contains(keys, search_range=[BACKEND])
+        hit, _ = sm.batched_contains(keys, search_range=[backend])
         if hit == len(keys) or time.monotonic() > deadline:
             return hit
         time.sleep(0.05)
@@ -263,8 +274,8 @@ def _connector(sm):
 def managers(lmc, tmp_path, store_master):
     made: list = []
 
-    def make(instance: str):
-        made.append(_manager(lmc, tmp_path, store_master, instance))
+    def make(instance: str, yaml=_config_yaml):
+        made.append(_manager(lmc, tmp_path, store_master, instance, yaml))
         return made[-1]
 
     yield make
@@ -347,3 +358,78 @@ def test_partial_chunk_miss_list_remove(lmc, managers, client):
     assert not conn.exists_sync(key)
     listed = asyncio.run_coroutine_threadsafe(conn.list(), loop).result(10)
     assert key.to_string() not in listed
+
+
+@pytest.mark.slow
+def test_remote_url_alone_reaches_the_store(lmc, managers, client):
+    """`remote_url: pdserve://...` and nothing else: LMCache finds pdserve's adapter among its
+    own (make setup registers it), and a second instance reads what the first stored."""
+    from pdserve.integrations import lmcache_url
+
+    assert lmcache_url.registered(lmcache_url.connector_dir()), (
+        "pdserve's LMCache adapter is not registered: run `pdserve lmcache register`"
+    )
+    writer = managers("url-writer", _url_config_yaml)
+    assert "RemoteBackend" in writer.storage_backends
+    keys = _keys(lmc, 0x5000, 3)
+    objs = [_filled(writer, 50 + i) for i in range(len(keys))]
+    expected = [bytes(o.byte_array) for o in objs]
+    writer.batched_put(keys, objs, location="RemoteBackend")
+    assert _wait_contains(writer, keys, backend="RemoteBackend") == len(keys)
+    conn = writer.storage_backends["RemoteBackend"].connection.getWrappedConnector()
+    assert isinstance(conn, plug.PdserveConnector) and conn.settings.namespace == "lmcache-url"
+    skey = plug.store_key("lmcache-url", MODEL, keys[0].to_string())
+    assert bytes(plug.decode_object(client.get(skey), keys[0].to_string())[1]) == expected[0]
+
+    reader = managers("url-reader", _url_config_yaml)
+    hit, mapping = reader.batched_contains(keys)
+    assert hit == len(keys) and list(mapping) == ["RemoteBackend"]
+    for key, want in zip(keys, expected, strict=True):
+        got = reader.get(key)  # its local CPU cache is empty: the bytes come from the store
+        assert got is not None and bytes(got.byte_array) == want
+        got.ref_count_down()
+
+
+def test_register_writes_and_removes_the_adapter_module(tmp_path):
+    """What `pdserve lmcache register` puts where LMCache looks: a module named *_adapter that
+    re-exports the adapter class; register is idempotent, unregister removes only it."""
+    from pdserve.integrations import lmcache_url
+
+    (tmp_path / "redis_adapter.py").write_text("# LMCache's own\n")
+    assert lmcache_url.register(tmp_path) and not lmcache_url.register(tmp_path)
+    shim = tmp_path / lmcache_url.SHIM_NAME
+    assert shim.name.endswith("_adapter.py") and lmcache_url.registered(tmp_path)
+    assert "import PdserveConnectorAdapter" in shim.read_text()
+    assert lmcache_url.unregister(tmp_path) and not lmcache_url.unregister(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["redis_adapter.py"]
+
+
+@pytest.mark.parametrize(
+    "url, message",
+    [
+        ("pdserve://h", "pdserve://HOST:PORT"),
+        ("pdserve://h:1/path", "pdserve://HOST:PORT"),
+        ("pdserve://h:1?replica=2", "did you mean replicas"),
+        ("pdserve://h:1?replicas=1&replicas=2", "given 2 times"),
+        ("pdserve://h:1?replicas=two", "invalid literal"),
+        ("redis://h:1", "not a pdserve:// URL"),
+    ],
+)
+def test_remote_url_errors(url, message):
+    from pdserve.integrations.lmcache_url import settings_from_url
+
+    with pytest.raises(errors.InvalidArgument, match=message):
+        settings_from_url(url)
+
+
+def test_remote_url_settings():
+    from pdserve.integrations.lmcache_url import settings_from_url
+
+    s = settings_from_url("pdserve://10.0.0.5:50051?namespace=a&replicas=2&soft_pin=true")
+    assert (s.master_address, s.namespace, s.replicas, s.soft_pin) == (
+        "10.0.0.5:50051",
+        "a",
+        2,
+        True,
+    )
+    assert settings_from_url("pdserve://h:7").namespace == "lmcache"
