@@ -97,11 +97,14 @@ class Frontend:
     # --- gRPC -------------------------------------------------------------------------------
 
     def generate_n(
-        self, req: rq.GenRequest, n: int, *, timeout_s: float | None = None
+        self, reqs: list[rq.GenRequest], n: int, *, timeout_s: float | None = None
     ) -> AsyncIterator[tuple[int, StreamChunk]]:
-        """``(choice index, chunk)`` of the ``n`` generations of ``req`` (:func:`fan_out`),
-        in arrival order: what the OpenAI API's ``n`` and ``GenerateRequest.n`` run."""
-        return merged([self.orchestrator.generate(r, timeout_s=timeout_s) for r in fan_out(req, n)])
+        """``(choice index, chunk)`` of the ``n`` generations of each of ``reqs`` (a batch of
+        prompts, :func:`fan_out` each), in arrival order; prompt ``k``'s generation ``j`` is
+        choice ``k * n + j``, as vLLM indexes them: what the OpenAI API's ``n`` and batched
+        prompts and ``GenerateRequest.n`` run."""
+        gens = [g for req in reqs for g in fan_out(req, n)]
+        return merged([self.orchestrator.generate(g, timeout_s=timeout_s) for g in gens])
 
     def from_proto(self, req: router_pb2.GenerateRequest) -> rq.GenRequest:
         limits = self.current_limits()
@@ -161,9 +164,11 @@ class Frontend:
 
     # --- OpenAI -----------------------------------------------------------------------------
 
-    def from_openai(self, body: Any, *, chat: bool) -> rq.GenRequest:
+    def from_openai(self, body: Any, *, chat: bool) -> list[rq.GenRequest]:
         """Validates an OpenAI completions / chat completions body: every field is honoured or
-        refused (:mod:`~pdserve.services.router.openai_fields`)."""
+        refused (:mod:`~pdserve.services.router.openai_fields`). One request per prompt:
+        completions take a batch of prompts (strings or token-id lists), as vLLM does; the
+        first keeps the request's id, prompt ``k`` gets ``<id>-p<k>``, all abort under it."""
         if not isinstance(body, dict):
             raise InvalidArgument("request body must be a JSON object")
         model = body.get("model")
@@ -171,16 +176,21 @@ class Frontend:
             raise InvalidArgument("model is required (a string)", param="model")
         limits = self.current_limits()
         rq.check_model(model, limits)
-        openai_n(body)
+        n = openai_n(body)
         check_fields(body, chat=chat)
         extra = _openai_sampling(body, chat=chat)
         salt = rq.check_cache_salt(body.get("cache_salt"))
         if chat:
-            ids = self.chat_ids(body.get("messages"), limits, body)
+            prompts = [self.chat_ids(body.get("messages"), limits, body)]
         else:
             special = flag(body, "add_special_tokens", True)
-            ids = self._openai_prompt(body.get("prompt"), limits, special)
-        ids = truncate(ids, body.get("truncate_prompt_tokens"), limits.max_model_len)
+            prompts = self._openai_prompts(body.get("prompt"), limits, special)
+            if len(prompts) * n > MAX_BATCH:
+                raise InvalidArgument(
+                    f"{len(prompts)} prompts x n={n} is {len(prompts) * n} generations; one "
+                    f"request may ask at most {MAX_BATCH}",
+                    param="prompt",
+                )
         max_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
         max_tokens = body.get(max_field)
         if max_tokens is None and not chat:
@@ -190,24 +200,30 @@ class Frontend:
             stop = [stop]
         if not isinstance(stop, list):
             raise InvalidArgument("stop must be a string or a list of strings", param="stop")
-        sampling = rq.make_sampling(
-            limits,
-            len(ids),
-            max_tokens=max_tokens,
-            temperature=body.get("temperature"),
-            top_p=body.get("top_p"),
-            top_k=body.get("top_k") if body.get("top_k", -1) != -1 else None,
-            seed=body.get("seed"),
-            stop=stop,
-            ignore_eos=bool(body.get("ignore_eos", False)),
-            max_tokens_field=max_field,
-            prompt_field="messages" if chat else "prompt",
-            **extra,
-        )
         rid = body.get("request_id", "")
         if not isinstance(rid, str):
             raise InvalidArgument("request_id must be a string", param="request_id")
-        return rq.GenRequest(rq.check_request_id(rid), ids, sampling, "", salt)
+        rid = rq.check_request_id(rid)
+        out = []
+        for k, prompt in enumerate(prompts):
+            ids = truncate(prompt, body.get("truncate_prompt_tokens"), limits.max_model_len)
+            sampling = rq.make_sampling(
+                limits,
+                len(ids),
+                max_tokens=max_tokens,
+                temperature=body.get("temperature"),
+                top_p=body.get("top_p"),
+                top_k=body.get("top_k") if body.get("top_k", -1) != -1 else None,
+                seed=body.get("seed"),
+                stop=stop,
+                ignore_eos=bool(body.get("ignore_eos", False)),
+                max_tokens_field=max_field,
+                prompt_field="messages" if chat else "prompt",
+                **extra,
+            )
+            own = rid if k == 0 else f"{rid[:112]}-p{k}"
+            out.append(rq.GenRequest(own, ids, sampling, "", salt, abort_id=rid))
+        return out
 
     def chat_ids(self, messages: Any, limits: rq.Limits, body: dict[str, Any]) -> list[int]:
         """The prompt of validated chat ``messages`` (chat completions, /tokenize), refused
@@ -223,28 +239,35 @@ class Frontend:
         options = chat_options(body, msgs)
         return self.tokenizer.apply_chat_template(msgs, **options)
 
-    def _openai_prompt(self, prompt: Any, limits: rq.Limits, special: bool) -> list[int]:
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]  # a batch of one
+    def _openai_prompts(self, prompt: Any, limits: rq.Limits, special: bool) -> list[list[int]]:
+        """The token ids of each prompt of a completions ``prompt``: a string, a list of token
+        ids, or a batch (a list of either)."""
+        if isinstance(prompt, list) and any(isinstance(p, str | list) for p in prompt):
+            return [
+                self._one_prompt(p, limits, special, f"prompt[{k}]") for k, p in enumerate(prompt)
+            ]
+        return [self._one_prompt(prompt, limits, special, "prompt")]
+
+    def _one_prompt(self, prompt: Any, limits: rq.Limits, special: bool, what: str) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
-                raise InvalidArgument("prompt must not be empty", param="prompt")
-            rq.check_text_size(len(prompt), limits, "prompt")
+                raise InvalidArgument(f"{what} must not be empty", param="prompt")
+            rq.check_text_size(len(prompt), limits, what)
             ids = self.tokenizer.encode(prompt, add_special_tokens=special)
-            return rq.check_token_ids(ids, limits, "prompt")
+            return rq.check_token_ids(ids, limits, what)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            return rq.check_token_ids(prompt, limits, "prompt")
-        if isinstance(prompt, list) and len(prompt) > 1:
-            raise InvalidArgument(
-                "prompt: batches of several prompts are not supported", param="prompt"
-            )
+            return rq.check_token_ids(prompt, limits, what)
         raise InvalidArgument(
-            "prompt must be a non-empty string or a list of token ids", param="prompt"
+            f"{what} must be a non-empty string or a list of token ids (prompt may also be a "
+            "list of those: a batch)",
+            param="prompt",
         )
 
 
 #: Most generations one OpenAI request may ask (``n``).
 MAX_N = 16
+#: Most generations (prompts x ``n``) one batched completions request may ask.
+MAX_BATCH = 256
 
 
 def check_n(n: Any) -> int:
@@ -276,7 +299,8 @@ def fan_out(req: rq.GenRequest, n: int) -> list[rq.GenRequest]:
         seed = req.sampling.seed
         sampling = replace(req.sampling, seed=None if seed is None else (seed + i) % 2**64)
         rid = req.request_id if i == 0 else f"{req.request_id[:120]}-{i}"
-        out.append(replace(req, request_id=rid, sampling=sampling, abort_id=req.request_id))
+        abort_id = req.abort_id or req.request_id
+        out.append(replace(req, request_id=rid, sampling=sampling, abort_id=abort_id))
     return out
 
 

@@ -11,7 +11,8 @@ same salt; validated by :func:`pdserve.validation.check_cache_salt`), ``top_k``,
 ``ignore_eos``, ``repetition_penalty``, ``stop_token_ids`` and ``request_id``.
 
 ``logprobs`` / ``top_logprobs`` answer in OpenAI's shape of each API, ``n`` > 1 runs n
-generations (choices indexed, usage summed), completions ``echo`` prepends the prompt's text;
+generations (choices indexed, usage summed), a completions ``prompt`` may be a batch (prompt
+``k``'s generation ``j`` is choice ``k * n + j``, as in vLLM), ``echo`` prepends the prompt's text;
 what is not implemented is refused with 400 naming it (docs/router.md, "OpenAI parameters").
 
 Request ids: a request's id is its body's ``request_id``, else the ``x-request-id`` header,
@@ -109,11 +110,12 @@ async def _generate(fe: Frontend, request: web.Request, *, chat: bool) -> web.St
     try:
         # Tokenizing a long prompt takes a while: off the event loop, so /health and other
         # requests keep being answered meanwhile.
-        req = await asyncio.to_thread(fe.from_openai, body, chat=chat)
+        reqs = await asyncio.to_thread(fe.from_openai, body, chat=chat)
     except Exception as exc:
         return error_response(exc)
-    request_id_var.set(req.request_id)
-    headers = {REQUEST_ID_HEADER: req.request_id}
+    rid = reqs[0].request_id
+    request_id_var.set(rid)
+    headers = {REQUEST_ID_HEADER: rid}
     stream = bool(body.get("stream", False))
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
@@ -123,18 +125,20 @@ async def _generate(fe: Frontend, request: web.Request, *, chat: bool) -> web.St
         return error_response(bad, headers)
     usage_in_stream = bool(stream_options.get("include_usage", False))
     meta = {
-        "id": ("chatcmpl-" if chat else "cmpl-") + (req.request_id or uuid.uuid4().hex),
+        "id": ("chatcmpl-" if chat else "cmpl-") + (rid or uuid.uuid4().hex),
         "created": int(time.time()),
         "model": fe.limits.model,
     }
+    n = openai_n(body)
+    echo = bool(body.get("echo")) and not chat
     out = _Output(
         fe,
         chat=chat,
-        logprobs=req.sampling.logprobs is not None,
-        echo=fe.tokenizer.decode(req.prompt_token_ids) if body.get("echo") and not chat else "",
+        n=n,
+        logprobs=reqs[0].sampling.logprobs is not None,
+        echoes=[fe.tokenizer.decode(r.prompt_token_ids) for r in reqs] if echo else [],
     )
-    n = openai_n(body)
-    chunks = fe.generate_n(req, n)
+    chunks = fe.generate_n(reqs, n)
     async with contextlib.aclosing(chunks):
         try:
             first = await anext(chunks)  # admission and worker errors surface before any byte
@@ -144,18 +148,27 @@ async def _generate(fe: Frontend, request: web.Request, *, chat: bool) -> web.St
             return error_response(exc, headers)
         if stream:
             return await _sse(request, chunks, first, meta, headers, out, usage=usage_in_stream)
-        return await _whole(chunks, first, meta, headers, out, n=n)
+        return await _whole(chunks, first, meta, headers, out, choices=len(reqs) * n)
 
 
 @dataclass
 class _Output:
     """How one request's answer is shaped: chat or completions, with logprobs (OpenAI's shape
-    of each), with the prompt's text echoed (completions ``echo``)."""
+    of each), with each prompt's text echoed (completions ``echo``); choice ``i`` answers
+    prompt ``i // n``."""
 
     fe: Frontend
     chat: bool
+    n: int
     logprobs: bool
-    echo: str = ""
+    echoes: list[str]
+
+    def echo(self, choice: int) -> str:
+        return self.echoes[choice // self.n] if self.echoes else ""
+
+    def prompt(self, choice: int) -> int:
+        """The index of the prompt ``choice`` answers."""
+        return choice // self.n
 
     def logprobs_json(self, items: list[TokenLogprob], offset: int = 0) -> Any:
         """OpenAI's ``logprobs`` of ``items``: completions ``{tokens, token_logprobs,
@@ -196,13 +209,27 @@ class _Output:
         }
 
 
-def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
+class _PromptUsage:
+    """Prompt and cached tokens of a request's prompts, each counted once however many of its
+    ``n`` generations report them; :meth:`usage` is OpenAI's ``usage`` object."""
+
+    def __init__(self, out: _Output) -> None:
+        self.out = out
+        self.seen: dict[int, tuple[int, int]] = {}
+
+    def add(self, choice: int, c: StreamChunk) -> None:
+        k = self.out.prompt(choice)
+        if c.prompt_tokens and k not in self.seen:
+            self.seen[k] = (c.prompt_tokens, c.cached_tokens)
+
+    def usage(self, completion: int) -> dict[str, Any]:
+        prompt = sum(p for p, _ in self.seen.values())
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(c for _, c in self.seen.values())},
+        }
 
 
 async def _whole(
@@ -212,18 +239,18 @@ async def _whole(
     headers: dict[str, str],
     out: _Output,
     *,
-    n: int,
+    choices: int,
 ) -> web.Response:
+    n = choices
     texts: list[list[str]] = [[] for _ in range(n)]
     lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
     finish: list[str | None] = [None] * n
     count = 0
-    prompt = cached = 0
+    prompts = _PromptUsage(out)
     i, c = first
     try:
         while True:
-            if c.prompt_tokens and not prompt:
-                prompt, cached = c.prompt_tokens, c.cached_tokens
+            prompts.add(i, c)
             texts[i].append(c.text)
             lps[i].extend(c.logprobs)
             count += len(c.token_ids)
@@ -235,27 +262,27 @@ async def _whole(
                 break
     except Exception as exc:
         return error_response(exc, headers)
-    choices = []
+    answers = []
     for i in range(n):
         text = "".join(texts[i])
         logprobs = out.logprobs_json(lps[i])
         if out.chat:
             message = {"role": "assistant", "content": text}
-            choices.append(
+            answers.append(
                 {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish[i]}
             )
         else:
-            choices.append(
+            answers.append(
                 {
                     "index": i,
-                    "text": out.echo + text,
+                    "text": out.echo(i) + text,
                     "logprobs": logprobs,
                     "finish_reason": finish[i],
                 }
             )
     obj = "chat.completion" if out.chat else "text_completion"
     return web.json_response(
-        {**meta, "object": obj, "choices": choices, "usage": _usage(prompt, count, cached)},
+        {**meta, "object": obj, "choices": answers, "usage": prompts.usage(count)},
         headers=headers,
     )
 
@@ -299,20 +326,20 @@ async def _sse(
             return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
 
-    prompt = cached = count = 0
+    count = 0
+    prompts = _PromptUsage(out)
     started: set[int] = set()
     try:
         item: tuple[int, StreamChunk] | None = first
         while item is not None:
             i, c = item
-            if c.prompt_tokens and not prompt:
-                prompt, cached = c.prompt_tokens, c.cached_tokens
+            prompts.add(i, c)
             if i not in started:
                 started.add(i)
                 if chat:
                     await send({**meta, "object": obj, "choices": [choice(i, "", None, True)]})
-                elif out.echo:
-                    await send({**meta, "object": obj, "choices": [choice(i, out.echo, None)]})
+                elif out.echo(i):
+                    await send({**meta, "object": obj, "choices": [choice(i, out.echo(i), None)]})
             count += len(c.token_ids)
             finish = FINISH.get(c.finish) if c.finish else None
             if c.text or finish or c.logprobs:
@@ -328,9 +355,7 @@ async def _sse(
             except StopAsyncIteration:
                 item = None
         if usage:
-            await send(
-                {**meta, "object": obj, "choices": [], "usage": _usage(prompt, count, cached)}
-            )
+            await send({**meta, "object": obj, "choices": [], "usage": prompts.usage(count)})
     except (ConnectionResetError, ConnectionError):
         return resp  # the client went away: closing ``gen`` cancels the worker calls
     except Exception as exc:

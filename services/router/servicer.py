@@ -42,7 +42,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
         finish = [0] * n
         out = router_pb2.GenerateResponse(request_id=req.request_id)
-        chunks = self.fe.generate_n(req, n, timeout_s=context.time_remaining())
+        chunks = self.fe.generate_n([req], n, timeout_s=context.time_remaining())
         async with contextlib.aclosing(chunks):
             async for i, c in chunks:
                 if c.prompt_tokens and i == 0:
@@ -81,7 +81,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     async def GenerateStream(self, request, context: grpc.aio.ServicerContext):
         n = proto_n(request)
         req = await self._validated(request, context)
-        chunks = self.fe.generate_n(req, n, timeout_s=context.time_remaining())
+        chunks = self.fe.generate_n([req], n, timeout_s=context.time_remaining())
         async with contextlib.aclosing(chunks):
             async for i, c in chunks:
                 yield router_pb2.GenerateStreamResponse(

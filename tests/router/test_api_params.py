@@ -135,6 +135,66 @@ def test_n_fans_out_with_distinct_seeds_and_sums_usage(tiny_model_dir):
     asyncio.run(main())
 
 
+def test_batched_prompts_index_choices_as_vllm_does(tiny_model_dir):
+    """A completions prompt that is a batch (strings or token-id lists): prompt k's generation j
+    is choice k * n + j, each prompt's tokens counted once in usage, echo per prompt; a bad
+    element is named by its index."""
+
+    async def main():
+        dec = FakeDecode()
+        async with (
+            fake_cluster([FakePrefill()], [dec], tiny_model_dir) as (r, _),
+            aiohttp.ClientSession(f"http://127.0.0.1:{r.http_port}") as http,
+        ):
+            tok = r.frontend.tokenizer
+            body = {"model": "tiny", "prompt": ["hi", [5, 6, 7, 8]], "max_tokens": 3, "n": 2}
+            body |= {"echo": True, "request_id": "req-b"}
+            async with http.post("/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                out = await resp.json()
+            assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+            echoes = [tok.decode(tok.encode("hi")), tok.decode([5, 6, 7, 8])]
+            for c in out["choices"]:
+                gen = "".join(f"<{t}>" for t in expected_tokens(_ids(c, tok), 3))  # fake text
+                want = echoes[c["index"] // 2] + gen
+                assert c["text"] == want, c
+            assert out["usage"]["prompt_tokens"] == len(tok.encode("hi")) + 4
+            assert out["usage"]["completion_tokens"] == 12
+            assert sorted(c.request_id for c in dec.calls) == [
+                "req-b",
+                "req-b-1",
+                "req-b-p1",
+                "req-b-p1-1",
+            ]
+            # streamed: the same texts per index
+            async with http.post("/v1/completions", json={**body, "stream": True}) as resp:
+                events = await _sse(resp)
+            texts: dict[int, str] = {}
+            for ev in events:
+                for ch in ev["choices"]:
+                    texts[ch["index"]] = texts.get(ch["index"], "") + ch["text"]
+            assert texts == {c["index"]: c["text"] for c in out["choices"]}
+            for bad, message in (
+                (["hi", ""], "prompt[1] must not be empty"),
+                (["hi", 5], "prompt[1] must be a non-empty string or a list of token ids"),
+                ([], "prompt must be a non-empty string"),
+                (["x"] * 200, "at most 256"),
+            ):
+                async with http.post(
+                    "/v1/completions", json={**body, "prompt": bad, "echo": False}
+                ) as resp:
+                    assert resp.status == 400
+                    err = (await resp.json())["error"]
+                assert message in err["message"] and err["param"] == "prompt", (bad, err)
+
+    asyncio.run(main())
+
+
+def _ids(choice: dict, tok) -> list[int]:
+    """The prompt ids of a batched choice of the test above (index // n = 2)."""
+    return tok.encode("hi") if choice["index"] < 2 else [5, 6, 7, 8]
+
+
 def test_echo_prepends_the_prompt(tiny_model_dir):
     async def main():
         async with (

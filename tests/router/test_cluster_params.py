@@ -137,6 +137,18 @@ def test_openai_n_with_seed_equals_single_seeded_requests(cluster, tok):
     assert out["choices"][0]["text"] != out["choices"][1]["text"]
 
 
+def test_batched_prompts_equal_single_requests(cluster, tok):
+    """A batch of prompts on the real workers: each choice is what the prompt alone gives."""
+    prompts = ["Once upon a time", tok.encode("The lighthouse keeper")]
+    body = {"model": "tiny", "prompt": prompts, "max_tokens": 6, "temperature": 0.0}
+    status, out = post(cluster, "/v1/completions", body)
+    assert status == 200, out
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    for prompt, choice in zip(prompts, out["choices"], strict=True):
+        status, one = post(cluster, "/v1/completions", {**body, "prompt": prompt})
+        assert status == 200 and one["choices"][0]["text"] == choice["text"]
+
+
 def test_grpc_n_is_token_exact_with_single_requests(cluster, tok, hf_greedy):
     """GenerateStream with n = 2: greedy, both choices equal the Hugging Face greedy run;
     seeded sampling, choice i equals a single request with seed + i, token for token."""
