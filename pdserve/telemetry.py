@@ -10,11 +10,13 @@ messages; each service sets the variable from the message it handles.
 from __future__ import annotations
 
 import contextvars
+import itertools
 import json
 import logging
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -79,6 +81,16 @@ def setup_logging(service: str, level: str = "info", *, json_lines: bool = True)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+
+
+def init_labels(metric: Any, *values: Sequence[str]) -> Any:
+    """Creates ``metric``'s child for every combination of the label ``values`` (one sequence
+    per label), so a fresh scrape shows each at 0: dashboards and ``rate()`` see the series
+    before its first event. ``metric`` may be :class:`Relayed`. Returns ``metric``."""
+    target = metric.metric if isinstance(metric, Relayed) else metric
+    for combo in itertools.product(*values):
+        target.labels(*combo)
+    return metric
 
 
 def serve_metrics(port: int, host: str = "127.0.0.1") -> int:

@@ -157,6 +157,7 @@ class Cluster:
             http_port=c.meta_http_port,
             backend=c.meta_backend,
             etcd_endpoints=etcd,
+            metrics_port=0,  # a free port, found through meta's /prometheus/targets
             **self._tls("meta"),
         )
         self._start([("meta", meta_args)])
@@ -196,6 +197,7 @@ class Cluster:
                     segment_sizes=c.segment_size,
                     host=c.host,
                     meta=meta,
+                    metrics_port=0,
                     **self._tls(node_id),
                 ),
             )

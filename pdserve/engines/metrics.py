@@ -7,10 +7,13 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from pdserve.telemetry import REGISTRY, Relayed
+from pdserve.telemetry import REGISTRY, Relayed, init_labels
 
 #: Store operations that failed (master unreachable, timeout, no space): the engine went on
 #: without the store, recomputing what it could not load. ``op``: lookup|load|save.
+STORE_OPS = ("lookup", "load", "save")
+CHUNK_KINDS = ("chunk", "tail")
+
 KV_STORE_ERRORS = Relayed(
     "kv_store_errors",
     Counter(
@@ -87,3 +90,11 @@ KV_CHUNKS_SKIPPED = Relayed(
 GENERATED_TOKENS = Counter(
     "pdserve_engine_generated_tokens_total", "Tokens generated", registry=REGISTRY
 )
+
+# every label value at 0 from the start: a fresh dashboard shows each panel
+init_labels(KV_STORE_ERRORS, STORE_OPS)
+init_labels(KV_STORE_SECONDS, STORE_OPS)
+init_labels(KV_LOADED_TOKENS, ("prefill", "decode"))
+init_labels(KV_COMPUTED_TOKENS, ("uncached", "local", "kv_miss", "store_error"))
+init_labels(KV_CHUNK_MISSES, CHUNK_KINDS)
+init_labels(KV_CHUNKS_WRITTEN, CHUNK_KINDS)

@@ -1,6 +1,6 @@
 """Prometheus HTTP service discovery on meta's HTTP port: ``GET /prometheus/targets`` lists the
-``/metrics`` endpoint of every registered service that has one (the ``metrics`` label workers
-and the KV master register), in Prometheus' ``http_sd_configs`` format, so one static scrape
+``/metrics`` endpoint of every registered service that has one (the ``metrics`` label workers,
+the KV master and the storage nodes register; a router's OpenAI HTTP port) and meta's own, in Prometheus' ``http_sd_configs`` format, so one static scrape
 config finds the metrics ports ``pdserve up`` picks at random:
 
     scrape_configs:
@@ -18,6 +18,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from pdserve.enums import ROLE
+from pdserve.v1 import common_pb2
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -27,11 +28,15 @@ if TYPE_CHECKING:
 PATH = "/prometheus/targets"
 
 
-async def targets(registry: Registry) -> list[dict[str, Any]]:
-    """The http_sd_configs target groups of every registered instance with a metrics port."""
+async def targets(registry: Registry, own_metrics: str = "") -> list[dict[str, Any]]:
+    """The http_sd_configs target groups of every registered instance with a metrics endpoint
+    (the router's is its OpenAI HTTP port) and of this meta (``own_metrics``)."""
     out = []
+    if own_metrics:
+        out.append({"targets": [own_metrics], "labels": {"pdserve_role": "meta",
+                                                          "pdserve_instance": "meta"}})  # fmt: skip
     for inst in await registry.list():
-        address = inst.labels.get("metrics", "")
+        address = inst.labels.get("metrics", "") or _router_http(inst)
         if not address:
             continue
         labels = {"pdserve_role": ROLE.name(inst.role), "pdserve_instance": inst.instance_id}
@@ -41,11 +46,16 @@ async def targets(registry: Registry) -> list[dict[str, Any]]:
     return sorted(out, key=lambda group: group["labels"]["pdserve_instance"])
 
 
-def add_route(app: web.Application, registry: Registry) -> None:
+def _router_http(inst: Any) -> str:
+    """A router's /metrics is on its OpenAI HTTP port (open unless ``metrics_need_key``)."""
+    return inst.labels.get("http", "") if inst.role == common_pb2.ROLE_ROUTER else ""
+
+
+def add_route(app: web.Application, registry: Registry, *, own_metrics: str = "") -> None:
     from aiohttp import web
 
     async def handle(request: web.Request) -> web.Response:
-        body = json.dumps(await targets(registry))
+        body = json.dumps(await targets(registry, own_metrics))
         return web.Response(text=body, content_type="application/json")
 
     app.router.add_get(PATH, handle)

@@ -12,7 +12,7 @@ from pdserve import identity, lifecycle, telemetry
 from pdserve.auth import load_key
 from pdserve.config import ConfigError, help_field
 from pdserve.enums import ROLE
-from pdserve.identity import SecurityConfig
+from pdserve.identity import SecurityConfig, advertised
 from pdserve.services.meta import http_metadata, prometheus_sd
 from pdserve.services.meta.backends.base import Backend
 from pdserve.services.meta.registry import (
@@ -223,6 +223,7 @@ async def serve(cfg: MetaConfig, stop: asyncio.Event) -> None:
     )
     runner, http_port = None, 0
     tls = identity.tls()
+    metrics_port = telemetry.serve_metrics(cfg.metrics_port, cfg.host)
     if cfg.http_port >= 0:
         app = http_metadata.make_app(
             backend,
@@ -230,10 +231,10 @@ async def serve(cfg: MetaConfig, stop: asyncio.Event) -> None:
             max_keys=cfg.http_max_keys,
             max_value_bytes=cfg.http_max_value_bytes,
         )
-        prometheus_sd.add_route(app, registry)
+        own = advertised(cfg, metrics_port) if metrics_port else ""
+        prometheus_sd.add_route(app, registry, own_metrics=own)
         ssl_context = http_metadata.ssl_context(tls) if tls is not None else None
         runner, http_port = await http_metadata.start(app, cfg.host, cfg.http_port, ssl_context)
-    metrics_port = telemetry.serve_metrics(cfg.metrics_port, cfg.host)
     scheme = "https" if tls is not None else "http"
     lifecycle.announce_ready(
         "meta",

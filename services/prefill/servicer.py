@@ -13,11 +13,17 @@ from pdserve.requests_codec import kvref_to_proto, logprobs_to_proto
 from pdserve.services.worker.config import WorkerConfig
 from pdserve.services.worker.request import check_request
 from pdserve.services.worker.slots import SlotLimit
-from pdserve.telemetry import REGISTRY
+from pdserve.telemetry import REGISTRY, init_labels
 from pdserve.v1 import engine_pb2, engine_pb2_grpc
 
-REQUESTS = Counter(
-    "pdserve_prefill_requests_total", "Prefill requests by outcome", ["outcome"], registry=REGISTRY
+REQUESTS = init_labels(
+    Counter(
+        "pdserve_prefill_requests_total",
+        "Prefill requests by outcome",
+        ["outcome"],
+        registry=REGISTRY,
+    ),
+    ("ok",),
 )
 PROMPT_TOKENS = Counter(
     "pdserve_prefill_prompt_tokens_total",

@@ -25,13 +25,16 @@ from collections.abc import AsyncIterator, Callable
 from prometheus_client import Counter, Gauge
 
 from pdserve.errors import ResourceExhausted
-from pdserve.telemetry import REGISTRY
+from pdserve.telemetry import REGISTRY, init_labels
 
-REJECTED = Counter(
-    "pdserve_router_rejected",
-    "Requests refused by admission control",
-    ["reason"],
-    registry=REGISTRY,
+REJECTED = init_labels(
+    Counter(
+        "pdserve_router_rejected",
+        "Requests refused by admission control",
+        ["reason"],
+        registry=REGISTRY,
+    ),
+    ("queue_full", "slo_ttft", "slo_tpot"),
 )
 QUEUED = Gauge("pdserve_router_queued", "Requests waiting for admission", registry=REGISTRY)
 INFLIGHT = Gauge("pdserve_router_inflight", "Requests being orchestrated", registry=REGISTRY)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from prometheus_client import Counter, Histogram
 
 from pdserve.services.router.plan import Plan
-from pdserve.telemetry import REGISTRY
+from pdserve.telemetry import REGISTRY, init_labels
 
 _MS_BUCKETS = (0.25, 0.5, 1, 2, 3, 5, 7.5, 10, 15, 25, 50, 100, 250, 500, 1000, 2500, 5000)
 _S_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -19,11 +19,14 @@ REQUESTS = Counter(
     ["plan", "outcome"],
     registry=REGISTRY,
 )
-RETRIES = Counter(
-    "pdserve_router_retries",
-    "Worker calls retried on another worker",
-    ["role"],
-    registry=REGISTRY,
+RETRIES = init_labels(
+    Counter(
+        "pdserve_router_retries",
+        "Worker calls retried on another worker",
+        ["role"],
+        registry=REGISTRY,
+    ),
+    ("prefill", "decode"),
 )
 TTFT = Histogram(
     "pdserve_router_ttft_seconds", "Time to first token", buckets=_S_BUCKETS, registry=REGISTRY

@@ -17,7 +17,7 @@ from prometheus_client import Counter, Gauge
 
 from pdserve import grpcutil
 from pdserve.enums import ROLE
-from pdserve.telemetry import REGISTRY
+from pdserve.telemetry import REGISTRY, init_labels
 from pdserve.v1 import common_pb2, engine_pb2_grpc, meta_pb2
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,8 @@ REFUSED = Counter(
     ["role"],
     registry=REGISTRY,
 )
+init_labels(BREAKER_TRIPS, (PREFILL, DECODE))
+init_labels(REFUSED, (PREFILL, DECODE))
 
 
 @dataclass

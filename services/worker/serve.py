@@ -18,6 +18,7 @@ from pdserve.engines.base import Engine
 from pdserve.identity import RequireRole, advertised
 from pdserve.services.worker.config import WorkerConfig
 from pdserve.services.worker.registration import load_proto, registration_labels
+from pdserve.store.client import reads, writes  # noqa: F401 (the store metrics the engine relays)
 from pdserve.v1 import meta_pb2
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from up_harness import shm_mapped, start_up
+from up_harness import dashboard_series, scrape_discovered, shm_mapped, start_up
 
 from pdserve import config
 from pdserve.commands.cli import build_parser
@@ -324,6 +324,12 @@ def test_up_on_a_mooncake_store_is_token_exact_and_stops_cleanly(
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics", timeout=10).read()
         hits = re.search(rb'pdserve_router_prompt_tokens_total\{source="store"\} (\S+)', metrics)
         assert float(hits.group(1)) >= 3 * 16
+        # the prefill role's dashboard series (the default topology has no prefill worker),
+        # from the endpoints meta's service discovery lists
+        groups, scraped = scrape_discovered(out, run_dir)
+        assert "prefill" in {g["labels"]["pdserve_role"] for g in groups}, groups
+        prefill = {n for n in dashboard_series() if n.startswith("pdserve_prefill_")}
+        assert prefill and sorted(prefill - scraped) == []
     finally:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=90)

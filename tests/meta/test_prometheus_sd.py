@@ -1,5 +1,5 @@
 """Prometheus HTTP service discovery on meta's HTTP port (services/meta/prometheus_sd.py): every
-registered service with a metrics port, in http_sd_configs' format, served by the same aiohttp
+registered service with a metrics port (a router's HTTP port) and meta's own, in http_sd_configs' format, served by the same aiohttp
 app as the Mooncake metadata endpoint."""
 
 from __future__ import annotations
@@ -27,15 +27,19 @@ def test_targets_list_every_metrics_port_with_role_instance_and_model() -> None:
                 ("decode-0", common_pb2.ROLE_DECODE, "smollm2", "10.0.0.2:9100"),
                 ("prefill-0", common_pb2.ROLE_PREFILL, "smollm2", "10.0.0.1:9100"),
                 ("kv-master", common_pb2.ROLE_KVSTORE_MASTER, "", "10.0.0.3:9200"),
-                ("router-0", common_pb2.ROLE_ROUTER, "", ""),  # no metrics label: not listed
+                ("router-0", common_pb2.ROLE_ROUTER, "", ""),  # its OpenAI HTTP port
+                ("router-1", common_pb2.ROLE_ROUTER, "", ""),  # no HTTP port: not listed
+                ("node-0", common_pb2.ROLE_KVSTORE_NODE, "", "10.0.0.4:9101"),
             ):
                 labels = {"metrics": metrics} if metrics else {}
+                if iid == "router-0":
+                    labels["http"] = "10.0.0.5:8000"
                 instance = meta_pb2.Instance(
                     instance_id=iid, role=role, address="10.0.0.9:1", model=model, labels=labels
                 )
                 await reg.register(instance, 30_000)
             app = http_metadata.make_app(backend)
-            prometheus_sd.add_route(app, reg)
+            prometheus_sd.add_route(app, reg, own_metrics="10.0.0.6:9300")
             runner = web.AppRunner(app)
             await runner.setup()
             site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -59,7 +63,13 @@ def test_targets_list_every_metrics_port_with_role_instance_and_model() -> None:
                     "pdserve_model": "smollm2"}},
         {"targets": ["10.0.0.3:9200"],
          "labels": {"pdserve_role": "kvstore-master", "pdserve_instance": "kv-master"}},
+        {"targets": ["10.0.0.6:9300"],
+         "labels": {"pdserve_role": "meta", "pdserve_instance": "meta"}},
+        {"targets": ["10.0.0.4:9101"],
+         "labels": {"pdserve_role": "kvstore-node", "pdserve_instance": "node-0"}},
         {"targets": ["10.0.0.1:9100"],
          "labels": {"pdserve_role": "prefill", "pdserve_instance": "prefill-0",
                     "pdserve_model": "smollm2"}},
+        {"targets": ["10.0.0.5:8000"],
+         "labels": {"pdserve_role": "router", "pdserve_instance": "router-0"}},
     ]  # fmt: skip

@@ -22,7 +22,7 @@ from pdserve.store.client.control import MasterLink
 from pdserve.store.client.leases import LeaseReleaser
 from pdserve.store.client.routing import ReplicaRoutes
 from pdserve.store.transports.base import Transport, TransportError
-from pdserve.telemetry import REGISTRY, Relayed
+from pdserve.telemetry import REGISTRY, Relayed, init_labels
 from pdserve.v1 import kvstore_pb2
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,7 @@ READ_FAILOVERS = Relayed(
         registry=REGISTRY,
     ),
 )
+init_labels(READ_FAILOVERS, ("shm", "tcp", "mooncake"))  # the transports' names
 
 #: ``decode(key, view)``: the value a read hands out, or None when the bytes are wrong.
 Decode = Callable[[str, memoryview], Any]

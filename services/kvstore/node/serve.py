@@ -163,7 +163,11 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event) -> None:
                 role=common_pb2.ROLE_KVSTORE_NODE,
                 address=address,
                 kv_capacity_bytes=sum(s.size for s in node.segments),
-                labels={"tcp": advertised(cfg, tcp_port), "transports": ",".join(cfg.transports)},
+                labels={
+                    "tcp": advertised(cfg, tcp_port),
+                    "transports": ",".join(cfg.transports),
+                    **({"metrics": advertised(cfg, metrics_port)} if metrics_port else {}),
+                },
             ),
         )
         try:
