@@ -45,6 +45,10 @@ class Sampling:
     #: Guided decoding (vLLM structured outputs): a JSON object, or this JSON schema's text.
     json_object: bool = False
     json_schema: str = ""
+    #: vLLM's min_tokens: no EOS, stop token id or stop string ends the output before this many.
+    min_tokens: int = 0
+    #: False keeps special tokens in the text (vLLM's skip_special_tokens).
+    skip_special_tokens: bool = True
 
     @property
     def penalized(self) -> bool:
@@ -98,6 +102,11 @@ class Sampling:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidArgument(
                 f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", param="logprobs"
+            )
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidArgument(
+                f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens}",
+                param="min_tokens",
             )
         if self.json_object and self.json_schema:
             raise InvalidArgument(

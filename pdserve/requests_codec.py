@@ -40,6 +40,9 @@ def sampling_to_proto(s: Sampling) -> common_pb2.SamplingParams:
         p.logprobs = s.logprobs
     p.json_object = s.json_object
     p.json_schema = s.json_schema
+    p.min_tokens = s.min_tokens
+    if not s.skip_special_tokens:
+        p.skip_special_tokens = False
     return p
 
 
@@ -63,6 +66,8 @@ def sampling_from_proto(p: common_pb2.SamplingParams, *, default_max_tokens: int
         logprobs=p.logprobs if p.HasField("logprobs") else None,
         json_object=p.json_object,
         json_schema=p.json_schema,
+        min_tokens=p.min_tokens,
+        skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else True,
     )
 
 

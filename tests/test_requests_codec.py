@@ -38,6 +38,8 @@ samplings = st.builds(
     logprobs=st.none() | st.integers(0, 20),
     json_object=st.booleans(),
     json_schema=st.text(max_size=20),
+    min_tokens=st.integers(0, U32),
+    skip_special_tokens=st.booleans(),
 )
 
 
@@ -54,6 +56,7 @@ def test_unset_sampling_fields_decode_to_the_documented_defaults() -> None:
     p = sampling_to_proto(Sampling())
     assert not p.HasField("seed") and not p.HasField("repetition_penalty")
     assert not p.HasField("logprobs") and p.HasField("temperature")
+    assert not p.HasField("skip_special_tokens") and p.min_tokens == 0
 
 
 logprob_lists = st.lists(

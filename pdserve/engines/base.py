@@ -9,7 +9,7 @@ prefills locally) and streams tokens. Model compute never runs on the event loop
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.engines.textstream import TextStream
@@ -93,7 +93,7 @@ class Engine(abc.ABC):
     def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
     @abc.abstractmethod
-    def decode_text(self, token_ids: Sequence[int]) -> str: ...
+    def decode_text(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
     @abc.abstractmethod
     async def prefill(
@@ -160,6 +160,17 @@ class Engine(abc.ABC):
                 f"exceeds the model context of {self.max_model_len} tokens",
                 param=field,
             )
+
+
+def text_stream(decode_text: Callable[..., str], sampling: Sampling) -> TextStream:
+    """The :class:`TextStream` of one generation: ``decode_text(ids, skip_special_tokens)``
+    as the request asks, its stop strings, its ``min_tokens``."""
+    skip = sampling.skip_special_tokens
+    return TextStream(
+        lambda ids: decode_text(ids, skip_special_tokens=skip),
+        sampling.stop,
+        min_tokens=sampling.min_tokens,
+    )
 
 
 def next_text(

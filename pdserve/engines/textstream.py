@@ -20,15 +20,25 @@ class TextStream:
     """Feed token ids with :meth:`add`; each call returns the newly releasable text. Call
     :meth:`flush` at the end to release text held back for a stop string that never came.
 
-    ``decode(ids)`` must turn a list of token ids into text (special tokens skipped).
+    ``decode(ids)`` must turn a list of token ids into text. With ``min_tokens`` (vLLM's), a
+    stop string counts only when it ends after the text of the first ``min_tokens`` tokens.
     """
 
     #: Tokens re-decoded before the newest ones so that merges across token boundaries (e.g. a
     #: leading space) come out as in a full decode.
     _CONTEXT = 6
 
-    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        decode: Callable[[Sequence[int]], str],
+        stop: Sequence[str] = (),
+        *,
+        min_tokens: int = 0,
+    ) -> None:
         self._decode = decode
+        self._min_tokens = min_tokens
+        # where a stop string may end after (characters of _text); None until min_tokens are in
+        self._floor: int | None = 0 if min_tokens <= 0 else None
         self._stop = tuple(s for s in stop if s)
         self._max_stop = max((len(s) for s in self._stop), default=0)
         self._ids: list[int] = []
@@ -56,6 +66,8 @@ class TextStream:
             return ""
         self._text += full[len(prefix_text) :]
         self._read = len(self._ids)
+        if self._floor is None and self._read >= self._min_tokens:
+            self._floor = len(self._text)
         self._prefix = max(self._prefix, self._read - self._CONTEXT)
         return self._release(final=False)
 
@@ -75,7 +87,13 @@ class TextStream:
         if self._stop:
             # a stop string can only begin in the held-back part or overlap its start
             search_from = max(0, start - self._max_stop + 1)
-            hits = [i for s in self._stop if (i := self._text.find(s, search_from)) >= 0]
+            hits = []
+            if self._floor is not None:  # and only one that ends past the min_tokens' text
+                hits = [
+                    i
+                    for s in self._stop
+                    if (i := self._text.find(s, max(search_from, self._floor - len(s) + 1))) >= 0
+                ]
             if hits:
                 end = min(hits)
                 self.stopped = True

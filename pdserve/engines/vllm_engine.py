@@ -43,7 +43,14 @@ from typing import Any
 
 from pdserve import hashing, identity, telemetry
 from pdserve.engines import kv_layout, metrics, shm_segments, vllm_args
-from pdserve.engines.base import Engine, EngineLoad, PrefillOutcome, TokenEvent, next_text
+from pdserve.engines.base import (
+    Engine,
+    EngineLoad,
+    PrefillOutcome,
+    TokenEvent,
+    next_text,
+    text_stream,
+)
 from pdserve.engines.config import VLLM_STEP_TOKENS, EngineConfig
 from pdserve.engines.connector_data import PARAMS_KEY, extra_config
 from pdserve.engines.step_budget import (
@@ -52,7 +59,6 @@ from pdserve.engines.step_budget import (
     TTFT_TARGET_KEY,
     TTFT_URGENT_KEY,
 )
-from pdserve.engines.textstream import TextStream
 from pdserve.errors import InvalidArgument
 from pdserve.model.fingerprint import model_fingerprint
 from pdserve.requests import Finish, KVRef, Sampling, TokenLogprob
@@ -110,9 +116,12 @@ def sampling_params(
         structured = StructuredOutputsParams(json_object=True)
     elif sampling.json_schema:
         structured = StructuredOutputsParams(json=sampling.json_schema)
+    # min_tokens counts vLLM's own outputs: prefill's first token (prior_output) is one already
+    already = 1 if prior_output is not None else 0
     return SamplingParams(
         n=1,
         max_tokens=max_tokens,
+        min_tokens=min(max_tokens, max(0, sampling.min_tokens - already)),
         temperature=sampling.temperature,
         top_p=sampling.top_p,
         top_k=sampling.top_k if sampling.top_k > 0 else -1,
@@ -261,8 +270,8 @@ class VllmEngine(Engine):
     def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def decode_text(self, token_ids: Sequence[int]) -> str:
-        return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=True))
+    def decode_text(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
     # ------------------------------------------------------------------ requests
 
@@ -356,7 +365,7 @@ class VllmEngine(Engine):
         sampling.validate(self.config.resolved_max_tokens_limit(self.max_model_len))
         self.check_prompt(prompt, sampling)
         t0 = time.perf_counter()
-        text = TextStream(self.decode_text, sampling.stop)
+        text = text_stream(self.decode_text, sampling)
         extra: dict[str, Any] | None = None
         max_tokens = sampling.max_tokens
         if kv is not None and first_token_id is None:

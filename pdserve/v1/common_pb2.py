@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xfd\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x03\x88\x01\x01\x12=\n\nlogit_bias\x18\x0b \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x15\n\x08logprobs\x18\r \x01(\rH\x04\x88\x01\x01\x12\x13\n\x0bjson_object\x18\x0e \x01(\x08\x12\x13\n\x0bjson_schema\x18\x0f \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"0\n\x0bTopLogProbs\x12\x0e\n\x06values\x18\x01 \x03(\x02\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"j\n\x0eOutputLogProbs\x12\x16\n\x0etoken_logprobs\x18\x01 \x03(\x02\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12-\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x17.pdserve.v1.TopLogProbs\"m\n\x08KVHandle\x12\x12\n\nchunk_keys\x18\x01 \x03(\t\x12\x10\n\x08tail_key\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x12\n\nchunk_size\x18\x04 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\x0c\"H\n\x04Load\x12\x14\n\x0cqueue_length\x18\x01 \x01(\r\x12\x18\n\x10running_requests\x18\x02 \x01(\r\x12\x10\n\x08kv_usage\x18\x03 \x01(\x02*\x80\x01\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_ROUTER\x10\x01\x12\x10\n\x0cROLE_PREFILL\x10\x02\x12\x0f\n\x0bROLE_DECODE\x10\x03\x12\x17\n\x13ROLE_KVSTORE_MASTER\x10\x04\x12\x15\n\x11ROLE_KVSTORE_NODE\x10\x05*\x93\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xcb\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x03\x88\x01\x01\x12=\n\nlogit_bias\x18\x0b \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x15\n\x08logprobs\x18\r \x01(\rH\x04\x88\x01\x01\x12\x13\n\x0bjson_object\x18\x0e \x01(\x08\x12\x13\n\x0bjson_schema\x18\x0f \x01(\t\x12\x12\n\nmin_tokens\x18\x10 \x01(\r\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x05\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"0\n\x0bTopLogProbs\x12\x0e\n\x06values\x18\x01 \x03(\x02\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"j\n\x0eOutputLogProbs\x12\x16\n\x0etoken_logprobs\x18\x01 \x03(\x02\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12-\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x17.pdserve.v1.TopLogProbs\"m\n\x08KVHandle\x12\x12\n\nchunk_keys\x18\x01 \x03(\t\x12\x10\n\x08tail_key\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x12\n\nchunk_size\x18\x04 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\x0c\"H\n\x04Load\x12\x14\n\x0cqueue_length\x18\x01 \x01(\r\x12\x18\n\x10running_requests\x18\x02 \x01(\r\x12\x10\n\x08kv_usage\x18\x03 \x01(\x02*\x80\x01\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_ROUTER\x10\x01\x12\x10\n\x0cROLE_PREFILL\x10\x02\x12\x0f\n\x0bROLE_DECODE\x10\x03\x12\x17\n\x13ROLE_KVSTORE_MASTER\x10\x04\x12\x15\n\x11ROLE_KVSTORE_NODE\x10\x05*\x93\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,20 +33,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_ROLE']._serialized_start=895
-  _globals['_ROLE']._serialized_end=1023
-  _globals['_FINISHREASON']._serialized_start=1026
-  _globals['_FINISHREASON']._serialized_end=1173
+  _globals['_ROLE']._serialized_start=973
+  _globals['_ROLE']._serialized_end=1101
+  _globals['_FINISHREASON']._serialized_start=1104
+  _globals['_FINISHREASON']._serialized_end=1251
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=549
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=430
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=478
-  _globals['_TOPLOGPROBS']._serialized_start=551
-  _globals['_TOPLOGPROBS']._serialized_end=599
-  _globals['_OUTPUTLOGPROBS']._serialized_start=601
-  _globals['_OUTPUTLOGPROBS']._serialized_end=707
-  _globals['_KVHANDLE']._serialized_start=709
-  _globals['_KVHANDLE']._serialized_end=818
-  _globals['_LOAD']._serialized_start=820
-  _globals['_LOAD']._serialized_end=892
+  _globals['_SAMPLINGPARAMS']._serialized_end=627
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=484
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=532
+  _globals['_TOPLOGPROBS']._serialized_start=629
+  _globals['_TOPLOGPROBS']._serialized_end=677
+  _globals['_OUTPUTLOGPROBS']._serialized_start=679
+  _globals['_OUTPUTLOGPROBS']._serialized_end=785
+  _globals['_KVHANDLE']._serialized_start=787
+  _globals['_KVHANDLE']._serialized_end=896
+  _globals['_LOAD']._serialized_start=898
+  _globals['_LOAD']._serialized_end=970
 # @@protoc_insertion_point(module_scope)

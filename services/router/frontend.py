@@ -156,6 +156,10 @@ class Frontend:
             logprobs=s.logprobs if s.HasField("logprobs") else None,
             json_object=s.json_object,
             json_schema=s.json_schema,
+            min_tokens=s.min_tokens,
+            skip_special_tokens=(
+                s.skip_special_tokens if s.HasField("skip_special_tokens") else True
+            ),
         )
         mode = DISAGG_MODE.names.get(req.mode) if req.mode else ""  # "": the router's default
         if mode is None:
@@ -355,6 +359,8 @@ def _openai_sampling(body: dict, *, chat: bool) -> dict[str, Any]:
         name: _number(body, name)
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")
     }
+    out["min_tokens"] = body.get("min_tokens")
+    out["skip_special_tokens"] = flag(body, "skip_special_tokens", True)
     bias = body.get("logit_bias")
     if bias is not None:
         if not isinstance(bias, dict):

@@ -18,7 +18,8 @@ _SHARED = frozenset({
     "model", "n", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k",
     "seed", "stop", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "logit_bias", "logprobs", "response_format", "cache_salt",
-    "request_id", "truncate_prompt_tokens", "add_special_tokens",
+    "request_id", "truncate_prompt_tokens", "add_special_tokens", "min_tokens",
+    "skip_special_tokens",
 })  # fmt: skip
 #: Honoured fields of /v1/completions.
 COMPLETIONS = _SHARED | {"prompt", "echo"}
@@ -52,14 +53,12 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "suffix": ((None, ""), "no fill-in-the-middle"),
     "echo": ((None, False), "chat echo is not implemented (completions echo is)"),
     "min_p": ((None, 0, 0.0), "not implemented"),
-    "min_tokens": ((None, 0), "not implemented"),
     "prompt_logprobs": ((None,), "prompt logprobs are not computed"),
     "logprob_token_ids": ((None, []), "not implemented"),
     "include_stop_str_in_output": ((None, False), "not implemented"),
     "allowed_token_ids": ((None, []), "not implemented"),
     "bad_words": ((None, []), "not implemented"),
-    "skip_special_tokens": ((None, True), "the workers detokenize without special tokens"),
-    "spaces_between_special_tokens": ((None, True), "the workers detokenize without them"),
+    "spaces_between_special_tokens": ((None, True), "the tokenizer's own spacing is kept"),
     "truncation_side": ((None, "left"), "prompts are truncated on the left only"),
     "priority": ((None, 0), "no priority scheduling (deadline order: ttft_target_ms)"),
     "return_token_ids": ((None, False), "not implemented"),

@@ -168,6 +168,8 @@ def make_sampling(
     logprobs_field: str = "logprobs",
     json_object: bool = False,
     json_schema: str = "",
+    min_tokens: int | None = None,
+    skip_special_tokens: bool = True,
 ) -> Sampling:
     """Validated sampling controls; ``max_tokens`` None = the default, capped by the context
     and the limit. Errors name the fields as the request spelled them: ``max_tokens_field``
@@ -192,6 +194,10 @@ def make_sampling(
         raise InvalidArgument(
             f"top_k must be an integer in [0, {U32}] (or -1 for off), got {top_k!r}",
             param="top_k",
+        )
+    if min_tokens is not None and not _int_in(min_tokens, 0, U32):
+        raise InvalidArgument(
+            f"min_tokens must be an integer in [0, {U32}], got {min_tokens!r}", param="min_tokens"
         )
     if seed is not None and not _int_in(seed, 0, U64):
         raise InvalidArgument(f"seed must be an integer in [0, {U64}], got {seed!r}", param="seed")
@@ -248,6 +254,8 @@ def make_sampling(
         logprobs=logprobs,
         json_object=json_object,
         json_schema=json_schema,
+        min_tokens=min_tokens or 0,
+        skip_special_tokens=bool(skip_special_tokens),
     )
     try:
         sampling.validate(limits.max_tokens_limit)

@@ -82,3 +82,21 @@ def test_context_merging_matches_full_decode() -> None:
     s = TextStream(decode)
     text = "".join(s.add(i) for i in ids) + s.flush()
     assert text == decode(ids)
+
+
+def test_min_tokens_counts_only_stop_strings_ending_after_that_many_tokens() -> None:
+    """vLLM's min_tokens: a stop string that ends within the first min_tokens tokens' text
+    does not stop; one that ends after it does, even when it began before."""
+    s = TextStream(byte_decode, stop=["ab"], min_tokens=3)
+    out = feed(s, b"abxab")
+    assert s.stopped and "".join(out) == "abx"
+    # begins inside the first 3 tokens, ends after them: a stop at its start
+    s = TextStream(byte_decode, stop=["xyz"], min_tokens=3)
+    assert "".join(feed(s, b"axyzb")) == "a" and s.stopped
+    # ends exactly at the third token: not a stop; flush releases everything
+    s = TextStream(byte_decode, stop=["bc"], min_tokens=3)
+    out = "".join(feed(s, b"abcd")) + s.flush()
+    assert out == "abcd" and not s.stopped
+    # without min_tokens the same text stops at once
+    s = TextStream(byte_decode, stop=["bc"])
+    assert "".join(feed(s, b"abcd")) == "a" and s.stopped

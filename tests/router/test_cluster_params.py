@@ -149,6 +149,28 @@ def test_batched_prompts_equal_single_requests(cluster, tok):
         assert status == 200 and one["choices"][0]["text"] == choice["text"]
 
 
+def test_min_tokens_and_skip_special_tokens_reach_both_workers(cluster, tok):
+    """vLLM's min_tokens and skip_special_tokens through the router to prefill and decode
+    workers: EOS forced by logit_bias ends at once, with min_tokens 4 only as the fifth token
+    (masked on prefill's first token and decode's next three); a forced special token adds no
+    text unless skip_special_tokens is false."""
+    eos, special = tok.eos_token_id, tok.bos_token_id
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0.0}
+    status, out = post(cluster, "/v1/completions", {**body, "logit_bias": {str(eos): 100}})
+    assert status == 200 and out["usage"]["completion_tokens"] == 1, out
+    forced = {**body, "logit_bias": {str(eos): 100}, "min_tokens": 4}
+    status, out = post(cluster, "/v1/completions", forced)
+    assert status == 200, out
+    assert out["usage"]["completion_tokens"] == 5 and out["choices"][0]["finish_reason"] == "stop"
+    status, out = post(cluster, "/v1/completions", {**forced, "min_tokens": 9})
+    assert status == 400 and out["error"]["param"] == "min_tokens", out
+    marks = {**body, "max_tokens": 3, "logit_bias": {str(special): 100}}
+    status, out = post(cluster, "/v1/completions", marks)
+    assert status == 200 and out["choices"][0]["text"] == "", out
+    status, out = post(cluster, "/v1/completions", {**marks, "skip_special_tokens": False})
+    assert status == 200 and out["choices"][0]["text"] == tok.bos_token * 3, out
+
+
 def test_grpc_n_is_token_exact_with_single_requests(cluster, tok, hf_greedy):
     """GenerateStream with n = 2: greedy, both choices equal the Hugging Face greedy run;
     seeded sampling, choice i equals a single request with seed + i, token for token."""

@@ -141,6 +141,40 @@ def test_vllm_stop_token_ids(vllm_workers):
         assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_STOP
 
 
+def test_vllm_min_tokens_and_skip_special_tokens(vllm_workers, tiny_model_dir):
+    """On vLLM, split (prefill's first token, decode's rest) and local alike: EOS forced by
+    logit_bias ends at once, with min_tokens 4 as the fifth token; a forced special token adds
+    text only with skip_special_tokens false."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    toks = prompt(20, salt=3400)
+
+    def params(token: int, **kw) -> common_pb2.SamplingParams:
+        return common_pb2.SamplingParams(
+            max_tokens=8, temperature=0.0, **kw, logit_bias={token: 100.0}
+        )
+
+    for run in (split, local):
+        name = run.__name__
+        got = run(vllm_workers, toks, f"eos-{name}", params(tok.eos_token_id))[0]
+        assert got == [tok.eos_token_id], name
+        got, _, _, msgs = run(
+            vllm_workers, toks, f"min-{name}", params(tok.eos_token_id, min_tokens=4)
+        )
+        assert len(got) == 5 and got[-1] == tok.eos_token_id, (name, got)
+        assert (
+            tok.eos_token_id not in got[:4]
+            and msgs[-1].finish_reason == common_pb2.FINISH_REASON_EOS
+        )
+        special = params(tok.bos_token_id)
+        msgs = run(vllm_workers, toks, f"special-{name}", special)[3]
+        assert "".join(m.text for m in msgs) == "", name
+        special.skip_special_tokens = False
+        msgs = run(vllm_workers, toks, f"kept-{name}", special)[3]
+        assert "".join(m.text for m in msgs) == tok.bos_token * 8, name
+
+
 def test_vllm_json_schema_output_parses(vllm_workers, tiny_model_dir):
     """The grammar allows whitespace between JSON tokens, which the tiny random model would
     emit until max_tokens: whitespace-only tokens are banned with logit_bias, so the only way

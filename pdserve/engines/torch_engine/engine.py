@@ -108,8 +108,8 @@ class TorchEngine(Engine):
     def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self.model.tokenize(text, add_special_tokens=add_special_tokens)
 
-    def decode_text(self, token_ids: Sequence[int]) -> str:
-        return self.model.decode_text(token_ids)
+    def decode_text(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.model.decode_text(token_ids, skip_special_tokens)
 
     def load(self) -> EngineLoad:
         s = self.scheduler

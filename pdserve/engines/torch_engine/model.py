@@ -71,8 +71,8 @@ class TorchModel:
     def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def decode_text(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+    def decode_text(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def new_cache(self) -> Any:
         from transformers import DynamicCache

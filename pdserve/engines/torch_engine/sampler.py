@@ -50,15 +50,22 @@ def sample_token(
     *,
     prompt: Sequence[int] = (),
     output: Sequence[int] = (),
+    eos_token_id: int = -1,
 ) -> int:
     """Picks the next token from last-position ``logits`` ([vocab]).
 
     First :func:`process_logits` (logit bias and penalties, given the ``prompt`` and the
-    ``output`` tokens so far); then greedy when temperature is 0; otherwise temperature, top-k
+    ``output`` tokens so far); while ``output`` is shorter than ``min_tokens``, EOS and the stop
+    token ids cannot be picked (vLLM's min-tokens processor); then greedy when temperature is 0; otherwise temperature, top-k
     and top-p filtering, then a draw from a generator seeded by ``(seed, step)``, so a seeded
     request gives the same tokens whether or not its first token was sampled on another worker.
     """
     logits = process_logits(logits, sampling, prompt, output)
+    if len(output) < sampling.min_tokens:
+        held = [t for t in (eos_token_id, *sampling.stop_token_ids) if 0 <= t < logits.numel()]
+        if held:
+            logits = logits.float().clone()
+            logits[torch.tensor(held, dtype=torch.long)] = float("-inf")
     if sampling.greedy:
         return int(torch.argmax(logits))
     scores = logits.float() / sampling.temperature

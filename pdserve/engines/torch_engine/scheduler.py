@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from pdserve.engines import metrics
-from pdserve.engines.base import PrefillOutcome, TokenEvent, next_text
+from pdserve.engines.base import PrefillOutcome, TokenEvent, next_text, text_stream
 from pdserve.engines.config import EngineConfig
 from pdserve.engines.textstream import TextStream
 from pdserve.engines.torch_engine.kv import PromptKV
@@ -182,7 +182,9 @@ class Scheduler:
             phase="prefill",
         )
         seed = job.sampling.seed if job.sampling.seed is not None else random.getrandbits(63)
-        first = sample_token(logits, job.sampling, seed, 0, prompt=tokens)
+        first = sample_token(
+            logits, job.sampling, seed, 0, prompt=tokens, eos_token_id=self.model.eos_token_id
+        )
         lp = None
         if job.sampling.logprobs is not None:
             lp = token_logprob(logits, first, job.sampling.logprobs)
@@ -220,6 +222,7 @@ class Scheduler:
                     len(job.out_ids),
                     prompt=job.tokens,
                     output=job.out_ids,
+                    eos_token_id=self.model.eos_token_id,
                 )
                 self._emit(job, token, logits)
             except BaseException as exc:
@@ -235,7 +238,7 @@ class Scheduler:
         token: the prefill's ``first_token`` when given, else one sampled here."""
         tokens = job.tokens
         n = len(tokens)
-        job.stream = TextStream(self.model.decode_text, job.sampling.stop)
+        job.stream = text_stream(self.model.decode_text, job.sampling)
         if job.kv is not None:
             job.cache, loaded = self.kv.cache_from_handle(job.kv, tokens, job.fetched)
             job.fetched = None
@@ -261,7 +264,14 @@ class Scheduler:
             logits = None  # prefill's token: its logprobs are prefill's
         else:
             assert logits is not None
-            first = sample_token(logits, job.sampling, job.seed, 0, prompt=tokens)
+            first = sample_token(
+                logits,
+                job.sampling,
+                job.seed,
+                0,
+                prompt=tokens,
+                eos_token_id=self.model.eos_token_id,
+            )
         job.loaded, job.recomputed = loaded, recomputed
         self._emit(job, first, logits)
 

@@ -54,6 +54,22 @@ def test_greedy_follows_the_processed_logits_and_bias_can_force_a_token():
     assert all(sample_token(logits, banned, 5, step) in (0, 3) for step in range(50))
 
 
+def test_min_tokens_masks_eos_and_stop_token_ids_until_reached():
+    """vLLM's min_tokens: while fewer tokens are out, EOS and the stop token ids cannot be
+    picked (the next best is); from then on they can. The raw logits are left alone."""
+    logits = torch.tensor([0.0, 5.0, 4.0, 3.0])  # 1 is the best, then 2
+    s = Sampling(temperature=0.0, min_tokens=2, stop_token_ids=(2,))
+    assert sample_token(logits, s, 0, 0, eos_token_id=1) == 3  # 1 (EOS) and 2 held
+    assert sample_token(logits, s, 0, 1, output=[3], eos_token_id=1) == 3
+    assert sample_token(logits, s, 0, 2, output=[3, 3], eos_token_id=1) == 1  # reached
+    assert logits.tolist() == [0.0, 5.0, 4.0, 3.0]
+    assert sample_token(logits, Sampling(temperature=0.0), 0, 0, eos_token_id=1) == 1
+    sampled = Sampling(temperature=1.0, min_tokens=1)
+    assert all(sample_token(logits, sampled, 3, k, eos_token_id=1) != 1 for k in range(30))
+    with pytest.raises(InvalidArgument, match=r"min_tokens must be in \[0, max_tokens \(4\)\]"):
+        Sampling(max_tokens=4, min_tokens=5).validate(100)
+
+
 def test_token_logprob_is_the_raw_distribution():
     logits = torch.tensor([0.0, 2.0, 1.0, -1.0])
     lp = token_logprob(logits, 2, 2)
