@@ -196,13 +196,19 @@ LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 8
 SHAPE = (2, LAYERS, CHUNK, KV_HEADS * HEAD_DIM)  # LMCache's KV_2LTD chunk
 
 
+def _lmcache_yaml(instance: str) -> str:
+    """LMCache's own settings of every test instance (its CPU buffer, test sizes)."""
+    return (
+        f"chunk_size: {CHUNK}\nlocal_cpu: true\nmax_local_cpu_size: 0.05\n"
+        f"lmcache_instance_id: {instance}\n"
+    )
+
+
 def _config_yaml(master: str, instance: str) -> str:
     """The configuration docs/lmcache.md shows (plus test sizes)."""
-    return f"""\
-chunk_size: {CHUNK}
-local_cpu: true
-max_local_cpu_size: 0.05
-lmcache_instance_id: {instance}
+    return (
+        _lmcache_yaml(instance)
+        + f"""\
 remote_storage_plugins: ["pdserve"]
 extra_config:
   remote_storage_plugin.pdserve.module_path: pdserve.integrations.lmcache
@@ -210,17 +216,12 @@ extra_config:
   remote_storage_plugin.pdserve.master_address: "{master}"
   remote_storage_plugin.pdserve.namespace: lmcache-test
 """
+    )
 
 
 def _url_config_yaml(master: str, instance: str) -> str:
     """LMCache configured with nothing of pdserve's but its remote_url."""
-    return f"""\
-chunk_size: {CHUNK}
-local_cpu: true
-max_local_cpu_size: 0.05
-lmcache_instance_id: {instance}
-remote_url: pdserve://{master}?namespace=lmcache-url
-"""
+    return _lmcache_yaml(instance) + f"remote_url: pdserve://{master}?namespace=lmcache-url\n"
 
 
 def _manager(lmc, tmp_path: Path, master: str, instance: str, yaml=_config_yaml):
