@@ -189,6 +189,31 @@ def test_up_restarts_a_killed_service_while_the_rest_keeps_serving(tmp_path: Pat
     assert not (run_dir / "services.json").exists()
 
 
+@pytest.mark.slow
+def test_up_serves_the_default_models_hugging_face_id_under_that_name(tmp_path: Path):
+    """`--model HuggingFaceTB/SmolLM2-135M-Instruct`, as `vllm serve` takes it: the shipped
+    model serves under that id (the OpenAI model list, a chat completion naming it)."""
+    hf_id = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    proc, _banner, ports, run_dir = start_up(
+        tmp_path, "--engine", "torch", "--model", hf_id, "--decode-workers", "1",
+        "--segment-size", "64MiB",
+    )  # fmt: skip
+    try:
+        key = (run_dir / "api_key").read_text().strip()
+        auth = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        base = f"http://127.0.0.1:{ports['http']}"
+        req = urllib.request.Request(f"{base}/v1/models", headers=auth)
+        models = json.loads(urllib.request.urlopen(req, timeout=30).read())
+        assert [m["id"] for m in models["data"]] == [hf_id]
+        body = {"model": hf_id, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        req = urllib.request.Request(f"{base}/v1/chat/completions", json.dumps(body).encode(), auth)
+        out = json.loads(urllib.request.urlopen(req, timeout=120).read())
+        assert out["model"] == hf_id and out["usage"]["completion_tokens"] >= 1, out
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+
+
 def test_tls_and_auth_turn_off_with_flags(tmp_path: Path):
     args = build_parser().parse_args(["up", "--no-tls", "--no-auth", "--run-dir", str(tmp_path)])
     cfg = config.from_args(UpConfig, "up", args)
