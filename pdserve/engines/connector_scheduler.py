@@ -103,7 +103,7 @@ class ConnectorScheduler:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        if self.off_reason:
+        if self.off_reason or not self.settings.loads:  # kv_producer: saves only
             return 0, False
         tokens = list(request.prompt_token_ids or [])
         limit = len(tokens) - 1  # the last prompt token is always computed
@@ -257,6 +257,8 @@ class ConnectorScheduler:
         """Emits saves for the prompt chunks (and tail) that ``computed`` tokens complete."""
         tracker = self._trackers[req_id]
         tracker.computed = computed
+        if not self.settings.saves:  # kv_consumer: loads only
+            return
         cs, bs = self.chunk_size, self.block_size
         done = min(computed, tracker.prompt_len) // cs
         for i in range(tracker.next_chunk, done):

