@@ -33,6 +33,7 @@ class _LoadPlan:
     keys: list[str]  # stored chunk keys covering [0, len(keys) * chunk_size), maybe past end
     tail_key: str  # "" when the plan ends on a chunk boundary
     block_ids: list[int] = field(default_factory=list)
+    tail_tokens: int = 0  # tokens the tail object holds (it may reach past ``end``)
     wait_ms: int = 0  # write mode: the keys may still be landing (an asynchronous load)
 
 
@@ -61,6 +62,14 @@ def _request_params(request: Any) -> dict[str, Any]:
     params = getattr(request, "kv_transfer_params", None) or {}
     inner = params.get(PARAMS_KEY) if isinstance(params, dict) else None
     return inner if isinstance(inner, dict) else {}
+
+
+def _remote_decode(request: Any) -> bool:
+    """vLLM's disaggregated-serving protocol: a proxy asks a prefill engine for one token with
+    ``kv_transfer_params: {"do_remote_decode": true}`` and hands what the answer's
+    ``kv_transfer_params`` say to the decode engine."""
+    params = getattr(request, "kv_transfer_params", None) or {}
+    return isinstance(params, dict) and bool(params.get("do_remote_decode"))
 
 
 def _cache_salt(request: Any) -> str:
@@ -117,14 +126,17 @@ class ConnectorScheduler:
         end = min(hit * cs, limit)
         tail_key = str(params.get("load_tail_key", ""))
         tail_end = int(params.get("load_tail_tokens", 0))
+        # the tail may hold the last prompt token too (a stock proxy's decode engine gets the
+        # prompt alone, not with the first token appended): then it loads up to that token
         use_tail = (
             bool(tail_key)
             and cs * (tail_end // cs) == end
-            and end < tail_end <= limit
+            and end < tail_end <= limit + 1
             and self.io.has(tail_key)
         )
+        tail_tokens = tail_end - end if use_tail else 0
         if use_tail:
-            end = tail_end
+            end = min(tail_end, limit)
         else:
             tail_key = ""
         awaited = min(int(params.get("await_chunks", 0)), limit // cs)
@@ -148,7 +160,11 @@ class ConnectorScheduler:
             self._plans.pop(request.request_id, None)
             return 0, False
         self._plans[request.request_id] = _LoadPlan(
-            start=num_computed_tokens, end=end, keys=keys[:hit], tail_key=tail_key
+            start=num_computed_tokens,
+            end=end,
+            keys=keys[:hit],
+            tail_key=tail_key,
+            tail_tokens=tail_tokens,
         )
         return end - num_computed_tokens, False
 
@@ -236,7 +252,8 @@ class ConnectorScheduler:
         ]
         if plan.tail_key:
             base = len(plan.keys) * cs
-            chunks.append(ChunkLoad(plan.tail_key, base, plan.end - base, plan.start, plan.end))
+            stored = plan.tail_tokens or plan.end - base
+            chunks.append(ChunkLoad(plan.tail_key, base, stored, plan.start, plan.end))
         return RequestLoad(req_id, block_ids, chunks, plan.wait_ms)
 
     def _track(
@@ -244,11 +261,14 @@ class ConnectorScheduler:
     ) -> None:
         request = self._requests.get(req_id)
         params = _request_params(request)
+        tail = str(params.get("save_tail_key", ""))
+        if not tail and _remote_decode(request):  # a stock proxy's prefill: the tail too
+            tail = hashing.tail_key(self.fp, prompt, req_id, _cache_salt(request))
         self._trackers[req_id] = _SaveTracker(
             keys=hashing.chunk_keys(self.fp, prompt, _cache_salt(request)),
             prompt_len=len(prompt),
             prompt=prompt,
-            tail_key=str(params.get("save_tail_key", "")),
+            tail_key=tail,
             block_ids=block_ids,
             next_chunk=loaded_chunks,
         )
@@ -298,7 +318,7 @@ class ConnectorScheduler:
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         self._requests.pop(req_id, None)
-        self._trackers.pop(req_id, None)
+        tracker = self._trackers.pop(req_id, None)
         self._plans.pop(req_id, None)
         self._stored.pop(req_id, None)
         self._async_plans.pop(req_id, None)
@@ -309,6 +329,11 @@ class ConnectorScheduler:
             failed = (
                 outcome.plan_start + outcome.planned - max(outcome.failed_from, outcome.plan_start)
             )
-        return False, {
-            PARAMS_KEY: {"loaded_tokens": outcome.planned - failed, "failed_tokens": failed}
-        }
+        ours: dict[str, Any] = {"loaded_tokens": outcome.planned - failed, "failed_tokens": failed}
+        out: dict[str, Any] = {PARAMS_KEY: ours}
+        if tracker is not None and _remote_decode(request) and self.settings.saves:
+            # what the decode engine's connector needs beyond the stored chunks: the tail
+            out["do_remote_prefill"] = True
+            if tracker.tail_key and tracker.tail_done:
+                ours.update(load_tail_key=tracker.tail_key, load_tail_tokens=tracker.prompt_len)
+        return False, out

@@ -1,9 +1,11 @@
 """pdserve's store under stock ``vllm serve`` engines (docs/vllm-connector.md): nothing of
 pdserve runs but its KV store (master and node); two engines started by ``pdserve vllm serve``
-(vLLM's own CLI) carry pdserve's connector through ``--kv-transfer-config`` alone. A 2k-token
-prompt sent to one is answered by the other with the same tokens, its prompt loaded from the
-store (vLLM's own ``cached_tokens``). Both first-token times are printed: the figure of the
-note, not an assertion (timing belongs to benchmarks)."""
+(vLLM's own CLI) carry pdserve's connector through ``--kv-transfer-config`` alone, one as
+``kv_producer``, one as ``kv_consumer``. A 2k-token prompt sent to the first is answered by the
+second with the same tokens, its prompt loaded from the store (vLLM's own ``cached_tokens``);
+the first-token times are printed: the figure of the note, not an assertion (timing belongs to
+benchmarks). P/D as vLLM's disaggregated proxy drives it (``do_remote_decode``, then the
+answer's ``kv_transfer_params`` to the decode engine) gives the tokens of one engine."""
 
 from __future__ import annotations
 
@@ -28,11 +30,13 @@ PROMPT_TOKENS = 2048
 CHUNK = 128  # tokens per stored chunk: vLLM's CPU block size
 
 
-def _serve(model_dir: Path, port: int, master: str, core: int, log: Path) -> subprocess.Popen:
+def _serve(
+    model_dir: Path, port: int, master: str, core: int, log: Path, role: str
+) -> subprocess.Popen:
     transfer = {
         "kv_connector": "PdserveConnector",
         "kv_connector_module_path": "pdserve.engines.vllm_connector",
-        "kv_role": "kv_both",
+        "kv_role": role,
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"master_address": master, "chunk_size": CHUNK},
     }
@@ -61,6 +65,16 @@ def _wait_healthy(proc: subprocess.Popen, port: int, log: Path, timeout: float =
         except OSError:
             time.sleep(1)
     raise AssertionError(f"vllm serve not healthy in {timeout} s: {log.read_text()[-4000:]}")
+
+
+def _post(port: int, body: dict) -> dict:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        return json.loads(resp.read())
 
 
 def _complete(port: int, prompt: list[int]) -> tuple[list[str], float, int]:
@@ -101,36 +115,82 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait(10)
 
 
-def test_a_prompt_one_stock_engine_computed_loads_in_another(tmp_path):
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """A store, a kv_producer engine and a kv_consumer engine: (producer port, consumer port,
+    the master's address)."""
     from pdserve.model.prepare import resolve_model
 
+    tmp = tmp_path_factory.mktemp("stock-vllm")
     model_dir = resolve_model("smollm2")
+    with local_store(tmp, segment_size="512MiB") as (master, _node):
+        ports = free_ports(2)
+        logs = [tmp / f"vllm-{i}.log" for i in range(2)]
+        roles = ("kv_producer", "kv_consumer")
+        procs = [
+            _serve(model_dir, port, master.info["grpc"], i, log, role)
+            for i, (port, log, role) in enumerate(zip(ports, logs, roles, strict=True))
+        ]
+        try:
+            for proc, port, log in zip(procs, ports, logs, strict=True):
+                _wait_healthy(proc, port, log)
+            yield ports[0], ports[1], master.info["grpc"]
+        finally:
+            for proc in procs:
+                _stop(proc)
+
+
+def test_a_prompt_one_stock_engine_computed_loads_in_another(engines):
+    producer, consumer, _master = engines
     rng = random.Random(7)
     prompt = [rng.randrange(100, 40000) for _ in range(PROMPT_TOKENS)]
     other = [rng.randrange(100, 40000) for _ in range(PROMPT_TOKENS)]
-    with local_store(tmp_path, segment_size="512MiB") as (master, _node):
-        ports = free_ports(2)
-        logs = [tmp_path / f"vllm-{i}.log" for i in range(2)]
-        engines = [
-            _serve(model_dir, port, master.info["grpc"], i, log)
-            for i, (port, log) in enumerate(zip(ports, logs, strict=True))
-        ]
-        try:
-            for proc, port, log in zip(engines, ports, logs, strict=True):
-                _wait_healthy(proc, port, log)
-            cold, cold_ttft, cold_cached = _complete(ports[0], prompt)
-            assert cold_cached == 0
-            # the other engine: a cold prompt of its own (its cold first-token time), then the
-            # first engine's prompt, which it has never seen
-            _, other_ttft, _ = _complete(ports[1], other)
-            warm, warm_ttft, warm_cached = _complete(ports[1], prompt)
-            assert warm == cold  # token-exact with the engine that computed the prompt alone
-            assert warm_cached >= PROMPT_TOKENS - CHUNK, warm_cached
-            print(
-                f"\nfirst token, {PROMPT_TOKENS}-token prompt: engine A cold {cold_ttft:.3f} s; "
-                f"engine B cold {other_ttft:.3f} s, from the store {warm_ttft:.3f} s "
-                f"({other_ttft / warm_ttft:.1f}x)"
-            )
-        finally:
-            for proc in engines:
-                _stop(proc)
+    cold, cold_ttft, cold_cached = _complete(producer, prompt)
+    assert cold_cached == 0
+    # the other engine: a cold prompt of its own (its cold first-token time), then the first
+    # engine's prompt, which it has never seen
+    _, other_ttft, other_cached = _complete(consumer, other)
+    assert other_cached == 0
+    warm, warm_ttft, warm_cached = _complete(consumer, prompt)
+    assert warm == cold  # token-exact with the engine that computed the prompt alone
+    assert warm_cached >= PROMPT_TOKENS - CHUNK, warm_cached
+    print(
+        f"\nfirst token, {PROMPT_TOKENS}-token prompt: engine A cold {cold_ttft:.3f} s; "
+        f"engine B cold {other_ttft:.3f} s, from the store {warm_ttft:.3f} s "
+        f"({other_ttft / warm_ttft:.1f}x)"
+    )
+
+
+def test_pd_between_stock_engines_as_vllms_proxy_drives_them(engines):
+    """The prefill engine answers one token and, in its kv_transfer_params, what the decode
+    engine loads besides the stored chunks (the prompt's partial last chunk); the decode
+    engine then computes only the last prompt token and gives the tokens of one engine."""
+    from pdserve.store import open_store
+
+    producer, consumer, master = engines
+    rng = random.Random(11)
+    prompt = [rng.randrange(100, 40000) for _ in range(1000)]  # 7 chunks and a tail of 104
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": 12, "temperature": 0.0}
+    alone = _post(producer, body)["choices"][0]["text"]
+    pre = _post(
+        producer, {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    )
+    params = pre["kv_transfer_params"]
+    assert params["do_remote_prefill"] and params["pdserve"]["load_tail_tokens"] == len(prompt)
+    with open_store(master) as store:
+        assert store.exists([params["pdserve"]["load_tail_key"]]) == [True], params
+    before = _external_hits(consumer)
+    dec = _post(consumer, {**body, "kv_transfer_params": params})
+    assert dec["choices"][0]["text"] == alone
+    # every prompt token but the last came through the connector (vLLM's own counter; its
+    # cached_tokens reports the prefill engine's cache in P/D)
+    assert _external_hits(consumer) - before == len(prompt) - 1
+
+
+def _external_hits(port: int) -> float:
+    """vLLM's ``vllm:external_prefix_cache_hits_total``: prompt tokens its KV connector gave."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    lines = [
+        ln for ln in text.splitlines() if ln.startswith("vllm:external_prefix_cache_hits_total")
+    ]
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
