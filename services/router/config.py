@@ -83,8 +83,17 @@ class RouterConfig(SecurityConfig, StoreBackendConfig):
     breaker_cooldown_s: float = help_field(5.0, "seconds before a broken worker is probed")
     chunk_wait_ms: int = help_field(30000, "write mode: how long decode waits for each chunk")
     request_timeout_s: float = help_field(600.0, "deadline of a request without its own (s)")
-    prefill: list[str] = help_field([], "static prefill worker addresses (instead of meta)")
-    decode: list[str] = help_field([], "static decode worker addresses (instead of meta)")
+    prefill: list[str] = help_field(
+        [],
+        "static prefill worker addresses (instead of meta): host:port of a pdserve worker, or "
+        "http://host:port of a stock 'vllm serve' with pdserve's connector as kv_producer or "
+        "kv_both (docs/vllm-connector.md)",
+    )
+    decode: list[str] = help_field(
+        [],
+        "static decode worker addresses (instead of meta): host:port, or http://host:port of a "
+        "stock 'vllm serve' with pdserve's connector as kv_consumer or kv_both",
+    )
     api_key: str = help_field(
         "",
         "key every client must present: HTTP 'Authorization: Bearer KEY', gRPC metadata "

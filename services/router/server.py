@@ -21,6 +21,7 @@ from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.fingerprint import FingerprintSource
 from pdserve.services.router.frontend import Frontend
 from pdserve.services.router.grpc_worker_client import GrpcWorkerClient
+from pdserve.services.router.http_worker_client import DispatchingWorkerClient, HttpWorkerClient
 from pdserve.services.router.openai_http import make_app
 from pdserve.services.router.orchestrator import Orchestrator, OrchestratorConfig
 from pdserve.services.router.policies import make_policy
@@ -135,7 +136,7 @@ def build(cfg: RouterConfig, tokenizer=None) -> Frontend:
             chunk_wait_ms=cfg.chunk_wait_ms,
             request_timeout_s=cfg.request_timeout_s,
         ),
-        client=GrpcWorkerClient(),
+        client=DispatchingWorkerClient(GrpcWorkerClient(), HttpWorkerClient(tokenizer)),
         fingerprints=fingerprints,
         pool=pool,
         policy=make_policy(

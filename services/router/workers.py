@@ -206,7 +206,7 @@ class WorkerPool:
         for table in self.workers.values():
             for w in list(table.values()):
                 if w.broken and w.open_until <= now:
-                    if await grpcutil.check_health(w.address, timeout=1.0):
+                    if await _healthy(w.address):
                         w.failures = 0
                         w.open_until = 0.0
                         log.info("worker %s (%s) back in rotation", w.id, w.address)
@@ -273,3 +273,12 @@ class WorkerPool:
             )
         if self.on_change is not None:
             self.on_change()
+
+
+async def _healthy(address: str) -> bool:
+    """gRPC health of a pdserve worker; ``GET /health`` of an ``http://`` one (stock vLLM)."""
+    if address.startswith(("http://", "https://")):
+        from pdserve.services.router.http_worker_client import http_healthy
+
+        return await http_healthy(address)
+    return await grpcutil.check_health(address, timeout=1.0)

@@ -178,8 +178,10 @@ def test_meta_restart(start_meta, backend: str) -> None:
         loads = [common_pb2.Load(queue_length=i) for i in range(3)]
         leases = []
         for i, c in enumerate(clients):
+            # a TTL the restart fits in on 2 loaded cores (a process start can take seconds
+            # while vLLM tests run beside; with 3 s the etcd leases once expired meanwhile)
             leases.append(
-                await c.register(inst(f"d{i}", DECODE), ttl_ms=3000, load_fn=lambda i=i: loads[i])
+                await c.register(inst(f"d{i}", DECODE), ttl_ms=10_000, load_fn=lambda i=i: loads[i])
             )
         interval = clients[0]._ttl_ms / 3000
         meta.stop()

@@ -1,0 +1,54 @@
+"""services/router/http_worker_client.py without engines: the completions body it sends a stock
+vLLM engine for pdserve's sampling controls (the engines themselves answer in
+tests/integrations/test_vllm_serve_store.py)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from pdserve.services.router.http_worker_client import completion_body, is_http
+from pdserve.services.router.worker_client import WorkerCallError
+from pdserve.services.router.workers import Worker
+from pdserve.v1 import common_pb2
+
+
+def test_the_body_carries_every_sampling_control_and_asks_for_token_ids():
+    s = common_pb2.SamplingParams(
+        max_tokens=7, temperature=0.0, top_p=0.9, top_k=5, seed=3, stop=["\n"], ignore_eos=True,
+        presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.1,
+        logit_bias={12: 2.0}, stop_token_ids=[2], min_tokens=2, skip_special_tokens=False,
+    )  # fmt: skip
+    body = completion_body("smollm2", [1, 2, 3], s)
+    assert body["prompt"] == [1, 2, 3] and body["return_token_ids"] is True
+    assert (body["max_tokens"], body["temperature"], body["top_p"], body["top_k"]) == (
+        7,
+        0.0,
+        body["top_p"],
+        5,
+    )
+    assert body["top_p"] == pytest.approx(0.9) and body["seed"] == 3
+    assert (body["stop"], body["ignore_eos"], body["stop_token_ids"]) == (["\n"], True, [2])
+    assert body["logit_bias"] == {"12": 2.0} and body["min_tokens"] == 2
+    assert body["skip_special_tokens"] is False
+    assert body["repetition_penalty"] == pytest.approx(1.1)
+    plain = completion_body("m", [1], common_pb2.SamplingParams(max_tokens=1))
+    assert (plain["temperature"], plain["top_k"], plain["logit_bias"], "seed" in plain) == (
+        1.0,
+        -1,
+        None,
+        False,
+    )
+    schema = completion_body("m", [1], common_pb2.SamplingParams(json_schema='{"type": "object"}'))
+    assert schema["structured_outputs"] == {"json": {"type": "object"}}
+
+
+def test_logprobs_are_refused_by_name():
+    with pytest.raises(WorkerCallError) as exc:
+        completion_body("m", [1], common_pb2.SamplingParams(logprobs=2))
+    assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT and "logprobs" in exc.value.details
+
+
+def test_http_workers_are_told_by_their_address():
+    assert is_http(Worker("d", "http://10.0.0.8:8100", "decode"))
+    assert not is_http(Worker("d", "10.0.0.8:50070", "decode"))
