@@ -232,6 +232,8 @@ async def serve(
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         await fe.pool.close()
+        if isinstance(fe.orchestrator.client, DispatchingWorkerClient):
+            await fe.orchestrator.client.http.close()  # its session to stock vLLM engines
         close = getattr(fe.orchestrator.prefix_lookup, "close", None)
         if close is not None:
             close()
