@@ -17,7 +17,6 @@ section of ``--config``, ``PDSERVE_<SECTION>_<FIELD>`` variables, flags.
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 from collections.abc import Mapping
@@ -28,6 +27,7 @@ from typing import Any
 from pdserve import compat_upstream as upstream
 from pdserve import errors
 from pdserve.config import ConfigError
+from pdserve.errors import did_you_mean
 from pdserve.sizes import parse_size
 
 #: Environment variables that name a Mooncake / LMCache config file, as those tools read them.
@@ -177,12 +177,6 @@ METADATA_SCHEMES = ("http://", "https://", "etcd://", "redis://")
 RDMA_SYS = Path("/sys/class/infiniband")
 
 
-def suggest(name: str, known: Any) -> str:
-    """``" (did you mean 'x'?)"`` for the closest of ``known``, or ``""``."""
-    close = difflib.get_close_matches(str(name), [str(k) for k in known], n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
 def rdma_devices() -> list[str]:
     """RDMA devices of this machine (``/sys/class/infiniband``)."""
     try:
@@ -269,7 +263,7 @@ def flatten(data: Mapping[str, Any], path: str | Path) -> dict[str, Any]:
             key = bare
         else:
             raise ConfigError(
-                f"config file {path}: unknown key extra_config.{key}{suggest(key, MOONCAKE_KEYS)}"
+                f"config file {path}: unknown key extra_config.{key}{did_you_mean(key, MOONCAKE_KEYS)}"
                 f" (pdserve takes these Mooncake keys there: {', '.join(MOONCAKE_KEYS)})"
             )
         if key in out and out[key] != value:
@@ -287,7 +281,7 @@ def translate(keys: Mapping[str, Any], section: str, what: str) -> dict[str, Any
     section does not have are left out: each service takes what applies to it."""
     for name in keys:
         if name not in BY_NAME:
-            raise ConfigError(f"{what}: unknown key {name!r}{suggest(name, BY_NAME)}")
+            raise ConfigError(f"{what}: unknown key {name!r}{did_you_mean(name, BY_NAME)}")
     out: dict[str, Any] = {}
     store_sections = (*WORKERS, "router")
     backend = ""
@@ -430,7 +424,7 @@ def from_env(env: Mapping[str, str], section: str) -> dict[str, Any]:
                 allowed = MOONCAKE_KEYS if var == MOONCAKE_ENV else BY_NAME
                 raise ConfigError(
                     f"config file {path}: unknown key(s) "
-                    + ", ".join(f"{k!r}{suggest(k, allowed)}" for k in unknown)
+                    + ", ".join(f"{k!r}{did_you_mean(k, allowed)}" for k in unknown)
                 )
             out.update(translate(flatten(data, path), section, f"config file {path}"))
         except ConfigError as exc:

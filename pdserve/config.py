@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import importlib
 import json
 import os
@@ -34,6 +33,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
+
+from pdserve.errors import did_you_mean
 
 T = TypeVar("T")
 
@@ -112,11 +113,6 @@ SECTIONS: dict[str, str] = {
 }
 
 
-def _did_you_mean(name: object, known: Any) -> str:
-    close = difflib.get_close_matches(str(name), [str(k) for k in known], n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
 def section_class(section: str) -> type:
     module, _, name = SECTIONS[section].partition(":")
     return getattr(importlib.import_module(module), name)
@@ -166,7 +162,7 @@ def check_file(path: str | Path, data: Mapping[str, Any] | None = None) -> dict[
             types_ = _field_types(section_class(key))
             unknown = sorted(set(value) - set(types_))
             if unknown:
-                hints = "".join(_did_you_mean(u, types_) for u in unknown)
+                hints = "".join(did_you_mean(u, types_) for u in unknown)
                 raise ConfigError(
                     f"config file {path}: config section {key!r}: unknown field(s) "
                     f"{', '.join(unknown)}{hints}; known: {', '.join(sorted(types_))}"
@@ -177,7 +173,7 @@ def check_file(path: str | Path, data: Mapping[str, Any] | None = None) -> dict[
             compat_upstream.check(key, value, what=f"config file {path}")
         elif key not in compat.BY_NAME:
             raise ConfigError(
-                f"config file {path}: unknown section or key {key!r}{_did_you_mean(key, known)}; "
+                f"config file {path}: unknown section or key {key!r}{did_you_mean(key, known)}; "
                 f"sections: {', '.join(SECTIONS)}; Mooncake / LMCache keys: "
                 f"{', '.join(compat.BY_NAME)}"
             )
@@ -215,7 +211,7 @@ def load(
             raise ConfigError(f"config section {section!r} must be a mapping")
         unknown = sorted(set(sect) - set(types_))
         if unknown:
-            hints = "".join(_did_you_mean(u, types_) for u in unknown)
+            hints = "".join(did_you_mean(u, types_) for u in unknown)
             raise ConfigError(
                 f"config file {yaml_path}: config section {section!r}: unknown field(s) "
                 f"{', '.join(unknown)}{hints}; known: {', '.join(sorted(types_))}"
@@ -229,7 +225,7 @@ def load(
     for name, value in (overrides or {}).items():
         if name not in types_:
             raise ConfigError(
-                f"unknown config field {name!r} for {section}{_did_you_mean(name, types_)}"
+                f"unknown config field {name!r} for {section}{did_you_mean(name, types_)}"
             )
         if value is not None:
             values[name] = _coerce(name, types_[name], value)

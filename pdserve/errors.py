@@ -9,7 +9,17 @@ client.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 import grpc
+
+
+def did_you_mean(name: object, known: Iterable[object]) -> str:
+    """``" (did you mean 'x'?)"`` for the closest of ``known`` to ``name``, or ``""``: the hint
+    of every "unknown key / field / setting" message."""
+    close = difflib.get_close_matches(str(name), [str(k) for k in known], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 class PdserveError(Exception):

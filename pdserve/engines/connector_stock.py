@@ -16,12 +16,12 @@ chunks, a pdserve worker's included.
 
 from __future__ import annotations
 
-import difflib
 import os
 from typing import Any
 
 from pdserve import hashing
 from pdserve.engines.connector_data import ConnectorSettings
+from pdserve.errors import did_you_mean
 from pdserve.model.fingerprint import model_fingerprint
 
 #: The keys of ``kv_connector_extra_config`` in a stock engine: name -> what it is.
@@ -46,11 +46,9 @@ def stock_settings(extra: dict[str, Any], vllm_config: Any) -> ConnectorSettings
     key), the fingerprint derived from ``vllm_config``."""
     for key in extra:
         if key not in STOCK_KEYS:
-            close = difflib.get_close_matches(key, list(STOCK_KEYS), n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
             raise ValueError(
-                f"{_WHAT}: unknown key {key!r}{hint}; the pdserve connector takes "
-                + "; ".join(f"{k}: {v}" for k, v in STOCK_KEYS.items())
+                f"{_WHAT}: unknown key {key!r}{did_you_mean(key, STOCK_KEYS)}; the pdserve "
+                "connector takes " + "; ".join(f"{k}: {v}" for k, v in STOCK_KEYS.items())
             )
     master = str(extra.get("master_address") or "")
     if not master or ":" not in master:

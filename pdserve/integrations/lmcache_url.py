@@ -20,7 +20,6 @@ The URL's query carries the plugin's optional settings (docs/lmcache.md)::
 from __future__ import annotations
 
 import argparse
-import difflib
 import importlib.util
 import sys
 from dataclasses import fields
@@ -64,10 +63,9 @@ def settings_from_url(url: str) -> PluginSettings:
     extra: dict[str, Any] = {"remote_storage_plugin.url.master_address": parts.netloc}
     for key, values in parse_qs(parts.query, keep_blank_values=True, strict_parsing=False).items():
         if key not in URL_SETTINGS:
-            close = difflib.get_close_matches(key, URL_SETTINGS, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
             raise errors.InvalidArgument(
-                f"remote_url {url!r}: unknown setting {key!r}{hint}; a pdserve:// URL takes "
+                f"remote_url {url!r}: unknown setting {key!r}{errors.did_you_mean(key, URL_SETTINGS)}"
+                "; a pdserve:// URL takes "
                 f"{', '.join(URL_SETTINGS)}"
             )
         if len(values) != 1:

@@ -8,10 +8,9 @@ refused with its reason unless it holds its default. A field neither API has is 
 
 from __future__ import annotations
 
-import difflib
 from typing import Any
 
-from pdserve.errors import InvalidArgument
+from pdserve.errors import InvalidArgument, did_you_mean
 
 #: Fields both APIs honour (frontend.py reads them).
 _SHARED = frozenset({
@@ -120,10 +119,9 @@ def check_fields(body: dict[str, Any], *, chat: bool) -> None:
         if name in other:
             raise InvalidArgument(f"{name}: not a field of {api}", param=name)
         known = sorted(honoured | ACCEPTED.keys() | REFUSED.keys())
-        close = difflib.get_close_matches(str(name), known, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise InvalidArgument(
-            f"{str(name)!r:.60}: unknown field of {api}{hint}; OpenAI's and vLLM's APIs have "
+            f"{str(name)!r:.60}: unknown field of {api}{did_you_mean(name, known)}; OpenAI's and "
+            "vLLM's APIs have "
             "no such field",
             param=str(name)[:60],
         )

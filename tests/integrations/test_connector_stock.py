@@ -53,7 +53,7 @@ def test_the_store_address_is_enough_the_rest_comes_from_vllm(tmp_path, monkeypa
     ("extra", "kw", "message"),
     [
         ({}, {}, r"kv_connector_extra_config.master_address is required"),
-        ({"master_address": "h:1", "chunksize": 64}, {}, r"unknown key 'chunksize' \(did you mean chunk_size\?\)"),
+        ({"master_address": "h:1", "chunksize": 64}, {}, r"unknown key 'chunksize' \(did you mean 'chunk_size'\?\)"),
         ({"master_address": "h:1", "chunk_size": 48}, {}, r"chunk_size 48 must be a positive multiple of vLLM's block size 32"),
         ({"master_address": "h:1", "replicas": "two"}, {}, r"replicas must be an integer"),
         ({"master_address": "h:1"}, {"cache": "fp8"}, r"KV cache dtype 'fp8'"),

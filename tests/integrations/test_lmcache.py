@@ -410,7 +410,7 @@ def test_register_writes_and_removes_the_adapter_module(tmp_path):
     [
         ("pdserve://h", "pdserve://HOST:PORT"),
         ("pdserve://h:1/path", "pdserve://HOST:PORT"),
-        ("pdserve://h:1?replica=2", "did you mean replicas"),
+        ("pdserve://h:1?replica=2", "did you mean 'replicas'"),
         ("pdserve://h:1?replicas=1&replicas=2", "given 2 times"),
         ("pdserve://h:1?replicas=two", "invalid literal"),
         ("redis://h:1", "not a pdserve:// URL"),
