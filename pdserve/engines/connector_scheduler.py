@@ -252,8 +252,7 @@ class ConnectorScheduler:
         ]
         if plan.tail_key:
             base = len(plan.keys) * cs
-            stored = plan.tail_tokens or plan.end - base
-            chunks.append(ChunkLoad(plan.tail_key, base, stored, plan.start, plan.end))
+            chunks.append(ChunkLoad(plan.tail_key, base, plan.tail_tokens, plan.start, plan.end))
         return RequestLoad(req_id, block_ids, chunks, plan.wait_ms)
 
     def _track(

@@ -63,9 +63,9 @@ def settings_from_url(url: str) -> PluginSettings:
     extra: dict[str, Any] = {"remote_storage_plugin.url.master_address": parts.netloc}
     for key, values in parse_qs(parts.query, keep_blank_values=True, strict_parsing=False).items():
         if key not in URL_SETTINGS:
+            hint = errors.did_you_mean(key, URL_SETTINGS)
             raise errors.InvalidArgument(
-                f"remote_url {url!r}: unknown setting {key!r}{errors.did_you_mean(key, URL_SETTINGS)}"
-                "; a pdserve:// URL takes "
+                f"remote_url {url!r}: unknown setting {key!r}{hint}; a pdserve:// URL takes "
                 f"{', '.join(URL_SETTINGS)}"
             )
         if len(values) != 1:
@@ -162,9 +162,9 @@ def _run(args: argparse.Namespace) -> int:
         return 1
     shim = directory / SHIM_NAME
     if args.action == "status":
-        state = "registered" if registered(directory) else "not registered"
-        print(f"pdserve:// adapter {state} ({shim})")
-        return 0 if registered(directory) else 1
+        ok = registered(directory)
+        print(f"pdserve:// adapter {'registered' if ok else 'not registered'} ({shim})")
+        return 0 if ok else 1
     try:
         changed = register(directory) if args.action == "register" else unregister(directory)
     except OSError as exc:

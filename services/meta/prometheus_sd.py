@@ -1,7 +1,8 @@
 """Prometheus HTTP service discovery on meta's HTTP port: ``GET /prometheus/targets`` lists the
 ``/metrics`` endpoint of every registered service that has one (the ``metrics`` label workers,
-the KV master and the storage nodes register; a router's OpenAI HTTP port) and meta's own, in Prometheus' ``http_sd_configs`` format, so one static scrape
-config finds the metrics ports ``pdserve up`` picks at random:
+the KV master and the storage nodes register; a router's OpenAI HTTP port) and meta's own, in
+Prometheus' ``http_sd_configs`` format, so one static scrape config finds the metrics ports
+``pdserve up`` picks at random:
 
     scrape_configs:
       - job_name: pdserve
@@ -33,8 +34,8 @@ async def targets(registry: Registry, own_metrics: str = "") -> list[dict[str, A
     (the router's is its OpenAI HTTP port) and of this meta (``own_metrics``)."""
     out = []
     if own_metrics:
-        out.append({"targets": [own_metrics], "labels": {"pdserve_role": "meta",
-                                                          "pdserve_instance": "meta"}})  # fmt: skip
+        meta = {"pdserve_role": "meta", "pdserve_instance": "meta"}
+        out.append({"targets": [own_metrics], "labels": meta})
     for inst in await registry.list():
         address = inst.labels.get("metrics", "") or _router_http(inst)
         if not address:

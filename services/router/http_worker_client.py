@@ -26,6 +26,7 @@ from typing import Any
 
 import grpc
 
+from pdserve.requests_codec import sampling_from_proto
 from pdserve.services.router.tokenizer import Tokenizer
 from pdserve.services.router.worker_client import DecodeCall, WorkerCallError, WorkerClient
 from pdserve.services.router.workers import Worker
@@ -46,14 +47,12 @@ _STATUS = {
 }
 
 
-def is_http(worker: Worker) -> bool:
-    return worker.address.startswith(("http://", "https://"))
-
-
-def completion_body(model: str, prompt: list[int], s: common_pb2.SamplingParams) -> dict[str, Any]:
-    """vLLM's completions body for ``prompt`` with the sampling controls of ``s``; INVALID_ARGUMENT
-    for what a stock engine is not asked here (logprobs)."""
-    if s.HasField("logprobs"):
+def completion_body(model: str, prompt: list[int], p: common_pb2.SamplingParams) -> dict[str, Any]:
+    """vLLM's completions body for ``prompt`` with the sampling controls of ``p`` (read with
+    their documented defaults by :func:`~pdserve.requests_codec.sampling_from_proto`);
+    INVALID_ARGUMENT for what a stock engine is not asked here (logprobs)."""
+    s = sampling_from_proto(p, default_max_tokens=0)
+    if s.logprobs is not None:
         raise WorkerCallError(
             grpc.StatusCode.INVALID_ARGUMENT,
             "logprobs are not carried to external vLLM engines (pdserve's own workers give them)",
@@ -62,21 +61,21 @@ def completion_body(model: str, prompt: list[int], s: common_pb2.SamplingParams)
         "model": model,
         "prompt": prompt,
         "max_tokens": s.max_tokens,
-        "temperature": s.temperature if s.HasField("temperature") else 1.0,
-        "top_p": s.top_p if s.HasField("top_p") else 1.0,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
         "top_k": s.top_k or -1,
         "stop": list(s.stop),
         "ignore_eos": s.ignore_eos,
         "presence_penalty": s.presence_penalty,
         "frequency_penalty": s.frequency_penalty,
-        "repetition_penalty": s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
-        "logit_bias": {str(t): b for t, b in s.logit_bias.items()} or None,
+        "repetition_penalty": s.repetition_penalty,
+        "logit_bias": {str(t): b for t, b in s.logit_bias} or None,
         "stop_token_ids": list(s.stop_token_ids),
         "min_tokens": s.min_tokens,
-        "skip_special_tokens": s.skip_special_tokens if s.HasField("skip_special_tokens") else True,
+        "skip_special_tokens": s.skip_special_tokens,
         "return_token_ids": True,
     }
-    if s.HasField("seed"):
+    if s.seed is not None:
         body["seed"] = s.seed
     if s.json_object:
         body["structured_outputs"] = {"json_object": True}
@@ -195,10 +194,10 @@ class _HttpDecodeCall(DecodeCall):
             # prefill's token first, as pdserve's decode workers stream it
             ctx = prompt[-6:]
             text = tok.decode([*ctx, first])[len(tok.decode(ctx)) :]
-            ends = (first == tok.eos_token_id and not s.ignore_eos) or s.max_tokens <= 1
+            eos = first == tok.eos_token_id and not s.ignore_eos
+            ends = eos or s.max_tokens <= 1
             finish = common_pb2.FINISH_REASON_UNSPECIFIED
             if ends:
-                eos = first == tok.eos_token_id and not s.ignore_eos
                 finish = common_pb2.FINISH_REASON_EOS if eos else common_pb2.FINISH_REASON_LENGTH
             yield engine_pb2.DecodeResponse(
                 token_ids=[first],
@@ -278,7 +277,7 @@ class DispatchingWorkerClient(WorkerClient):
         self.grpc, self.http = grpc_client, http_client
 
     def _for(self, worker: Worker) -> WorkerClient:
-        return self.http if is_http(worker) else self.grpc
+        return self.http if worker.http else self.grpc
 
     async def prefill(
         self, worker: Worker, request: engine_pb2.PrefillRequest, timeout: float | None

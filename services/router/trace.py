@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from prometheus_client import Counter, Histogram
 
 from pdserve.services.router.plan import Plan
+from pdserve.services.router.workers import DECODE, PREFILL
 from pdserve.telemetry import REGISTRY, init_labels
 
 _MS_BUCKETS = (0.25, 0.5, 1, 2, 3, 5, 7.5, 10, 15, 25, 50, 100, 250, 500, 1000, 2500, 5000)
@@ -26,7 +27,7 @@ RETRIES = init_labels(
         ["role"],
         registry=REGISTRY,
     ),
-    ("prefill", "decode"),
+    (PREFILL, DECODE),
 )
 TTFT = Histogram(
     "pdserve_router_ttft_seconds", "Time to first token", buckets=_S_BUCKETS, registry=REGISTRY

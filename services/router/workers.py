@@ -76,6 +76,12 @@ class Worker:
     def broken(self) -> bool:
         return self.open_until > 0
 
+    @property
+    def http(self) -> bool:
+        """A stock ``vllm serve`` at an ``http://`` URL (services/router/http_worker_client.py),
+        not a pdserve worker's gRPC address."""
+        return self.address.startswith(("http://", "https://"))
+
     def channel(self) -> grpc.aio.Channel:
         if self._channel is None:
             self._channel = grpcutil.channel(self.address)
@@ -206,7 +212,7 @@ class WorkerPool:
         for table in self.workers.values():
             for w in list(table.values()):
                 if w.broken and w.open_until <= now:
-                    if await _healthy(w.address):
+                    if await _healthy(w):
                         w.failures = 0
                         w.open_until = 0.0
                         log.info("worker %s (%s) back in rotation", w.id, w.address)
@@ -275,10 +281,10 @@ class WorkerPool:
             self.on_change()
 
 
-async def _healthy(address: str) -> bool:
+async def _healthy(w: Worker) -> bool:
     """gRPC health of a pdserve worker; ``GET /health`` of an ``http://`` one (stock vLLM)."""
-    if address.startswith(("http://", "https://")):
+    if w.http:
         from pdserve.services.router.http_worker_client import http_healthy
 
-        return await http_healthy(address)
-    return await grpcutil.check_health(address, timeout=1.0)
+        return await http_healthy(w.address)
+    return await grpcutil.check_health(w.address, timeout=1.0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from pdserve.services.router.http_worker_client import completion_body, is_http
+from pdserve.services.router.http_worker_client import completion_body
 from pdserve.services.router.worker_client import WorkerCallError
 from pdserve.services.router.workers import Worker
 from pdserve.v1 import common_pb2
@@ -50,5 +50,5 @@ def test_logprobs_are_refused_by_name():
 
 
 def test_http_workers_are_told_by_their_address():
-    assert is_http(Worker("d", "http://10.0.0.8:8100", "decode"))
-    assert not is_http(Worker("d", "10.0.0.8:50070", "decode"))
+    assert Worker("d", "http://10.0.0.8:8100", "decode").http
+    assert not Worker("d", "10.0.0.8:50070", "decode").http

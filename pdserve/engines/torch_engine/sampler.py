@@ -56,8 +56,8 @@ def sample_token(
 
     First :func:`process_logits` (logit bias and penalties, given the ``prompt`` and the
     ``output`` tokens so far); while ``output`` is shorter than ``min_tokens``, EOS and the stop
-    token ids cannot be picked (vLLM's min-tokens processor); then greedy when temperature is 0; otherwise temperature, top-k
-    and top-p filtering, then a draw from a generator seeded by ``(seed, step)``, so a seeded
+    token ids cannot be picked (vLLM's min-tokens processor); then greedy when temperature is
+    0; otherwise temperature, top-k and top-p filtering, then a draw from a generator seeded by ``(seed, step)``, so a seeded
     request gives the same tokens whether or not its first token was sampled on another worker.
     """
     logits = process_logits(logits, sampling, prompt, output)

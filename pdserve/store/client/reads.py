@@ -16,6 +16,7 @@ from typing import Any
 
 from prometheus_client import Counter
 
+from pdserve.enums import TRANSPORT
 from pdserve.store.api import CORRUPT_CHUNKS
 from pdserve.store.client.checksum import checksum
 from pdserve.store.client.control import MasterLink
@@ -37,7 +38,7 @@ READ_FAILOVERS = Relayed(
         registry=REGISTRY,
     ),
 )
-init_labels(READ_FAILOVERS, ("shm", "tcp", "mooncake"))  # the transports' names
+init_labels(READ_FAILOVERS, TRANSPORT.choices)
 
 #: ``decode(key, view)``: the value a read hands out, or None when the bytes are wrong.
 Decode = Callable[[str, memoryview], Any]
