@@ -174,6 +174,12 @@ class ChunkSave:
     #: (full chunks only; empty tokens = none).
     parent: str = ""
     tokens: list[int] = field(default_factory=list)
+    #: vLLM's own hashes of the blocks inside the chunk (``request.block_hashes``), the hash
+    #: of the block before them (b"" for the first chunk) and vLLM's block size; empty when
+    #: the request has none (no block hasher), so indexers that hash as vLLM does can match.
+    engine_hashes: list[bytes] = field(default_factory=list)
+    engine_parent: bytes = b""
+    engine_block_size: int = 0
 
 
 @dataclass

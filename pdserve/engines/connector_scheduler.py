@@ -47,6 +47,8 @@ class _SaveTracker:
     computed: int = 0
     next_chunk: int = 0
     tail_done: bool = False
+    # vLLM's hashes of the prompt's full blocks (request.block_hashes); empty = none
+    engine_hashes: list[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -70,6 +72,16 @@ def _remote_decode(request: Any) -> bool:
     ``kv_transfer_params`` say to the decode engine."""
     params = getattr(request, "kv_transfer_params", None) or {}
     return isinstance(params, dict) and bool(params.get("do_remote_decode"))
+
+
+def _engine_hashes(request: Any, prompt_len: int, block_size: int) -> list[bytes]:
+    """vLLM's block hashes of the prompt's full blocks (``request.block_hashes``, computed
+    when prefix caching or a connector is on), or [] when it has none or hashes at another
+    granularity than ``block_size`` (a hybrid model's hash block size)."""
+    hashes = getattr(request, "block_hashes", None)
+    if not hashes or len(hashes) != getattr(request, "num_tokens", -1) // block_size:
+        return []
+    return [bytes(h) for h in hashes[: prompt_len // block_size]]
 
 
 def _cache_salt(request: Any) -> str:
@@ -270,6 +282,7 @@ class ConnectorScheduler:
             tail_key=tail,
             block_ids=block_ids,
             next_chunk=loaded_chunks,
+            engine_hashes=_engine_hashes(request, len(prompt), self.block_size),
         )
 
     def _advance(self, req_id: str, computed: int, meta: PdserveConnectorMetadata) -> None:
@@ -278,13 +291,19 @@ class ConnectorScheduler:
         tracker.computed = computed
         if not self.settings.saves:  # kv_consumer: loads only
             return
-        cs, bs = self.chunk_size, self.block_size
+        cs, bs, bpc = self.chunk_size, self.block_size, self.blocks_per_chunk
         done = min(computed, tracker.prompt_len) // cs
+        engine = tracker.engine_hashes
         for i in range(tracker.next_chunk, done):
-            blocks = tracker.block_ids[i * self.blocks_per_chunk : (i + 1) * self.blocks_per_chunk]
+            blocks = tracker.block_ids[i * bpc : (i + 1) * bpc]
             parent = tracker.keys[i - 1] if i else ""
             tokens = list(tracker.prompt[i * cs : (i + 1) * cs])
-            meta.saves.append(ChunkSave(tracker.keys[i], i * cs, cs, blocks, 0, parent, tokens))
+            save = ChunkSave(tracker.keys[i], i * cs, cs, blocks, 0, parent, tokens)
+            if len(engine) >= (i + 1) * bpc:  # vLLM's own hashes of the chunk's blocks
+                save.engine_hashes = engine[i * bpc : (i + 1) * bpc]
+                save.engine_parent = engine[i * bpc - 1] if i else b""
+                save.engine_block_size = bs
+            meta.saves.append(save)
         tracker.next_chunk = max(tracker.next_chunk, done)
         if tracker.tail_key and not tracker.tail_done and computed >= tracker.prompt_len:
             start = len(tracker.keys) * cs

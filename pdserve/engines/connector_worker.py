@@ -298,7 +298,14 @@ class ConnectorWorker:
         # KV events describe the chain (rank 0's keys: H(parent || tokens)); other ranks' keys
         # are derived, not chained, and carry none
         chain = {
-            s.key: ChunkMeta(s.parent, s.tokens, s.num_tokens)
+            s.key: ChunkMeta(
+                s.parent,
+                s.tokens,
+                s.num_tokens,
+                engine_hashes=s.engine_hashes,
+                engine_parent=s.engine_parent,
+                engine_block_size=s.engine_block_size,
+            )
             for s in meta.saves
             if s.tokens and self.rank_fp.tp_rank == 0
         }

@@ -65,6 +65,13 @@ class ChunkMeta:
     block_size: int = 0
     #: Where the chunk lives, as vLLM names media ("" = the master's default, CPU).
     medium: str = ""
+    #: The engine's own hashes of the blocks inside the chunk, in order (vLLM's
+    #: ``request.block_hashes``; () = none), for indexers that hash prompts as the engine
+    #: does; the hash of the engine block before the chunk's first (b"" for the first chunk)
+    #: and the engine's block size (tokens per hash; 0 = none).
+    engine_hashes: Sequence[bytes] = ()
+    engine_parent: bytes = b""
+    engine_block_size: int = 0
 
     def packed_tokens(self) -> bytes:
         """The token ids as uint32 little-endian."""

@@ -203,16 +203,22 @@ class PutStartItem(_message.Message):
     def __init__(self, key: _Optional[str] = ..., size: _Optional[int] = ..., inline_data: _Optional[bytes] = ..., checksum: _Optional[bytes] = ..., block: _Optional[_Union[KVBlockMeta, _Mapping]] = ...) -> None: ...
 
 class KVBlockMeta(_message.Message):
-    __slots__ = ("parent_key", "token_ids", "block_size", "medium")
+    __slots__ = ("parent_key", "token_ids", "block_size", "medium", "engine_block_hashes", "engine_parent_block_hash", "engine_block_size")
     PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     parent_key: str
     token_ids: bytes
     block_size: int
     medium: str
-    def __init__(self, parent_key: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., block_size: _Optional[int] = ..., medium: _Optional[str] = ...) -> None: ...
+    engine_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    engine_parent_block_hash: bytes
+    engine_block_size: int
+    def __init__(self, parent_key: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., block_size: _Optional[int] = ..., medium: _Optional[str] = ..., engine_block_hashes: _Optional[_Iterable[bytes]] = ..., engine_parent_block_hash: _Optional[bytes] = ..., engine_block_size: _Optional[int] = ...) -> None: ...
 
 class BatchPutStartRequest(_message.Message):
     __slots__ = ("client_id", "items", "options")
@@ -393,26 +399,34 @@ class SubscribeKVEventsRequest(_message.Message):
     def __init__(self, snapshot: _Optional[bool] = ..., from_seq: _Optional[int] = ...) -> None: ...
 
 class KVBlockStored(_message.Message):
-    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "medium")
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "medium", "engine_block_hashes", "engine_parent_block_hash", "engine_block_size")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     parent_block_hash: bytes
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_size: int
     medium: str
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., medium: _Optional[str] = ...) -> None: ...
+    engine_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    engine_parent_block_hash: bytes
+    engine_block_size: int
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., medium: _Optional[str] = ..., engine_block_hashes: _Optional[_Iterable[bytes]] = ..., engine_parent_block_hash: _Optional[bytes] = ..., engine_block_size: _Optional[int] = ...) -> None: ...
 
 class KVBlockRemoved(_message.Message):
-    __slots__ = ("block_hashes", "medium")
+    __slots__ = ("block_hashes", "medium", "engine_block_hashes")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     medium: str
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., medium: _Optional[str] = ...) -> None: ...
+    engine_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., medium: _Optional[str] = ..., engine_block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class KVAllBlocksCleared(_message.Message):
     __slots__ = ()

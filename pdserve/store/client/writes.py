@@ -44,6 +44,9 @@ def _block(m: ChunkMeta) -> kvstore_pb2.KVBlockMeta:
         token_ids=m.packed_tokens(),
         block_size=m.block_size or len(m.tokens),
         medium=m.medium,
+        engine_block_hashes=[bytes(h) for h in m.engine_hashes],
+        engine_parent_block_hash=bytes(m.engine_parent),
+        engine_block_size=m.engine_block_size,
     )
 
 

@@ -114,6 +114,13 @@ class MasterConfig(SecurityConfig):
     kv_events_medium: str = help_field(
         "CPU", "medium of the KV events for blocks whose writer named none (vLLM's CPU, GPU...)"
     )
+    kv_events_hashes: str = help_field(
+        "chunk",
+        "block hashes of the ZMQ KV events: 'chunk' (pdserve's chunk keys, block size = chunk "
+        "size) or 'engine' (vLLM's own block hashes and block size where the writer gave "
+        "them, as an indexer that hashes prompts like vLLM expects; a chunk without them "
+        "keeps its key). SubscribeKVEvents carries both",
+    )
 
     def validate(self) -> None:
         dead_after = self.heartbeat_interval_ms * self.heartbeat_miss_limit
@@ -151,6 +158,10 @@ class MasterConfig(SecurityConfig):
     def _check_kv_events(self) -> None:
         from pdserve.identity import _is_loopback
 
+        if self.kv_events_hashes not in ("chunk", "engine"):
+            raise ConfigError(
+                f"kv_events_hashes must be 'chunk' or 'engine', got {self.kv_events_hashes!r}"
+            )
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ConfigError("kv_events_replay_endpoint needs kv_events_endpoint")
         if self.kv_events_endpoint:

@@ -22,6 +22,22 @@ Block hashes are the chunk keys as 32 raw bytes (vLLM's default ``ExternalBlockH
 sha256 bytes; ours are BLAKE3, and ``key == hash.hex()``). A stored event carries the parent's
 hash and the token ids when the writer attached them to its put (``PutStartItem.block``);
 consecutive blocks of one chain in one batch are one ``BlockStored``, as vLLM sends them.
+
+Engine block hashes: an indexer built for vLLM's own events (llm-d's KV cache manager) keys
+its view by vLLM's block hashes, which it computes itself from prompts, so it cannot match
+chunk keys. A writer that knows them (the vLLM connector: ``request.block_hashes``, which vLLM
+computes with prefix caching or a KV connector on) attaches the engine's hashes of the ``chunk_size / block_size`` engine
+blocks inside each chunk, the hash of the block before them and the engine's block size
+(``KVBlockMeta.engine_*``). The gRPC events carry both: the chunk keys as ever plus
+``engine_block_hashes`` / ``engine_parent_block_hash`` / ``engine_block_size`` of the same
+blocks (removals and snapshots too). The ZMQ payload carries one kind of hash, chosen by
+``kv_events_hashes``: ``chunk`` (the default: chunk keys, block size = chunk size) or
+``engine`` (the engine's hashes, parent and block size, token ids unchanged; a chunk stored
+without them keeps its chunk key). vLLM's hashes depend on its hash settings:
+``prefix_caching_hash_algo`` and ``PYTHONHASHSEED``, which seeds every chain's root (unset: a
+fixed seed for sha256, a random one per process for xxhash). An indexer must hash prompts
+exactly as the engines do, as llm-d requires, and every engine must use the same settings.
+
 Sequence numbers count from 0 at each master start; batch 0 starts with
 ``AllBlocksCleared``, so a consumer that follows a restarted master forgets what the previous
 one held (the restarted master announces its objects again as nodes remount them).
@@ -52,6 +68,10 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 _STORED, _REMOVED, _CLEARED = 1, 2, 3
 
+#: What the ZMQ payload's block hashes are (``kv_events_hashes``): pdserve's chunk keys, or
+#: the engine's own block hashes where the writer gave them.
+HASH_MODES = ("chunk", "engine")
+
 
 def tokens_of(packed: bytes) -> list[int]:
     """Token ids packed as uint32 little-endian, as a list."""
@@ -61,23 +81,52 @@ def tokens_of(packed: bytes) -> list[int]:
     return a.tolist()
 
 
-class _Stored:
-    __slots__ = ("block_size", "hashes", "medium", "parent", "tokens")
+def _engine_of(block: BlockMeta | None) -> list[bytes]:
+    return list(block.engine_hashes) if block is not None else []
 
-    def __init__(self, h: bytes, parent: bytes | None, tokens: list[int], bs: int, medium: str):
+
+class _Stored:
+    __slots__ = (
+        "block_size",
+        "engine",
+        "engine_bs",
+        "engine_parent",
+        "hashes",
+        "medium",
+        "parent",
+        "tokens",
+    )
+
+    def __init__(
+        self,
+        h: bytes,
+        parent: bytes | None,
+        tokens: list[int],
+        bs: int,
+        medium: str,
+        block: BlockMeta | None = None,
+    ):
         self.hashes = [h]
         self.parent = parent
         self.tokens = tokens
         self.block_size = bs
         self.medium = medium
+        # the engine's own block hashes (vLLM's), when the writer gave them
+        self.engine = _engine_of(block)
+        self.engine_parent: bytes | None = None
+        self.engine_bs = 0
+        if block is not None and self.engine:
+            self.engine_parent = block.engine_parent or None
+            self.engine_bs = block.engine_block_size
 
 
 class _Removed:
-    __slots__ = ("hashes", "medium")
+    __slots__ = ("engine", "hashes", "medium")
 
-    def __init__(self, h: bytes, medium: str):
+    def __init__(self, h: bytes, medium: str, engine: list[bytes]):
         self.hashes = [h]
         self.medium = medium
+        self.engine = engine
 
 
 class _Cleared:
@@ -89,8 +138,9 @@ Event = _Stored | _Removed | _Cleared
 
 def group(ops: Iterable[tuple[int, str, BlockMeta | None, str]]) -> list[Event]:
     """Recorded ``(kind, key, block, medium)`` as vLLM's events: a stored block whose parent is
-    the last block of the stored event before it (same size and medium) extends it, as do
-    consecutive removals of one medium."""
+    the last block of the stored event before it (same size and medium, and both with engine
+    hashes that continue each other's chain or both without) extends it, as do consecutive
+    removals of one medium (both with engine hashes or both without)."""
     out: list[Event] = []
     for kind, key, block, medium in ops:
         last = out[-1] if out else None
@@ -99,14 +149,21 @@ def group(ops: Iterable[tuple[int, str, BlockMeta | None, str]]) -> list[Event]:
             continue
         h = bytes.fromhex(key)
         if kind == _REMOVED:
-            if isinstance(last, _Removed) and last.medium == medium:
+            engine = _engine_of(block)
+            if (
+                isinstance(last, _Removed)
+                and last.medium == medium
+                and bool(engine) == bool(last.engine)
+            ):
                 last.hashes.append(h)
+                last.engine.extend(engine)
             else:
-                out.append(_Removed(h, medium))
+                out.append(_Removed(h, medium, engine))
             continue
         parent = bytes.fromhex(block.parent) if block is not None and block.parent else None
         tokens = tokens_of(block.tokens) if block is not None else []
         bs = block.block_size if block is not None else 0
+        new = _Stored(h, parent, tokens, bs, medium, block)
         if (
             isinstance(last, _Stored)
             and parent is not None
@@ -114,11 +171,17 @@ def group(ops: Iterable[tuple[int, str, BlockMeta | None, str]]) -> list[Event]:
             and bs == last.block_size
             and medium == last.medium
             and bool(tokens) == bool(last.tokens)
+            and bool(new.engine) == bool(last.engine)
+            and (
+                not new.engine
+                or (new.engine_bs == last.engine_bs and new.engine_parent == last.engine[-1])
+            )
         ):
             last.hashes.append(h)
             last.tokens.extend(tokens)
+            last.engine.extend(new.engine)
         else:
-            out.append(_Stored(h, parent, tokens, bs, medium))
+            out.append(new)
     return out
 
 
@@ -132,35 +195,43 @@ def to_proto(seq: int, ts: float, events: list[Event], **flags: bool) -> pb.KVEv
             ev.stored.token_ids.extend(e.tokens)
             ev.stored.block_size = e.block_size
             ev.stored.medium = e.medium
+            ev.stored.engine_block_hashes.extend(e.engine)
+            ev.stored.engine_parent_block_hash = e.engine_parent or b""
+            ev.stored.engine_block_size = e.engine_bs
         elif isinstance(e, _Removed):
             ev.removed.block_hashes.extend(e.hashes)
             ev.removed.medium = e.medium
+            ev.removed.engine_block_hashes.extend(e.engine)
         else:
             ev.cleared.SetInParent()
     return batch
 
 
-def to_vllm(ts: float, events: list[Event]) -> list[Any]:
+def to_vllm(ts: float, events: list[Event], engine: bool = False) -> list[Any]:
     """The batch as the plain values vLLM's ``KVEventBatch`` encodes to: an array ``[ts,
     events]`` (``data_parallel_rank`` None, omitted as vLLM omits defaults), each event a map
-    tagged ``type`` with vLLM's class name and every field vLLM's decoder requires."""
+    tagged ``type`` with vLLM's class name and every field vLLM's decoder requires. With
+    ``engine`` (``kv_events_hashes: engine``) the hashes, parent and block size are the
+    engine's own where the writer gave them (a chunk without them keeps its chunk key)."""
     out: list[dict[str, Any]] = []
     for e in events:
         if isinstance(e, _Stored):
+            mine = engine and bool(e.engine)
             out.append(
                 {
                     "type": "BlockStored",
-                    "block_hashes": e.hashes,
-                    "parent_block_hash": e.parent,
+                    "block_hashes": e.engine if mine else e.hashes,
+                    "parent_block_hash": e.engine_parent if mine else e.parent,
                     "token_ids": e.tokens,
-                    "block_size": e.block_size,
+                    "block_size": e.engine_bs if mine else e.block_size,
                     "lora_id": None,
                     "medium": e.medium,
                     "lora_name": None,
                 }
             )
         elif isinstance(e, _Removed):
-            out.append({"type": "BlockRemoved", "block_hashes": e.hashes, "medium": e.medium})
+            hashes = e.engine if engine and e.engine else e.hashes
+            out.append({"type": "BlockRemoved", "block_hashes": hashes, "medium": e.medium})
         else:
             out.append({"type": "AllBlocksCleared"})
     return [ts, out]
@@ -213,9 +284,14 @@ class KVEventLog:
         buffer: int = 1000,
         queue: int = 10_000,
         encode_vllm: bool = False,
+        hashes: str = "chunk",
         clock: Callable[[], float] = time.time,
     ) -> None:
+        if hashes not in HASH_MODES:
+            raise ValueError(f"hashes must be one of {', '.join(HASH_MODES)}, got {hashes!r}")
         self.medium = medium
+        #: The ZMQ payload names the engine's own block hashes (``kv_events_hashes``).
+        self.engine_hashes = hashes == "engine"
         self.queue = queue
         self._clock = clock
         self._lock = threading.Lock()
@@ -258,10 +334,11 @@ class KVEventLog:
             medium = self._media[key] = block.medium
         self._add((_STORED, key, block, medium))
 
-    def removed(self, key: str) -> None:
+    def removed(self, key: str, block: BlockMeta | None = None) -> None:
+        """``block``: what the object was stored with (its engine hashes are published)."""
         if not is_block_key(key):
             return
-        self._add((_REMOVED, key, None, self._media.pop(key, self.medium)))
+        self._add((_REMOVED, key, block, self._media.pop(key, self.medium)))
 
     def cleared(self) -> None:
         self._add((_CLEARED, "", None, ""))
@@ -278,7 +355,11 @@ class KVEventLog:
             self.seq += 1
             ts = self._clock()
             batch = to_proto(self.seq, ts, events)
-            payload = self._encoder.encode(to_vllm(ts, events)) if self._encoder else b""
+            payload = (
+                self._encoder.encode(to_vllm(ts, events, self.engine_hashes))
+                if self._encoder
+                else b""
+            )
             self._ring.append((self.seq, batch, payload))
             for sub in list(self._subs):
                 if not sub.push(batch):
@@ -300,12 +381,17 @@ class KVEventLog:
     # ------------------------------------------------------------------ subscribers
 
     def subscribe(
-        self, *, snapshot: list[str] | None = None, from_seq: int | None = None
+        self,
+        *,
+        snapshot: list[str] | None = None,
+        from_seq: int | None = None,
+        block_of: Callable[[str], BlockMeta | None] | None = None,
     ) -> tuple[Subscription, list[pb.KVEventBatch]]:
         """A new subscriber and the batches to send it first: with ``snapshot`` (every block
         key the master holds, taken under its state lock, as this is) cleared + stored
-        batches numbered with the last published seq; else the ring from ``from_seq``; else
-        none. Later batches are pushed to it."""
+        batches numbered with the last published seq, each block with the engine hashes
+        ``block_of`` gives it; else the ring from ``from_seq``; else none. Later batches are
+        pushed to it."""
         sub = Subscription(self.queue)
         with self._lock:
             seq = self.seq
@@ -319,7 +405,14 @@ class KVEventLog:
         for i in range(0, max(len(keys), 1), SNAPSHOT_BATCH):
             part: list[Event] = [_Cleared()] if i == 0 else []
             part += [
-                _Stored(bytes.fromhex(k), None, [], 0, self.medium)
+                _Stored(
+                    bytes.fromhex(k),
+                    None,
+                    [],
+                    0,
+                    self._media.get(k, self.medium),
+                    block_of(k) if block_of is not None else None,
+                )
                 for k in keys[i : i + SNAPSHOT_BATCH]
             ]
             first.append(to_proto(seq, ts, part, snapshot=True))

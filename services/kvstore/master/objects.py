@@ -18,6 +18,8 @@ from pdserve.services.kvstore.master.limits import key_problem
 from pdserve.services.kvstore.master.types import (
     CHECKSUM_BYTES,
     MAX_BLOCK_TOKENS,
+    MAX_ENGINE_HASH_BYTES,
+    MAX_ENGINE_HASHES,
     OK,
     BlockMeta,
     Counters,
@@ -40,6 +42,38 @@ def _block_problem(block: BlockMeta) -> str:
         return "block.parent_key must be a chunk key (64 hex characters) or empty"
     if len(block.medium) > 32:
         return "block.medium is longer than 32 characters"
+    return _engine_problem(block)
+
+
+def _engine_problem(block: BlockMeta) -> str:
+    """Why a put's engine block hashes are invalid, or "" when they are fine (or absent)."""
+    hashes = block.engine_hashes
+    if len(hashes) > MAX_ENGINE_HASHES:
+        return f"block.engine_block_hashes has {len(hashes)} hashes; at most {MAX_ENGINE_HASHES}"
+    for i, h in enumerate(hashes):
+        if not 0 < len(h) <= MAX_ENGINE_HASH_BYTES:
+            return (
+                f"block.engine_block_hashes[{i}] has {len(h)} bytes; want 1 to "
+                f"{MAX_ENGINE_HASH_BYTES}"
+            )
+    if len(block.engine_parent) > MAX_ENGINE_HASH_BYTES:
+        return (
+            f"block.engine_parent_block_hash has {len(block.engine_parent)} bytes; at most "
+            f"{MAX_ENGINE_HASH_BYTES}"
+        )
+    if not hashes:
+        if block.engine_parent or block.engine_block_size:
+            return "block.engine_parent_block_hash and engine_block_size need engine_block_hashes"
+        return ""
+    if block.engine_block_size <= 0:
+        return "block.engine_block_size must be > 0 with engine_block_hashes"
+    n_tokens = len(block.tokens) // 4
+    if n_tokens and block.engine_block_size * len(hashes) != n_tokens:
+        return (
+            f"block.engine_block_size {block.engine_block_size} x {len(hashes)} "
+            f"engine_block_hashes = {block.engine_block_size * len(hashes)} tokens; "
+            f"token_ids has {n_tokens}"
+        )
     return ""
 
 

@@ -122,6 +122,7 @@ async def serve(cfg: MasterConfig, stop: asyncio.Event) -> None:
         buffer=cfg.kv_events_buffer,
         queue=cfg.kv_events_queue,
         encode_vllm=zmq_on,
+        hashes=cfg.kv_events_hashes,
     )
     # One batch per burst: the first event recorded schedules a flush on the loop, which
     # runs once the call that records it has let go of the loop (usually after the call).
@@ -129,10 +130,11 @@ async def serve(cfg: MasterConfig, stop: asyncio.Event) -> None:
 
     def on_event(type_: int, key: str, size: int, reason: int) -> None:
         # Called with the state lock held, so recording is ordered with the state change.
+        block = holder[0].block_of(key) if holder else None
         if type_ == pb.KV_EVENT_STORED:
-            kv_events.stored(key, holder[0].block_of(key) if holder else None)
-        else:
-            kv_events.removed(key)
+            kv_events.stored(key, block)
+        else:  # the object being removed still tells its block (its engine hashes)
+            kv_events.removed(key, block)
         args = (type_, key, size, reason, int(telemetry.now_ms()))
         if threading.get_ident() == loop_thread:
             hub.publish(*args)

@@ -41,7 +41,15 @@ def _block(item: pb.PutStartItem) -> BlockMeta | None:
     if not item.HasField("block"):
         return None
     b = item.block
-    return BlockMeta(b.parent_key, b.token_ids, b.block_size, b.medium)
+    return BlockMeta(
+        b.parent_key,
+        b.token_ids,
+        b.block_size,
+        b.medium,
+        tuple(b.engine_block_hashes),
+        b.engine_parent_block_hash,
+        b.engine_block_size,
+    )
 
 
 class MasterHandlers:
@@ -298,7 +306,8 @@ class KVMasterServicer(kvstore_pb2_grpc.KVMasterServiceServicer):
                 from_seq = request.from_seq if request.HasField("from_seq") else None
                 return events.subscribe(from_seq=from_seq)
             with self.h.lock:  # the keys and the subscription at one point of the history
-                return events.subscribe(snapshot=self.h.state.visible_keys())
+                state = self.h.state
+                return events.subscribe(snapshot=state.visible_keys(), block_of=state.block_of)
 
         sub, first = await asyncio.to_thread(subscribe)
         try:

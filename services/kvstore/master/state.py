@@ -112,6 +112,7 @@ class MasterState:
             delete=self._delete,
         )
         self._last_tick = self.clock.mono()
+        self._removing: ObjectState | None = None
         if store is not None:
             self._load()
 
@@ -152,7 +153,11 @@ class MasterState:
             self.journal.mark_deleted(obj.key)
         else:
             self.journal.unmark(obj.key)
-        self.on_event(pb.KV_EVENT_REMOVED, obj.key, obj.size, reason)
+        self._removing = obj  # block_of answers for it while its event is recorded
+        try:
+            self.on_event(pb.KV_EVENT_REMOVED, obj.key, obj.size, reason)
+        finally:
+            self._removing = None
 
     def _evict(self, obj: ObjectState) -> None:
         self._delete(obj, pb.KV_EVENT_REASON_EVICT)
@@ -355,8 +360,11 @@ class MasterState:
         return self.objects.visible_keys(self.clock.mono())
 
     def block_of(self, key: str) -> BlockMeta | None:
-        """The KV block metadata the committed object ``key`` was put with (None = none)."""
-        obj = self.objects.get(key)
+        """The KV block metadata the committed object ``key`` was put with (None = none),
+        also for the object being removed while its removed event is recorded (its KV event
+        names the engine's block hashes too)."""
+        removing = self._removing
+        obj = removing if removing is not None and removing.key == key else self.objects.get(key)
         return obj.block if obj is not None else None
 
     # ------------------------------------------------------------------ removal

@@ -77,6 +77,13 @@ class BlockMeta:
     block_size: int
     #: Where the writer says it lives ("" = the master's kv_events_medium).
     medium: str
+    #: The engine's own hashes of the blocks inside the chunk, in order (vLLM's
+    #: ``request.block_hashes``; () = not given).
+    engine_hashes: tuple[bytes, ...] = ()
+    #: The engine's hash of the block before the chunk's first (b"" = none or not given).
+    engine_parent: bytes = b""
+    #: Tokens per engine block (0 = not given).
+    engine_block_size: int = 0
 
 
 _BLOCK_KEY = re.compile(r"[0-9a-f]{64}")
@@ -90,6 +97,10 @@ def is_block_key(key: str) -> bool:
 
 #: Most token ids one block's metadata may carry (a chunk is at most this many tokens).
 MAX_BLOCK_TOKENS = 65536
+#: Most engine block hashes one chunk's metadata may carry (chunk size / engine block size).
+MAX_ENGINE_HASHES = 64
+#: Longest engine block hash (bytes; vLLM's sha256 hashes are 32).
+MAX_ENGINE_HASH_BYTES = 64
 
 
 @dataclass
