@@ -9,6 +9,7 @@ from pdserve.config import ConfigError, help_field
 from pdserve.enums import DISAGG_MODE
 from pdserve.hashing import KV_COMPRESSIONS
 from pdserve.identity import SecurityConfig
+from pdserve.services.router.engine_events import parse_engine_events
 from pdserve.store import StoreBackendConfig
 
 POLICIES = ("round_robin", "least_load", "cache_aware")
@@ -94,6 +95,15 @@ class RouterConfig(SecurityConfig, StoreBackendConfig):
         "static decode worker addresses (instead of meta): host:port, or http://host:port of a "
         "stock 'vllm serve' with pdserve's connector as kv_consumer or kv_both",
     )
+    engine_kv_events: list[str] = help_field(
+        [],
+        "URL=ENDPOINT[+REPLAY], comma-separated, one per engine: the KV event publisher of the "
+        "stock engine at URL (a --prefill or --decode http:// address) as its vllm serve "
+        "--kv-events-config binds it: '{\"enable_kv_cache_events\": true, \"publisher\": "
+        "\"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}' "
+        "-> http://HOST:8000=tcp://HOST:5557+tcp://HOST:5558. Placement then knows which engine "
+        "holds a prompt's prefix in its own cache (services/router/engine_events.py)",
+    )
     api_key: str = help_field(
         "",
         "key every client must present: HTTP 'Authorization: Bearer KEY', gRPC metadata "
@@ -143,6 +153,17 @@ class RouterConfig(SecurityConfig, StoreBackendConfig):
                 "with static worker addresses (no --meta) the router cannot learn the workers' "
                 "KV settings: give --kv-dtype and --chunk-size as the workers have them"
             )
+        try:
+            engines = parse_engine_events(self.engine_kv_events)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        static = {*self.prefill, *self.decode}
+        for url in engines:
+            if url not in static:
+                raise ConfigError(
+                    f"engine_kv_events names {url}, which is no --prefill or --decode address "
+                    f"(those are {sorted(a for a in static if a.startswith('http'))})"
+                )
         if self.prefill_retries < 0 or self.breaker_failures <= 0:
             raise ConfigError("prefill_retries must be >= 0 and breaker_failures positive")
         if self.default_max_tokens <= 0 or self.max_tokens_limit <= 0:

@@ -18,6 +18,7 @@ from pdserve.enums import DISAGG_MODE
 from pdserve.errors import InvalidArgument
 from pdserve.requests import MAX_LOGPROBS
 from pdserve.services.router import request as rq
+from pdserve.services.router.engine_events import EngineCaches
 from pdserve.services.router.openai_fields import chat_options, check_fields, flag, truncate
 from pdserve.services.router.orchestrator import Orchestrator
 from pdserve.services.router.stream import StreamChunk
@@ -51,6 +52,8 @@ class Frontend:
     pool: WorkerPool
     #: ``time.monotonic()`` at start, for GetServerInfo's uptime.
     started: float = field(default_factory=time.monotonic)
+    #: The stock engines' own prefix caches, from their KV events (engine_kv_events).
+    engines: EngineCaches | None = None
 
     def current_limits(self) -> rq.Limits:
         """The configured limits, each lowered to the smallest value any registered worker

@@ -313,7 +313,12 @@ class Orchestrator:
 
     async def _local(self, job: _Job) -> AsyncIterator[StreamChunk]:
         n = len(job.req.prompt_token_ids)
-        ctx = RouteContext(n, min(job.trace.cached_tokens, n - 1))
+        ctx = RouteContext(
+            n,
+            min(job.trace.cached_tokens, n - 1),
+            job.req.prompt_token_ids,
+            job.req.cache_salt,
+        )
         session = DecodeSession(
             build.decode_request(job.req, self.config.model), job.trace, cached_tokens=None
         )
@@ -326,7 +331,8 @@ class Orchestrator:
         """Prefill with retries on other workers; None when every attempt failed."""
         req, trace, uncached = job.req, job.trace, job.uncached
         preq = build.prefill_request(req, self.config.model, publish=publish)
-        ctx = RouteContext(len(req.prompt_token_ids), len(req.prompt_token_ids) - uncached)
+        n = len(req.prompt_token_ids)
+        ctx = RouteContext(n, n - uncached, req.prompt_token_ids, req.cache_salt)
         tried: set[str] = set()
         for attempt in range(1 + self.config.prefill_retries):
             w = self.place.prefill(ctx, tried)

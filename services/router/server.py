@@ -18,13 +18,14 @@ from pdserve.identity import advertised
 from pdserve.model.fingerprint import model_revision
 from pdserve.services.router.admission import Admission
 from pdserve.services.router.config import RouterConfig
+from pdserve.services.router.engine_events import EngineCaches, parse_engine_events
 from pdserve.services.router.fingerprint import FingerprintSource
 from pdserve.services.router.frontend import Frontend
 from pdserve.services.router.grpc_worker_client import GrpcWorkerClient
 from pdserve.services.router.http_worker_client import DispatchingWorkerClient, HttpWorkerClient
 from pdserve.services.router.openai_http import make_app
 from pdserve.services.router.orchestrator import Orchestrator, OrchestratorConfig
-from pdserve.services.router.policies import make_policy
+from pdserve.services.router.policies import ColocatedPlacement, make_policy
 from pdserve.services.router.request import Limits
 from pdserve.services.router.servicer import RouterServicer
 from pdserve.services.router.workers import DECODE, PREFILL, WorkerPool
@@ -119,6 +120,7 @@ def build(cfg: RouterConfig, tokenizer=None) -> Frontend:
         kv_compression=cfg.kv_compression,
     )
     pool.refusals = fingerprints.refusals
+    engines = EngineCaches(parse_engine_events(cfg.engine_kv_events))
     admission = Admission(
         cfg.max_inflight,
         cfg.max_queue,
@@ -141,15 +143,19 @@ def build(cfg: RouterConfig, tokenizer=None) -> Frontend:
         pool=pool,
         policy=make_policy(
             cfg.policy,
+            engines,
             cache_weight=cfg.cache_weight,
             load_weight=cfg.load_weight,
             request_tokens=cfg.request_tokens,
         ),
         admission=admission,
         prefix_lookup=store_lookup(cfg),
+        placement=ColocatedPlacement(engines=engines),
         detokenize=tokenizer.decode,
     )
-    return Frontend(tokenizer=tokenizer, limits=limits, orchestrator=orch, pool=pool)
+    return Frontend(
+        tokenizer=tokenizer, limits=limits, orchestrator=orch, pool=pool, engines=engines
+    )
 
 
 def public_tls(cfg: RouterConfig) -> tuple[bytes, bytes]:
@@ -201,6 +207,8 @@ async def serve(
         await site.start()
         http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     tasks = [asyncio.ensure_future(fe.pool.probe_loop(stop))]
+    if fe.engines is not None:
+        fe.engines.start()
     if cfg.meta:
         tasks.append(asyncio.ensure_future(fe.pool.watch_meta(cfg.meta, stop)))
     if started is not None:
@@ -232,6 +240,8 @@ async def serve(
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         await fe.pool.close()
+        if fe.engines is not None:
+            await fe.engines.aclose()
         if isinstance(fe.orchestrator.client, DispatchingWorkerClient):
             await fe.orchestrator.client.http.close()  # its session to stock vLLM engines
         close = getattr(fe.orchestrator.prefix_lookup, "close", None)

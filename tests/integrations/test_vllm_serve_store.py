@@ -36,10 +36,17 @@ BLOCK = 32
 
 
 def _serve(
-    model_dir: Path, port: int, master: str, core: int, work: Path, role: str
+    model_dir: Path, port: int, master: str, core: int, work: Path, role: str, events: list[int]
 ) -> ServiceProcess:
     """A stock engine (as the bench's colocated baseline starts them: one core, its own
-    caches) with pdserve's connector as ``role``, ready."""
+    caches) with pdserve's connector as ``role``, publishing vLLM's KV events on ports
+    ``events`` (live, replay)."""
+    kv_events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{events[0]}",
+        "replay_endpoint": f"tcp://*:{events[1]}",
+    }
     transfer = {
         "kv_connector": "PdserveConnector",
         "kv_connector_module_path": "pdserve.engines.vllm_connector",
@@ -52,6 +59,7 @@ def _serve(
         "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port", str(port),
         "--max-model-len", "4096", "--enforce-eager", "--block-size", str(BLOCK),
         "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(transfer),
+        "--kv-events-config", json.dumps(kv_events),
     ]  # fmt: skip
     env = baseline_env(core, 1.0, work / f"vllm-{core}")
     return spawn(f"vllm-{role}", cmd, work / f"vllm-{core}.log", env)
@@ -98,29 +106,30 @@ def _complete(port: int, prompt: list[int]) -> tuple[list[str], float, int]:
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     """A store, a kv_producer engine and a kv_consumer engine: (producer port, consumer port,
-    the master's address)."""
+    the master's address, each engine's KV event ports)."""
     from pdserve.model.prepare import resolve_model
 
     tmp = tmp_path_factory.mktemp("stock-vllm")
     model_dir = resolve_model("smollm2")
     with local_store(tmp, segment_size="512MiB") as (master, _node):
-        ports = free_ports(2)
+        *ports, p0, p1, c0, c1 = free_ports(6)
         roles = ("kv_producer", "kv_consumer")
+        events = [[p0, p1], [c0, c1]]
         procs = [
-            _serve(model_dir, port, master.info["grpc"], i, tmp, role)
+            _serve(model_dir, port, master.info["grpc"], i, tmp, role, events[i])
             for i, (port, role) in enumerate(zip(ports, roles, strict=True))
         ]
         try:
             for proc, port in zip(procs, ports, strict=True):
                 wait_http_ready(proc, f"http://127.0.0.1:{port}", "smollm2", 600)
-            yield ports[0], ports[1], master.info["grpc"]
+            yield ports[0], ports[1], master.info["grpc"], events
         finally:
             for proc in procs:
                 proc.stop(60)
 
 
 def test_a_prompt_one_stock_engine_computed_loads_in_another(engines):
-    producer, consumer, _master = engines
+    producer, consumer, _master, _events = engines
     rng = random.Random(7)
     prompt = [rng.randrange(100, 40000) for _ in range(PROMPT_TOKENS)]
     other = [rng.randrange(100, 40000) for _ in range(PROMPT_TOKENS)]
@@ -146,7 +155,7 @@ def test_pd_between_stock_engines_as_vllms_proxy_drives_them(engines):
     engine then computes only the last prompt token and gives the tokens of one engine."""
     from pdserve.store import open_store
 
-    producer, consumer, master = engines
+    producer, consumer, master, _events = engines
     rng = random.Random(11)
     prompt = [rng.randrange(100, 40000) for _ in range(1000)]  # 7 chunks and a tail of 104
     body = {"model": "smollm2", "prompt": prompt, "max_tokens": 12, "temperature": 0.0}
@@ -181,7 +190,7 @@ def test_pdserves_router_in_front_of_stock_engines(engines, tmp_path):
     the store), a short prompt the decode engine alone; both token-exact with one engine."""
     from pdserve.procs import service_args, start_service
 
-    producer, consumer, _master = engines
+    producer, consumer, _master, _events = engines
     args = service_args(
         "router", host="127.0.0.1", port=0, http_port=0, model="smollm2",
         prefill=f"http://127.0.0.1:{producer}", decode=f"http://127.0.0.1:{consumer}",
@@ -212,5 +221,61 @@ def test_pdserves_router_in_front_of_stock_engines(engines, tmp_path):
             and (m := re.search(r'plan="([^"]+)"', ln))
         }  # fmt: skip
         assert {"read", "local"} <= plans, plans
+    finally:
+        router.stop()
+
+
+def _metric(url: str, name: str, labels: str = "") -> float:
+    """The sum of ``name``'s samples (whose labels contain ``labels``) at ``url``/metrics."""
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    return sum(
+        float(ln.rsplit(" ", 1)[1])
+        for ln in text.splitlines()
+        if ln.startswith((name + "{", name + " ")) and labels in ln
+    )
+
+
+def test_routers_placement_follows_the_stock_engines_own_kv_events(engines, tmp_path):
+    """`pdserve router --decode http://A --decode http://B --engine-kv-events ...` with no
+    store: a prompt one engine computed (sent to it directly, not through the router) puts the
+    requests that extend it on that engine, as its vLLM KV events say it holds the prefix,
+    whichever engine it is (a tie-break alone would pick the same one both times)."""
+    from pdserve.procs import service_args, start_service
+
+    producer, consumer, _master, events = engines
+    urls = [f"http://127.0.0.1:{p}" for p in (producer, consumer)]
+    specs = [
+        f"{url}=tcp://127.0.0.1:{pub}+tcp://127.0.0.1:{replay}"
+        for url, (pub, replay) in zip(urls, events, strict=True)
+    ]
+    args = service_args(
+        "router", host="127.0.0.1", port=0, http_port=0, model="smollm2", decode=",".join(urls),
+        engine_kv_events=",".join(specs),
+    )  # fmt: skip
+    router = start_service("router", args, tmp_path)
+    try:
+        http = router.info["http"]
+        rng = random.Random(17)
+        for holder in urls:
+            prefix = [rng.randrange(100, 40000) for _ in range(640)]
+            body = {"model": "smollm2", "max_tokens": 2, "temperature": 0.0}
+            before = _metric(holder, "vllm:request_success_total")
+            _post(int(holder.rsplit(":", 1)[1]), {**body, "prompt": prefix})
+            blocks = len(prefix) // BLOCK
+            deadline = time.monotonic() + 30
+            while _metric(http, "pdserve_router_engine_cached_blocks", holder) < blocks:
+                assert time.monotonic() < deadline, "the router never saw the engine's events"
+                time.sleep(0.1)
+            counts = {u: _metric(u, "vllm:request_success_total") for u in urls}
+            for _ in range(3):
+                prompt = prefix + [rng.randrange(100, 40000) for _ in range(40)]
+                req = urllib.request.Request(
+                    f"{http}/v1/completions", json.dumps({**body, "prompt": prompt}).encode(),
+                    {"Content-Type": "application/json"},
+                )  # fmt: skip
+                urllib.request.urlopen(req, timeout=300).read()
+            after = {u: _metric(u, "vllm:request_success_total") - counts[u] for u in urls}
+            assert after == {u: 3.0 if u == holder else 0.0 for u in urls}, (holder, after)
+            assert counts[holder] == before + 1
     finally:
         router.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pdserve.services.router.engine_events import EngineCaches
 from pdserve.services.router.policies.affinity import PrefixAffinity
 from pdserve.services.router.policies.base import PrefillPolicy, RouteContext
 from pdserve.services.router.policies.cache_aware import CacheAware
@@ -23,12 +24,13 @@ __all__ = [
 ]
 
 
-def make_policy(name: str, **kwargs: float) -> PrefillPolicy:
-    """The policy called ``name`` in RouterConfig.policy."""
+def make_policy(name: str, engines: EngineCaches | None = None, **kwargs: float) -> PrefillPolicy:
+    """The policy called ``name`` in RouterConfig.policy (``engines``: the stock engines' own
+    prefix caches, for cache_aware)."""
     if name == "round_robin":
         return RoundRobin()
     if name == "least_load":
         return LeastLoad()
     if name == "cache_aware":
-        return CacheAware(**kwargs)
+        return CacheAware(engines=engines, **kwargs)
     raise ValueError(f"unknown policy {name!r}")

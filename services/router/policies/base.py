@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.services.router.workers import Worker
 
@@ -16,6 +16,10 @@ class RouteContext:
     prompt_tokens: int
     #: Prompt tokens whose KV the store already holds (from its longest-prefix answer).
     cached_tokens: int
+    #: The prompt and its cache salt, for the engines' own prefix caches
+    #: (:class:`~pdserve.services.router.engine_events.EngineCaches`).
+    token_ids: Sequence[int] = field(default=(), repr=False)
+    cache_salt: str = ""
 
     @property
     def uncached_tokens(self) -> int:

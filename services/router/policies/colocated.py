@@ -7,7 +7,9 @@ soonest.
             + prefill tokens already waiting on w
             + stream_tokens * requests streaming on w
 
-Tokens ``w`` holds in its own prefix cache (:class:`PrefixAffinity`) cost nothing, tokens the
+Tokens ``w`` holds in its own prefix cache cost nothing (what its KV events say, for a stock
+engine that publishes them: :class:`EngineCaches`; else the router's own picks,
+:class:`PrefixAffinity`), tokens the
 store holds cost a fraction of computing them (a memcpy-speed load instead of a forward pass),
 and the waiting term is the router's own not-yet-first-token prompt work on ``w`` (fresh), or
 its reported queue times ``request_tokens`` when that is larger (other routers' requests).
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pdserve.services.router.engine_events import EngineCaches
 from pdserve.services.router.policies.affinity import PrefixAffinity
 from pdserve.services.router.policies.base import RouteContext
 from pdserve.services.router.workers import Worker
@@ -34,8 +37,10 @@ class ColocatedPlacement:
         store_load_weight: float = 0.05,
         request_tokens: float = 256.0,
         stream_tokens: float = 8.0,
+        engines: EngineCaches | None = None,
     ) -> None:
         self.affinity = affinity or PrefixAffinity()
+        self.engines = engines
         self.store_load_weight = store_load_weight
         self.request_tokens = request_tokens
         self.stream_tokens = stream_tokens
@@ -45,7 +50,10 @@ class ColocatedPlacement:
 
     def own_tokens(self, w: Worker, ctx: RouteContext, keys: Sequence[str], chunk: int) -> float:
         """What the request itself costs on ``w``, in prompt tokens computed."""
-        local = min(ctx.prompt_tokens - 1, self.affinity.longest(w.id, keys) * chunk)
+        held = self.engines.cached_tokens(w, ctx) if self.engines is not None else None
+        if held is None:
+            held = self.affinity.longest(w.id, keys) * chunk
+        local = min(ctx.prompt_tokens - 1, held)
         stored = max(0, ctx.cached_tokens - local)
         computed = ctx.prompt_tokens - max(local, ctx.cached_tokens)
         return computed + self.store_load_weight * stored
