@@ -131,6 +131,10 @@ def render(report: dict) -> str:
         for r in up["services"]:
             last = "-" if r["last_exit"] is None else str(r["last_exit"])
             lines.append(fmt.format(r["name"], r["pid"], r["state"], r["restarts"], last))
+        for e in up.get("external_engines", []):
+            lines.append(
+                f"  external engine {e['url']} ({e['role']}): not started or restarted by up"
+            )
     return "\n".join(lines)
 
 

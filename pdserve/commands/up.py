@@ -17,6 +17,11 @@ segment_size each (``pdserve mooncake master`` / ``storage``), supervised like t
 workers and the router reach it with ``--store-backend mooncake``. Mooncake's links carry no
 TLS: ``up`` binds them to 127.0.0.1.
 
+``--external-engine URL`` (and ``--external-prefill URL``) puts meta, the store and the router
+in front of stock ``vllm serve`` engines that ``up`` does not start, instead of pdserve workers:
+``up`` prints each engine's ``--kv-transfer-config`` for this store, waits for the engines'
+/health and never restarts them (:mod:`pdserve.commands.up_external`).
+
 Secure by default: the services talk mutual TLS, each with its own identity (certificates in
 ``<run_dir>/certs``, made with ``pdserve certs``'s code from one CA that later runs reuse;
 ``up`` itself, and ``pdserve status --run-dir``, act as ``admin``), and the router requires an
@@ -122,6 +127,40 @@ class UpConfig:
         "with PDSERVE_UP_API_KEY rather than a flag. It reaches the router in <run_dir>/api_key",
     )
     ready_timeout_s: float = help_field(600.0, "how long to wait for each service to be ready")
+    external_engine: list[str] = help_field(
+        [],
+        "base URLs (http://HOST:PORT or https://) of OpenAI-compatible `vllm serve` engines up "
+        "does not start, each with pdserve's connector (kv_both): up then starts no pdserve "
+        "workers, only meta, the store and the router, which routes to these as workers that "
+        "prefill and decode; up prints the --kv-transfer-config each needs, waits for their "
+        "/health, never restarts them. Comma-separated",
+        metavar="URL,...",
+    )
+    external_prefill: list[str] = help_field(
+        [],
+        "with external_engine, P/D between stock engines: these URLs are the router's prefill "
+        "workers (the prompt's KV goes through the store), the external_engine ones its decode "
+        "workers (which still run short prompts alone). A separate list rather than a role "
+        "inside each URL, as the router's own --prefill / --decode. Comma-separated",
+        metavar="URL,...",
+    )
+    engine_kv_events: list[str] = help_field(
+        [],
+        "URL=ENDPOINT[+REPLAY] per external engine that publishes vLLM KV events (the "
+        "endpoint and replay_endpoint of its --kv-events-config, e.g. "
+        "http://127.0.0.1:8100=tcp://127.0.0.1:5557+tcp://127.0.0.1:5558), handed to the "
+        "router's --engine-kv-events for cache-aware placement. Comma-separated",
+        metavar="URL=ENDPOINT,...",
+    )
+    kv_dtype: str = help_field(
+        "auto",
+        "KV dtype, part of the chunk keys: auto, float32, bfloat16, float16. With "
+        "external_engine the router keys prompts with it (it cannot ask stock engines): auto = "
+        "bfloat16, what the stock connector derives for vLLM's default --dtype auto with a "
+        "float32 or bfloat16 model (SmolLM2 included; vLLM downcasts float32 to bfloat16 on "
+        "CPUs and bf16 GPUs); set it to the engines' --kv-cache-dtype or --dtype otherwise. "
+        "pdserve workers get it as their --kv-dtype unless auto (their own default)",
+    )
 
     def validate(self) -> None:
         if self.storage_nodes < 1:
@@ -143,6 +182,9 @@ class UpConfig:
         if self.meta_backend not in ("memory", "etcd"):
             raise ConfigError(f"meta_backend must be 'memory' or 'etcd', got {self.meta_backend!r}")
         self._validate_store()
+        from pdserve.commands import up_external
+
+        up_external.validate(self)
         if self.api_key and not self.auth:
             raise ConfigError(
                 "api_key is set but auth is off: unset api_key (PDSERVE_UP_API_KEY) or turn auth on"
@@ -196,6 +238,9 @@ class UpConfig:
             gpus = visible_gpus(os.environ)
         if self.engine == "auto":
             self.engine = "vllm" if importlib.util.find_spec("vllm") is not None else "torch"
+        if self.external_engine:  # the external engines are the workers
+            self.prefill_workers = self.decode_workers = 0
+            return
         if self.prefill_workers < 0:
             self.prefill_workers = 0
         if self.decode_workers == 0:
@@ -240,8 +285,10 @@ def admin_tls(run_dir: str | Path) -> TlsFiles | None:
     )
 
 
-def banner(cfg: UpConfig) -> str:
-    """What ``up`` prints once every service is ready (it never prints the API key)."""
+def banner(cfg: UpConfig, model: str = "") -> str:
+    """What ``up`` prints once every service is ready (it never prints the API key); ``model``
+    is the name requests use (default: cfg.model; with external engines the name they serve)."""
+    model = model or cfg.model
     http = f"http://{cfg.host}:{cfg.http_port}"
     grpc_addr = f"{cfg.host}:{cfg.router_port}"
     run_dir = shlex.quote(str(cfg.run_dir))
@@ -276,6 +323,15 @@ def banner(cfg: UpConfig) -> str:
         )
     else:
         store_line = f"KV store master  {cfg.host}:{cfg.master_port}"
+    external = ""
+    if cfg.external_engine:
+        from pdserve.commands.up_external import EXTERNAL_FILE, instructions
+
+        external = (
+            "  external engines (up neither starts nor restarts them), each with its "
+            f"--kv-transfer-config (also in {Path(cfg.run_dir) / EXTERNAL_FILE}):\n"
+            f"{instructions(cfg)}\n"
+        )
     sd_line = ""
     if cfg.meta_http_port >= 0:
         scheme = "https" if cfg.tls else "http"
@@ -288,15 +344,15 @@ pdserve is up.
   OpenAI-compatible HTTP  {http}/v1   (health: {http}/health, metrics: {http}/metrics)
   gRPC (pdserve.v1.RouterService)  {grpc_addr}
 {auth_line}  meta (registry)  {cfg.host}:{cfg.meta_port}   {store_line}
-{sd_line}{tls_lines}  logs  {Path(cfg.run_dir) / "logs"}/<service>.log      status: {status}
+{sd_line}{tls_lines}{external}  logs  {Path(cfg.run_dir) / "logs"}/<service>.log      status: {status}
 
 Try it:
   curl -s {http}/v1/completions -H 'Content-Type: application/json'{curl_key} \\
-    -d '{{"model": "{cfg.model}", "prompt": "Once upon a time", "max_tokens": 32, "temperature": 0}}'
+    -d '{{"model": "{model}", "prompt": "Once upon a time", "max_tokens": 32, "temperature": 0}}'
 
-  {gen_env}.venv/bin/pdserve generate --router {grpc_addr} --model {cfg.model} "Once upon a time"
+  {gen_env}.venv/bin/pdserve generate --router {grpc_addr} --model {model} "Once upon a time"
 
-  grpcurl -plaintext{grpcurl_key} -d '{{"model": "{cfg.model}", "prompt": "Once upon a time", "sampling": {{"max_tokens": 32, "temperature": 0}}}}' \\
+  grpcurl -plaintext{grpcurl_key} -d '{{"model": "{model}", "prompt": "Once upon a time", "sampling": {{"max_tokens": 32, "temperature": 0}}}}' \\
     {grpc_addr} pdserve.v1.RouterService/GenerateStream
 
 Ctrl-C stops everything.
@@ -309,6 +365,7 @@ def _interrupt(_signum: int, _frame: object) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pdserve.commands.up_cluster import Cluster, progress
+    from pdserve.commands.up_external import model_explicit
     from pdserve.errors import FailedPrecondition
     from pdserve.model.prepare import resolve_model
 
@@ -316,8 +373,11 @@ def run(args: argparse.Namespace) -> int:
         cfg = config.from_args(UpConfig, "up", args)
         cfg.resolve()
         # the model first (a name, a folder, a Hugging Face id): refused before anything starts
-        resolve_model(cfg.model)
-        cluster = Cluster(cfg, args.config)  # places the workers: ValueError when it cannot
+        explicit = model_explicit(args)
+        if explicit or not cfg.external_engine:  # else the model is the external engines'
+            resolve_model(cfg.model)
+        # places the workers: ValueError when it cannot
+        cluster = Cluster(cfg, args.config, explicit_model=explicit)
     except (ConfigError, ValueError, FailedPrecondition) as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2
@@ -335,7 +395,7 @@ def run(args: argparse.Namespace) -> int:
         cluster.stop()
         return 130
     try:
-        print(banner(cfg), flush=True)
+        print(banner(cfg, cluster.model_name), flush=True)
         progress(f"healthy in {time.monotonic() - t0:.1f}s")
         reason = cluster.wait()
     except KeyboardInterrupt:  # Ctrl-C / SIGTERM before wait() took over the signals

@@ -1,6 +1,8 @@
 """The processes of one ``pdserve up`` (:mod:`pdserve.commands.up`): started in order and waited for,
 supervised (a service that dies is restarted with backoff while the rest keeps serving, and
-``<run_dir>/services.json`` says what runs), and stopped in reverse order."""
+``<run_dir>/services.json`` says what runs), and stopped in reverse order. External engines
+(:mod:`pdserve.commands.up_external`) are waited for but never started, stopped or restarted:
+they are not among the processes."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.commands import up_external
 from pdserve.commands.up import (
     ADMIN,
     API_KEY_FILE,
@@ -74,6 +77,10 @@ class Cluster:
     stopping: bool = False
     #: This cluster's restart threads (the finished ones are dropped as new ones start).
     restarts: list[threading.Thread] = field(default_factory=list)
+    #: Whether the user chose cfg.model (else external engines say which model they serve).
+    explicit_model: bool = True
+    #: The name requests use for the model (set by start()).
+    model_name: str = ""
 
     def __post_init__(self) -> None:
         """Places the workers (ValueError when this machine cannot hold them, e.g. more vLLM
@@ -130,6 +137,7 @@ class Cluster:
         # must not share them (and a node's certificate names its node id)
         node_ids = [] if mooncake else [f"node-{i}-{c.master_port}" for i in range(c.storage_nodes)]
         workers = c.workers()
+        self.model_name = c.model
         if mooncake:
             from pdserve.store.mooncake_backend import available
 
@@ -146,6 +154,7 @@ class Cluster:
                 *([] if mooncake else ["master:kvstore-master"]),
                 *(f"node:{n}" for n in node_ids),
                 *(f"worker:{role}-{i}" for role, i in workers),
+                *(f"worker:{e.cert}" for e in up_external.engines(c)),
                 "router:router",
                 f"admin:{ADMIN}",
             ]
@@ -170,7 +179,10 @@ class Cluster:
             if mooncake
             else {}
         )
-        self._start_workers_and_router(meta, master, workers, store)
+        router: dict[str, object] = {}
+        if c.external_engine:  # the store is up: the engines can start now, and are waited for
+            router, self.model_name = up_external.await_engines(c, self.explicit_model, progress)
+        self._start_workers_and_router(meta, master, workers, store, router)
 
     def _start_pdserve_store(self, meta: str, master: str, node_ids: list[str]) -> None:
         """pdserve's own KV store: its master, then the storage nodes."""
@@ -235,12 +247,21 @@ class Cluster:
         )
 
     def _start_workers_and_router(
-        self, meta: str, master: str, workers: list[tuple[str, int]], store: dict[str, str]
+        self,
+        meta: str,
+        master: str,
+        workers: list[tuple[str, int]],
+        store: dict[str, str],
+        external: dict[str, object],
     ) -> None:
+        """The workers (none with external engines), then the router; ``external``: the
+        router's flags for external engines."""
         from pdserve.procs import service_args
 
         c = self.cfg
         places = self.places
+        # pdserve workers get up's kv_dtype only when set (auto: their own default)
+        kv_dtype = c.kv_dtype if c.kv_dtype != "auto" else None
         self._start(
             [
                 (
@@ -251,6 +272,7 @@ class Cluster:
                         model=c.model,
                         chunk_size=c.chunk_size,
                         kv_compression=c.kv_compression,
+                        kv_dtype=kv_dtype,
                         store_master=master,
                         **store,
                         meta=meta,
@@ -273,8 +295,7 @@ class Cluster:
             meta=meta,
             store_master=master,
             **store,
-            model=c.model,
-            chunk_size=c.chunk_size,
+            **{"model": c.model, "chunk_size": c.chunk_size, **external},
             api_key_file=self._key_file(),
             **self._tls("router"),
         )
@@ -320,12 +341,18 @@ class Cluster:
         return path
 
     def _wait_for_workers(self, router: str) -> None:
-        """Ready means the router routes: it must see every worker ``up`` started."""
+        """Ready means the router routes: it must see every worker ``up`` started (or every
+        external engine)."""
         from pdserve import grpcutil
         from pdserve.auth import bearer
         from pdserve.v1 import router_pb2, router_pb2_grpc
 
-        want = (self.cfg.prefill_workers, self.cfg.decode_workers)
+        c = self.cfg
+        want = (
+            (len(c.external_prefill), len(c.external_engine))
+            if c.external_engine
+            else (c.prefill_workers, c.decode_workers)
+        )
         deadline = time.monotonic() + self.cfg.ready_timeout_s
         with grpcutil.sync_channel(router, public=True) as ch:
             stub = router_pb2_grpc.RouterServiceStub(ch)
@@ -444,6 +471,10 @@ class Cluster:
         path = Path(self.cfg.run_dir) / SERVICES_FILE
         tmp = path.with_suffix(".tmp")
         data = {"up_pid": os.getpid(), "tls": self.cfg.tls, "services": rows}
+        if self.cfg.external_engine:  # not supervised: up neither starts nor restarts them
+            data["external_engines"] = [
+                {"url": e.url, "role": e.role} for e in up_external.engines(self.cfg)
+            ]
         tmp.write_text(json.dumps(data, indent=2))
         tmp.replace(path)
 

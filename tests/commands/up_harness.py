@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import signal
 import ssl
 import subprocess
 import sys
@@ -21,6 +22,13 @@ def start_up(
     tmp_path: Path, *flags: str, timeout: float = 300
 ) -> tuple[subprocess.Popen, str, dict[str, int], Path]:
     """``pdserve up FLAGS`` plus ports and run dir: (process, banner, ports, run dir)."""
+    proc, ports, run_dir = launch_up(tmp_path, *flags)
+    return proc, read_banner(proc, timeout), ports, run_dir
+
+
+def launch_up(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, dict[str, int], Path]:
+    """``pdserve up FLAGS`` plus ports and run dir, started (its banner not read yet: see
+    :func:`read_banner`): (process, ports, run dir)."""
     meta, meta_http, master, router, http = free_ports(5)
     run_dir = tmp_path / "run"
     cmd = [
@@ -30,14 +38,32 @@ def start_up(
         "--run-dir", str(run_dir),
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, {"meta": meta, "master": master, "http": http}, run_dir
+
+
+def read_banner(proc: subprocess.Popen, timeout: float = 300) -> str:
+    """The banner of a :func:`launch_up` process, once it is out (AssertionError with its
+    stderr when it exits or the time runs out)."""
     banner = ""
     deadline = time.monotonic() + timeout
     while "Ctrl-C stops everything" not in banner:
         if time.monotonic() > deadline or proc.poll() is not None:
-            proc.kill()
+            stop_up(proc)
             raise AssertionError(f"pdserve up did not come up: {proc.stderr.read()[-4000:]}")
         banner += proc.stdout.readline()
-    return proc, banner, {"meta": meta, "master": master, "http": http}, run_dir
+    return banner
+
+
+def stop_up(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """Ctrl-C for a :func:`launch_up` process (it then stops what it started, even while still
+    starting); killed when it does not exit within ``timeout``."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def shm_mapped(pids: Iterable[int]) -> set[str]:
