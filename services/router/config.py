@@ -99,8 +99,8 @@ class RouterConfig(SecurityConfig, StoreBackendConfig):
         [],
         "URL=ENDPOINT[+REPLAY], comma-separated, one per engine: the KV event publisher of the "
         "stock engine at URL (a --prefill or --decode http:// address) as its vllm serve "
-        "--kv-events-config binds it: '{\"enable_kv_cache_events\": true, \"publisher\": "
-        "\"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}' "
+        '--kv-events-config binds it: \'{"enable_kv_cache_events": true, "publisher": '
+        '"zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' '
         "-> http://HOST:8000=tcp://HOST:5557+tcp://HOST:5558. Placement then knows which engine "
         "holds a prompt's prefix in its own cache (services/router/engine_events.py)",
     )

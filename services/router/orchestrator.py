@@ -386,7 +386,11 @@ class Orchestrator:
                 w,
                 session,
                 deadline=job.deadline,
-                prefill_tokens=local.uncached_tokens if local is not None else 0,
+                prefill_tokens=(
+                    self.place.prompt_work(w, local, job.keys, chunk_size)
+                    if local is not None
+                    else 0
+                ),
             )
             try:
                 async with aclosing(attempt.stream()) as chunks:

@@ -49,5 +49,12 @@ class Placer:
             w = self.placement.choose(cands, local, keys, chunk_size)
         else:
             w = self.decode_choice.choose(cands)
-        self.placement.affinity.record(w.id, keys)
+        self.placement.record(w.id, keys)
         return w
+
+    def prompt_work(self, w: Worker, ctx: RouteContext, keys: list[str], chunk_size: int) -> int:
+        """Prompt tokens ``w`` computes for the request (its own prefix cache and the store
+        discounted), counted on ``w`` until its first token: the queued work placement sees."""
+        if self.placement.engines is None:
+            return ctx.uncached_tokens
+        return max(1, int(self.placement.own_tokens(w, ctx, keys, chunk_size)))

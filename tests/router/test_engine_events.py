@@ -199,3 +199,37 @@ async def _until(cond, what: str, timeout: float = 10.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.02)
+
+
+def test_a_request_the_engine_holds_counts_only_its_uncached_work_on_it() -> None:
+    """What a request costs its engine until its first token (the queued work placement sees
+    next) is what that engine computes: the prefix it holds is free there."""
+    from pdserve.services.router.place import Placer
+    from pdserve.services.router.policies import DecodeChoice, LeastLoad
+    from pdserve.services.router.workers import WorkerPool
+
+    rng = random.Random(6)
+    prompt = [rng.randrange(50_000) for _ in range(20 * BS)]
+    a, b = Worker("a", "http://a:1", DECODE), Worker("b", "http://b:1", DECODE)
+    engines = _views(prompt[: 16 * BS], a.address, b.address)
+    placer = Placer(WorkerPool(), LeastLoad(), DecodeChoice(), ColocatedPlacement(engines=engines))
+    ctx = RouteContext(len(prompt), 0, prompt)
+    assert placer.prompt_work(a, ctx, [], 0) == 4 * BS
+    assert placer.prompt_work(b, ctx, [], 0) == 20 * BS
+    # without views: the prompt's tokens the store does not hold, on any worker
+    plain = Placer(WorkerPool(), LeastLoad(), DecodeChoice(), ColocatedPlacement())
+    assert plain.prompt_work(a, RouteContext(len(prompt), 3 * BS, prompt), [], 0) == 17 * BS
+
+
+def test_new_prefixes_spread_over_idle_workers() -> None:
+    """Ties (idle workers, a prompt none holds) go to the worker picked least often, not
+    always to the first: otherwise every new prefix starts on the same engine."""
+    workers = [Worker(n, f"http://{n}:1", DECODE) for n in ("a", "b", "c")]
+    placement = ColocatedPlacement()
+    picks = []
+    for i in range(6):
+        ctx = RouteContext(100, 0, [i] * 100)
+        w = placement.choose(workers, ctx, [], 0)
+        placement.record(w.id, [])
+        picks.append(w.id)
+    assert sorted(picks) == ["a", "a", "b", "b", "c", "c"], picks

@@ -52,3 +52,57 @@ def test_logprobs_are_refused_by_name():
 def test_http_workers_are_told_by_their_address():
     assert Worker("d", "http://10.0.0.8:8100", "decode").http
     assert not Worker("d", "10.0.0.8:50070", "decode").http
+
+
+def test_each_token_is_passed_on_as_it_comes_and_the_last_carries_the_usage():
+    """A streamed completion's events: a token is yielded before the engine sends the next one
+    (holding each for the next delayed every first token by an inter-token gap); the final one
+    waits for the usage event, whose cached_tokens it carries once."""
+    import asyncio
+    import json
+
+    from pdserve.services.router.http_worker_client import _events
+
+    sent: list[str] = []
+
+    def event(d: dict) -> bytes:
+        return f"data: {json.dumps(d)}\n".encode()
+
+    class Stream:
+        """resp.content: hands out an event only when the consumer asks for it."""
+
+        def __init__(self, lines: list[bytes]) -> None:
+            self.lines = lines
+
+        async def __aiter__(self):
+            for line in self.lines:
+                sent.append(line.decode())
+                yield line
+                await asyncio.sleep(0)
+
+    class Resp:
+        content = Stream(
+            [
+                event({"choices": [{"token_ids": [5], "text": "a", "finish_reason": None}]}),
+                event({"choices": [{"token_ids": [6], "text": "b", "finish_reason": None}]}),
+                event({"choices": [{"token_ids": [7], "text": "c", "finish_reason": "length"}]}),
+                event({"choices": [], "usage": {"prompt_tokens_details": {"cached_tokens": 64}}}),
+                b"data: [DONE]\n",
+            ]
+        )
+
+    async def main() -> list:
+        out = []
+        async for m in _events(Resp(), 0.0, 100):
+            out.append((list(m.token_ids), len(sent)))
+            last = m
+        assert (last.prefix_cached_tokens, last.loaded_tokens, last.recomputed_tokens) == (
+            64,
+            0,
+            36,
+        )
+        assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        return out
+
+    # token 5 went on when only its own event had been read; the last after the usage event
+    assert asyncio.run(main()) == [([5], 1), ([6], 2), ([7], 5)]

@@ -9,7 +9,7 @@ import os
 import shlex
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from pdserve.bench.serve.harness import spawn, wait_http_ready
@@ -40,13 +40,21 @@ def baseline_env(core: int, kv_gib: float, tmp: Path) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def started_colocated(args: argparse.Namespace, work: Path) -> Iterator[str]:
-    """Runs the colocated vLLM baseline (engines + round-robin proxy); yields the proxy URL."""
+def started_engines(
+    args: argparse.Namespace,
+    work: Path,
+    engine_args: Callable[[int], list[str]] = lambda i: [],
+    procs: list[ServiceProcess] | None = None,
+) -> Iterator[list[str]]:
+    """The baseline's ``vllm serve`` engines, one per core (``args.baseline_args`` and
+    ``engine_args(i)`` each), ready; yields their base URLs. Processes started in the
+    ``with`` go in ``procs`` to be stopped first."""
     from pdserve.model.prepare import resolve_model
 
     model_dir = resolve_model(args.model)
     cores = os.cpu_count() or 1
-    procs: list[ServiceProcess] = []
+    procs = procs if procs is not None else []
+    engines: list[ServiceProcess] = []
     try:
         bases = []
         t0 = time.monotonic()
@@ -54,23 +62,32 @@ def started_colocated(args: argparse.Namespace, work: Path) -> Iterator[str]:
             port = free_ports(1)[0]
             argv = [sys.executable, "-m", "pdserve.commands.vllm", "serve", str(model_dir)]
             argv += ["--served-model-name", args.model, "--host", "127.0.0.1", "--port", str(port)]
-            argv += shlex.split(args.baseline_args)
+            argv += shlex.split(args.baseline_args) + engine_args(i)
             env = baseline_env(i % cores, args.baseline_kv_cache_gib, work / f"vllm-{i}")
             say(f"starting vllm-{i} on core {i % cores}: {shlex.join(argv[1:])}")
-            procs.append(spawn(f"vllm-{i}", argv, work / f"vllm-{i}.log", env))
+            engines.append(spawn(f"vllm-{i}", argv, work / f"vllm-{i}.log", env))
             bases.append(f"http://127.0.0.1:{port}")
-        for proc, base in zip(procs, bases, strict=True):
+        for proc, base in zip(engines, bases, strict=True):
             wait_http_ready(proc, base, args.model, args.start_timeout)
+        say(f"{len(bases)} engines ready in {time.monotonic() - t0:.1f}s: {bases}")
+        yield bases
+    finally:
+        t1 = time.monotonic()
+        for proc in [*reversed(procs), *reversed(engines)]:
+            say(f"stopping {proc.name}")
+            proc.stop(60.0)
+        say(f"engines stopped in {time.monotonic() - t1:.1f}s")
+
+
+@contextlib.contextmanager
+def started_colocated(args: argparse.Namespace, work: Path) -> Iterator[str]:
+    """Runs the colocated vLLM baseline (engines + round-robin proxy); yields the proxy URL."""
+    procs: list[ServiceProcess] = []
+    with started_engines(args, work, procs=procs) as bases:
         port = free_ports(1)[0]
         argv = [sys.executable, "-m", "pdserve.bench.serve.proxy", str(port), *bases]
         procs.append(spawn("proxy", argv, work / "proxy.log"))
         proxy = f"http://127.0.0.1:{port}"
         wait_http_ready(procs[-1], proxy, args.model, 60.0)
-        say(f"colocated baseline ready in {time.monotonic() - t0:.1f}s at {proxy} -> {bases}")
+        say(f"colocated baseline ready at {proxy} -> {bases}")
         yield proxy
-    finally:
-        t1 = time.monotonic()
-        for proc in reversed(procs):
-            say(f"stopping {proc.name}")
-            proc.stop(60.0)
-        say(f"colocated baseline stopped in {time.monotonic() - t1:.1f}s")

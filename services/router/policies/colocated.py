@@ -41,6 +41,7 @@ class ColocatedPlacement:
     ) -> None:
         self.affinity = affinity or PrefixAffinity()
         self.engines = engines
+        self._picks: dict[str, int] = {}
         self.store_load_weight = store_load_weight
         self.request_tokens = request_tokens
         self.stream_tokens = stream_tokens
@@ -68,5 +69,21 @@ class ColocatedPlacement:
     def choose(
         self, workers: Sequence[Worker], ctx: RouteContext, keys: Sequence[str], chunk: int
     ) -> Worker:
-        """Contract: ``workers`` is non-empty; returns one of them; mutates nothing."""
-        return min(workers, key=lambda w: (self.cost(w, ctx, keys, chunk), w.load, w.id))
+        """Contract: ``workers`` is non-empty; returns one of them; mutates nothing. Ties (an
+        idle cluster, a prompt no worker holds) go to the worker with fewer requests now, then
+        to the one picked least often (:meth:`record`): new prefixes spread over the workers
+        instead of all starting on the first."""
+        return min(
+            workers,
+            key=lambda w: (
+                self.cost(w, ctx, keys, chunk),
+                w.load,
+                self._picks.get(w.id, 0),
+                w.id,
+            ),
+        )
+
+    def record(self, worker_id: str, keys: Sequence[str]) -> None:
+        """``worker_id`` takes the request with chain ``keys`` (the router's picks)."""
+        self.affinity.record(worker_id, keys)
+        self._picks[worker_id] = self._picks.get(worker_id, 0) + 1
