@@ -219,7 +219,7 @@ class _PromptUsage:
 
     def add(self, choice: int, c: StreamChunk) -> None:
         k = self.out.prompt(choice)
-        if c.prompt_tokens and k not in self.seen:
+        if c.prompt_tokens:  # the last report of a prompt wins (the worker's own count)
             self.seen[k] = (c.prompt_tokens, c.cached_tokens)
 
     def usage(self, completion: int) -> dict[str, Any]:

@@ -125,6 +125,11 @@ class DecodeSession:
                 chunk.cached_tokens = resp.loaded_tokens + resp.prefix_cached_tokens
             else:  # not known yet: what the store held at routing time
                 chunk.cached_tokens = trace.cached_tokens
+        elif counted and self.cached_tokens is None:
+            # the worker's own count (its prefix cache, the store's loads) came with its last
+            # message: given again there, for the usage reported at the end
+            chunk.prompt_tokens = len(self._first_request.prompt_token_ids)
+            chunk.cached_tokens = resp.loaded_tokens + resp.prefix_cached_tokens
         return chunk
 
     def resume(self, detokenize: Callable[[list[int]], str]) -> bool:

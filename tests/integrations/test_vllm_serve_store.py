@@ -239,7 +239,8 @@ def test_routers_placement_follows_the_stock_engines_own_kv_events(engines, tmp_
     """`pdserve router --decode http://A --decode http://B --engine-kv-events ...` with no
     store: a prompt one engine computed (sent to it directly, not through the router) puts the
     requests that extend it on that engine, as its vLLM KV events say it holds the prefix,
-    whichever engine it is (a tie-break alone would pick the same one both times)."""
+    whichever engine it is (a tie-break alone would pick the same one both times), and the
+    router's usage reports the engine's cache hit."""
     from pdserve.procs import service_args, start_service
 
     producer, consumer, _master, events = engines
@@ -273,7 +274,9 @@ def test_routers_placement_follows_the_stock_engines_own_kv_events(engines, tmp_
                     f"{http}/v1/completions", json.dumps({**body, "prompt": prompt}).encode(),
                     {"Content-Type": "application/json"},
                 )  # fmt: skip
-                urllib.request.urlopen(req, timeout=300).read()
+                usage = json.loads(urllib.request.urlopen(req, timeout=300).read())["usage"]
+                # the engine's own hit, reported by the router (it arrives with the last token)
+                assert usage["prompt_tokens_details"]["cached_tokens"] == len(prefix), usage
             after = {u: _metric(u, "vllm:request_success_total") - counts[u] for u in urls}
             assert after == {u: 3.0 if u == holder else 0.0 for u in urls}, (holder, after)
             assert counts[holder] == before + 1
