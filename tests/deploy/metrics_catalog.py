@@ -20,6 +20,7 @@ MODULES = {
         "pdserve.services.router.trace",
         "pdserve.services.router.workers",
         "pdserve.services.router.prefix_index",
+        "pdserve.services.router.engine_events",
     ],
     "prefill": [
         "pdserve.services.prefill.servicer",
