@@ -153,7 +153,8 @@ class EngineCache:
         if bs != self.block_size:
             self.clear()
             self.block_size = bs
-        extra = ev.get("extra_keys") or [None] * len(hashes)
+        extra = list(ev.get("extra_keys") or [])[: len(hashes)]
+        extra += [None] * (len(hashes) - len(extra))
         parent = ev.get("parent_block_hash")
         if parent is None:
             salt = extra[0][0] if extra[0] and len(extra[0]) == 1 else ""
