@@ -10,15 +10,14 @@ import time
 import blake3
 import grpc
 import pytest
+from kv_events_harness import kv_events_store, put_chunks
 
-from pdserve import procs
 from pdserve.config import ConfigError
 from pdserve.hashing import ModelFingerprint, chunk_keys
 from pdserve.services.kvstore.master.config import MasterConfig
 from pdserve.services.kvstore.master.kv_events import KVEventLog, tokens_of
 from pdserve.services.kvstore.master.types import BlockMeta
-from pdserve.store import open_store
-from pdserve.store.api import ChunkMeta, StoreBackend
+from pdserve.store.api import ChunkMeta
 from pdserve.v1 import kvstore_pb2 as pb
 from pdserve.v1 import kvstore_pb2_grpc
 
@@ -150,26 +149,10 @@ def test_zmq_endpoints_are_loopback_unless_insecure() -> None:
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory):
-    log_dir = tmp_path_factory.mktemp("kv-events")
-    with procs.local_store(
-        log_dir,
-        segment_size="32MiB",
-        master_flags={
-            "state_dir": "",
-            "kv_events_endpoint": "tcp://127.0.0.1:*",
-            "kv_events_replay_endpoint": "tcp://127.0.0.1:*",
-            "kv_events_topic": "kv",
-        },
-    ) as (master, _node):
-        client = open_store(master.info["grpc"])
-        try:
-            yield master, client
-        finally:
-            client.close()
-
-
-def _put(client: StoreBackend, keys: list[str], meta: dict[str, ChunkMeta] | None) -> None:
-    assert all(client.batch_put([(k, b"x" * 100) for k in keys], meta=meta))
+    with kv_events_store(
+        tmp_path_factory.mktemp("kv-events"), kv_events_replay_endpoint="tcp://127.0.0.1:*"
+    ) as started:
+        yield started
 
 
 def _check_chain(stored, keys: list[str], tokens: list[int]) -> None:
@@ -203,13 +186,13 @@ def test_zmq_subscriber_decodes_stored_removed_and_replays(store) -> None:
         while not sub.poll(200):
             assert time.monotonic() < deadline, "no KV event reached the ZMQ subscriber"
             probe += 1
-            _put(client, chunk_keys(FP, [7, 7, 7, probe]), None)
+            put_chunks(client, chunk_keys(FP, [7, 7, 7, probe]), None)
         while sub.poll(200):
             sub.recv_multipart()
 
         tokens = list(range(1000, 1012))
         keys, meta = chain(tokens)
-        _put(client, keys, meta)
+        put_chunks(client, keys, meta)
         assert client.remove([keys[2]]) == 1
         ours = {bytes.fromhex(k) for k in keys}
         seen: list[tuple[int, object]] = []
@@ -279,7 +262,7 @@ def test_grpc_subscription_sees_the_same_and_replays(store) -> None:
     stub = kvstore_pb2_grpc.KVMasterServiceStub(channel)
     try:
         pre_keys, pre_meta = chain(list(range(500, 508)))
-        _put(client, pre_keys, pre_meta)
+        put_chunks(client, pre_keys, pre_meta)
         snap = stub.SubscribeKVEvents(pb.SubscribeKVEventsRequest(snapshot=True), timeout=30)
         held: set[str] = set()
         while True:
@@ -296,8 +279,8 @@ def test_grpc_subscription_sees_the_same_and_replays(store) -> None:
 
         tokens = list(range(2000, 2008))
         keys, meta = chain(tokens)
-        _put(client, keys, meta)
-        _put(client, ["tail-" + "1" * 59], None)  # not a block: not published
+        put_chunks(client, keys, meta)
+        put_chunks(client, ["tail-" + "1" * 59], None)  # not a block: not published
         assert client.remove(keys[:1]) == 1
         # the put's events may come in more than one batch (one per flush): read up to the
         # removal, which comes after every stored event

@@ -13,8 +13,9 @@ import time
 
 import grpc
 import pytest
+from kv_events_harness import kv_events_store, put_chunks
 
-from pdserve import config, errors, procs
+from pdserve import config, errors
 from pdserve.config import ConfigError
 from pdserve.hashing import ModelFingerprint, chunk_keys
 from pdserve.services.kvstore.master.config import MasterConfig
@@ -22,8 +23,7 @@ from pdserve.services.kvstore.master.kv_events import KVEventLog
 from pdserve.services.kvstore.master.objects import _block_problem
 from pdserve.services.kvstore.master.state import MasterState
 from pdserve.services.kvstore.master.types import BlockMeta
-from pdserve.store import open_store
-from pdserve.store.api import ChunkMeta, StoreBackend
+from pdserve.store.api import ChunkMeta
 from pdserve.v1 import kvstore_pb2 as pb
 from pdserve.v1 import kvstore_pb2_grpc
 
@@ -237,26 +237,20 @@ def test_a_removed_object_still_tells_its_engine_hashes() -> None:
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory):
-    log_dir = tmp_path_factory.mktemp("kv-events-engine")
-    with procs.local_store(
-        log_dir,
-        segment_size="32MiB",
-        master_flags={
-            "state_dir": "",
-            "kv_events_endpoint": "tcp://127.0.0.1:*",
-            "kv_events_topic": "kv",
-            "kv_events_hashes": "engine",
-        },
-    ) as (master, _node):
-        client = open_store(master.info["grpc"])
-        try:
-            yield master, client
-        finally:
-            client.close()
+    with kv_events_store(
+        tmp_path_factory.mktemp("kv-events-engine"), kv_events_hashes="engine"
+    ) as started:
+        yield started
 
 
-def _put(client: StoreBackend, keys: list[str], meta: dict[str, ChunkMeta] | None) -> None:
-    assert all(client.batch_put([(k, b"x" * 100) for k in keys], meta=meta))
+def _subscribed(stub):
+    """A live SubscribeKVEvents stream, returned once the master has it: the snapshot asked
+    for first ends after the subscription is registered (a plain subscription may still be on
+    its way when the test's puts are published, and then they never reach it)."""
+    stream = stub.SubscribeKVEvents(pb.SubscribeKVEventsRequest(snapshot=True), timeout=60)
+    while not next(stream).snapshot_end:
+        pass
+    return stream
 
 
 def _read_until(stream, done) -> list[pb.KVCacheEvent]:
@@ -282,7 +276,7 @@ def test_store_client_round_trip_over_grpc_and_zmq(store) -> None:
     master, client = store
     channel = grpc.insecure_channel(master.info["grpc"])
     stub = kvstore_pb2_grpc.KVMasterServiceStub(channel)
-    live = stub.SubscribeKVEvents(pb.SubscribeKVEventsRequest(), timeout=60)
+    live = _subscribed(stub)
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.connect(master.info["kv_events"])
@@ -294,13 +288,13 @@ def test_store_client_round_trip_over_grpc_and_zmq(store) -> None:
         while not sub.poll(200):
             assert time.monotonic() < deadline, "no KV event reached the ZMQ subscriber"
             probe += 1
-            _put(client, chunk_keys(FP, [9, 9, 9, probe]), None)
+            put_chunks(client, chunk_keys(FP, [9, 9, 9, probe]), None)
         while sub.poll(200):
             sub.recv_multipart()
 
         tokens = list(range(3000, 3012))
         keys, meta, eh = chain(tokens)
-        _put(client, keys, meta)
+        put_chunks(client, keys, meta)
         assert client.remove([keys[2]]) == 1
 
         events = _read_until(live, lambda ev: any(e.HasField("removed") for e in ev))
@@ -446,12 +440,12 @@ def test_vllm_connector_publishes_the_requests_block_hashes(store) -> None:
             return True
 
         def save(self, items, *, ttl_ms=0, meta=None):
-            _put(client, [k for k, _ in items], meta)
+            put_chunks(client, [k for k, _ in items], meta)
             return len(items)
 
     channel = grpc.insecure_channel(master.info["grpc"])
     stub = kvstore_pb2_grpc.KVMasterServiceStub(channel)
-    live = stub.SubscribeKVEvents(pb.SubscribeKVEventsRequest(), timeout=60)
+    live = _subscribed(stub)
     try:
         worker = ConnectorWorker(None, fp, fp, bs, IO())  # TP rank 0: it publishes the chain
         worker._gather_all = lambda saves: [torch.zeros(1) for _ in saves]
