@@ -202,6 +202,23 @@ def _stop_engine(engine) -> None:
             Path(path).unlink(missing_ok=True)
 
 
+def quiet_port() -> int:
+    """A port free now below the kernel's ephemeral range, which outgoing connections take
+    their ports from: a port of :func:`free_ports` is in that range, and on a busy machine a
+    connection of another test may take it before the engine binds it, tens of seconds on."""
+    import socket
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.sample(range(20000, min(low, 32768)), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    return free_ports(1)[0]
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_up_serves_a_stock_engine_started_with_the_config_it_printed(tmp_path: Path):
@@ -222,7 +239,7 @@ def test_up_serves_a_stock_engine_started_with_the_config_it_printed(tmp_path: P
     from pdserve.store import open_store
 
     model_dir = resolve_model("smollm2")
-    (port,) = free_ports(1)
+    port = quiet_port()  # the engine binds it a while later, after up's store is up
     engine_url = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
     up, ports, run_dir = launch_up(
@@ -246,7 +263,11 @@ def test_up_serves_a_stock_engine_started_with_the_config_it_printed(tmp_path: P
             "--kv-transfer-config", json.dumps(row["kv_transfer_config"]),
         ]  # fmt: skip
         engine = spawn("vllm-external", cmd, tmp_path / "vllm.log", baseline_env(0, 1.0, tmp_path))
-        text = read_banner(up, 240)
+        text = read_banner(
+            up,
+            240,
+            lambda: "" if engine.alive() else f"the engine exited:\n{engine.log_tail(60)}",
+        )
         ready_s = time.monotonic() - t0
         assert "external engines" in text and engine_url in text
         assert json.dumps(row["kv_transfer_config"], separators=(",", ":")) in text

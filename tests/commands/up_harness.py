@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from pdserve.procs import free_ports
@@ -41,15 +41,19 @@ def launch_up(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, dict[str, 
     return proc, {"meta": meta, "master": master, "http": http}, run_dir
 
 
-def read_banner(proc: subprocess.Popen, timeout: float = 300) -> str:
+def read_banner(
+    proc: subprocess.Popen, timeout: float = 300, failed: Callable[[], str] | None = None
+) -> str:
     """The banner of a :func:`launch_up` process, once it is out (AssertionError with its
-    stderr when it exits or the time runs out)."""
+    stderr when it exits or the time runs out, or with what ``failed`` says when it says
+    something: a process up waits for that died)."""
     banner = ""
     deadline = time.monotonic() + timeout
     while "Ctrl-C stops everything" not in banner:
-        if time.monotonic() > deadline or proc.poll() is not None:
+        why = failed() if failed is not None else ""
+        if why or time.monotonic() > deadline or proc.poll() is not None:
             stop_up(proc)
-            raise AssertionError(f"pdserve up did not come up: {proc.stderr.read()[-4000:]}")
+            raise AssertionError(f"pdserve up did not come up: {why}\n{proc.stderr.read()[-4000:]}")
         banner += proc.stdout.readline()
     return banner
 
