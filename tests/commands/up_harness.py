@@ -26,10 +26,33 @@ def start_up(
     return proc, read_banner(proc, timeout), ports, run_dir
 
 
+def quiet_ports(n: int) -> list[int]:
+    """``n`` distinct ports free now, below the kernel's ephemeral range. Outgoing connections
+    take their ports from that range, and so does :func:`free_ports`: up binds its ports
+    seconds to a minute after they are picked (the router after the workers are ready), and on
+    a busy machine another test's connection took one meanwhile (meta's, CI, 'address already
+    in use')."""
+    import random
+    import socket
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    out: list[int] = []
+    for port in random.sample(range(20000, min(low, 32768)), 400):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        out.append(port)
+        if len(out) == n:
+            return out
+    return free_ports(n)
+
+
 def launch_up(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, dict[str, int], Path]:
     """``pdserve up FLAGS`` plus ports and run dir, started (its banner not read yet: see
     :func:`read_banner`): (process, ports, run dir)."""
-    meta, meta_http, master, router, http = free_ports(5)
+    meta, meta_http, master, router, http = quiet_ports(5)
     run_dir = tmp_path / "run"
     cmd = [
         sys.executable, "-m", "pdserve.commands.cli", "up", *flags,

@@ -44,9 +44,10 @@ def test_burst_prefills_shortest_first_with_the_same_tokens(tmp_path: Path) -> N
         {**config, "prefill_order": "shortest", "ttft_urgent_ms": 0},
         [job, FORGET, *alone],
     )
-    # a 0.5 s target the burst cannot meet behind the blocker: late prompts go one at a time,
-    # oldest first
-    late = {**config, "prefill_order": "deadline", "ttft_target_ms": 500}
+    # a 1 ms target no prompt can meet: every prompt is late on arrival, and late prompts go
+    # one at a time, oldest first (with 500 ms, a prompt of the burst that came late enough on
+    # a loaded machine was still live, and went before an older one: CI)
+    late = {**config, "prefill_order": "deadline", "ttft_target_ms": 1}
     deadline = run_engine(tmp_path, "deadline", late, [job])
 
     by_length = sorted(range(len(LENGTHS)), key=LENGTHS.__getitem__)
