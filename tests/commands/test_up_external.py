@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -230,6 +232,7 @@ def test_up_serves_a_stock_engine_started_with_the_config_it_printed(tmp_path: P
         "--ready-timeout-s", "240",
     )  # fmt: skip
     engine = None
+    short_tmp = Path(tempfile.mkdtemp(prefix="pdserve-vllm-"))
     try:
         spec = run_dir / up_external.EXTERNAL_FILE
         while not spec.exists():
@@ -245,7 +248,10 @@ def test_up_serves_a_stock_engine_started_with_the_config_it_printed(tmp_path: P
             "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
             "--kv-transfer-config", json.dumps(row["kv_transfer_config"]),
         ]  # fmt: skip
-        engine = spawn("vllm-external", cmd, tmp_path / "vllm.log", baseline_env(0, 1.0, tmp_path))
+        # vLLM's IPC sockets go under TMPDIR, and a socket path has at most 107 characters:
+        # this test's tmp_path under xdist (popen-gwN) is too long for them
+        env = baseline_env(0, 1.0, short_tmp)
+        engine = spawn("vllm-external", cmd, tmp_path / "vllm.log", env)
         text = read_banner(
             up,
             240,
@@ -293,4 +299,5 @@ def test_up_serves_a_stock_engine_started_with_the_config_it_printed(tmp_path: P
         stop_up(up)
         if engine is not None:
             _stop_engine(engine)
+        shutil.rmtree(short_tmp, ignore_errors=True)
     assert up.returncode in (0, -signal.SIGINT), up.returncode

@@ -69,7 +69,7 @@ def read_banner(
 ) -> str:
     """The banner of a :func:`launch_up` process, once it is out (AssertionError with its
     stderr when it exits or the time runs out, or with what ``failed`` says when it says
-    something: a process up waits for that died)."""
+    something: a process up waits for that died; checked between the lines up prints)."""
     banner = ""
     deadline = time.monotonic() + timeout
     while "Ctrl-C stops everything" not in banner:
