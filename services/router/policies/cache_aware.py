@@ -5,9 +5,9 @@
 The cached length comes from the pooled store's longest-prefix answer (shared by every
 worker), or from the worker's own prefix cache where that holds more (a stock engine's KV
 events: :class:`EngineCaches`), so the uncached term is what this request will cost to
-prefill there; the queued term is
-the prefill work already waiting on the worker: the router's own in-flight uncached tokens, or
-the worker's reported queue times ``request_tokens`` when that is larger (other routers).
+prefill there; the queued term is the prefill work already waiting on the worker: the
+router's own in-flight uncached tokens, or the worker's reported queue times
+``request_tokens`` when that is larger (other routers).
 """
 
 from __future__ import annotations
