@@ -5,12 +5,11 @@ the gRPC SubscribeKVEvents stream."""
 from __future__ import annotations
 
 import itertools
-import time
 
 import blake3
 import grpc
 import pytest
-from kv_events_harness import kv_events_store, put_chunks
+from kv_events_harness import kv_events_store, put_chunks, ready_subscriber
 
 from pdserve.config import ConfigError
 from pdserve.hashing import ModelFingerprint, chunk_keys
@@ -176,20 +175,8 @@ def test_zmq_subscriber_decodes_stored_removed_and_replays(store) -> None:
     master, client = store
     decoder = msgspec.msgpack.Decoder(kv.KVEventBatch)
     ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.connect(master.info["kv_events"])
-    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub = ready_subscriber(ctx, master, client, FP, 7)
     try:
-        # a PUB drops what it sends before the subscription reaches it: probe until one lands
-        probe = 0
-        deadline = time.monotonic() + 20
-        while not sub.poll(200):
-            assert time.monotonic() < deadline, "no KV event reached the ZMQ subscriber"
-            probe += 1
-            put_chunks(client, chunk_keys(FP, [7, 7, 7, probe]), None)
-        while sub.poll(200):
-            sub.recv_multipart()
-
         tokens = list(range(1000, 1012))
         keys, meta = chain(tokens)
         put_chunks(client, keys, meta)

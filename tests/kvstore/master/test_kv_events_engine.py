@@ -9,11 +9,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import itertools
-import time
 
 import grpc
 import pytest
-from kv_events_harness import kv_events_store, put_chunks
+from kv_events_harness import kv_events_store, put_chunks, ready_subscriber
 
 from pdserve import config, errors
 from pdserve.config import ConfigError
@@ -278,20 +277,9 @@ def test_store_client_round_trip_over_grpc_and_zmq(store) -> None:
     stub = kvstore_pb2_grpc.KVMasterServiceStub(channel)
     live = _subscribed(stub)
     ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.connect(master.info["kv_events"])
-    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub = ready_subscriber(ctx, master, client, FP, 9)
     decoder = msgspec.msgpack.Decoder(kv.KVEventBatch)
     try:
-        # a PUB drops what it sends before the subscription reaches it: probe until one lands
-        probe, deadline = 0, time.monotonic() + 20
-        while not sub.poll(200):
-            assert time.monotonic() < deadline, "no KV event reached the ZMQ subscriber"
-            probe += 1
-            put_chunks(client, chunk_keys(FP, [9, 9, 9, probe]), None)
-        while sub.poll(200):
-            sub.recv_multipart()
-
         tokens = list(range(3000, 3012))
         keys, meta, eh = chain(tokens)
         put_chunks(client, keys, meta)
