@@ -50,7 +50,10 @@ LMCACHE_OWN = frozenset(
 )
 
 _OFF = ("", "0", "false", "no", "off")
-_NO_SSD = "pdserve's store keeps KV in its nodes' memory and has no SSD or disk tier"
+_NO_SSD = (
+    "pdserve's disk tier belongs to its storage nodes, not to a client: set kvstore_node.disk_path "
+    "and disk_size (pdserve up: disk_size)"
+)
 _NO_HTTP = "Mooncake's client HTTP server is not implemented by pdserve"
 
 #: key -> (values that change nothing, compared as lower-case strings with None as ""; why any

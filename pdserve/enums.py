@@ -55,6 +55,8 @@ ROLE = ProtoEnum(common_pb2.Role, "ROLE_", sep="-")
 DISAGG_MODE = ProtoEnum(router_pb2.DisaggMode, "DISAGG_MODE_")
 #: A data-plane transport (kvstore.proto ``Transport``): shm, tcp, mooncake.
 TRANSPORT = ProtoEnum(kvstore_pb2.Transport, "TRANSPORT_")
+#: Where a KV store segment's bytes live (kvstore.proto ``StorageTier``): memory, disk.
+STORAGE_TIER = ProtoEnum(kvstore_pb2.StorageTier, "STORAGE_TIER_")
 #: Why a generation ended (common.proto ``FinishReason``): length, eos, stop, cancelled.
 FINISH_REASON = ProtoEnum(common_pb2.FinishReason, "FINISH_REASON_")
 #: Who wrote a chat message (router.proto ``ChatRole``): system, user, assistant, developer, tool.

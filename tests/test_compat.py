@@ -179,7 +179,7 @@ def test_rdma_devices_are_checked_by_name(tmp_path, monkeypatch):
         ("remote_url: lm://h:65432\n", "remote_url must be pdserve://MASTER_HOST:PORT or"),
         ("remote_url: pdserve://h\n", "must name the KV store master as pdserve://HOST:PORT"),
         ("max_local_cpu_size: -1\n", "max_local_cpu_size must be a number of GB >= 0"),
-        ("local_disk: file:///tmp/\n", "local_disk is LMCache.s own setting .pdserve.s store keeps KV"),
+        ("local_disk: file:///tmp/\n", "local_disk is LMCache.s own setting .pdserve.s disk tier belongs to its storage nodes"),
         ("extra_config:\n  use_ascend_direct: true\n", "unknown key extra_config.use_ascend_direct"),
         ("remote_url: pdserve://h:1\nmaster_server_address: h:2\n", "keep one"),
     ],
@@ -318,8 +318,8 @@ def test_mooncakes_environment_only_configuration_is_read(tmp_path):
     [
         ("mode", "embedded", "standalone-store", "embedded clients"),
         ("tenant_id", "default", "team-a", "cache_salt"),
-        ("enable_offload", False, True, "no SSD or disk tier"),
-        ("ssd_offload_path", "", "/mnt/ssd", "no SSD or disk tier"),
+        ("enable_offload", False, True, "disk tier belongs to its storage nodes"),
+        ("ssd_offload_path", "", "/mnt/ssd", "disk tier belongs to its storage nodes"),
         ("enable_client_http_server", "false", "true", "HTTP server is not implemented"),
     ],
 )  # fmt: skip

@@ -27,7 +27,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "Starts a KV store master and a storage node, then measures from this process put "
             "and get GB/s and p50/p99 latency per transport (shm, tcp, mooncake) and object "
             "size, one object per call and in batches (one prompt's chunks per call), numpy "
-            "memcpy as the local limit, Mooncake Store's own client when Mooncake is installed, "
+            "memcpy as the local limit, plain loopback tcp with the same socket settings as the "
+            "tcp limit (tcp-plain: each get a distinct region of a large buffer, cold as a "
+            "stored object; tcp-plain-warm: one buffer sent again and again, cache-warm, for "
+            "comparison only), with --disk-dir the raw disk limit (disk-raw, disk-raw-direct), "
+            "Mooncake Store's own client when Mooncake is installed, "
             "longest_prefix over 64 keys, and one master round trip over gRPC and over the "
             "control wire. Run it on a quiet machine: the figures are wall-clock."
         ),
@@ -173,6 +177,18 @@ def _kvstore_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also measure tcp against a store with mutual TLS on the master's gRPC port and "
         "control wire (pdserve/tcp-tls), as `pdserve up` runs by default",
+    )
+    p.add_argument(
+        "--disk-dir",
+        metavar="DIR",
+        help="also measure the raw disk limit in DIR (default: off): a file of distinct random "
+        "objects written (fsynced) there and each object read once, as O_DIRECT preads "
+        "(disk-raw-direct: the device, page cache bypassed; left out where the file system "
+        "refuses O_DIRECT) and as buffered preads after POSIX_FADV_DONTNEED of the file "
+        "(disk-raw: cold page cache, readahead on); put = the writes plus one fsync. What a "
+        "store's disk tier is read against: give a directory on the disk that tier would use "
+        "(e.g. the run dir), not /dev/shm or another tmpfs (warned: that measures memory). "
+        "Needs room for the biggest size's objects (at most 512 MiB)",
     )
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     p.add_argument("--plot", metavar="PNG", help="also draw get GB/s per size per system to PNG")

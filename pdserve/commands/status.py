@@ -67,6 +67,15 @@ async def collect(meta: str, store_master: str, timeout: float) -> dict:
             "objects": stats.objects,
             "used_bytes": stats.used_bytes,
             "capacity_bytes": stats.capacity_bytes,
+            "memory_used_bytes": sum(
+                g.used
+                for g in stats.segments
+                if g.alive and g.tier == kvstore_pb2.STORAGE_TIER_MEMORY
+            ),
+            "disk_used_bytes": stats.disk_used_bytes,
+            "disk_capacity_bytes": stats.disk_capacity_bytes,
+            "demotions": stats.demotions,
+            "promotions": stats.promotions,
             "alive_nodes": stats.alive_nodes,
             "puts": stats.puts,
             "gets": stats.gets,
@@ -112,13 +121,23 @@ def render(report: dict) -> str:
     store = report["store"]
     if store:
         cap = store["capacity_bytes"]
-        pct = 100 * store["used_bytes"] / cap if cap else 0.0
+        used = store["memory_used_bytes"]
+        pct = 100 * used / cap if cap else 0.0
         lines.append(
-            f"KV store {store['address']}: {store['objects']} objects, "
-            f"{_gib(store['used_bytes'])} of {_gib(cap)} used ({pct:.1f}%), "
+            f"KV store {store['address']}: {store['objects']} objects, memory "
+            f"{_gib(used)} of {_gib(cap)} used ({pct:.1f}%), "
             f"{store['alive_nodes']} node(s) alive, hit rate "
             f"{store['get_hits']}/{store['gets']}, {store['evictions']} evictions"
         )
+        disk_cap = store["disk_capacity_bytes"]
+        if disk_cap:
+            lines.append(
+                f"  disk tier: {_gib(store['disk_used_bytes'])} of {_gib(disk_cap)} used "
+                f"({100 * store['disk_used_bytes'] / disk_cap:.1f}%), "
+                f"{store['demotions']} copied down, {store['promotions']} back up"
+            )
+        else:
+            lines.append("  disk tier: none (nodes run without --disk-path)")
     else:
         lines.append("KV store: no master registered")
     up = report.get("supervised")

@@ -65,6 +65,12 @@ class UpConfig:
         1, "KV store storage nodes (store_backend mooncake: Mooncake storage processes)"
     )
     segment_size: str = help_field("2GiB", "memory each storage node contributes", metavar="SIZE")
+    disk_size: str = help_field(
+        "8GiB",
+        "each storage node's disk tier under <run_dir>/kvdisk (a sparse file: space is taken as "
+        "chunks move down; at most half the free space there; 0 = no disk tier)",
+        metavar="SIZE",
+    )
     store_backend: str = help_field(
         "pdserve",
         "the KV store up runs: pdserve (pdserve kvstore master + storage nodes, mutual TLS) or "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import secrets
 import signal
@@ -31,6 +32,9 @@ from pdserve.commands.up import (
     tls_files,
 )
 from pdserve.devices import Placement, place_workers, visible_gpus
+from pdserve.sizes import parse_size
+
+log = logging.getLogger(__name__)
 
 #: Services started without ``--config`` (they are not pdserve config sections).
 NO_CONFIG = ("mooncake-",)
@@ -207,6 +211,7 @@ class Cluster:
                     master_address=master,
                     node_id=node_id,
                     segment_sizes=c.segment_size,
+                    **disk_tier(Path(c.run_dir) / "kvdisk", c.disk_size),
                     host=c.host,
                     meta=meta,
                     metrics_port=0,
@@ -485,3 +490,29 @@ def _endpoints(info: dict) -> str:
 
 def progress(msg: str) -> None:
     print(f"[pdserve up] {msg}", file=sys.stderr, flush=True)
+
+
+def disk_tier(directory: Path, size: str) -> dict[str, object]:
+    """The ``disk_path`` / ``disk_size`` flags of up's storage nodes: ``size`` in
+    ``directory``, at most half the free space there (sparse files: the space is taken as
+    chunks move down); none for ``0`` or a directory in memory (tmpfs)."""
+    from pdserve.store.segment import memory_backed
+
+    want = parse_size(size, what="disk_size", minimum=0)
+    if not want:
+        return {}
+    directory.mkdir(parents=True, exist_ok=True)
+    if memory_backed(directory):
+        log.warning("%s is in memory (tmpfs): storage nodes run without a disk tier", directory)
+        return {}
+    st = os.statvfs(directory)
+    room = st.f_bavail * st.f_frsize // 2
+    if room < want:
+        log.warning(
+            "disk tier: %d MiB asked, %d MiB is half the free space in %s; using that",
+            want >> 20,
+            room >> 20,
+            directory,
+        )
+    got = min(want, room) // (1 << 20) * (1 << 20)
+    return {"disk_path": directory.resolve(), "disk_size": f"{got >> 20}MiB"} if got else {}

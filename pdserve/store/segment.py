@@ -1,10 +1,13 @@
-"""Node-side segment memory: one shared-memory file per segment.
+"""Node-side segment memory: one file per segment.
 
-Every segment lives in a file under ``/dev/shm`` whose name is derived from the node id and
+A memory segment lives in a file under ``/dev/shm`` whose name is derived from the node id and
 the segment id, so a client on the same host can map the very same pages (the shm transport)
-while the tcp and mooncake transports serve from the same mapping. The node owns the file:
-it creates it (mode 0600: only processes of the node's Unix user can map it), and unlinks it
-on clean shutdown.
+while the tcp and mooncake transports serve from the same mapping. A disk segment (the tier
+below memory) is the same kind of file in a directory on the node's disk, mapped the same
+way: the tcp transport serves it, the kernel's page cache and readahead stand between it and
+the device. The node owns the file: it creates it (mode 0600: only processes of the node's
+Unix user can map it); it unlinks a memory segment's on clean shutdown and keeps a disk
+segment's, which a restarted node maps again with its bytes.
 """
 
 from __future__ import annotations
@@ -40,6 +43,35 @@ def is_shm_name(name: str) -> bool:
     return _SHM_NAME.fullmatch(name) is not None
 
 
+#: File systems whose files live in memory: a disk tier there is memory.
+MEMORY_FS = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs", "shm"})
+
+
+def fs_type(path: str | os.PathLike) -> str:
+    """The type of the file system ``path`` is on (``ext4``, ``xfs``, ``tmpfs``, ...), from
+    the longest mount point in ``/proc/self/mounts`` above it; ``""`` when unknown."""
+    real = os.path.realpath(path)
+    best, kind = "", ""
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), parts[1])  # \040
+                inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) >= len(best):
+                    best, kind = mnt, parts[2]
+    except OSError:
+        return ""
+    return kind
+
+
+def memory_backed(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is on a file system held in memory (tmpfs, /dev/shm, ramfs)."""
+    return fs_type(path) in MEMORY_FS
+
+
 def host_id() -> str:
     """A stable id of this host: ``PDSERVE_HOST_ID`` when set, else /etc/machine-id plus the
     boot id (shared memory does not survive a reboot), else the hostname."""
@@ -73,17 +105,34 @@ class SegmentMemory:
     fd: int = field(repr=False, default=-1)
     #: True when the bytes of a previous owner (same name and size) were kept.
     reused: bool = False
+    #: The directory of the file: SHM_DIR for a memory segment, the disk tier's otherwise.
+    directory: Path = SHM_DIR
+
+    @property
+    def on_disk(self) -> bool:
+        """Whether this is a disk-tier segment (a file outside SHM_DIR)."""
+        return self.directory != SHM_DIR
+
+    @property
+    def path(self) -> Path:
+        return self.directory / self.name
 
     @classmethod
     def create(
-        cls, segment_id: str, name: str, size: int, *, prefault: bool = False
+        cls,
+        segment_id: str,
+        name: str,
+        size: int,
+        *,
+        prefault: bool = False,
+        directory: Path = SHM_DIR,
     ) -> SegmentMemory:
-        """Creates the file (or takes over a leftover of a dead owner) and maps it. ``prefault``
-        allocates every page now (``posix_fallocate``: a too small /dev/shm fails here with
-        ENOSPC instead of a SIGBUS on a later write) and maps them all (``MAP_POPULATE``), so
-        copies do not pay page faults. Raises :class:`SegmentInUse` when a live process owns
-        the file."""
-        path = SHM_DIR / name
+        """Creates the file ``directory / name`` (or takes over a leftover of a dead owner) and
+        maps it. ``prefault`` allocates every page now (``posix_fallocate``: a too small
+        /dev/shm or disk fails here with ENOSPC instead of a SIGBUS on a later write) and maps
+        them all (``MAP_POPULATE``), so copies do not pay page faults. Raises
+        :class:`SegmentInUse` when a live process owns the file."""
+        path = directory / name
         # No symlinks, and only a file of our own: another user's file in the world-writable
         # SHM_DIR (made before us under this name) must not become our segment.
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
@@ -114,7 +163,7 @@ class SegmentMemory:
         except BaseException:
             os.close(fd)
             raise
-        return cls(segment_id, name, size, mm, fd, reused)
+        return cls(segment_id, name, size, mm, fd, reused, directory)
 
     @property
     def view(self) -> memoryview:
@@ -125,7 +174,24 @@ class SegmentMemory:
         """Virtual address of the mapping (for registering it with a transfer engine)."""
         return ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
 
+    def write(self, offset: int, data: memoryview) -> None:
+        """Copies ``data`` to ``offset``. A disk segment's copy goes through the file
+        (``pwrite``, then ``fdatasync``: durable when this returns, and the pages are not
+        mapped into this process, so the kernel may drop them from its cache like any file's);
+        a memory segment's is a memcpy into the mapping."""
+        if not self.on_disk:
+            with self.view as whole:
+                whole[offset : offset + len(data)] = data
+            return
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self.fd, data[done:], offset + done)
+        os.fdatasync(self.fd)
+
     def unlink(self) -> None:
-        """Removes the shm file (the mapping stays valid until the process exits)."""
+        """Removes the shm file of a memory segment (the mapping stays valid until the process
+        exits); a disk segment's file stays for the next run."""
+        if self.on_disk:
+            return
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(SHM_DIR / self.name)
+            os.unlink(self.path)

@@ -26,6 +26,11 @@ class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRANSPORT_TCP: _ClassVar[Transport]
     TRANSPORT_MOONCAKE: _ClassVar[Transport]
 
+class StorageTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STORAGE_TIER_MEMORY: _ClassVar[StorageTier]
+    STORAGE_TIER_DISK: _ClassVar[StorageTier]
+
 class PlacementStrategy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PLACEMENT_UNSPECIFIED: _ClassVar[PlacementStrategy]
@@ -46,6 +51,7 @@ class KVEventReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_EVENT_REASON_TTL: _ClassVar[KVEventReason]
     KV_EVENT_REASON_NODE_DEAD: _ClassVar[KVEventReason]
     KV_EVENT_REASON_UNMOUNT: _ClassVar[KVEventReason]
+    KV_EVENT_REASON_TIER: _ClassVar[KVEventReason]
 KV_OK: KVErrorCode
 KV_NOT_FOUND: KVErrorCode
 KV_PUT_IN_PROGRESS: KVErrorCode
@@ -59,6 +65,8 @@ TRANSPORT_UNSPECIFIED: Transport
 TRANSPORT_SHM: Transport
 TRANSPORT_TCP: Transport
 TRANSPORT_MOONCAKE: Transport
+STORAGE_TIER_MEMORY: StorageTier
+STORAGE_TIER_DISK: StorageTier
 PLACEMENT_UNSPECIFIED: PlacementStrategy
 PLACEMENT_FREE_RATIO_FIRST: PlacementStrategy
 PLACEMENT_RANDOM: PlacementStrategy
@@ -71,6 +79,7 @@ KV_EVENT_REASON_EVICT: KVEventReason
 KV_EVENT_REASON_TTL: KVEventReason
 KV_EVENT_REASON_NODE_DEAD: KVEventReason
 KV_EVENT_REASON_UNMOUNT: KVEventReason
+KV_EVENT_REASON_TIER: KVEventReason
 
 class Endpoint(_message.Message):
     __slots__ = ("transport", "address", "shm_name", "host_id", "remote_base")
@@ -87,19 +96,21 @@ class Endpoint(_message.Message):
     def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., address: _Optional[str] = ..., shm_name: _Optional[str] = ..., host_id: _Optional[str] = ..., remote_base: _Optional[int] = ...) -> None: ...
 
 class Segment(_message.Message):
-    __slots__ = ("segment_id", "node_id", "size", "endpoints")
+    __slots__ = ("segment_id", "node_id", "size", "endpoints", "tier")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     segment_id: str
     node_id: str
     size: int
     endpoints: _containers.RepeatedCompositeFieldContainer[Endpoint]
-    def __init__(self, segment_id: _Optional[str] = ..., node_id: _Optional[str] = ..., size: _Optional[int] = ..., endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ...) -> None: ...
+    tier: StorageTier
+    def __init__(self, segment_id: _Optional[str] = ..., node_id: _Optional[str] = ..., size: _Optional[int] = ..., endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ..., tier: _Optional[_Union[StorageTier, str]] = ...) -> None: ...
 
 class Replica(_message.Message):
-    __slots__ = ("node_id", "segment_id", "offset", "size", "endpoints", "token", "token_expires_ms", "alloc_id")
+    __slots__ = ("node_id", "segment_id", "offset", "size", "endpoints", "token", "token_expires_ms", "alloc_id", "tier")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +119,7 @@ class Replica(_message.Message):
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_EXPIRES_MS_FIELD_NUMBER: _ClassVar[int]
     ALLOC_ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     segment_id: str
     offset: int
@@ -116,7 +128,8 @@ class Replica(_message.Message):
     token: bytes
     token_expires_ms: int
     alloc_id: int
-    def __init__(self, node_id: _Optional[str] = ..., segment_id: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ..., token: _Optional[bytes] = ..., token_expires_ms: _Optional[int] = ..., alloc_id: _Optional[int] = ...) -> None: ...
+    tier: StorageTier
+    def __init__(self, node_id: _Optional[str] = ..., segment_id: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ..., token: _Optional[bytes] = ..., token_expires_ms: _Optional[int] = ..., alloc_id: _Optional[int] = ..., tier: _Optional[_Union[StorageTier, str]] = ...) -> None: ...
 
 class PutOptions(_message.Message):
     __slots__ = ("replicas", "soft_pin", "ttl_ms", "placement")
@@ -315,37 +328,47 @@ class BatchExistsResponse(_message.Message):
     def __init__(self, exists: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class LongestPrefixRequest(_message.Message):
-    __slots__ = ("keys",)
+    __slots__ = ("keys", "client_id", "lease_ms", "with_replicas")
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    WITH_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, keys: _Optional[_Iterable[str]] = ...) -> None: ...
+    client_id: str
+    lease_ms: int
+    with_replicas: bool
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., client_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., with_replicas: _Optional[bool] = ...) -> None: ...
 
 class LongestPrefixResponse(_message.Message):
-    __slots__ = ("length",)
+    __slots__ = ("length", "results")
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
     length: int
-    def __init__(self, length: _Optional[int] = ...) -> None: ...
+    results: _containers.RepeatedCompositeFieldContainer[ReplicaListResult]
+    def __init__(self, length: _Optional[int] = ..., results: _Optional[_Iterable[_Union[ReplicaListResult, _Mapping]]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class SegmentStats(_message.Message):
-    __slots__ = ("segment_id", "node_id", "capacity", "used", "alive")
+    __slots__ = ("segment_id", "node_id", "capacity", "used", "alive", "tier")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     USED_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     segment_id: str
     node_id: str
     capacity: int
     used: int
     alive: bool
-    def __init__(self, segment_id: _Optional[str] = ..., node_id: _Optional[str] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., alive: _Optional[bool] = ...) -> None: ...
+    tier: StorageTier
+    def __init__(self, segment_id: _Optional[str] = ..., node_id: _Optional[str] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., alive: _Optional[bool] = ..., tier: _Optional[_Union[StorageTier, str]] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("objects", "used_bytes", "capacity_bytes", "segments", "puts", "gets", "get_hits", "evictions", "removals", "prefix_queries", "prefix_hit_keys", "alive_nodes")
+    __slots__ = ("objects", "used_bytes", "capacity_bytes", "segments", "puts", "gets", "get_hits", "evictions", "removals", "prefix_queries", "prefix_hit_keys", "alive_nodes", "demotions", "promotions", "memory_evictions", "disk_capacity_bytes", "disk_used_bytes")
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -358,6 +381,11 @@ class StatsResponse(_message.Message):
     PREFIX_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_KEYS_FIELD_NUMBER: _ClassVar[int]
     ALIVE_NODES_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    DISK_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     objects: int
     used_bytes: int
     capacity_bytes: int
@@ -370,7 +398,12 @@ class StatsResponse(_message.Message):
     prefix_queries: int
     prefix_hit_keys: int
     alive_nodes: int
-    def __init__(self, objects: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentStats, _Mapping]]] = ..., puts: _Optional[int] = ..., gets: _Optional[int] = ..., get_hits: _Optional[int] = ..., evictions: _Optional[int] = ..., removals: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hit_keys: _Optional[int] = ..., alive_nodes: _Optional[int] = ...) -> None: ...
+    demotions: int
+    promotions: int
+    memory_evictions: int
+    disk_capacity_bytes: int
+    disk_used_bytes: int
+    def __init__(self, objects: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentStats, _Mapping]]] = ..., puts: _Optional[int] = ..., gets: _Optional[int] = ..., get_hits: _Optional[int] = ..., evictions: _Optional[int] = ..., removals: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hit_keys: _Optional[int] = ..., alive_nodes: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., memory_evictions: _Optional[int] = ..., disk_capacity_bytes: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ()

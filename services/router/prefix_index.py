@@ -4,6 +4,9 @@ prefix is a few set lookups here instead of a round trip to the master.
 
 - The follower subscribes with a snapshot (every block the master holds, then live batches)
   and applies each batch: stored blocks are added, removed ones dropped, cleared empties it.
+  A block is held while any medium holds it: the store's disk tier publishes its copies as
+  blocks of medium ``DISK`` next to the memory medium's, and a block evicted from memory with
+  a copy on disk is still in the store.
 - The index answers only while it is in sync: from the snapshot's last batch until a gap in
   sequence numbers (batches the router missed), the stream's end (a master restart, or the
   master cut the router off for falling behind) or an error. Then lookups go to the master
@@ -62,7 +65,9 @@ class PrefixIndex:
     """Chunk keys the master holds, as its KV event batches say (plain, no I/O)."""
 
     def __init__(self) -> None:
-        self.keys: set[str] = set()
+        #: key -> the media holding it, one bit each (see ``_bits``)
+        self.keys: dict[str, int] = {}
+        self._bits: dict[str, int] = {}
         self.synced = False
         #: Sequence number of the last batch applied (-1 = none).
         self.seq = -1
@@ -83,9 +88,19 @@ class PrefixIndex:
         for ev in batch.events:
             kind = ev.WhichOneof("event")
             if kind == "stored":
-                keys.update(h.hex() for h in ev.stored.block_hashes)
+                bit = self._bit(ev.stored.medium)
+                for h in ev.stored.block_hashes:
+                    k = h.hex()
+                    keys[k] = keys.get(k, 0) | bit
             elif kind == "removed":
-                keys.difference_update(h.hex() for h in ev.removed.block_hashes)
+                bit = self._bit(ev.removed.medium)
+                for h in ev.removed.block_hashes:
+                    k = h.hex()
+                    left = keys.get(k, 0) & ~bit
+                    if left:
+                        keys[k] = left
+                    else:
+                        keys.pop(k, None)
             elif kind == "cleared":
                 keys.clear()
         self.seq = batch.seq
@@ -94,6 +109,12 @@ class PrefixIndex:
             IN_SYNC.set(1)
         KEYS.set(len(keys))
         return True
+
+    def _bit(self, medium: str) -> int:
+        bit = self._bits.get(medium)
+        if bit is None:
+            bit = self._bits[medium] = 1 << len(self._bits)
+        return bit
 
     def longest_prefix(self, keys: list[str]) -> int:
         """How many leading ``keys`` the index holds."""

@@ -27,8 +27,8 @@ class Recorder:
     def __init__(self) -> None:
         self.events: list[tuple[int, str, int, int]] = []
 
-    def __call__(self, type_: int, key: str, size: int, reason: int) -> None:
-        self.events.append((type_, key, size, reason))
+    def __call__(self, type_: int, key: str, size: int, reason: int, *tier: int) -> None:
+        self.events.append((type_, key, size, reason, *tier))
 
 
 @pytest.fixture

@@ -205,3 +205,25 @@ def test_index_applies_batches_in_order_only() -> None:
     assert index.apply(removed) and index.longest_prefix(keys) == 1
     assert not index.apply(pb.KVEventBatch(seq=8)) and not index.synced  # 7 is missing
     assert not index.apply(pb.KVEventBatch(seq=9))  # stays out until a snapshot
+
+
+def test_a_block_is_held_while_any_medium_holds_it() -> None:
+    """The store's disk tier publishes copies as blocks of medium DISK: memory evicting a
+    block that has a disk copy leaves it in the store."""
+    index = PrefixIndex()
+    (key,) = chunk_keys(FP, list(range(4)))
+    h = bytes.fromhex(key)
+
+    def batch(seq: int, *events: tuple[str, str]) -> pb.KVEventBatch:
+        b = pb.KVEventBatch(seq=seq, snapshot=seq == 0, snapshot_end=seq == 0)
+        for kind, medium in events:
+            ev = getattr(b.events.add(), kind)
+            ev.block_hashes.append(h)
+            ev.medium = medium
+        return b
+
+    assert index.apply(batch(0, ("stored", "CPU"), ("stored", "DISK")))
+    assert index.apply(batch(1, ("removed", "CPU"))) and index.longest_prefix([key]) == 1
+    assert index.apply(batch(2, ("stored", "CPU"), ("removed", "DISK")))
+    assert index.longest_prefix([key]) == 1
+    assert index.apply(batch(3, ("removed", "CPU"))) and index.longest_prefix([key]) == 0

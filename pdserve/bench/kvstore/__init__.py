@@ -11,6 +11,12 @@ measures from this (a different) process, per transport and object size, in two 
   lookup, network reads pipelined). N is ``--batch``, fewer for big objects
   (:data:`BATCH_BYTES`).
 
+Those gets read keys the client never looked up, so each pays its own master lookup. The
+``pdserve/<transport>+lookup`` rows are what a KV connector pays: its ``longest_prefix``
+timed with the gets it serves (single: one over the next 16 keys before every 16th get;
+batch: the batch's, then its ``batch_get_into``), the gets then reading the locations it
+answered with no master call of their own (:mod:`pdserve.store.client.locations`).
+
 Reported: put and get GB/s (bytes moved / wall time of sequential operations) and p50/p99
 latency per operation. Every system is measured ``--rounds`` times (default 3), in turn, each
 store started afresh for each round, and each figure is the median across the rounds: the

@@ -1,8 +1,13 @@
 """The local limits a store run is read against: numpy memcpy of the same objects, and plain
-loopback TCP with pdserve's socket settings and nothing else (``tcp-plain``)."""
+loopback TCP with pdserve's socket settings and nothing else (``tcp-plain``: distinct, cold
+regions, as a store reads distinct objects; ``tcp-plain-warm``: one warm buffer again and
+again). The disk limit is in :mod:`pdserve.bench.kvstore.disk`."""
 
 from __future__ import annotations
 
+import mmap
+import os
+import struct
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -32,16 +37,60 @@ def bench_memcpy(sizes: list[int], iterations: int, batch: int) -> list[Row]:
     return rows
 
 
-def _tcp_limit_peer(port_out, size: int, streams: int) -> None:
-    """Child process of :func:`bench_tcp_limit`: sends a /dev/shm-backed buffer on request."""
-    import mmap
+#: The buffer each side of tcp-plain cycles through: at least this many bytes (far beyond
+#: any CPU cache) and enough regions that no timed read repeats one ...
+TCP_COLD_MIN_BYTES = 256 * 1024 * 1024
+#: ... but at most this many bytes per side, and at most an eighth of the memory available.
+TCP_COLD_MAX_BYTES = 1024 * 1024 * 1024
+#: Multiplier of tcp-plain's source pattern: 8-byte word ``w`` holds ``w * _GOLDEN`` (mod
+#: 2**64), so every region differs and every byte of a word varies.
+_GOLDEN = 0x9E3779B97F4A7C15
+_REQ = struct.Struct("<I")  # a tcp-plain request: the region to send
+
+
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+
+
+def cold_regions(size: int, n: int) -> int:
+    """Regions of ``size`` bytes in each side's buffer for ``n`` timed reads (and a warm-up):
+    every read a distinct region, the buffer at least :data:`TCP_COLD_MIN_BYTES`, at most
+    :data:`TCP_COLD_MAX_BYTES` and an eighth of the available memory (the regions are then
+    reused, the cycle still far beyond the caches), and never fewer than two."""
+    want = max(TCP_COLD_MIN_BYTES, size * (n + 1))
+    cap = min(TCP_COLD_MAX_BYTES, _mem_available() // 8)
+    return max(2, min(want, cap) // size)
+
+
+def plain_pattern(lo: int, hi: int) -> np.ndarray:
+    """Bytes ``lo`` to ``hi`` of tcp-plain's source buffer (what the peer sends)."""
+    w0, w1 = lo // 8, -(-hi // 8)
+    words = np.arange(w0, w1, dtype=np.uint64) * np.uint64(_GOLDEN)
+    return words.view(np.uint8)[lo - 8 * w0 : hi - 8 * w0]
+
+
+def _tcp_limit_peer(port_out, size: int, streams: int, regions: int) -> None:
+    """Child process of :func:`bench_tcp_limit`: an anonymous mapping of ``regions`` regions
+    of ``size`` bytes, every page written (:func:`plain_pattern`); each request (a 4-byte
+    region index) is answered with that stream's part of that region."""
     import socket
     import threading
 
     from pdserve.store.transports.tcp import tune_socket
 
-    mm = mmap.mmap(-1, size)
-    mm.write(b"\x07" * size)
+    total = size * regions
+    mm = mmap.mmap(-1, total)
+    arr = np.frombuffer(mm, dtype=np.uint8)
+    step = 64 << 20
+    for lo in range(0, total, step):
+        arr[lo : min(total, lo + step)] = plain_pattern(lo, min(total, lo + step))
     view = memoryview(mm)
     listener = socket.socket()
     tune_socket(listener)
@@ -52,8 +101,9 @@ def _tcp_limit_peer(port_out, size: int, streams: int) -> None:
 
     def serve(conn: socket.socket, i: int) -> None:
         lo, hi = i * part, size if i == streams - 1 else (i + 1) * part
-        while conn.recv(1):
-            conn.sendall(view[lo:hi])
+        while len(req := conn.recv(_REQ.size, socket.MSG_WAITALL)) == _REQ.size:
+            base = _REQ.unpack(req)[0] * size
+            conn.sendall(view[base + lo : base + hi])
 
     conns = [listener.accept()[0] for _ in range(streams)]
     threads = [threading.Thread(target=serve, args=(c, i)) for i, c in enumerate(conns)]
@@ -63,58 +113,108 @@ def _tcp_limit_peer(port_out, size: int, streams: int) -> None:
         t.join()
 
 
-def bench_tcp_limit(sizes: list[int], iterations: int) -> list[Row]:
-    """Loopback TCP with nothing else: one process sends a buffer, this one receives it
-    into a reused buffer, with pdserve's socket settings and stream count: what any tcp
-    transport on this machine works against (gets only)."""
+def _peer_port(q, peer, timeout_s: float = 120.0) -> int:
+    """The port the tcp-plain peer listens on, once it has filled its buffer; raises if it
+    dies first (not waiting the whole timeout)."""
+    import queue
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return q.get(timeout=1.0)
+        except queue.Empty:
+            if not peer.is_alive():
+                raise RuntimeError(f"tcp-plain peer exited ({peer.exitcode})") from None
+            if time.monotonic() > deadline:
+                raise
+
+
+def bench_tcp_limit(sizes: list[int], iterations: int, verify: bool = False) -> list[Row]:
+    """Loopback TCP with nothing else, with pdserve's socket settings and stream count: what
+    any tcp transport on this machine works against (gets only; put mirrors get).
+
+    ``tcp-plain`` (the bound the report's ratios use): a peer process holds a large buffer
+    of distinct bytes (:func:`cold_regions`: at least 256 MiB, every timed read its own
+    region, up to 1 GiB) and each get asks it for the next region, received into the
+    matching region of an equally large buffer here. So, as a store get reads a distinct,
+    cold object, no read finds its source or destination in a CPU cache: the copies into
+    and out of the kernel pay for memory, as the store's do. ``tcp-plain-warm``: the figure
+    this row used to be, one region sent and received again and again (both ends stay in
+    the caches up to about the last-level cache's size): flattering, kept for comparison.
+
+    ``verify``: after the timing, check every region received holds the bytes sent."""
     import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    rows = []
+    for size in sizes:
+        rows += _tcp_limit_size(ctx, size, iterations_for(size, iterations), verify)
+    return rows
+
+
+def _tcp_limit_size(ctx, size: int, n: int, verify: bool) -> list[Row]:
+    """:func:`bench_tcp_limit` at one size: its two rows."""
+    import itertools
     import socket
 
     from pdserve.store import netio
     from pdserve.store.transports import tcp
 
-    rows = []
-    ctx = multiprocessing.get_context("spawn")
-    for size in sizes:
-        streams = tcp.PARALLEL_STREAMS if size >= tcp.PARALLEL_MIN_BYTES else 1
-        q = ctx.Queue()
-        peer = ctx.Process(target=_tcp_limit_peer, args=(q, size, streams), daemon=True)
-        peer.start()
-        try:
-            port = q.get(timeout=60)
-            socks = []
-            for _ in range(streams):
-                sock = socket.socket()
-                tcp.tune_socket(sock)
-                sock.connect(("127.0.0.1", port))
-                socks.append(sock)
-            buf = memoryview(np.empty(size, dtype=np.uint8))
-            part = size // streams
-            views = [
-                buf[i * part : size if i == streams - 1 else (i + 1) * part] for i in range(streams)
-            ]
+    streams = tcp.PARALLEL_STREAMS if size >= tcp.PARALLEL_MIN_BYTES else 1
+    regions = cold_regions(size, n)
+    q = ctx.Queue()
+    peer = ctx.Process(target=_tcp_limit_peer, args=(q, size, streams, regions), daemon=True)
+    peer.start()
+    pool = ThreadPoolExecutor(max(1, streams - 1))
+    socks: list[socket.socket] = []
+    try:
+        port = _peer_port(q, peer)
+        for _ in range(streams):
+            sock = socket.socket()
+            socks.append(sock)
+            tcp.tune_socket(sock)
+            sock.connect(("127.0.0.1", port))
+        dst = np.frombuffer(mmap.mmap(-1, size * regions), dtype=np.uint8)
+        dst.fill(0xA5)  # every page touched before the timing
+        buf = memoryview(dst)
+        part = size // streams
+        bounds = [(i * part, size if i == streams - 1 else (i + 1) * part) for i in range(streams)]
 
-            pool = ThreadPoolExecutor(max(1, streams - 1))
+        def one(i: int, r: int) -> None:
+            lo, hi = bounds[i]
+            socks[i].sendall(_REQ.pack(r))
+            netio.recv_parts(socks[i], [buf[r * size + lo : r * size + hi]])
 
-            def one(i: int, socks: list = socks, views: list = views) -> None:
-                socks[i].sendall(b"r")
-                netio.recv_parts(socks[i], [views[i]])
+        def get_region(r: int) -> None:
+            others = [pool.submit(one, i, r) for i in range(1, streams)]  # as pdserve's client
+            one(0, r)
+            for f in others:
+                f.result()
 
-            def get(_i: int, streams: int = streams, pool: ThreadPoolExecutor = pool) -> None:
-                others = [pool.submit(one, i) for i in range(1, streams)]  # as pdserve's client
-                one(0)
-                for f in others:
-                    f.result()
+        nxt = itertools.count(1)
+        used = {0}
 
-            get(0)
-            n = iterations_for(size, iterations)
-            res = measure(n, get)
-            rows.append(timed_row("tcp-plain", size, n, res, res))
-            for s in socks:
-                s.close()
-            pool.shutdown()
-        finally:
-            peer.join(10)
-            if peer.is_alive():
-                peer.kill()
-    return rows
+        def cold(_i: int) -> None:
+            r = next(nxt) % regions
+            used.add(r)
+            get_region(r)
+
+        get_region(0)  # connections, slow start
+        res = measure(n, cold)
+        rows = [timed_row("tcp-plain", size, n, res, res)]
+        res = measure(n, lambda _i: get_region(0))
+        rows.append(timed_row("tcp-plain-warm", size, n, res, res))
+        if verify:
+            for r in sorted(used):
+                got = dst[r * size : (r + 1) * size]
+                if not np.array_equal(got, plain_pattern(r * size, (r + 1) * size)):
+                    raise RuntimeError(f"tcp-plain {size} B: region {r} received wrong bytes")
+        return rows
+    finally:
+        for s in socks:
+            s.close()
+        pool.shutdown()
+        peer.join(10)
+        if peer.is_alive():
+            peer.kill()

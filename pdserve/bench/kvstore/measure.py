@@ -19,7 +19,8 @@ BATCH_BYTES = 256 * 1024 * 1024
 @dataclass
 class Row:
     # "pdserve/shm", "pdserve/tcp", "pdserve/tcp+sum", "pdserve/tcp-notok" (data tokens off),
-    # "pdserve/mooncake", "mooncake-store", "memcpy", "tcp-plain"
+    # "pdserve/mooncake", "mooncake-store", "memcpy", "tcp-plain", "tcp-plain-warm",
+    # "disk-raw", "disk-raw-direct"
     system: str
     size: int  # bytes per object
     iterations: int  # operations timed per direction

@@ -1,5 +1,17 @@
 """pdserve's own store client under ``pdserve bench kvstore``: put and get per transport, one
-object and a batch per call, one master round trip and ``longest_prefix``."""
+object and a batch per call, one master round trip and ``longest_prefix``.
+
+Two kinds of get rows per transport (the main run's; not the +sum, -notok and -tls
+variants):
+
+* ``pdserve/<t>``: gets of keys the client never looked up: each get pays its own master
+  lookup (``BatchGetReplicaList``), then its bytes.
+* ``pdserve/<t>+lookup``: what a KV connector pays, its ``longest_prefix`` inside the timed
+  operation. Single: one ``longest_prefix`` of the next 16 keys before every 16th get (the
+  gets read the locations it answered, no master call of their own). Batch: the batch's
+  ``longest_prefix``, then ``batch_get_into`` of the same keys, as one operation. Its put
+  figures are the plain row's (the same puts).
+"""
 
 from __future__ import annotations
 
@@ -18,6 +30,9 @@ from pdserve.bench.kvstore.measure import (
     timed_row,
 )
 
+#: Keys per ``longest_prefix`` in the single-get +lookup rows (a prompt's worth of chunks).
+LOOKUP_KEYS = 16
+
 
 def bench_pdserve(
     address: str,
@@ -31,13 +46,15 @@ def bench_pdserve(
     """pdserve's client over ``transport``. ``checksums``: objects stored with the raw
     checksum every read verifies (the default for raw objects); without, as KV chunks are
     stored (their header carries their checksum, checked when decoded) and as Mooncake
-    stores everything. ``suffix`` ends the rows' system name (e.g. "-notok")."""
+    stores everything. ``suffix`` ends the rows' system name (e.g. "-notok"). The main run
+    (no suffix, no checksums) adds the ``+lookup`` rows (see the module's doc)."""
     from pdserve.store import open_store
     from pdserve.store.api import StoreOptions
 
     client = open_store(address, transport=transport, timeout_s=30)
     opts = StoreOptions(checksum=checksums)
     name = f"pdserve/{transport}" + ("+sum" if checksums else "") + suffix
+    lookups = not checksums and not suffix
     rows = []
     tag = f"{transport}-{int(checksums)}-{os.getpid()}"
     try:
@@ -52,21 +69,51 @@ def bench_pdserve(
             client.get_into(f"warm-{tag}-{size}", memoryview(buf))
             put = measure(n, lambda i, k=keys, v=view: client.put(k[i], v, opts))
             bview = memoryview(buf)
-            get = measure(n, lambda i, k=keys, b=bview: client.get_into(k[i], b))
-            if not np.array_equal(buf, data):
-                raise RuntimeError(f"{name}: read back different bytes")
-            client.remove([*keys, f"warm-{tag}-{size}"])
+            # Keys this client never looked up: each get asks the master where its object is.
+            got: list[int | None] = []
+            get = measure(n, lambda i, k=keys, b=bview, g=got: g.append(client.get_into(k[i], b)))
+            if not np.array_equal(buf, data) or got.count(size) != n:
+                raise RuntimeError(f"{name}: read back different bytes, or missed")
             rows.append(timed_row(name, size, n, put, get))
+            if lookups:
+                buf[:] = 0
+                get = measure(n, lambda i, k=keys, b=bview: _looked_up_get(client, k, i, b))
+                if not np.array_equal(buf, data):
+                    raise RuntimeError(f"{name}+lookup: read back different bytes")
+                rows.append(timed_row(f"{name}+lookup", size, n, put, get))
+            client.remove([*keys, f"warm-{tag}-{size}"])
             if batch > 1:
-                rows.append(_bench_pdserve_batch(client, name, opts, tag, size, iterations, batch))
+                rows += _bench_pdserve_batch(
+                    client, name, opts, tag, size, iterations, batch, lookups
+                )
     finally:
         client.close()
     return rows
 
 
+def _looked_up_get(client, keys: list[str], i: int, buf: memoryview) -> None:
+    """The ``i``-th get of the single +lookup row: every :data:`LOOKUP_KEYS`-th one first
+    looks up the next :data:`LOOKUP_KEYS` keys (as a connector looks up a prompt's chunks)."""
+    if i % LOOKUP_KEYS == 0:
+        ahead = keys[i : i + LOOKUP_KEYS]
+        if client.longest_prefix(ahead) != len(ahead):
+            raise RuntimeError("+lookup: longest_prefix missed keys")
+    if client.get_into(keys[i], buf) is None:
+        raise RuntimeError(f"+lookup: {keys[i]} missed")
+
+
 def _bench_pdserve_batch(
-    client, name: str, opts, tag: str, size: int, iterations: int, batch: int
-) -> Row:
+    client,
+    name: str,
+    opts,
+    tag: str,
+    size: int,
+    iterations: int,
+    batch: int,
+    lookups: bool = False,
+) -> list[Row]:
+    """The batch row (and with ``lookups`` the batch +lookup row: ``longest_prefix`` of the
+    batch's keys, then their ``batch_get_into``, timed as one operation)."""
     nb = batch_for(size, batch)
     n = iterations_for(size * nb, iterations)
     progress(f"{name} batches of {nb} x {fmt_size(size)}, {n} batches")
@@ -78,11 +125,26 @@ def _bench_pdserve_batch(
     client.batch_put(list(zip(keys[n], srcs, strict=True)), opts)  # warm-up batch
     client.batch_get_into(keys[n], dsts)
     put = measure(n, lambda i: client.batch_put(list(zip(keys[i], srcs, strict=True)), opts))
-    get = measure(n, lambda i: client.batch_get_into(keys[i], dsts))
-    if not np.array_equal(out, data):
-        raise RuntimeError(f"{name} batch: read back different bytes")
+    got: list[list[int | None]] = []
+    get = measure(n, lambda i: got.append(client.batch_get_into(keys[i], dsts)))
+    if not np.array_equal(out, data) or any(g.count(size) != nb for g in got):
+        raise RuntimeError(f"{name} batch: read back different bytes, or missed")
+    rows = [timed_row(name, size, n, put, get, nb)]
+    if lookups:
+        out[:] = 0
+
+        def lookup_and_get(i: int) -> None:
+            if client.longest_prefix(keys[i]) != nb:
+                raise RuntimeError(f"{name}+lookup batch: longest_prefix missed keys")
+            if client.batch_get_into(keys[i], dsts).count(size) != nb:
+                raise RuntimeError(f"{name}+lookup batch: missed")
+
+        get = measure(n, lookup_and_get)
+        if not np.array_equal(out, data):
+            raise RuntimeError(f"{name}+lookup batch: read back different bytes")
+        rows.append(timed_row(f"{name}+lookup", size, n, put, get, nb))
     client.remove([k for ks in keys for k in ks])
-    return timed_row(name, size, n, put, get, nb)
+    return rows
 
 
 def bench_control(address: str, rounds: int = 500) -> dict[str, dict[str, float]]:

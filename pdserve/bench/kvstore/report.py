@@ -12,13 +12,13 @@ def render(
     rows: list[Row], prefix: dict[str, dict[str, float]], control: dict[str, dict[str, float]]
 ) -> str:
     head = (
-        f"{'system':<18}{'size':>8}{'batch':>6}{'n':>5}  {'put GB/s':>9}{'p50 us':>10}"
+        f"{'system':<24}{'size':>8}{'batch':>6}{'n':>5}  {'put GB/s':>9}{'p50 us':>10}"
         f"{'p99 us':>10}  {'get GB/s':>9}{'p50 us':>10}{'p99 us':>10}"
     )
     lines = [head, "-" * len(head)]
     for r in sorted(rows, key=lambda r: (r.mode != "single", r.size, r.system)):
         lines.append(
-            f"{r.system:<18}{fmt_size(r.size):>8}{r.batch:>6}{r.iterations:>5}  "
+            f"{r.system:<24}{fmt_size(r.size):>8}{r.batch:>6}{r.iterations:>5}  "
             f"{r.put_gbps:>9.2f}{r.put_p50_us:>10.0f}{r.put_p99_us:>10.0f}  "
             f"{r.get_gbps:>9.2f}{r.get_p50_us:>10.0f}{r.get_p99_us:>10.0f}"
         )
@@ -70,6 +70,13 @@ def ratios(rows: list[Row]) -> list[str]:
         if r.system == "pdserve/tcp" and plain is not None and r.size >= 1 << 20:
             lines.append(
                 f"tcp / plain loopback tcp at {where}: get {r.get_gbps / plain.get_gbps:.0%}"
+            )
+        looked = by.get((f"{r.system}+lookup", r.size, r.mode))
+        if r.system.startswith("pdserve/") and looked is not None:
+            lines.append(
+                f"{r.system[8:]} get after longest_prefix (+lookup, the lookup timed) / without "
+                f"(each get looks up its own) at {where}: {looked.get_gbps:.2f} vs "
+                f"{r.get_gbps:.2f} GB/s (p50 {looked.get_p50_us:.0f} vs {r.get_p50_us:.0f} us)"
             )
         if r.system == "pdserve/shm" and mem is not None:
             lines.append(

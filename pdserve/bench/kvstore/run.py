@@ -9,6 +9,8 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from pdserve.bench.kvstore.disk import bench_disk_raw, fs_type, memory_backed
+from pdserve.bench.kvstore.disk_tier import bench_disk_tier
 from pdserve.bench.kvstore.limits import bench_memcpy, bench_tcp_limit
 from pdserve.bench.kvstore.measure import (
     Row,
@@ -40,6 +42,14 @@ def run(args: argparse.Namespace) -> int:
     if not have_mc:
         progress("mooncake is not installed: skipping the mooncake transport and Mooncake Store")
         transports = [t for t in transports if t != "mooncake"]
+    disk_dir = getattr(args, "disk_dir", None)
+    if disk_dir:
+        Path(disk_dir).mkdir(parents=True, exist_ok=True)
+        if memory_backed(disk_dir):
+            progress(
+                f"--disk-dir {disk_dir} is on {fs_type(disk_dir)} (memory): the disk-raw rows "
+                "measure memory, not a disk; give a directory on the disk tier's disk"
+            )
     n_max = max(iterations_for(s, args.iterations) for s in sizes)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-bench-kvstore-"))
     progress(f"logs in {log_dir}; up to {n_max} iterations per size; {args.rounds} round(s)")
@@ -58,6 +68,11 @@ def run(args: argparse.Namespace) -> int:
                     "rows": [asdict(r) for r in rows],
                     "longest_prefix": prefix,
                     "control": control,
+                    **(
+                        {"disk": {"dir": str(Path(disk_dir).resolve()), "fs": fs_type(disk_dir)}}
+                        if disk_dir
+                        else {}
+                    ),
                     "rounds": [
                         {"rows": [asdict(r) for r in rr], "longest_prefix": p, "control": c}
                         for rr, p, c in rounds
@@ -82,11 +97,19 @@ def _round(
     longest-prefix figures and the control-path figures of one round."""
     from pdserve.procs import local_store
 
-    segment = max(64 << 20, max(_bytes_per_size(s, args) for s in sizes) + (16 << 20))
+    # Room for every object of a size below the master's high watermark (95 %: past it the
+    # oldest objects are evicted, and their gets would be misses).
+    need = max(_bytes_per_size(s, args) for s in sizes)
+    segment = max(64 << 20, int(need / 0.9) + (16 << 20))
     rows = bench_memcpy(sizes, args.iterations, args.batch)
     if "tcp" in transports:
         progress("plain loopback tcp")
         rows += bench_tcp_limit(sizes, args.iterations)
+    if getattr(args, "disk_dir", None):
+        progress(f"raw disk reads in {args.disk_dir}")
+        rows += bench_disk_raw(args.disk_dir, sizes, args.iterations)
+        progress(f"pdserve's disk tier in {args.disk_dir}")
+        rows += bench_disk_tier(args.disk_dir, sizes, args.iterations, log_dir)
     prefix: dict[str, dict[str, float]] = {}
     served = ",".join(["shm", "tcp", *(["mooncake"] if "mooncake" in transports else [])])
     with local_store(log_dir, segment_size=segment, transports=served) as (master, _node):

@@ -11,10 +11,20 @@
   shm when the node is on this host, else tcp, else mooncake (``transport=`` forces one);
 * :mod:`.writes`: ``BatchPutStart`` (with the object's checksum) -> write every replica ->
   ``BatchPutEnd`` (``BatchPutRevoke`` and a retry when a write fails);
-* :mod:`.reads`: ``BatchGetReplicaList`` (grants a read lease) -> read the best replica,
-  falling over to the next on failure, verify -> release the lease;
+* :mod:`.locations` (:class:`~.locations.LocationCache`): the replica lists that
+  :meth:`StoreClient.longest_prefix` got with its answer (``LongestPrefix`` with
+  ``with_replicas``: leased and granted as ``BatchGetReplicaList`` gives them), kept until
+  shortly before their lease ends, shared by every client of the same master in the process;
+* :mod:`.reads`: the kept locations, and ``BatchGetReplicaList`` (grants a read lease) for
+  the other keys -> read the best replica, falling over to the next on failure, verify ->
+  release the lookup's leases (a kept location's lease stays with the cache); a read from a
+  kept location that failed is looked up and read again, once;
 * :mod:`.leases` (:class:`~.leases.LeaseReleaser`): the thread that releases read leases in
   batches.
+
+So the connector's read of a prompt (``longest_prefix`` of its chunk keys, then
+``batch_get_chunks`` of the found ones) costs one master round trip, the lookup, and then
+only its bytes.
 
 Every replica the master hands out carries its data-plane grant (``Replica.token``: a read
 grant from the lookup, a write grant from ``BatchPutStart``; :mod:`pdserve.store.grants`),
@@ -25,6 +35,7 @@ an expired one) fails that replica like any other transfer error.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -39,6 +50,7 @@ from pdserve.store.api import (
     check_keys,
     decode_chunk,
 )
+from pdserve.store.client import locations
 from pdserve.store.client.control import MasterLink
 from pdserve.store.client.leases import LeaseReleaser
 from pdserve.store.client.reads import Reads
@@ -90,7 +102,16 @@ class StoreClient(StoreBackend):
         self.routes = ReplicaRoutes(transport, self.host_id, timeout_s)
         self.leases = LeaseReleaser(self.master.call, self.client_id, timeout_s)
         self.writes = Writes(self.master, self.routes, self.client_id, put_retries)
-        self.reads = Reads(self.master, self.routes, self.leases, self.client_id)
+        # Where longest_prefix found objects, shared with the process's other clients of this
+        # master; its leases are the cache's (its holder's), released early only when an
+        # entry is dropped.
+        self.locations = locations.shared(master_address, timeout_s, control)
+        self.locations.open()
+        self._closed = False
+        self.reads = Reads(self.master, self.routes, self.leases, self.client_id, self.locations)
+        #: Whether longest_prefix asks for the replicas (off after the master refused it to
+        #: this identity: a role that may not read).
+        self.prefix_replicas = True
 
     @property
     def control_path(self) -> str:
@@ -109,7 +130,9 @@ class StoreClient(StoreBackend):
         """Puts several objects with one master round trip per phase. Items that succeed are
         committed even when another item fails; the first hard failure is then raised.
         ``meta``: per key, the chunk's place in its chain (``PutStartItem.block``), which the
-        master publishes with the stored event."""
+        master publishes with the stored event. Kept locations of the keys are dropped (and
+        their leases released in the background)."""
+        self.locations.drop([k for k, _v in items])
         return self.writes.batch_put(items, options, meta)
 
     # -- gets -------------------------------------------------------------------------------
@@ -182,19 +205,42 @@ class StoreClient(StoreBackend):
         return list(resp.exists)
 
     def longest_prefix(self, keys: Sequence[str]) -> int:
-        """How many leading ``keys`` are committed in the store."""
+        """How many leading ``keys`` are committed in the store. The master answers where
+        the found ones are too (read-leased to this process's location cache), and the gets
+        of the next seconds read them with no master call of their own (:mod:`.locations`)."""
         keys = check_keys(keys)
         if not keys:
             return 0
-        request = kvstore_pb2.LongestPrefixRequest(keys=keys)
-        return self.master.call("LongestPrefix", request).length
+        if not self.prefix_replicas:
+            request = kvstore_pb2.LongestPrefixRequest(keys=keys)
+            return self.master.call("LongestPrefix", request).length
+        request = kvstore_pb2.LongestPrefixRequest(
+            keys=keys, client_id=self.locations.holder, with_replicas=True
+        )
+        self.locations.begin_lookup(keys)
+        found: list[kvstore_pb2.ReplicaListResult] = []
+        sent = time.monotonic()  # the leases count from before the request
+        try:
+            resp = self.master.call("LongestPrefix", request)
+            n = resp.length
+            found = [r for r, k in zip(resp.results, keys[:n], strict=False) if r.key == k]
+        except errors.PermissionDenied:
+            # An identity that may not read (not a worker or router): the length alone.
+            self.prefix_replicas = False
+            return self.longest_prefix(keys)
+        finally:
+            self.locations.end_lookup(keys, found, sent)
+        return n
 
     def remove(self, keys: Sequence[str]) -> int:
         """Removes objects; returns how many were removed (leased or absent ones are not)."""
         keys = check_keys(keys)
         if not keys:
             return 0
-        self.release_leases()  # our own read leases must not block our removal
+        # Our own read leases must not block our removal: the kept locations' (the cache's,
+        # unless a read or lookup uses them now) and those queued for release.
+        self.locations.drop(keys)
+        self.release_leases()
         resp = self.master.call(
             "BatchRemove", kvstore_pb2.BatchKeysRequest(client_id=self.client_id, keys=keys)
         )
@@ -207,8 +253,13 @@ class StoreClient(StoreBackend):
         """Sends the read leases queued for release now, instead of with the next call (so
         a tool or test that reads then removes sees the master's state settle)."""
         self.leases.flush()
+        self.locations.flush()
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.locations.close()  # the last client of the process releases its leases
         self.leases.close()
         self.routes.close()
         self.master.close()

@@ -1,7 +1,9 @@
-"""The store client's read leases: every get's leases go back to the master in batches from
-a background thread (one ``BatchReleaseLease`` per ~:data:`RELEASE_DELAY_S`), so a get costs
-one master round trip on its own path; a lost release only means the lease runs out on its
-own. Objects that failed verification on every replica are removed after the releases."""
+"""The store client's read leases: the leases of every get's lookup go back to the master in
+batches from a background thread (one ``BatchReleaseLease`` per ~:data:`RELEASE_DELAY_S`), so
+a get costs at most one master round trip on its own path; a lost release only means the
+lease runs out on its own. Objects that failed verification on every replica are removed
+after the releases. (The leases of locations kept from ``longest_prefix`` are the location
+cache's, released by a releaser of its own only when an entry is dropped: :mod:`.locations`.)"""
 
 from __future__ import annotations
 
@@ -22,12 +24,20 @@ RELEASE_DELAY_S = 0.01
 
 class LeaseReleaser:
     """Queued lease releases and removals, sent by a thread started at the first release.
-    ``call(method, request)`` reaches the master. Thread-safe."""
+    ``call(method, request)`` reaches the master; ``on_released(keys)``, when given, is told
+    of each batch of releases once its call ended (answered or failed). Thread-safe."""
 
-    def __init__(self, call: Callable[[str, Any], Any], client_id: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        call: Callable[[str, Any], Any],
+        client_id: str,
+        timeout_s: float,
+        on_released: Callable[[list[str]], None] | None = None,
+    ) -> None:
         self.call = call
         self.client_id = client_id
         self.timeout_s = timeout_s
+        self.on_released = on_released
         self.cv = threading.Condition()
         self.flush_lock = threading.Lock()
         #: Keys whose read leases are still to be released.
@@ -91,6 +101,9 @@ class LeaseReleaser:
                     )
             except errors.PdserveError as exc:
                 log.debug("lease release of %d key(s) failed: %s", len(keys), exc)
+            finally:
+                if self.on_released is not None:
+                    self.on_released(keys)
 
     def close(self) -> None:
         """Sends what is queued and stops the thread."""

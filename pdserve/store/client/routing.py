@@ -75,7 +75,8 @@ class ReplicaRoutes:
         replicas: Sequence[kvstore_pb2.Replica],
         routes: dict[str, Transport | None] | None = None,
     ) -> list[tuple[kvstore_pb2.Replica, Transport]]:
-        """Replicas that some allowed transport reaches, best transport first. ``routes``
+        """Replicas that some allowed transport reaches, memory before disk, best transport
+        first. ``routes``
         memoizes the route per segment within one batch (its endpoints cannot change there)."""
         routed = []
         for r in replicas:
@@ -92,9 +93,11 @@ class ReplicaRoutes:
             # A node that just failed a transfer goes last until SUSPECT_S passes, so a dead
             # or cut-off node costs one timeout, not one per object, before the master
             # notices it.
+            # Memory copies before disk copies (a disk tier's read pays the device).
             routed.sort(
                 key=lambda rt: (
                     self.suspect_until.get(rt[0].node_id, 0.0) > now,
+                    rt[0].tier,
                     PREFERENCE.index(rt[1].name),
                 )
             )

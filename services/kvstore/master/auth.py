@@ -8,7 +8,9 @@
   only by the identity that started it, whatever ``client_id`` another one sends. Removal
   takes the identity that wrote the object.
 - Reads of public state (exists, longest prefix, stats, the wire's address, events) take any
-  identity of the cluster. ``admin`` may do everything.
+  identity of the cluster. A longest prefix that also asks for the replicas
+  (``with_replicas``) grants read leases and data-plane grants as ``BatchGetReplicaList``
+  does, so it is a client call like it. ``admin`` may do everything.
 """
 
 from __future__ import annotations
@@ -58,6 +60,6 @@ def authorize(state: MasterState, method: str, request: Any, caller: Identity | 
             raise PermissionDenied(
                 f"{caller} may act only on node {caller.name!r}, not {node_id!r}"
             )
-    elif method in CLIENT_CALLS:
+    elif method in CLIENT_CALLS or (method == "LongestPrefix" and request.with_replicas):
         require(caller, CLIENT_ROLES, f"call {method}")
         request.client_id = owner_prefix(caller) + request.client_id

@@ -52,6 +52,17 @@ class MasterConfig(SecurityConfig):
         "objects that lost a replica (a dead node) get a new copy on another node in the "
         "background: copies started per housekeeping pass (0 = no re-replication)",
     )
+    max_tier_moves_per_tick: int = help_field(
+        16,
+        "copies between a node's memory and its disk tier started per housekeeping pass: "
+        "down before memory evicts, up after a read of a disk-only object (0 = no moves: "
+        "disk tiers stay empty)",
+    )
+    demote_watermark: float = help_field(
+        0.75,
+        "a node's least recently used objects get a disk copy once its memory passes this used "
+        "fraction (below low_watermark, so what memory evicts is on disk already)",
+    )
     # Objects and puts
     default_replicas: int = help_field(1, "replicas per put when the request says 0")
     max_replicas: int = help_field(8, "most replicas one put may ask for")
@@ -134,6 +145,12 @@ class MasterConfig(SecurityConfig):
             )
         if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
             raise ConfigError("need 0 < low_watermark <= high_watermark <= 1")
+        if not 0.0 <= self.demote_watermark <= 1.0:
+            raise ConfigError(f"demote_watermark must be in [0, 1], got {self.demote_watermark}")
+        if self.max_tier_moves_per_tick < 0:
+            raise ConfigError(
+                f"max_tier_moves_per_tick must be >= 0, got {self.max_tier_moves_per_tick}"
+            )
         if not 1 <= self.default_replicas <= self.max_replicas:
             raise ConfigError("need 1 <= default_replicas <= max_replicas")
         for name in (

@@ -3,10 +3,12 @@ master hands eviction to its own strategy object.
 
 LRU (last put end, get or prefix hit), soft-pinned objects only after every other candidate,
 never a leased one (pending puts are not candidates at all). It evicts on demand, when an
-allocation fails, and between the watermarks, when a segment or the pool passes
-``high_watermark`` (down to ``low_watermark``). It reads the object and segment tables and
-removes objects through the ``evict`` callable it is given (the facade's, which frees the
-space, journals the removal and publishes the event).
+allocation fails, and between the watermarks, when a segment or a tier's pool passes
+``high_watermark`` (down to ``low_watermark``). Each tier is evicted on its own: memory when
+memory runs short, a node's disk segment when it does. It reads the object and segment tables
+and evicts through the ``evict(obj, tier)`` callable it is given (the facade's: an object with
+a copy in the other tier only loses its copies in ``tier``; otherwise it leaves the store:
+the space is freed, the removal journaled and the event published).
 """
 
 from __future__ import annotations
@@ -17,7 +19,11 @@ from pdserve.services.kvstore.master.config import MasterConfig
 from pdserve.services.kvstore.master.objects import ObjectTable
 from pdserve.services.kvstore.master.placement import PlacementStrategy
 from pdserve.services.kvstore.master.segments import SegmentTable
-from pdserve.services.kvstore.master.types import ObjectState, ReplicaLoc
+from pdserve.services.kvstore.master.types import ObjectState, ReplicaLoc, SegmentState
+from pdserve.v1 import kvstore_pb2 as pb
+
+MEMORY = pb.STORAGE_TIER_MEMORY
+DISK = pb.STORAGE_TIER_DISK
 
 
 class Evictor:
@@ -26,19 +32,24 @@ class Evictor:
         cfg: MasterConfig,
         objects: ObjectTable,
         segments: SegmentTable,
-        evict: Callable[[ObjectState], None],
+        evict: Callable[[ObjectState, int], None],
     ) -> None:
         self.cfg = cfg
         self.objects = objects
         self.segments = segments
         self.evict = evict
 
-    def candidates(self, now: float, segment_id: str | None = None) -> Iterator[ObjectState]:
-        """Evictable objects (on ``segment_id`` when given) in eviction order. One pass over
-        a snapshot; objects removed meanwhile are skipped."""
+    def candidates(
+        self, now: float, segment_id: str | None = None, tier: int = MEMORY
+    ) -> Iterator[ObjectState]:
+        """Evictable objects with a copy on ``segment_id`` (when given) or else in ``tier``,
+        in eviction order. One pass over a snapshot; objects removed meanwhile are skipped."""
         pinned: list[ObjectState] = []
         for obj in self.objects.lru():
-            if segment_id is not None and not any(r.segment_id == segment_id for r in obj.replicas):
+            if segment_id is not None:
+                if not any(r.segment_id == segment_id for r in obj.replicas):
+                    continue
+            elif not any(r.tier == tier for r in obj.replicas):
                 continue
             if obj.soft_pin:
                 pinned.append(obj)
@@ -65,30 +76,46 @@ class Evictor:
             victim = next(victims, None)
             if victim is None:
                 return None
-            self.evict(victim)
+            self.evict(victim, MEMORY)
             locs = self.segments.try_place(strategy, size, n_rep)
             if locs is not None:
                 return locs
         return None
 
+    def room_in(self, seg: SegmentState, size: int, now: float) -> ReplicaLoc | None:
+        """A new range of ``size`` bytes in ``seg``, evicting its copies in LRU order (at
+        most ``max_evictions_per_alloc``) until one fits; None when it never does."""
+        loc = self.segments.place_in(seg, size)
+        victims = self.candidates(now, seg.segment_id)
+        for _ in range(self.cfg.max_evictions_per_alloc):
+            if loc is not None:
+                return loc
+            victim = next(victims, None)
+            if victim is None:
+                return None
+            self.evict(victim, seg.tier)
+            loc = self.segments.place_in(seg, size)
+        return loc
+
     def to_watermarks(self, now: float) -> int:
-        """Evicts every segment, then the pool, above the high watermark down to the low
-        one; returns how many objects went."""
+        """Evicts every segment, then each tier's pool, above the high watermark down to the
+        low one; returns how many copies went."""
         cfg = self.cfg
         evicted = 0
-        for seg in self.segments.live():
+        for seg in self.segments.live(None):
             if seg.capacity == 0 or seg.used <= cfg.high_watermark * seg.capacity:
                 continue
             for obj in self.candidates(now, seg.segment_id):
                 if seg.used <= cfg.low_watermark * seg.capacity:
                     break
-                self.evict(obj)
+                self.evict(obj, seg.tier)
                 evicted += 1
-        cap = self.segments.capacity()
-        if cap and self.segments.used() > cfg.high_watermark * cap:
-            for obj in self.candidates(now):
-                if self.segments.used() <= cfg.low_watermark * cap:
-                    break
-                self.evict(obj)
-                evicted += 1
+        for tier in (MEMORY, DISK):
+            cap = self.segments.capacity(tier)
+            if cap and self.segments.used(tier) > cfg.high_watermark * cap:
+                for obj in self.candidates(now, tier=tier):
+                    if self.segments.used(tier) <= cfg.low_watermark * cap:
+                        break
+                    self.evict(obj, tier)
+                    evicted += 1
         return evicted

@@ -38,6 +38,14 @@ without them keeps its chunk key). vLLM's hashes depend on its hash settings:
 fixed seed for sha256, a random one per process for xxhash). An indexer must hash prompts
 exactly as the engines do, as llm-d requires, and every engine must use the same settings.
 
+Tiers: a chunk in memory is published with ``kv_events_medium`` (default ``CPU``), or the
+medium its writer named; a copy on a node's disk tier with medium ``DISK``. A copy moved
+down is a stored block of ``DISK`` (the memory one stays until memory evicts it: a removed
+block of the memory medium); a copy brought back up is a stored block of the memory medium.
+A block is in the store while any medium holds it; its last removal names the medium that
+held it last, and a snapshot names memory for a chunk in memory, ``DISK`` for one only on
+disk.
+
 Sequence numbers count from 0 at each master start; batch 0 starts with
 ``AllBlocksCleared``, so a consumer that follows a restarted master forgets what the previous
 one held (the restarted master announces its objects again as nodes remount them).
@@ -58,6 +66,9 @@ from typing import Any
 
 from pdserve.services.kvstore.master.types import BlockMeta, is_block_key
 from pdserve.v1 import kvstore_pb2 as pb
+
+#: The medium of a block on a node's disk tier.
+DISK_MEDIUM = "DISK"
 
 log = logging.getLogger(__name__)
 
@@ -326,19 +337,62 @@ class KVEventLog:
         if first:
             self.wake()
 
-    def stored(self, key: str, block: BlockMeta | None) -> None:
+    def stored(self, key: str, block: BlockMeta | None, tiers: Iterable[int] = ()) -> None:
+        """A block came into the store, in ``tiers`` (its copies' pb.StorageTier; none said
+        = memory): the memory medium when memory holds it, else ``DISK``."""
         if not is_block_key(key):
             return
-        medium = self.medium
-        if block is not None and block.medium and block.medium != medium:
-            medium = self._media[key] = block.medium
+        medium = self._memory_medium(key, block)
+        if tiers and pb.STORAGE_TIER_MEMORY not in tiers:
+            medium = self._media[key] = DISK_MEDIUM
         self._add((_STORED, key, block, medium))
 
-    def removed(self, key: str, block: BlockMeta | None = None) -> None:
-        """``block``: what the object was stored with (its engine hashes are published)."""
+    def removed(self, key: str, block: BlockMeta | None = None, tiers: Iterable[int] = ()) -> None:
+        """A block left the store. ``block``: what the object was stored with (its engine
+        hashes are published); ``tiers``: where its copies were (one removal per medium;
+        none said = the medium it was last published with)."""
         if not is_block_key(key):
             return
-        self._add((_REMOVED, key, block, self._media.pop(key, self.medium)))
+        last = self._media.pop(key, self.medium)
+        tiers = set(tiers)
+        if len(tiers) < 2:
+            self._add((_REMOVED, key, block, last))
+            return
+        for medium in (self._writer_medium(block), DISK_MEDIUM):
+            self._add((_REMOVED, key, block, medium))
+
+    def tier_added(self, key: str, block: BlockMeta | None, tier: int) -> None:
+        """A copy in ``tier`` joined the block's copies in the other tier."""
+        if not is_block_key(key):
+            return
+        if tier == pb.STORAGE_TIER_DISK:
+            self._add((_STORED, key, block, DISK_MEDIUM))
+            return
+        if self._media.get(key) == DISK_MEDIUM:  # back in memory
+            del self._media[key]
+        self._add((_STORED, key, block, self._memory_medium(key, block)))
+
+    def tier_dropped(self, key: str, block: BlockMeta | None, tier: int) -> None:
+        """The copy in ``tier`` went; the other tier still holds the block."""
+        if not is_block_key(key):
+            return
+        if tier == pb.STORAGE_TIER_DISK:
+            self._add((_REMOVED, key, block, DISK_MEDIUM))
+            return
+        medium = self._writer_medium(block)
+        self._media[key] = DISK_MEDIUM
+        self._add((_REMOVED, key, block, medium))
+
+    def _writer_medium(self, block: BlockMeta | None) -> str:
+        """The medium a block in memory is published with: its writer's, else the default."""
+        return block.medium if block is not None and block.medium else self.medium
+
+    def _memory_medium(self, key: str, block: BlockMeta | None) -> str:
+        """:meth:`_writer_medium`, remembered for the block's removal when not the default."""
+        medium = self._writer_medium(block)
+        if medium != self.medium:
+            self._media[key] = medium
+        return medium
 
     def cleared(self) -> None:
         self._add((_CLEARED, "", None, ""))

@@ -89,6 +89,7 @@ class Membership:
         *,
         keeps_bytes: bool = True,
         address: str = "",
+        tier: int = pb.STORAGE_TIER_MEMORY,
     ) -> int:
         """See :meth:`.state.MasterState.mount`."""
         cfg = self.cfg
@@ -107,10 +108,12 @@ class Membership:
         if size < 64:
             raise errors.InvalidArgument(f"segment.size {size} is smaller than one 64-byte block")
         seg = self.segments.alive(segment_id)
-        if seg is not None and (seg.node_id != node_id or seg.size != size):
+        if tier not in (pb.STORAGE_TIER_MEMORY, pb.STORAGE_TIER_DISK):
+            raise errors.InvalidArgument(f"segment.tier {tier} is not a storage tier")
+        if seg is not None and (seg.node_id != node_id or seg.size != size or seg.tier != tier):
             raise errors.AlreadyExists(
                 f"segment {segment_id!r} is already mounted by node {seg.node_id!r} with "
-                f"size {seg.size}; unmount it first or use another segment id"
+                f"size {seg.size} (tier {seg.tier}); unmount it first or use another segment id"
             )
         revive: list[tuple[StoredObject, StoredReplica]] = []
         if seg is not None and keeps_bytes:
@@ -121,7 +124,7 @@ class Membership:
             revive = self.forget_dormant(segment_id)
             if not keeps_bytes:
                 revive = []
-            seg = self.segments.add(segment_id, node_id, size, endpoints)
+            seg = self.segments.add(segment_id, node_id, size, endpoints, tier)
         self.segments.join(node_id, segment_id, self.clock.mono(), address)
         candidates = [
             StoredObject(k, n, False, 0, (StoredReplica(segment_id, node_id, o),))
@@ -166,7 +169,7 @@ class Membership:
             if problem:
                 log.warning("cannot restore %r on segment %s: %s", c.key, seg.segment_id, problem)
                 continue
-            rep = ReplicaLoc(seg.segment_id, seg.node_id, c.replicas[0].offset)
+            rep = ReplicaLoc(seg.segment_id, seg.node_id, c.replicas[0].offset, tier=seg.tier)
             obj = self.objects.get(c.key)
             if obj is None:
                 ttl = mono + (c.ttl_deadline_ms - wall) / 1000 if c.ttl_deadline_ms else 0.0
@@ -192,7 +195,8 @@ class Membership:
         if obj.size != c.size or (c.checksum and obj.checksum and c.checksum != obj.checksum):
             log.warning("%r on segment %s differs from the committed object", c.key, seg.segment_id)
             return False
-        return not any(r.node_id == seg.node_id for r in obj.replicas)
+        # one copy per node and tier (a node's memory and disk copies are both welcome back)
+        return not any(r.node_id == seg.node_id and r.tier == seg.tier for r in obj.replicas)
 
     # ------------------------------------------------------------------ leaving
 

@@ -99,6 +99,11 @@ def item_problem(
     return problem
 
 
+def _tier(r: ReplicaLoc) -> int:
+    """Sort key of replicas for readers: memory before disk."""
+    return r.tier
+
+
 def expired(obj: ObjectState, now: float) -> bool:
     """Whether ``obj``'s TTL ended by ``now`` (monotonic seconds)."""
     return bool(obj.ttl_deadline) and obj.ttl_deadline <= now
@@ -282,7 +287,6 @@ class ObjectTable(Mapping[str, ObjectState]):
         self, client_id: str, keys: Sequence[str], lease_s: float, now: float, wall_ms: float
     ) -> list[GetOutcome]:
         """Each key's replicas, leased to ``client_id`` for ``lease_s`` more seconds."""
-        until = now + lease_s
         out = []
         found: list[str] = []
         for key in keys:
@@ -292,23 +296,28 @@ class ObjectTable(Mapping[str, ObjectState]):
                 out.append(GetOutcome(key, pb.KV_INVALID if problem else pb.KV_NOT_FOUND))
                 continue
             found.append(key)
-            lease = self.lease(obj, client_id, until)
-            out.append(
-                GetOutcome(
-                    key,
-                    OK,
-                    obj.size,
-                    tuple(obj.replicas),
-                    int(wall_ms + (lease - now) * 1000),
-                    obj.inline,
-                    obj.checksum,
-                    int((lease - now) * 1000),
-                )
-            )
+            out.append(self._leased(obj, client_id, now + lease_s, now, wall_ms))
         self.touch(found)
         self.counters.gets += len(keys)
         self.counters.get_hits += len(found)
         return out
+
+    def _leased(
+        self, obj: ObjectState, client_id: str, until: float, now: float, wall_ms: float
+    ) -> GetOutcome:
+        """The found ``obj``'s outcome, its read lease for ``client_id`` extended to
+        ``until`` (monotonic)."""
+        lease = self.lease(obj, client_id, until)
+        return GetOutcome(
+            obj.key,
+            OK,
+            obj.size,
+            tuple(sorted(obj.replicas, key=_tier)),
+            int(wall_ms + (lease - now) * 1000),
+            obj.inline,
+            obj.checksum,
+            int((lease - now) * 1000),
+        )
 
     def release(self, client_id: str, keys: Sequence[str]) -> list[KeyOutcome]:
         out = []
@@ -336,14 +345,33 @@ class ObjectTable(Mapping[str, ObjectState]):
         it schedules, and a prefix that its own cache serves (so it reads nothing from the
         store) is still in demand; without the touch a hot prefix would age out behind the
         one-off tails written after it."""
+        return len(self._prefix(keys, now))
+
+    def prefix_replicas(
+        self, client_id: str, keys: Sequence[str], lease_s: float, now: float, wall_ms: float
+    ) -> list[GetOutcome]:
+        """:meth:`longest_prefix` and :meth:`get_replicas` of the leading keys it finds in
+        one walk (one LRU touch): their replicas, leased to ``client_id`` for ``lease_s``
+        more seconds. Counted as a prefix query, and the keys found as gets and get hits
+        (the reader skips the get's lookup for them)."""
+        found = self._prefix(keys, now)
+        until = now + lease_s
+        self.counters.gets += len(found)
+        self.counters.get_hits += len(found)
+        return [self._leased(o, client_id, until, now, wall_ms) for o in found]
+
+    def _prefix(self, keys: Sequence[str], now: float) -> list[ObjectState]:
+        """The committed (TTL not ended) objects of the leading ``keys``, up to the first
+        that is not; touched and counted as a prefix query."""
         objs = self._lru
-        n = 0
+        found: list[ObjectState] = []
         for key in keys:
             o = objs.get(key)
             if o is None or (o.ttl_deadline and o.ttl_deadline <= now):
                 break
-            n += 1
+            found.append(o)
+        n = len(found)
         self.touch(keys[:n])
         self.counters.prefix_queries += 1
         self.counters.prefix_hit_keys += n
-        return n
+        return found

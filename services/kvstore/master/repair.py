@@ -41,6 +41,8 @@ class RepairJob:
     obj: ObjectState
     #: The segment the target was allocated in (a remount replaces it, and its allocator).
     segment: SegmentState
+    #: A move between one node's tiers (:mod:`.tiers`), not a new copy on another node.
+    move: bool = False
 
 
 class Repairer:
@@ -59,7 +61,7 @@ class Repairer:
 
     def want(self, obj: ObjectState) -> None:
         """Queues ``obj`` when it has fewer live replicas than its put asked for."""
-        if obj.replicas and len(obj.replicas) < obj.want and obj.key not in self._queued:
+        if obj.replicas and len(obj.nodes()) < obj.want and obj.key not in self._queued:
             self._queue.append(obj.key)
             self._queued.add(obj.key)
 
@@ -80,9 +82,9 @@ class Repairer:
             key = self._queue.popleft()
             self._queued.discard(key)
             obj = self.objects.get(key)
-            if obj is None or key in self._running or len(obj.replicas) >= obj.want:
+            if obj is None or key in self._running or len(obj.nodes()) >= obj.want:
                 continue
-            held = {r.node_id for r in obj.replicas}
+            held = obj.nodes()
             placed = self.segments.try_place(strategy, obj.size, 1, held | unaddressed)
             if placed is None:
                 waiting.append(key)

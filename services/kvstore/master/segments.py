@@ -45,24 +45,36 @@ class SegmentTable(Mapping[str, SegmentState]):
         """Whether ``seg`` is still the live segment under its id (a remount replaces it)."""
         return self._segments.get(seg.segment_id) is seg and seg.alive
 
-    def live(self) -> list[SegmentState]:
-        return [s for s in self._segments.values() if s.alive]
+    def live(self, tier: int | None = pb.STORAGE_TIER_MEMORY) -> list[SegmentState]:
+        """The alive segments of ``tier`` (None = of every tier)."""
+        return [s for s in self._segments.values() if s.alive and (tier is None or s.tier == tier)]
 
-    def capacity(self) -> int:
-        """Bytes of the alive segments."""
-        return sum(s.capacity for s in self._segments.values() if s.alive)
+    def capacity(self, tier: int = pb.STORAGE_TIER_MEMORY) -> int:
+        """Bytes of the alive segments of ``tier``."""
+        return sum(s.capacity for s in self.live(tier))
 
-    def used(self) -> int:
-        """Bytes allocated in the alive segments."""
-        return sum(s.used for s in self._segments.values() if s.alive)
+    def used(self, tier: int = pb.STORAGE_TIER_MEMORY) -> int:
+        """Bytes allocated in the alive segments of ``tier``."""
+        return sum(s.used for s in self.live(tier))
+
+    def disk_of(self, node_id: str) -> SegmentState | None:
+        """The alive disk segment of ``node_id`` (None = it has no disk tier)."""
+        return next((s for s in self.live(pb.STORAGE_TIER_DISK) if s.node_id == node_id), None)
 
     # ------------------------------------------------------------------ segments
 
     def add(
-        self, segment_id: str, node_id: str, size: int, endpoints: Sequence[pb.Endpoint]
+        self,
+        segment_id: str,
+        node_id: str,
+        size: int,
+        endpoints: Sequence[pb.Endpoint],
+        tier: int = pb.STORAGE_TIER_MEMORY,
     ) -> SegmentState:
         """A new, empty segment under ``segment_id`` (replacing a dead one of that id)."""
-        seg = SegmentState(segment_id, node_id, size, list(endpoints), OffsetAllocator(size))
+        seg = SegmentState(
+            segment_id, node_id, size, list(endpoints), OffsetAllocator(size), tier=tier
+        )
         self._segments[segment_id] = seg
         return seg
 
@@ -97,10 +109,12 @@ class SegmentTable(Mapping[str, SegmentState]):
         size: int,
         n_rep: int,
         exclude_nodes: Collection[str] = (),
+        tier: int = pb.STORAGE_TIER_MEMORY,
     ) -> list[ReplicaLoc] | None:
-        """``n_rep`` new ranges of ``size`` bytes on distinct nodes, none of
-        ``exclude_nodes``, in ``strategy``'s order; None (nothing taken) when they do not fit."""
-        live = [s for s in self._segments.values() if s.alive and s.allocator.can_fit(size)]
+        """``n_rep`` new ranges of ``size`` bytes in ``tier``'s segments on distinct nodes,
+        none of ``exclude_nodes``, in ``strategy``'s order; None (nothing taken) when they do
+        not fit."""
+        live = [s for s in self.live(tier) if s.allocator.can_fit(size)]
         chosen: list[ReplicaLoc] = []
         used_nodes: set[str] = set(exclude_nodes)
         for seg in strategy.order(live, size):
@@ -109,7 +123,7 @@ class SegmentTable(Mapping[str, SegmentState]):
             off = seg.allocator.allocate(size)
             if off is None:
                 continue
-            chosen.append(ReplicaLoc(seg.segment_id, seg.node_id, off))
+            chosen.append(ReplicaLoc(seg.segment_id, seg.node_id, off, tier=seg.tier))
             used_nodes.add(seg.node_id)
             if len(chosen) == n_rep:
                 return chosen
@@ -122,6 +136,12 @@ class SegmentTable(Mapping[str, SegmentState]):
             seg = self._segments.get(r.segment_id)
             if seg is not None and seg.alive:
                 seg.allocator.release(r.offset)
+
+    @staticmethod
+    def place_in(seg: SegmentState, size: int) -> ReplicaLoc | None:
+        """A new range of ``size`` bytes in ``seg`` (None = no room)."""
+        off = seg.allocator.allocate(size)
+        return None if off is None else ReplicaLoc(seg.segment_id, seg.node_id, off, tier=seg.tier)
 
     @staticmethod
     def reserve(seg: SegmentState, ranges: Sequence[tuple[int, int]]) -> list[str]:

@@ -39,6 +39,8 @@ class _StateCollector:
     def _collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+        from pdserve.v1 import kvstore_pb2 as pb
+
         s, c = self.state, self.state.counters
         p = "pdserve_kvstore_master_"
         for name, value, doc in (
@@ -62,6 +64,14 @@ class _StateCollector:
                 c.repair_failures,
                 "re-replication copies that failed (the object is queued again)",
             ),
+            ("demotions", c.demotions, "copies moved down to a node's disk tier"),
+            ("promotions", c.promotions, "disk-only objects copied back to memory after a read"),
+            (
+                "memory_evictions",
+                c.memory_evictions,
+                "memory copies evicted while a disk copy kept the object",
+            ),
+            ("tier_move_failures", c.tier_move_failures, "moves between tiers that failed"),
             ("prefix_queries", c.prefix_queries, "LongestPrefix calls"),
             ("prefix_hit_keys", c.prefix_hit_keys, "sum of LongestPrefix answers (keys)"),
             ("events_dropped", self.hub.dropped, "events dropped for slow watchers"),
@@ -87,8 +97,18 @@ class _StateCollector:
                 s.objects.inline_bytes,
                 "bytes of small objects kept in memory, served inline",
             ),
-            ("allocated_bytes", s.segments.used(), "bytes allocated in alive segments"),
-            ("capacity_bytes", s.segments.capacity(), "bytes of alive segments"),
+            ("allocated_bytes", s.segments.used(), "bytes allocated in alive memory segments"),
+            ("capacity_bytes", s.segments.capacity(), "bytes of alive memory segments"),
+            (
+                "disk_allocated_bytes",
+                s.segments.used(pb.STORAGE_TIER_DISK),
+                "bytes allocated in alive disk segments",
+            ),
+            (
+                "disk_capacity_bytes",
+                s.segments.capacity(pb.STORAGE_TIER_DISK),
+                "bytes of alive disk segments (the tier below memory)",
+            ),
             ("alive_nodes", s.alive_nodes(), "storage nodes alive"),
             ("dormant_objects", len(s.dormant), "persisted objects waiting for their segment"),
             ("watchers", len(self.hub.subscribers), "WatchEvents subscribers"),
@@ -128,13 +148,20 @@ async def serve(cfg: MasterConfig, stop: asyncio.Event) -> None:
     # runs once the call that records it has let go of the loop (usually after the call).
     kv_events.wake = lambda: loop.call_soon_threadsafe(kv_events.flush)
 
-    def on_event(type_: int, key: str, size: int, reason: int) -> None:
+    def on_event(type_: int, key: str, size: int, reason: int, tier: int = 0) -> None:
         # Called with the state lock held, so recording is ordered with the state change.
         block = holder[0].block_of(key) if holder else None
+        if reason == pb.KV_EVENT_REASON_TIER:  # a copy moved: the stream says which tier
+            if type_ == pb.KV_EVENT_STORED:
+                kv_events.tier_added(key, block, tier)
+            else:
+                kv_events.tier_dropped(key, block, tier)
+            return
+        tiers = holder[0].tiers_of(key) if holder else []
         if type_ == pb.KV_EVENT_STORED:
-            kv_events.stored(key, block)
+            kv_events.stored(key, block, tiers)
         else:  # the object being removed still tells its block (its engine hashes)
-            kv_events.removed(key, block)
+            kv_events.removed(key, block, tiers)
         args = (type_, key, size, reason, int(telemetry.now_ms()))
         if threading.get_ident() == loop_thread:
             hub.publish(*args)
@@ -211,9 +238,10 @@ async def serve(cfg: MasterConfig, stop: asyncio.Event) -> None:
 
     task = asyncio.create_task(housekeeping())
     # Re-replication: the target's node copies from a source node; the master only asks.
+    # Moves between a node's tiers run through the same loop (the node copies locally).
     repair_loop = RepairLoop(handlers, cfg.max_repairs_per_tick)
     repairer = None
-    if cfg.max_repairs_per_tick > 0:
+    if cfg.max_repairs_per_tick > 0 or cfg.max_tier_moves_per_tick > 0:
         repairer = asyncio.create_task(repair_loop.run(cfg.tick_interval_ms / 1000))
     try:
         await stop.wait()

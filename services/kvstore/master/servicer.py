@@ -23,7 +23,7 @@ from pdserve.services.kvstore.master.auth import authorize, owner_prefix
 from pdserve.services.kvstore.master.events import EventHub
 from pdserve.services.kvstore.master.kv_events import KVEventLog
 from pdserve.services.kvstore.master.state import MasterState
-from pdserve.services.kvstore.master.types import BlockMeta, ReplicaLoc
+from pdserve.services.kvstore.master.types import BlockMeta, GetOutcome, ReplicaLoc
 from pdserve.store.grants import OP_READ, OP_WRITE, GrantKey, new_master_key, segment_key_for
 from pdserve.store.transports.tcp import segment_key
 from pdserve.store.wire import VERSION as WIRE_VERSION
@@ -91,7 +91,10 @@ class MasterHandlers:
             # A remount replaces the endpoint list: the template is rebuilt from the new one.
             if cached is None or cached[0] is not seg.endpoints:
                 tmpl = pb.Replica(
-                    node_id=r.node_id, segment_id=r.segment_id, endpoints=seg.endpoints
+                    node_id=r.node_id,
+                    segment_id=r.segment_id,
+                    endpoints=seg.endpoints,
+                    tier=seg.tier,
                 )
                 key = self._segment_data_key(r.segment_id)
                 cached = self._templates[r.segment_id] = (
@@ -124,6 +127,7 @@ class MasterHandlers:
             [(h.key, h.offset, h.size) for h in request.held],
             keeps_bytes=request.keeps_bytes,
             address=request.node_address,
+            tier=seg.tier,
         )
         return pb.MountSegmentResponse(
             heartbeat_interval_ms=self.state.cfg.heartbeat_interval_ms,
@@ -173,8 +177,15 @@ class MasterHandlers:
     ) -> pb.BatchGetReplicaListResponse:
         outcomes = self.state.get_replicas(request.client_id, list(request.keys), request.lease_ms)
         resp = pb.BatchGetReplicaListResponse()
+        self.replica_lists(resp.results, outcomes)
+        return resp
+
+    def replica_lists(self, out, outcomes: Sequence[GetOutcome]) -> None:
+        """Appends a ReplicaListResult per get outcome to the repeated field ``out``: its
+        lease, inline bytes and checksum, and each replica with its read grant until the
+        lease ends (BatchGetReplicaList, and LongestPrefix with its replicas)."""
         for r in outcomes:
-            res = resp.results.add(
+            res = out.add(
                 key=r.key,
                 code=r.code,
                 lease_expires_ms=r.lease_expires_ms,
@@ -184,7 +195,6 @@ class MasterHandlers:
             )
             if r.replicas:
                 self.fill(res.replicas, r.replicas, r.size, OP_READ, r.lease_expires_ms)
-        return resp
 
     def BatchReleaseLease(self, request: pb.BatchKeysRequest) -> pb.BatchKeysResponse:
         return _keys(self.state.release(request.client_id, list(request.keys)))
@@ -193,7 +203,15 @@ class MasterHandlers:
         return pb.BatchExistsResponse(exists=self.state.exists(request.keys))
 
     def LongestPrefix(self, request: pb.LongestPrefixRequest) -> pb.LongestPrefixResponse:
-        return pb.LongestPrefixResponse(length=self.state.longest_prefix(request.keys))
+        if not request.with_replicas:
+            return pb.LongestPrefixResponse(length=self.state.longest_prefix(request.keys))
+        # The found keys' replica lists too, leased and granted as BatchGetReplicaList's.
+        outcomes = self.state.prefix_replicas(
+            request.client_id, list(request.keys), request.lease_ms
+        )
+        resp = pb.LongestPrefixResponse(length=len(outcomes))
+        self.replica_lists(resp.results, outcomes)
+        return resp
 
     def BatchRemove(
         self, request: pb.BatchKeysRequest, caller: Identity | None = None

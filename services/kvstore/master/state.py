@@ -12,6 +12,8 @@ The parts, each with its own state, collaborating only through their methods:
 * :class:`~.journal.Journal` and :class:`~.dormant.DormantReplicas` (``dormant``):
   persistence, and what a restart or a dead node leaves to come back.
 * :class:`~.repair.Repairer`: under-replicated objects and their copy jobs.
+* :class:`~.tiers.Tierer` (``tierer``): copies between a node's memory and disk tiers (down
+  before memory evicts, up after a read of a disk-only object), run as copy jobs too.
 * :class:`~.membership.Membership`: segments and nodes coming and going.
 
 The facade validates whole calls, combines the parts (a put places through the segment
@@ -24,8 +26,8 @@ Rules it enforces:
 * Objects are immutable: a put of a committed key is a no-op success (``already_exists``).
 * A pending put (started, not ended) is invisible to readers, is never evicted, and its space
   is reclaimed after ``put_timeout_s``.
-* A read lease (granted by :meth:`get_replicas`, per client, ended by :meth:`release` or by
-  time) protects an object from eviction and removal.
+* A read lease (granted by :meth:`get_replicas` and :meth:`prefix_replicas`, per client,
+  ended by :meth:`release` or by time) protects an object from eviction and removal.
 * Eviction is LRU (last put end / get), soft-pinned objects only when nothing else can go;
   it runs when a segment or the pool passes ``high_watermark`` (down to ``low_watermark``) and
   on demand when an allocation fails.
@@ -59,6 +61,7 @@ from pdserve.services.kvstore.master.objects import ObjectTable, expired, item_p
 from pdserve.services.kvstore.master.persistence import MetadataStore
 from pdserve.services.kvstore.master.repair import Repairer, RepairJob
 from pdserve.services.kvstore.master.segments import SegmentTable
+from pdserve.services.kvstore.master.tiers import MEMORY, Tierer
 from pdserve.services.kvstore.master.types import (
     OK,
     BlockMeta,
@@ -99,6 +102,9 @@ class MasterState:
         self.journal = Journal(store, self.clock)
         self.dormant = DormantReplicas()
         self.repairer = Repairer(self.objects, self.segments, self.clock, self.counters)
+        self.tierer = Tierer(
+            cfg, self.objects, self.segments, self.evictor, self.clock, self.counters
+        )
         self.membership = Membership(
             cfg,
             self.clock,
@@ -159,9 +165,20 @@ class MasterState:
         finally:
             self._removing = None
 
-    def _evict(self, obj: ObjectState) -> None:
-        self._delete(obj, pb.KV_EVENT_REASON_EVICT)
-        self.counters.evictions += 1
+    def _evict(self, obj: ObjectState, tier: int) -> None:
+        """Evicts ``obj``'s copies in ``tier``; the object leaves the store when no copy in
+        another tier keeps it."""
+        if all(r.tier == tier for r in obj.replicas):
+            self._delete(obj, pb.KV_EVENT_REASON_EVICT)
+            self.counters.evictions += 1
+            return
+        gone = [r for r in obj.replicas if r.tier == tier]
+        obj.replicas = [r for r in obj.replicas if r.tier != tier]
+        self.segments.free(gone)
+        self.journal.mark(obj)
+        if tier == MEMORY:
+            self.counters.memory_evictions += 1
+        self.on_event(pb.KV_EVENT_REMOVED, obj.key, obj.size, pb.KV_EVENT_REASON_TIER, tier)
 
     # ------------------------------------------------------------------ segments and nodes
 
@@ -175,13 +192,22 @@ class MasterState:
         *,
         keeps_bytes: bool = True,
         address: str = "",
+        tier: int = pb.STORAGE_TIER_MEMORY,
     ) -> int:
         """Mounts (or idempotently remounts) a segment; returns how many replicas of ``held``
         and of dormant objects were restored on it. ``keeps_bytes`` False says the segment's
         memory is new (zeroed): nothing remembered on it survives. ``address``: the node's
-        KVNodeService address, which re-replication asks to copy."""
+        KVNodeService address, which re-replication and tier moves ask to copy. ``tier``:
+        memory, or disk (the tier below, :mod:`.tiers`)."""
         restored = self.membership.mount(
-            segment_id, node_id, size, endpoints, held, keeps_bytes=keeps_bytes, address=address
+            segment_id,
+            node_id,
+            size,
+            endpoints,
+            held,
+            keeps_bytes=keeps_bytes,
+            address=address,
+            tier=tier,
         )
         self.flush()
         return restored
@@ -332,14 +358,30 @@ class MasterState:
         self, client_id: str, keys: Sequence[str], lease_ms: int = 0
     ) -> list[GetOutcome]:
         check_batch(self.cfg, len(keys))
+        return self._read(
+            self.objects.get_replicas(
+                client_id, keys, self._lease_s(lease_ms), self.clock.mono(), self.clock.wall_ms()
+            )
+        )
+
+    def _read(self, out: list[GetOutcome]) -> list[GetOutcome]:
+        """``out``, handed to a reader: the objects only disk copies hold are wanted back in
+        memory (:meth:`.tiers.Tierer.read`)."""
+        for got in out:
+            if got.replicas and got.replicas[0].on_disk:  # memory copies come first
+                obj = self.objects.get(got.key)
+                if obj is not None:
+                    self.tierer.read(obj)
+        return out
+
+    def _lease_s(self, lease_ms: int) -> float:
+        """The read lease a get asking for ``lease_ms`` (0 = the default) is granted
+        (seconds); InvalidArgument past ``max_lease_ms``."""
         if lease_ms > self.cfg.max_lease_ms:
             raise errors.InvalidArgument(
                 f"lease_ms={lease_ms} exceeds max_lease_ms={self.cfg.max_lease_ms}"
             )
-        lease_s = (lease_ms or self.cfg.default_lease_ms) / 1000
-        return self.objects.get_replicas(
-            client_id, keys, lease_s, self.clock.mono(), self.clock.wall_ms()
-        )
+        return (lease_ms or self.cfg.default_lease_ms) / 1000
 
     def release(self, client_id: str, keys: Sequence[str]) -> list[KeyOutcome]:
         check_batch(self.cfg, len(keys))
@@ -355,9 +397,30 @@ class MasterState:
         check_batch(self.cfg, len(keys))
         return self.objects.longest_prefix(keys, self.clock.mono())
 
+    def prefix_replicas(
+        self, client_id: str, keys: Sequence[str], lease_ms: int = 0
+    ) -> list[GetOutcome]:
+        """The leading committed ``keys`` (as :meth:`longest_prefix`) with their replicas,
+        read-leased to ``client_id`` as :meth:`get_replicas` leases them (see
+        :meth:`.objects.ObjectTable.prefix_replicas`)."""
+        check_batch(self.cfg, len(keys))
+        return self._read(
+            self.objects.prefix_replicas(
+                client_id, keys, self._lease_s(lease_ms), self.clock.mono(), self.clock.wall_ms()
+            )
+        )
+
     def visible_keys(self) -> list[str]:
         """Every key a reader can see now (a KV event snapshot)."""
         return self.objects.visible_keys(self.clock.mono())
+
+    def tiers_of(self, key: str) -> list[int]:
+        """The tiers (pb.StorageTier) of the committed object ``key``'s copies, memory first
+        ([] = no such object), also for the object being removed while its removed event is
+        recorded."""
+        removing = self._removing
+        obj = removing if removing is not None and removing.key == key else self.objects.get(key)
+        return [] if obj is None else sorted({r.tier for r in obj.replicas})
 
     def block_of(self, key: str) -> BlockMeta | None:
         """The KV block metadata the committed object ``key`` was put with (None = none),
@@ -433,12 +496,16 @@ class MasterState:
         return self.repairer.under_replicated()
 
     def repair_jobs(self, limit: int) -> list[RepairJob]:
-        """Up to ``limit`` copies to make (see :meth:`.repair.Repairer.jobs`)."""
-        return self.repairer.jobs(limit)
+        """Up to ``limit`` copies to make (see :meth:`.repair.Repairer.jobs`), then up to
+        ``max_tier_moves_per_tick`` moves between tiers (:meth:`.tiers.Tierer.jobs`)."""
+        return self.repairer.jobs(limit) + self.tierer.jobs(self.cfg.max_tier_moves_per_tick)
 
     def repair_done(self, job: RepairJob, ok: bool) -> bool:
         """Records a copy's outcome; True when the target became a replica."""
-        made = self.repairer.done(job, ok)
+        made = self.tierer.done(job, ok) if job.move else self.repairer.done(job, ok)
+        if made and job.move:
+            tier = job.target.tier
+            self.on_event(pb.KV_EVENT_STORED, job.key, job.size, pb.KV_EVENT_REASON_TIER, tier)
         if made:
             self.journal.mark(job.obj)
             self.flush()
@@ -459,6 +526,7 @@ class MasterState:
                     capacity=s.capacity,
                     used=s.used,
                     alive=s.alive,
+                    tier=s.tier,
                 )
                 for s in self.segments.values()
             ),
@@ -470,4 +538,9 @@ class MasterState:
             prefix_queries=c.prefix_queries,
             prefix_hit_keys=c.prefix_hit_keys,
             alive_nodes=self.segments.alive_nodes(),
+            demotions=c.demotions,
+            promotions=c.promotions,
+            memory_evictions=c.memory_evictions,
+            disk_capacity_bytes=self.segments.capacity(pb.STORAGE_TIER_DISK),
+            disk_used_bytes=self.segments.used(pb.STORAGE_TIER_DISK),
         )

@@ -42,6 +42,8 @@ class SegmentState:
     endpoints: list[pb.Endpoint]
     allocator: OffsetAllocator
     alive: bool = True
+    #: pb.STORAGE_TIER_MEMORY (puts land here) or pb.STORAGE_TIER_DISK (the tier below).
+    tier: int = pb.STORAGE_TIER_MEMORY
 
     @property
     def capacity(self) -> int:
@@ -111,6 +113,12 @@ class ReplicaLoc:
     # This placement's id, bound into its data-plane grants (pdserve/store/grants.py): every
     # ReplicaLoc made (a placement, a restore) takes the next one.
     alloc_id: int = field(default_factory=lambda: next(_ALLOC_IDS))
+    #: The tier of its segment (pb.StorageTier).
+    tier: int = pb.STORAGE_TIER_MEMORY
+
+    @property
+    def on_disk(self) -> bool:
+        return self.tier == pb.STORAGE_TIER_DISK
 
 
 @dataclass
@@ -138,6 +146,19 @@ class ObjectState:
     # stream; None = not given. In memory only: not persisted (docs/architecture.md).
     block: BlockMeta | None = None
 
+    def in_memory(self) -> bool:
+        """Whether a memory replica holds it (else only disk ones do)."""
+        return any(not r.on_disk for r in self.replicas)
+
+    def on_disk(self) -> bool:
+        """Whether a disk replica holds it."""
+        return any(r.on_disk for r in self.replicas)
+
+    def nodes(self) -> set[str]:
+        """The nodes holding a replica (the copies that count against ``want``: a memory and
+        a disk copy on one node are one node's)."""
+        return {r.node_id for r in self.replicas}
+
     def leased(self, now: float) -> bool:
         if not self.leases:
             return False
@@ -163,6 +184,10 @@ class Counters:
     node_dead_objects: int = 0
     repairs: int = 0
     repair_failures: int = 0
+    demotions: int = 0
+    promotions: int = 0
+    memory_evictions: int = 0
+    tier_move_failures: int = 0
 
 
 @dataclass(frozen=True)
@@ -202,6 +227,7 @@ class SegmentStats:
     capacity: int
     used: int
     alive: bool
+    tier: int = pb.STORAGE_TIER_MEMORY
 
 
 @dataclass(frozen=True)
@@ -221,11 +247,17 @@ class StoreStats:
     prefix_queries: int
     prefix_hit_keys: int
     alive_nodes: int
+    demotions: int = 0
+    promotions: int = 0
+    memory_evictions: int = 0
+    disk_capacity_bytes: int = 0
+    disk_used_bytes: int = 0
 
 
 #: on_event(type, key, size, reason) with type pb.KV_EVENT_STORED / pb.KV_EVENT_REMOVED and
-#: reason a pb.KVEventReason (unspecified for stored events).
-EventSink = Callable[[int, str, int, int], None]
+#: reason a pb.KVEventReason (unspecified for stored events); a move between tiers adds the
+#: tier: on_event(type, key, size, pb.KV_EVENT_REASON_TIER, tier), the copy added or dropped.
+EventSink = Callable[..., None]
 
 
 def on_segment(obj: ObjectState, segment_id: str) -> bool:

@@ -11,6 +11,7 @@ from pdserve.config import ConfigError, help_field
 from pdserve.enums import TRANSPORT
 from pdserve.identity import SecurityConfig
 from pdserve.sizes import parse_size
+from pdserve.store.segment import fs_type, memory_backed
 
 #: The transports a node may serve: every value of the proto enum (shm, tcp, mooncake).
 TRANSPORTS = TRANSPORT.choices
@@ -31,6 +32,19 @@ class NodeConfig(SecurityConfig):
         ["shm", "tcp"],
         "data-plane transports to serve, comma-separated: shm, tcp, mooncake",
         metavar="LIST",
+    )
+    disk_path: str = help_field(
+        "",
+        "directory of this node's disk tier, on a local disk (not tmpfs): chunks memory is "
+        "about to evict are copied here and read back from here; the file survives a restart "
+        "(empty = no disk tier)",
+        metavar="DIR",
+    )
+    disk_size: str = help_field(
+        "0",
+        "size limit of the disk tier (e.g. 20GiB; a sparse file: space is taken as chunks "
+        "arrive; 0 = no disk tier)",
+        metavar="SIZE",
     )
     prefault: bool = help_field(
         True,
@@ -73,6 +87,19 @@ class NodeConfig(SecurityConfig):
             self.segment_bytes()
         except ValueError as exc:
             raise ConfigError(f"segment_sizes: {exc}") from exc
+        try:
+            disk = parse_size(self.disk_size, what="disk_size", minimum=0)
+        except ValueError as exc:
+            raise ConfigError(f"disk_size: {exc}") from exc
+        if disk and not self.disk_path:
+            raise ConfigError("disk_size is set but disk_path is empty: name the tier's directory")
+        if disk and "tcp" not in self.transports:
+            raise ConfigError("a disk tier is served over tcp: add tcp to transports")
+        if disk and memory_backed(self.disk_path):
+            raise ConfigError(
+                f"disk_path {self.disk_path!r} is on {fs_type(self.disk_path)} (memory), not a "
+                "disk: a disk tier there only takes memory from the segments"
+            )
         unknown = sorted(set(self.transports) - set(TRANSPORTS))
         if unknown or not self.transports:
             raise ConfigError(
@@ -81,3 +108,7 @@ class NodeConfig(SecurityConfig):
 
     def segment_bytes(self) -> list[int]:
         return [parse_size(s, what="segment_sizes") for s in self.segment_sizes]
+
+    def disk_bytes(self) -> int:
+        """Size of the disk tier (0 = none)."""
+        return parse_size(self.disk_size, what="disk_size", minimum=0) if self.disk_path else 0

@@ -1,6 +1,9 @@
-"""The node's side of re-replication (``KVNodeService.CopyReplica``): read an object from a
-replica on another node over the data plane and write it into a range of this node's own
-segment that the master allocated, so no payload passes through the master.
+"""The node's side of re-replication and of moves between its tiers
+(``KVNodeService.CopyReplica``): read an object from a replica on another node over the data
+plane, or from another of this node's own segments (memory to disk, disk to memory), and
+write it into a range of this node's own segment that the master allocated, so no payload
+passes through the master. A copy onto a disk segment is on the device before the call
+returns (:meth:`~pdserve.store.segment.SegmentMemory.write`).
 
 The request is checked before a byte moves: the target must be in one of this node's
 segments and inside it, the sizes must agree, and (with data tokens on) the target's write
@@ -34,9 +37,18 @@ def request_problem(node: KVNode, request: pb.CopyReplicaRequest) -> str:
         return f"size {size} differs from the source's {source.size} or the target's {target.size}"
     if target.node_id != node.cfg.node_id:
         return f"target is on node {target.node_id!r}, not this node {node.cfg.node_id!r}"
-    if source.node_id == node.cfg.node_id:
-        return "source and target are on the same node"
-    if not any(e.transport == pb.TRANSPORT_TCP for e in source.endpoints):
+    if source.node_id == node.cfg.node_id:  # a move between this node's tiers
+        src = node.segment(source.segment_id)
+        if src is None:
+            return f"source segment {source.segment_id!r} is not one of this node's"
+        if source.segment_id == target.segment_id:
+            return "source and target are the same segment"
+        if source.offset + size > src.size:
+            return (
+                f"source range [{source.offset}, +{size}) is outside segment "
+                f"{source.segment_id!r} of {src.size} bytes"
+            )
+    elif not any(e.transport == pb.TRANSPORT_TCP for e in source.endpoints):
         return "the source replica has no tcp endpoint"
     seg = node.segment(target.segment_id)
     if seg is None:
@@ -86,6 +98,17 @@ def copy_replica(node: KVNode, request: pb.CopyReplicaRequest, tcp: Transport) -
     check_target_grant(node, target, time.time() * 1000.0)
     seg = node.segment(target.segment_id)
     assert seg is not None
+    local = node.segment(request.source.segment_id)
+    if request.source.node_id == node.cfg.node_id and local is not None:
+        src_off = request.source.offset
+        with local.view as mem, mem[src_off : src_off + request.size] as src:
+            seg.write(target.offset, src)  # onto disk: durable when this returns
+        node.bytes_moved += request.size
+        return request.size
+    if seg.on_disk:
+        raise errors.InvalidArgument(
+            f"CopyReplica of {request.key!r}: a disk segment takes copies from this node only"
+        )
     with seg.view as whole, whole[target.offset : target.offset + request.size] as dest:
         try:
             tcp.read_into(request.source, dest)

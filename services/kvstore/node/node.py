@@ -7,6 +7,7 @@ heartbeats) is :mod:`.serve`."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from pdserve.identity import advertised
 from pdserve.services.kvstore.node.config import NodeConfig
@@ -49,19 +50,30 @@ class KVNode:
         self.data_keys: dict[str, bytes] = {}
         #: Bytes copied into this node's segments for re-replication (CopyReplica).
         self.bytes_copied = 0
+        #: Bytes moved between this node's own tiers (CopyReplica, memory <-> disk).
+        self.bytes_moved = 0
 
     def start(self) -> None:
         for i, size in enumerate(self.cfg.segment_bytes()):
-            seg_id = f"{self.cfg.node_id}-seg{i}"
-            seg = SegmentMemory.create(seg_id, shm_name(seg_id), size, prefault=self.cfg.prefault)
-            if seg.reused:
-                log.warning("segment %s: kept the bytes a killed previous run left", seg_id)
-                self.kept.add(seg_id)
-            self.segments.append(seg)
+            self._add(f"{self.cfg.node_id}-seg{i}", size, prefault=self.cfg.prefault)
+        disk = self.cfg.disk_bytes()
+        if disk:
+            directory = Path(self.cfg.disk_path)
+            directory.mkdir(parents=True, exist_ok=True)
+            self._add(f"{self.cfg.node_id}-disk0", disk, directory=directory)
+        memory = [s for s in self.segments if not s.on_disk]
         for name in self.cfg.transports:
             server = _make_server(name, self.cfg)
-            server.start(self.segments)
+            # shm maps /dev/shm files and mooncake registers memory: a disk segment is tcp's
+            server.start(self.segments if name == "tcp" else memory)
             self.servers.append(server)
+
+    def _add(self, seg_id: str, size: int, **kw: object) -> None:
+        seg = SegmentMemory.create(seg_id, shm_name(seg_id), size, **kw)  # type: ignore[arg-type]
+        if seg.reused:
+            log.warning("segment %s: kept the bytes a previous run left", seg_id)
+            self.kept.add(seg_id)
+        self.segments.append(seg)
 
     def segment(self, segment_id: str) -> SegmentMemory | None:
         return next((s for s in self.segments if s.segment_id == segment_id), None)
@@ -73,11 +85,17 @@ class KVNode:
             server.set_data_key(segment_id, key)
 
     def segment_proto(self, seg: SegmentMemory) -> kvstore_pb2.Segment:
+        tier = kvstore_pb2.STORAGE_TIER_DISK if seg.on_disk else kvstore_pb2.STORAGE_TIER_MEMORY
         return kvstore_pb2.Segment(
             segment_id=seg.segment_id,
             node_id=self.cfg.node_id,
             size=seg.size,
-            endpoints=[s.endpoint(seg, self.host_id) for s in self.servers],
+            endpoints=[
+                s.endpoint(seg, self.host_id)
+                for s in self.servers
+                if not seg.on_disk or s.name == "tcp"
+            ],
+            tier=tier,
         )
 
     def stats(self) -> kvstore_pb2.NodeStatsResponse:

@@ -5,7 +5,9 @@ The node's memory outlives master restarts: when the master answers a heartbeat 
 ``remount_required`` (it restarted, or declared the node dead after a pause), the node mounts
 the same segment ids again; their bytes are untouched. Each mount tells the master the node's
 gRPC address (for re-replication copies) and its answer carries the segment's data key. On
-SIGTERM it unmounts its segments, stops its servers and unlinks its shared memory.
+SIGTERM it unmounts its memory segments, stops its servers and unlinks its shared memory; its
+disk segment (the tier below memory, when configured) keeps its file and stays known to the
+master, dormant, so a node restarted in time serves what it held.
 """
 
 from __future__ import annotations
@@ -57,9 +59,19 @@ def _export_metrics(node: KVNode) -> None:
             lambda: node.bytes_copied,
         ),
         (
+            "pdserve_kvnode_bytes_moved",
+            "payload bytes this node copied between its own memory and disk tiers (CopyReplica)",
+            lambda: node.bytes_moved,
+        ),
+        (
             "pdserve_kvnode_capacity_bytes",
             "bytes of memory segments this node contributes",
-            lambda: sum(s.size for s in node.segments),
+            lambda: sum(s.size for s in node.segments if not s.on_disk),
+        ),
+        (
+            "pdserve_kvnode_disk_capacity_bytes",
+            "bytes of the disk tier this node contributes (0 = none)",
+            lambda: sum(s.size for s in node.segments if s.on_disk),
         ),
     ):
         Gauge(name, doc, registry=REGISTRY).set_function(fn)
@@ -162,7 +174,7 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event) -> None:
                 instance_id=cfg.node_id,
                 role=common_pb2.ROLE_KVSTORE_NODE,
                 address=address,
-                kv_capacity_bytes=sum(s.size for s in node.segments),
+                kv_capacity_bytes=sum(s.size for s in node.segments if not s.on_disk),
                 labels={
                     "tcp": advertised(cfg, tcp_port),
                     "transports": ",".join(cfg.transports),
@@ -174,7 +186,9 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event) -> None:
             await _heartbeat_loop(node, stub, address, interval, stop)
         finally:
             await leave(meta_client)
-        for seg in node.segments:
+        # A disk segment stays mounted in the master's view: it goes dormant when the
+        # heartbeats stop and a node restarted within the master's dormant grace serves it again.
+        for seg in (s for s in node.segments if not s.on_disk):
             try:
                 await stub.UnmountSegment(
                     kvstore_pb2.UnmountSegmentRequest(segment_id=seg.segment_id),

@@ -33,6 +33,8 @@ def test_bench_kvstore_small_run(tmp_path: Path) -> None:
             "--no-mooncake-store",
             "--tokens-compare",
             "--tls-compare",
+            "--disk-dir",
+            str(tmp_path / "disk"),
             "--json",
             str(out_json),
             "--log-dir",
@@ -50,12 +52,19 @@ def test_bench_kvstore_small_run(tmp_path: Path) -> None:
     for system in ("memcpy", "pdserve/shm", "pdserve/tcp"):
         assert {(system, 4096, 1), (system, 65536, 1), (system, 4096, 4)} <= systems
     assert {("tcp-plain", 4096, 1), ("tcp-plain", 65536, 1)} <= systems
+    assert ("tcp-plain-warm", 65536, 1) in systems
+    assert {("disk-raw", 4096, 1), ("disk-raw", 65536, 1)} <= systems
+    assert data["disk"]["dir"] == str((tmp_path / "disk").resolve())
+    assert list((tmp_path / "disk").iterdir()) == []  # the raw disk files removed
     assert {("pdserve/tcp-notok", 4096, 1), ("pdserve/tcp-notok", 4096, 4)} <= systems
     assert "tcp with / without data tokens at 4 KiB single" in proc.stdout
     assert ("pdserve/tcp-tls", 65536, 1) in systems
     assert "tcp with / without mutual TLS on the control path at 64 KiB single" in proc.stdout
+    assert {("pdserve/tcp-disk", 4096, 1), ("pdserve/tcp-disk", 4096, 16)} <= systems
     for r in data["rows"]:
-        assert r["iterations"] == 6 and r["rounds"] == 2  # 3 timed operations per round
+        if r["system"] != "pdserve/tcp-disk":  # the disk tier's run reads what left memory
+            assert r["iterations"] == 6  # 3 timed operations per round
+        assert r["rounds"] == 2
         assert r["put_gbps"] > 0 and r["get_gbps"] > 0
         assert 0 < r["get_p50_us"] <= r["get_p99_us"]
         assert r["mode"] == ("single" if r["batch"] == 1 else "batch")

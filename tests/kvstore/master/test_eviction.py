@@ -15,7 +15,7 @@ def _parts(**overrides):
     objects, segments = ObjectTable(cfg, Counters()), SegmentTable(placement_seed=1)
     evicted: list[str] = []
 
-    def evict(obj: ObjectState) -> None:
+    def evict(obj: ObjectState, _tier: int = 0) -> None:
         segments.free(obj.replicas)
         objects.drop(obj)
         evicted.append(obj.key)

@@ -84,6 +84,35 @@ def test_blocks_of_other_chains_start_a_new_stored_event() -> None:
     assert ev.removed.medium == "GPU"
 
 
+def test_tier_moves_are_blocks_of_the_disk_medium_and_the_snapshot_names_where_it_is() -> None:
+    log = KVEventLog()
+    log.flush()
+    (k,), meta = chain([1, 2, 3, 4])
+    block = BlockMeta("", meta[k].packed_tokens(), CS, "")
+
+    def media() -> list[tuple[str | None, str]]:
+        batch = log.flush()
+        assert batch is not None
+        return [
+            (e.WhichOneof("event"), getattr(e, e.WhichOneof("event")).medium) for e in batch.events
+        ]
+
+    log.stored(k, block, [pb.STORAGE_TIER_MEMORY])
+    log.tier_added(k, block, pb.STORAGE_TIER_DISK)  # moved down: memory keeps its copy
+    log.tier_dropped(k, block, pb.STORAGE_TIER_MEMORY)  # memory evicted its copy
+    assert media() == [("stored", "CPU"), ("stored", "DISK"), ("removed", "CPU")]
+    _sub, snap = log.subscribe(snapshot=[k], block_of=lambda _k: block)
+    assert [e.stored.medium for e in snap[0].events if e.WhichOneof("event") == "stored"] == [
+        "DISK"
+    ]
+    log.tier_added(k, block, pb.STORAGE_TIER_MEMORY)  # read: back up
+    log.removed(k, block, [pb.STORAGE_TIER_MEMORY, pb.STORAGE_TIER_DISK])  # gone from both
+    assert media() == [("stored", "CPU"), ("removed", "CPU"), ("removed", "DISK")]
+    log.stored(k, block, [pb.STORAGE_TIER_DISK])  # a disk-only copy restored on a remount
+    log.removed(k, block, [pb.STORAGE_TIER_DISK])
+    assert media() == [("stored", "DISK"), ("removed", "DISK")]
+
+
 @pytest.mark.slow  # importing vLLM runs `file` on the interpreter (a process)
 def test_vllm_decodes_the_payload_with_its_own_classes() -> None:
     kv = vllm_classes()

@@ -69,3 +69,28 @@ def test_node_cli_rejects_bad_size() -> None:
     assert out.returncode == 2
     assert "segment_sizes" in out.stderr and "12XB" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("overrides", "why"),
+    [
+        ({"disk_size": "1GiB"}, "disk_path is empty"),
+        ({"disk_path": "/dev/shm/kv", "disk_size": "1GiB"}, "tmpfs .memory., not a disk"),
+        ({"disk_path": "/var/tmp/kv", "disk_size": "1GiB", "transports": "shm"}, "served over tcp"),
+        ({"disk_path": "/var/tmp/kv", "disk_size": "lots"}, "disk_size"),
+    ],
+)
+def test_a_bad_disk_tier_is_refused_with_the_reason(overrides, why) -> None:
+    with pytest.raises(ConfigError, match=why):
+        load(NodeConfig, "kvstore_node", env={}, overrides=overrides)
+
+
+def test_a_disk_tier_is_a_path_and_a_size() -> None:
+    cfg = load(
+        NodeConfig,
+        "kvstore_node",
+        env={},
+        overrides={"disk_path": "/var/tmp/kv", "disk_size": "2GiB"},
+    )
+    assert cfg.disk_bytes() == 2 << 30
+    assert load(NodeConfig, "kvstore_node", env={}, overrides={}).disk_bytes() == 0
