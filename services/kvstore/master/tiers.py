@@ -66,9 +66,6 @@ class Tierer:
             if len(self._wanted) > MAX_WANTED:
                 self._wanted.popitem(last=False)
 
-    def running(self) -> int:
-        return len(self._running)
-
     def jobs(self, limit: int) -> list[RepairJob]:
         """Up to ``limit`` moves, promotions first (a reader asked for those), each with its
         target allocated and its object leased."""
