@@ -232,6 +232,12 @@ class ObjectTable(Mapping[str, ObjectState]):
     def add_replica(self, obj: ObjectState, replica: ReplicaLoc) -> None:
         obj.replicas.append(replica)
 
+    def strip_tier(self, obj: ObjectState, tier: int) -> list[ReplicaLoc]:
+        """Takes ``obj``'s replicas in ``tier`` out; returns them."""
+        mine = [r for r in obj.replicas if r.tier == tier]
+        obj.replicas = [r for r in obj.replicas if r.tier != tier]
+        return mine
+
     def strip_segment(self, obj: ObjectState, segment_id: str) -> list[ReplicaLoc]:
         """Takes ``obj``'s replicas on ``segment_id`` out; returns them."""
         mine = [r for r in obj.replicas if r.segment_id == segment_id]

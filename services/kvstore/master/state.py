@@ -172,9 +172,7 @@ class MasterState:
             self._delete(obj, pb.KV_EVENT_REASON_EVICT)
             self.counters.evictions += 1
             return
-        gone = [r for r in obj.replicas if r.tier == tier]
-        obj.replicas = [r for r in obj.replicas if r.tier != tier]
-        self.segments.free(gone)
+        self.segments.free(self.objects.strip_tier(obj, tier))
         self.journal.mark(obj)
         if tier == MEMORY:
             self.counters.memory_evictions += 1
