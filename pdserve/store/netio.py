@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import os
 import socket
 import struct
 import threading
@@ -67,12 +68,29 @@ def iov(parts: list[memoryview], first: int = 0) -> list[memoryview]:
     return out
 
 
-def send_parts(sock: socket.socket, parts: list) -> None:
+def send_parts(sock: socket.socket, parts: list, *, more: bool = False) -> None:
     """Sends every byte of ``parts`` in as few syscalls as possible (``sendmsg`` gathers
-    them, so a header and its payload leave in one call and reach the peer together)."""
+    them, so a header and its payload leave in one call and reach the peer together).
+    ``more``: more data follows at once (``MSG_MORE``: the kernel holds a short tail back to
+    send it with what follows)."""
+    flags = socket.MSG_MORE if more else 0
     views = [memoryview(p) for p in parts if len(p)]
     while views:
-        advance(views, sock.sendmsg(views[:IOV]))
+        advance(views, sock.sendmsg(views[:IOV], [], flags))
+
+
+def send_file(sock: socket.socket, fd: int, offset: int, count: int) -> None:
+    """Sends ``count`` bytes of the file ``fd`` from ``offset`` on a blocking socket
+    (``sendfile``: from the page cache to the socket inside the kernel, with the file's
+    readahead). Reading a cold file through a mapping instead faults it in a page at a time:
+    measured on this disk, 1 MiB reads in file order 0.7 GB/s mapped against 1.9-3.1 GB/s
+    read (``bench kvstore --disk-dir``). Raises OSError when the file ends first."""
+    end = offset + count
+    while offset < end:
+        sent = os.sendfile(sock.fileno(), fd, offset, min(end - offset, IO_SLICE))
+        if sent == 0:
+            raise OSError(errno.EIO, f"file ends at {offset}, {end - offset} bytes short")
+        offset += sent
 
 
 def recv_parts(sock: socket.socket, parts: list[memoryview]) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import fcntl
 import mmap
 import os
@@ -187,6 +188,21 @@ class SegmentMemory:
         while done < len(data):
             done += os.pwrite(self.fd, data[done:], offset + done)
         os.fdatasync(self.fd)
+
+    def read_into(self, offset: int, dest: memoryview) -> None:
+        """Copies ``len(dest)`` bytes from ``offset`` into ``dest``. A disk segment reads its
+        file (``preadv``, with readahead: a cold mapping would fault in a page at a time), a
+        memory segment copies from its mapping."""
+        if not self.on_disk:
+            with self.view as whole:
+                dest[:] = whole[offset : offset + len(dest)]
+            return
+        done = 0
+        while done < len(dest):
+            got = os.preadv(self.fd, [dest[done:]], offset + done)
+            if got == 0:
+                raise OSError(errno.EIO, f"{self.path} ends {len(dest) - done} bytes short")
+            done += got
 
     def unlink(self) -> None:
         """Removes the shm file of a memory segment (the mapping stays valid until the process

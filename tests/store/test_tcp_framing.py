@@ -4,6 +4,7 @@ for what follows) and the wire's frame reader."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -129,3 +130,36 @@ def test_frame_reader_splits_and_joins_receives() -> None:
     finally:
         th.join()
         b.close()
+
+
+def test_a_vector_read_mixes_memory_and_disk_segments_byte_exact(node, tmp_path) -> None:
+    """A disk segment's ranges are sent from its file (sendfile), a memory segment's from its
+    mapping, in the order asked, in one reply; the disk bytes were written through the file
+    (as the node's tier copies are), never through the mapping."""
+    _srv, mem = node
+    disk_id = f"framing-{uuid.uuid4().hex[:8]}-disk0"
+    disk = SegmentMemory.create(disk_id, disk_id, SEG_BYTES, directory=tmp_path)
+    assert disk.on_disk
+    data = np.random.default_rng(7).integers(0, 256, SEG_BYTES, dtype=np.uint8).tobytes()
+    disk.write(0, memoryview(data))
+    srv2 = tcp_server.TcpServer()
+    srv2.start([mem, disk])
+    srv2.set_data_key(mem.segment_id, b"")
+    srv2.set_data_key(disk_id, b"")
+    mkey, dkey = tcp.segment_key(mem.segment_id), tcp.segment_key(disk_id)
+    ranges = [(dkey, 3, 5000), (mkey, 10, 100), (dkey, 700_000, 300_000), (dkey, 0, 1)]
+    request = _head(tcp.OP_READV, len(ranges)) + b"".join(
+        tcp.RANGE.pack(seg, off, n, *tcp.NO_GRANT) for seg, off, n in ranges
+    )
+    try:
+        with socket.create_connection(("127.0.0.1", srv2.port), timeout=5) as s:
+            s.sendall(request)
+            got = _reply(s, sum(n for _s, _o, n in ranges))
+            s.sendall(_head(tcp.OP_READV, 1) + _table(dkey, [(SEG_BYTES - 9, 9)]))
+            tail = _reply(s, 9)
+    finally:
+        srv2.stop()
+        os.close(disk.fd)  # the mapping the server still views stays valid
+    want = data[3:5003] + bytes(mem.mm[10:110]) + data[700_000:1_000_000] + data[:1]
+    assert got == want
+    assert tail == data[-9:]

@@ -1,6 +1,7 @@
 """The node side of pdserve's tcp transport (protocol: :mod:`pdserve.store.transports.tcp`):
 one thread per connection, every header and range checked (bounds, then grant) before any
-byte moves, payloads straight from / into the segment mapping."""
+byte moves, payloads straight from / into the segment mapping (reads of a disk segment
+straight from its file, by ``sendfile``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ import time
 from collections.abc import Sequence
 
 from pdserve.store import grants
-from pdserve.store.netio import IDLE_TIMEOUT_S, ConnectionServer, advance, recv_parts, send_parts
+from pdserve.store.netio import (
+    IDLE_TIMEOUT_S,
+    ConnectionServer,
+    advance,
+    recv_parts,
+    send_file,
+    send_parts,
+)
 from pdserve.store.segment import SegmentMemory
 from pdserve.store.transports.base import TransportServer
 from pdserve.store.transports.tcp import (
@@ -48,6 +56,18 @@ log = logging.getLogger(__name__)
 #: Bytes a node receives at once when it waits for a request: a header and its range table
 #: (72 bytes a range) usually arrive whole.
 READ_AHEAD = 4096
+
+
+class FileRange:
+    """A read range of a disk segment: sent from its file (``send_file``), not its mapping."""
+
+    __slots__ = ("fd", "length", "offset")
+
+    def __init__(self, fd: int, offset: int, length: int) -> None:
+        self.fd, self.offset, self.length = fd, offset, length
+
+    def __len__(self) -> int:
+        return self.length
 
 
 class _NoKeyYet:
@@ -129,8 +149,8 @@ class TcpServer(TransportServer):
         self.port = 0
         self.clock_skew_ms = clock_skew_ms
         # segment key -> (its memory, its grant check: a GrantKey, _NoKeyYet, or None when
-        # data tokens are off)
-        self._segments: dict[int, tuple[memoryview, grants.GrantKey | _NoKeyYet | None]] = {}
+        # data tokens are off; the file reads are sent from, -1 for a memory segment)
+        self._segments: dict[int, tuple[memoryview, grants.GrantKey | _NoKeyYet | None, int]] = {}
         self._server: ConnectionServer | None = None
         self._read = 0
         self._written = 0
@@ -144,7 +164,10 @@ class TcpServer(TransportServer):
         return self._written
 
     def start(self, segments: Sequence[SegmentMemory]) -> None:
-        self._segments = {segment_key(s.segment_id): (s.view, _NoKeyYet()) for s in segments}
+        self._segments = {
+            segment_key(s.segment_id): (s.view, _NoKeyYet(), s.fd if s.on_disk else -1)
+            for s in segments
+        }
         self._server = ConnectionServer(
             self.host,
             self.requested_port,
@@ -164,8 +187,8 @@ class TcpServer(TransportServer):
 
     def set_data_key(self, segment_id: str, key: bytes) -> None:
         seg = segment_key(segment_id)
-        mem, _old = self._segments[seg]
-        self._segments[seg] = (mem, grants.GrantKey(key) if key else None)
+        mem, _old, fd = self._segments[seg]
+        self._segments[seg] = (mem, grants.GrantKey(key) if key else None, fd)
 
     def stop(self) -> None:
         if self._server is not None:
@@ -233,13 +256,14 @@ class TcpServer(TransportServer):
         alloc_id: int,
         mac: bytes,
         now_ms: float,
-    ) -> memoryview | tuple[int, str]:
-        """The segment bytes a range names, or the status that refuses it and why. ``op``
-        is grants.OP_READ or OP_WRITE; ``now_ms`` the node's clock less the skew allowance."""
+    ) -> memoryview | FileRange | tuple[int, str]:
+        """The segment bytes a range names (a disk segment's as a FileRange when read), or
+        the status that refuses it and why. ``op`` is grants.OP_READ or OP_WRITE; ``now_ms``
+        the node's clock less the skew allowance."""
         entry = self._segments.get(seg)
         if entry is None:
             return ST_UNKNOWN_SEGMENT, f"segment {seg:#x}"
-        mem, check = entry
+        mem, check, fd = entry
         if length == 0 or offset > len(mem) or length > len(mem) - offset:
             return ST_OUT_OF_BOUNDS, f"segment {seg:#x} offset {offset} length {length}"
         if check is not None:
@@ -262,6 +286,8 @@ class TcpServer(TransportServer):
                     f"[{grant_offset}, +{grant_length}) op {op} allocation {alloc_id} "
                     f"expiry {expires_ms}",
                 )
+        if fd >= 0 and op == grants.OP_READ:
+            return FileRange(fd, offset, length)
         return mem[offset : offset + length]
 
     def _vector(self, conn: socket.socket, reader: _Reader, op: int, count: int) -> bool:
@@ -285,13 +311,17 @@ class TcpServer(TransportServer):
         return self._move(conn, reader, op == OP_READV, regions)
 
     def _move(
-        self, conn: socket.socket, reader: _Reader, read: bool, regions: list[memoryview]
+        self,
+        conn: socket.socket,
+        reader: _Reader,
+        read: bool,
+        regions: list[memoryview | FileRange],
     ) -> bool:
         """Sends the regions after an OK reply (a read), or receives into them and then
         replies OK (a write); the same for one range and for a vector of them."""
         total = sum(len(r) for r in regions)
         if read:
-            send_parts(conn, [REP.pack(REP_MAGIC, ST_OK, total), *regions])
+            _send_regions(conn, [REP.pack(REP_MAGIC, ST_OK, total), *regions])
             self._read += total
             return True
         if not reader.fill(regions):
@@ -299,3 +329,17 @@ class TcpServer(TransportServer):
         self._written += total
         self._reply(conn, ST_OK, total)
         return True
+
+
+def _send_regions(conn: socket.socket, parts: list) -> None:
+    """Sends buffers and FileRanges in order: each run of buffers in one gathered send (told
+    that more follows when a file range does), each file range by ``sendfile``."""
+    run: list = []
+    for part in parts:
+        if not isinstance(part, FileRange):
+            run.append(part)
+            continue
+        send_parts(conn, run, more=True)
+        run = []
+        send_file(conn, part.fd, part.offset, part.length)
+    send_parts(conn, run)

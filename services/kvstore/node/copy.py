@@ -100,11 +100,15 @@ def copy_replica(node: KVNode, request: pb.CopyReplicaRequest, tcp: Transport) -
     assert seg is not None
     local = node.segment(request.source.segment_id)
     if request.source.node_id == node.cfg.node_id and local is not None:
-        src_off = request.source.offset
-        with local.view as mem, mem[src_off : src_off + request.size] as src:
-            seg.write(target.offset, src)  # onto disk: durable when this returns
-        node.bytes_moved += request.size
-        return request.size
+        src_off, size = request.source.offset, request.size
+        if local.on_disk:  # up into memory: read from the file
+            with seg.view as whole, whole[target.offset : target.offset + size] as dest:
+                local.read_into(src_off, dest)
+        else:
+            with local.view as mem, mem[src_off : src_off + size] as src:
+                seg.write(target.offset, src)  # onto disk: durable when this returns
+        node.bytes_moved += size
+        return size
     if seg.on_disk:
         raise errors.InvalidArgument(
             f"CopyReplica of {request.key!r}: a disk segment takes copies from this node only"
