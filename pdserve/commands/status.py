@@ -157,6 +157,10 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
+#: Where meta listens unless told otherwise (``pdserve up``'s meta_port on loopback).
+DEFAULT_META = "127.0.0.1:50050"
+
+
 def supervised(run_dir: str) -> dict | None:
     """What a running ``pdserve up`` wrote about its services (None when none runs there)."""
     from pdserve.commands.up import SERVICES_FILE
@@ -181,6 +185,8 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"pdserve status: {exc}", file=sys.stderr)
             return 2
+    if not args.meta:  # the meta of the `pdserve up` in --run-dir, else the default port
+        args.meta = (up or {}).get("meta") or DEFAULT_META
     try:
         report = asyncio.run(collect(args.meta, args.store_master, args.timeout))
     except grpc.aio.AioRpcError as exc:
@@ -227,7 +233,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument(
-        "--meta", default="127.0.0.1:50050", help="meta gRPC address (default: %(default)s)"
+        "--meta",
+        default="",
+        help="meta gRPC address (default: that of the `pdserve up` running from --run-dir, "
+        f"else {DEFAULT_META})",
     )
     p.add_argument(
         "--store-master",

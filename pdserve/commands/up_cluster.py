@@ -462,7 +462,8 @@ class Cluster:
         self.write_status()
 
     def write_status(self) -> None:
-        """``<run_dir>/services.json``: each service's pid, state, restarts and last exit."""
+        """``<run_dir>/services.json``: each service's pid, state, restarts and last exit,
+        and meta's address (what ``pdserve status --run-dir`` dials)."""
         rows = [
             {
                 "name": p.name,
@@ -475,7 +476,12 @@ class Cluster:
         ]
         path = Path(self.cfg.run_dir) / SERVICES_FILE
         tmp = path.with_suffix(".tmp")
-        data = {"up_pid": os.getpid(), "tls": self.cfg.tls, "services": rows}
+        data = {
+            "up_pid": os.getpid(),
+            "tls": self.cfg.tls,
+            "meta": f"{self.cfg.host}:{self.cfg.meta_port}",
+            "services": rows,
+        }
         if self.cfg.external_engine:  # not supervised: up neither starts nor restarts them
             data["external_engines"] = [
                 {"url": e.url, "role": e.role} for e in up_external.engines(self.cfg)

@@ -32,10 +32,23 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 _SHM_NAME = re.compile(re.escape(SHM_PREFIX) + r"[A-Za-z0-9_.-]+")
 
 
+#: What follows the node id in the id of a segment it owns.
+_OWN_SEGMENT = re.compile(r"-(?:seg|disk)\d+")
+
+
 def shm_name(segment_id: str) -> str:
     """Stable shared-memory file name of a segment (its id already carries the node id, see
     :mod:`pdserve.services.kvstore.node.node`); filesystem-safe, no slashes."""
     return _UNSAFE.sub("_", f"{SHM_PREFIX}{segment_id}")
+
+
+def belongs_to(segment_id: str, node_id: str) -> bool:
+    """Whether ``segment_id`` is one of the ids node ``node_id`` names its segments
+    (``<node id>-seg<i>``, ``<node id>-disk<i>``; :mod:`pdserve.services.kvstore.node.node`).
+    Exact: node ``node-1`` owns ``node-1-seg0``, not ``node-1-x-seg0`` (node ``node-1-x``'s)."""
+    return _OWN_SEGMENT.fullmatch(segment_id[len(node_id) :]) is not None and (
+        segment_id.startswith(node_id)
+    )
 
 
 def is_shm_name(name: str) -> bool:

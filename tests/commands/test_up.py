@@ -94,12 +94,13 @@ def test_up_serves_the_printed_examples_is_secure_by_default_and_stops_cleanly(t
         ):
             kvstore_pb2_grpc.KVMasterServiceStub(ch).Stats(kvstore_pb2.StatsRequest(), timeout=10)
         assert plain.value.code() == grpc.StatusCode.UNAVAILABLE
+        # the run dir alone: meta's address (not the default port here) comes from it too
         status = subprocess.run(
-            [sys.executable, "-m", "pdserve.commands.cli", "status", "--meta",
-             f"127.0.0.1:{ports['meta']}", "--run-dir", str(run_dir)],
+            [sys.executable, "-m", "pdserve.commands.cli", "status", "--run-dir", str(run_dir)],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert status.returncode == 0, status.stdout + status.stderr
+        assert f"meta 127.0.0.1:{ports['meta']}:" in status.stdout
         assert "kvstore-master" in status.stdout and " NO " not in status.stdout
         # without the run dir (and without PDSERVE_TLS_*) it cannot reach meta, and says why
         bare = subprocess.run(

@@ -15,6 +15,7 @@ import pytest
 from pdserve import errors, identity, procs
 from pdserve.commands import certs
 from pdserve.store import open_store
+from pdserve.store.segment import shm_name
 from pdserve.store.wire import WireClient
 from pdserve.v1 import kvstore_pb2 as pb
 from pdserve.v1 import kvstore_pb2_grpc
@@ -142,6 +143,43 @@ def test_only_a_node_mounts_and_only_its_own_node_id(peers: Peers):
     peers.stub("node-b").UnmountSegment(
         pb.UnmountSegmentRequest(segment_id="node-b-seg0"), timeout=5
     )
+    stats = peers.stub("ops").Stats(pb.StatsRequest(), timeout=5)
+    assert [s.segment_id for s in stats.segments] == ["node-a-seg0"]
+
+
+@pytest.mark.slow
+def test_a_node_names_only_its_own_segments_and_their_own_files(peers: Peers):
+    """Segment ids are bound to their node: another node's certificate cannot take a segment
+    of node-a (one node-a has not mounted now, as while node-a is presumed dead, or a name
+    that merely starts with node-a's), nor serve its own segment from node-a's shm file."""
+    tcp = [pb.Endpoint(transport=pb.TRANSPORT_TCP, address="127.0.0.1:1")]
+    for seg_id in ("node-a-seg7", "node-a-disk0", "node-b-x-seg0", "node-bb-seg0", "seg0"):
+        seg = pb.Segment(segment_id=seg_id, node_id="node-b", size=1 << 20, endpoints=tcp)
+        mount = pb.MountSegmentRequest(segment=seg)
+        assert _code(lambda m=mount: peers.stub("node-b").MountSegment(m, timeout=5)) == (
+            grpc.StatusCode.PERMISSION_DENIED
+        ), seg_id
+        unmount = pb.UnmountSegmentRequest(segment_id=seg_id)
+        assert _code(lambda u=unmount: peers.stub("node-b").UnmountSegment(u, timeout=5)) == (
+            grpc.StatusCode.PERMISSION_DENIED
+        ), seg_id
+    other_file = pb.Endpoint(
+        transport=pb.TRANSPORT_SHM, shm_name=shm_name("node-a-seg0"), host_id="h"
+    )
+    seg = pb.Segment(
+        segment_id="node-b-seg1", node_id="node-b", size=1 << 20, endpoints=[*tcp, other_file]
+    )
+    mount = pb.MountSegmentRequest(segment=seg)
+    with pytest.raises(grpc.RpcError) as info:
+        peers.stub("node-b").MountSegment(mount, timeout=5)
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "pdserve-kv-node-b-seg1" in info.value.details()
+    # its own file is fine; an admin may act on any segment
+    own = pb.Endpoint(transport=pb.TRANSPORT_SHM, shm_name=shm_name("node-b-seg1"), host_id="h")
+    del seg.endpoints[1:]
+    seg.endpoints.append(own)
+    peers.stub("node-b").MountSegment(pb.MountSegmentRequest(segment=seg), timeout=5)
+    peers.stub("ops").UnmountSegment(pb.UnmountSegmentRequest(segment_id="node-b-seg1"), timeout=5)
     stats = peers.stub("ops").Stats(pb.StatsRequest(), timeout=5)
     assert [s.segment_id for s in stats.segments] == ["node-a-seg0"]
 

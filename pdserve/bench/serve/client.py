@@ -52,7 +52,7 @@ class Client:
         from pdserve.bench.serve.metrics import RequestRecord
 
         chunks: list[float] = []
-        state: dict[str, Any] = {"last": None, "usage": None, "error": None}
+        state: dict[str, Any] = {"last": None, "usage": None, "error": None, "text": []}
         send_s = time.perf_counter() - self.t0
         try:
             async with self.session.post(
@@ -82,13 +82,15 @@ class Client:
             output_tokens=int(usage.get("completion_tokens") or len(chunks)),
             cached_tokens=int(cached) if isinstance(cached, int) else None,
             error=error,
+            text="".join(state["text"]),
         )
 
     async def _read_stream(
         self, resp: aiohttp.ClientResponse, chunks: list[float], state: dict[str, Any]
     ) -> None:
-        """Records the arrival of each SSE event with generated text (``chunks``), the last
-        event with choices (``state["last"]``), the usage and an in-stream error."""
+        """Records the arrival of each SSE event with generated text (``chunks``) and its text
+        (``state["text"]``), the last event with choices (``state["last"]``), the usage and an
+        in-stream error."""
         async for raw in resp.content:
             line = raw.strip()
             if not line.startswith(b"data:"):
@@ -112,6 +114,7 @@ class Client:
                 text = choice.get("text") or (choice.get("delta") or {}).get("content")
                 if text:
                     chunks.append(now)
+                    state["text"].append(text)
             if event.get("usage"):
                 state["usage"] = event["usage"]
 

@@ -37,8 +37,10 @@ class RequestRecord:
     """What the client saw of one request. Times are seconds on one monotonic clock.
 
     ``chunk_s`` holds the arrival time of every SSE chunk that carried generated text, in
-    order; ``end_s`` is when the stream ended (last chunk, or the error). A request is
-    successful when it got a token chunk and no error.
+    order; ``end_s`` is when the stream ended (last chunk, or the error); ``text`` the
+    generated text (at temperature 0 two runs of one seeded workload answer alike, whatever
+    served the KV: ``records`` of the JSON result compare them). A request is successful when
+    it got a token chunk and no error.
     """
 
     index: int
@@ -50,6 +52,7 @@ class RequestRecord:
     output_tokens: int = 0
     cached_tokens: int | None = None
     error: str | None = None
+    text: str = ""
 
     @property
     def success(self) -> bool:

@@ -224,6 +224,7 @@ def test_client_records_stream_and_errors() -> None:
         "stream_options": {"include_usage": True},
     }
     assert ok.success and len(ok.chunk_s) == 2  # the empty-text chunk carries no token
+    assert ok.text == "abc" and bad.text == ""
     assert (ok.output_tokens, ok.prompt_tokens, ok.cached_tokens) == (3, 5, 2)
     assert ok.last_chunk_s is not None and ok.last_chunk_s >= ok.chunk_s[-1]
     assert ok.tpot_s == pytest.approx((ok.e2el_s - ok.ttft_s) / 2)
