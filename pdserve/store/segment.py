@@ -46,9 +46,7 @@ def belongs_to(segment_id: str, node_id: str) -> bool:
     """Whether ``segment_id`` is one of the ids node ``node_id`` names its segments
     (``<node id>-seg<i>``, ``<node id>-disk<i>``; :mod:`pdserve.services.kvstore.node.node`).
     Exact: node ``node-1`` owns ``node-1-seg0``, not ``node-1-x-seg0`` (node ``node-1-x``'s)."""
-    return _OWN_SEGMENT.fullmatch(segment_id[len(node_id) :]) is not None and (
-        segment_id.startswith(node_id)
-    )
+    return segment_id.startswith(node_id) and bool(_OWN_SEGMENT.fullmatch(segment_id, len(node_id)))
 
 
 def is_shm_name(name: str) -> bool:

@@ -38,8 +38,9 @@ class RequestRecord:
 
     ``chunk_s`` holds the arrival time of every SSE chunk that carried generated text, in
     order; ``end_s`` is when the stream ended (last chunk, or the error); ``text`` the
-    generated text (at temperature 0 two runs of one seeded workload answer alike, whatever
-    served the KV: ``records`` of the JSON result compare them). A request is successful when
+    generated text (two runs of one seeded workload may still differ at temperature 0: how
+    requests batch changes bf16 rounding, so a text comparison across runs is no integrity
+    check). A request is successful when
     it got a token chunk and no error.
     """
 
