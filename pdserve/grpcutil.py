@@ -223,14 +223,20 @@ def channel(
     *,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     public: bool | bytes = False,
+    server_name: str = "",
 ) -> grpc.aio.Channel:
     """An asyncio channel to ``address`` with the same limits as the servers and fast
     reconnects; mutual TLS when the process has TLS. ``public``: the server is a public API
-    (the router's): True = plaintext, PEM bytes = TLS checked against that CA."""
+    (the router's): True = plaintext, PEM bytes = TLS checked against that CA.
+    ``server_name``: with TLS, the server must present the certificate issued to that
+    identity name (a pdserve certificate carries its name; ``pdserve certs``), not merely any
+    certificate of the cluster valid for the address."""
     options = [*_options(max_message_bytes), *_RECONNECT_OPTIONS]
     creds = _credentials(public)
     if creds is None:
         return grpc.aio.insecure_channel(address, options=options)
+    if server_name:
+        options.append(("grpc.ssl_target_name_override", server_name))
     return grpc.aio.secure_channel(address, creds, options=options)
 
 

@@ -57,8 +57,8 @@ class Cluster:
         if self.certs is not None:
             names = ["meta:meta", "master:master", f"node:{self.node_id}", "router:router"]
             names.append("admin:test")
-            names += [f"worker:prefill{i}" for i in range(prefills)]
-            names += [f"worker:decode{i}" for i in range(decodes)]
+            names += [f"worker:prefill-{i}" for i in range(prefills)]
+            names += [f"worker:decode-{i}" for i in range(decodes)]
             certs.make(self.certs, names)
             identity.configure_files(self.files("test"))
         try:
@@ -111,14 +111,15 @@ class Cluster:
         )
         self.prefills = [
             self._add(
-                f"prefill{i}",
+                f"prefill-{i}",
                 service_args("prefill", **{**common, **self.worker_flags("prefill", i)}),
             )
             for i in range(self.n_prefills)
         ]
         self.decodes = [
             self._add(
-                f"decode{i}", service_args("decode", **{**common, **self.worker_flags("decode", i)})
+                f"decode-{i}",
+                service_args("decode", **{**common, **self.worker_flags("decode", i)}),
             )
             for i in range(self.n_decodes)
         ]

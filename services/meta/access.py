@@ -6,6 +6,13 @@ every caller, and its records have no owner).
   master by ``master``. A stolen node certificate cannot announce a fake decode worker that
   routers would send prompts to; a node announces only its own node id (its certificate's
   name), as at the KV master.
+- A worker's certificate names its pool and itself: ``worker:<pool>`` or
+  ``worker:<pool>-<suffix>``, the pool being ``prefill`` or ``decode``. It registers only
+  instances of its pool's role (a prefill worker cannot announce itself as a decode worker and
+  take user traffic), under its own name or ``<name>-<anything>`` (``worker:decode-0`` is the
+  instance ``decode-0``; a pool certificate ``worker:decode``, shared by a Kubernetes
+  StatefulSet's pods, registers ``decode-0``, ``decode-1``...). Routers check that the server
+  at a worker's address presents the certificate named by the record's owner.
 - The registering identity owns the record (``Instance.owner``): while it is live, only that
   identity may heartbeat, deregister or re-register its ``instance_id``, so nobody takes over
   another's instance, not even with the lease id that ListInstances shows. A record without
@@ -49,8 +56,32 @@ def check_register(
         raise PermissionDenied(
             f"{caller} may register only the node {caller.name!r}, not {instance.instance_id!r}"
         )
+    if caller.role == "worker":
+        _check_worker(caller, instance)
     if current is not None:
         check_owner(caller, current, f"re-register instance {instance.instance_id!r}")
+
+
+#: The instance role each worker pool (the first part of a worker certificate's name) serves.
+WORKER_POOL = {"prefill": common_pb2.ROLE_PREFILL, "decode": common_pb2.ROLE_DECODE}
+
+
+def _check_worker(caller: Identity, instance: meta_pb2.Instance) -> None:
+    pool = caller.name.split("-", 1)[0]
+    if pool not in WORKER_POOL:
+        raise PermissionDenied(
+            f"{caller} may register no worker: a worker certificate is named after its pool, "
+            f"worker:prefill[-<suffix>] or worker:decode[-<suffix>]"
+        )
+    if instance.role != WORKER_POOL[pool]:
+        role = common_pb2.Role.Name(instance.role)
+        raise PermissionDenied(f"{caller} may not register a {role}: it is a {pool} worker")
+    iid = instance.instance_id
+    if iid != caller.name and not iid.startswith(caller.name + "-"):
+        raise PermissionDenied(
+            f"{caller} may register only {caller.name!r} or {caller.name + '-<suffix>'!r}, "
+            f"not {iid!r}"
+        )
 
 
 def check_owner(caller: Identity | None, owner: str, action: str) -> None:

@@ -57,6 +57,9 @@ class Worker:
     #: What the worker registered about itself (``services/worker.py``,
     #: ``registration_labels``: engine, KV fingerprint and its fields, limits).
     labels: dict[str, str] = field(default_factory=dict)
+    #: The identity that registered it in meta (``worker:decode-0``; "" without TLS): with TLS
+    #: the router talks to it only if its server presents that identity's certificate.
+    owner: str = ""
     #: Why the worker gets no work ("" = it may): its KV fingerprint is not the cluster's.
     refused: str = ""
     #: The router's own requests on this worker now, and their uncached prefill tokens.
@@ -84,7 +87,9 @@ class Worker:
 
     def channel(self) -> grpc.aio.Channel:
         if self._channel is None:
-            self._channel = grpcutil.channel(self.address)
+            role, _, name = self.owner.partition(":")
+            expect = name if role == "worker" else ""
+            self._channel = grpcutil.channel(self.address, server_name=expect)
         return self._channel
 
     def prefill_stub(self) -> engine_pb2_grpc.PrefillServiceStub:
@@ -139,8 +144,10 @@ class WorkerPool:
                 asyncio.get_event_loop().create_task(gone.close())
         else:
             w = table.get(inst.instance_id)
-            if w is None or w.address != inst.address:
-                w = Worker(inst.instance_id, inst.address, role)
+            if w is None or (w.address, w.owner) != (inst.address, inst.owner):
+                if w is not None:
+                    asyncio.get_event_loop().create_task(w.close())
+                w = Worker(inst.instance_id, inst.address, role, owner=inst.owner)
                 table[inst.instance_id] = w
             w.max_running = inst.max_running
             w.labels = dict(inst.labels)

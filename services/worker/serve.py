@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve import grpcutil, lifecycle, telemetry
+from pdserve import grpcutil, identity, lifecycle, telemetry
 from pdserve.discovery import leave, register_service
 from pdserve.engines import create_engine
 from pdserve.engines.base import Engine
@@ -38,6 +38,16 @@ class WorkerSpec:
     make_servicer: Callable[[Engine, WorkerConfig], Any]
 
 
+def default_instance_id(service: str) -> str:
+    """The id a worker registers when none is given: with TLS its certificate's name (meta
+    takes a worker's registration only under that name, :mod:`pdserve.services.meta.access`),
+    or ``<name>-<random>`` for a pool's shared certificate (``worker:decode``); without TLS
+    ``<service>-<random>``."""
+    files = identity.tls()
+    name = files.identity().name if files is not None else service
+    return name if name != service else f"{name}-{uuid.uuid4().hex[:8]}"
+
+
 async def serve(spec: WorkerSpec, cfg: WorkerConfig, stop: asyncio.Event) -> None:
     """Runs one worker until ``stop`` is set, then drains: health NOT_SERVING and deregister
     first (no new work is routed here), wait up to ``drain_timeout_s`` for in-flight RPCs,
@@ -56,7 +66,7 @@ async def serve(spec: WorkerSpec, cfg: WorkerConfig, stop: asyncio.Event) -> Non
         )
         address = advertised(cfg, server.port)
         metrics_port = telemetry.serve_metrics(cfg.metrics_port, cfg.host)
-        instance_id = cfg.instance_id or f"{spec.service}-{uuid.uuid4().hex[:8]}"
+        instance_id = cfg.instance_id or default_instance_id(spec.service)
         labels = registration_labels(cfg, engine)
         if metrics_port:
             labels["metrics"] = advertised(cfg, metrics_port)

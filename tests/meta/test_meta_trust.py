@@ -25,7 +25,15 @@ from pdserve.procs import ProcessStartError, ServiceProcess, service_args, start
 from pdserve.v1 import common_pb2, meta_pb2, meta_pb2_grpc
 
 DECODE = common_pb2.ROLE_DECODE
-IDENTITIES = ["meta:meta", "worker:w1", "worker:w2", "node:n1", "router:r1", "admin:ops"]
+IDENTITIES = [
+    "meta:meta",
+    "worker:decode",
+    "worker:decode-0",
+    "worker:prefill-0",
+    "node:n1",
+    "router:r1",
+    "admin:ops",
+]
 DENIED = grpc.StatusCode.PERMISSION_DENIED
 #: gRPC's default message limit in pdserve (grpcutil.DEFAULT_MAX_MESSAGE_BYTES).
 MESSAGE_LIMIT = 16 * 1024 * 1024
@@ -78,10 +86,18 @@ def test_identities_own_their_instances(start_meta, backend: str, certdir: Path)
     assert meta.info["http"].startswith("https://")
 
     async def main(meta: ServiceProcess) -> None:
-        w1, w2, n1, r1, ops = (stub_as(addr, certdir, n) for n in ("w1", "w2", "n1", "r1", "ops"))
+        w1, w2, n1, r1, ops = (
+            stub_as(addr, certdir, n) for n in ("decode", "decode-0", "n1", "r1", "ops")
+        )
         reg = meta_pb2.RegisterRequest(instance=decode("decode-0"), ttl_ms=60_000)
         # a storage node's certificate announcing a fake decode worker
         await refused(n1.Register(reg), DENIED, "node:n1 may not register a ROLE_DECODE")
+        # a prefill worker's certificate announcing itself as a decode worker (to take user
+        # traffic), and a worker announcing another's name
+        p0 = stub_as(addr, certdir, "prefill-0")
+        hijack = meta_pb2.RegisterRequest(instance=decode("prefill-0"), ttl_ms=60_000)
+        await refused(p0.Register(hijack), DENIED, "may not register a ROLE_DECODE")
+        await refused(p0.Register(reg), DENIED, "may not register a ROLE_DECODE")
         # a node announces only itself (its certificate's name), as at the KV master
         other = meta_pb2.Instance(
             instance_id="n2", role=common_pb2.ROLE_KVSTORE_NODE, address="127.0.0.1:9001"
@@ -92,14 +108,14 @@ def test_identities_own_their_instances(start_meta, backend: str, certdir: Path)
         await n1.Deregister(meta_pb2.DeregisterRequest(lease_id=mine))
         lease = (await w1.Register(reg)).lease_id
         (d0,) = (await r1.ListInstances(meta_pb2.ListInstancesRequest())).instances
-        assert (d0.owner, d0.lease_id) == ("worker:w1", lease)  # the lease id is public
+        assert (d0.owner, d0.lease_id) == ("worker:decode", lease)  # the lease id is public
         # another worker takes over decode-0: re-register, heartbeat, deregister
         fake = meta_pb2.RegisterRequest(instance=decode("decode-0", "10.6.6.6:1"), ttl_ms=60_000)
-        await refused(w2.Register(fake), DENIED, "worker:w2 may not re-register")
+        await refused(w2.Register(fake), DENIED, "worker:decode-0 may not re-register")
         beat = meta_pb2.MetaHeartbeatRequest(lease_id=lease, load=common_pb2.Load(kv_usage=1))
-        await refused(w2.Heartbeat(beat), DENIED, "belongs to worker:w1")
+        await refused(w2.Heartbeat(beat), DENIED, "belongs to worker:decode")
         bye = meta_pb2.DeregisterRequest(lease_id=lease)
-        await refused(w2.Deregister(bye), DENIED, "belongs to worker:w1")
+        await refused(w2.Deregister(bye), DENIED, "belongs to worker:decode")
         # the owner does the same
         await w1.Heartbeat(meta_pb2.MetaHeartbeatRequest(lease_id=lease))
         await w1.Register(reg)
@@ -107,23 +123,27 @@ def test_identities_own_their_instances(start_meta, backend: str, certdir: Path)
             port = int(addr.rsplit(":", 1)[1])
             meta.stop()
             await asyncio.to_thread(start_meta, port, 0, *tls_flags(certdir))
-            await refused(w2.Register(fake, wait_for_ready=True), DENIED, "belongs to worker:w1")
+            await refused(
+                w2.Register(fake, wait_for_ready=True), DENIED, "belongs to worker:decode"
+            )
         listed = await r1.ListInstances(meta_pb2.ListInstancesRequest(), wait_for_ready=True)
         (d0,) = listed.instances
-        assert (d0.address, d0.owner) == ("127.0.0.1:9000", "worker:w1")
+        assert (d0.address, d0.owner) == ("127.0.0.1:9000", "worker:decode")
         # per-identity cap: w1 has decode-0 and may add two more; w2 is not affected
         if backend == "memory":
             for k in (1, 2):
                 await w1.Register(
-                    meta_pb2.RegisterRequest(instance=decode(f"w1-{k}"), ttl_ms=60_000)
+                    meta_pb2.RegisterRequest(instance=decode(f"decode-x{k}"), ttl_ms=60_000)
                 )
-            more = meta_pb2.RegisterRequest(instance=decode("w1-3"), ttl_ms=60_000)
+            more = meta_pb2.RegisterRequest(instance=decode("decode-x3"), ttl_ms=60_000)
             await refused(
                 w1.Register(more),
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                "worker:w1 holds its max_instances_per_identity (3)",
+                "worker:decode holds its max_instances_per_identity (3)",
             )
-            await w2.Register(meta_pb2.RegisterRequest(instance=decode("w2-0"), ttl_ms=60_000))
+            await w2.Register(
+                meta_pb2.RegisterRequest(instance=decode("decode-0-b"), ttl_ms=60_000)
+            )
         # an admin may remove anything
         (d0,) = (await ops.ListInstances(meta_pb2.ListInstancesRequest(model="m"))).instances[:1]
         await ops.Deregister(meta_pb2.DeregisterRequest(lease_id=d0.lease_id))
@@ -145,10 +165,10 @@ def test_identities_own_their_instances(start_meta, backend: str, certdir: Path)
 @pytest.mark.parametrize("backend", ["memory"])  # the handshake does not depend on it
 def test_a_certificate_of_another_ca_is_refused(start_meta, certdir: Path, tmp_path: Path) -> None:
     meta = start_meta(0, -1, *tls_flags(certdir))
-    certs.make(tmp_path, ["worker:w1"])  # same identity, another CA
+    certs.make(tmp_path, ["worker:decode"])  # same identity, another CA
 
     async def main() -> None:
-        stub = stub_as(meta.info["grpc"], tmp_path, "w1")
+        stub = stub_as(meta.info["grpc"], tmp_path, "decode")
         reg = meta_pb2.RegisterRequest(instance=decode("decode-0"), ttl_ms=60_000)
         await refused(stub.Register(reg, timeout=5), grpc.StatusCode.UNAVAILABLE)
 
@@ -157,8 +177,8 @@ def test_a_certificate_of_another_ca_is_refused(start_meta, certdir: Path, tmp_p
 
 @pytest.fixture
 def as_worker(certdir: Path) -> Iterator[None]:
-    """This test process presents w1's certificate on grpcutil's channels."""
-    identity.configure_files(files(certdir, "w1"))
+    """This test process presents worker:decode's certificate on grpcutil's channels."""
+    identity.configure_files(files(certdir, "decode"))
     try:
         yield
     finally:
@@ -175,7 +195,7 @@ def test_meta_client_and_discovery_work_under_tls(start_meta, certdir: Path, as_
         await disc.start()
         client = MetaClient(addr)
         await client.register(decode("decode-0"), ttl_ms=1000)
-        await disc.wait_for(lambda xs: [i.owner for i in xs] == ["worker:w1"], 10)
+        await disc.wait_for(lambda xs: [i.owner for i in xs] == ["worker:decode"], 10)
         await asyncio.sleep(1.2)  # heartbeats (as w1) keep it past its TTL
         assert [i.instance_id for i in await client.list()] == ["decode-0"]
         assert client.registrations == 1
@@ -373,5 +393,5 @@ def test_stored_etcd_records_without_an_owner_still_load() -> None:
 
     before = b'{"instanceId": "d0", "role": "ROLE_DECODE", "address": "h:1", "leaseId": "7f"}'
     assert (_decode(before).instance_id, _decode(before).owner) == ("d0", "")  # no owner
-    later = b'{"instanceId": "d0", "owner": "worker:w1", "aFieldOfALaterVersion": 1}'
-    assert _decode(later).owner == "worker:w1"
+    later = b'{"instanceId": "d0", "owner": "worker:decode", "aFieldOfALaterVersion": 1}'
+    assert _decode(later).owner == "worker:decode"

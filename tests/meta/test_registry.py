@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import pytest
@@ -204,7 +205,9 @@ def test_slow_watcher_is_cut_off_not_the_others() -> None:
 
 # --- identities, ownership, caps, pages --------------------------------------------------
 
-W1, W2 = Identity("worker", "w1"), Identity("worker", "w2")
+# a pool certificate (registers prefill-<anything>) and one worker's own (prefill-2[-...])
+W1, W2 = Identity("worker", "prefill"), Identity("worker", "prefill-2")
+DW = Identity("worker", "decode")
 NODE, ROUTER, MASTER, ADMIN = (
     Identity("node", "n1"),
     Identity("router", "r1"),
@@ -229,7 +232,7 @@ def run_with(body, backend=None, **limits) -> None:
     ("role", "allowed"),
     [
         (common_pb2.ROLE_PREFILL, {W1, ADMIN}),
-        (common_pb2.ROLE_DECODE, {W1, ADMIN}),
+        (common_pb2.ROLE_DECODE, {DW, ADMIN}),
         (common_pb2.ROLE_ROUTER, {ROUTER, ADMIN}),
         (common_pb2.ROLE_KVSTORE_NODE, {NODE, ADMIN}),
         (common_pb2.ROLE_KVSTORE_MASTER, {MASTER, ADMIN}),
@@ -237,9 +240,10 @@ def run_with(body, backend=None, **limits) -> None:
 )
 def test_only_the_matching_identity_role_registers(role: int, allowed) -> None:
     async def body(reg: Registry) -> None:
-        for k, caller in enumerate([W1, NODE, ROUTER, MASTER, ADMIN, Identity("meta", "m")]):
-            # a node registers under its own name (its node id)
-            iid = caller.name if caller == NODE else f"i{k}"
+        everyone = [W1, DW, NODE, ROUTER, MASTER, ADMIN, Identity("meta", "m")]
+        for k, caller in enumerate(everyone):
+            # a node registers under its own name (its node id), a worker under its pool's
+            iid = caller.name if caller == NODE else f"{caller.name}-i{k}"
             call = reg.register(inst(iid, role), 1000, caller)
             if caller in allowed:
                 await call
@@ -253,15 +257,17 @@ def test_only_the_matching_identity_role_registers(role: int, allowed) -> None:
 
 def test_only_the_owner_renews_removes_or_replaces_an_instance() -> None:
     async def body(reg: Registry) -> None:
-        lid, _ = await reg.register(inst("d0", common_pb2.ROLE_DECODE), 1000, W1)
+        lid, _ = await reg.register(inst("prefill-2"), 1000, W1)
         (d0,) = await reg.list()
-        assert d0.owner == "worker:w1"
-        takeover = inst("d0", common_pb2.ROLE_DECODE, address="10.0.0.66:1")
-        with pytest.raises(PermissionDenied, match=r"worker:w2 may not re-register .* worker:w1"):
+        assert d0.owner == "worker:prefill"
+        takeover = inst("prefill-2", address="10.0.0.66:1")
+        with pytest.raises(
+            PermissionDenied, match=r"worker:prefill-2 may not re-register .* worker:prefill\b"
+        ):
             await reg.register(takeover, 1000, W2)
-        with pytest.raises(PermissionDenied, match="may not heartbeat instance 'd0'"):
+        with pytest.raises(PermissionDenied, match="may not heartbeat instance 'prefill-2'"):
             await reg.heartbeat(lid, common_pb2.Load(queue_length=99), W2)
-        with pytest.raises(PermissionDenied, match="may not deregister instance 'd0'"):
+        with pytest.raises(PermissionDenied, match="may not deregister instance 'prefill-2'"):
             await reg.deregister(lid, W2)
         (d0,) = await reg.list()
         assert (d0.address, d0.lease_id, d0.load.queue_length) == ("127.0.0.1:9000", lid, 0)
@@ -269,7 +275,7 @@ def test_only_the_owner_renews_removes_or_replaces_an_instance() -> None:
         await reg.heartbeat(lid, common_pb2.Load(queue_length=1), W1)
         with pytest.raises(NotFound):
             await reg.heartbeat("feed", None, W2)
-        lid2, _ = await reg.register(inst("d0", common_pb2.ROLE_DECODE), 1000, W1)
+        lid2, _ = await reg.register(inst("prefill-2"), 1000, W1)
         # an admin may take over; the record is then the admin's
         lid3, _ = await reg.register(takeover, 1000, ADMIN)
         with pytest.raises(PermissionDenied):
@@ -278,7 +284,7 @@ def test_only_the_owner_renews_removes_or_replaces_an_instance() -> None:
         assert await reg.list() == []
         # once it left, the id is free for anybody with the right role
         await reg.register(takeover, 1000, W2)
-        assert [i.owner for i in await reg.list()] == ["worker:w2"]
+        assert [i.owner for i in await reg.list()] == ["worker:prefill-2"]
         assert lid2 != lid3
 
     run_with(body)
@@ -286,11 +292,11 @@ def test_only_the_owner_renews_removes_or_replaces_an_instance() -> None:
 
 def test_a_record_without_an_owner_may_be_taken() -> None:
     async def body(reg: Registry) -> None:
-        lid, _ = await reg.register(inst("p0"), 1000)  # no TLS: no owner
+        lid, _ = await reg.register(inst("prefill-2-p0"), 1000)  # no TLS: no owner
         assert [i.owner for i in await reg.list()] == [""]
         await reg.heartbeat(lid, None, W2)
-        await reg.register(inst("p0"), 1000, W2)
-        assert [i.owner for i in await reg.list()] == ["worker:w2"]
+        await reg.register(inst("prefill-2-p0"), 1000, W2)
+        assert [i.owner for i in await reg.list()] == ["worker:prefill-2"]
 
     run_with(body)
 
@@ -305,10 +311,10 @@ class SlowMemory(MemoryBackend):
 
 def test_concurrent_registrations_cannot_pass_ownership_or_caps() -> None:
     async def body(reg: Registry) -> None:
-        same_id = [reg.register(inst("p0"), 1000, c) for c in (W1, W2, W1, W2)]
+        same_id = [reg.register(inst("prefill-2-p0"), 1000, c) for c in (W1, W2, W1, W2)]
         got = await asyncio.gather(*same_id, return_exceptions=True)
         assert [type(g) for g in got] == [tuple, PermissionDenied, tuple, PermissionDenied]
-        many = [reg.register(inst(f"q{k}"), 1000, W2) for k in range(20)]
+        many = [reg.register(inst(f"prefill-2-q{k}"), 1000, W2) for k in range(20)]
         got = await asyncio.gather(*many, return_exceptions=True)
         assert sum(isinstance(g, tuple) for g in got) == 4  # 5 in all, p0 included
         assert all(isinstance(g, (tuple, ResourceExhausted)) for g in got)
@@ -319,16 +325,24 @@ def test_concurrent_registrations_cannot_pass_ownership_or_caps() -> None:
 
 def test_caps_on_instances_per_identity_and_in_all() -> None:
     async def body(reg: Registry) -> None:
-        leases = [(await reg.register(inst(f"a{k}"), 1000, W1))[0] for k in range(2)]
-        with pytest.raises(ResourceExhausted, match=r"worker:w1 holds its max_instances_per_iden"):
-            await reg.register(inst("a2"), 1000, W1)
-        await reg.register(inst("a0", address="127.0.0.1:9001"), 1000, W1)  # a re-registration
-        await reg.register(inst("b0"), 1000, W2)
+        leases = [(await reg.register(inst(f"prefill-a{k}"), 1000, W1))[0] for k in range(2)]
+        with pytest.raises(
+            ResourceExhausted, match=r"worker:prefill holds its max_instances_per_iden"
+        ):
+            await reg.register(inst("prefill-a2"), 1000, W1)
+        await reg.register(
+            inst("prefill-a0", address="127.0.0.1:9001"), 1000, W1
+        )  # a re-registration
+        await reg.register(inst("prefill-2-b0"), 1000, W2)
         with pytest.raises(ResourceExhausted, match=r"max_instances \(3\) live instances"):
-            await reg.register(inst("b1"), 1000, W2)
+            await reg.register(inst("prefill-2-b1"), 1000, W2)
         await reg.deregister(leases[1], W1)  # room comes back at once
-        await reg.register(inst("b1"), 1000, W2)
-        assert [i.instance_id for i in await reg.list()] == ["a0", "b0", "b1"]
+        await reg.register(inst("prefill-2-b1"), 1000, W2)
+        assert [i.instance_id for i in await reg.list()] == [
+            "prefill-2-b0",
+            "prefill-2-b1",
+            "prefill-a0",
+        ]
 
     run_with(body, max_instances=3, max_instances_per_identity=2)
 
@@ -376,5 +390,35 @@ def test_list_pages(monkeypatch: pytest.MonkeyPatch) -> None:
             await reg.list_page(common_pb2.ROLE_DECODE, token=token)
         with pytest.raises(InvalidArgument, match="not one meta issued"):
             await reg.list_page(token="WzEsMiwzXQ")  # base64 of [1,2,3]
+
+    run_with(body)
+
+
+def test_a_worker_registers_only_its_pools_role_under_its_own_name() -> None:
+    """Probe: a prefill worker's certificate announced a DECODE instance at its own address and
+    the router sent it user requests. A worker's certificate names its pool and itself."""
+
+    async def body(reg: Registry) -> None:
+        p0 = Identity("worker", "prefill-0")
+        decode = common_pb2.ROLE_DECODE
+        refused = [
+            (inst("prefill-0", decode), p0, "may not register a ROLE_DECODE: it is a prefill"),
+            (inst("decode-0", decode), p0, "may not register a ROLE_DECODE"),
+            (inst("prefill-1"), p0, "may register only 'prefill-0'"),
+            (inst("prefill-00"), p0, "may register only 'prefill-0'"),
+            (inst("w1"), Identity("worker", "w1"), "named after its pool"),
+            (inst("decode-9", decode), W1, "may not register a ROLE_DECODE"),
+        ]
+        for record, caller, message in refused:
+            with pytest.raises(PermissionDenied, match=re.escape(message)):
+                await reg.register(record, 1000, caller)
+        await reg.register(inst("prefill-0"), 1000, p0)
+        await reg.register(inst("prefill-0-replica"), 1000, p0)
+        await reg.register(inst("decode-9", decode), 1000, DW)  # a pool certificate
+        assert sorted(i.instance_id for i in await reg.list()) == [
+            "decode-9",
+            "prefill-0",
+            "prefill-0-replica",
+        ]
 
     run_with(body)

@@ -26,6 +26,7 @@ IDENTITIES = [
     "node:node-b",
     "worker:w1",
     "worker:w2",
+    "router:r1",
     "admin:ops",
 ]
 
@@ -229,6 +230,45 @@ def test_nodes_may_not_act_as_clients_nor_clients_as_nodes(peers: Peers):
     )
     # reading public state is open to every identity of the cluster
     assert node.LongestPrefix(pb.LongestPrefixRequest(keys=["a"]), timeout=5).length == 0
+
+
+@pytest.mark.slow
+def test_the_event_streams_go_to_routers_and_the_token_ids_to_admins(peers: Peers):
+    """Probe: any identity of the cluster (a storage node's) read every tenant's prompt token
+    ids from SubscribeKVEvents. Only a router (and an admin) follows the events; the token ids
+    go to an admin only (pdserve's router follows the chunk keys)."""
+    import struct
+
+    w1 = peers.stub("w1")
+    key = "ab" * 32
+    block = pb.KVBlockMeta(token_ids=struct.pack("<4I", 11, 12, 13, 14), block_size=4)
+    item = pb.PutStartItem(key=key, size=4096, block=block)
+    assert w1.BatchPutStart(pb.BatchPutStartRequest(client_id="e", items=[item])).results[
+        0
+    ].code == (pb.KV_OK)
+    w1.BatchPutEnd(pb.BatchKeysRequest(client_id="e", keys=[key]), timeout=5)
+    snapshot = pb.SubscribeKVEventsRequest(snapshot=True)
+    for name in ("node-b", "w1"):
+        code = _code(lambda: next(peers.stub(name).SubscribeKVEvents(snapshot, timeout=5)))
+        assert code == grpc.StatusCode.PERMISSION_DENIED, name
+        watch = peers.stub(name).WatchEvents(pb.WatchEventsRequest(), timeout=5)
+        assert _code(lambda: next(watch)) == grpc.StatusCode.PERMISSION_DENIED, name
+
+    def stored(name: str) -> pb.KVBlockStored:
+        """The stored event of ``key`` as ``name`` receives it (replayed from the ring)."""
+        replay = pb.SubscribeKVEventsRequest(from_seq=0)
+        for batch in peers.stub(name).SubscribeKVEvents(replay, timeout=10):
+            for e in batch.events:
+                if e.HasField("stored") and bytes.fromhex(key) in e.stored.block_hashes:
+                    return e.stored
+        raise AssertionError("no stored event")
+
+    for_router, for_admin = stored("r1"), stored("ops")
+    assert list(for_router.token_ids) == []
+    assert list(for_admin.token_ids) == [11, 12, 13, 14]
+    assert peers.stub("ops").BatchRemove(pb.BatchKeysRequest(keys=[key])).results[0].code == (
+        pb.KV_OK
+    )
 
 
 @pytest.mark.slow

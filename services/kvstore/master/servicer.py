@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 
 from pdserve.grpcutil import rpc
-from pdserve.identity import Identity, grpc_caller
+from pdserve.identity import Identity, grpc_caller, require
 from pdserve.services.kvstore.master.auth import authorize, owner_prefix
 from pdserve.services.kvstore.master.events import EventHub
 from pdserve.services.kvstore.master.kv_events import KVEventLog
@@ -302,7 +302,7 @@ class KVMasterServicer(kvstore_pb2_grpc.KVMasterServiceServicer):
     async def WatchEvents(
         self, request: pb.WatchEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.KVEvent]:
-        grpc_caller(context)  # any identity of the cluster (mutual TLS checked it)
+        require(grpc_caller(context), EVENT_READERS, "watch the store's events")
         sub = self.hub.subscribe()
         try:
             while True:
@@ -313,10 +313,15 @@ class KVMasterServicer(kvstore_pb2_grpc.KVMasterServiceServicer):
         finally:
             self.hub.unsubscribe(sub)
 
+    @rpc
     async def SubscribeKVEvents(
         self, request: pb.SubscribeKVEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.KVEventBatch]:
-        grpc_caller(context)  # any identity of the cluster, as WatchEvents
+        caller = grpc_caller(context)
+        require(caller, EVENT_READERS, "subscribe to the KV events")
+        # the prompts' token ids only to an admin (an indexer outside pdserve may need them);
+        # pdserve's router follows the chunk keys
+        private = caller is None or caller.role == "admin"
         events = self.kv_events
 
         def subscribe():
@@ -330,11 +335,28 @@ class KVMasterServicer(kvstore_pb2_grpc.KVMasterServiceServicer):
         sub, first = await asyncio.to_thread(subscribe)
         try:
             for batch in first:
-                yield batch
+                yield batch if private else without_token_ids(batch)
             while True:
                 batch = await sub.next()
                 if batch is None:
                     return
-                yield batch
+                yield batch if private else without_token_ids(batch)
         finally:
             events.unsubscribe(sub)
+
+
+#: Who may follow the store's event streams: they name every chunk stored (and SubscribeKVEvents
+#: the prompts' token ids), which only a router placing requests by cache needs (and admins).
+EVENT_READERS = ("router",)
+
+
+def without_token_ids(batch: pb.KVEventBatch) -> pb.KVEventBatch:
+    """``batch`` without the token ids of its stored blocks (itself when it carries none)."""
+    if not any(e.stored.token_ids for e in batch.events if e.HasField("stored")):
+        return batch
+    out = pb.KVEventBatch()
+    out.CopyFrom(batch)
+    for e in out.events:
+        if e.HasField("stored"):
+            del e.stored.token_ids[:]
+    return out
