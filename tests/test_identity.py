@@ -35,6 +35,28 @@ def test_certs_name_the_role_and_name_and_share_one_ca(tmp_path: Path):
     assert {str(ip) for ip in san.get_values_for_type(x509.IPAddress)} >= {"10.0.0.7", "127.0.0.1"}
 
 
+def test_a_ca_whose_key_is_not_kept_signs_once_and_is_gone(tmp_path: Path):
+    """``pdserve up``'s certificates: a new CA each time, its key never on disk, leaf
+    certificates valid for the days asked; a later run's CA does not accept the earlier one's."""
+    import datetime
+
+    from cryptography import x509
+
+    (tmp_path / "ca.key").write_text("an earlier CA's key")
+    certs.make(tmp_path, ["node:node-0"], days=3, keep_ca_key=False)
+    assert not (tmp_path / "ca.key").exists()
+    first = x509.load_pem_x509_certificate((tmp_path / "ca.crt").read_bytes())
+    leaf = x509.load_pem_x509_certificate((tmp_path / "node-0.crt").read_bytes())
+    life = leaf.not_valid_after_utc - datetime.datetime.now(datetime.UTC)
+    assert datetime.timedelta(days=2.9) < life <= datetime.timedelta(days=3)
+    leaf.verify_directly_issued_by(first)
+    certs.make(tmp_path, ["node:node-1"], keep_ca_key=False)
+    second = x509.load_pem_x509_certificate((tmp_path / "ca.crt").read_bytes())
+    assert second.public_key() != first.public_key() and not (tmp_path / "ca.key").exists()
+    with pytest.raises(Exception):  # noqa: B017 (cryptography raises several types)
+        leaf.verify_directly_issued_by(second)
+
+
 @pytest.mark.parametrize("bad", ["nobody:x", "node", "node:", "node:../x", "admin:ca"])
 def test_certs_refuse_bad_identities(bad: str, tmp_path: Path):
     with pytest.raises(ValueError, match="identity"):

@@ -49,13 +49,13 @@ def _pem(cert) -> bytes:
     return cert.public_bytes(serialization.Encoding.PEM)
 
 
-def _load_or_make_ca(out: Path, days: int):
+def _load_or_make_ca(out: Path, days: int, keep_key: bool):
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.x509.oid import NameOID
 
     crt, key_path = out / "ca.crt", out / "ca.key"
-    if crt.exists() and key_path.exists():
+    if keep_key and crt.exists() and key_path.exists():
         cert = x509.load_pem_x509_certificate(crt.read_bytes())
         key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
         return cert, key
@@ -87,7 +87,10 @@ def _load_or_make_ca(out: Path, days: int):
         )
         .sign(key, hashes.SHA256())
     )
-    _write_key(key_path, key)
+    if keep_key:
+        _write_key(key_path, key)
+    else:
+        key_path.unlink(missing_ok=True)  # an earlier CA's key (kept by an earlier version)
     crt.write_bytes(_pem(cert))
     return cert, key
 
@@ -116,16 +119,25 @@ def parse_identity(text: str) -> tuple[str, str]:
     return role, name
 
 
-def make(out: Path, identities: list[str], hosts: list[str] = (), days: int = 365) -> list[Path]:
-    """Writes the CA (unless ``out`` has one) and a certificate and key per ``role:name``;
-    returns the certificate paths."""
+def make(
+    out: Path,
+    identities: list[str],
+    hosts: list[str] = (),
+    days: int = 365,
+    *,
+    keep_ca_key: bool = True,
+) -> list[Path]:
+    """Writes the CA (unless ``out`` has one) and a certificate and key per ``role:name``,
+    valid for ``days``; returns the certificate paths. ``keep_ca_key=False``: a new CA whose
+    key never touches the disk (it signs these certificates and is gone: ``pdserve up``, whose
+    services run as the user that would read it; nothing can issue more of its identities)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     parsed = [parse_identity(i) for i in identities]
     out.mkdir(parents=True, exist_ok=True)
-    ca_cert, ca_key = _load_or_make_ca(out, days)
+    ca_cert, ca_key = _load_or_make_ca(out, days, keep_ca_key)
     now = datetime.datetime.now(datetime.UTC)
     written = []
     for role, name in parsed:

@@ -119,8 +119,12 @@ class UpConfig:
     run_dir: str = help_field(".pdserve/run", "folder for logs and state (logs/<service>.log)")
     tls: bool = help_field(
         True,
-        "mutual TLS between the services; certificates are made in <run_dir>/certs by "
-        "`pdserve certs`'s code (its CA is kept and reused by later runs)",
+        "mutual TLS between the services; certificates are made in <run_dir>/certs at each "
+        "start by `pdserve certs`'s code from a new CA whose key never touches the disk (the "
+        "services cannot issue identities; engines outside up restart with it)",
+    )
+    cert_days: int = help_field(
+        30, "days up's certificates are valid (a new start issues new ones); 1 to 365"
     )
     auth: bool = help_field(
         True,
@@ -169,6 +173,8 @@ class UpConfig:
     )
 
     def validate(self) -> None:
+        if not 1 <= self.cert_days <= 365:
+            raise ConfigError(f"cert_days must be 1 to 365, got {self.cert_days}")
         if self.storage_nodes < 1:
             raise ConfigError(f"storage_nodes must be at least 1, got {self.storage_nodes}")
         if self.decode_workers < 0:

@@ -308,8 +308,8 @@ class Cluster:
         self._wait_for_workers(router.info["grpc"])
 
     def _secure(self, identities: list[str]) -> None:
-        """With TLS on, (re)issues every service's certificate and ``up``'s admin one from the
-        run dir's CA (made once, then reused) and makes ``up`` dial as admin; with it off,
+        """With TLS on, issues every service's certificate and ``up``'s admin one from a new
+        CA (its key never written) and makes ``up`` dial as admin; with it off,
         ``up`` dials plaintext (whatever PDSERVE_TLS_* says)."""
         from pdserve import identity
         from pdserve.commands import certs
@@ -318,8 +318,16 @@ class Cluster:
         if not c.tls:
             identity.configure_files(None)
             return
-        # leaf certificates are cheap: made anew each start, they follow a changed --host
-        certs.make(Path(c.run_dir) / CERTS_DIR, identities, hosts=[c.host])
+        # made anew each start from a new CA whose key stays in this process's memory: a
+        # service (same Unix user) cannot mint identities, and a leaked certificate dies with
+        # this run's CA or after cert_days; leaf certificates follow a changed --host
+        certs.make(
+            Path(c.run_dir) / CERTS_DIR,
+            identities,
+            hosts=[c.host],
+            days=c.cert_days,
+            keep_ca_key=False,
+        )
         identity.configure_files(admin_tls(c.run_dir))
 
     def _tls(self, name: str) -> dict[str, str]:

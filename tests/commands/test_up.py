@@ -75,6 +75,9 @@ def test_up_serves_the_printed_examples_is_secure_by_default_and_stops_cleanly(t
         for role in ("decode", "kvstore-master", "kvstore-node"):
             assert role in status.stdout
 
+        # the CA's key never touched the disk: the services cannot mint identities
+        assert (run_dir / "certs" / "ca.crt").exists()
+        assert not (run_dir / "certs" / "ca.key").exists()
         key_file = run_dir / "api_key"
         assert key_file.stat().st_mode & 0o777 == 0o600
         key = key_file.read_text().strip()
