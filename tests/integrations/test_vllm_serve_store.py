@@ -140,7 +140,9 @@ def test_a_prompt_one_stock_engine_computed_loads_in_another(engines):
     _, other_ttft, other_cached = _complete(consumer, other)
     assert other_cached == 0
     warm, warm_ttft, warm_cached = _complete(consumer, prompt)
-    assert warm == cold  # token-exact with the engine that computed the prompt alone
+    # the same text as the engine that computed the prompt alone (vLLM may stream two tokens
+    # as one piece when they finish in one step: the pieces' boundaries are timing)
+    assert "".join(warm) == "".join(cold) != "", (warm, cold)
     assert warm_cached >= PROMPT_TOKENS - CHUNK, warm_cached
     print(
         f"\nfirst token, {PROMPT_TOKENS}-token prompt: engine A cold {cold_ttft:.3f} s; "
