@@ -3,12 +3,22 @@ and as ``authorization: Bearer KEY`` gRPC metadata, compared in constant time.
 
 Open without a key: the health checks (HTTP ``/health``, ``grpc.health.v1``), gRPC
 reflection, and ``/metrics`` unless the service says otherwise.
+
+Guessing is rate limited per client address (:class:`KeyFailures`): after too many wrong keys
+an address is refused, its key not compared, until its window ends.
 """
 
 from __future__ import annotations
 
 import hmac
+import inspect
+import logging
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import unquote
 
 import grpc
 
@@ -18,6 +28,11 @@ from pdserve.config import ConfigError
 OPEN_GRPC = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 HEADER = "authorization"
 SCHEME = "Bearer "
+WRONG_KEY = "invalid API key"
+#: Most client addresses :class:`KeyFailures` tracks at once.
+MAX_PEERS = 10_000
+
+log = logging.getLogger(__name__)
 
 
 def load_key(key: str, key_file: str, *, name: str = "api_key") -> str:
@@ -43,7 +58,7 @@ def problem(header: str | None, key: str) -> str:
     if not header.startswith(SCHEME):
         return "the Authorization header must be 'Bearer <key>'"
     if not hmac.compare_digest(header[len(SCHEME) :].strip().encode(), key.encode()):
-        return "invalid API key"
+        return WRONG_KEY
     return ""
 
 
@@ -52,37 +67,142 @@ def bearer(key: str) -> tuple[tuple[str, str], ...]:
     return ((HEADER, SCHEME + key),) if key else ()
 
 
-class RequireKey(grpc.aio.ServerInterceptor):
-    """Answers UNAUTHENTICATED, before the handler runs, to calls without the key."""
+class KeyFailures:
+    """Wrong API keys per client address, so that nobody guesses the key at network speed:
+    once an address has presented ``limit`` wrong keys within ``window_s`` of its first, it
+    is refused, its keys not even compared, until that window ends. Missing or malformed
+    keys guess nothing and do not count. Memory is bounded: at most ``max_peers`` addresses,
+    the oldest window forgotten first. One instance serves HTTP and gRPC alike (one event
+    loop: no locking)."""
 
-    def __init__(self, key: str) -> None:
+    def __init__(
+        self,
+        limit: int = 10,
+        window_s: float = 60.0,
+        *,
+        max_peers: int = MAX_PEERS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        assert limit > 0 and window_s > 0 and max_peers > 0
+        self.limit = limit
+        self.window_s = window_s
+        self.max_peers = max_peers
+        self.clock = clock
+        #: address -> [window start, wrong keys in it], oldest window first.
+        self.windows: OrderedDict[str, list[float]] = OrderedDict()
+
+    def retry_after(self, peer: str) -> float:
+        """Seconds until ``peer`` may present a key again (0 = now)."""
+        window = self.windows.get(peer)
+        if window is None:
+            return 0.0
+        left = window[0] + self.window_s - self.clock()
+        if left <= 0:
+            del self.windows[peer]
+            return 0.0
+        return left if window[1] >= self.limit else 0.0
+
+    def failed(self, peer: str) -> None:
+        """``peer`` presented a wrong key."""
+        now = self.clock()
+        window = self.windows.get(peer)
+        if window is None or now - window[0] >= self.window_s:
+            self.windows.pop(peer, None)
+            while len(self.windows) >= self.max_peers:
+                self.windows.popitem(last=False)
+            self.windows[peer] = [now, 1]
+            window = self.windows[peer]
+        else:
+            window[1] += 1
+        if window[1] == self.limit:
+            log.warning(
+                "%s presented %d wrong API keys within %.0f s: refused until the window ends",
+                peer,
+                self.limit,
+                self.window_s,
+            )
+
+
+def refusal(
+    header: str | None, key: str, peer: str, failures: KeyFailures | None
+) -> tuple[str, float]:
+    """Why a call from ``peer`` whose ``Authorization`` is ``header`` is refused: ``("", 0)``
+    it is not; ``(why, 0)`` no or a wrong key (HTTP 401, UNAUTHENTICATED); ``(why, s)`` with
+    ``s > 0``: ``peer`` presented too many wrong keys and may try again in ``s`` seconds
+    (HTTP 429 with Retry-After, RESOURCE_EXHAUSTED), this key not compared."""
+    if failures is not None:
+        wait = failures.retry_after(peer)
+        if wait > 0:
+            return (
+                f"too many wrong API keys from this address: try again in {math.ceil(wait)} s",
+                wait,
+            )
+    why = problem(header, key)
+    if why == WRONG_KEY and failures is not None:
+        failures.failed(peer)
+    return why, 0.0
+
+
+def grpc_peer_host(peer: str) -> str:
+    """The address in a gRPC peer string (``ipv4:10.0.0.1:5000`` -> ``10.0.0.1``,
+    ``ipv6:[::1]:5000`` or ``ipv6:%5B::1%5D:5000`` -> ``::1``); other forms as they are."""
+    kind, _, rest = unquote(peer).partition(":")
+    if kind not in ("ipv4", "ipv6") or ":" not in rest:
+        return peer
+    return rest.rsplit(":", 1)[0].strip("[]")
+
+
+class RequireKey(grpc.aio.ServerInterceptor):
+    """Answers UNAUTHENTICATED to calls without the key, and RESOURCE_EXHAUSTED to every call
+    from an address ``failures`` holds back; before the request message is parsed. Guards
+    unary-request methods (all pdserve has); refuses others outright."""
+
+    def __init__(self, key: str, failures: KeyFailures | None = None) -> None:
         self.key = key
+        self.failures = failures
+
+    async def _gate(self, context: grpc.aio.ServicerContext) -> None:
+        """Aborts the call unless it carries the key (the peer known only here, not to the
+        interceptor)."""
+        meta = dict(context.invocation_metadata() or ())
+        peer = grpc_peer_host(context.peer() or "")
+        why, wait = refusal(meta.get(HEADER), self.key, peer, self.failures)
+        if wait:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                why,
+                trailing_metadata=(("retry-after", str(math.ceil(wait))),),
+            )
+        if why:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
 
     async def intercept_service(self, continuation, handler_call_details):
-        method = handler_call_details.method
-        if method.startswith(OPEN_GRPC):
-            return await continuation(handler_call_details)
-        meta = dict(handler_call_details.invocation_metadata or ())
-        why = problem(meta.get(HEADER), self.key)
-        if not why:
-            return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-
-        async def refuse(_request, context: grpc.aio.ServicerContext):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
-
-        async def refuse_stream(_request, context: grpc.aio.ServicerContext):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
-            yield  # pragma: no cover - abort raises
+        if handler is None or handler_call_details.method.startswith(OPEN_GRPC):
+            return handler
+        gate = self._gate
+        parse = handler.request_deserializer or (lambda raw: raw)
 
         if handler.unary_stream is not None:
+            inner_stream = handler.unary_stream
+
+            async def stream(raw: bytes, context: grpc.aio.ServicerContext):
+                await gate(context)
+                async for item in inner_stream(parse(raw), context):
+                    yield item
+
             return grpc.unary_stream_rpc_method_handler(
-                refuse_stream,
-                request_deserializer=None,
-                response_serializer=handler.response_serializer,
+                stream, request_deserializer=None, response_serializer=handler.response_serializer
             )
-        return grpc.unary_unary_rpc_method_handler(
-            refuse, request_deserializer=None, response_serializer=handler.response_serializer
-        )
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary(raw: bytes, context: grpc.aio.ServicerContext):
+                await gate(context)
+                result = inner(parse(raw), context)
+                return await result if inspect.isawaitable(result) else result
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary, request_deserializer=None, response_serializer=handler.response_serializer
+            )
+        raise TypeError(f"{handler_call_details.method}: RequireKey guards unary requests only")

@@ -112,6 +112,32 @@ class RouterConfig(SecurityConfig, StoreBackendConfig):
     )
     api_key_file: str = help_field("", "file whose first line is the API key")
     metrics_need_key: bool = help_field(False, "serve /metrics only to callers with the key")
+    api_key_failures: int = help_field(
+        10,
+        "wrong API keys one client address may present within api_key_failure_window_s; past "
+        "that it is refused (HTTP 429 with Retry-After, gRPC RESOURCE_EXHAUSTED) until the "
+        "window ends, its key not even compared (0 = no limit; behind a gateway every client "
+        "shares its address)",
+        metavar="N",
+    )
+    api_key_failure_window_s: float = help_field(
+        60.0, "seconds from an address's first wrong API key over which api_key_failures count"
+    )
+    http_header_timeout_s: float = help_field(
+        10.0,
+        "seconds an HTTP connection has, from opening or from its previous response, to send "
+        "a complete request head (request line and headers); then it is closed. So also the "
+        "longest a kept-alive connection stays idle",
+    )
+    http_body_timeout_s: float = help_field(
+        30.0, "seconds an HTTP request body may take to arrive once its head has; then closed"
+    )
+    http_max_conns_per_peer: int = help_field(
+        128,
+        "open HTTP connections one client address may hold; a further one is answered 429 and "
+        "closed at once, unread (0 = no cap; a gateway, NAT or load generator is one address)",
+        metavar="N",
+    )
     public_tls_cert: str = help_field(
         "",
         "certificate (PEM) for TLS on the public gRPC and HTTP API; optional, as a gateway "
@@ -168,6 +194,12 @@ class RouterConfig(SecurityConfig, StoreBackendConfig):
             raise ConfigError("prefill_retries must be >= 0 and breaker_failures positive")
         if self.default_max_tokens <= 0 or self.max_tokens_limit <= 0:
             raise ConfigError("default_max_tokens and max_tokens_limit must be positive")
+        if self.http_header_timeout_s <= 0 or self.http_body_timeout_s <= 0:
+            raise ConfigError("http_header_timeout_s and http_body_timeout_s must be positive")
+        if self.api_key_failure_window_s <= 0:
+            raise ConfigError("api_key_failure_window_s must be positive")
+        if self.http_max_conns_per_peer < 0 or self.api_key_failures < 0:
+            raise ConfigError("http_max_conns_per_peer and api_key_failures must be >= 0 (0 = off)")
         if bool(self.public_tls_cert) != bool(self.public_tls_key):
             raise ConfigError("public TLS needs both public_tls_cert and public_tls_key")
         self.api_key = load_key(self.api_key, self.api_key_file)

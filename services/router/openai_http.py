@@ -3,7 +3,10 @@ and not); the endpoints that describe the server (/v1/models, /tokenize, /versio
 /metrics, ...) are :mod:`~pdserve.services.router.openai_info`'s.
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` with 400 (bad
-input), 404 (unknown model), 429 (admission refused), 503 (no worker), 504 (deadline).
+input), 401 (no or a wrong API key), 404 (unknown model), 429 (admission refused, or too many
+wrong API keys from the address: :class:`pdserve.auth.KeyFailures`), 503 (no worker), 504
+(deadline). Connection limits (header and body timeouts, connections per address) are
+:mod:`~pdserve.services.router.http_edge`'s.
 
 Beyond OpenAI's fields, the completions bodies take vLLM's ``cache_salt`` (a tenant's secret:
 prefix caching and ``usage.prompt_tokens_details.cached_tokens`` only among requests with the
@@ -26,6 +29,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -57,18 +61,21 @@ FINISH = {
 }
 
 
-def _require_key(key: str, metrics_need_key: bool):
-    """401 in the OpenAI error shape for a request without ``key`` (/health is open, and
-    /metrics unless ``metrics_need_key``)."""
+def _require_key(key: str, metrics_need_key: bool, failures: auth.KeyFailures | None):
+    """401 in the OpenAI error shape for a request without ``key``, 429 (with Retry-After)
+    for every request from an address ``failures`` holds back after too many wrong keys
+    (/health is open, and /metrics unless ``metrics_need_key``)."""
     open_paths = {"/health"} | (set() if metrics_need_key else {"/metrics"})
 
     @web.middleware
     async def require(request: web.Request, handler) -> web.StreamResponse:
-        why = (
-            ""
-            if request.path in open_paths
-            else auth.problem(request.headers.get("Authorization"), key)
-        )
+        if request.path in open_paths:
+            return await handler(request)
+        header = request.headers.get("Authorization")
+        why, wait = auth.refusal(header, key, request.remote or "", failures)
+        if wait:
+            retry = {"Retry-After": str(math.ceil(wait))}
+            return error_response(errors.ResourceExhausted(why), retry)
         if not why:
             return await handler(request)
         body = {"message": why, "type": "invalid_request_error", "param": None}
@@ -81,10 +88,16 @@ def _require_key(key: str, metrics_need_key: bool):
     return require
 
 
-def make_app(fe: Frontend, *, api_key: str = "", metrics_need_key: bool = False) -> web.Application:
+def make_app(
+    fe: Frontend,
+    *,
+    api_key: str = "",
+    metrics_need_key: bool = False,
+    key_failures: auth.KeyFailures | None = None,
+) -> web.Application:
     middlewares = [http_errors]
     if api_key:
-        middlewares.insert(0, _require_key(api_key, metrics_need_key))
+        middlewares.insert(0, _require_key(api_key, metrics_need_key, key_failures))
     app = web.Application(middlewares=middlewares)
 
     async def completions(request: web.Request) -> web.StreamResponse:

@@ -12,7 +12,7 @@ from pathlib import Path
 from aiohttp import web
 
 from pdserve import grpcutil, lifecycle
-from pdserve.auth import RequireKey
+from pdserve.auth import KeyFailures, RequireKey
 from pdserve.discovery import leave, register_service
 from pdserve.identity import advertised
 from pdserve.model.fingerprint import model_revision
@@ -22,6 +22,7 @@ from pdserve.services.router.engine_events import EngineCaches, parse_engine_eve
 from pdserve.services.router.fingerprint import FingerprintSource
 from pdserve.services.router.frontend import Frontend
 from pdserve.services.router.grpc_worker_client import GrpcWorkerClient
+from pdserve.services.router.http_edge import EdgeLimits, EdgeSite
 from pdserve.services.router.http_worker_client import DispatchingWorkerClient, HttpWorkerClient
 from pdserve.services.router.openai_http import make_app
 from pdserve.services.router.orchestrator import Orchestrator, OrchestratorConfig
@@ -174,6 +175,21 @@ def public_ssl(cfg: RouterConfig) -> ssl.SSLContext | None:
     return ctx
 
 
+def key_failures(cfg: RouterConfig) -> KeyFailures | None:
+    """The wrong-API-key limiter HTTP and gRPC share (None: no key, or no limit)."""
+    if not cfg.api_key or not cfg.api_key_failures:
+        return None
+    return KeyFailures(cfg.api_key_failures, cfg.api_key_failure_window_s)
+
+
+def edge_limits(cfg: RouterConfig) -> EdgeLimits:
+    return EdgeLimits(
+        header_timeout_s=cfg.http_header_timeout_s,
+        body_timeout_s=cfg.http_body_timeout_s,
+        max_per_peer=cfg.http_max_conns_per_peer,
+    )
+
+
 @dataclass
 class Running:
     frontend: Frontend
@@ -186,6 +202,7 @@ async def serve(
 ) -> None:
     """Serves until ``stop`` is set, then drains. ``started(Running)`` is called once up."""
     fe = frontend or build(cfg)
+    failures = key_failures(cfg)
     server = await grpcutil.start_server(
         [
             (
@@ -195,17 +212,29 @@ async def serve(
             )
         ],
         f"{cfg.host}:{cfg.port}",
-        interceptors=[RequireKey(cfg.api_key)] if cfg.api_key else (),
+        interceptors=[RequireKey(cfg.api_key, failures)] if cfg.api_key else (),
         public_tls=public_tls(cfg),
     )
     runner, http_port = None, 0
     if cfg.http_port >= 0:
-        app = make_app(fe, api_key=cfg.api_key, metrics_need_key=cfg.metrics_need_key)
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        app = make_app(
+            fe,
+            api_key=cfg.api_key,
+            metrics_need_key=cfg.metrics_need_key,
+            key_failures=failures,
+        )
+        runner = web.AppRunner(app, handler_cancellation=True)
         await runner.setup()
-        site = web.TCPSite(runner, cfg.host, cfg.http_port, ssl_context=public_ssl(cfg))
+        site = EdgeSite(
+            runner,
+            cfg.host,
+            cfg.http_port,
+            edge_limits(cfg),
+            ssl_context=public_ssl(cfg),
+            access_log=None,
+        )
         await site.start()
-        http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        http_port = site.port
     tasks = [asyncio.ensure_future(fe.pool.probe_loop(stop))]
     if fe.engines is not None:
         fe.engines.start()

@@ -12,7 +12,7 @@ from pdserve.grpcutil import rpc
 from pdserve.requests import TokenLogprob
 from pdserve.requests_codec import logprobs_to_proto
 from pdserve.services.router.frontend import Frontend, proto_n
-from pdserve.services.router.request import GenRequest, check_model
+from pdserve.services.router.request import GenRequest, check_model, check_text_size
 from pdserve.telemetry import REQUEST_ID_HEADER, request_id_var
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
@@ -102,11 +102,17 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
     @rpc
     async def Tokenize(self, request, context: grpc.aio.ServicerContext):
-        check_model(request.model, self.fe.limits)
-        ids = self.fe.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
-        return router_pb2.TokenizeResponse(
-            token_ids=ids, tokens=self.fe.tokenizer.token_strings(ids)
-        )
+        # Generate's rules: text too long to fit the context refused before tokenizing, and
+        # tokenizing off the event loop, so /health and other calls keep being answered.
+        limits = self.fe.current_limits()
+        check_model(request.model, limits)
+        check_text_size(len(request.text), limits, "text")
+        return await asyncio.to_thread(self._tokenize, request)
+
+    def _tokenize(self, request: router_pb2.TokenizeRequest) -> router_pb2.TokenizeResponse:
+        tok = self.fe.tokenizer
+        ids = tok.encode(request.text, add_special_tokens=request.add_special_tokens)
+        return router_pb2.TokenizeResponse(token_ids=ids, tokens=tok.token_strings(ids))
 
     @rpc
     async def Abort(self, request, context: grpc.aio.ServicerContext):
