@@ -1,5 +1,6 @@
-"""API keys of the public API: one key, presented as ``Authorization: Bearer KEY`` on HTTP
-and as ``authorization: Bearer KEY`` gRPC metadata, compared in constant time.
+"""API keys of the public API: one key, or one per tenant, presented as ``Authorization: Bearer KEY`` on HTTP
+and as ``authorization: Bearer KEY`` gRPC metadata, looked up by SHA-256 digest among the
+configured keys (one, or a key per tenant: :mod:`pdserve.tenants`), which names the tenant.
 
 Open without a key: the health checks (HTTP ``/health``, ``grpc.health.v1``), gRPC
 reflection, and ``/metrics`` unless the service says otherwise.
@@ -10,7 +11,6 @@ an address is refused, its key not compared, until its window ends.
 
 from __future__ import annotations
 
-import hmac
 import inspect
 import logging
 import math
@@ -22,7 +22,9 @@ from urllib.parse import unquote
 
 import grpc
 
+from pdserve import tenants
 from pdserve.config import ConfigError
+from pdserve.tenants import Tenants
 
 #: gRPC methods answered without a key (prefixes of the full method name).
 OPEN_GRPC = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -51,15 +53,15 @@ def load_key(key: str, key_file: str, *, name: str = "api_key") -> str:
     return lines[0].strip()
 
 
-def problem(header: str | None, key: str) -> str:
-    """Why an ``Authorization`` value does not carry ``key`` ("" = it does)."""
+def problem(header: str | None, keys: Tenants) -> tuple[str, str]:
+    """``(why, tenant)``: why an ``Authorization`` value carries none of ``keys`` ("" = it
+    does), and the tenant whose key it carries."""
     if not header:
-        return "missing API key: send 'Authorization: Bearer <key>'"
+        return "missing API key: send 'Authorization: Bearer <key>'", ""
     if not header.startswith(SCHEME):
-        return "the Authorization header must be 'Bearer <key>'"
-    if not hmac.compare_digest(header[len(SCHEME) :].strip().encode(), key.encode()):
-        return WRONG_KEY
-    return ""
+        return "the Authorization header must be 'Bearer <key>'", ""
+    tenant = keys.tenant_of(header[len(SCHEME) :].strip())
+    return (WRONG_KEY, "") if tenant is None else ("", tenant)
 
 
 def bearer(key: str) -> tuple[tuple[str, str], ...]:
@@ -124,12 +126,13 @@ class KeyFailures:
 
 
 def refusal(
-    header: str | None, key: str, peer: str, failures: KeyFailures | None
+    header: str | None, keys: Tenants, peer: str, failures: KeyFailures | None
 ) -> tuple[str, float]:
     """Why a call from ``peer`` whose ``Authorization`` is ``header`` is refused: ``("", 0)``
-    it is not; ``(why, 0)`` no or a wrong key (HTTP 401, UNAUTHENTICATED); ``(why, s)`` with
-    ``s > 0``: ``peer`` presented too many wrong keys and may try again in ``s`` seconds
-    (HTTP 429 with Retry-After, RESOURCE_EXHAUSTED), this key not compared."""
+    it is not (and :data:`pdserve.tenants.current` names its tenant from here on); ``(why,
+    0)`` no or a wrong key (HTTP 401, UNAUTHENTICATED); ``(why, s)`` with ``s > 0``: ``peer``
+    presented too many wrong keys and may try again in ``s`` seconds (HTTP 429 with
+    Retry-After, RESOURCE_EXHAUSTED), this key not compared."""
     if failures is not None:
         wait = failures.retry_after(peer)
         if wait > 0:
@@ -137,9 +140,11 @@ def refusal(
                 f"too many wrong API keys from this address: try again in {math.ceil(wait)} s",
                 wait,
             )
-    why = problem(header, key)
+    why, tenant = problem(header, keys)
     if why == WRONG_KEY and failures is not None:
         failures.failed(peer)
+    if not why:
+        tenants.current.set(tenant)
     return why, 0.0
 
 
@@ -157,8 +162,8 @@ class RequireKey(grpc.aio.ServerInterceptor):
     from an address ``failures`` holds back; before the request message is parsed. Guards
     unary-request methods (all pdserve has); refuses others outright."""
 
-    def __init__(self, key: str, failures: KeyFailures | None = None) -> None:
-        self.key = key
+    def __init__(self, keys: Tenants, failures: KeyFailures | None = None) -> None:
+        self.keys = keys
         self.failures = failures
 
     async def _gate(self, context: grpc.aio.ServicerContext) -> None:
@@ -166,7 +171,7 @@ class RequireKey(grpc.aio.ServerInterceptor):
         interceptor)."""
         meta = dict(context.invocation_metadata() or ())
         peer = grpc_peer_host(context.peer() or "")
-        why, wait = refusal(meta.get(HEADER), self.key, peer, self.failures)
+        why, wait = refusal(meta.get(HEADER), self.keys, peer, self.failures)
         if wait:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -11,6 +11,7 @@ from pdserve.hashing import KV_COMPRESSIONS
 from pdserve.identity import SecurityConfig
 from pdserve.services.router.engine_events import parse_engine_events
 from pdserve.store import StoreBackendConfig
+from pdserve.tenants import Tenants
 
 POLICIES = ("round_robin", "least_load", "cache_aware")
 
@@ -111,6 +112,15 @@ class RouterConfig(SecurityConfig, StoreBackendConfig):
         "PDSERVE_ROUTER_API_KEY or api_key_file to a flag, which other users can see in ps",
     )
     api_key_file: str = help_field("", "file whose first line is the API key")
+    tenant_keys_file: str = help_field(
+        "",
+        "file of tenants, one 'NAME KEY' a line (keys of 16+ characters): each key is a tenant "
+        "with its own cache namespace, cached_tokens, requests to abort and in-flight cap "
+        "(pdserve/tenants.py); api_key, if also given, is the tenant 'default'",
+    )
+    tenant_max_inflight: int = help_field(
+        0, "requests one tenant may have in flight; past it 429 / RESOURCE_EXHAUSTED (0 = no cap)"
+    )
     metrics_need_key: bool = help_field(False, "serve /metrics only to callers with the key")
     api_key_failures: int = help_field(
         10,
@@ -204,3 +214,9 @@ class RouterConfig(SecurityConfig, StoreBackendConfig):
             raise ConfigError("public TLS needs both public_tls_cert and public_tls_key")
         self.api_key = load_key(self.api_key, self.api_key_file)
         self.api_key_file = ""
+        if self.tenant_max_inflight < 0:
+            raise ConfigError("tenant_max_inflight must be >= 0 (0 = no cap)")
+        if self.tenant_max_inflight and not self.tenant_keys_file:
+            raise ConfigError("tenant_max_inflight needs tenant_keys_file (tenants to cap)")
+        if self.tenant_keys_file:
+            Tenants.load(self.tenant_keys_file, self.api_key)  # a bad file fails at start

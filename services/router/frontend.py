@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from pdserve import __version__
+from pdserve import __version__, tenants
 from pdserve.enums import DISAGG_MODE
 from pdserve.errors import InvalidArgument
 from pdserve.requests import MAX_LOGPROBS
@@ -114,7 +114,7 @@ class Frontend:
         rq.check_model(req.model, limits)
         proto_n(req)
         rid = rq.check_request_id(req.request_id)
-        salt = rq.check_cache_salt(req.cache_salt if req.HasField("cache_salt") else None)
+        salt = rq.tenant_salt(req.cache_salt if req.HasField("cache_salt") else None)
         given = [
             name
             for name, present in (
@@ -167,7 +167,7 @@ class Frontend:
         mode = DISAGG_MODE.names.get(req.mode) if req.mode else ""  # "": the router's default
         if mode is None:
             raise InvalidArgument(f"mode: unknown value {req.mode}", param="mode")
-        return rq.GenRequest(rid, ids, sampling, mode, salt)
+        return rq.GenRequest(rid, ids, sampling, mode, salt, tenant=tenants.current.get())
 
     # --- OpenAI -----------------------------------------------------------------------------
 
@@ -186,7 +186,7 @@ class Frontend:
         n = openai_n(body)
         check_fields(body, chat=chat)
         extra = _openai_sampling(body, chat=chat)
-        salt = rq.check_cache_salt(body.get("cache_salt"))
+        salt = rq.tenant_salt(body.get("cache_salt"))
         if chat:
             prompts = [self.chat_ids(body.get("messages"), limits, body)]
         else:
@@ -229,7 +229,8 @@ class Frontend:
                 **extra,
             )
             own = rid if k == 0 else f"{rid[:112]}-p{k}"
-            out.append(rq.GenRequest(own, ids, sampling, "", salt, abort_id=rid))
+            tenant = tenants.current.get()
+            out.append(rq.GenRequest(own, ids, sampling, "", salt, abort_id=rid, tenant=tenant))
         return out
 
     def chat_ids(self, messages: Any, limits: rq.Limits, body: dict[str, Any]) -> list[int]:

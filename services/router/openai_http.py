@@ -49,6 +49,7 @@ from pdserve.services.router.openai_errors import (
 )
 from pdserve.services.router.stream import StreamChunk
 from pdserve.telemetry import REQUEST_ID_HEADER, request_id_var
+from pdserve.tenants import Tenants
 from pdserve.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ FINISH = {
 }
 
 
-def _require_key(key: str, metrics_need_key: bool, failures: auth.KeyFailures | None):
+def _require_key(keys: Tenants, metrics_need_key: bool, failures: auth.KeyFailures | None):
     """401 in the OpenAI error shape for a request without ``key``, 429 (with Retry-After)
     for every request from an address ``failures`` holds back after too many wrong keys
     (/health is open, and /metrics unless ``metrics_need_key``)."""
@@ -72,7 +73,7 @@ def _require_key(key: str, metrics_need_key: bool, failures: auth.KeyFailures | 
         if request.path in open_paths:
             return await handler(request)
         header = request.headers.get("Authorization")
-        why, wait = auth.refusal(header, key, request.remote or "", failures)
+        why, wait = auth.refusal(header, keys, request.remote or "", failures)
         if wait:
             retry = {"Retry-After": str(math.ceil(wait))}
             return error_response(errors.ResourceExhausted(why), retry)
@@ -91,13 +92,15 @@ def _require_key(key: str, metrics_need_key: bool, failures: auth.KeyFailures | 
 def make_app(
     fe: Frontend,
     *,
-    api_key: str = "",
+    keys: Tenants | None = None,
     metrics_need_key: bool = False,
     key_failures: auth.KeyFailures | None = None,
 ) -> web.Application:
+    """The OpenAI HTTP API over ``fe``; with ``keys`` (not open), every route but /health (and
+    /metrics unless ``metrics_need_key``) takes one of them, which names the tenant."""
     middlewares = [http_errors]
-    if api_key:
-        middlewares.insert(0, _require_key(api_key, metrics_need_key, key_failures))
+    if keys is not None and not keys.open:
+        middlewares.insert(0, _require_key(keys, metrics_need_key, key_failures))
     app = web.Application(middlewares=middlewares)
 
     async def completions(request: web.Request) -> web.StreamResponse:

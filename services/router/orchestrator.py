@@ -69,6 +69,7 @@ from pdserve.services.router.stream import DecodeSession, StreamChunk
 from pdserve.services.router.trace import CACHED, RETRIES, TTFT, Trace, record_outcome
 from pdserve.services.router.worker_client import WorkerCallError, WorkerClient
 from pdserve.services.router.workers import DECODE, PREFILL, WorkerPool
+from pdserve.tenants import Tenants
 from pdserve.v1 import engine_pb2
 
 log = logging.getLogger(__name__)
@@ -123,8 +124,11 @@ class Orchestrator:
         decode_choice: DecodeChoice | None = None,
         placement: ColocatedPlacement | None = None,
         detokenize: Callable[[list[int]], str] = lambda ids: "",
+        tenants: Tenants | None = None,
     ) -> None:
         self.config = config
+        #: API keys by tenant and each tenant's requests in flight (:mod:`pdserve.tenants`).
+        self.tenants = tenants or Tenants()
         self.client = client
         self.fingerprints = fingerprints
         self.pool = pool
@@ -167,12 +171,27 @@ class Orchestrator:
 
         :meth:`abort` (RouterService.Abort) ends it early: the worker calls are cancelled and
         the stream ends with a FINISH_REASON_CANCELLED chunk."""
-        inner = self._generate(req, timeout_s=timeout_s)
-        return self.running.track(req.abort_id or req.request_id, req.request_id, inner)
+        inner = self._counted(req, self._generate(req, timeout_s=timeout_s))
+        key = Tenants.abort_key(req.tenant, req.abort_id or req.request_id)
+        return self.running.track(key, req.request_id, inner)
 
-    def abort(self, request_id: str) -> bool:
-        """Aborts the running request(s) with this id; False when none runs."""
-        return self.running.abort(request_id)
+    async def _counted(
+        self, req: GenRequest, inner: AsyncIterator[StreamChunk]
+    ) -> AsyncIterator[StreamChunk]:
+        """``inner``, counted among its tenant's requests in flight (RESOURCE_EXHAUSTED past
+        the tenant's cap, before any work)."""
+        self.tenants.enter(req.tenant)
+        try:
+            async for chunk in inner:
+                yield chunk
+        finally:
+            self.tenants.leave(req.tenant)
+            await inner.aclose()
+
+    def abort(self, request_id: str, tenant: str = "") -> bool:
+        """Aborts ``tenant``'s running request(s) with this id; False when none runs (another
+        tenant's requests are not seen)."""
+        return self.running.abort(Tenants.abort_key(tenant, request_id))
 
     async def _generate(
         self, req: GenRequest, *, timeout_s: float | None = None

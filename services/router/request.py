@@ -13,10 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve import validation
+from pdserve import tenants, validation
 from pdserve.enums import CHAT_ROLE
 from pdserve.errors import InvalidArgument
 from pdserve.requests import MAX_LOGPROBS, Sampling
+from pdserve.tenants import Tenants
 
 # Re-exported: the front ends call rq.check_request_id and rq.check_cache_salt, the rules
 # shared with the workers.
@@ -47,6 +48,14 @@ class GenRequest:
     #: The id RouterService.Abort finds the request by ("" = ``request_id``): the caller's id
     #: for every one of an OpenAI request's ``n`` generations.
     abort_id: str = ""
+    #: The tenant whose key sent it ("" = the anonymous tenant; :mod:`pdserve.tenants`).
+    tenant: str = ""
+
+
+def tenant_salt(cache_salt: object) -> str:
+    """The checked ``cache_salt`` of the request being handled, in its tenant's namespace
+    (:meth:`pdserve.tenants.Tenants.salt`)."""
+    return Tenants.salt(tenants.current.get(), check_cache_salt(cache_salt))
 
 
 def check_model(model: str, limits: Limits) -> None:

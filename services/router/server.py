@@ -30,6 +30,7 @@ from pdserve.services.router.policies import ColocatedPlacement, make_policy
 from pdserve.services.router.request import Limits
 from pdserve.services.router.servicer import RouterServicer
 from pdserve.services.router.workers import DECODE, PREFILL, WorkerPool
+from pdserve.tenants import Tenants
 from pdserve.v1 import (
     common_pb2,
     kvstore_pb2,
@@ -140,6 +141,7 @@ def build(cfg: RouterConfig, tokenizer=None) -> Frontend:
             request_timeout_s=cfg.request_timeout_s,
         ),
         client=DispatchingWorkerClient(GrpcWorkerClient(), HttpWorkerClient(tokenizer)),
+        tenants=Tenants.configured(cfg.api_key, cfg.tenant_keys_file, cfg.tenant_max_inflight),
         fingerprints=fingerprints,
         pool=pool,
         policy=make_policy(
@@ -177,7 +179,7 @@ def public_ssl(cfg: RouterConfig) -> ssl.SSLContext | None:
 
 def key_failures(cfg: RouterConfig) -> KeyFailures | None:
     """The wrong-API-key limiter HTTP and gRPC share (None: no key, or no limit)."""
-    if not cfg.api_key or not cfg.api_key_failures:
+    if not (cfg.api_key or cfg.tenant_keys_file) or not cfg.api_key_failures:
         return None
     return KeyFailures(cfg.api_key_failures, cfg.api_key_failure_window_s)
 
@@ -202,6 +204,7 @@ async def serve(
 ) -> None:
     """Serves until ``stop`` is set, then drains. ``started(Running)`` is called once up."""
     fe = frontend or build(cfg)
+    keys = fe.orchestrator.tenants  # the API keys: whose they are, and each tenant's cap
     failures = key_failures(cfg)
     server = await grpcutil.start_server(
         [
@@ -212,14 +215,14 @@ async def serve(
             )
         ],
         f"{cfg.host}:{cfg.port}",
-        interceptors=[RequireKey(cfg.api_key, failures)] if cfg.api_key else (),
+        interceptors=[] if keys.open else [RequireKey(keys, failures)],
         public_tls=public_tls(cfg),
     )
     runner, http_port = None, 0
     if cfg.http_port >= 0:
         app = make_app(
             fe,
-            api_key=cfg.api_key,
+            keys=keys,
             metrics_need_key=cfg.metrics_need_key,
             key_failures=failures,
         )

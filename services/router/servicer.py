@@ -7,6 +7,7 @@ import contextlib
 
 import grpc
 
+from pdserve import tenants
 from pdserve.errors import InvalidArgument, NotFound
 from pdserve.grpcutil import rpc
 from pdserve.requests import TokenLogprob
@@ -118,7 +119,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     async def Abort(self, request, context: grpc.aio.ServicerContext):
         if not request.request_id:
             raise InvalidArgument("request_id must be set", param="request_id")
-        if not self.fe.orchestrator.abort(request.request_id):
+        # a tenant aborts its own requests only: another's with the same id are not seen
+        if not self.fe.orchestrator.abort(request.request_id, tenants.current.get()):
             raise NotFound(f"request_id {request.request_id!r:.140}: no such running request")
         return router_pb2.AbortResponse()
 

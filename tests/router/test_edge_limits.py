@@ -19,6 +19,7 @@ from pdserve import auth
 from pdserve.config import ConfigError
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.http_edge import EdgeLimits, EdgeSite, PeerConnections
+from pdserve.tenants import Tenants
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
 KEY = "s3cret-key"
@@ -43,22 +44,23 @@ def test_key_failures_refuse_an_address_for_the_rest_of_its_window():
     clock = Clock()
     failures = auth.KeyFailures(3, 60.0, clock=clock)
     wrong, right = "Bearer nope", f"Bearer {KEY}"
+    keys = Tenants.configured(KEY)
     for _ in range(3):
-        assert auth.refusal(wrong, KEY, "10.0.0.1", failures) == (auth.WRONG_KEY, 0.0)
+        assert auth.refusal(wrong, keys, "10.0.0.1", failures) == (auth.WRONG_KEY, 0.0)
         clock.now += 1
     # held back: even the right key is refused, not compared; other addresses unaffected
-    why, wait = auth.refusal(right, KEY, "10.0.0.1", failures)
+    why, wait = auth.refusal(right, keys, "10.0.0.1", failures)
     assert "too many wrong API keys" in why and "57 s" in why and wait == pytest.approx(57)
-    assert auth.refusal(right, KEY, "10.0.0.2", failures) == ("", 0.0)
+    assert auth.refusal(right, keys, "10.0.0.2", failures) == ("", 0.0)
     # missing and malformed keys guess nothing: not counted
     for header in (None, KEY):
-        assert auth.refusal(header, KEY, "10.0.0.3", failures)[1] == 0.0
-        auth.refusal(header, KEY, "10.0.0.3", failures)
-        auth.refusal(header, KEY, "10.0.0.3", failures)
-    assert auth.refusal(right, KEY, "10.0.0.3", failures) == ("", 0.0)
+        assert auth.refusal(header, keys, "10.0.0.3", failures)[1] == 0.0
+        auth.refusal(header, keys, "10.0.0.3", failures)
+        auth.refusal(header, keys, "10.0.0.3", failures)
+    assert auth.refusal(right, keys, "10.0.0.3", failures) == ("", 0.0)
     clock.now = 160.0  # the window (from the first wrong key, at 100) has ended
     assert failures.retry_after("10.0.0.1") == 0.0
-    assert auth.refusal(right, KEY, "10.0.0.1", failures) == ("", 0.0)
+    assert auth.refusal(right, keys, "10.0.0.1", failures) == ("", 0.0)
     assert "10.0.0.1" not in failures.windows
 
 
