@@ -73,7 +73,8 @@ KEYS: tuple[Key, ...] = (
         "metadata_server",
         "mooncake",
         "the Transfer Engine's metadata server: `P2PHANDSHAKE`, `http://host:port/metadata` "
-        "(`pdserve meta` serves this protocol), `etcd://host:port` or `redis://host:port`",
+        "(`pdserve meta --http-metadata` serves this protocol), `etcd://host:port` or "
+        "`redis://host:port`",
         "`store_metadata_server` (prefill, decode, router)",
         "anything but `P2PHANDSHAKE` with pdserve's own store, whose Mooncake transport "
         "connects peer to peer",

@@ -1,5 +1,12 @@
 """One metrics registry and one structured logger per process.
 
+The registry is served at ``/metrics`` on the service's metrics port (:func:`serve_metrics`).
+Protected mode, as :func:`pdserve.identity.check_exposure` for the gRPC ports: a metrics port
+that listens beyond loopback on a cluster with TLS needs a key (``metrics_key``: scrapers send
+``Authorization: Bearer <key>``), or an explicit ``metrics_open``; otherwise the service
+refuses to start (:func:`configure_metrics`). The figures carry no request data, but they tell
+anyone who reaches the port the cluster's load, cache contents' size and traffic.
+
 The request id travels in a context variable and appears on every log line, so one grep
 follows a request across services. The router takes it from the request (``request_id``),
 else from the caller's :data:`REQUEST_ID_HEADER` (HTTP header or gRPC metadata), else makes
@@ -10,6 +17,7 @@ messages; each service sets the variable from the message it handles.
 from __future__ import annotations
 
 import contextvars
+import hmac
 import itertools
 import json
 import logging
@@ -17,9 +25,12 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from pdserve.config import ConfigError, help_field
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
 #: HTTP header / gRPC metadata key carrying a caller's request id (lowercase, as gRPC needs).
@@ -93,13 +104,105 @@ def init_labels(metric: Any, *values: Sequence[str]) -> Any:
     return metric
 
 
-def serve_metrics(port: int, host: str = "127.0.0.1") -> int:
+@dataclass
+class MetricsConfig:
+    """The fields of every service config with a ``metrics_port`` (a base class of each):
+    who may read its ``/metrics``."""
+
+    metrics_key: str = help_field(
+        "",
+        "key that GET /metrics must carry as 'Authorization: Bearer <key>' (Prometheus: "
+        "authorization: {credentials_file: FILE}); empty = open. Needed when the metrics port "
+        "listens beyond loopback with TLS on, unless metrics_open; prefer metrics_key_file",
+    )
+    metrics_key_file: str = help_field("", "file whose first line is metrics_key")
+    metrics_open: bool = help_field(
+        False,
+        "serve /metrics without a key on a non-loopback address although TLS is on: anyone "
+        "who reaches the port reads the service's load and traffic figures",
+    )
+
+
+#: The key this process's /metrics takes ("" = open), set once at start (configure_metrics).
+_metrics_key = ""
+
+
+def configure_metrics(cfg: object, service: str) -> None:
+    """Sets this process's metrics key from ``cfg`` (a :class:`MetricsConfig`; anything else
+    is left alone) and applies protected mode to its metrics port. Call after
+    :func:`pdserve.identity.configure`: TLS on makes a metrics port beyond loopback need the
+    key. Raises ConfigError with the reason and the ways out."""
+    global _metrics_key
+    if not isinstance(cfg, MetricsConfig):
+        return
+    from pdserve import identity
+    from pdserve.auth import load_key
+
+    _metrics_key = load_key(cfg.metrics_key, cfg.metrics_key_file, name="metrics_key")
+    host = getattr(cfg, "host", "127.0.0.1")
+    if (
+        getattr(cfg, "metrics_port", -1) < 0
+        or _metrics_key
+        or cfg.metrics_open
+        or identity._is_loopback(host)  # the rule check_exposure keeps for gRPC ports
+        or (identity.tls() is None and getattr(cfg, "insecure", False))
+    ):
+        return
+    raise ConfigError(
+        f"{service}'s metrics port would listen on {host!r}, reachable from other hosts, "
+        "without a metrics key (metrics_key or metrics_key_file; Prometheus sends it with "
+        "authorization: {credentials_file: FILE}): anyone who reaches it could read the "
+        "service's load and traffic. Bind 127.0.0.1, set the key, turn the port off "
+        "(--metrics-port -1), or pass --metrics-open to accept the risk"
+    )
+
+
+def _key_problem(header: str | None, key: str) -> str:
+    """Why an ``Authorization`` value does not carry the metrics ``key`` ("" = it does);
+    compared in constant time."""
+    scheme, _, given = (header or "").strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return "missing metrics key: send 'Authorization: Bearer <key>'"
+    if not hmac.compare_digest(given.strip().encode(), key.encode()):
+        return "invalid metrics key"
+    return ""
+
+
+def serve_metrics(port: int, host: str = "127.0.0.1", *, key: str | None = None) -> int:
     """Serves :data:`REGISTRY` at http://host:port/metrics (port 0 = a free port); returns the
-    port, or 0 when ``port`` is negative (metrics disabled)."""
+    port, or 0 when ``port`` is negative (metrics disabled). With ``key`` (default: the
+    process's, :func:`configure_metrics`) a request without ``Authorization: Bearer <key>``
+    gets 401."""
     if port < 0:
         return 0
-    server, _thread = start_http_server(port, addr=host, registry=REGISTRY)
-    return server.server_port
+    from wsgiref.simple_server import make_server
+
+    from prometheus_client import make_wsgi_app
+    from prometheus_client.exposition import ThreadingWSGIServer, _get_best_family, _SilentHandler
+
+    key = _metrics_key if key is None else key
+    metrics = make_wsgi_app(REGISTRY)
+
+    def app(environ: dict[str, Any], start_response: Any) -> Any:
+        why = _key_problem(environ.get("HTTP_AUTHORIZATION"), key) if key else ""
+        if not why:
+            return metrics(environ, start_response)
+        start_response(
+            "401 Unauthorized",
+            [
+                ("Content-Type", "text/plain; charset=utf-8"),
+                ("WWW-Authenticate", 'Bearer realm="pdserve-metrics"'),
+            ],
+        )
+        return [f"{why} (the service's metrics_key)\n".encode()]
+
+    class Server(ThreadingWSGIServer):
+        pass
+
+    Server.address_family, addr = _get_best_family(host, port)
+    httpd = make_server(addr, port, app, Server, handler_class=_SilentHandler)
+    threading.Thread(target=httpd.serve_forever, name="metrics-http", daemon=True).start()
+    return httpd.server_port
 
 
 def now_ms() -> float:

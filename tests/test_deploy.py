@@ -270,6 +270,47 @@ def test_scrape_check_catches_a_wrong_port_a_stray_target_and_a_missing_service(
     assert any("nope:1" in p for p in problems), problems
 
 
+@pytest.mark.parametrize("name", [n for n in PDSERVE_SERVICES if n != "router"])
+def test_every_metrics_port_takes_the_key_prometheus_sends(name, lab_certs, monkeypatch):
+    """A metrics port beyond loopback with TLS on needs a key (the service refuses to start
+    without one): each service gets it in its section's PDSERVE_<SECTION>_METRICS_KEY, and
+    the Prometheus job scraping it sends the file the `metrics-key` config holds."""
+    from pdserve import identity, telemetry
+
+    svc = _services()[name]
+    argv = [_local(a, lab_certs) for a in shlex.split(svc["command"])]
+    key = tuple(argv[:2]) if argv[0] == "kvstore" else (argv[0],)
+    cls, section = CONFIGS[key]
+    var = f"PDSERVE_{section.upper()}_METRICS_KEY"
+    raw = yaml.safe_load(COMPOSE.read_text())
+    assert svc["environment"][var] == raw["x-metrics-key"], f"{name} lacks {var}"
+    assert raw["configs"]["metrics-key"]["content"] == raw["x-metrics-key"]
+    args = build_parser().parse_args(argv)
+    flags = {k: v for k, v in vars(args).items() if k in cls.__dataclass_fields__ and v is not None}
+    monkeypatch.setattr(telemetry, "_metrics_key", "")
+    prior = identity.tls()
+    try:
+        for env, ok in (({var: "lab-metrics-key"}, True), ({}, False)):
+            cfg = config.load(cls, section, yaml_path=args.config, env=env, overrides=flags)
+            identity.configure(cfg)
+            if ok:
+                telemetry.configure_metrics(cfg, name)
+            else:
+                with pytest.raises(config.ConfigError, match="without a metrics key"):
+                    telemetry.configure_metrics(cfg, name)
+    finally:
+        identity.configure_files(prior)
+    prom = yaml.safe_load(PROMETHEUS.read_text())
+    (job,) = [
+        j
+        for j in prom["scrape_configs"]
+        for static in j["static_configs"]
+        if any(t.startswith(f"{name}:") for t in static["targets"])
+    ]
+    mount = next(c["target"] for c in _services()["prometheus"]["configs"])
+    assert job["authorization"] == {"credentials_file": mount}, job["job_name"]
+
+
 def _bind_mounts(name: str) -> dict[str, str]:
     """{container path: host path} of a service's bind mounts (paths relative to deploy/)."""
     out = {}

@@ -4,6 +4,8 @@
 #   pdserve-node-certs  the CA certificate and one certificate per Kubernetes node (the storage
 #                       nodes' identities: a node's id is its Kubernetes node's name)
 #   pdserve-api-key     the router's API key, from $PDSERVE_API_KEY
+#   pdserve-metrics-key the key every metrics port takes (Prometheus sends it: the PodMonitor),
+#                       from $PDSERVE_METRICS_KEY, else the API key
 #
 #   export PDSERVE_API_KEY=$(openssl rand -hex 16)
 #   deploy/k8s/secrets.sh [DIR]
@@ -48,3 +50,5 @@ apply_secret pdserve-certs --from-file="$DIR/ca.crt" \
 # shellcheck disable=SC2086 # one word per flag
 apply_secret pdserve-node-certs --from-file="$DIR/ca.crt" $node_files
 printf %s "$PDSERVE_API_KEY" | apply_secret pdserve-api-key --from-file=api-key=/dev/stdin
+printf %s "${PDSERVE_METRICS_KEY:-$PDSERVE_API_KEY}" |
+  apply_secret pdserve-metrics-key --from-file=metrics-key=/dev/stdin

@@ -1,6 +1,7 @@
 """The one way a service becomes a ``pdserve`` command: flags from its config dataclass,
 config errors as a clean message (exit 2), the process's TLS identity and the protected-mode
-check (:mod:`pdserve.identity`), structured logging, and the service's
+checks (:mod:`pdserve.identity` for its ports, ``telemetry.configure_metrics`` for its
+metrics port), structured logging, and the service's
 ``serve(cfg, stop)`` run under :func:`pdserve.lifecycle.run` (SIGTERM/SIGINT drain)."""
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ def add_service_command(
         try:
             cfg = config.from_args(config_cls, section, args)
             identity.configure(cfg)
-            has_key = bool(cfg.api_key or cfg.api_key_file) if hasattr(cfg, "api_key") else None
+            keys = ("api_key", "api_key_file", "tenant_keys_file")
+            has_key = any(getattr(cfg, k, "") for k in keys) if hasattr(cfg, "api_key") else None
             identity.check_exposure(cfg, f"pdserve {label}", has_key=has_key)
+            telemetry.configure_metrics(cfg, f"pdserve {label}")
         except config.ConfigError as exc:
             print(f"pdserve {label}: {exc}", file=sys.stderr)
             return 2

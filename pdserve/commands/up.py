@@ -201,6 +201,14 @@ class UpConfig:
             raise ConfigError(
                 "api_key is set but auth is off: unset api_key (PDSERVE_UP_API_KEY) or turn auth on"
             )
+        from pdserve.identity import _is_loopback
+
+        if self.tls and not self.auth and not _is_loopback(self.host):
+            raise ConfigError(
+                f"host {self.host!r} is reachable from other hosts, and there the services' "
+                "metrics ports take up's API key, which auth off does not make: turn auth on "
+                "or bind 127.0.0.1"
+            )
 
     def _validate_store(self) -> None:
         if self.store_backend not in ("pdserve", "mooncake"):
@@ -346,11 +354,18 @@ def banner(cfg: UpConfig, model: str = "") -> str:
         )
     sd_line = ""
     if cfg.meta_http_port >= 0:
+        from pdserve.identity import _is_loopback
+
         scheme = "https" if cfg.tls else "http"
         sd_line = (
             f"  Prometheus targets (http_sd_configs)  {scheme}://{cfg.host}:{cfg.meta_http_port}"
             "/prometheus/targets\n"
         )
+        if cfg.tls and not _is_loopback(cfg.host):
+            sd_line += (
+                "    (beyond loopback their /metrics take the API key: "
+                f"authorization: {{credentials_file: {key_file}}})\n"
+            )
     return f"""
 pdserve is up.
   OpenAI-compatible HTTP  {http}/v1   (health: {http}/health, metrics: {http}/metrics)

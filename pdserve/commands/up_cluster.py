@@ -171,7 +171,10 @@ class Cluster:
             backend=c.meta_backend,
             etcd_endpoints=etcd,
             metrics_port=0,  # a free port, found through meta's /prometheus/targets
+            # the Mooncake endpoint only for Transfer Engines that use it (None: the config's)
+            http_metadata=True if mooncake and c.store_metadata_server == "meta" else None,
             **self._tls("meta"),
+            **self._metrics(),
         )
         self._start([("meta", meta_args)])
         if mooncake:
@@ -201,6 +204,7 @@ class Cluster:
             state_dir=state_dir,
             meta=meta,
             **self._tls("kvstore-master"),
+            **self._metrics(),
         )
         self._start([("kvstore-master", master_args)])
         nodes = [
@@ -216,6 +220,7 @@ class Cluster:
                     meta=meta,
                     metrics_port=0,
                     **self._tls(node_id),
+                    **self._metrics(),
                 ),
             )
             for i, node_id in enumerate(node_ids)
@@ -286,6 +291,7 @@ class Cluster:
                         # a core of its own on a CPU (vLLM pins its OpenMP threads), a GPU elsewhere
                         vllm_cpu_cores=place.cpu_cores,
                         **self._tls(f"{role}-{i}"),
+                        **self._metrics(),
                     ),
                 )
                 for place, (role, i) in zip(places, workers, strict=True)
@@ -333,6 +339,18 @@ class Cluster:
     def _tls(self, name: str) -> dict[str, str]:
         """The tls_* flags of the service whose certificate is ``name`` (none: TLS off)."""
         return tls_files(self.cfg.run_dir, name) if self.cfg.tls else {}
+
+    def _metrics(self) -> dict[str, object]:
+        """The metrics key flag of a service with a metrics port: beyond loopback with TLS on,
+        a metrics port takes a key (:func:`pdserve.telemetry.configure_metrics`), and up gives
+        every service the router's API key file (Prometheus then sends it:
+        ``authorization: {credentials_file: <run_dir>/api_key}``); none on loopback."""
+        from pdserve.identity import _is_loopback
+
+        c = self.cfg
+        if not c.tls or _is_loopback(c.host):
+            return {}
+        return {"metrics_key_file": self._key_file()}  # validate() made sure auth is on
 
     def _key_file(self) -> Path | None:
         """With auth on, writes the router's API key to ``<run_dir>/api_key`` (0600; a file,

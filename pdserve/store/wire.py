@@ -141,6 +141,9 @@ class WireClient:
                 sock = identity.client_context(self._tls).wrap_socket(
                     sock, server_hostname=self._host
                 )
+                # a TLS read retries a receive that SO_RCVTIMEO ended, so Python's timeout
+                # bounds the wait (TimeoutError) instead
+                sock.settimeout(self.timeout_s)
             sock.sendall(HELLO)
         except OSError as exc:
             raise WireUnreachable(f"control wire {self.address}: {exc}") from exc

@@ -7,28 +7,39 @@ Protocol (as Mooncake's own ``mooncake.http_metadata_server``): ``GET``/``PUT``/
 overwritten, so a restarted engine can re-publish under its old name. Values go through the
 meta backend (with etcd they survive a meta restart).
 
-Protection, and its limits:
+**Off unless asked for** (``http_metadata``): only Transfer Engines that take meta as their
+metadata server need it, and pdserve's own store never does (its transports connect peer to
+peer). ``pdserve up`` turns it on only for ``--store-backend mooncake
+--store-metadata-server meta``; meta's HTTP port otherwise serves Prometheus discovery alone.
 
-- **Writes** (PUT, DELETE) need the meta's ``http_token`` when one is set (401 otherwise),
-  compared in constant time. Mooncake's client (libcurl in the Transfer Engine) sends
-  ``Authorization: Bearer $MC_METADATA_HTTP_TOKEN`` in recent Mooncake versions; the version
-  pdserve pins (0.3.13) sends no header of its own, but libcurl turns credentials in the URL
-  into Basic authentication, which is accepted too (the password is the token):
-  ``http://pdserve:TOKEN@host:port/metadata``. Mooncake logs that URL when a request fails, so
-  the token can reach its logs. Any token holder may write any key: the protocol carries no
-  identity, so there is no per-key ownership.
-- **Reads** (GET) stay open: Mooncake's HTTP client in the pinned version sends GETs without
-  any header. Segment descriptors hold buffer addresses, sizes and, for RDMA, remote keys; no
-  payload, but keep the endpoint on the cluster network.
+**Closed or authenticated whenever it is on.** Mooncake's client (libcurl in the Transfer
+Engine) presents no client certificate and, in the pinned 0.3.13, no header of its own, so TLS
+client authentication cannot guard it. Hence (:meth:`MetaConfig.validate
+<pdserve.services.meta.server.MetaConfig.validate>`):
+
+- On a loopback address it is closed to other hosts (``pdserve up``'s case).
+- On any other address it needs ``http_token``; meta refuses to start without one unless
+  ``http_metadata_open`` is given (or ``insecure`` on a cluster without TLS, where every port is
+  open already). With the token, **every** request (GET too) must carry it: segment
+  descriptors hold buffer addresses and, for RDMA, remote keys. ``Authorization: Bearer
+  <token>`` (``MC_METADATA_HTTP_TOKEN`` in recent Mooncake versions), or the token as the
+  password of URL credentials, ``http://pdserve:TOKEN@host:port/metadata``: libcurl sends
+  those as Basic authentication on every request (tests/meta/test_mooncake_te.py moves bytes
+  between two real engines that way). Compared in constant time. Mooncake logs that URL when a
+  request fails, so the token can reach its logs. Any token holder may write any key: the
+  protocol carries no identity, so there is no per-key ownership.
 - **HTTPS**: with TLS configured the endpoint serves HTTPS with meta's certificate. It does
-  not ask for client certificates, because Mooncake's client presents none (requiring one
-  would lock every Transfer Engine out); writes are guarded by the token instead. libcurl
-  checks meta's certificate against the host's trust store (Mooncake sets no CA file), so a
-  Transfer Engine reaches an HTTPS meta only once the pdserve CA is installed there (e.g.
+  not ask for client certificates (Mooncake's client presents none). libcurl checks meta's
+  certificate against the host's trust store (Mooncake sets no CA file), so a Transfer Engine
+  reaches an HTTPS meta only once the pdserve CA is installed there (e.g.
   ``update-ca-certificates``); untested here with a real engine.
-- **Caps**: at most ``max_keys`` keys (507 when full; overwriting a present key is always
-  allowed) and ``max_value_bytes`` per value (413). With several meta processes on one etcd
-  concurrent writers can pass the key cap by a few.
+
+**Bounds, whatever the address**, so no client can grow meta's memory (or etcd) without
+limit: ``http_max_value_bytes`` per value (413; aiohttp stops reading a body past it),
+``http_max_keys`` keys and ``http_max_total_bytes`` in all (507; overwriting a present key
+within the total stays possible). The total is counted from the backend once, then kept by this
+process: with several meta processes on one etcd, concurrent writers can pass the caps by what
+the others wrote since.
 """
 
 from __future__ import annotations
@@ -54,11 +65,15 @@ PATH = "/metadata"
 MAX_VALUE_BYTES = 1024 * 1024
 #: Default cap on the number of keys (a Transfer Engine publishes a few).
 MAX_KEYS = 4096
+#: Default cap on the bytes of every value together: thousands of engines' descriptors, and a
+#: bound on what anonymous writes on loopback can take.
+MAX_TOTAL_BYTES = 64 * 1024 * 1024
 _MAX_KEY = 1024
 _HOW = (
     "send 'Authorization: Bearer <token>' (Mooncake: MC_METADATA_HTTP_TOKEN) or put the token "
     "in the metadata URL as http://pdserve:<token>@host:port/metadata"
 )
+_REALM = {"WWW-Authenticate": 'Bearer realm="pdserve-meta"'}
 
 
 def _text(text: str, status: int, **headers: str) -> web.Response:
@@ -67,13 +82,13 @@ def _text(text: str, status: int, **headers: str) -> web.Response:
     return web.Response(text=text, status=status, content_type="application/json", headers=headers)
 
 
-def write_problem(header: str | None, token: str) -> str:
+def token_problem(header: str | None, token: str) -> str:
     """Why an ``Authorization`` value does not carry ``token`` ("" = it does, or no token
     is set). Bearer carries the token; Basic carries it as the password."""
     if not token:
         return ""
     if not header:
-        return f"metadata writes need the meta's http_token: {_HOW}"
+        return f"the metadata endpoint takes the meta's http_token: {_HOW}"
     scheme, _, value = header.strip().partition(" ")
     if scheme.lower() == "bearer":
         given = value.strip()
@@ -95,8 +110,18 @@ def make_app(
     token: str = "",
     max_keys: int = MAX_KEYS,
     max_value_bytes: int = MAX_VALUE_BYTES,
+    max_total_bytes: int = MAX_TOTAL_BYTES,
 ) -> web.Application:
+    """An aiohttp app serving the protocol at :data:`PATH` from ``backend``, within the caps;
+    with ``token`` every request must carry it."""
+    import asyncio
+
     from aiohttp import web
+
+    # bytes of every value stored, counted from the backend at the first write; PUTs run one
+    # at a time, so two of them cannot both pass a cap
+    used: list[int] = []
+    writing = asyncio.Lock()
 
     async def handle(request: web.Request) -> web.Response:
         key = request.query.get("key", "").strip()
@@ -104,10 +129,9 @@ def make_app(
             return _text("metadata key is required (?key=<k>)", 400)
         if len(key) > _MAX_KEY:
             return _text(f"metadata key longer than {_MAX_KEY} characters", 400)
-        if request.method in ("PUT", "DELETE"):
-            why = write_problem(request.headers.get("Authorization"), token)
-            if why:
-                return _text(why, 401, **{"WWW-Authenticate": 'Bearer realm="pdserve-meta"'})
+        why = token_problem(request.headers.get("Authorization"), token)
+        if why:
+            return _text(why, 401, **_REALM)
         try:
             if request.method == "GET":
                 value = await backend.kv_get(key)
@@ -117,8 +141,12 @@ def make_app(
             if request.method == "PUT":
                 return await put(request, key)
             if request.method == "DELETE":
-                if not await backend.kv_delete(key):
-                    return _text("metadata not found", 404)
+                async with writing:
+                    old = await backend.kv_get(key)
+                    if old is None or not await backend.kv_delete(key):
+                        return _text("metadata not found", 404)
+                    if used:
+                        used[0] -= len(old)
                 return _text("metadata deleted", 200)
         except PdserveError as exc:
             return _text(f"metadata backend error: {exc}", 503)
@@ -136,13 +164,25 @@ def make_app(
             json.loads(body)
         except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
             return _text(f"metadata body is not valid JSON: {exc}", 400)
-        if await backend.kv_get(key) is None and await backend.kv_count() >= max_keys:
-            return _text(
-                f"metadata holds its http_max_keys ({max_keys}) keys: delete some or raise "
-                "http_max_keys",
-                507,
-            )
-        await backend.kv_put(key, body)
+        async with writing:
+            if not used:
+                used.append(await backend.kv_bytes())
+            old = await backend.kv_get(key)
+            if old is None and await backend.kv_count() >= max_keys:
+                return _text(
+                    f"metadata holds its http_max_keys ({max_keys}) keys: delete some or raise "
+                    "http_max_keys",
+                    507,
+                )
+            total = used[0] - len(old or b"") + len(body)
+            if total > max_total_bytes:
+                return _text(
+                    f"metadata would hold {total} bytes, over its http_max_total_bytes "
+                    f"({max_total_bytes} bytes): delete some or raise http_max_total_bytes",
+                    507,
+                )
+            await backend.kv_put(key, body)
+            used[0] = total
         return _text("metadata updated", 200)
 
     app = web.Application(client_max_size=max_value_bytes)

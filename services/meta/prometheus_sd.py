@@ -9,9 +9,12 @@ Prometheus' ``http_sd_configs`` format, so one static scrape config finds the me
         http_sd_configs:
           - url: https://META_HOST:50080/prometheus/targets
             tls_config: {ca_file: .pdserve/run/certs/ca.crt}
+        # the metrics ports' key, where they take one (beyond loopback with TLS on:
+        # pdserve.telemetry.configure_metrics; `pdserve up` gives them its API key)
+        authorization: {credentials_file: .pdserve/run/api_key}
 
 Each target carries the labels ``pdserve_role``, ``pdserve_instance`` and ``pdserve_model``.
-Like the metadata GETs, the list is open: it holds addresses and names, no request data."""
+The list is open: it holds addresses and names, no request data."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""``pdserve meta``: the registry over gRPC plus the Mooncake HTTP metadata endpoint, one
-process, one event loop."""
+"""``pdserve meta``: the registry over gRPC plus an HTTP port (Prometheus service discovery, and
+the Mooncake HTTP metadata endpoint when ``http_metadata`` asks for it), one process, one event
+loop."""
 
 from __future__ import annotations
 
@@ -31,13 +32,14 @@ DEFAULT_HTTP_PORT = 50080
 
 
 @dataclass
-class MetaConfig(SecurityConfig):
+class MetaConfig(SecurityConfig, telemetry.MetricsConfig):
     host: str = help_field("127.0.0.1", "address to bind gRPC and HTTP to")
     port: int = help_field(DEFAULT_PORT, "gRPC port (0 = a free port)")
     http_port: int = help_field(
         DEFAULT_HTTP_PORT,
-        "HTTP port: Mooncake metadata at /metadata, Prometheus service discovery of every "
-        "service's /metrics at /prometheus/targets (0 = a free port, -1 = off)",
+        "HTTP port: Prometheus service discovery of every service's /metrics at "
+        "/prometheus/targets, and Mooncake metadata at /metadata with http_metadata (0 = a free "
+        "port, -1 = off)",
     )
     metrics_port: int = help_field(-1, "Prometheus /metrics port (0 = a free port, -1 = off)")
     backend: str = help_field("memory", "registry storage: memory (embedded) or etcd")
@@ -85,9 +87,9 @@ class MetaConfig(SecurityConfig):
     )
     http_token: str = help_field(
         "",
-        "token that PUT and DELETE on the Mooncake HTTP metadata endpoint must carry "
-        "(Authorization: Bearer, or the password of Basic credentials; empty = writes open; "
-        "prefer http_token_file)",
+        "token every request to the Mooncake HTTP metadata endpoint must carry "
+        "(Authorization: Bearer, or the password of Basic credentials, as in "
+        "http://pdserve:TOKEN@host:port/metadata; empty = open; prefer http_token_file)",
     )
     http_token_file: str = help_field("", "file whose first line is http_token")
     http_max_keys: int = help_field(
@@ -95,6 +97,22 @@ class MetaConfig(SecurityConfig):
     )
     http_max_value_bytes: int = help_field(
         http_metadata.MAX_VALUE_BYTES, "largest value one PUT may store (bytes)"
+    )
+    http_max_total_bytes: int = help_field(
+        http_metadata.MAX_TOTAL_BYTES,
+        "most bytes the Mooncake HTTP metadata endpoint stores, every value together",
+    )
+    # after the fields above: in the class body this name hides the module
+    http_metadata: bool = help_field(
+        False,
+        "serve Mooncake's HTTP metadata protocol at /metadata on http_port, for Transfer "
+        "Engines whose metadata_server is http://host:port/metadata (pdserve's own store never "
+        "needs it). Beyond loopback it needs http_token, unless http_metadata_open",
+    )
+    http_metadata_open: bool = help_field(
+        False,
+        "serve /metadata on a non-loopback address without http_token: anyone who reaches the "
+        "port can read the Transfer Engines' segment descriptors and publish their own",
     )
     log_level: str = help_field("info", "log level")
 
@@ -112,8 +130,10 @@ class MetaConfig(SecurityConfig):
             self.limits().validate()
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
-        if self.http_max_keys <= 0 or self.http_max_value_bytes <= 0:
-            raise ConfigError("http_max_keys and http_max_value_bytes must be positive")
+        if min(self.http_max_keys, self.http_max_value_bytes, self.http_max_total_bytes) <= 0:
+            raise ConfigError(
+                "http_max_keys, http_max_value_bytes and http_max_total_bytes must be positive"
+            )
         if (self.etcd_cert or self.etcd_key) and not (self.etcd_cert and self.etcd_key):
             raise ConfigError("an etcd client certificate needs both etcd_cert and etcd_key")
         if self.etcd_cert and not self.etcd_ca:
@@ -131,6 +151,29 @@ class MetaConfig(SecurityConfig):
         self.etcd_password_file = ""
         if self.etcd_password and not self.etcd_user:
             raise ConfigError("etcd_password needs etcd_user")
+        self._check_metadata_exposure()
+
+    def _check_metadata_exposure(self) -> None:
+        """Protected mode for the Mooncake endpoint (:mod:`.http_metadata`), as
+        :func:`pdserve.identity.check_exposure` for the gRPC ports: beyond loopback it takes
+        the token, unless explicitly opened."""
+        if (
+            not self.http_metadata
+            or self.http_port < 0
+            or self.http_token
+            or self.http_metadata_open
+            or identity._is_loopback(self.host)  # check_exposure's rule for gRPC ports
+            or (self.insecure and not self.tls_cert)  # a plaintext cluster, open by choice
+        ):
+            return
+        raise ConfigError(
+            f"meta's Mooncake HTTP metadata endpoint would listen on {self.host!r}, reachable "
+            "from other hosts, without http_token (or http_token_file; Transfer Engines send it "
+            "in the URL, http://pdserve:TOKEN@host:port/metadata): anyone who reaches it could "
+            "read the engines' segment descriptors, fill meta's memory, or publish a segment "
+            "that redirects their transfers. Bind 127.0.0.1, set the token, turn it off "
+            "(--no-http-metadata), or pass --http-metadata-open to accept the risk"
+        )
 
     def limits(self) -> Limits:
         return Limits(
@@ -225,21 +268,29 @@ async def serve(cfg: MetaConfig, stop: asyncio.Event) -> None:
     tls = identity.tls()
     metrics_port = telemetry.serve_metrics(cfg.metrics_port, cfg.host)
     if cfg.http_port >= 0:
-        app = http_metadata.make_app(
-            backend,
-            token=cfg.http_token,
-            max_keys=cfg.http_max_keys,
-            max_value_bytes=cfg.http_max_value_bytes,
-        )
+        if cfg.http_metadata:
+            app = http_metadata.make_app(
+                backend,
+                token=cfg.http_token,
+                max_keys=cfg.http_max_keys,
+                max_value_bytes=cfg.http_max_value_bytes,
+                max_total_bytes=cfg.http_max_total_bytes,
+            )
+        else:
+            from aiohttp import web
+
+            app = web.Application()
         own = advertised(cfg, metrics_port) if metrics_port else ""
         prometheus_sd.add_route(app, registry, own_metrics=own)
         ssl_context = http_metadata.ssl_context(tls) if tls is not None else None
         runner, http_port = await http_metadata.start(app, cfg.host, cfg.http_port, ssl_context)
     scheme = "https" if tls is not None else "http"
+    # http: the Mooncake metadata URL when it is served, else the port's root
+    path = http_metadata.PATH if cfg.http_metadata else ""
     lifecycle.announce_ready(
         "meta",
         grpc=f"{cfg.host}:{server.port}",
-        http=f"{scheme}://{cfg.host}:{http_port}{http_metadata.PATH}" if runner else "",
+        http=f"{scheme}://{cfg.host}:{http_port}{path}" if runner else "",
         metrics=metrics_port,
         backend=cfg.backend,
     )

@@ -8,10 +8,11 @@ from dataclasses import dataclass
 from pdserve.config import ConfigError, help_field
 from pdserve.engines.config import EngineConfig
 from pdserve.identity import SecurityConfig
+from pdserve.telemetry import MetricsConfig
 
 
 @dataclass
-class WorkerConfig(SecurityConfig, EngineConfig):
+class WorkerConfig(SecurityConfig, MetricsConfig, EngineConfig):
     """Engine fields plus what every model worker service needs."""
 
     host: str = help_field("127.0.0.1", "address to bind and advertise")

@@ -212,7 +212,12 @@ def reference_problems(docs: list[dict], secrets: dict[str, set[str]]) -> list[s
 
 def test_selectors_references_and_service_ports_fit():
     secrets = _secrets_made()
-    assert set(secrets) == {"pdserve-certs", "pdserve-node-certs", "pdserve-api-key"}
+    assert set(secrets) == {
+        "pdserve-certs",
+        "pdserve-node-certs",
+        "pdserve-api-key",
+        "pdserve-metrics-key",
+    }
     assert reference_problems(DOCS, secrets) == []
 
 
@@ -400,6 +405,13 @@ def test_pdserve_command_ports_identity_and_probes(workload, container, certs_di
         assert any(e["name"] == "PDSERVE_ROUTER_API_KEY" for e in container["env"])
         assert refs == [{"name": "pdserve-api-key", "key": "api-key"}]
     else:
+        # its metrics port (beyond loopback, TLS on) takes the key the PodMonitor sends
+        (ref,) = [
+            e["valueFrom"]["secretKeyRef"]
+            for e in container["env"]
+            if e["name"] == f"PDSERVE_{CONFIGS[key][1].upper()}_METRICS_KEY"
+        ]
+        assert ref == {"name": "pdserve-metrics-key", "key": "metrics-key"}, name
         tls_env = [env[f"PDSERVE_TLS_{k}"] for k in ("CA", "CERT", "KEY")]
         assert [t.replace(CERTS + "/", f"{certs_dir}/") for t in tls_env] == [
             cfg.tls_ca,

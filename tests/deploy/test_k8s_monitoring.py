@@ -1,6 +1,6 @@
 """deploy/k8s/monitoring/podmonitor.yaml (Prometheus Operator): it selects the pod of every
 pdserve service and scrapes each on a port that pod names, the one its Prometheus annotations
-name; etcd (no /metrics) is left out."""
+name, with the metrics key where the port takes one; etcd (no /metrics) is left out."""
 
 from __future__ import annotations
 
@@ -58,6 +58,16 @@ def test_podmonitor_scrapes_every_pdserve_pod_on_its_annotated_port(monitor):
         scraped.add(name)
     assert scraped >= {"router", "prefill", "decode", "kvstore-master", "kvstore-node", "meta"}
     assert not _selected(monitor, {"app.kubernetes.io/name": "etcd"})
+
+
+def test_podmonitor_sends_the_metrics_key_to_the_metrics_ports(monitor):
+    """Beyond loopback with TLS a metrics port takes a key (pdserve refuses to start it open):
+    the endpoint of the `metrics` ports sends the Secret the pods read it from."""
+    (endpoint,) = [e for e in monitor["spec"]["podMetricsEndpoints"] if e["port"] == "metrics"]
+    assert endpoint["authorization"]["credentials"] == {
+        "name": "pdserve-metrics-key",
+        "key": "metrics-key",
+    }
 
 
 def test_podmonitor_labels_series_with_the_role(monitor):

@@ -38,7 +38,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreTarget]:
 
 @pytest.fixture(scope="session")
 def meta(tmp_path_factory: pytest.TempPathFactory) -> Iterator[procs.ServiceProcess]:
-    args = procs.service_args("meta", port=0, http_port=0, backend="memory")
+    args = procs.service_args("meta", port=0, http_port=0, http_metadata=True, backend="memory")
     proc = procs.start_service("fuzz-meta", args, tmp_path_factory.mktemp("fuzz-meta"), timeout=60)
     try:
         yield proc

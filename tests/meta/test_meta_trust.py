@@ -273,7 +273,7 @@ def http(method: str, url: str, *, body: bytes | None = None, auth: str = "", ct
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["memory"])  # the HTTP checks do not depend on it
-def test_http_metadata_takes_a_token_for_writes_and_serves_https(
+def test_http_metadata_takes_a_token_and_serves_https(
     start_meta, certdir: Path, tmp_path: Path
 ) -> None:
     (tmp_path / "token").write_text("tok-81c2\n")
@@ -290,17 +290,18 @@ def test_http_metadata_takes_a_token_for_writes_and_serves_https(
     ctx = ssl.create_default_context(cafile=str(certdir / "ca.crt"))  # no client certificate
     seg = b'{"name": "seg-a"}'
     bearer, basic = "Bearer tok-81c2", "Basic " + base64.b64encode(b"pdserve:tok-81c2").decode()
-    # anonymous writes: 401, saying how to authenticate; reads stay open
+    # anonymous requests, reads too: 401, saying how to authenticate
     code, body = http("PUT", f"{url}?key=seg-a", body=seg, ctx=ctx)
     assert code == 401 and b"http_token" in body
     code, body = http("DELETE", f"{url}?key=seg-a", ctx=ctx)
     assert code == 401 and b"Authorization: Bearer" in body
     assert http("PUT", f"{url}?key=seg-a", body=seg, auth="Bearer nope", ctx=ctx)[0] == 401
-    assert http("GET", f"{url}?key=seg-a", ctx=ctx) == (404, b"metadata not found")
+    assert http("GET", f"{url}?key=seg-a", ctx=ctx)[0] == 401
+    assert http("GET", f"{url}?key=seg-a", auth=bearer, ctx=ctx) == (404, b"metadata not found")
     # with the token, as a header (Bearer) or URL credentials (Basic)
     assert http("PUT", f"{url}?key=seg-a", body=seg, auth=bearer, ctx=ctx)[0] == 200
     assert http("PUT", f"{url}?key=seg-b", body=seg, auth=basic, ctx=ctx)[0] == 200
-    assert http("GET", f"{url}?key=seg-a", ctx=ctx) == (200, seg)
+    assert http("GET", f"{url}?key=seg-a", auth=basic, ctx=ctx) == (200, seg)
     # caps: keys (overwriting stays possible) and value size
     code, body = http("PUT", f"{url}?key=seg-c", body=seg, auth=bearer, ctx=ctx)
     assert code == 507 and b"http_max_keys (2)" in body
@@ -338,7 +339,14 @@ def test_etcd_backend_over_tls_with_a_user(etcd_tls: tuple[str, Path], tmp_path:
 
     def meta(*extra: str, endpoints: str = endpoint) -> ServiceProcess:
         args = service_args(
-            "meta", *tls, *extra, port=0, http_port=0, backend="etcd", etcd_endpoints=endpoints
+            "meta",
+            *tls,
+            *extra,
+            port=0,
+            http_port=0,
+            http_metadata=True,
+            backend="etcd",
+            etcd_endpoints=endpoints,
         )
         return start_service("meta-etcd-tls", args, tmp_path, timeout=60)
 

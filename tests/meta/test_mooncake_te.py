@@ -54,6 +54,7 @@ def test_two_transfer_engines_move_bytes_via_meta(
         "meta",
         port=0,
         http_port=0,
+        http_metadata=True,
         backend=backend,
         etcd_endpoints=endpoint,
         http_token_file=token_file,

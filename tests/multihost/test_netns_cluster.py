@@ -148,7 +148,9 @@ class NetCluster:
             wait_ready(proc, START_TIMEOUT_S)
 
     def _start(self) -> None:
-        self._start_all({"meta": service_args("meta", port=0, http_port=0, metrics_port=0)})
+        # beyond loopback with TLS a metrics port takes a key: the router's, as `pdserve up`
+        metrics = {"metrics_port": 0, "metrics_key_file": self.key_file}
+        self._start_all({"meta": service_args("meta", port=0, http_port=0, **metrics)})
         self.meta = self.procs["meta"].info["grpc"]
         # a node is dead after 3 missed 900 ms heartbeats (about the longest the master allows),
         # so a request sent right after a cut reads before the master drops the node's replicas
@@ -159,6 +161,7 @@ class NetCluster:
             state_dir=self.log_dir / "master-state",
             heartbeat_interval_ms=900,
             heartbeat_miss_limit=3,
+            metrics_key_file=self.key_file,
         )
         self._start_all({"kvstore-master": master})
         self.master = self.procs["kvstore-master"].info["grpc"]
@@ -170,7 +173,7 @@ class NetCluster:
                     node_id=self.node_id(h),
                     segment_sizes="64MiB",
                     transports="tcp",
-                    metrics_port=0,
+                    **metrics,
                     meta=self.meta,
                 )
                 for h in ("node-0", "node-1")
@@ -188,7 +191,7 @@ class NetCluster:
             store_timeout_s=STORE_TIMEOUT_S,
             meta=self.meta,
             port=0,
-            metrics_port=0,
+            **metrics,
         )
         self._start_all(
             {
@@ -315,10 +318,12 @@ def replica_nodes(c: NetCluster, model_dir: Path, tokens: list[int]) -> list[lis
     return [[r.node_id for r in reps] for reps in replicas(c, model_dir, tokens)]
 
 
-def metric(proc: ServiceProcess, name: str) -> float:
-    """Sum of a metric's samples at a worker's /metrics (reached over the bridge)."""
-    url = f"http://{proc.info['metrics']}/metrics"
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
+def metric(c: NetCluster, proc: ServiceProcess, name: str) -> float:
+    """Sum of a metric's samples at a worker's /metrics (reached over the bridge, with the
+    metrics key)."""
+    req = urllib.request.Request(f"http://{proc.info['metrics']}/metrics")
+    req.add_header("Authorization", f"Bearer {c.key}")
+    text = urllib.request.urlopen(req, timeout=10).read().decode()
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
@@ -326,11 +331,15 @@ def metric(proc: ServiceProcess, name: str) -> float:
     )
 
 
-def http_status(url: str, ca: str | None = None) -> int | str:
-    """The HTTP status of a GET (HTTPS checked against ``ca``), or why no answer came."""
+def http_status(url: str, ca: str | None = None, key: str = "") -> int | str:
+    """The HTTP status of a GET (HTTPS checked against ``ca``; with ``key`` as a Bearer
+    token), or why no answer came."""
     ctx = ssl.create_default_context(cafile=ca) if ca else None
+    req = urllib.request.Request(url)
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
     try:
-        return urllib.request.urlopen(url, timeout=10, context=ctx).status
+        return urllib.request.urlopen(req, timeout=10, context=ctx).status
     except urllib.error.HTTPError as exc:
         return exc.code
     except urllib.error.URLError as exc:
@@ -381,7 +390,9 @@ def test_every_service_binds_and_advertises_its_own_host(cluster):
     # HTTP endpoints, reached from the root namespace over the bridge
     meta_http = c.procs["meta"].info["http"]
     assert meta_http.startswith(f"https://{c.addr['meta']}:")  # meta's certificate
-    assert http_status(f"{meta_http}?key=no-such-key-{c.run_id}", c.ca) == 404
+    assert http_status(f"{meta_http}/prometheus/targets", c.ca) == 200
+    # no Mooncake metadata endpoint unless asked for (http_metadata)
+    assert http_status(f"{meta_http}/metadata?key=no-such-key-{c.run_id}", c.ca) == 404
     assert http_status(f"{c.http}/health") == 200
     assert http_status(f"{c.http}/v1/models") == 401  # the API takes the key
     # and the internal services take mutual TLS only
@@ -397,8 +408,9 @@ def test_every_service_binds_and_advertises_its_own_host(cluster):
         "prefill": _port(c.procs["prefill"].info["metrics"]),
         "decode": _port(c.procs["decode"].info["metrics"]),
     }
-    answers = {h: http_status(f"http://{c.addr[h]}:{port}/metrics") for h, port in metrics.items()}
-    assert answers == dict.fromkeys(metrics, 200)
+    urls = {h: f"http://{c.addr[h]}:{port}/metrics" for h, port in metrics.items()}
+    assert {h: http_status(u, key=c.key) for h, u in urls.items()} == dict.fromkeys(metrics, 200)
+    assert {h: http_status(u) for h, u in urls.items()} == dict.fromkeys(metrics, 401)
 
 
 def test_generation_across_hosts_is_token_exact_and_reuses_kv(
@@ -456,7 +468,7 @@ def test_cut_storage_node_requests_still_complete(cluster, tok, hf_greedy, tiny_
     victim = host_of[before[0][0]]
     survivor = next(h for h in host_of.values() if h != victim)
     workers = [c.procs["prefill"], c.procs["decode"]]
-    failovers = sum(metric(w, "pdserve_store_read_failovers_total") for w in workers)
+    failovers = sum(metric(c, w, "pdserve_store_read_failovers_total") for w in workers)
 
     dead_after: list[float] = []
     stop_polling = threading.Event()
@@ -482,7 +494,7 @@ def test_cut_storage_node_requests_still_complete(cluster, tok, hf_greedy, tiny_
         got, cached = generate(c, p, 12)
         assert got == hf_greedy(p, 12)
         assert cached == SHARED_CHUNKS * CS
-        assert sum(metric(w, "pdserve_store_read_failovers_total") for w in workers) > failovers
+        assert sum(metric(c, w, "pdserve_store_read_failovers_total") for w in workers) > failovers
         poller.join(timeout=30)
     finally:
         stop_polling.set()

@@ -249,10 +249,11 @@ def test_the_event_streams_go_to_routers_and_the_token_ids_to_admins(peers: Peer
     w1.BatchPutEnd(pb.BatchKeysRequest(client_id="e", keys=[key]), timeout=5)
     snapshot = pb.SubscribeKVEventsRequest(snapshot=True)
     for name in ("node-b", "w1"):
-        code = _code(lambda: next(peers.stub(name).SubscribeKVEvents(snapshot, timeout=5)))
+        subscribe = peers.stub(name).SubscribeKVEvents(snapshot, timeout=5)
+        code = _code(lambda s=subscribe: next(s))
         assert code == grpc.StatusCode.PERMISSION_DENIED, name
         watch = peers.stub(name).WatchEvents(pb.WatchEventsRequest(), timeout=5)
-        assert _code(lambda: next(watch)) == grpc.StatusCode.PERMISSION_DENIED, name
+        assert _code(lambda w=watch: next(w)) == grpc.StatusCode.PERMISSION_DENIED, name
 
     def stored(name: str) -> pb.KVBlockStored:
         """The stored event of ``key`` as ``name`` receives it (replayed from the ring)."""

@@ -12,7 +12,9 @@ from collections.abc import Sequence
 
 from pdserve.store import grants
 from pdserve.store.netio import (
+    HANDSHAKE_TIMEOUT_S,
     IDLE_TIMEOUT_S,
+    MAX_CONNECTIONS_PER_PEER,
     ConnectionServer,
     advance,
     recv_parts,
@@ -85,10 +87,11 @@ class _Reader:
     for each). Payloads land straight in the segment; only payload bytes that came along
     with a header (at most :data:`READ_AHEAD`) are copied from the buffer."""
 
-    __slots__ = ("buf", "conn", "end", "start", "view")
+    __slots__ = ("buf", "conn", "end", "fresh", "start", "view")
 
     def __init__(self, conn: socket.socket) -> None:
         self.conn = conn
+        self.fresh = True  # no complete request header received yet
         self.buf = bytearray(READ_AHEAD)
         self.view = memoryview(self.buf)
         self.start = self.end = 0  # buffered bytes not consumed yet: buf[start:end]
@@ -129,7 +132,9 @@ class _Reader:
 class TcpServer(TransportServer):
     """Threaded server: one thread per connection (payload copies release the GIL).
     ``clock_skew_ms``: how long past its expiry a grant is still accepted (the master's and
-    the node's clocks may differ by that much)."""
+    the node's clocks may differ by that much). Connection limits and timeouts:
+    :class:`~pdserve.store.netio.ConnectionServer` (a connection's first frame is its first
+    request header with its grant or range table)."""
 
     name = "tcp"
 
@@ -140,11 +145,15 @@ class TcpServer(TransportServer):
         clock_skew_ms: int = 2000,
         idle_timeout_s: float = IDLE_TIMEOUT_S,
         advertise_host: str = "",
+        max_connections_per_peer: int = MAX_CONNECTIONS_PER_PEER,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
     ) -> None:
         self.host = host
         #: What the endpoint tells clients to dial (the bound host unless set).
         self.advertise_host = advertise_host or host
         self.idle_timeout_s = idle_timeout_s
+        self.max_connections_per_peer = max_connections_per_peer
+        self.handshake_timeout_s = handshake_timeout_s
         self.requested_port = port
         self.port = 0
         self.clock_skew_ms = clock_skew_ms
@@ -175,6 +184,8 @@ class TcpServer(TransportServer):
             "kv-tcp-conn",
             tune=tune_socket,
             idle_timeout_s=self.idle_timeout_s,
+            max_connections_per_peer=self.max_connections_per_peer,
+            handshake_timeout_s=self.handshake_timeout_s,
         )
         self.port = self._server.port
 
@@ -199,6 +210,13 @@ class TcpServer(TransportServer):
         reader = _Reader(conn)
         while self._handle(conn, reader):
             pass
+
+    def _established(self, conn: socket.socket, reader: _Reader) -> None:
+        """The connection's first request header (and its grant or range table) is in."""
+        if reader.fresh:
+            reader.fresh = False
+            if self._server is not None:
+                self._server.established(conn)
 
     def _reply(self, conn: socket.socket, status: int, length: int = 0) -> None:
         conn.sendall(REP.pack(REP_MAGIC, status, length))
@@ -237,6 +255,7 @@ class TcpServer(TransportServer):
         grant = reader.take(GRANT.size)
         if grant is None:
             return False
+        self._established(conn, reader)
         gop = grants.OP_READ if op == OP_READ else grants.OP_WRITE
         now = time.time() * 1000 - self.clock_skew_ms
         region = self._region(gop, seg, offset, length, *GRANT.unpack(grant), now)
@@ -297,6 +316,7 @@ class TcpServer(TransportServer):
         table = reader.take(count * RANGE.size)
         if table is None:
             return False
+        self._established(conn, reader)
         gop = grants.OP_READ if op == OP_READV else grants.OP_WRITE
         now = time.time() * 1000 - self.clock_skew_ms
         regions = []

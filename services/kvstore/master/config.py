@@ -3,14 +3,15 @@ builds its flags from this dataclass without loading gRPC."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.config import ConfigError, help_field
 from pdserve.identity import SecurityConfig
+from pdserve.telemetry import MetricsConfig
 
 
 @dataclass
-class MasterConfig(SecurityConfig):
+class MasterConfig(SecurityConfig, MetricsConfig):
     host: str = help_field("127.0.0.1", "address to bind the gRPC server to")
     port: int = help_field(50051, "gRPC port (0 = any free port)")
     metrics_port: int = help_field(0, "Prometheus /metrics port (0 = any free port, -1 = off)")
@@ -24,6 +25,22 @@ class MasterConfig(SecurityConfig):
         "directory for the committed-object metadata (SQLite), so a restarted master finds "
         "every object again when the nodes remount; one master per directory (locked). "
         "Empty = in memory only: a restart then forgets every object",
+    )
+    ha_etcd: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "etcd host:port list: run as one of several masters, one leader elected "
+            "through etcd, the objects kept in etcd instead of state_dir (empty = a single "
+            "master). Standbys bind nothing until they lead; clients list every master "
+            "(HOST:PORT,HOST:PORT). Needs a fixed --port (services/kvstore/master/ha.py)",
+            "metavar": "HOST:PORT,...",
+        },
+    )
+    ha_prefix: str = help_field("/pdserve/kvstore/", "etcd key prefix of the masters' state")
+    ha_lease_s: int = help_field(
+        2,
+        "seconds the leader's etcd lease lasts without renewal: how long a dead or paused "
+        "leader holds on before a standby takes over (it renews every third of it)",
     )
     log_level: str = help_field("info", "log level")
     meta: str = help_field("", "meta service address host:port to register with (empty = none)")
@@ -143,6 +160,10 @@ class MasterConfig(SecurityConfig):
                 f"{dead_after + self.tick_interval_ms} ms; a dead node must be detected "
                 "within 3000 ms"
             )
+        if self.ha_etcd and self.port <= 0:
+            raise ConfigError("ha_etcd needs a fixed --port: clients list every master's address")
+        if not 1 <= self.ha_lease_s <= 60:
+            raise ConfigError(f"ha_lease_s must be 1 to 60, got {self.ha_lease_s}")
         if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
             raise ConfigError("need 0 < low_watermark <= high_watermark <= 1")
         if not 0.0 <= self.demote_watermark <= 1.0:

@@ -5,13 +5,16 @@ way costs about 30 us less than through an asyncio protocol on the event loop. E
 runs :meth:`MasterHandlers.call`, which holds the state lock, so wire and gRPC calls see
 :class:`MasterState` one at a time; errors map to statuses as for gRPC
 (:func:`pdserve.grpcutil.error_status`). With the process's TLS set the wire is mutual TLS too,
-and each connection's calls run as its peer's identity.
+and each connection's calls run as its peer's identity. Connection limits (in all and per peer
+address) and timeouts (the TLS handshake and hello within the handshake timeout, then the idle
+one) are :class:`~pdserve.store.netio.ConnectionServer`'s, as on a node's tcp data port.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import ssl
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -49,20 +52,19 @@ class WireServer:
 
     def __init__(self, handlers: MasterHandlers, host: str, port: int) -> None:
         self.handlers = handlers
-        self._server = ConnectionServer(host, port, self._serve, "kv-wire")
+        files = identity.tls()
+        # Mutual TLS as on the gRPC port; each handshake runs on its connection's thread.
+        tls = identity.server_context(files) if files is not None else None
+        self._server = ConnectionServer(host, port, self._serve, "kv-wire", tls=tls)
         self.port = self._server.port
 
     def _serve(self, conn: socket.socket) -> None:
-        caller = None
-        files = identity.tls()
-        if files is not None:
-            # Mutual TLS as on the gRPC port; the handshake runs on this connection's thread.
-            conn = identity.server_context(files).wrap_socket(conn, server_side=True)
-            caller = identity.socket_caller(conn)
+        caller = identity.socket_caller(conn) if isinstance(conn, ssl.SSLSocket) else None
         reader = FrameReader(conn)  # the peer closing ends it with ConnectionResetError
         if reader.read(len(HELLO)) != HELLO:
             log.warning("control wire: a peer sent a bad hello; closing")
             return
+        self._server.established(conn)
         while True:
             length, mid, _ = FRAME.unpack(reader.read(FRAME.size))
             if length > MAX_BODY:

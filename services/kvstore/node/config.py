@@ -11,14 +11,16 @@ from pdserve.config import ConfigError, help_field
 from pdserve.enums import TRANSPORT
 from pdserve.identity import SecurityConfig
 from pdserve.sizes import parse_size
+from pdserve.store.netio import HANDSHAKE_TIMEOUT_S, MAX_CONNECTIONS, MAX_CONNECTIONS_PER_PEER
 from pdserve.store.segment import fs_type, memory_backed
+from pdserve.telemetry import MetricsConfig
 
 #: The transports a node may serve: every value of the proto enum (shm, tcp, mooncake).
 TRANSPORTS = TRANSPORT.choices
 
 
 @dataclass
-class NodeConfig(SecurityConfig):
+class NodeConfig(SecurityConfig, MetricsConfig):
     master_address: str = help_field("127.0.0.1:50051", "KV store master gRPC address (host:port)")
     node_id: str = help_field(
         "", "stable id of this node; segments are named <node id>-seg<i> (empty = hostname-pid)"
@@ -58,6 +60,18 @@ class NodeConfig(SecurityConfig):
         "the tcp data server closes a connection whose receive or send waits this long (s): "
         "idle pooled connections and peers stalled mid-request; clients reconnect",
     )
+    handshake_timeout_s: float = help_field(
+        HANDSHAKE_TIMEOUT_S,
+        "the tcp data server closes a new connection whose first request header has not "
+        "arrived this long after it connected (s), however slowly its bytes come",
+    )
+    max_connections_per_peer: int = help_field(
+        MAX_CONNECTIONS_PER_PEER,
+        f"connections one peer address may hold open on the tcp data server; more from it are "
+        f"closed at once while other peers still connect (beneath the server's cap of "
+        f"{MAX_CONNECTIONS} in all)",
+        metavar="N",
+    )
     grant_clock_skew_ms: int = help_field(
         2000,
         "the tcp data server accepts a grant this long past its expiry (ms): expiries are the "
@@ -79,6 +93,13 @@ class NodeConfig(SecurityConfig):
             self.node_id = f"{socket.gethostname()}-{os.getpid()}"
         if self.idle_timeout_s <= 0:
             raise ConfigError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s}")
+        if self.handshake_timeout_s <= 0:
+            raise ConfigError(f"handshake_timeout_s must be > 0, got {self.handshake_timeout_s}")
+        if not 1 <= self.max_connections_per_peer <= MAX_CONNECTIONS:
+            raise ConfigError(
+                f"max_connections_per_peer must be in [1, {MAX_CONNECTIONS}], got "
+                f"{self.max_connections_per_peer}"
+            )
         if self.grant_clock_skew_ms < 0:
             raise ConfigError(f"grant_clock_skew_ms must be >= 0, got {self.grant_clock_skew_ms}")
         if not self.segment_sizes:

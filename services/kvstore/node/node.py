@@ -28,7 +28,15 @@ def _make_server(name: str, cfg: NodeConfig) -> TransportServer:
 
         # the endpoint holds the address other hosts dial: the advertised one
         host = advertised(cfg, 0).rsplit(":", 1)[0]
-        return TcpServer(cfg.host, cfg.tcp_port, cfg.grant_clock_skew_ms, cfg.idle_timeout_s, host)
+        return TcpServer(
+            cfg.host,
+            cfg.tcp_port,
+            cfg.grant_clock_skew_ms,
+            cfg.idle_timeout_s,
+            host,
+            max_connections_per_peer=cfg.max_connections_per_peer,
+            handshake_timeout_s=cfg.handshake_timeout_s,
+        )
     from pdserve.store.transports.mooncake import MooncakeServer
 
     return MooncakeServer(cfg.host)

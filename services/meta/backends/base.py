@@ -79,3 +79,8 @@ class Backend(ABC):
     @abstractmethod
     async def kv_count(self) -> int:
         """How many keys the metadata key space holds."""
+
+    @abstractmethod
+    async def kv_bytes(self) -> int:
+        """Total size of the values the metadata key space holds (bytes). May read every
+        value (etcd): the HTTP endpoint asks once, then keeps its own count."""

@@ -281,3 +281,9 @@ class EtcdBackend(Backend):
             self._kv.get(METADATA, range_end=prefix_range_end(METADATA), count_only=True),
         )
         return resp.count
+
+    async def kv_bytes(self) -> int:
+        resp = await self._call(
+            "metadata size", self._kv.get(METADATA, range_end=prefix_range_end(METADATA))
+        )
+        return sum(len(kv.value) for kv in resp.kvs)

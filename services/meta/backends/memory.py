@@ -141,3 +141,6 @@ class MemoryBackend(Backend):
 
     async def kv_count(self) -> int:
         return len(self._kv)
+
+    async def kv_bytes(self) -> int:
+        return sum(map(len, self._kv.values()))

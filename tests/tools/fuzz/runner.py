@@ -118,7 +118,9 @@ def surfaces_for(names: list[str], stack: contextlib.ExitStack, log_dir: Path) -
         made["router-grpc"] = RouterGrpc(router.info["grpc"], "tiny")
     if "meta" in names:
         meta = start_service(
-            "fuzz-meta", service_args("meta", port=0, http_port=0, backend="memory"), log_dir
+            "fuzz-meta",
+            service_args("meta", port=0, http_port=0, http_metadata=True, backend="memory"),
+            log_dir,
         )
         stack.callback(meta.stop)
         http_address = urllib.parse.urlsplit(meta.info["http"]).netloc
