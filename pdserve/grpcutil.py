@@ -230,7 +230,16 @@ def channel(
     (the router's): True = plaintext, PEM bytes = TLS checked against that CA.
     ``server_name``: with TLS, the server must present the certificate issued to that
     identity name (a pdserve certificate carries its name; ``pdserve certs``), not merely any
-    certificate of the cluster valid for the address."""
+    certificate of the cluster valid for the address. ``address`` may list several servers of
+    which one serves at a time (``host:port,host:port``: the KV masters of an HA setup):
+    :mod:`pdserve.failover` sends each call to the one that answers."""
+    if "," in address:  # every KV master of an HA setup: calls follow the one that serves
+        from pdserve import failover
+
+        def one(name: str) -> grpc.aio.Channel:
+            return channel(name, max_message_bytes=max_message_bytes, public=public)
+
+        return failover.AioFailoverChannel(failover.addresses(address), one)  # type: ignore[return-value]
     options = [*_options(max_message_bytes), *_RECONNECT_OPTIONS]
     creds = _credentials(public)
     if creds is None:
@@ -246,8 +255,15 @@ def sync_channel(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     public: bool | bytes = False,
 ) -> grpc.Channel:
-    """A blocking channel, for CLIs and code outside an event loop (``public`` as for
-    :func:`channel`)."""
+    """A blocking channel, for CLIs and code outside an event loop (``public`` and a list of
+    addresses as for :func:`channel`)."""
+    if "," in address:  # as for channel()
+        from pdserve import failover
+
+        def one(name: str) -> grpc.Channel:
+            return sync_channel(name, max_message_bytes=max_message_bytes, public=public)
+
+        return failover.SyncFailoverChannel(failover.addresses(address), one)  # type: ignore[return-value]
     options = [*_options(max_message_bytes), *_RECONNECT_OPTIONS]
     creds = _credentials(public)
     if creds is None:

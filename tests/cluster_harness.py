@@ -16,7 +16,7 @@ from router_traces import read_router_traces
 
 from pdserve import grpcutil, identity
 from pdserve.commands import certs
-from pdserve.procs import ServiceProcess, service_args, start_service
+from pdserve.procs import ServiceProcess, free_ports, service_args, start_service
 from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 
 #: the chunk size of the workers and the router, unless a cluster's flags say otherwise
@@ -38,12 +38,16 @@ class Cluster:
         worker_flags: Callable[[str, int], dict[str, object]] | None = None,
         router_flags: dict[str, object] | None = None,
         node_id: str = "",
+        ha_etcd: str = "",
     ) -> None:
         """``tls``: every service gets its own certificate (made in ``log_dir/certs``), and
         this process an admin one, so every internal link is mutual TLS. ``worker_flags(role,
         index)``: flags that replace or add to a worker's defaults (another engine, its
         cores); ``router_flags`` likewise for the router. ``node_id``: the storage node's id,
-        which names its /dev/shm files (two clusters at once need two)."""
+        which names its /dev/shm files (two clusters at once need two). ``ha_etcd``: an etcd
+        endpoint: two KV masters elect a leader there (``self.masters``; every client names
+        both, ``self.master_address``)."""
+        self.ha_etcd = ha_etcd
         self.procs: list[ServiceProcess] = []
         self.log_dir = log_dir
         self.model_dir = model_dir
@@ -74,7 +78,9 @@ class Cluster:
 
     def _add(self, name: str, args: list[str], **kw) -> ServiceProcess:
         if self.certs is not None:
-            d, cert = self.certs, {"node": self.node_id}.get(name, name)  # a node's name is its id
+            # a node's name is its id; HA masters share the master's identity
+            d, cert = self.certs, {"node": self.node_id}.get(name, name)
+            cert = "master" if name.startswith("master") else cert
             args = [*args, "--tls-ca", f"{d}/ca.crt", "--tls-cert", f"{d}/{cert}.crt"]
             args += ["--tls-key", f"{d}/{cert}.key"]
         proc = start_service(name, args, self.log_dir, timeout=90, **kw)
@@ -84,9 +90,15 @@ class Cluster:
     def _start(self, model_dir: Path) -> None:
         self.meta = self._add("meta", service_args("meta", port=0, http_port=-1))
         meta = self.meta.info["grpc"]
-        master_args = service_args("kvstore-master", port=0, state_dir=self.log_dir / "master")
-        self.master = self._add("master", master_args)
-        master = self.master.info["grpc"]
+        if self.ha_etcd:
+            self.masters = self._ha_masters()
+        else:
+            state = self.log_dir / "master"
+            self.masters = [
+                self._add("master", service_args("kvstore-master", port=0, state_dir=state))
+            ]
+        self.master = self.masters[0]
+        master = self.master_address = ",".join(m.info["grpc"] for m in self.masters)
         self.node = self._add(
             "node",
             service_args(
@@ -156,6 +168,28 @@ class Cluster:
             else:
                 raise RuntimeError(f"router did not discover the workers: {m}")
 
+    def _ha_masters(self) -> list[ServiceProcess]:
+        """Two masters on fixed ports, the first leading (READY as a standby, then serving)."""
+        out = []
+        for i, port in enumerate(free_ports(2)):
+            args = service_args(
+                "kvstore-master", port=port, state_dir="", ha_etcd=self.ha_etcd, metrics_port=0
+            )
+            out.append(self._add("master" if i == 0 else f"master-{i}", args))
+            if i == 0:
+                deadline = time.monotonic() + 30
+                while not grpcutil_ready(out[0].info["grpc"]):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the first KV master did not lead")
+                    time.sleep(0.1)
+        return out
+
+    def restart(self, proc: ServiceProcess) -> ServiceProcess:
+        """``proc`` (dead) started again with its arguments, as ``pdserve up`` restarts one."""
+        again = start_service(proc.name, list(proc.popen.args[3:]), self.log_dir, timeout=90)
+        self.procs.append(again)
+        return again
+
     def close(self) -> None:
         if self.certs is not None:
             identity.configure_files(None)
@@ -168,6 +202,13 @@ class Cluster:
     def traces(self, *wait_for: str, timeout_s: float = 10.0) -> dict[str, dict]:
         """The router's per-request trace lines, by request id (waiting for ``wait_for``)."""
         return read_router_traces(self.router.log_path, *wait_for, timeout_s=timeout_s)
+
+
+def grpcutil_ready(address: str) -> bool:
+    """Whether a gRPC server answers its health check at ``address``."""
+    import asyncio
+
+    return asyncio.run(grpcutil.check_health(address, timeout=1.0))
 
 
 def metric(proc: ServiceProcess, name: str) -> float:

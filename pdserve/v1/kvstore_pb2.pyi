@@ -494,14 +494,16 @@ class ControlWireRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ControlWireResponse(_message.Message):
-    __slots__ = ("port", "version", "inline_max_bytes")
+    __slots__ = ("port", "version", "inline_max_bytes", "host")
     PORT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     INLINE_MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
     port: int
     version: int
     inline_max_bytes: int
-    def __init__(self, port: _Optional[int] = ..., version: _Optional[int] = ..., inline_max_bytes: _Optional[int] = ...) -> None: ...
+    host: str
+    def __init__(self, port: _Optional[int] = ..., version: _Optional[int] = ..., inline_max_bytes: _Optional[int] = ..., host: _Optional[str] = ...) -> None: ...
 
 class NodeStatsRequest(_message.Message):
     __slots__ = ()

@@ -22,6 +22,10 @@ log = logging.getLogger(__name__)
 #: How long a client uses gRPC before it looks for the master's control wire again after the
 #: wire was off or unreachable (seconds).
 WIRE_RETRY_S = 1.0
+#: Longest a call may wait for one of several masters (an HA list) before the client tries the
+#: next (seconds): a master answers in milliseconds, and a paused leader must be left soon
+#: after its lease ends (2 s by default) for reads to resume within 5 s.
+HA_CALL_TIMEOUT_S = 1.5
 
 
 class MasterLink:
@@ -30,7 +34,9 @@ class MasterLink:
 
     def __init__(self, master_address: str, timeout_s: float, control: str = "auto") -> None:
         self.address = master_address
-        self.timeout_s = timeout_s
+        #: Several masters (HA): calls follow the leader (pdserve.failover), each shorter.
+        self.failover = "," in master_address
+        self.timeout_s = min(timeout_s, HA_CALL_TIMEOUT_S) if self.failover else timeout_s
         self.control = control
         self.channel = grpcutil.sync_channel(master_address)
         self.stub = kvstore_pb2_grpc.KVMasterServiceStub(self.channel)
@@ -49,6 +55,16 @@ class MasterLink:
         if wire is not None:
             try:
                 return wire.call(method, request)
+            except (errors.DeadlineExceeded, errors.Unavailable) as exc:
+                if not self.failover:
+                    raise
+                # this leader stopped answering: gRPC tries the next master now
+                log.info("%s; using gRPC", exc)
+                self.channel.current_failed()  # type: ignore[attr-defined]
+                with self.lock:
+                    if self.wire is wire:
+                        self.wire, self.wire_checked = None, time.monotonic()
+                wire.close()
             except WireUnreachable as exc:
                 # The master restarted (a new wire port) or its wire is cut off: gRPC says
                 # which, and the wire is looked up again after WIRE_RETRY_S.
@@ -92,7 +108,9 @@ class MasterLink:
             return None
         if not info.port or info.version != WIRE_VERSION:
             return None
-        host = self.address.rpartition(":")[0]
+        if not info.host and "," in self.address:
+            return None  # a list of masters, and this one did not say which it is: gRPC
+        host = info.host or self.address.rpartition(":")[0]
         wire = WireClient(host, info.port, self.timeout_s)
         with self.lock:
             if self.wire is None:

@@ -14,6 +14,7 @@ import threading
 
 from pdserve.identity import advertised
 from pdserve.services.kvstore.master.config import MasterConfig
+from pdserve.services.kvstore.master.ha import EtcdLink, EtcdMetadataStore, Leadership
 
 __all__ = ["serve"]
 
@@ -117,6 +118,28 @@ class _StateCollector:
             yield GaugeMetricFamily(p + name, doc, value=value)
 
 
+async def _lead(cfg: MasterConfig, stop: asyncio.Event) -> Leadership | None:
+    """Stands by until this master leads (its Leadership) or ``stop`` is set (None). A standby
+    announces READY with ``standby: true`` and binds nothing."""
+    from pdserve.lifecycle import announce_ready
+
+    link = await asyncio.to_thread(EtcdLink, cfg.ha_etcd)
+    address = advertised(cfg, cfg.port)
+    leadership = Leadership(link, cfg.ha_prefix, address, cfg.ha_lease_s)
+    announce_ready("kvstore-master", grpc=address, standby=True)
+    campaign = asyncio.ensure_future(leadership.campaign())
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({campaign, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if campaign.done() and campaign.exception() is None:
+        return leadership
+    campaign.cancel()
+    link.close()
+    if campaign.done() and not campaign.cancelled() and campaign.exception() is not None:
+        raise campaign.exception()
+    return None
+
+
 async def serve(cfg: MasterConfig, stop: asyncio.Event) -> None:
     """Runs the master until ``stop`` is set."""
     from pdserve import grpcutil, telemetry
@@ -132,7 +155,14 @@ async def serve(cfg: MasterConfig, stop: asyncio.Event) -> None:
     from pdserve.v1 import kvstore_pb2_grpc
 
     hub = EventHub(cfg.event_queue_size)
-    store = MetadataStore(cfg.state_dir) if cfg.state_dir else None
+    leadership = None
+    if cfg.ha_etcd:
+        leadership = await _lead(cfg, stop)
+        if leadership is None:
+            return  # stopped while standing by
+        store = EtcdMetadataStore(leadership.link, leadership, cfg.ha_prefix)
+    else:
+        store = MetadataStore(cfg.state_dir) if cfg.state_dir else None
 
     loop = asyncio.get_running_loop()
     loop_thread = threading.get_ident()
@@ -178,6 +208,8 @@ async def serve(cfg: MasterConfig, stop: asyncio.Event) -> None:
     if cfg.wire_port >= 0:
         wire = WireServer(handlers, cfg.host, cfg.wire_port)
         handlers.wire_port = wire.port
+        if cfg.ha_etcd:  # clients dial a list of masters: say which host this one is
+            handlers.wire_host = advertised(cfg, wire.port).rpartition(":")[0].strip("[]")
     server = await grpcutil.start_server(
         [
             (
@@ -263,4 +295,7 @@ async def serve(cfg: MasterConfig, stop: asyncio.Event) -> None:
             state.flush()
         if store is not None:
             store.close()
+        if leadership is not None:  # at once: a standby need not wait for the lease to end
+            leadership.resign()
+            leadership.link.close()
         telemetry.REGISTRY.unregister(collector)

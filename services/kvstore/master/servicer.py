@@ -62,6 +62,8 @@ class MasterHandlers:
         self.lock = threading.Lock()
         #: The control wire's port once it listens (0 = off).
         self.wire_port = 0
+        #: The host clients dial the wire at ("" = the one they reached the master at).
+        self.wire_host = ""
         # segment id -> (the endpoint list it was made from, Replica template, the segment's
         # tcp key, its GrantKey or None)
         self._templates: dict[str, tuple[list, pb.Replica, int, GrantKey | None]] = {}
@@ -228,6 +230,7 @@ class MasterHandlers:
             port=self.wire_port,
             version=WIRE_VERSION if self.wire_port else 0,
             inline_max_bytes=self.state.cfg.inline_max_bytes,
+            host=self.wire_host,
         )
 
 
