@@ -144,8 +144,14 @@ class WireClient:
                 # a TLS read retries a receive that SO_RCVTIMEO ended, so Python's timeout
                 # bounds the wait (TimeoutError) instead
                 sock.settimeout(self.timeout_s)
+                server = identity.socket_caller(sock)
+                if server.role != "master":  # any cluster certificate is valid for the host
+                    sock.close()
+                    raise WireUnreachable(
+                        f"control wire {self.address}: the server is {server}, not a KV master"
+                    )
             sock.sendall(HELLO)
-        except OSError as exc:
+        except (OSError, errors.Unauthenticated) as exc:
             raise WireUnreachable(f"control wire {self.address}: {exc}") from exc
         return FrameReader(sock)
 

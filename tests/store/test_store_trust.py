@@ -16,7 +16,7 @@ from pdserve import errors, identity, procs
 from pdserve.commands import certs
 from pdserve.store import open_store
 from pdserve.store.segment import shm_name
-from pdserve.store.wire import WireClient
+from pdserve.store.wire import WireClient, WireUnreachable
 from pdserve.v1 import kvstore_pb2 as pb
 from pdserve.v1 import kvstore_pb2_grpc
 
@@ -317,3 +317,34 @@ def test_a_certificate_from_another_ca_is_refused(peers: Peers, tmp_path: Path):
             grpc.StatusCode.UNAVAILABLE
         )
     assert isinstance(identity.client_context(_files(peers.dir, "w1")), ssl.SSLContext)
+
+
+def test_the_control_wire_client_talks_only_to_a_master(tmp_path: Path):
+    """Every cluster certificate is valid for localhost: a wire client checks that the server
+    it reached presents a master's identity, not just any certificate of the CA."""
+    import socket
+    import threading
+
+    certs.make(tmp_path, ["node:node-x", "worker:w9"])
+    server_ctx = identity.server_context(_files(tmp_path, "node-x"))
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve_one() -> None:
+        conn, _ = listener.accept()
+        try:
+            with server_ctx.wrap_socket(conn, server_side=True) as tls:
+                tls.recv(16)
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=serve_one, daemon=True)
+    thread.start()
+    client = WireClient("127.0.0.1", port, 5.0, tls=_files(tmp_path, "w9"))
+    try:
+        with pytest.raises(WireUnreachable, match="the server is node:node-x, not a KV master"):
+            client.call("Stats", pb.StatsRequest())
+    finally:
+        client.close()
+        listener.close()
+        thread.join(5)
