@@ -140,6 +140,7 @@ class IndexedLookup:
         mode: str = "auto",
         channel: grpc.aio.Channel | None = None,
         max_backoff_s: float = 5.0,
+        idle_probe_s: float = 2.0,
     ) -> None:
         if mode not in ("auto", "events"):
             raise ValueError(f"IndexedLookup mode must be auto or events, got {mode!r}")
@@ -148,6 +149,7 @@ class IndexedLookup:
         self.mode = mode
         self.index = PrefixIndex()
         self.max_backoff_s = max_backoff_s
+        self.idle_probe_s = idle_probe_s
         self._channel = channel
         self._task: asyncio.Task | None = None
         #: Set when the master has no SubscribeKVEvents (auto mode then asks it per lookup).
@@ -171,7 +173,8 @@ class IndexedLookup:
         while True:
             try:
                 call = self.stub.SubscribeKVEvents(pb.SubscribeKVEventsRequest(snapshot=True))
-                async for batch in call:
+                batches = aiter(call)
+                while (batch := await self._next(call, batches)) is not None:
                     if not self.index.apply(batch):
                         log.info("KV event gap at seq %d: resyncing", batch.seq)
                         call.cancel()
@@ -194,6 +197,29 @@ class IndexedLookup:
             self.index.desync()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.max_backoff_s)
+
+    async def _next(self, call, batches) -> pb.KVEventBatch | None:
+        """The stream's next batch (None at its end). A stream quiet for ``idle_probe_s``
+        is checked with a Stats call: a master that does not answer it (paused, cut off; one
+        of several HA masters: the channel then moves on) ends the stream, so the follower
+        resubscribes where the store is served now instead of holding a stale index."""
+        read = asyncio.ensure_future(anext(batches, None))
+        while True:
+            try:
+                batch = await asyncio.wait_for(asyncio.shield(read), self.idle_probe_s)
+            except TimeoutError:
+                try:
+                    await self.stub.Stats(pb.StatsRequest(), timeout=self.idle_probe_s)
+                except grpc.RpcError as exc:
+                    log.warning("KV master quiet and not answering (%s): resubscribing", exc.code())
+                    read.cancel()
+                    call.cancel()
+                    return None
+                continue
+            except BaseException:
+                read.cancel()
+                raise
+            return batch
 
     async def aclose(self) -> None:
         if self._task is not None:

@@ -8,6 +8,7 @@ import asyncio
 import random
 import time
 
+import grpc
 import pytest
 
 from pdserve import grpcutil, procs
@@ -121,6 +122,9 @@ class BreakingStub:
         self.subscriptions += 1
         return _Stream(self, self.stub, request, self.subscriptions)
 
+    def Stats(self, request, **kw):  # the follower's check of a quiet stream
+        return self.stub.Stats(request, **kw)
+
 
 class _Stream:
     def __init__(self, owner: BreakingStub, stub, request, n: int) -> None:
@@ -227,3 +231,54 @@ def test_a_block_is_held_while_any_medium_holds_it() -> None:
     assert index.apply(batch(2, ("stored", "CPU"), ("removed", "DISK")))
     assert index.longest_prefix([key]) == 1
     assert index.apply(batch(3, ("removed", "CPU"))) and index.longest_prefix([key]) == 0
+
+
+def test_a_quiet_stream_from_a_master_that_stopped_answering_is_left() -> None:
+    """A paused master (SIGSTOP) keeps its event stream open and silent: the follower checks
+    a quiet stream with Stats and, when that is not answered, subscribes again (to the master
+    that serves now, with several HA masters) instead of holding a stale index."""
+
+    class HangingStub:
+        def __init__(self) -> None:
+            self.subscriptions = 0
+            self.cancelled = 0
+            self.answering = True
+
+        def SubscribeKVEvents(self, request):
+            self.subscriptions += 1
+            owner = self
+
+            class Call:
+                def cancel(self) -> None:
+                    owner.cancelled += 1
+
+                async def __aiter__(self):
+                    yield pb.KVEventBatch(seq=0, snapshot=True, snapshot_end=True)
+                    await asyncio.Event().wait()  # then silence, forever
+
+            return Call()
+
+        async def Stats(self, request, timeout=None):
+            if not self.answering:
+                raise grpc.aio.AioRpcError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata()
+                )
+            return pb.StatsResponse()
+
+    async def main() -> None:
+        stub = HangingStub()
+
+        async def master(keys: list[str]) -> int:
+            return 0
+
+        lookup = IndexedLookup(master, stub, max_backoff_s=0.05, idle_probe_s=0.05)  # type: ignore[arg-type]
+        lookup.start()
+        await wait_for(lambda: lookup.index.synced, "the snapshot")
+        await asyncio.sleep(0.3)  # quiet, but the master answers: the stream is kept
+        assert stub.subscriptions == 1
+        stub.answering = False
+        await wait_for(lambda: stub.subscriptions >= 2, "a new subscription")
+        assert stub.cancelled >= 1
+        await lookup.aclose()
+
+    asyncio.run(main())
