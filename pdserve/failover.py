@@ -101,40 +101,6 @@ class _SyncCallable:
             raise
 
 
-class SyncFailoverChannel:
-    """A blocking channel over several servers (see the module docstring)."""
-
-    def __init__(self, names: list[str], make: Callable[[str], grpc.Channel]) -> None:
-        self._switch = _Switch(names, [make(n) for n in names])
-
-    def current_failed(self) -> None:
-        """The server calls go to now stopped answering on another path (the store's
-        control wire): the next calls try the next server."""
-        self._switch.failed(self._switch.current()[0], grpc.StatusCode.DEADLINE_EXCEEDED)
-
-    def unary_unary(self, method: str, **kwargs: Any) -> _SyncCallable:
-        return _SyncCallable(self._switch, "unary_unary", method, kwargs)
-
-    def unary_stream(self, method: str, **kwargs: Any) -> _SyncCallable:
-        return _SyncCallable(self._switch, "unary_stream", method, kwargs)
-
-    def stream_unary(self, method: str, **kwargs: Any) -> Any:
-        return self._switch.current()[1].stream_unary(method, **kwargs)
-
-    def stream_stream(self, method: str, **kwargs: Any) -> Any:
-        return self._switch.current()[1].stream_stream(method, **kwargs)
-
-    def close(self) -> None:
-        for channel in self._switch.channels:
-            channel.close()
-
-    def __enter__(self) -> SyncFailoverChannel:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
 class _AioCallable:
     """Returns the server's own call object (awaitable or iterable as ever); when it ends with
     a failover code the channel moves on."""
@@ -158,23 +124,52 @@ class _AioCallable:
         return call
 
 
-class AioFailoverChannel:
-    """An asyncio channel over several servers (see the module docstring)."""
+class _FailoverChannel:
+    """What both kinds of channel share: the switch and the multicallables a stub asks for."""
 
-    def __init__(self, names: list[str], make: Callable[[str], grpc.aio.Channel]) -> None:
+    _callable: type
+
+    def __init__(self, names: list[str], make: Callable[[str], Any]) -> None:
         self._switch = _Switch(names, [make(n) for n in names])
 
-    def unary_unary(self, method: str, **kwargs: Any) -> _AioCallable:
-        return _AioCallable(self._switch, "unary_unary", method, kwargs)
+    def current_failed(self) -> None:
+        """The server calls go to now stopped answering on another path (the store's
+        control wire): the next calls try the next server."""
+        self._switch.failed(self._switch.current()[0], grpc.StatusCode.DEADLINE_EXCEEDED)
 
-    def unary_stream(self, method: str, **kwargs: Any) -> _AioCallable:
-        return _AioCallable(self._switch, "unary_stream", method, kwargs)
+    def unary_unary(self, method: str, **kwargs: Any) -> Any:
+        return self._callable(self._switch, "unary_unary", method, kwargs)
+
+    def unary_stream(self, method: str, **kwargs: Any) -> Any:
+        return self._callable(self._switch, "unary_stream", method, kwargs)
 
     def stream_unary(self, method: str, **kwargs: Any) -> Any:
         return self._switch.current()[1].stream_unary(method, **kwargs)
 
     def stream_stream(self, method: str, **kwargs: Any) -> Any:
         return self._switch.current()[1].stream_stream(method, **kwargs)
+
+
+class SyncFailoverChannel(_FailoverChannel):
+    """A blocking channel over several servers (see the module docstring)."""
+
+    _callable = _SyncCallable
+
+    def close(self) -> None:
+        for channel in self._switch.channels:
+            channel.close()
+
+    def __enter__(self) -> SyncFailoverChannel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AioFailoverChannel(_FailoverChannel):
+    """An asyncio channel over several servers (see the module docstring)."""
+
+    _callable = _AioCallable
 
     async def close(self, grace: float | None = None) -> None:
         for channel in self._switch.channels:
