@@ -54,7 +54,7 @@ class MetaClient:
 
     def __init__(self, address: str, *, call_timeout_s: float = 3.0) -> None:
         self.address = address
-        self._channel = grpcutil.channel(address)
+        self._channel = grpcutil.channel(address, role="meta")
         self._stub = meta_pb2_grpc.MetaServiceStub(self._channel)
         self._timeout = call_timeout_s
         self._instance: meta_pb2.Instance | None = None
@@ -228,7 +228,7 @@ class Discovery:
         #: two), and they must not drop out of everyone's view meanwhile.
         self._vanish_grace_s = vanish_grace_s
         self._vanished: dict[str, float] = {}  # instance id -> when it is dropped
-        self._channel = grpcutil.channel(address)
+        self._channel = grpcutil.channel(address, role="meta")
         self._stub = meta_pb2_grpc.MetaServiceStub(self._channel)
         self._poll = poll_interval_s
         self._cache: dict[str, meta_pb2.Instance] = {}

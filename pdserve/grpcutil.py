@@ -224,28 +224,31 @@ def channel(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     public: bool | bytes = False,
     server_name: str = "",
+    role: str = "",
 ) -> grpc.aio.Channel:
     """An asyncio channel to ``address`` with the same limits as the servers and fast
     reconnects; mutual TLS when the process has TLS. ``public``: the server is a public API
     (the router's): True = plaintext, PEM bytes = TLS checked against that CA.
     ``server_name``: with TLS, the server must present the certificate issued to that
     identity name (a pdserve certificate carries its name; ``pdserve certs``), not merely any
-    certificate of the cluster valid for the address. ``address`` may list several servers of
+    certificate of the cluster valid for the address; ``role``: likewise, any certificate of
+    that role (``pdserve certs`` gives each :func:`identity.role_name`). ``address`` may list several servers of
     which one serves at a time (``host:port,host:port``: the KV masters of an HA setup):
     :mod:`pdserve.failover` sends each call to the one that answers."""
     if "," in address:  # every KV master of an HA setup: calls follow the one that serves
         from pdserve import failover
 
         def one(name: str) -> grpc.aio.Channel:
-            return channel(name, max_message_bytes=max_message_bytes, public=public)
+            return channel(name, max_message_bytes=max_message_bytes, public=public, role=role)
 
         return failover.AioFailoverChannel(failover.addresses(address), one)  # type: ignore[return-value]
     options = [*_options(max_message_bytes), *_RECONNECT_OPTIONS]
     creds = _credentials(public)
     if creds is None:
         return grpc.aio.insecure_channel(address, options=options)
-    if server_name:
-        options.append(("grpc.ssl_target_name_override", server_name))
+    expect = server_name or (identity.role_name(role) if role else "")
+    if expect:
+        options.append(("grpc.ssl_target_name_override", expect))
     return grpc.aio.secure_channel(address, creds, options=options)
 
 
@@ -254,6 +257,7 @@ def sync_channel(
     *,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     public: bool | bytes = False,
+    role: str = "",
 ) -> grpc.Channel:
     """A blocking channel, for CLIs and code outside an event loop (``public`` and a list of
     addresses as for :func:`channel`)."""
@@ -261,13 +265,15 @@ def sync_channel(
         from pdserve import failover
 
         def one(name: str) -> grpc.Channel:
-            return sync_channel(name, max_message_bytes=max_message_bytes, public=public)
+            return sync_channel(name, max_message_bytes=max_message_bytes, public=public, role=role)
 
         return failover.SyncFailoverChannel(failover.addresses(address), one)  # type: ignore[return-value]
     options = [*_options(max_message_bytes), *_RECONNECT_OPTIONS]
     creds = _credentials(public)
     if creds is None:
         return grpc.insecure_channel(address, options=options)
+    if role:
+        options.append(("grpc.ssl_target_name_override", identity.role_name(role)))
     return grpc.secure_channel(address, creds, options=options)
 
 

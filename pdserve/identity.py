@@ -33,6 +33,13 @@ from pdserve.errors import PermissionDenied, Unauthenticated
 ROLES = ("meta", "master", "node", "worker", "router", "admin")
 
 
+def role_name(role: str) -> str:
+    """The DNS name every certificate of ``role`` carries (``pdserve certs``): a client that
+    dials a master expects it (:func:`pdserve.grpcutil.channel` ``role``), so a server with
+    any other certificate of the cluster (all are valid for localhost) is refused."""
+    return f"{role}.role.pdserve"
+
+
 @dataclass(frozen=True)
 class Identity:
     """A peer, as its certificate names it."""

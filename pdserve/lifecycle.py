@@ -46,3 +46,58 @@ def run(main: Callable[[asyncio.Event], Awaitable[None]]) -> int:
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def run_child(
+    service: str, cmd: list[str], ready: Callable[[], bool], timeout_s: float, **info: Any
+) -> int:
+    """Runs a program that is no pdserve service (``mooncake_master``, ``etcd``) as one: ``cmd``
+    starts as this process's child, in its process group (stopping the group stops it too),
+    its output on this process's stderr (the service's log); once ``ready()`` says it serves,
+    the READY line of ``service`` carries ``info`` and the child's pid. Returns when the child
+    exits (its code, at least 1), on SIGTERM/SIGINT after stopping it (0), or when it does
+    not serve within ``timeout_s`` seconds (1, after stopping it)."""
+    import subprocess
+    import threading
+    import time
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    child = subprocess.Popen(cmd, stdout=sys.stderr, stderr=subprocess.STDOUT)
+    print(f"pdserve {service}: pid {child.pid}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if child.poll() is not None:
+            return _exited(cmd[0], child)
+        if stop.is_set():
+            return _stop_child(child)
+        if time.monotonic() > deadline:
+            print(f"{cmd[0]} did not serve within {timeout_s:.0f}s", file=sys.stderr)
+            _stop_child(child)
+            return 1
+        time.sleep(0.1)
+    announce_ready(service, **info, pid=child.pid)
+    while not stop.wait(0.2):
+        if child.poll() is not None:
+            return _exited(cmd[0], child)
+    return _stop_child(child)
+
+
+def _exited(program: str, child: Any) -> int:
+    print(f"{program} exited with code {child.returncode}", file=sys.stderr)
+    return child.returncode or 1
+
+
+def _stop_child(child: Any) -> int:
+    """SIGTERM, SIGKILL after 10 s; 0."""
+    import subprocess
+
+    if child.poll() is None:
+        child.terminate()
+        try:
+            child.wait(10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+    return 0

@@ -167,6 +167,7 @@ SERVICE_COMMANDS: dict[str, tuple[str, ...]] = {
     "router": ("router",),
     "mooncake-master": ("mooncake", "master"),
     "mooncake-storage": ("mooncake", "storage"),
+    "etcd": ("etcd",),
 }
 
 

@@ -98,7 +98,7 @@ def test_the_router_does_not_start_without_an_api_key():
 
 def test_lab_has_every_role():
     names = set(_services())
-    expected = {"etcd", "meta", "kvstore-master", "router", "certs"}
+    expected = {"etcd", "meta", "kvstore-master", "kvstore-master-1", "router", "certs"}
     expected |= {f"{r}-{i}" for r in ("kvstore-node", "prefill", "decode") for i in (0, 1)}
     assert expected <= names
 
@@ -161,6 +161,43 @@ def test_every_service_command_parses_with_its_own_identity(name, lab_certs):
         assert dep in _services(), f"{name} depends on unknown service {dep}"
     assert svc["depends_on"]["certs"] == {"condition": "service_completed_successfully"}
     assert f"certs:{CERTS}:ro" in svc["volumes"], f"{name} must mount the certificates read-only"
+
+
+def _config(name: str, certs: Path):
+    argv = [_local(a, certs) for a in shlex.split(_services()[name]["command"])]
+    key = tuple(argv[:2]) if argv[0] == "kvstore" else (argv[0],)
+    cls, section = CONFIGS[key]
+    return key, config.from_args(cls, section, build_parser().parse_args(argv))
+
+
+def test_two_kv_masters_elect_a_leader_and_every_client_names_both(lab_certs):
+    """The masters elect through the lab's etcd, keep no state dir (the objects are in etcd)
+    and share one identity (meta lets only it register the master a new leader is); every
+    node, worker and router names both; the second starts once the first leads, and only its
+    healthcheck passes while it stands by."""
+    configs = {n: _config(n, lab_certs) for n in PDSERVE_SERVICES}
+    masters = sorted(n for n, (key, _) in configs.items() if key == ("kvstore", "master"))
+    assert masters == ["kvstore-master", "kvstore-master-1"]
+    addresses = []
+    for name in masters:
+        cfg = configs[name][1]
+        assert cfg.ha_etcd == ["etcd:2379"] and cfg.state_dir == "", name
+        assert TlsFiles.load(cfg.tls_ca, cfg.tls_cert, cfg.tls_key).identity() == Identity(
+            "master", "kvstore-master"
+        )
+        addresses.append(f"{cfg.host}:{cfg.port}")
+    both = ",".join(addresses)
+    clients = {
+        n: getattr(cfg, "master_address", "") or getattr(cfg, "store_master", "")
+        for n, (_key, cfg) in configs.items()
+        if n not in masters and n != "meta"
+    }
+    assert len(clients) == 7 and set(clients.values()) == {both}, clients
+    first, second = _services()["kvstore-master"], _services()["kvstore-master-1"]
+    assert first["depends_on"]["etcd"] == {"condition": "service_healthy"}
+    assert second["depends_on"]["kvstore-master"] == {"condition": "service_healthy"}
+    assert "--standby-ok" in second["healthcheck"]["test"]
+    assert "--standby-ok" not in first["healthcheck"]["test"]
 
 
 def test_the_certs_service_keeps_its_ca_and_writes_the_volume():

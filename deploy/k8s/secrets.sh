@@ -24,9 +24,10 @@ certs() { "$PDSERVE" certs --out "$DIR" "$@" >/dev/null; }
 apply_secret() { kubectl -n "$NS" create secret generic "$@" --dry-run=client -o yaml | kubectl apply -f -; }
 
 # Each identity is valid for the names its peers dial: the Service name (and <name>.<namespace>);
-# the workers' pods for <pod>.<service>.<namespace>, their StatefulSet's DNS names.
+# the workers' and the KV masters' pods for <pod>.<service>.<namespace>, their StatefulSet's DNS
+# names (both masters hold one identity: meta lets only it register the master a leader is).
 certs --host meta.pdserve meta:meta
-certs --host kvstore-master.pdserve master:kvstore-master
+certs --host kvstore-master.pdserve --host "*.kvstore-master.pdserve" master:kvstore-master
 certs --host "*.prefill.pdserve" worker:prefill
 certs --host "*.decode.pdserve" worker:decode
 certs --host router.pdserve router:router

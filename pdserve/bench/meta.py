@@ -70,7 +70,7 @@ async def _watch_latency(stub: meta_pb2_grpc.MetaServiceStub, n: int) -> list[fl
 
 
 async def _main(args: argparse.Namespace, address: str) -> None:
-    async with grpcutil.channel(address) as ch:
+    async with grpcutil.channel(address, role="meta") as ch:
         stub = meta_pb2_grpc.MetaServiceStub(ch)
         ops = await _ops(stub, args.seconds, args.workers)
         lat = sorted(await _watch_latency(stub, args.watch_samples))

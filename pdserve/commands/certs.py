@@ -3,8 +3,8 @@
 ``pdserve certs --out DIR role:name ...`` writes ``DIR/ca.crt`` (and ``ca.key``, kept to sign
 more later) and, per identity, ``DIR/<name>.crt`` and ``DIR/<name>.key`` (mode 0600). A
 certificate's subject is ``OU=<role>, CN=<name>`` (:mod:`pdserve.identity`), and its subject
-alternative names cover localhost, 127.0.0.1, ::1, the name itself (a compose service name)
-and every ``--host``: a peer dials ``host:port`` and checks the server certificate against
+alternative names cover localhost, 127.0.0.1, ::1, the name itself (a compose service name),
+``<role>.role.pdserve`` (what a client that dials a master or meta expects) and every ``--host``: a peer dials ``host:port`` and checks the server certificate against
 that host. An existing CA in ``DIR`` is reused, so certificates made later still join the
 same cluster. For production, issue the same subjects from your own CA.
 """
@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from pdserve.identity import ROLES
+from pdserve.identity import ROLES, role_name
 
 CA_NAME = "pdserve dev CA"
 
@@ -95,11 +95,11 @@ def _load_or_make_ca(out: Path, days: int, keep_key: bool):
     return cert, key
 
 
-def _san(name: str, hosts: list[str]):
+def _san(name: str, hosts: list[str], role: str):
     from cryptography import x509
 
     entries: list = []
-    for host in ["localhost", "127.0.0.1", "::1", name, *hosts]:
+    for host in ["localhost", "127.0.0.1", "::1", name, role_name(role), *hosts]:
         try:
             entry = x509.IPAddress(ipaddress.ip_address(host.strip("[]")))
         except ValueError:
@@ -157,7 +157,7 @@ def make(
             .not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(now + datetime.timedelta(days=days))
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(_san(name, list(hosts)), critical=False)
+            .add_extension(_san(name, list(hosts), role), critical=False)
             .add_extension(
                 x509.ExtendedKeyUsage(
                     [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]

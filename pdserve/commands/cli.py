@@ -25,6 +25,7 @@ COMMAND_MODULES = [
     "pdserve.services.decode.cli",
     "pdserve.services.kvstore.cli",
     "pdserve.commands.mooncake",
+    "pdserve.commands.etcd",
     "pdserve.services.meta.cli",
     "pdserve.model.cli",
     "pdserve.bench.cli",

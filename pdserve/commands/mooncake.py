@@ -16,10 +16,8 @@ from __future__ import annotations
 import argparse
 import signal
 import socket
-import subprocess
 import sys
 import threading
-import time
 
 #: mooncake_master's default read-lease TTL is 5 s; removals wait them out.
 DEFAULT_LEASE_MS = 5000
@@ -39,51 +37,27 @@ def _stop_event() -> threading.Event:
 
 
 def _master(args: argparse.Namespace) -> int:
-    from pdserve.lifecycle import announce_ready
+    from pdserve.lifecycle import run_child
     from pdserve.store.mooncake_cluster import master_command
 
-    stop = _stop_event()
     metrics = args.metrics_port or _free_port(args.host)
     cmd = master_command(args.host, args.port, metrics, args.lease_ms)
-    # same process group as this wrapper: stopping the group stops mooncake_master too;
-    # its output goes to our stderr (the service's log)
-    child = subprocess.Popen(cmd, stdout=sys.stderr, stderr=subprocess.STDOUT)
-    print(f"pdserve mooncake master: pid {child.pid}: {' '.join(cmd)}", file=sys.stderr)
-    deadline = time.monotonic() + args.ready_timeout_s
-    while True:
-        if child.poll() is not None:
-            print(f"mooncake_master exited with code {child.returncode}", file=sys.stderr)
-            return 1
-        if stop.is_set():
-            return _stop_child(child)
+
+    def listening() -> bool:
         try:
             socket.create_connection((args.host, args.port), timeout=0.2).close()
-            break
         except OSError:
-            if time.monotonic() > deadline:
-                print("mooncake_master did not listen in time", file=sys.stderr)
-                _stop_child(child)
-                return 1
-            time.sleep(0.1)
-    announce_ready(
-        "mooncake-master", rpc=f"{args.host}:{args.port}", metrics=metrics, pid=child.pid
+            return False
+        return True
+
+    return run_child(
+        "mooncake-master",
+        cmd,
+        listening,
+        args.ready_timeout_s,
+        rpc=f"{args.host}:{args.port}",
+        metrics=metrics,
     )
-    while not stop.wait(0.2):
-        if child.poll() is not None:
-            print(f"mooncake_master exited with code {child.returncode}", file=sys.stderr)
-            return child.returncode or 1
-    return _stop_child(child)
-
-
-def _stop_child(child: subprocess.Popen) -> int:
-    if child.poll() is None:
-        child.terminate()
-        try:
-            child.wait(10)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
-    return 0
 
 
 def _storage(args: argparse.Namespace) -> int:

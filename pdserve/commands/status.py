@@ -54,8 +54,15 @@ async def collect(meta: str, store_master: str, timeout: float) -> dict:
             }
         )
     if not store_master:
-        masters = [r["address"] for r in rows if r["role"] == "kvstore-master"]
-        store_master = masters[0] if masters else ""
+        registered = [r["address"] for r in rows if r["role"] == "kvstore-master"]
+        store_master = registered[0] if registered else ""
+    masters = []
+    if "," in store_master:  # HA masters: one leads, the standbys bind nothing
+        masters = [
+            {"address": a, "leading": await grpcutil.check_health(a, timeout)}
+            for a in store_master.split(",")
+        ]
+        store_master = next((m["address"] for m in masters if m["leading"]), "")
     store = None
     if store_master:
         async with grpcutil.channel(store_master) as ch:
@@ -82,7 +89,7 @@ async def collect(meta: str, store_master: str, timeout: float) -> dict:
             "get_hits": stats.get_hits,
             "evictions": stats.evictions,
         }
-    return {"meta": meta, "instances": rows, "store": store}
+    return {"meta": meta, "instances": rows, "store": store, "masters": masters}
 
 
 def render(report: dict) -> str:
@@ -138,9 +145,18 @@ def render(report: dict) -> str:
             )
         else:
             lines.append("  disk tier: none (nodes run without --disk-path)")
+    elif report.get("masters"):
+        lines.append("KV store: no master leads")
     else:
         lines.append("KV store: no master registered")
     up = report.get("supervised")
+    if report.get("masters"):
+        names = {a: n for n, a in ((up or {}).get("kvstore_masters") or {}).items()}
+        lines.append("KV store masters (one leads; etcd elects it):")
+        for m in report["masters"]:
+            name = f" ({names[m['address']]})" if m["address"] in names else ""
+            what = "leading" if m["leading"] else "standby (not serving)"
+            lines.append(f"  {m['address']}{name}: {what}")
     if up:
         lines.append(
             f"pdserve up (pid {up['up_pid']}) supervises {len(up['services'])} service(s):"
@@ -187,6 +203,8 @@ def run(args: argparse.Namespace) -> int:
             return 2
     if not args.meta:  # the meta of the `pdserve up` in --run-dir, else the default port
         args.meta = (up or {}).get("meta") or DEFAULT_META
+    if not args.store_master and (up or {}).get("kvstore_masters"):  # its HA masters
+        args.store_master = ",".join(up["kvstore_masters"].values())
     try:
         report = asyncio.run(collect(args.meta, args.store_master, args.timeout))
     except grpc.aio.AioRpcError as exc:
@@ -209,8 +227,25 @@ def run_health(args: argparse.Namespace) -> int:
     from pdserve import grpcutil
 
     ok = asyncio.run(grpcutil.check_health(args.address, args.timeout))
+    if not ok and args.standby_ok and _refused(args.address, args.timeout):
+        print(f"{args.address}: nothing listens (a standby KV master)")
+        return 0
     print(f"{args.address}: {'SERVING' if ok else 'NOT SERVING or unreachable'}")
     return 0 if ok else 1
+
+
+def _refused(address: str, timeout: float) -> bool:
+    """Whether ``address`` refuses TCP connections (nothing listens there)."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError):
+        return False
+    return False
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -221,6 +256,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     h.add_argument("address", help="host:port of any pdserve gRPC server")
     h.add_argument("--timeout", type=float, default=2.0, help="seconds (default: %(default)s)")
+    h.add_argument(
+        "--standby-ok",
+        action="store_true",
+        help="exit 0 too when nothing listens at ADDRESS: a KV master's probe from inside its "
+        "own pod or container, where the master runs, so a closed port is a standby (it binds "
+        "nothing until it leads); a server that accepts but does not answer SERVING still fails",
+    )
     h.set_defaults(func=run_health)
     p = subparsers.add_parser(
         "status",
@@ -241,7 +283,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--store-master",
         default="",
-        help="KV store master address (default: the one registered with meta)",
+        help="KV store master address, or every master's of an HA setup (HOST:PORT,HOST:PORT: "
+        "status shows which leads) (default: the masters of the `pdserve up` running from "
+        "--run-dir, else the one registered with meta)",
     )
     p.add_argument("--timeout", type=float, default=3.0, help="per-call timeout in seconds")
     p.add_argument(

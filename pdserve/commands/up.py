@@ -17,6 +17,11 @@ segment_size each (``pdserve mooncake master`` / ``storage``), supervised like t
 workers and the router reach it with ``--store-backend mooncake``. Mooncake's links carry no
 TLS: ``up`` binds them to 127.0.0.1.
 
+``--kvstore-masters N`` runs N KV store masters, one leading, elected through etcd (meta's with
+``meta_backend etcd``, else an etcd ``up`` runs on 127.0.0.1:etcd_port), every client naming
+them all: a killed leader's successor serves every committed object
+(:mod:`pdserve.commands.up_etcd`).
+
 ``--external-engine URL`` (and ``--external-prefill URL``) puts meta, the store and the router
 in front of stock ``vllm serve`` engines that ``up`` does not start, instead of pdserve workers:
 ``up`` prints each engine's ``--kv-transfer-config`` for this store, waits for the engines'
@@ -64,6 +69,13 @@ class UpConfig:
     storage_nodes: int = help_field(
         1, "KV store storage nodes (store_backend mooncake: Mooncake storage processes)"
     )
+    kvstore_masters: int = help_field(
+        1,
+        "KV store masters, 1 to 5: with 2 or more they elect a leader through etcd (meta_backend "
+        "etcd: its etcd_endpoints; else an etcd up runs on 127.0.0.1:etcd_port), master i "
+        "listens on master_port + i, every client names them all and follows the leader, and "
+        "a killed leader's successor serves what it committed (store_backend pdserve)",
+    )
     segment_size: str = help_field("2GiB", "memory each storage node contributes", metavar="SIZE")
     disk_size: str = help_field(
         "8GiB",
@@ -109,6 +121,11 @@ class UpConfig:
     etcd_endpoints: list[str] = field(
         default_factory=lambda: ["127.0.0.1:2379"],
         metadata={"help": "etcd host:port list (meta_backend=etcd)", "metavar": "HOST:PORT,..."},
+    )
+    etcd_port: int = help_field(
+        50090,
+        "client port of the etcd up runs for kvstore_masters >= 2 when meta_backend is memory "
+        "(127.0.0.1 only, peer port etcd_port + 1, data in <run_dir>/etcd)",
     )
     host: str = help_field("127.0.0.1", "address every service binds to")
     meta_port: int = help_field(50050, "meta gRPC port")
@@ -194,8 +211,9 @@ class UpConfig:
         if self.meta_backend not in ("memory", "etcd"):
             raise ConfigError(f"meta_backend must be 'memory' or 'etcd', got {self.meta_backend!r}")
         self._validate_store()
-        from pdserve.commands import up_external
+        from pdserve.commands import up_etcd, up_external
 
+        up_etcd.validate(self)
         up_external.validate(self)
         if self.api_key and not self.auth:
             raise ConfigError(
@@ -241,6 +259,12 @@ class UpConfig:
         from pdserve import compat
 
         compat.check_metadata_server(self.store_metadata_server, what="store_metadata_server")
+
+    def master_addresses(self) -> list[str]:
+        """Each KV store master's host:port, the first leading at start (store_backend
+        mooncake: mooncake_master's, on 127.0.0.1)."""
+        host = MOONCAKE_HOST if self.store_backend == "mooncake" else self.host
+        return [f"{host}:{self.master_port + i}" for i in range(self.kvstore_masters)]
 
     def mooncake_metadata(self) -> str:
         """The metadata server the Mooncake clients get (store_backend mooncake)."""
@@ -340,6 +364,13 @@ def banner(cfg: UpConfig, model: str = "") -> str:
         store_line = (
             f"Mooncake Store (mooncake_master)  {MOONCAKE_HOST}:{cfg.master_port}   "
             "(no TLS on Mooncake's links: 127.0.0.1 only)"
+        )
+    elif cfg.kvstore_masters > 1:
+        from pdserve.commands.up_etcd import etcd_endpoints
+
+        store_line = (
+            f"KV store masters  {','.join(cfg.master_addresses())}   (one leads, elected "
+            f"through etcd {','.join(etcd_endpoints(cfg))})"
         )
     else:
         store_line = f"KV store master  {cfg.host}:{cfg.master_port}"

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.commands import up_external
+from pdserve.commands import up_etcd, up_external
 from pdserve.commands.up import (
     ADMIN,
     API_KEY_FILE,
@@ -37,7 +37,7 @@ from pdserve.sizes import parse_size
 log = logging.getLogger(__name__)
 
 #: Services started without ``--config`` (they are not pdserve config sections).
-NO_CONFIG = ("mooncake-",)
+NO_CONFIG = ("mooncake-", "etcd")
 MOONCAKE_SECURITY_NOTE = (
     "store backend mooncake: Mooncake's own links (mooncake_master RPC, Transfer Engine data "
     "and handshakes) carry no TLS and no authentication, unlike pdserve's services (mutual "
@@ -121,6 +121,9 @@ class Cluster:
         for proc in started:
             progress(f"waiting for {proc.name} (log: {proc.log_path})")
             wait_ready(proc, self.cfg.ready_timeout_s)
+            if proc.info.get("standby"):  # a KV master that binds nothing until it leads
+                progress(f"{proc.name} stands by: {_endpoints(proc.info)}")
+                continue
             public = proc.name == "router"  # its gRPC port is the public API, no client certs
             if "grpc" in proc.info and not asyncio.run(
                 grpcutil.check_health(proc.info["grpc"], public=public)
@@ -135,7 +138,7 @@ class Cluster:
         c = self.cfg
         mooncake = c.store_backend == "mooncake"
         meta = f"{c.host}:{c.meta_port}"
-        master = f"{MOONCAKE_HOST if mooncake else c.host}:{c.master_port}"
+        master = ",".join(c.master_addresses())  # HA: every master's (up_etcd)
         etcd = ",".join(c.etcd_endpoints) if c.meta_backend == "etcd" else None
         # unique per cluster: node ids name /dev/shm segments, so two `pdserve up` on one host
         # must not share them (and a node's certificate names its node id)
@@ -152,6 +155,7 @@ class Cluster:
                     "mooncake.store does not import"
                 )
             progress(MOONCAKE_SECURITY_NOTE)
+        up_etcd.check(c)
         self._secure(
             [
                 "meta:meta",
@@ -176,6 +180,9 @@ class Cluster:
             **self._tls("meta"),
             **self._metrics(),
         )
+        if up_etcd.embedded(c):  # what the KV masters elect a leader through
+            progress(up_etcd.SECURITY_NOTE)
+            self._start([up_etcd.etcd_spec(c)])
         self._start([("meta", meta_args)])
         if mooncake:
             self._start_mooncake(master)
@@ -196,17 +203,11 @@ class Cluster:
         from pdserve.procs import service_args
 
         c = self.cfg
-        state_dir = Path(c.run_dir) / "kvstore-master"
-        master_args = service_args(
-            "kvstore-master",
-            host=c.host,
-            port=c.master_port,
-            state_dir=state_dir,
-            meta=meta,
-            **self._tls("kvstore-master"),
-            **self._metrics(),
-        )
-        self._start([("kvstore-master", master_args)])
+        masters = up_etcd.master_specs(c, meta, {**self._tls("kvstore-master"), **self._metrics()})
+        (first,) = self._start(masters[:1])
+        if len(masters) > 1:  # HA: the first leads before the standbys and the nodes start
+            up_etcd.wait_leading(first, c.ready_timeout_s, progress)
+            self._start(masters[1:])
         nodes = [
             (
                 f"kvstore-node-{i}",
@@ -508,6 +509,8 @@ class Cluster:
             "meta": f"{self.cfg.host}:{self.cfg.meta_port}",
             "services": rows,
         }
+        if self.cfg.kvstore_masters > 1:  # HA: which master is where (`pdserve status`)
+            data["kvstore_masters"] = up_etcd.masters(self.cfg)
         if self.cfg.external_engine:  # not supervised: up neither starts nor restarts them
             data["external_engines"] = [
                 {"url": e.url, "role": e.role} for e in up_external.engines(self.cfg)

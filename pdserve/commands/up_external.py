@@ -156,7 +156,7 @@ def kv_transfer_config(cfg: UpConfig, engine: Engine) -> dict[str, Any]:
     from pdserve.commands.up import tls_files
 
     extra: dict[str, Any] = {
-        "master_address": f"{cfg.host}:{cfg.master_port}",
+        "master_address": ",".join(cfg.master_addresses()),  # HA: every master's
         "chunk_size": cfg.chunk_size,
     }
     if cfg.kv_compression != "none":

@@ -26,7 +26,8 @@ from pdserve.model.fingerprint import model_fingerprint
 
 #: The keys of ``kv_connector_extra_config`` in a stock engine: name -> what it is.
 STOCK_KEYS = {
-    "master_address": "HOST:PORT of the pdserve KV store master (required)",
+    "master_address": "HOST:PORT of the pdserve KV store master (of every master, "
+    "comma-separated, in an HA setup; required)",
     "chunk_size": "tokens per stored chunk, a multiple of vLLM's block size (default: the "
     "block size)",
     "transport": "data plane: auto (shm on the same host, else tcp), shm, tcp (default auto)",

@@ -250,7 +250,7 @@ def indexed_lookup(master: str, mode: str, master_lookup: Callable[[list[str]], 
         return master_lookup
     from pdserve import grpcutil
 
-    channel = grpcutil.channel(master)
+    channel = grpcutil.channel(master, role="master")
     return IndexedLookup(
         master_lookup, kvstore_pb2_grpc.KVMasterServiceStub(channel), mode=mode, channel=channel
     )

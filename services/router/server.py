@@ -55,7 +55,7 @@ def model_folder(name_or_path: str) -> Path:
 def prefix_lookup(master: str):
     """The store master's LongestPrefix on an asyncio channel (the router only needs this
     metadata call; StoreClient.longest_prefix is the same RPC behind a thread hop)."""
-    stub = kvstore_pb2_grpc.KVMasterServiceStub(grpcutil.channel(master))
+    stub = kvstore_pb2_grpc.KVMasterServiceStub(grpcutil.channel(master, role="master"))
 
     async def lookup(keys: list[str]) -> int:
         resp = await stub.LongestPrefix(kvstore_pb2.LongestPrefixRequest(keys=keys), timeout=2.0)

@@ -49,6 +49,24 @@ def quiet_ports(n: int) -> list[int]:
     return free_ports(n)
 
 
+def quiet_pair(avoid: Iterable[int] = ()) -> int:
+    """A port ``p`` below the kernel's ephemeral range with ``p`` and ``p + 1`` free now and
+    neither in ``avoid`` (two HA masters, an etcd's client and peer ports)."""
+    import socket
+
+    avoid = set(avoid)
+    while True:
+        (port,) = quiet_ports(1)
+        if {port, port + 1} & avoid:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+
+
 def launch_up(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, dict[str, int], Path]:
     """``pdserve up FLAGS`` plus ports and run dir, started (its banner not read yet: see
     :func:`read_banner`): (process, ports, run dir)."""

@@ -393,6 +393,8 @@ def test_pdserve_command_ports_identity_and_probes(workload, container, certs_di
             cmd = shlex.split(cmd[2].replace("$HOST_IP", HOST_IP))[1:]
         assert cmd[:2] == ["pdserve", "health"], cmd
         build_parser().parse_args(cmd[1:])
+        # a standby KV master binds nothing: its probes pass on a closed port, no one else's
+        assert ("--standby-ok" in cmd) == (key == ("kvstore", "master")), cmd
         host, port = cmd[2].rsplit(":", 1)
         assert int(port) == cfg.port and host in ("127.0.0.1", cfg.host), cmd
     if key == ("router",):  # its public port takes no client certificate
@@ -421,13 +423,14 @@ def test_pdserve_command_ports_identity_and_probes(workload, container, certs_di
 
 
 def _service_addresses(cfg) -> list[str]:
-    """host:port values of a config that name other services."""
+    """host:port values of a config that name other services (each of a list: HA masters)."""
     out = []
     for field in ("meta", "store_master", "master_address"):
         value = getattr(cfg, field, "")
         if value:
-            out.append(value)
+            out += value.split(",")
     out += list(getattr(cfg, "etcd_endpoints", []) or [])
+    out += list(getattr(cfg, "ha_etcd", []) or [])
     return out
 
 
@@ -435,11 +438,22 @@ def test_every_address_a_service_dials_is_a_service_port(certs_dir, cluster_yaml
     services = {
         name: {p["port"] for p in svc["spec"]["ports"]} for name, svc in _by_name("Service").items()
     }
+    headless = {
+        n for n, svc in _by_name("Service").items() if svc["spec"].get("clusterIP") == "None"
+    }
     seen = set()
     for workload, container in _pdserve_containers():
         _, cfg = _parsed(workload, container, certs_dir, cluster_yaml)
         for address in _service_addresses(cfg):
             host, port = address.rsplit(":", 1)
+            pod, _, rest = host.partition(".")
+            if rest:  # a StatefulSet pod's DNS name: <pod>.<its headless Service>.<namespace>
+                host, _, namespace = rest.partition(".")
+                assert namespace == NAMESPACE and host in headless, address
+                sts = _by_name("StatefulSet")[host]
+                assert sts["spec"]["serviceName"] == host, address
+                ordinal = pod.removeprefix(f"{host}-")
+                assert ordinal.isdigit() and int(ordinal) < sts["spec"]["replicas"], address
             assert host in services and int(port) in services[host], (workload["metadata"], address)
             seen.add(host)
     assert {"meta", "kvstore-master", "etcd"} <= seen
@@ -477,17 +491,25 @@ def test_topology():
     assert shm["emptyDir"]["medium"] == "Memory"
     mounts = {m["name"]: m["mountPath"] for m in node["containers"][0]["volumeMounts"]}
     assert mounts["shm"] == "/dev/shm"
-    # the master keeps its state on a volume at the configured state_dir
+    # two KV masters elect a leader through etcd, which keeps the objects' records (no state
+    # volume); clients name both pods by their DNS names, which resolve while a pod stands by
     master = _by_name("StatefulSet")["kvstore-master"]
-    assert [t["metadata"]["name"] for t in master["spec"]["volumeClaimTemplates"]] == ["state"]
-    state_dir = yaml.safe_load(_by_name("ConfigMap")["pdserve-config"]["data"]["cluster.yaml"])[
-        "kvstore_master"
-    ]["state_dir"]
-    mounts = {
-        m["name"]: m["mountPath"]
-        for m in master["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+    assert master["spec"]["replicas"] == 2 and "volumeClaimTemplates" not in master["spec"]
+    (container,) = master["spec"]["template"]["spec"]["containers"]
+    assert {"--ha-etcd=etcd:2379", "--state-dir="} <= set(container["args"])
+    assert "--advertise-host=$(POD_NAME).kvstore-master.pdserve" in container["args"]
+    cluster = yaml.safe_load(_by_name("ConfigMap")["pdserve-config"]["data"]["cluster.yaml"])
+    assert "state_dir" not in cluster["kvstore_master"]
+    svc = _by_name("Service")["kvstore-master"]["spec"]
+    assert svc["clusterIP"] == "None" and svc["publishNotReadyAddresses"] is True
+    pods = ",".join(f"kvstore-master-{i}.kvstore-master.{NAMESPACE}:50051" for i in range(2))
+    clients = {
+        w["metadata"]["name"]: a.split("=", 1)[1]
+        for w, c in _pdserve_containers()
+        for a in c["args"]
+        if a.startswith(("--store-master=", "--master-address="))
     }
-    assert mounts["state"] == state_dir
+    assert clients == dict.fromkeys(["kvstore-node", "prefill", "decode", "router"], pods)
 
 
 @pytest.mark.parametrize("workload", _workloads(), ids=lambda w: w["metadata"]["name"])

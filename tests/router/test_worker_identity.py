@@ -58,3 +58,49 @@ def test_the_router_reaches_only_the_worker_the_record_names(tls_dir: Path) -> N
             await server.stop(None)
 
     asyncio.run(main())
+
+
+def test_a_client_of_a_master_or_meta_reaches_only_that_role(tls_dir: Path) -> None:
+    """Every certificate of the cluster is valid for localhost; a channel made for a role (a
+    master's clients, meta's) requires that role's name in the server's certificate, so a
+    node's certificate on a master's port is refused."""
+    from cryptography import x509
+
+    san = x509.load_pem_x509_certificate((tls_dir / "decode-1.crt").read_bytes()).extensions
+    names = san.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert identity.role_name("worker") in names.get_values_for_type(x509.DNSName)
+
+    async def reach(role: str, address: str) -> bool:
+        async with grpcutil.channel(address, role=role) as ch:
+            try:
+                await health_pb2_grpc.HealthStub(ch).Check(
+                    health_pb2.HealthCheckRequest(), timeout=5
+                )
+                return True
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+                return False
+
+    async def main() -> None:
+        identity.configure_files(_files(tls_dir, "decode-1"))  # a worker's server
+        server = await grpcutil.start_server([], "127.0.0.1:0")
+        identity.configure_files(_files(tls_dir, "router"))
+        address = f"127.0.0.1:{server.port}"
+        try:
+            assert not await reach("master", address)
+            assert not await reach("meta", address)
+            assert await reach("worker", address)
+            assert not await asyncio.to_thread(_sync_reaches, address, "master")
+        finally:
+            await server.stop(None)
+
+    asyncio.run(main())
+
+
+def _sync_reaches(address: str, role: str) -> bool:
+    with grpcutil.sync_channel(address, role=role) as ch:
+        try:
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            return True
+        except grpc.RpcError:
+            return False

@@ -38,7 +38,7 @@ class MasterLink:
         self.failover = "," in master_address
         self.timeout_s = min(timeout_s, HA_CALL_TIMEOUT_S) if self.failover else timeout_s
         self.control = control
-        self.channel = grpcutil.sync_channel(master_address)
+        self.channel = grpcutil.sync_channel(master_address, role="master")
         self.stub = kvstore_pb2_grpc.KVMasterServiceStub(self.channel)
         self.lock = threading.Lock()
         #: The master's control wire; None = gRPC (off, unreachable, or not looked up yet).

@@ -50,7 +50,7 @@ class RepairLoop:
     def _stub(self, address: str) -> kvstore_pb2_grpc.KVNodeServiceStub:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpcutil.channel(address)
+            channel = self._channels[address] = grpcutil.channel(address, role="node")
         return kvstore_pb2_grpc.KVNodeServiceStub(channel)
 
     def take(self) -> list[Copy]:

@@ -126,7 +126,7 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event) -> None:
     """Runs a node until ``stop`` is set: segments, data servers, mount, heartbeats."""
     node = KVNode(cfg)
     server = None
-    channel = grpcutil.channel(cfg.master_address)
+    channel = grpcutil.channel(cfg.master_address, role="master")
     tcp = TcpTransport(timeout_s=COPY_TIMEOUT_S)
     try:
         node.start()
