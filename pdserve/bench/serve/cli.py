@@ -229,6 +229,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--window-s", type=float, default=5.0, help=f"throughput plot window in seconds {d}"
     )
     run.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    add_capacity_arguments(parser)
     parser.set_defaults(func=run_cli)
 
     sub = parser.add_subparsers(dest="serve_command", metavar="{gen-trace}")
@@ -247,6 +248,63 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ),
     )
     add_gen_trace_arguments(gen)
+
+
+def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
+    d = "(default: %(default)s)"
+    cap = parser.add_argument_group("capacity")
+    cap.add_argument(
+        "--find-capacity",
+        action="store_true",
+        help="instead of one run, search each system (started once) for the highest rate at "
+        "which --attainment of all requests meet every --goodput SLO (needs ttft:MS); "
+        "--json and --plot-dir then write the search (capacity.png)",
+    )
+    cap.add_argument(
+        "--attainment",
+        type=float,
+        metavar="FRAC",
+        default=0.9,
+        help=f"share of all requests that must meet every SLO (failed ones miss) {d}",
+    )
+    cap.add_argument(
+        "--rate-start",
+        type=_rate,
+        metavar="REQ_S",
+        help="first rate tried in req/s (conversations/s for multi-round) (default: a "
+        "trace's own rate, else --request-rate when finite, else 1)",
+    )
+    cap.add_argument(
+        "--capacity-steps", type=int, default=6, metavar="N", help=f"most runs per system {d}"
+    )
+    cap.add_argument(
+        "--rate-tolerance",
+        type=float,
+        metavar="X",
+        default=0.1,
+        help=f"stop when the highest passing and lowest failing rate are within 1+X {d}",
+    )
+    cap.add_argument(
+        "--prefill-tokens-per-s",
+        type=_rate,
+        metavar="X",
+        help="prefill throughput for the offline bound, for every system (default: measured "
+        "per system with a burst of --calibrate-requests prompts)",
+    )
+    cap.add_argument(
+        "--calibrate-requests",
+        type=int,
+        metavar="N",
+        default=16,
+        help=f"prompts of the workload's mean input length sent at once, max_tokens 1 {d}",
+    )
+    cap.add_argument(
+        "--bound-block",
+        type=int,
+        metavar="TOKENS",
+        default=16,
+        help=f"prefix-cache block in tokens of the offline bound's perfect cache {d}",
+    )
 
 
 def _pair(text: str) -> tuple[int, int]:
@@ -333,12 +391,28 @@ def _sigterm_as_interrupt(_signum: int, _frame: object) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    """``pdserve bench serve``: exit 0, 1 (failed start / bad input) or 2 (unreachable)."""
+    """``pdserve bench serve``: exit 0, 1 (failed start / bad input / a run in which nothing
+    completed) or 2 (unreachable)."""
+    find_capacity = getattr(args, "find_capacity", False)
+    if find_capacity:
+        from pdserve.bench.serve.capacity import check_args
+
+        try:
+            check_args(args)
+        except ValueError as exc:
+            print(f"pdserve bench serve: {exc}", file=sys.stderr)
+            return 1
     signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     t0 = time.monotonic()
     from pdserve.bench.serve.run import run
 
     try:
+        if find_capacity:
+            from pdserve.bench.serve.capacity_run import run_capacity
+
+            systems = run_capacity(args)
+            say(f"total wall time {time.monotonic() - t0:.1f}s")
+            return 0 if all(any(p.completed for p in c.points) for c in systems) else 1
         results = run(args)
     except BenchError as exc:
         print(f"pdserve bench serve: {exc}", file=sys.stderr)

@@ -161,9 +161,10 @@ async def send_workload(
     before_measuring: Callable[[], None],
     vocab: int,
     key: str = "",
+    warmup: int | None = None,
 ) -> list[RequestRecord]:
-    """Warm-up requests (token ids below ``vocab``), then ``before_measuring()``, then the
-    measured workload (every request with API key ``key``)."""
+    """``warmup`` warm-up requests (default ``args.warmup``; token ids below ``vocab``), then
+    ``before_measuring()``, then the measured workload (every request with API key ``key``)."""
     import aiohttp
     from tqdm import tqdm
 
@@ -173,13 +174,14 @@ async def send_workload(
     connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0)
     session = aiohttp.ClientSession(timeout=timeout, connector=connector, headers=auth_headers(key))
     async with session:
-        if args.warmup > 0 and requests:
+        warmup = args.warmup if warmup is None else warmup
+        if warmup > 0 and requests:
             import numpy as np
 
             rng = np.random.default_rng([args.seed, 999])
             n = len(requests[0].prompt_token_ids)
             warm = Client(session, base, model, time.perf_counter())
-            for k in range(args.warmup):
+            for k in range(warmup):
                 ids = tuple(int(t) for t in rng.integers(wl.TOKEN_LOW, vocab, n))
                 rec = await warm.send(-1 - k, wl.Request(0.0, ids, min(4, requests[0].max_tokens)))
                 if rec.error:

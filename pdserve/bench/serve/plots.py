@@ -90,3 +90,39 @@ def write_plots(out_dir: str | Path, runs: Runs, window_s: float = 5.0) -> list[
     _throughput(paths[2], runs, window_s)
     _inflight(paths[3], runs)
     return paths
+
+
+def write_capacity_plot(
+    out_dir: str | Path,
+    series: Mapping[str, Sequence[tuple[float, float, float]]],
+    target: float,
+    xlabel: str = "rate (req/s)",
+) -> Path:
+    """Writes ``capacity.png`` into ``out_dir`` (created): per system, attainment against rate
+    (``series``: name -> (rate, attainment, bound) per run), its offline bound dashed in the
+    same colour, and the target as a dotted line; returns its path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "capacity.png"
+    fig, ax = _figure()
+    for name, points in series.items():
+        pts = sorted(points)
+        if not pts:
+            continue
+        rates = [p[0] for p in pts]
+        (line,) = ax.plot(rates, [p[1] for p in pts], marker="o", label=f"{name}")
+        ax.plot(
+            rates,
+            [p[2] for p in pts],
+            linestyle="--",
+            color=line.get_color(),
+            label=f"{name} offline bound (TTFT)",
+        )
+    ax.axhline(target, color="grey", linestyle=":", label=f"target {target:.0%}")
+    from matplotlib.ticker import FuncFormatter
+
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: f"{x:g}"))
+    ax.set_ylim(0, 1.02)
+    _save(fig, ax, path, xlabel, "share of requests meeting every SLO", "Capacity at SLO")
+    return path
