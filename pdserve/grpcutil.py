@@ -20,7 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve import identity
+from pdserve import identity, reloading
 from pdserve.errors import status_for
 
 log = logging.getLogger(__name__)
@@ -184,8 +184,23 @@ def _add_port(server: grpc.aio.Server, address: str, public_tls: tuple[bytes, by
     files = identity.tls()
     if files is None:
         return server.add_insecure_port(address)
-    creds = grpc.ssl_server_credentials(
-        [(files.key, files.cert)], root_certificates=files.ca, require_client_auth=True
+    served = [identity.generation()]
+
+    def config(files: identity.TlsFiles) -> grpc.ServerCertificateConfiguration:
+        return grpc.ssl_server_certificate_configuration(
+            [(files.key, files.cert)], root_certificates=files.ca
+        )
+
+    def renewed() -> grpc.ServerCertificateConfiguration | None:
+        """gRPC asks at each handshake: the renewed certificate once there is one."""
+        files, generation = identity.tls(), identity.generation()
+        if files is None or generation == served[0]:
+            return None
+        served[0] = generation
+        return config(files)
+
+    creds = grpc.dynamic_ssl_server_credentials(
+        config(files), renewed, require_client_authentication=True
     )
     return server.add_secure_port(address, creds)
 
@@ -243,13 +258,16 @@ def channel(
 
         return failover.AioFailoverChannel(failover.addresses(address), one)  # type: ignore[return-value]
     options = [*_options(max_message_bytes), *_RECONNECT_OPTIONS]
-    creds = _credentials(public)
-    if creds is None:
+    if _credentials(public) is None:
         return grpc.aio.insecure_channel(address, options=options)
     expect = server_name or (identity.role_name(role) if role else "")
     if expect:
         options.append(("grpc.ssl_target_name_override", expect))
-    return grpc.aio.secure_channel(address, creds, options=options)
+    if public:  # a public server's CA: no certificate of ours to renew
+        return grpc.aio.secure_channel(address, _credentials(public), options=options)
+    return reloading.AioReloadingChannel(  # type: ignore[return-value]
+        lambda: grpc.aio.secure_channel(address, _credentials(False), options=options)
+    )
 
 
 def sync_channel(
@@ -269,12 +287,15 @@ def sync_channel(
 
         return failover.SyncFailoverChannel(failover.addresses(address), one)  # type: ignore[return-value]
     options = [*_options(max_message_bytes), *_RECONNECT_OPTIONS]
-    creds = _credentials(public)
-    if creds is None:
+    if _credentials(public) is None:
         return grpc.insecure_channel(address, options=options)
     if role:
         options.append(("grpc.ssl_target_name_override", identity.role_name(role)))
-    return grpc.secure_channel(address, creds, options=options)
+    if public:
+        return grpc.secure_channel(address, _credentials(public), options=options)
+    return reloading.SyncReloadingChannel(  # type: ignore[return-value]
+        lambda: grpc.secure_channel(address, _credentials(False), options=options)
+    )
 
 
 async def check_health(address: str, timeout: float = 2.0, public: bool | bytes = False) -> bool:

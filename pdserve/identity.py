@@ -14,14 +14,27 @@ its own identity started, unless it is an admin).
 
 Without TLS (the loopback default) there are no identities: every caller is ``None`` and
 every check passes, as before. :func:`check_exposure` keeps that to loopback.
+
+Renewal: certificates are short-lived (``pdserve up`` renews them in place, at half their
+life). :func:`tls` looks at most every :data:`RELOAD_CHECK_S` whether the files changed and
+then loads them again (the same identity only, the key matching the certificate; a torn or
+foreign write keeps the current files). gRPC servers hand new handshakes the new certificate
+(:func:`pdserve.grpcutil.start_server`), channels dial new connections with it
+(:mod:`pdserve.reloading`), and the SSL contexts of the control wire and meta's HTTPS load it
+(:func:`renewing`). Connections already up stay as they are: TLS checks a certificate's
+dates only at the handshake.
 """
 
 from __future__ import annotations
 
 import functools
 import ipaddress
+import logging
 import os
 import ssl
+import threading
+import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +43,11 @@ import grpc
 from pdserve.config import ConfigError, help_field
 from pdserve.errors import PermissionDenied, Unauthenticated
 
+log = logging.getLogger(__name__)
+
 ROLES = ("meta", "master", "node", "worker", "router", "admin")
+#: How often :func:`tls` looks whether the certificate files were renewed (seconds).
+RELOAD_CHECK_S = 1.0
 
 
 def role_name(role: str) -> str:
@@ -99,42 +116,134 @@ class TlsFiles:
                 raise ConfigError(f"{field} {path!r}: {exc.strerror or exc}") from exc
         files = cls(*data, paths=(ca, cert, key))
         files.identity()  # a certificate without a pdserve identity fails now, not per call
+        files.check_pair()
         return files
 
     def identity(self) -> Identity:
         return identity_of_pem(self.cert)
 
+    def check_pair(self) -> None:
+        """ConfigError unless the key is the certificate's (a renewal caught half-written)."""
+        from cryptography import x509
+        from cryptography.hazmat.primitives import serialization
+
+        try:
+            public = x509.load_pem_x509_certificate(self.cert).public_key()
+            key = serialization.load_pem_private_key(self.key, password=None)
+        except ValueError as exc:
+            raise ConfigError(f"tls_cert/tls_key {self.paths[1:]}: {exc}") from exc
+        raw = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        if key.public_key().public_bytes(*raw) != public.public_bytes(*raw):
+            raise ConfigError(f"tls_key {self.paths[2]!r} is not the key of {self.paths[1]!r}")
+
 
 _tls: TlsFiles | None = None
+_generation = 0  # +1 at each renewal :func:`tls` loads
+_stamp: tuple | None = None  # the loaded files' (inode, size, mtime)
+_checked = 0.0  # monotonic time of the last look at the files
+_reload_lock = threading.Lock()
+_contexts: weakref.WeakSet[ssl.SSLContext] = weakref.WeakSet()
+
+
+def _set(files: TlsFiles | None) -> TlsFiles | None:
+    global _tls, _stamp, _checked
+    with _reload_lock:
+        _tls, _checked = files, time.monotonic()
+        _stamp = _file_stamp(files.paths) if files is not None else None
+    return files
+
+
+def _file_stamp(paths: tuple[str, str, str]) -> tuple | None:
+    """The files' (inode, size, mtime); None when some cannot be read or there are none
+    (files given in memory)."""
+    if not all(paths):
+        return None
+    try:
+        stats = [os.stat(Path(p).expanduser()) for p in paths]
+    except OSError:
+        return None
+    return tuple((st.st_ino, st.st_size, st.st_mtime_ns) for st in stats)
 
 
 def configure(cfg: SecurityConfig) -> TlsFiles | None:
     """Sets this process's TLS from its config (once, at start) and returns it."""
-    global _tls
-    _tls = TlsFiles.load(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
-    return _tls
+    return _set(TlsFiles.load(cfg.tls_ca, cfg.tls_cert, cfg.tls_key))
 
 
 def configure_env() -> TlsFiles | None:
     """Sets this process's TLS from ``PDSERVE_TLS_CA``, ``PDSERVE_TLS_CERT`` and
     ``PDSERVE_TLS_KEY`` (the client commands' way; all empty = plaintext)."""
-    global _tls
     env = os.environ.get
-    _tls = TlsFiles.load(
-        env("PDSERVE_TLS_CA", ""), env("PDSERVE_TLS_CERT", ""), env("PDSERVE_TLS_KEY", "")
+    return _set(
+        TlsFiles.load(
+            env("PDSERVE_TLS_CA", ""), env("PDSERVE_TLS_CERT", ""), env("PDSERVE_TLS_KEY", "")
+        )
     )
-    return _tls
 
 
 def configure_files(files: TlsFiles | None) -> None:
     """Sets this process's TLS directly (tests, CLIs that load their own files)."""
-    global _tls
-    _tls = files
+    _set(files)
 
 
 def tls() -> TlsFiles | None:
-    """This process's TLS files (None = plaintext)."""
-    return _tls
+    """This process's TLS files (None = plaintext), the renewed ones once they are written."""
+    files = _tls
+    if files is None or time.monotonic() - _checked < RELOAD_CHECK_S:
+        return files
+    return _reload()
+
+
+def generation() -> int:
+    """How many renewals :func:`tls` has loaded: a client that made its connections with
+    older files makes new ones (:mod:`pdserve.reloading`)."""
+    tls()
+    return _generation
+
+
+def _reload() -> TlsFiles | None:
+    global _tls, _stamp, _checked, _generation
+    with _reload_lock:
+        current, _checked = _tls, time.monotonic()
+        if current is None:
+            return None
+        stamp = _file_stamp(current.paths)
+        if stamp is None or stamp == _stamp:
+            return current
+        try:
+            new = TlsFiles.load(*current.paths)
+        except ConfigError as exc:  # caught mid-write: the next look tries again
+            log.info("TLS files changed but do not load yet (%s); keeping the current ones", exc)
+            return current
+        _stamp = stamp
+        if new.identity() != current.identity():
+            log.error(
+                "TLS: %s now holds %s's certificate; keeping %s's (an identity is fixed at start)",
+                current.paths[1],
+                new.identity(),
+                current.identity(),
+            )
+            return current
+        for ctx in list(_contexts):
+            _load_into(ctx, new, add_ca=new.ca != current.ca)
+        _tls, _generation = new, _generation + 1
+    log.info("TLS: %s's certificate renewed (%s)", new.identity(), _validity(new.cert))
+    return new
+
+
+def _validity(pem: bytes) -> str:
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate(pem)
+    return f"valid until {cert.not_valid_after_utc:%Y-%m-%d %H:%M:%S} UTC"
+
+
+def renewing(ctx: ssl.SSLContext) -> ssl.SSLContext:
+    """Registers a server-side SSL context holding this process's certificate: a renewal
+    :func:`tls` loads goes into it too (new handshakes present the new certificate)."""
+    with _reload_lock:
+        _contexts.add(ctx)
+    return ctx
 
 
 def _is_loopback(host: str) -> bool:
@@ -240,11 +349,19 @@ def require(caller: Identity | None, roles: tuple[str, ...], action: str) -> Non
 
 
 def _context(purpose: ssl.Purpose, files: TlsFiles) -> ssl.SSLContext:
-    import tempfile
-
     ctx = ssl.create_default_context(purpose, cadata=files.ca.decode())
     ctx.verify_mode = ssl.CERT_REQUIRED
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    _load_into(ctx, files)
+    return ctx
+
+
+def _load_into(ctx: ssl.SSLContext, files: TlsFiles, add_ca: bool = False) -> None:
+    """Loads ``files``' certificate and key (and with ``add_ca`` its CA) into ``ctx``."""
+    import tempfile
+
+    if add_ca:
+        ctx.load_verify_locations(cadata=files.ca.decode())
     # ssl loads a certificate chain from files only: the key goes through a private temp file
     with tempfile.TemporaryDirectory() as d:
         cert, key = Path(d, "cert.pem"), Path(d, "key.pem")
@@ -252,13 +369,12 @@ def _context(purpose: ssl.Purpose, files: TlsFiles) -> ssl.SSLContext:
         key.touch(mode=0o600)
         key.write_bytes(files.key)
         ctx.load_cert_chain(cert, key)
-    return ctx
 
 
-@functools.lru_cache(maxsize=4)
 def server_context(files: TlsFiles) -> ssl.SSLContext:
-    """An SSL context for a server socket that requires a client certificate from the CA."""
-    return _context(ssl.Purpose.CLIENT_AUTH, files)
+    """An SSL context for a server socket that requires a client certificate from the CA;
+    it follows renewals (:func:`renewing`)."""
+    return renewing(_context(ssl.Purpose.CLIENT_AUTH, files))
 
 
 @functools.lru_cache(maxsize=4)

@@ -43,14 +43,15 @@ def test_a_ca_whose_key_is_not_kept_signs_once_and_is_gone(tmp_path: Path):
     from cryptography import x509
 
     (tmp_path / "ca.key").write_text("an earlier CA's key")
-    certs.make(tmp_path, ["node:node-0"], days=3, keep_ca_key=False)
+    first_ca = certs.Issuer.in_memory(tmp_path)
+    first_ca.issue("node", "node-0", [], datetime.timedelta(days=3))
     assert not (tmp_path / "ca.key").exists()
     first = x509.load_pem_x509_certificate((tmp_path / "ca.crt").read_bytes())
     leaf = x509.load_pem_x509_certificate((tmp_path / "node-0.crt").read_bytes())
     life = leaf.not_valid_after_utc - datetime.datetime.now(datetime.UTC)
     assert datetime.timedelta(days=2.9) < life <= datetime.timedelta(days=3)
     leaf.verify_directly_issued_by(first)
-    certs.make(tmp_path, ["node:node-1"], keep_ca_key=False)
+    certs.Issuer.in_memory(tmp_path).issue("node", "node-1", [], datetime.timedelta(days=1))
     second = x509.load_pem_x509_certificate((tmp_path / "ca.crt").read_bytes())
     assert second.public_key() != first.public_key() and not (tmp_path / "ca.key").exists()
     with pytest.raises(Exception):  # noqa: B017 (cryptography raises several types)

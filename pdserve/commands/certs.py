@@ -16,11 +16,15 @@ import datetime
 import ipaddress
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from pdserve.identity import ROLES, role_name
 
 CA_NAME = "pdserve dev CA"
+#: Validity of a CA whose key stays in memory (:meth:`Issuer.in_memory`): it dies with the
+#: process that holds the key, and the leaf certificates it issues are short-lived.
+IN_MEMORY_CA_LIFETIME = datetime.timedelta(days=3650)
 
 
 def _key():
@@ -29,36 +33,37 @@ def _key():
     return ec.generate_private_key(ec.SECP256R1())
 
 
-def _write_key(path: Path, key) -> None:
-    from cryptography.hazmat.primitives import serialization
-
-    data = key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    )
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.chmod(path, 0o600)
-
-
 def _pem(cert) -> bytes:
     from cryptography.hazmat.primitives import serialization
 
     return cert.public_bytes(serialization.Encoding.PEM)
 
 
-def _load_or_make_ca(out: Path, days: int, keep_key: bool):
+def _write_atomic(path: Path, data: bytes, mode: int) -> None:
+    """Replaces ``path`` by a complete new file (a reader sees the old or the new bytes)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "wb") as f:
+        os.fchmod(f.fileno(), mode)
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def _key_bytes(key) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+
+
+def _make_ca(lifetime: datetime.timedelta):
     from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives import hashes
     from cryptography.x509.oid import NameOID
 
-    crt, key_path = out / "ca.crt", out / "ca.key"
-    if keep_key and crt.exists() and key_path.exists():
-        cert = x509.load_pem_x509_certificate(crt.read_bytes())
-        key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
-        return cert, key
     key = _key()
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, CA_NAME)])
     now = datetime.datetime.now(datetime.UTC)
@@ -69,7 +74,7 @@ def _load_or_make_ca(out: Path, days: int, keep_key: bool):
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=days))
+        .not_valid_after(now + lifetime)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(
             x509.KeyUsage(
@@ -87,12 +92,85 @@ def _load_or_make_ca(out: Path, days: int, keep_key: bool):
         )
         .sign(key, hashes.SHA256())
     )
-    if keep_key:
-        _write_key(key_path, key)
-    else:
-        key_path.unlink(missing_ok=True)  # an earlier CA's key (kept by an earlier version)
-    crt.write_bytes(_pem(cert))
     return cert, key
+
+
+class Issuer:
+    """A CA that issues identities into a folder (``<name>.crt``, ``<name>.key``)."""
+
+    def __init__(self, out: Path, ca_cert, ca_key) -> None:
+        self.out, self.ca_cert, self.ca_key = out, ca_cert, ca_key
+
+    @classmethod
+    def kept(cls, out: Path, days: int) -> Issuer:
+        """``out``'s CA, else a new one valid ``days`` whose key is written next to it
+        (``pdserve certs``: later runs sign more certificates for the same cluster)."""
+        from cryptography import x509
+        from cryptography.hazmat.primitives import serialization
+
+        out.mkdir(parents=True, exist_ok=True)
+        crt, key_path = out / "ca.crt", out / "ca.key"
+        if crt.exists() and key_path.exists():
+            cert = x509.load_pem_x509_certificate(crt.read_bytes())
+            key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+            return cls(out, cert, key)
+        cert, key = _make_ca(datetime.timedelta(days=days))
+        _write_atomic(key_path, _key_bytes(key), 0o600)
+        crt.write_bytes(_pem(cert))
+        return cls(out, cert, key)
+
+    @classmethod
+    def in_memory(cls, out: Path) -> Issuer:
+        """A new CA whose key never touches the disk (``pdserve up``: its services run as
+        the user that would read it). It lives as long as the process that holds it, which
+        renews the certificates it issued; no one else can issue more of its identities."""
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "ca.key").unlink(missing_ok=True)  # an earlier CA's key (an earlier version)
+        cert, key = _make_ca(IN_MEMORY_CA_LIFETIME)
+        _write_atomic(out / "ca.crt", _pem(cert), 0o644)
+        return cls(out, cert, key)
+
+    def issue(
+        self, role: str, name: str, hosts: Sequence[str], lifetime: datetime.timedelta
+    ) -> Path:
+        """Writes (or replaces, each file whole) ``name``'s key and certificate; returns the
+        certificate's path."""
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+        key = _key()
+        subject = x509.Name(
+            [
+                x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role),
+                x509.NameAttribute(NameOID.COMMON_NAME, name),
+            ]
+        )
+        now = datetime.datetime.now(datetime.UTC)
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(self.ca_cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + lifetime)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(_san(name, list(hosts), role), critical=False)
+            .add_extension(
+                x509.ExtendedKeyUsage(
+                    [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+                ),
+                critical=False,
+            )
+            .sign(self.ca_key, hashes.SHA256())
+        )
+        # key first: a reader between the two writes finds a pair that does not match and
+        # keeps its current one (pdserve.identity), never a new certificate with an old key
+        _write_atomic(self.out / f"{name}.key", _key_bytes(key), 0o600)
+        path = self.out / f"{name}.crt"
+        _write_atomic(path, _pem(cert), 0o644)
+        return path
 
 
 def _san(name: str, hosts: list[str], role: str):
@@ -120,57 +198,13 @@ def parse_identity(text: str) -> tuple[str, str]:
 
 
 def make(
-    out: Path,
-    identities: list[str],
-    hosts: list[str] = (),
-    days: int = 365,
-    *,
-    keep_ca_key: bool = True,
+    out: Path, identities: list[str], hosts: Sequence[str] = (), days: int = 365
 ) -> list[Path]:
-    """Writes the CA (unless ``out`` has one) and a certificate and key per ``role:name``,
-    valid for ``days``; returns the certificate paths. ``keep_ca_key=False``: a new CA whose
-    key never touches the disk (it signs these certificates and is gone: ``pdserve up``, whose
-    services run as the user that would read it; nothing can issue more of its identities)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
+    """Writes the CA (unless ``out`` has one, key included) and a certificate and key per
+    ``role:name``, valid for ``days``; returns the certificate paths."""
     parsed = [parse_identity(i) for i in identities]
-    out.mkdir(parents=True, exist_ok=True)
-    ca_cert, ca_key = _load_or_make_ca(out, days, keep_ca_key)
-    now = datetime.datetime.now(datetime.UTC)
-    written = []
-    for role, name in parsed:
-        key = _key()
-        subject = x509.Name(
-            [
-                x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role),
-                x509.NameAttribute(NameOID.COMMON_NAME, name),
-            ]
-        )
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(subject)
-            .issuer_name(ca_cert.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=days))
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(_san(name, list(hosts), role), critical=False)
-            .add_extension(
-                x509.ExtendedKeyUsage(
-                    [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-                ),
-                critical=False,
-            )
-            .sign(ca_key, hashes.SHA256())
-        )
-        _write_key(out / f"{name}.key", key)
-        path = out / f"{name}.crt"
-        path.write_bytes(_pem(cert))
-        written.append(path)
-    return written
+    issuer = Issuer.kept(out, days)
+    return [issuer.issue(r, n, hosts, datetime.timedelta(days=days)) for r, n in parsed]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -28,8 +28,9 @@ in front of stock ``vllm serve`` engines that ``up`` does not start, instead of 
 /health and never restarts them (:mod:`pdserve.commands.up_external`).
 
 Secure by default: the services talk mutual TLS, each with its own identity (certificates in
-``<run_dir>/certs``, made with ``pdserve certs``'s code from one CA that later runs reuse;
-``up`` itself, and ``pdserve status --run-dir``, act as ``admin``), and the router requires an
+``<run_dir>/certs``, issued at each start by a new CA whose key stays in ``up``'s memory, valid
+``cert_hours`` and renewed in place at half that; ``up`` itself, and ``pdserve status
+--run-dir``, act as ``admin``), and the router requires an
 API key (``<run_dir>/api_key``, mode 0600). ``--no-tls`` / ``--no-auth`` turn them off.
 """
 
@@ -52,6 +53,9 @@ from pdserve.config import ConfigError, help_field
 
 if TYPE_CHECKING:
     from pdserve.identity import TlsFiles
+
+#: Bounds of ``cert_hours``: 36 s (tests; a renewal every 18 s) to a year.
+MIN_CERT_HOURS, MAX_CERT_HOURS = 0.01, 8760.0
 
 
 @dataclass
@@ -140,8 +144,11 @@ class UpConfig:
         "start by `pdserve certs`'s code from a new CA whose key never touches the disk (the "
         "services cannot issue identities; engines outside up restart with it)",
     )
-    cert_days: int = help_field(
-        30, "days up's certificates are valid (a new start issues new ones); 1 to 365"
+    cert_hours: float = help_field(
+        24.0,
+        "hours each certificate up issues is valid; up renews them in place at half their "
+        "life (services load the new files, connections up stay up) and a new start makes a "
+        f"new CA; {MIN_CERT_HOURS} to {MAX_CERT_HOURS}",
     )
     auth: bool = help_field(
         True,
@@ -190,8 +197,10 @@ class UpConfig:
     )
 
     def validate(self) -> None:
-        if not 1 <= self.cert_days <= 365:
-            raise ConfigError(f"cert_days must be 1 to 365, got {self.cert_days}")
+        if not MIN_CERT_HOURS <= self.cert_hours <= MAX_CERT_HOURS:
+            raise ConfigError(
+                f"cert_hours must be {MIN_CERT_HOURS} to {MAX_CERT_HOURS}, got {self.cert_hours}"
+            )
         if self.storage_nodes < 1:
             raise ConfigError(f"storage_nodes must be at least 1, got {self.storage_nodes}")
         if self.decode_workers < 0:

@@ -7,11 +7,9 @@ they are not among the processes."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
-import secrets
 import signal
 import sys
 import threading
@@ -23,14 +21,11 @@ from pathlib import Path
 from pdserve.commands import up_etcd, up_external
 from pdserve.commands.up import (
     ADMIN,
-    API_KEY_FILE,
-    CERTS_DIR,
     MOONCAKE_HOST,
     SERVICES_FILE,
     UpConfig,
-    admin_tls,
-    tls_files,
 )
+from pdserve.commands.up_secrets import UpSecrets
 from pdserve.devices import Placement, place_workers, visible_gpus
 from pdserve.sizes import parse_size
 
@@ -85,10 +80,13 @@ class Cluster:
     explicit_model: bool = True
     #: The name requests use for the model (set by start()).
     model_name: str = ""
+    #: The certificates (issued, renewed) and the API key file of this run.
+    creds: UpSecrets = field(init=False)
 
     def __post_init__(self) -> None:
         """Places the workers (ValueError when this machine cannot hold them, e.g. more vLLM
         workers than GPUs), so a start that cannot succeed fails before anything starts."""
+        self.creds = UpSecrets(self.cfg)
         if not self.places:
             c = self.cfg
             self.places = place_workers(
@@ -156,7 +154,7 @@ class Cluster:
                 )
             progress(MOONCAKE_SECURITY_NOTE)
         up_etcd.check(c)
-        self._secure(
+        self.creds.secure(
             [
                 "meta:meta",
                 *([] if mooncake else ["master:kvstore-master"]),
@@ -177,8 +175,8 @@ class Cluster:
             metrics_port=0,  # a free port, found through meta's /prometheus/targets
             # the Mooncake endpoint only for Transfer Engines that use it (None: the config's)
             http_metadata=True if mooncake and c.store_metadata_server == "meta" else None,
-            **self._tls("meta"),
-            **self._metrics(),
+            **self.creds.tls("meta"),
+            **self.creds.metrics(),
         )
         if up_etcd.embedded(c):  # what the KV masters elect a leader through
             progress(up_etcd.SECURITY_NOTE)
@@ -203,7 +201,9 @@ class Cluster:
         from pdserve.procs import service_args
 
         c = self.cfg
-        masters = up_etcd.master_specs(c, meta, {**self._tls("kvstore-master"), **self._metrics()})
+        masters = up_etcd.master_specs(
+            c, meta, {**self.creds.tls("kvstore-master"), **self.creds.metrics()}
+        )
         (first,) = self._start(masters[:1])
         if len(masters) > 1:  # HA: the first leads before the standbys and the nodes start
             up_etcd.wait_leading(first, c.ready_timeout_s, progress)
@@ -220,8 +220,8 @@ class Cluster:
                     host=c.host,
                     meta=meta,
                     metrics_port=0,
-                    **self._tls(node_id),
-                    **self._metrics(),
+                    **self.creds.tls(node_id),
+                    **self.creds.metrics(),
                 ),
             )
             for i, node_id in enumerate(node_ids)
@@ -291,8 +291,8 @@ class Cluster:
                         instance_id=f"{role}-{i}",
                         # a core of its own on a CPU (vLLM pins its OpenMP threads), a GPU elsewhere
                         vllm_cpu_cores=place.cpu_cores,
-                        **self._tls(f"{role}-{i}"),
-                        **self._metrics(),
+                        **self.creds.tls(f"{role}-{i}"),
+                        **self.creds.metrics(),
                     ),
                 )
                 for place, (role, i) in zip(places, workers, strict=True)
@@ -308,69 +308,11 @@ class Cluster:
             store_master=master,
             **store,
             **{"model": c.model, "chunk_size": c.chunk_size, **external},
-            api_key_file=self._key_file(),
-            **self._tls("router"),
+            api_key_file=self.creds.key_file(),
+            **self.creds.tls("router"),
         )
         (router,) = self._start([("router", router_args)])
         self._wait_for_workers(router.info["grpc"])
-
-    def _secure(self, identities: list[str]) -> None:
-        """With TLS on, issues every service's certificate and ``up``'s admin one from a new
-        CA (its key never written) and makes ``up`` dial as admin; with it off,
-        ``up`` dials plaintext (whatever PDSERVE_TLS_* says)."""
-        from pdserve import identity
-        from pdserve.commands import certs
-
-        c = self.cfg
-        if not c.tls:
-            identity.configure_files(None)
-            return
-        # made anew each start from a new CA whose key stays in this process's memory: a
-        # service (same Unix user) cannot mint identities, and a leaked certificate dies with
-        # this run's CA or after cert_days; leaf certificates follow a changed --host
-        certs.make(
-            Path(c.run_dir) / CERTS_DIR,
-            identities,
-            hosts=[c.host],
-            days=c.cert_days,
-            keep_ca_key=False,
-        )
-        identity.configure_files(admin_tls(c.run_dir))
-
-    def _tls(self, name: str) -> dict[str, str]:
-        """The tls_* flags of the service whose certificate is ``name`` (none: TLS off)."""
-        return tls_files(self.cfg.run_dir, name) if self.cfg.tls else {}
-
-    def _metrics(self) -> dict[str, object]:
-        """The metrics key flag of a service with a metrics port: beyond loopback with TLS on,
-        a metrics port takes a key (:func:`pdserve.telemetry.configure_metrics`), and up gives
-        every service the router's API key file (Prometheus then sends it:
-        ``authorization: {credentials_file: <run_dir>/api_key}``); none on loopback."""
-        from pdserve.identity import _is_loopback
-
-        c = self.cfg
-        if not c.tls or _is_loopback(c.host):
-            return {}
-        return {"metrics_key_file": self._key_file()}  # validate() made sure auth is on
-
-    def _key_file(self) -> Path | None:
-        """With auth on, writes the router's API key to ``<run_dir>/api_key`` (0600; a file,
-        not a flag: flags show in `ps`): api_key, else the key an earlier run left there,
-        else a new one. Sets ``cfg.api_key`` to it."""
-        c = self.cfg
-        if not c.auth:
-            return None
-        path = Path(c.run_dir) / API_KEY_FILE
-        if not c.api_key:
-            with contextlib.suppress(OSError):
-                c.api_key = path.read_text().partition("\n")[0].strip()
-            c.api_key = c.api_key or secrets.token_urlsafe(32)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.fchmod(fd, 0o600)  # O_CREAT's mode does not apply to a file that exists
-        with os.fdopen(fd, "w") as f:
-            f.write(c.api_key + "\n")
-        return path
 
     def _wait_for_workers(self, router: str) -> None:
         """Ready means the router routes: it must see every worker ``up`` started (or every
@@ -408,6 +350,7 @@ class Cluster:
 
     def stop(self) -> None:
         self.stopping = True
+        self.creds.stop()
         for t in self.restarts:
             t.join()  # a restart in flight: its process is in self.procs once it returns
         (Path(self.cfg.run_dir) / SERVICES_FILE).unlink(missing_ok=True)

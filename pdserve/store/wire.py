@@ -122,8 +122,11 @@ class WireClient:
         pool_size: int = 8,
         tls: identity.TlsFiles | bool | None = True,
     ) -> None:
-        """``tls``: the files to present (True = the process's, :func:`identity.tls`)."""
-        self._tls = identity.tls() if tls is True else tls or None
+        """``tls``: the files to present (True = the process's, :func:`identity.tls`, renewed
+        ones from the next connection on)."""
+        if tls is True:
+            tls = True if identity.tls() is not None else None
+        self._tls = tls or None
         self.address = f"{host}:{port}"
         self._host = host.strip("[]")
         self._port = port
@@ -137,10 +140,9 @@ class WireClient:
             sock = socket.create_connection((self._host, self._port), timeout=self.timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             kernel_timeouts(sock, self.timeout_s)
-            if self._tls is not None:  # the master's wire is mutual TLS when its gRPC port is
-                sock = identity.client_context(self._tls).wrap_socket(
-                    sock, server_hostname=self._host
-                )
+            files = identity.tls() if self._tls is True else self._tls
+            if files is not None:  # the master's wire is mutual TLS when its gRPC port is
+                sock = identity.client_context(files).wrap_socket(sock, server_hostname=self._host)
                 # a TLS read retries a receive that SO_RCVTIMEO ended, so Python's timeout
                 # bounds the wait (TimeoutError) instead
                 sock.settimeout(self.timeout_s)

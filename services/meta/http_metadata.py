@@ -52,8 +52,8 @@ import ssl
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pdserve import identity
 from pdserve.errors import PdserveError
-from pdserve.identity import TlsFiles
 from pdserve.services.meta.backends.base import Backend
 
 if TYPE_CHECKING:  # aiohttp is imported when the endpoint starts, not with MetaConfig
@@ -190,13 +190,14 @@ def make_app(
     return app
 
 
-def ssl_context(files: TlsFiles) -> ssl.SSLContext:
-    """Server-side TLS with the service's certificate; no client certificate asked for."""
+def ssl_context(files: identity.TlsFiles) -> ssl.SSLContext:
+    """Server-side TLS with the service's certificate, following its renewals; no client
+    certificate asked for."""
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     _, cert, key = files.paths
     ctx.load_cert_chain(Path(cert).expanduser(), Path(key).expanduser())
-    return ctx
+    return identity.renewing(ctx)
 
 
 async def start(

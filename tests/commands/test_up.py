@@ -17,7 +17,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from up_harness import dashboard_series, scrape_discovered, shm_mapped, start_up
+from up_harness import complete, dashboard_series, scrape_discovered, shm_mapped, start_up
 
 from pdserve import config
 from pdserve.commands.cli import build_parser
@@ -83,12 +83,12 @@ def test_up_serves_the_printed_examples_is_secure_by_default_and_stops_cleanly(t
         key = key_file.read_text().strip()
         assert len(key) >= 32
         with pytest.raises(urllib.error.HTTPError) as refused:
-            _complete(ports["http"], "Once upon a time", "")
+            complete(ports["http"], "Once upon a time", "")
         assert refused.value.code == 401
         with pytest.raises(urllib.error.HTTPError) as wrong:
-            _complete(ports["http"], "Once upon a time", key + "x")
+            complete(ports["http"], "Once upon a time", key + "x")
         assert wrong.value.code == 401
-        done = _complete(ports["http"], "Once upon a time", key)
+        done = complete(ports["http"], "Once upon a time", key)
         assert done["choices"][0]["finish_reason"] == "length"
 
         with (
@@ -129,18 +129,6 @@ def _zombie(pid: int) -> bool:
         return True
 
 
-def _complete(http: int, prompt: str, key: str) -> dict:
-    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0})
-    headers = {"Content-Type": "application/json"}
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{http}/v1/completions", data=body.encode(), headers=headers
-    )
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        return json.loads(resp.read())
-
-
 def _services(run_dir: Path) -> dict[str, dict]:
     data = json.loads((run_dir / "services.json").read_text())
     return {r["name"]: r for r in data["services"]}
@@ -157,12 +145,12 @@ def test_up_restarts_a_killed_service_while_the_rest_keeps_serving(tmp_path: Pat
     key = (run_dir / "api_key").read_text().strip()
     prompts = [f"shared prefix number {i % 2} " * 6 for i in range(4)]
     try:
-        want = [_complete(http, p, key)["choices"][0]["text"] for p in prompts]
+        want = [complete(http, p, key)["choices"][0]["text"] for p in prompts]
         for victim in ("kvstore-node-0", "kvstore-master", "meta", "decode-0"):
             before = _services(run_dir)[victim]
             os.kill(before["pid"], signal.SIGKILL)
             # Served while it is down and while it comes back, token for token.
-            assert [_complete(http, p, key)["choices"][0]["text"] for p in prompts] == want
+            assert [complete(http, p, key)["choices"][0]["text"] for p in prompts] == want
             deadline = time.monotonic() + 120
             while True:
                 now = _services(run_dir)[victim]
@@ -171,7 +159,7 @@ def test_up_restarts_a_killed_service_while_the_rest_keeps_serving(tmp_path: Pat
                 assert time.monotonic() < deadline, f"{victim} was not restarted: {now}"
                 time.sleep(0.5)
             assert now["last_exit"] == -signal.SIGKILL and now["pid"] != before["pid"]
-            assert [_complete(http, p, key)["choices"][0]["text"] for p in prompts] == want
+            assert [complete(http, p, key)["choices"][0]["text"] for p in prompts] == want
         status = subprocess.run(
             [sys.executable, "-m", "pdserve.commands.cli", "status", "--meta", f"127.0.0.1:{ports['meta']}",
              "--run-dir", str(run_dir)],
@@ -182,7 +170,7 @@ def test_up_restarts_a_killed_service_while_the_rest_keeps_serving(tmp_path: Pat
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics", timeout=10).read()
         hits = re.search(rb'pdserve_router_prompt_tokens_total\{source="store"\} (\S+)', metrics)
         before_last = float(hits.group(1))
-        _complete(http, prompts[0], key)
+        complete(http, prompts[0], key)
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics", timeout=10).read()
         hits = re.search(rb'pdserve_router_prompt_tokens_total\{source="store"\} (\S+)', metrics)
         assert float(hits.group(1)) > before_last
@@ -618,11 +606,11 @@ def test_up_with_two_kv_masters_serves_on_after_the_leader_is_killed(tmp_path: P
         assert _leader(run_dir) == "kvstore-master-0"
         key = (run_dir / "api_key").read_text().strip()
         prompt = "shared prefix for the masters " * 4
-        want = _complete(http, prompt, key)["choices"][0]["text"]
+        want = complete(http, prompt, key)["choices"][0]["text"]
 
         victim = services["kvstore-master-0"]
         os.kill(victim["pid"], signal.SIGKILL)
-        assert _complete(http, prompt, key)["choices"][0]["text"] == want
+        assert complete(http, prompt, key)["choices"][0]["text"] == want
         deadline = time.monotonic() + 120
         while True:
             now = _services(run_dir)["kvstore-master-0"]
@@ -634,7 +622,7 @@ def test_up_with_two_kv_masters_serves_on_after_the_leader_is_killed(tmp_path: P
         assert _leader(run_dir) == "kvstore-master-1"  # the restarted one stands by
         log = (run_dir / "logs" / "kvstore-master-0.log").read_text()
         assert '"standby": true' in log.rsplit("PDSERVE_READY", 1)[-1], log[-2000:]
-        assert _complete(http, prompt + "again", key)["choices"][0]["finish_reason"] == "length"
+        assert complete(http, prompt + "again", key)["choices"][0]["finish_reason"] == "length"
         etcd_client = f"--listen-client-urls=http://127.0.0.1:{etcd}"
         assert len(_pids(etcd_client)) == 1  # the etcd `pdserve etcd` runs
     finally:

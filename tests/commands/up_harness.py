@@ -156,3 +156,16 @@ def scrape_discovered(banner: str, run_dir: Path) -> tuple[list[dict], set[str]]
             text = urllib.request.urlopen(f"http://{target}/metrics", timeout=10).read().decode()
             names |= {ln.split("{")[0].split(" ")[0] for ln in text.splitlines() if ln[:1] != "#"}
     return groups, names - {""}
+
+
+def complete(http: int, prompt: str, key: str) -> dict:
+    """A 4-token greedy completion of ``prompt`` by the tiny model through up's router."""
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0})
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{http}/v1/completions", data=body.encode(), headers=headers
+    )
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return json.loads(resp.read())
