@@ -179,7 +179,8 @@ class Cluster:
             **self.creds.metrics(),
         )
         if up_etcd.embedded(c):  # what the KV masters elect a leader through
-            progress(up_etcd.SECURITY_NOTE)
+            if not c.tls:
+                progress(up_etcd.PLAIN_NOTE)
             self._start([up_etcd.etcd_spec(c)])
         self._start([("meta", meta_args)])
         if mooncake:

@@ -7,8 +7,13 @@ With N >= 2:
 - etcd: with ``meta_backend: etcd`` the masters use meta's ``etcd_endpoints``; else ``up``
   runs one etcd member of its own (``pdserve etcd``, service ``etcd``) on
   127.0.0.1:``etcd_port`` (peer port ``etcd_port + 1``), its data in ``<run_dir>/etcd``,
-  started first and stopped last, supervised like the rest. Its links carry no TLS (the HA
-  masters' etcd client has none), hence loopback only: every master runs on this host.
+  started first and stopped last, supervised like the rest, on loopback only (every master
+  runs on this host). With TLS on (the default) its client and peer links are TLS and take
+  only certificates of a CA of its own (``<run_dir>/certs/etcd``, its key in up's memory like
+  the cluster CA's, renewed alike) whose only client certificate is the masters': no other
+  service's certificate, and no local process without one, reaches the masters' records.
+  With ``meta_backend: etcd`` the masters reach meta's etcd as the config's
+  ``kvstore-master`` section says (``ha_etcd_ca``, ``ha_etcd_cert``, ``ha_etcd_user``...).
 - masters ``kvstore-master-0`` .. ``-N-1`` on ``master_port + i``, each with ``--ha-etcd``
   and no state dir (the committed objects live in etcd), all with one certificate identity,
   ``master:kvstore-master``: meta lets only the identity that registered the
@@ -39,13 +44,28 @@ if TYPE_CHECKING:
 
 #: Most masters ``up`` runs (one leads; the rest only wait).
 MAX_MASTERS = 5
-#: Where up's own etcd listens (its links have no TLS).
+#: Where up's own etcd listens.
 ETCD_HOST = "127.0.0.1"
-SECURITY_NOTE = (
+#: The folder (under the run dir's certificates) of the CA only up's etcd trusts.
+ETCD_CERTS = "etcd"
+#: Its identities: etcd's own, and the one every KV master presents to it.
+ETCD_SERVER, ETCD_CLIENT = "meta:etcd", "master:kvstore-master"
+PLAIN_NOTE = (
     f"the KV masters elect their leader and keep the objects' records in an etcd on {ETCD_HOST} "
-    "without TLS or authentication (the masters' etcd client has neither): only local "
-    "processes reach it, and any of them could"
+    "without TLS or authentication (tls is off): every local process reaches it"
 )
+
+
+def etcd_tls(cfg: UpConfig, identity: str) -> tuple[str, ...]:
+    """(CA, certificate, key) paths of ``identity`` (ETCD_SERVER or ETCD_CLIENT) under the
+    etcd CA; () when up runs no etcd or TLS is off."""
+    if not (embedded(cfg) and cfg.tls):
+        return ()
+    from pdserve.commands.up import CERTS_DIR
+
+    d = (Path(cfg.run_dir) / CERTS_DIR / ETCD_CERTS).resolve()
+    name = identity.partition(":")[2]
+    return str(d / "ca.crt"), str(d / f"{name}.crt"), str(d / f"{name}.key")
 
 
 def validate(cfg: UpConfig) -> None:
@@ -117,6 +137,7 @@ def etcd_spec(cfg: UpConfig) -> tuple[str, list[str]]:
     """(name, args) of up's own etcd (:mod:`pdserve.commands.etcd`)."""
     from pdserve.procs import service_args
 
+    tls = dict(zip(("tls_ca", "tls_cert", "tls_key"), etcd_tls(cfg, ETCD_SERVER), strict=False))
     return (
         "etcd",
         service_args(
@@ -125,6 +146,7 @@ def etcd_spec(cfg: UpConfig) -> tuple[str, list[str]]:
             host=ETCD_HOST,
             port=cfg.etcd_port,
             peer_port=cfg.etcd_port + 1,
+            **tls,
         ),
     )
 
@@ -154,6 +176,8 @@ def master_specs(cfg: UpConfig, meta: str, flags: dict[str, object]) -> list[tup
         )
         return [("kvstore-master", args)]
     etcd = ",".join(etcd_endpoints(cfg))
+    keys = ("ha_etcd_ca", "ha_etcd_cert", "ha_etcd_key")
+    tls = dict(zip(keys, etcd_tls(cfg, ETCD_CLIENT), strict=False))
     return [
         (
             name,
@@ -164,6 +188,7 @@ def master_specs(cfg: UpConfig, meta: str, flags: dict[str, object]) -> list[tup
                 state_dir="",
                 ha_etcd=etcd,
                 meta=meta,
+                **tls,
                 **flags,
             ),
         )

@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+from pdserve.commands import up_etcd
 from pdserve.commands.up import API_KEY_FILE, CERTS_DIR, UpConfig, admin_tls, tls_files
 
 #: Seconds before a failed certificate renewal is tried again.
@@ -27,6 +28,7 @@ class UpSecrets:
     def __init__(self, cfg: UpConfig) -> None:
         self.cfg = cfg
         self.issuer = None  # with TLS: the CA that issued and renews the certificates
+        self.etcd_issuer = None  # with TLS and up's own etcd: the CA only that etcd trusts
         self.identities: list[tuple[str, str]] = []
         self.renew_at = math.inf  # monotonic time of the next renewal
         self._stop = threading.Event()
@@ -48,6 +50,9 @@ class UpSecrets:
         # this run's CA or after cert_hours; leaf certificates follow a changed --host
         self.issuer = certs.Issuer.in_memory(Path(c.run_dir) / CERTS_DIR)
         self.identities = [certs.parse_identity(i) for i in identities]
+        if up_etcd.embedded(c):  # up's etcd trusts a CA of its own: the masters' alone
+            folder = Path(c.run_dir) / CERTS_DIR / up_etcd.ETCD_CERTS
+            self.etcd_issuer = certs.Issuer.in_memory(folder)
         self._issue()
         identity.configure_files(admin_tls(c.run_dir))
         # a thread, not the supervision loop: a start can take longer than half a life
@@ -70,6 +75,9 @@ class UpSecrets:
         life = datetime.timedelta(hours=c.cert_hours)
         for role, name in self.identities:
             self.issuer.issue(role, name, [c.host], life)
+        if self.etcd_issuer is not None:
+            for role, name in (up_etcd.ETCD_SERVER.split(":"), up_etcd.ETCD_CLIENT.split(":")):
+                self.etcd_issuer.issue(role, name, [], life)
         self.renew_at = time.monotonic() + life.total_seconds() / 2
 
     def renew(self) -> None:

@@ -7,12 +7,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from pdserve import identity, lifecycle, telemetry
 from pdserve.auth import load_key
 from pdserve.config import ConfigError, help_field
 from pdserve.enums import ROLE
+from pdserve.etcdaccess import EtcdAccess
 from pdserve.identity import SecurityConfig, advertised
 from pdserve.services.meta import http_metadata, prometheus_sd
 from pdserve.services.meta.backends.base import Backend
@@ -134,24 +134,25 @@ class MetaConfig(SecurityConfig, telemetry.MetricsConfig):
             raise ConfigError(
                 "http_max_keys, http_max_value_bytes and http_max_total_bytes must be positive"
             )
-        if (self.etcd_cert or self.etcd_key) and not (self.etcd_cert and self.etcd_key):
-            raise ConfigError("an etcd client certificate needs both etcd_cert and etcd_key")
-        if self.etcd_cert and not self.etcd_ca:
-            raise ConfigError("etcd_cert needs etcd_ca (the CA of etcd's server certificate)")
-        if self.etcd_ca and len(self.etcd_endpoints) > 1 and not self.etcd_server_name:
-            raise ConfigError(
-                "TLS to several etcd endpoints needs etcd_server_name: a host name every "
-                "etcd server certificate carries"
-            )
         self.http_token = load_key(self.http_token, self.http_token_file, name="http_token")
         self.http_token_file = ""
         self.etcd_password = load_key(
             self.etcd_password, self.etcd_password_file, name="etcd_password"
         )
         self.etcd_password_file = ""
-        if self.etcd_password and not self.etcd_user:
-            raise ConfigError("etcd_password needs etcd_user")
+        self.etcd_access().check()
         self._check_metadata_exposure()
+
+    def etcd_access(self) -> EtcdAccess:
+        return EtcdAccess(
+            tuple(self.etcd_endpoints),
+            ca=self.etcd_ca,
+            cert=self.etcd_cert,
+            key=self.etcd_key,
+            server_name=self.etcd_server_name,
+            user=self.etcd_user,
+            password=self.etcd_password,
+        )
 
     def _check_metadata_exposure(self) -> None:
         """Protected mode for the Mooncake endpoint (:mod:`.http_metadata`), as
@@ -185,28 +186,11 @@ class MetaConfig(SecurityConfig, telemetry.MetricsConfig):
         )
 
 
-def _read(field_name: str, path: str) -> bytes | None:
-    if not path:
-        return None
-    try:
-        return Path(path).expanduser().read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"{field_name} {path!r}: {exc.strerror or exc}") from exc
-
-
 def make_backend(cfg: MetaConfig) -> Backend:
     if cfg.backend == "etcd":
         from pdserve.services.meta.backends.etcd import EtcdBackend
 
-        return EtcdBackend(
-            cfg.etcd_endpoints,
-            ca=_read("etcd_ca", cfg.etcd_ca),
-            cert=_read("etcd_cert", cfg.etcd_cert),
-            key=_read("etcd_key", cfg.etcd_key),
-            server_name=cfg.etcd_server_name,
-            user=cfg.etcd_user,
-            password=cfg.etcd_password,
-        )
+        return EtcdBackend(cfg.etcd_access())
     from pdserve.services.meta.backends.memory import MemoryBackend
 
     return MemoryBackend()

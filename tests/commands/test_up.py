@@ -460,7 +460,7 @@ def _started_by_up(monkeypatch, tmp_path: Path, **fields: object) -> tuple[dict,
     monkeypatch.setattr(grpcutil, "check_health", health)
     monkeypatch.setattr(etcd_command, "binary", lambda: "/usr/bin/etcd")
     cluster = Cluster(cfg, str(tmp_path / "cluster.yaml"))
-    monkeypatch.setattr(cluster, "_secure", lambda _identities: None)
+    monkeypatch.setattr(cluster.creds, "secure", lambda _identities: None)
     monkeypatch.setattr(cluster, "_wait_for_workers", lambda _router: None)
     cluster.start()
     return started, checked, cluster
@@ -475,10 +475,13 @@ def test_up_starts_ha_masters_on_its_own_etcd_and_gives_every_client_the_list(
         "etcd", "meta", "kvstore-master-0", "kvstore-master-1", "kvstore-node-0", "decode-0",
         "router",
     ]  # fmt: skip
-    # up's etcd: loopback, its data in the run dir, ports from etcd_port; no --config
+    # up's etcd: loopback, its data in the run dir, ports from etcd_port, TLS with a CA of
+    # its own whose only client certificate is the masters'; no --config
+    etcd_certs = (run_dir / "certs" / "etcd").resolve()
     assert started["etcd"] == [
         "etcd", "--data-dir", str((run_dir / "etcd").resolve()), "--host", "127.0.0.1",
-        "--port", "50090", "--peer-port", "50091",
+        "--port", "50090", "--peer-port", "50091", "--tls-ca", str(etcd_certs / "ca.crt"),
+        "--tls-cert", str(etcd_certs / "etcd.crt"), "--tls-key", str(etcd_certs / "etcd.key"),
     ]  # fmt: skip
     assert "--config" in started["meta"]
     # master i on master_port + i, electing through that etcd, no state dir, one identity
@@ -488,6 +491,8 @@ def test_up_starts_ha_masters_on_its_own_etcd_and_gives_every_client_the_list(
         assert _flag(args, "--ha-etcd") == "127.0.0.1:50090"
         assert _flag(args, "--state-dir") == ""
         assert _flag(args, "--tls-cert").endswith("/certs/kvstore-master.crt")
+        assert _flag(args, "--ha-etcd-ca") == str(etcd_certs / "ca.crt")
+        assert _flag(args, "--ha-etcd-cert") == str(etcd_certs / "kvstore-master.crt")
         assert _flag(args, "--config") == str(tmp_path / "cluster.yaml")
     # the first was waited for until it led (its health); the standby's was not checked
     assert "127.0.0.1:50051" in checked and "127.0.0.1:50052" not in checked
@@ -577,7 +582,7 @@ def test_up_with_two_kv_masters_serves_on_after_the_leader_is_killed(tmp_path: P
     `pdserve status` shows which one leads throughout. Ctrl-C stops etcd too."""
     from up_harness import quiet_pair, quiet_ports, read_banner, stop_up
 
-    from pdserve.commands.etcd import binary
+    from pdserve.commands.etcd import binary, healthy
 
     if binary() is None:
         pytest.skip("etcd binary not installed (apt-get install etcd-server)")
@@ -623,12 +628,24 @@ def test_up_with_two_kv_masters_serves_on_after_the_leader_is_killed(tmp_path: P
         log = (run_dir / "logs" / "kvstore-master-0.log").read_text()
         assert '"standby": true' in log.rsplit("PDSERVE_READY", 1)[-1], log[-2000:]
         assert complete(http, prompt + "again", key)["choices"][0]["finish_reason"] == "length"
-        etcd_client = f"--listen-client-urls=http://127.0.0.1:{etcd}"
+        etcd_client = f"--listen-client-urls=https://127.0.0.1:{etcd}"
         assert len(_pids(etcd_client)) == 1  # the etcd `pdserve etcd` runs
+        # it takes the masters' certificate of its own CA, and nothing else: not plaintext,
+        # not another service's certificate of the cluster's CA
+        own, certs = run_dir / "certs" / "etcd", run_dir / "certs"
+        address = f"127.0.0.1:{etcd}"
+        ca = str(own / "ca.crt")
+        assert healthy(
+            address, (ca, str(own / "kvstore-master.crt"), str(own / "kvstore-master.key"))
+        )
+        assert not healthy(address)
+        node = certs / f"node-0-{master}"
+        assert not healthy(address, (ca, f"{node}.crt", f"{node}.key"))
+        assert not healthy(address, (ca, str(certs / "admin.crt"), str(certs / "admin.key")))
     finally:
         stop_up(proc, timeout=90)
     _, err = proc.communicate()
     assert proc.returncode == 0, err[-3000:]
-    assert "without TLS or authentication" in err
+    assert "without TLS or authentication" not in err
     assert _pids(etcd_client) == []
     assert not (run_dir / "services.json").exists()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.config import ConfigError, help_field
+from pdserve.etcdaccess import EtcdAccess
 from pdserve.identity import SecurityConfig
 from pdserve.telemetry import MetricsConfig
 
@@ -36,6 +37,18 @@ class MasterConfig(SecurityConfig, MetricsConfig):
             "metavar": "HOST:PORT,...",
         },
     )
+    ha_etcd_ca: str = help_field(
+        "", "CA certificate (PEM) of etcd's server certificate: reach ha_etcd over TLS"
+    )
+    ha_etcd_cert: str = help_field(
+        "", "client certificate (PEM) for an etcd that requires one (--client-cert-auth)"
+    )
+    ha_etcd_key: str = help_field("", "private key (PEM) of ha_etcd_cert")
+    ha_etcd_server_name: str = help_field(
+        "", "host name checked in etcd's server certificates (needed with several endpoints)"
+    )
+    ha_etcd_user: str = help_field("", "etcd user to authenticate as (etcd auth enabled)")
+    ha_etcd_password_file: str = help_field("", "file whose first line is ha_etcd_user's password")
     ha_prefix: str = help_field("/pdserve/kvstore/", "etcd key prefix of the masters' state")
     ha_lease_s: int = help_field(
         2,
@@ -162,6 +175,7 @@ class MasterConfig(SecurityConfig, MetricsConfig):
             )
         if self.ha_etcd and self.port <= 0:
             raise ConfigError("ha_etcd needs a fixed --port: clients list every master's address")
+        self.etcd_access().check()
         if not 1 <= self.ha_lease_s <= 60:
             raise ConfigError(f"ha_lease_s must be 1 to 60, got {self.ha_lease_s}")
         if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
@@ -192,6 +206,22 @@ class MasterConfig(SecurityConfig, MetricsConfig):
         self._check_kv_events()
         if self.default_lease_ms > self.max_lease_ms:
             raise ConfigError("default_lease_ms must be <= max_lease_ms")
+
+    def etcd_access(self) -> EtcdAccess:
+        """How this master reaches ``ha_etcd`` (reads the password file)."""
+        from pdserve.auth import load_key
+
+        password = load_key("", self.ha_etcd_password_file, name="ha_etcd_password_file")
+        return EtcdAccess(
+            tuple(self.ha_etcd),
+            ca=self.ha_etcd_ca,
+            cert=self.ha_etcd_cert,
+            key=self.ha_etcd_key,
+            server_name=self.ha_etcd_server_name,
+            user=self.ha_etcd_user,
+            password=password,
+            fields="ha_etcd_",
+        )
 
     def _check_kv_events(self) -> None:
         from pdserve.identity import _is_loopback

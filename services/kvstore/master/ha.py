@@ -32,10 +32,11 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 from pdserve.errors import Unavailable
+from pdserve.etcdaccess import EtcdAccess
 from pdserve.services.kvstore.master.persistence import StoredObject, StoredReplica
 
 log = logging.getLogger(__name__)
@@ -56,15 +57,21 @@ class EtcdLink:
     (worker threads holding the state lock) write through it synchronously, and the master's
     own loop never waits on etcd."""
 
-    def __init__(self, endpoints: Sequence[str]) -> None:
-        from etcd3aio import Etcd3Client
-
-        self.endpoints = list(endpoints)
+    def __init__(self, access: EtcdAccess) -> None:
+        """``access``: etcd's endpoints, TLS and user (:mod:`pdserve.etcdaccess`)."""
+        self.access = access
+        self.endpoints = list(access.endpoints)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="etcd", daemon=True)
         self._thread.start()
-        self.client = Etcd3Client(self.endpoints, rpc_max_attempts=2)
-        self.call("connect", self.client.connect())
+        self._token = contextlib.AsyncExitStack()
+        self.client = access.client()
+        self.call("connect", self._connect())
+
+    async def _connect(self) -> None:
+        await self.client.connect()
+        await self.access.authenticate(self.client, self._token, CALL_TIMEOUT_S)
+        await self.client.ping(write_check=False, timeout=CALL_TIMEOUT_S)
 
     def call(self, what: str, coro: Awaitable[T], timeout: float = CALL_TIMEOUT_S) -> T:
         """Runs ``coro`` on the etcd loop and waits for it (from any other thread)."""
@@ -72,7 +79,7 @@ class EtcdLink:
         try:
             return future.result()
         except Exception as exc:
-            raise Unavailable(f"etcd at {','.join(self.endpoints)}: {what} failed: {exc}") from exc
+            raise Unavailable(f"etcd at {self.access.describe()}: {what} failed: {exc}") from exc
 
     async def acall(self, what: str, coro: Awaitable[T], timeout: float = CALL_TIMEOUT_S) -> T:
         """:meth:`call` for a coroutine of another event loop."""
@@ -83,6 +90,8 @@ class EtcdLink:
         return self.client.kv
 
     def close(self) -> None:
+        with contextlib.suppress(Unavailable):
+            self.call("stop the token refresher", self._token.aclose())
         with contextlib.suppress(Unavailable):
             self.call("close", self.client.close())
         self.loop.call_soon_threadsafe(self.loop.stop)

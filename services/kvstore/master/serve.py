@@ -123,7 +123,7 @@ async def _lead(cfg: MasterConfig, stop: asyncio.Event) -> Leadership | None:
     announces READY with ``standby: true`` and binds nothing."""
     from pdserve.lifecycle import announce_ready
 
-    link = await asyncio.to_thread(EtcdLink, cfg.ha_etcd)
+    link = await asyncio.to_thread(EtcdLink, cfg.etcd_access())
     address = advertised(cfg, cfg.port)
     leadership = Leadership(link, cfg.ha_prefix, address, cfg.ha_lease_s)
     announce_ready("kvstore-master", grpc=address, standby=True)

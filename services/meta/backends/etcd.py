@@ -16,7 +16,7 @@ processes read each other's records.
 
 Connection: TLS to etcd with ``ca`` (and ``cert``/``key`` when etcd asks for client
 certificates, ``--client-cert-auth``); with ``user`` the backend authenticates at start and
-renews its token every :data:`TOKEN_REFRESH_S` (etcd's simple tokens live 5 minutes).
+renews its token (etcd's simple tokens live 5 minutes): :mod:`pdserve.etcdaccess`.
 """
 
 from __future__ import annotations
@@ -25,14 +25,15 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
 import grpc
-from etcd3aio import Etcd3Client, EtcdError, prefix_range_end
+from etcd3aio import EtcdError, prefix_range_end
 from google.protobuf import json_format
 
 from pdserve.errors import NotFound, Unavailable
+from pdserve.etcdaccess import EtcdAccess
 from pdserve.services.meta.backends.base import Backend
 from pdserve.v1 import common_pb2, meta_pb2
 
@@ -41,8 +42,6 @@ LEASES = "/pdserve/leases/"
 METADATA = "/pdserve/metadata/"
 #: Deadline for one etcd call (seconds).
 CALL_TIMEOUT_S = 5.0
-#: How often the auth token is renewed (seconds), below etcd's default token TTL of 300 s.
-TOKEN_REFRESH_S = 240.0
 _DELETE = 1  # mvccpb.Event.EventType.DELETE
 
 T = TypeVar("T")
@@ -67,27 +66,11 @@ def _lease_not_found(lease_id: str) -> NotFound:
 
 
 class EtcdBackend(Backend):
-    def __init__(
-        self,
-        endpoints: Sequence[str],
-        *,
-        ca: bytes | None = None,
-        cert: bytes | None = None,
-        key: bytes | None = None,
-        server_name: str = "",
-        user: str = "",
-        password: str = "",
-    ) -> None:
-        """``ca`` (PEM) turns TLS on; ``cert`` and ``key`` (PEM) are the client certificate
-        for an etcd that requires one; ``server_name`` is the name checked in etcd's server
-        certificates (needed with several endpoints: gRPC cannot check one name per address);
-        ``user``/``password`` authenticate (etcd auth)."""
-        self._endpoints = list(endpoints)
-        tls = {"ca_cert": ca, "cert_chain": cert, "cert_key": key} if ca else {}
-        self._client = Etcd3Client(
-            self._endpoints, rpc_max_attempts=2, tls_server_name=server_name or None, **tls
-        )
-        self._user, self._password = user, password
+    def __init__(self, access: EtcdAccess) -> None:
+        """``access``: etcd's endpoints, TLS and user (:mod:`pdserve.etcdaccess`)."""
+        self._access = access
+        self._endpoints = list(access.endpoints)
+        self._client = access.client()
         self._token = contextlib.AsyncExitStack()  # the token refresher, with a user
         self._lease_owner: dict[int, str] = {}  # lease -> instance id (immutable once granted)
         self._closed = False
@@ -105,18 +88,11 @@ class EtcdBackend(Backend):
     async def start(self) -> None:
         await self._client.connect()
         try:
-            if self._user:
-                refresher = self._client.token_refresher(
-                    self._user, self._password, interval=TOKEN_REFRESH_S
-                )
-                await asyncio.wait_for(self._token.enter_async_context(refresher), CALL_TIMEOUT_S)
+            await self._access.authenticate(self._client, self._token, CALL_TIMEOUT_S)
             await self._client.ping(write_check=False, timeout=CALL_TIMEOUT_S)
         except (EtcdError, TimeoutError, grpc.aio.AioRpcError) as exc:
             await self.close()
-            who = f" as user {self._user!r}" if self._user else ""
-            raise Unavailable(
-                f"cannot use etcd at {','.join(self._endpoints)}{who}: {exc}"
-            ) from exc
+            raise Unavailable(f"cannot use etcd at {self._access.describe()}: {exc}") from exc
 
     async def close(self) -> None:
         self._closed = True
