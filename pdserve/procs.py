@@ -92,11 +92,13 @@ def spawn_service(
     env: dict[str, str] | None = None,
     prefix: Sequence[str] = (),
     append: bool = False,
+    user: int | None = None,
 ) -> ServiceProcess:
     """Starts ``pdserve <args>`` in its own process group without waiting for it; stderr goes
     to ``log_dir/<name>.log`` (``append``: after what an earlier run wrote). ``prefix`` runs it
     through a wrapper that execs it (e.g. ``ip netns exec NS``), so the pid stays the
-    service's. Call :func:`wait_ready` next."""
+    service's. ``user``: the user (and group) id it runs as, with the shared service group
+    (``pdserve up --isolate-services``; takes root). Call :func:`wait_ready` next."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -107,8 +109,17 @@ def spawn_service(
             stderr=log,
             env=full_env,
             start_new_session=True,
+            **_as_user(user),
         )
     return ServiceProcess(name, popen, log_path)
+
+
+def _as_user(uid: int | None) -> dict[str, object]:
+    if uid is None:
+        return {}
+    from pdserve.commands.up_isolation import SHARED_GID
+
+    return {"user": uid, "group": uid, "extra_groups": [SHARED_GID]}
 
 
 def wait_ready(proc: ServiceProcess, timeout: float = 120.0) -> ServiceProcess:

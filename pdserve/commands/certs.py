@@ -39,12 +39,15 @@ def _pem(cert) -> bytes:
     return cert.public_bytes(serialization.Encoding.PEM)
 
 
-def _write_atomic(path: Path, data: bytes, mode: int) -> None:
-    """Replaces ``path`` by a complete new file (a reader sees the old or the new bytes)."""
+def _write_atomic(path: Path, data: bytes, mode: int, owner: int | None = None) -> None:
+    """Replaces ``path`` by a complete new file (a reader sees the old or the new bytes),
+    belonging to user and group ``owner`` when given."""
     tmp = path.with_name(f".{path.name}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     with os.fdopen(fd, "wb") as f:
         os.fchmod(f.fileno(), mode)
+        if owner is not None:
+            os.fchown(f.fileno(), owner, owner)
         f.write(data)
     os.replace(tmp, path)
 
@@ -131,10 +134,15 @@ class Issuer:
         return cls(out, cert, key)
 
     def issue(
-        self, role: str, name: str, hosts: Sequence[str], lifetime: datetime.timedelta
+        self,
+        role: str,
+        name: str,
+        hosts: Sequence[str],
+        lifetime: datetime.timedelta,
+        owner: int | None = None,
     ) -> Path:
-        """Writes (or replaces, each file whole) ``name``'s key and certificate; returns the
-        certificate's path."""
+        """Writes (or replaces, each file whole) ``name``'s key and certificate, the key
+        belonging to user ``owner`` when given; returns the certificate's path."""
         from cryptography import x509
         from cryptography.hazmat.primitives import hashes
         from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -167,7 +175,7 @@ class Issuer:
         )
         # key first: a reader between the two writes finds a pair that does not match and
         # keeps its current one (pdserve.identity), never a new certificate with an old key
-        _write_atomic(self.out / f"{name}.key", _key_bytes(key), 0o600)
+        _write_atomic(self.out / f"{name}.key", _key_bytes(key), 0o600, owner)
         path = self.out / f"{name}.crt"
         _write_atomic(path, _pem(cert), 0o644)
         return path

@@ -150,6 +150,12 @@ class UpConfig:
         "life (services load the new files, connections up stay up) and a new start makes a "
         f"new CA; {MIN_CERT_HOURS} to {MAX_CERT_HOURS}",
     )
+    isolate_services: bool = help_field(
+        False,
+        "run each service as a Unix user of its own (needs root): a service then reads only "
+        "its own private key and state, not up's admin key nor another service's key "
+        "(pdserve/commands/up_isolation.py)",
+    )
     auth: bool = help_field(
         True,
         "require an API key on the router; it is generated into <run_dir>/api_key (0600, kept "
@@ -197,6 +203,11 @@ class UpConfig:
     )
 
     def validate(self) -> None:
+        if self.isolate_services and self.store_backend == "mooncake":
+            raise ConfigError(
+                "isolate_services runs pdserve's own services as users of their own; "
+                "store_backend mooncake's processes are not (use store_backend pdserve)"
+            )
         if not MIN_CERT_HOURS <= self.cert_hours <= MAX_CERT_HOURS:
             raise ConfigError(
                 f"cert_hours must be {MIN_CERT_HOURS} to {MAX_CERT_HOURS}, got {self.cert_hours}"

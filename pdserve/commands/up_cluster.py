@@ -25,6 +25,7 @@ from pdserve.commands.up import (
     SERVICES_FILE,
     UpConfig,
 )
+from pdserve.commands.up_isolation import Isolation
 from pdserve.commands.up_secrets import UpSecrets
 from pdserve.devices import Placement, place_workers, visible_gpus
 from pdserve.sizes import parse_size
@@ -50,8 +51,10 @@ class Supervised:
     """One service's supervision record."""
 
     args: list[str]
-    #: environment it starts with besides up's own (a worker's GPU)
+    #: environment it starts with besides up's own (a worker's GPU, its home)
     env: dict[str, str] = field(default_factory=dict)
+    #: the user id it runs as (isolate_services; None: up's)
+    user: int | None = None
     started: float = field(default_factory=time.monotonic)
     restarts: int = 0
     in_a_row: int = 0
@@ -82,11 +85,14 @@ class Cluster:
     model_name: str = ""
     #: The certificates (issued, renewed) and the API key file of this run.
     creds: UpSecrets = field(init=False)
+    #: The user each service runs as (isolate_services).
+    isolation: Isolation = field(init=False)
 
     def __post_init__(self) -> None:
         """Places the workers (ValueError when this machine cannot hold them, e.g. more vLLM
         workers than GPUs), so a start that cannot succeed fails before anything starts."""
-        self.creds = UpSecrets(self.cfg)
+        self.isolation = Isolation(self.cfg.isolate_services, self.cfg.run_dir)
+        self.creds = UpSecrets(self.cfg, self.isolation)
         if not self.places:
             c = self.cfg
             self.places = place_workers(
@@ -113,8 +119,10 @@ class Cluster:
         for n, (name, args) in enumerate(specs):
             full = args if name.startswith(NO_CONFIG) else [*args, *self._common()]
             env = dict(envs[n]) if n < len(envs) else {}
-            started.append(spawn_service(name, full, self.log_dir, env=env))
-            self.supervised[name] = Supervised(full, env)
+            user, home = self.isolation.spawn(name, full)
+            env |= home
+            started.append(spawn_service(name, full, self.log_dir, env=env, user=user))
+            self.supervised[name] = Supervised(full, env, user=user)
         self.procs.extend(started)
         for proc in started:
             progress(f"waiting for {proc.name} (log: {proc.log_path})")
@@ -154,6 +162,7 @@ class Cluster:
                 )
             progress(MOONCAKE_SECURITY_NOTE)
         up_etcd.check(c)
+        self.isolation.check()
         self.creds.secure(
             [
                 "meta:meta",
@@ -181,6 +190,7 @@ class Cluster:
         if up_etcd.embedded(c):  # what the KV masters elect a leader through
             if not c.tls:
                 progress(up_etcd.PLAIN_NOTE)
+            self.isolation.give(Path(c.run_dir) / "etcd", "etcd")
             self._start([up_etcd.etcd_spec(c)])
         self._start([("meta", meta_args)])
         if mooncake:
@@ -205,6 +215,8 @@ class Cluster:
         masters = up_etcd.master_specs(
             c, meta, {**self.creds.tls("kvstore-master"), **self.creds.metrics()}
         )
+        if len(masters) == 1:  # its SQLite state dir
+            self.isolation.give(Path(c.run_dir) / "kvstore-master", "kvstore-master")
         (first,) = self._start(masters[:1])
         if len(masters) > 1:  # HA: the first leads before the standbys and the nodes start
             up_etcd.wait_leading(first, c.ready_timeout_s, progress)
@@ -217,7 +229,7 @@ class Cluster:
                     master_address=master,
                     node_id=node_id,
                     segment_sizes=c.segment_size,
-                    **disk_tier(Path(c.run_dir) / "kvdisk", c.disk_size),
+                    **self._disk_tier(node_id),
                     host=c.host,
                     meta=meta,
                     metrics_port=0,
@@ -228,6 +240,15 @@ class Cluster:
             for i, node_id in enumerate(node_ids)
         ]
         self._start(nodes)
+
+    def _disk_tier(self, node_id: str) -> dict[str, object]:
+        """A storage node's disk tier flags: ``<run_dir>/kvdisk``, with isolate_services a
+        folder of its own there that only it can enter."""
+        folder = Path(self.cfg.run_dir) / "kvdisk"
+        if self.isolation.on:
+            folder /= node_id
+            self.isolation.give(folder, node_id)
+        return disk_tier(folder, self.cfg.disk_size)
 
     def _start_mooncake(self, master: str) -> None:
         """A Mooncake Store on 127.0.0.1: mooncake_master, then the storage processes."""
@@ -417,7 +438,7 @@ class Cluster:
         sup = self.supervised[name]
         if self.stopping:
             return
-        proc = spawn_service(name, sup.args, self.log_dir, env=sup.env, append=True)
+        proc = spawn_service(name, sup.args, self.log_dir, env=sup.env, append=True, user=sup.user)
         self.procs[index] = proc
         sup.restarts += 1
         sup.in_a_row += 1

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pdserve.commands import up_etcd
 from pdserve.commands.up import API_KEY_FILE, CERTS_DIR, UpConfig, admin_tls, tls_files
+from pdserve.commands.up_isolation import Isolation
 
 #: Seconds before a failed certificate renewal is tried again.
 RENEW_RETRY_S = 30.0
@@ -25,8 +26,9 @@ RENEW_POLL_S = 5.0
 class UpSecrets:
     """One run's certificates and API key (none of either when ``cfg`` turns them off)."""
 
-    def __init__(self, cfg: UpConfig) -> None:
+    def __init__(self, cfg: UpConfig, isolation: Isolation) -> None:
         self.cfg = cfg
+        self.isolation = isolation  # whose each key is
         self.issuer = None  # with TLS: the CA that issued and renews the certificates
         self.etcd_issuer = None  # with TLS and up's own etcd: the CA only that etcd trusts
         self.identities: list[tuple[str, str]] = []
@@ -73,11 +75,13 @@ class UpSecrets:
         """Issues (or renews) every identity's certificate for ``cert_hours``."""
         c = self.cfg
         life = datetime.timedelta(hours=c.cert_hours)
+        owner = self.isolation.uid
         for role, name in self.identities:
-            self.issuer.issue(role, name, [c.host], life)
+            # up's own (admin) key stays up's: no service can act as an admin
+            self.issuer.issue(role, name, [c.host], life, None if role == "admin" else owner(name))
         if self.etcd_issuer is not None:
             for role, name in (up_etcd.ETCD_SERVER.split(":"), up_etcd.ETCD_CLIENT.split(":")):
-                self.etcd_issuer.issue(role, name, [], life)
+                self.etcd_issuer.issue(role, name, [], life, owner(name))
         self.renew_at = time.monotonic() + life.total_seconds() / 2
 
     def renew(self) -> None:
@@ -132,4 +136,5 @@ class UpSecrets:
         os.fchmod(fd, 0o600)  # O_CREAT's mode does not apply to a file that exists
         with os.fdopen(fd, "w") as f:
             f.write(c.api_key + "\n")
+        self.isolation.share(path)
         return path

@@ -158,6 +158,7 @@ def test_transport_shm_maps_only_pdserve_segment_files_of_its_own_user() -> None
     theirs = SHM_DIR / shm_name(f"theirs-{tag}")
     try:
         assert os.stat(SHM_DIR / seg.name).st_mode & 0o777 == 0o600
+        assert t.usable(rep(seg.name)) and not t.usable(rep(shm_name(f"absent-{tag}")))
         assert t.read_many([(rep(seg.name), memoryview(bytearray(1)))]) == [None]
         for name in ("", "../shm/" + seg.name, "pdserve-kv-a/b", "other-" + tag, "pdserve-kv-"):
             with pytest.raises(TransportError, match="invalid shm name"):
@@ -168,6 +169,8 @@ def test_transport_shm_maps_only_pdserve_segment_files_of_its_own_user() -> None
         if os.getuid() == 0:  # only root can make a file of another user
             theirs.write_bytes(bytes(4096))
             os.chown(theirs, 54321, -1)
+            # not usable: "auto" picks tcp for a node isolated from its clients
+            assert not t.usable(rep(theirs.name))
             with pytest.raises(TransportError, match="belongs to uid 54321"):
                 t.read_into(rep(theirs.name), memoryview(bytearray(1)))
             with pytest.raises(errors.FailedPrecondition, match="another user"):

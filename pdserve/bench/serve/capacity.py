@@ -175,11 +175,18 @@ class SystemCapacity:
         }
 
 
+def rate_text(rate: float) -> str:
+    """A rate with two decimals, or three significant digits where two decimals would round
+    it (the halvings of 1 go 0.50, 0.25, 0.125, 0.0625, not 0.12, 0.06)."""
+    two = f"{rate:.2f}"
+    return two if math.isclose(float(two), rate, rel_tol=1e-9, abs_tol=1e-12) else f"{rate:.3g}"
+
+
 def progress_line(p: Point, unit: str) -> str:
     """``pdserve: rate 2.00 req/s -> 93.4% on time (bound 98.8%)``."""
     mult = f" (x{p.multiplier:.2f})" if p.multiplier is not None else ""
     return (
-        f"{p.system}: rate {p.rate:.2f} {unit}{mult} -> {p.attainment:.1%} on time "
+        f"{p.system}: rate {rate_text(p.rate)} {unit}{mult} -> {p.attainment:.1%} on time "
         f"(bound {p.bound:.1%})"
     )
 
@@ -188,10 +195,10 @@ def capacity_text(c: SystemCapacity, unit: str) -> str:
     s = c.search
     if s.lo is None:
         low = min(rate for rate, _ in s.tried)
-        return f"0 (below the lowest rate tried, {low:.2f} {unit})"
+        return f"0 (below the lowest rate tried, {rate_text(low)} {unit})"
     mult = f" (x{s.capacity / c.base_rate:.2f})" if c.base_rate else ""
-    above = f", below {s.hi:.2f}" if s.hi is not None else ", no rate tried failed"
-    return f"{'>= ' if s.at_least else ''}{s.capacity:.2f} {unit}{mult}{above}"
+    above = f", below {rate_text(s.hi)}" if s.hi is not None else ", no rate tried failed"
+    return f"{'>= ' if s.at_least else ''}{rate_text(s.capacity)} {unit}{mult}{above}"
 
 
 def ratio(systems: Sequence[SystemCapacity]) -> float | None:
@@ -214,7 +221,7 @@ def format_table(
     out = [f"{title:=^{len(head)}}", head]
     for c in systems:
         for p in sorted(c.points, key=lambda p: p.rate):
-            row = f"{p.system:<12}{p.rate:>14.2f}"
+            row = f"{p.system:<12}{rate_text(p.rate):>14}"
             if trace:
                 row += f"{p.multiplier:>7.2f}" if p.multiplier is not None else f"{'':>7}"
             row += f"{p.attainment:>9.1%}{p.bound:>8.1%}{p.ttft_p50_ms:>10.0f}"

@@ -34,6 +34,7 @@ from pdserve.bench.serve.capacity import (
     check_args,
     format_table,
     progress_line,
+    rate_text,
     search_capacity,
 )
 from pdserve.bench.serve.status import BenchError, say
@@ -179,7 +180,7 @@ class SystemUnderTest:
 
         requests = plan.at(rate)
         records = self.send(
-            shift_tokens(requests, self.runs, self.vocab), f"{self.name} @ {rate:.2f}"
+            shift_tokens(requests, self.runs, self.vocab), f"{self.name} @ {rate_text(rate)}"
         )
         self.runs += 1
         m = compute_metrics(records, slos)
@@ -253,7 +254,7 @@ def run_capacity(args: argparse.Namespace) -> list[SystemCapacity]:
     base = f" (its own rate {plan.base_rate:.2f} req/s)" if plan.base_rate else ""
     say(
         f"capacity search, workload {args.workload}{base}: {st.requests} requests, mean input "
-        f"{st.mean_input:.1f} tokens; from {plan.start:.2f} {plan.unit}, at most "
+        f"{st.mean_input:.1f} tokens; from {rate_text(plan.start)} {plan.unit}, at most "
         f"{args.capacity_steps} runs per system, target {args.attainment:.0%} on time"
     )
     vocab = vocab_size(args)

@@ -1,6 +1,7 @@
 """Which data-plane transport serves which replica: shm when the replica's node is on this
-host, else tcp, else mooncake (:data:`~pdserve.store.transports.PREFERENCE`), or the one
-transport the client was told to use; replicas of a node that just failed a transfer go
+host and its segment file is this user's to map, else tcp, else mooncake
+(:data:`~pdserve.store.transports.PREFERENCE`), or the one transport the client was told to
+use; replicas of a node that just failed a transfer go
 last for a while."""
 
 from __future__ import annotations
@@ -62,12 +63,11 @@ class ReplicaRoutes:
         for name in names:
             if name not in offered:
                 continue
-            if name == "shm" and not any(
-                ep.transport == kvstore_pb2.TRANSPORT_SHM and ep.host_id == self.host_id
-                for ep in replica.endpoints
-            ):
+            transport = self.get(name)
+            # shm: a segment on this host whose file this user may map (else tcp)
+            if name == "shm" and not transport.usable(replica):
                 continue
-            return self.get(name)
+            return transport
         return None
 
     def ordered(

@@ -80,12 +80,25 @@ class ShmTransport(Transport):
     def __init__(self, host_id: str) -> None:
         self.host_id = host_id
         self._maps: dict[str, _Mapping] = {}
+        self._owned: dict[str, bool] = {}  # segment file -> whether this process's user owns it
         self._lock = threading.Lock()
         self._threads = TransferThreads(1, "kv-shm-copy")
 
     def usable(self, replica: kvstore_pb2.Replica) -> bool:
+        """A replica on this host in a segment file of this process's user (another user's,
+        a node isolated from its clients, is 0600 and not theirs to map: tcp then)."""
         ep = self.endpoint(replica)
-        return ep is not None and ep.host_id == self.host_id and bool(ep.shm_name)
+        if ep is None or ep.host_id != self.host_id or not ep.shm_name:
+            return False
+        owned = self._owned.get(ep.shm_name)
+        if owned is None:
+            try:
+                st = os.stat(SHM_DIR / ep.shm_name, follow_symlinks=False)
+                owned = st.st_uid == os.getuid()
+            except (OSError, ValueError):
+                return False  # not there (yet): ask again next time
+            self._owned[ep.shm_name] = owned
+        return owned
 
     def _mapping(self, replica: kvstore_pb2.Replica) -> _Mapping:
         """The current mapping of the replica's segment file (re-mapped when the file was

@@ -23,6 +23,7 @@ from pdserve.bench.serve.capacity import (
     capacity_text,
     format_table,
     progress_line,
+    rate_text,
     search_capacity,
 )
 from pdserve.bench.serve.capacity_run import rate_plan, releases, shift_tokens
@@ -220,6 +221,18 @@ def test_table_json_and_progress(tmp_path: Path) -> None:
     assert len(doc["points"]) == 4 and doc["points"][0]["bound"] == 1.0
     assert doc["prefill_tokens_per_s"]["pdserve"] == {"value": 900.0, "source": "calibrated"}
     assert doc["args"]["find_capacity"] is True
+
+
+def test_halved_rates_are_not_rounded_away() -> None:
+    assert [rate_text(r) for r in (2.0, 1.5, 0.5, 0.25, 0.125, 0.0625)] == [
+        "2.00", "1.50", "0.50", "0.25", "0.125", "0.0625"
+    ]  # fmt: skip
+    assert rate_text(math.sqrt(0.125 * 0.25)) == "0.177"
+    points = [(r, _point("pdserve", r, 0.5)) for r in (0.25, 0.125)]
+    c = SystemCapacity("pdserve", Search(None, 0.125, points), 62.0, "calibrated", None)
+    assert progress_line(points[1][1], "req/s").startswith("pdserve: rate 0.125 req/s ->")
+    assert capacity_text(c, "req/s") == "0 (below the lowest rate tried, 0.125 req/s)"
+    assert "         0.125" in format_table([c], "req/s", 0.9, {"ttft": 2000.0})
 
 
 @pytest.mark.slow  # matplotlib may run fc-list to build its font cache
