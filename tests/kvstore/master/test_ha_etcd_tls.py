@@ -42,6 +42,7 @@ def test_a_master_config_checks_its_etcd_settings():
     assert ok.etcd_access().describe() == "127.0.0.1:2379 (TLS)"
 
 
+@pytest.mark.slow
 @pytest.mark.etcd
 def test_the_masters_etcd_link_takes_tls_with_a_client_certificate(tmp_path: Path):
     own = tmp_path / "etcd-certs"
