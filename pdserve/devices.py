@@ -62,3 +62,21 @@ def place_workers(
             )
         return [Placement(env={"CUDA_VISIBLE_DEVICES": gpu}) for gpu in gpus[: len(workers)]]
     return [Placement(cpu_cores=str(n % max(cores, 1))) for n in range(len(workers))]
+
+
+def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> frozenset[str]:
+    """This CPU's feature flags (``avx512f``, ``avx512_bf16``, ``amx_tile``...); empty where
+    /proc/cpuinfo has none (not Linux on x86)."""
+    try:
+        found = re.search(r"^flags\s*:(.*)$", Path(cpuinfo).read_text(), re.M)
+    except OSError:
+        return frozenset()
+    return frozenset(found[1].split()) if found else frozenset()
+
+
+def native_bf16(flags: frozenset[str] | None = None) -> bool:
+    """Whether the CPU computes bfloat16 natively (AVX512-BF16 or AMX-BF16). Without it
+    vLLM's CPU backend runs bfloat16 matmuls through a generic fallback, slowly and with
+    rounding that depends on the batch's shape."""
+    flags = cpu_flags() if flags is None else flags
+    return bool(flags & {"avx512_bf16", "amx_bf16"})

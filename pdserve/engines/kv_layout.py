@@ -24,6 +24,7 @@ head_dim]``) are strided copies with no per-element index.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -162,6 +163,19 @@ def vllm_cpu_isa(dtype: torch.dtype, block_size: int, head_dim: int, kv_cache_dt
     except ImportError as exc:  # moved in a newer vLLM: refuse rather than guess
         raise LayoutError(f"cannot tell vLLM's CPU attention ISA: {exc}") from exc
     return str(_get_attn_isa(dtype, block_size, head_dim, kv_cache_dtype))
+
+
+@functools.cache
+def cpu_isa_runs(isa: str) -> bool:
+    """Whether this machine's vLLM build runs ``isa``'s kernels: its cache write answers
+    "Unsupported CPU attention configuration" for ``amx`` on a CPU without AMX/AVX-512, which
+    never picks it (:func:`vllm_cpu_isa`). Any other refusal counts as running (the caller
+    then sees it)."""
+    try:
+        cpu_layout(torch.bfloat16, 32, 32, isa)
+    except LayoutError as exc:
+        return "Unsupported CPU attention configuration" not in str(exc)
+    return True
 
 
 def cpu_layout(

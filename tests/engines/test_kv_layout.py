@@ -26,8 +26,17 @@ from pdserve.engines import kv_layout
 
 H = 3  # SmolLM2's KV heads: not a power of two
 ARM = platform.machine().lower() in ("aarch64", "arm64")
-#: the ISAs whose layouts this machine's vLLM build writes (its op has neon only on ARM)
+#: the ISAs whose layouts vLLM's CPU builds write (its op has neon only on ARM); ``amx`` only
+#: where the CPU runs it (AMX/AVX-512): elsewhere vLLM never picks it, and its op refuses it
 CPU_ISAS = ["amx", "vec", "vec16", *(["neon"] if ARM else [])]
+
+
+def _runs_here(*isas: str) -> None:
+    for isa in isas:
+        if not kv_layout.cpu_isa_runs(isa):
+            pytest.skip(f"this CPU's vLLM build does not run isa {isa!r} (no AMX/AVX-512)")
+
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -55,6 +64,7 @@ def _canonical(key, value, slots, nb: int, bs: int) -> torch.Tensor:
 @pytest.mark.parametrize("bs", [32, 64, 128])
 @pytest.mark.parametrize("dim", [32, 64, 80, 128])
 def test_cpu_isa_layouts_round_trip_against_vllms_op(isa, dtype, bs, dim) -> None:
+    _runs_here(isa)
     layout = kv_layout.cpu_layout(dtype, bs, dim, isa)
     nb = 4
     slots = torch.randperm(nb * bs, generator=torch.Generator().manual_seed(bs + dim))[: 2 * bs]
@@ -73,6 +83,7 @@ def test_cpu_isa_layouts_round_trip_against_vllms_op(isa, dtype, bs, dim) -> Non
 def test_isa_layouts_differ_where_vllm_says_they_do() -> None:
     """The derivation is not a no-op: bfloat16 ``amx`` pairs neighbouring dims of K and
     neighbouring tokens of V for its tiles; ``vec`` keeps K transposed, V row-major."""
+    _runs_here("amx")
     amx = kv_layout.cpu_layout(torch.bfloat16, 32, 64, "amx")
     vec = kv_layout.cpu_layout(torch.bfloat16, 32, 64, "vec")
     assert (amx.parts[0].d_lo, amx.parts[1].t_lo) == (2, 2)
@@ -85,6 +96,7 @@ def test_isa_layouts_differ_where_vllm_says_they_do() -> None:
 def test_chunks_move_between_isa_layouts(src_isa, dst_isa, dtype) -> None:
     """A chunk gathered from an engine in one layout and scattered into an engine in another
     is, in the second, exactly what vLLM's op would have written there itself."""
+    _runs_here(src_isa, dst_isa)
     bs, dim, nb = 32, 64, 3
     src, dst = (kv_layout.cpu_layout(dtype, bs, dim, isa) for isa in (src_isa, dst_isa))
     slots = torch.arange(nb * bs)
@@ -185,3 +197,12 @@ def test_the_isa_vllm_picks_here_is_one_the_connector_converts() -> None:
     for dtype in (torch.bfloat16, torch.float32):
         isa = kv_layout.vllm_cpu_isa(dtype, 32, 64, "auto")
         assert kv_layout.cpu_layout(dtype, 32, 64, isa).name == f"cpu:{isa}"
+
+
+def test_the_amx_kernels_run_where_the_cpu_has_avx512_or_amx() -> None:
+    """What the skips above rest on: vLLM's build runs ``vec`` everywhere, ``amx`` exactly on
+    CPUs with AVX-512 or AMX (and refuses it elsewhere, where it never picks it)."""
+    from pdserve.devices import cpu_flags
+
+    assert kv_layout.cpu_isa_runs("vec") and kv_layout.cpu_isa_runs("vec16")
+    assert kv_layout.cpu_isa_runs("amx") == bool(cpu_flags() & {"avx512f", "amx_tile"})
