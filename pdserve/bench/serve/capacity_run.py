@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import math
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -240,9 +238,7 @@ def search_system(
 
 def run_capacity(args: argparse.Namespace) -> list[SystemCapacity]:
     """Starts each system once, searches it, prints the table and writes JSON and plot."""
-    from pdserve.bench.serve.baseline import started_colocated
-    from pdserve.bench.serve.harness import logs_dir, started_pdserve
-    from pdserve.bench.serve.run import build_workload, result_path, vocab_size
+    from pdserve.bench.serve.run import build_workload, each_system, result_path, vocab_size
     from pdserve.bench.serve.workloads import workload_stats
 
     slos = check_args(args)
@@ -259,21 +255,10 @@ def run_capacity(args: argparse.Namespace) -> list[SystemCapacity]:
     )
     vocab = vocab_size(args)
     systems: list[SystemCapacity] = []
-    starts = args.start_pdserve is not None or args.compare == "colocated"
-    with logs_dir(args.keep_logs) if starts else contextlib.nullcontext(Path()) as work:
-        if args.start_pdserve is not None:
-            started = started_pdserve(args.start_pdserve, args.model, work, args.start_timeout)
-            with started as (url, key):
-                sut = SystemUnderTest(args.label, url, key, args, vocab)
-                systems.append(search_system(sut, plan, slos, st.mean_input))
-        else:
-            key = args.api_key or os.environ.get("PDSERVE_API_KEY", "")
-            sut = SystemUnderTest(args.label, args.target, key, args, vocab)
+    with each_system(args) as each:
+        for system in each:
+            sut = SystemUnderTest(system.name, system.url, system.key, args, vocab)
             systems.append(search_system(sut, plan, slos, st.mean_input))
-        if args.compare == "colocated":
-            with started_colocated(args, work) as url:
-                sut = SystemUnderTest("colocated", url, "", args, vocab)
-                systems.append(search_system(sut, plan, slos, st.mean_input))
     print(format_table(systems, plan.unit, args.attainment, slos), flush=True)
     path = result_path(args)
     if path:

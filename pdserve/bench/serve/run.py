@@ -9,7 +9,8 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -160,21 +161,16 @@ def run(args: argparse.Namespace) -> list[SystemResult]:
     if args.compare == "colocated" and args.start_pdserve is None:
         say("note: --target stays up while the baseline runs; make sure it is idle")
     results: list[SystemResult] = []
-    starts = args.start_pdserve is not None or args.compare == "colocated"
-    with logs_dir(args.keep_logs) if starts else contextlib.nullcontext(Path()) as work:
-        if args.start_pdserve is not None:
-            started = started_pdserve(args.start_pdserve, args.model, work, args.start_timeout)
-            with started as (base, key):
-                results.append(bench_system(args.label, base, requests, args, slos, True, key))
-        else:
-            key = args.api_key or os.environ.get("PDSERVE_API_KEY", "")
-            results.append(bench_system(args.label, args.target, requests, args, slos, True, key))
-        print(format_result(results[-1]), flush=True)
-        if args.compare == "colocated":
-            with started_colocated(args, work) as base:
-                results.append(bench_system("colocated", base, requests, args, slos, False))
+    with each_system(args) as systems:
+        for system in systems:
+            results.append(
+                bench_system(
+                    system.name, system.url, requests, args, slos, system.is_target, system.key
+                )
+            )
             print(format_result(results[-1]), flush=True)
-            print(format_comparison(results[0], results[1]), flush=True)
+    if len(results) == 2:
+        print(format_comparison(results[0], results[1]), flush=True)
     path = result_path(args)
     if path:
         write_json(path, args, requests, results)
@@ -185,6 +181,41 @@ def run(args: argparse.Namespace) -> list[SystemResult]:
         paths = write_plots(args.plot_dir, {r.name: r.records for r in results}, args.window_s)
         say(f"wrote {', '.join(str(p) for p in paths)}")
     return results
+
+
+@dataclass(frozen=True)
+class System:
+    """A system to measure while it is up: its name, base URL, API key, and whether it is
+    the system under test (``--target`` or ``--start-pdserve``) or the baseline."""
+
+    name: str
+    url: str
+    key: str
+    is_target: bool
+
+
+@contextlib.contextmanager
+def each_system(args: argparse.Namespace) -> Iterator[Iterator[System]]:
+    """The systems ``args`` name, one at a time: the system under test (started with
+    ``--start-pdserve``, else ``--target``), then with ``--compare colocated`` the baseline,
+    each up only until the next is asked for (a logs folder holds what they started)."""
+    starts = args.start_pdserve is not None or args.compare == "colocated"
+    with logs_dir(args.keep_logs) if starts else contextlib.nullcontext(Path()) as work:
+
+        def systems() -> Iterator[System]:
+            if args.start_pdserve is not None:
+                started = started_pdserve(args.start_pdserve, args.model, work, args.start_timeout)
+                with started as (url, key):
+                    yield System(args.label, url, key, True)
+            else:
+                key = args.api_key or os.environ.get("PDSERVE_API_KEY", "")
+                yield System(args.label, args.target, key, True)
+            if args.compare == "colocated":
+                with started_colocated(args, work) as url:
+                    yield System("colocated", url, "", False)
+
+        with contextlib.closing(systems()) as each:
+            yield each
 
 
 def result_path(args: argparse.Namespace) -> str:

@@ -330,3 +330,17 @@ def test_whole_search_against_a_fake_server(
     out = capsys.readouterr()
     assert "pdserve capacity: >= 200.00 req/s, no rate tried failed" in out.out
     assert "pdserve: rate 100.00 req/s -> 100.0% on time (bound 100.0%)" in out.err
+
+
+def test_a_plain_run_measures_the_target_once(
+    fake_server: tuple[str, list[dict]], tmp_path: Path
+) -> None:
+    """Without --find-capacity the same system iteration (``run.each_system``) measures the
+    target once: warm-up, the workload, its JSON."""
+    base, bodies = fake_server
+    argv = f"--target {base} --model m --vocab-size 1000 --num-prompts 4 --input-len 20 "
+    argv += f"--output-len 2 --disable-tqdm --json {tmp_path}/r.json"
+    assert run_cli(_parse(argv.split())) == 0
+    assert len(bodies) == 2 + 4  # warm-up, then the workload
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert [s["name"] for s in doc["systems"]] == ["pdserve"] and "comparison" not in doc
