@@ -258,13 +258,14 @@ def channel(
 
         return failover.AioFailoverChannel(failover.addresses(address), one)  # type: ignore[return-value]
     options = [*_options(max_message_bytes), *_RECONNECT_OPTIONS]
-    if _credentials(public) is None:
+    creds = _credentials(public)
+    if creds is None:
         return grpc.aio.insecure_channel(address, options=options)
     expect = server_name or (identity.role_name(role) if role else "")
     if expect:
         options.append(("grpc.ssl_target_name_override", expect))
     if public:  # a public server's CA: no certificate of ours to renew
-        return grpc.aio.secure_channel(address, _credentials(public), options=options)
+        return grpc.aio.secure_channel(address, creds, options=options)
     return reloading.AioReloadingChannel(  # type: ignore[return-value]
         lambda: grpc.aio.secure_channel(address, _credentials(False), options=options)
     )
@@ -287,12 +288,13 @@ def sync_channel(
 
         return failover.SyncFailoverChannel(failover.addresses(address), one)  # type: ignore[return-value]
     options = [*_options(max_message_bytes), *_RECONNECT_OPTIONS]
-    if _credentials(public) is None:
+    creds = _credentials(public)
+    if creds is None:
         return grpc.insecure_channel(address, options=options)
     if role:
         options.append(("grpc.ssl_target_name_override", identity.role_name(role)))
     if public:
-        return grpc.secure_channel(address, _credentials(public), options=options)
+        return grpc.secure_channel(address, creds, options=options)
     return reloading.SyncReloadingChannel(  # type: ignore[return-value]
         lambda: grpc.secure_channel(address, _credentials(False), options=options)
     )

@@ -190,7 +190,7 @@ class Cluster:
         if up_etcd.embedded(c):  # what the KV masters elect a leader through
             if not c.tls:
                 progress(up_etcd.PLAIN_NOTE)
-            self.isolation.give(Path(c.run_dir) / "etcd", "etcd")
+            self.isolation.give(up_etcd.etcd_data_dir(c), "etcd")
             self._start([up_etcd.etcd_spec(c)])
         self._start([("meta", meta_args)])
         if mooncake:
@@ -216,7 +216,7 @@ class Cluster:
             c, meta, {**self.creds.tls("kvstore-master"), **self.creds.metrics()}
         )
         if len(masters) == 1:  # its SQLite state dir
-            self.isolation.give(Path(c.run_dir) / "kvstore-master", "kvstore-master")
+            self.isolation.give(up_etcd.master_state_dir(c), "kvstore-master")
         (first,) = self._start(masters[:1])
         if len(masters) > 1:  # HA: the first leads before the standbys and the nodes start
             up_etcd.wait_leading(first, c.ready_timeout_s, progress)

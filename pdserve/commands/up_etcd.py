@@ -56,6 +56,16 @@ PLAIN_NOTE = (
 )
 
 
+def etcd_data_dir(cfg: UpConfig) -> Path:
+    """Where up's own etcd keeps its data (kept across runs)."""
+    return (Path(cfg.run_dir) / "etcd").resolve()
+
+
+def master_state_dir(cfg: UpConfig) -> Path:
+    """The single master's SQLite state dir (HA masters keep their state in etcd)."""
+    return Path(cfg.run_dir) / "kvstore-master"
+
+
 def etcd_tls(cfg: UpConfig, identity: str) -> tuple[str, ...]:
     """(CA, certificate, key) paths of ``identity`` (ETCD_SERVER or ETCD_CLIENT) under the
     etcd CA; () when up runs no etcd or TLS is off."""
@@ -142,7 +152,7 @@ def etcd_spec(cfg: UpConfig) -> tuple[str, list[str]]:
         "etcd",
         service_args(
             "etcd",
-            data_dir=(Path(cfg.run_dir) / "etcd").resolve(),
+            data_dir=etcd_data_dir(cfg),
             host=ETCD_HOST,
             port=cfg.etcd_port,
             peer_port=cfg.etcd_port + 1,
@@ -165,7 +175,7 @@ def master_specs(cfg: UpConfig, meta: str, flags: dict[str, object]) -> list[tup
     from pdserve.procs import service_args
 
     if cfg.kvstore_masters == 1:
-        state = Path(cfg.run_dir) / "kvstore-master"
+        state = master_state_dir(cfg)
         args = service_args(
             "kvstore-master",
             host=cfg.host,

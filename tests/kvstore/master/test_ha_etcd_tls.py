@@ -42,6 +42,17 @@ def test_a_master_config_checks_its_etcd_settings():
     assert ok.etcd_access().describe() == "127.0.0.1:2379 (TLS)"
 
 
+def _access(endpoint: str, ca: Path, folder: Path, name: str) -> EtcdAccess:
+    """``ca``'s CA certificate and ``name``'s certificate in ``folder``, for the masters."""
+    return EtcdAccess(
+        (endpoint,),
+        ca=str(ca / "ca.crt"),
+        cert=str(folder / f"{name}.crt"),
+        key=str(folder / f"{name}.key"),
+        fields="ha_etcd_",
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.etcd
 def test_the_masters_etcd_link_takes_tls_with_a_client_certificate(tmp_path: Path):
@@ -50,14 +61,7 @@ def test_the_masters_etcd_link_takes_tls_with_a_client_certificate(tmp_path: Pat
     other = tmp_path / "cluster-certs"
     certs.make(other, ["node:node-0"])
     for endpoint in run_etcd(tmp_path, own):
-        access = EtcdAccess(
-            (endpoint,),
-            ca=str(own / "ca.crt"),
-            cert=str(own / "kvstore-master.crt"),
-            key=str(own / "kvstore-master.key"),
-            fields="ha_etcd_",
-        )
-        link = EtcdLink(access)
+        link = EtcdLink(_access(endpoint, own, own, "kvstore-master"))
         try:
             lead = Leadership(link, "/t/", "127.0.0.1:1", 2, on_lost=lambda _why: None)
             link.call("campaign", lead.campaign())
@@ -65,14 +69,7 @@ def test_the_masters_etcd_link_takes_tls_with_a_client_certificate(tmp_path: Pat
             assert got.kvs[0].value == b"127.0.0.1:1"
         finally:
             link.close()
-        foreign = EtcdAccess(
-            (endpoint,),
-            ca=str(own / "ca.crt"),
-            cert=str(other / "node-0.crt"),
-            key=str(other / "node-0.key"),
-            fields="ha_etcd_",
-        )
         with pytest.raises(Unavailable, match=rf"etcd at {endpoint} \(TLS\): connect failed"):
-            EtcdLink(foreign)
+            EtcdLink(_access(endpoint, own, other, "node-0"))  # a certificate of another CA
         with pytest.raises(Unavailable, match="connect failed"):
             EtcdLink(EtcdAccess((endpoint,), fields="ha_etcd_"))  # plaintext
