@@ -65,10 +65,10 @@ def place_workers(
 
 
 def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> frozenset[str]:
-    """This CPU's feature flags (``avx512f``, ``avx512_bf16``, ``amx_tile``...); empty where
-    /proc/cpuinfo has none (not Linux on x86)."""
+    """This CPU's feature flags (x86 ``flags``: ``avx512f``, ``avx512_bf16``, ``amx_tile``...;
+    Arm ``Features``: ``asimd``, ``bf16``...); empty where /proc/cpuinfo has neither."""
     try:
-        found = re.search(r"^flags\s*:(.*)$", Path(cpuinfo).read_text(), re.M)
+        found = re.search(r"^(?:flags|Features)\s*:(.*)$", Path(cpuinfo).read_text(), re.M)
     except OSError:
         return frozenset()
     return frozenset(found[1].split()) if found else frozenset()
@@ -79,4 +79,20 @@ def native_bf16(flags: frozenset[str] | None = None) -> bool:
     vLLM's CPU backend runs bfloat16 matmuls through a generic fallback, slowly and with
     rounding that depends on the batch's shape."""
     flags = cpu_flags() if flags is None else flags
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def vllm_auto_dtype(
+    environ: Mapping[str, str], flags: frozenset[str] | None = None, dev_dir: str | Path = "/dev"
+) -> str:
+    """The model and KV dtype pdserve's vLLM workers run in when ``kv_dtype`` is auto.
+
+    bfloat16 (what ``vllm serve`` picks for a float32 or bfloat16 model) on a visible GPU, on
+    a CPU that computes bfloat16 natively, and where the CPU's flags cannot be read. float32
+    on a CPU without native bfloat16 (x86 with AVX2 or AVX-512F only): vLLM's fallback there
+    runs bfloat16 matmuls about 6x slower than float32 (docs/benchmarks.md, "Capacity at SLO"), which
+    outweighs its KV chunks being twice the bytes."""
+    if visible_gpus(environ, dev_dir):
+        return "bfloat16"
+    flags = cpu_flags() if flags is None else flags
+    return "bfloat16" if not flags or native_bf16(flags) else "float32"

@@ -91,3 +91,46 @@ def test_a_cluster_that_cannot_be_placed_is_refused_before_anything_starts(
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     placed = Cluster(cfg, None).places
     assert [p.cpu_cores for p in placed] == [str(n % (os.cpu_count() or 1)) for n in range(2)]
+
+
+@pytest.mark.parametrize(
+    ("flags", "environ", "want"),
+    [
+        ({"avx2", "fma"}, {}, "float32"),  # AVX2 only: bfloat16 runs in a slow fallback
+        ({"avx512f", "avx512bw"}, {}, "float32"),  # AVX-512 without its bfloat16 extension
+        ({"avx512f", "avx512_bf16"}, {}, "bfloat16"),
+        ({"avx512f", "amx_tile", "amx_bf16"}, {}, "bfloat16"),
+        ({"asimd", "bf16"}, {}, "bfloat16"),  # Arm with bfloat16
+        ({"asimd"}, {}, "float32"),
+        (set(), {}, "bfloat16"),  # flags unknown: vLLM's own choice
+        ({"avx2"}, {"CUDA_VISIBLE_DEVICES": "0"}, "bfloat16"),  # the GPU computes
+    ],
+)
+def test_vllm_workers_pick_float32_on_cpus_without_native_bfloat16(
+    flags: set[str], environ: dict[str, str], want: str, tmp_path: Path
+) -> None:
+    from pdserve.devices import vllm_auto_dtype
+
+    assert vllm_auto_dtype(environ, frozenset(flags), dev_dir=tmp_path) == want
+
+
+def test_cpu_flags_reads_x86_flags_and_arm_features(tmp_path: Path) -> None:
+    from pdserve.devices import cpu_flags
+
+    x86 = tmp_path / "x86"
+    x86.write_text("processor\t: 0\nflags\t\t: fpu avx2 fma\n")
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")
+    assert cpu_flags(x86) == {"fpu", "avx2", "fma"}
+    assert cpu_flags(arm) == {"fp", "asimd", "bf16"}
+    assert cpu_flags(tmp_path / "missing") == frozenset()
+
+
+def test_the_vllm_engines_auto_kv_dtype_follows_this_machine(monkeypatch) -> None:
+    from pdserve.devices import vllm_auto_dtype
+    from pdserve.engines.config import EngineConfig
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert EngineConfig(engine="vllm").resolved_kv_dtype() == vllm_auto_dtype({})
+    assert EngineConfig(engine="vllm", kv_dtype="bfloat16").resolved_kv_dtype() == "bfloat16"
+    assert EngineConfig(engine="torch").resolved_kv_dtype() == "float32"

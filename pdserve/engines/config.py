@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
+from pdserve import devices
 from pdserve.config import ConfigError, help_field
 from pdserve.engines.step_budget import PREFILL_ORDERS
 from pdserve.hashing import KV_COMPRESSIONS, KV_DTYPES
@@ -31,8 +33,10 @@ class EngineConfig(StoreBackendConfig):
     kv_dtype: str = help_field(
         "auto",
         f"dtype of the model and its stored KV chunks: auto, {', '.join(KV_DTYPES)} "
-        "(auto = bfloat16 on vllm, like `vllm serve --dtype bfloat16`; float32 on torch, the "
-        "token-exact reference)",
+        "(auto on vllm = bfloat16 on a GPU or a CPU with native bfloat16 (AVX512-BF16, AMX, "
+        "Arm bf16), float32 on other CPUs, where bfloat16 runs about 6x slower; auto on "
+        "torch = float32, the token-exact reference). Part of the chunk keys: workers that "
+        "should share chunks across machines of different kinds need one explicit value",
     )
     kv_compression: str = help_field(
         "none",
@@ -130,7 +134,9 @@ class EngineConfig(StoreBackendConfig):
         """``kv_dtype`` with ``auto`` resolved for this engine."""
         if self.kv_dtype != "auto":
             return self.kv_dtype
-        return "bfloat16" if self.engine == "vllm" else "float32"
+        if self.engine != "vllm":
+            return "float32"
+        return devices.vllm_auto_dtype(os.environ)
 
     def resolved_kv_compression(self) -> str:
         """``kv_compression`` as chunks are stored: ``bf16`` of bfloat16 KV is ``none``."""

@@ -1,5 +1,5 @@
 """The exact default ``make up`` starts: ``pdserve up`` with no engine, model or topology flag
-(vLLM, SmolLM2-135M in bfloat16, one worker per core, KV layout whatever vLLM picks on this CPU).
+(vLLM, SmolLM2-135M in its auto dtype: bfloat16, or float32 on CPUs without native bfloat16; one worker per core, KV layout whatever vLLM picks on this CPU).
 Only ports and the run dir are chosen here, so that it runs beside anything else.
 
 It answers the banner's completion, after which every series of the shipped Grafana dashboard

@@ -12,16 +12,22 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from pdserve import devices
 from pdserve.bench.serve.harness import spawn, wait_http_ready
 from pdserve.bench.serve.status import say
 from pdserve.procs import ServiceProcess, free_ports
 
-#: Flags of the colocated baseline engines (ENVIRONMENT.md's baseline; the last flag only adds
-#: ``cached_tokens`` to the usage vLLM reports).
-BASELINE_VLLM_FLAGS = (
-    "--dtype bfloat16 --max-model-len 4096 --block-size 32 --enforce-eager "
-    "--enable-prefix-caching --enable-prompt-tokens-details"
-)
+
+def baseline_vllm_flags(dtype: str | None = None) -> str:
+    """Flags of the colocated baseline engines (ENVIRONMENT.md's baseline; the last flag only
+    adds ``cached_tokens`` to the usage vLLM reports). ``dtype``: default, the one pdserve's
+    vLLM workers pick on this machine (:func:`pdserve.devices.vllm_auto_dtype`), so that both
+    systems compute in the same dtype."""
+    dtype = dtype or devices.vllm_auto_dtype(os.environ)
+    return (
+        f"--dtype {dtype} --max-model-len 4096 --block-size 32 --enforce-eager "
+        "--enable-prefix-caching --enable-prompt-tokens-details"
+    )
 
 
 def baseline_env(core: int, kv_gib: float, tmp: Path) -> dict[str, str]:

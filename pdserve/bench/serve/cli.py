@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Any
 
-from pdserve.bench.serve.baseline import BASELINE_VLLM_FLAGS
+from pdserve.bench.serve.baseline import baseline_vllm_flags
 from pdserve.bench.serve.status import BenchError, say
 
 DEFAULT_TARGET = "http://127.0.0.1:8000"
@@ -85,9 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     sysg.add_argument(
         "--baseline-args",
-        default=BASELINE_VLLM_FLAGS,
+        default=baseline_vllm_flags(),
         metavar="ARGS",
-        help=f"flags of each baseline 'vllm serve' {d}",
+        help="flags of each baseline 'vllm serve'; --dtype is the one pdserve's vLLM workers "
+        f"pick on this machine (float32 on CPUs without native bfloat16) {d}",
     )
     sysg.add_argument(
         "--start-timeout",
