@@ -14,7 +14,7 @@ from pdserve.bench.serve.baseline import baseline_vllm_flags
 from pdserve.bench.serve.status import BenchError, say
 
 DEFAULT_TARGET = "http://127.0.0.1:8000"
-WORKLOADS = ("random", "prefix-repetition", "multi-round", "trace")
+WORKLOADS = ("random", "prefix-repetition", "multi-round", "long-prefill", "trace")
 
 
 def _workload(text: str) -> str:
@@ -122,16 +122,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--request-rate",
         type=_rate,
         default=math.inf,
-        help="Poisson arrival rate in requests/s of random and prefix-repetition workloads, "
+        help="Poisson arrival rate in requests/s of random, prefix-repetition and "
+        "long-prefill workloads, "
         f"conversation starts/s of multi-round; inf sends everything at once {d}",
     )
-    wl.add_argument("--num-prompts", type=int, default=100, help=f"requests (random, prefix) {d}")
+    wl.add_argument(
+        "--num-prompts", type=int, default=100, help=f"requests (random, prefix, long-prefill) {d}"
+    )
     wl.add_argument(
         "--input-len",
         "--random-input-len",
         type=int,
         default=256,
-        help=f"random: prompt tokens {d}",
+        help=f"random: prompt tokens; long-prefill: each decode stream's prompt tokens {d}",
     )
     wl.add_argument(
         "--output-len",
@@ -139,7 +142,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefix-repetition-output-len",
         type=int,
         default=16,
-        help=f"random, prefix-repetition, multi-round: max_tokens (ignore_eos) {d}",
+        help="random, prefix-repetition, multi-round: max_tokens (ignore_eos); long-prefill: "
+        f"the long prompts' {d}",
     )
     wl.add_argument(
         "--range-ratio",
@@ -162,6 +166,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     wl.add_argument("--rounds", type=int, default=4, help=f"multi-round: rounds each {d}")
     wl.add_argument(
         "--turn-len", type=int, default=64, help=f"multi-round: new user tokens per round {d}"
+    )
+    wl.add_argument(
+        "--long-fraction",
+        type=float,
+        default=0.25,
+        help=f"long-prefill: share of the requests that are long prompts {d}",
+    )
+    wl.add_argument(
+        "--long-len-min", type=int, default=1024, help=f"long-prefill: shortest long prompt {d}"
+    )
+    wl.add_argument(
+        "--long-len-max",
+        type=int,
+        default=3840,
+        help=f"long-prefill: longest long prompt (the baseline's context is 4,096) {d}",
+    )
+    wl.add_argument(
+        "--stream-output-len",
+        type=int,
+        default=256,
+        help=f"long-prefill: max_tokens of each decode stream {d}",
     )
     wl.add_argument("--trace", metavar="FILE", help="trace: Mooncake JSONL trace to replay")
     wl.add_argument(

@@ -85,6 +85,17 @@ def build_workload(args: argparse.Namespace) -> tuple[Request, ...]:
             args.request_rate,
             **common,
         )
+    if args.workload == "long-prefill":
+        return wl.long_prefill_workload(
+            args.num_prompts,
+            args.long_fraction,
+            (args.long_len_min, args.long_len_max),
+            args.output_len,
+            args.input_len,
+            args.stream_output_len,
+            args.request_rate,
+            **common,
+        )
     if not args.trace:
         raise BenchError("--workload trace needs --trace FILE (make one with 'gen-trace')")
     rows = wl.read_trace(args.trace, args.max_rows)

@@ -149,6 +149,41 @@ def multi_round_workload(
     return tuple(out)
 
 
+def long_prefill_workload(
+    num_prompts: int,
+    long_fraction: float,
+    long_len: tuple[int, int],
+    long_output_len: int,
+    stream_len: int,
+    stream_output_len: int,
+    request_rate: float = math.inf,
+    seed: int = 0,
+    vocab_size: int = DEFAULT_VOCAB,
+) -> tuple[Request, ...]:
+    """Long prompts arriving while many streams decode: Poisson arrivals at ``request_rate``,
+    ``round(num_prompts * long_fraction)`` of them (placed at random) long prompts of a length
+    uniform in ``long_len`` (inclusive) with ``long_output_len`` tokens out, the rest decode
+    streams of ``stream_len`` prompt tokens and ``stream_output_len`` out. Where a prefill
+    pool should pay: on a colocated engine each long prefill stalls the streams beside it."""
+    lo, hi = long_len
+    if not 0 <= long_fraction <= 1:
+        raise ValueError(f"long fraction must be in [0, 1], got {long_fraction}")
+    if not 1 <= lo <= hi:
+        raise ValueError(f"long prompt lengths must satisfy 1 <= min <= max, got {lo}..{hi}")
+    rng = np.random.default_rng(seed)
+    n_long = round(num_prompts * long_fraction)
+    is_long = rng.permutation(np.arange(num_prompts) < n_long)
+    times = poisson_arrivals(rng, num_prompts, request_rate)
+    out = []
+    for i in range(num_prompts):
+        if is_long[i]:
+            n_in, n_out = int(rng.integers(lo, hi + 1)), long_output_len
+        else:
+            n_in, n_out = stream_len, stream_output_len
+        out.append(Request(times[i], _tokens(rng, n_in, vocab_size), n_out))
+    return tuple(out)
+
+
 # --- Mooncake traces ------------------------------------------------------------------------
 
 

@@ -344,3 +344,19 @@ def test_a_plain_run_measures_the_target_once(
     assert len(bodies) == 2 + 4  # warm-up, then the workload
     doc = json.loads((tmp_path / "r.json").read_text())
     assert [s["name"] for s in doc["systems"]] == ["pdserve"] and "comparison" not in doc
+
+
+def test_the_long_prefill_workload_is_built_from_its_flags() -> None:
+    from pdserve.bench.serve.run import build_workload
+
+    args = _parse(
+        ["--workload", "long-prefill", "--num-prompts", "8", "--long-fraction", "0.5",
+         "--long-len-min", "40", "--long-len-max", "60", "--input-len", "12",
+         "--stream-output-len", "30", "--output-len", "3", "--vocab-size", "1000",
+         "--request-rate", "2"]
+    )  # fmt: skip
+    reqs = build_workload(args)
+    assert sorted(r.max_tokens for r in reqs) == [3] * 4 + [30] * 4
+    assert all(40 <= len(r.prompt_token_ids) <= 60 for r in reqs if r.max_tokens == 3)
+    assert all(len(r.prompt_token_ids) == 12 for r in reqs if r.max_tokens == 30)
+    assert rate_plan(args, reqs, build_workload).start == 2.0

@@ -165,3 +165,20 @@ def test_generator_arrival_steps_make_bursts() -> None:
     assert [r.hash_ids for r in poisson] == [r.hash_ids for r in steps]
     bursts = {r.timestamp_ms for r in steps}
     assert len(steps) / len(bursts) == pytest.approx(9.0, rel=0.2)
+
+
+def test_long_prefill_mixes_long_prompts_into_decode_streams() -> None:
+    reqs = wl.long_prefill_workload(40, 0.25, (100, 300), 4, 16, 64, request_rate=2.0, seed=3)
+    assert reqs == wl.long_prefill_workload(40, 0.25, (100, 300), 4, 16, 64, 2.0, seed=3)
+    long = [r for r in reqs if r.max_tokens == 4]
+    streams = [r for r in reqs if r.max_tokens == 64]
+    assert (len(long), len(streams)) == (10, 30)
+    assert all(100 <= len(r.prompt_token_ids) <= 300 for r in long)
+    assert len({len(r.prompt_token_ids) for r in long}) > 1  # lengths drawn, not fixed
+    assert {len(r.prompt_token_ids) for r in streams} == {16}
+    assert [r.t_s for r in reqs] == sorted(r.t_s for r in reqs)
+    assert [i for i, r in enumerate(reqs) if r.max_tokens == 4] != list(range(10))  # shuffled
+    with pytest.raises(ValueError, match="long fraction"):
+        wl.long_prefill_workload(4, 1.5, (1, 2), 1, 1, 1)
+    with pytest.raises(ValueError, match="1 <= min <= max"):
+        wl.long_prefill_workload(4, 0.5, (5, 2), 1, 1, 1)
