@@ -113,7 +113,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-dtype",
         default="auto",
-        help="the engine's KV dtype (default: auto = on vllm bfloat16, or float32 on CPUs without native bfloat16; float32 on torch)",
+        help="the engine's KV dtype (default: auto = on vllm bfloat16, or float32 on CPUs "
+        "without native bfloat16; float32 on torch)",
     )
     parser.add_argument(
         "--encodings",
