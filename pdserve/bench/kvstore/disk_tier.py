@@ -50,7 +50,9 @@ def bench_disk_tier(
     for size in sizes:
         n = max(iterations_for(size, iterations), 2 * (MEMORY_OBJECTS + BATCH))
         memory = MEMORY_OBJECTS * size + min(size, 64 << 10)
-        disk = (n + 2) * size + (16 << 20)
+        # room for every object below the master's eviction watermark (0.95 by default):
+        # past it the tier evicts its least recently used copies, the last ones written
+        disk = int((n + 2) * size / 0.8) + (16 << 20)
         tier_dir = Path(directory) / f"pdserve-disk-tier-{size}"
         progress(f"pdserve/tcp-disk {fmt_size(size)} x {n}: filling the disk tier")
         with local_store(
@@ -75,6 +77,7 @@ def _one_size(address: str, size: int, n: int, tier_dir: Path) -> list[Row]:
     client = open_store(address, transport="tcp", timeout_s=30)
     keys = [f"disk-{size}-{i}" for i in range(n)]
     wrong: list[str] = []
+    missed: list[str] = []
     try:
         put = measure(n, lambda i: _put_on_disk(client, keys[i], raw_object(size, i), i + 1))
         on_disk = _disk_only(client, keys)
@@ -86,17 +89,17 @@ def _one_size(address: str, size: int, n: int, tier_dir: Path) -> list[Row]:
         buf = np.empty(size * BATCH, dtype=np.uint8)
         views = [memoryview(buf[k * size : (k + 1) * size]) for k in range(BATCH)]
 
-        def check(i: int, view: memoryview) -> None:
-            if bytes(view) != raw_object(size, i):
+        def check(i: int, view: memoryview, got: int | None) -> None:
+            if got != size:
+                missed.append(f"{keys[i]} ({got})")
+            elif bytes(view) != raw_object(size, i):
                 wrong.append(keys[i])
 
         def get(j: int) -> Callable[[], None]:
             got = client.get_into(keys[singles[j]], views[0])
 
             def verify() -> None:
-                if got != size:
-                    wrong.append(keys[singles[j]])
-                check(singles[j], views[0])
+                check(singles[j], views[0], got)
 
             return verify
 
@@ -107,9 +110,7 @@ def _one_size(address: str, size: int, n: int, tier_dir: Path) -> list[Row]:
 
             def verify() -> None:
                 for k, i in enumerate(batches[j]):
-                    if got[k] != size:
-                        wrong.append(keys[i])
-                    check(i, views[k])
+                    check(i, views[k], got[k])
 
             return verify
 
@@ -120,6 +121,11 @@ def _one_size(address: str, size: int, n: int, tier_dir: Path) -> list[Row]:
         rows.append(timed_row("pdserve/tcp-disk", size, len(batches), put, got, BATCH))
         if wrong:
             raise RuntimeError(f"pdserve/tcp-disk read back different bytes: {wrong[:3]}")
+        if missed:
+            raise RuntimeError(
+                f"pdserve/tcp-disk: {len(missed)} disk-only objects not served (bytes read): "
+                f"{missed[:3]}"
+            )
         return rows
     finally:
         client.remove(keys)
