@@ -81,7 +81,8 @@ def hf_kv(tiny_model_dir, toks: list[int]) -> torch.Tensor:
 
 def test_config_resolves_bf16_of_bfloat16_to_none_and_refuses_unknown_encodings():
     assert EngineConfig(engine="torch", kv_compression="bf16").resolved_kv_compression() == "bf16"
-    assert EngineConfig(engine="vllm", kv_compression="bf16").resolved_kv_compression() == "none"
+    vllm_bf16 = EngineConfig(engine="vllm", kv_dtype="bfloat16", kv_compression="bf16")
+    assert vllm_bf16.resolved_kv_compression() == "none"
     vllm_fp32 = EngineConfig(engine="vllm", kv_dtype="float32", kv_compression="bf16")
     assert vllm_fp32.resolved_kv_compression() == "bf16"
     assert EngineConfig(engine="vllm", kv_compression="fp8").resolved_kv_compression() == "fp8"
