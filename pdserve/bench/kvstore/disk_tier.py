@@ -18,6 +18,7 @@ raw-object checksum, as KV chunks are stored).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +34,7 @@ from pdserve.bench.kvstore.measure import (
     progress,
     timed_row,
 )
+from pdserve.services.kvstore.master.config import MasterConfig
 from pdserve.v1 import kvstore_pb2 as pb
 
 #: Objects memory holds in these runs (its segment is this many objects, at least 4 MiB).
@@ -50,9 +52,9 @@ def bench_disk_tier(
     for size in sizes:
         n = max(iterations_for(size, iterations), 2 * (MEMORY_OBJECTS + BATCH))
         memory = MEMORY_OBJECTS * size + min(size, 64 << 10)
-        # room for every object below the master's eviction watermark (0.95 by default):
-        # past it the tier evicts its least recently used copies, the last ones written
-        disk = int((n + 2) * size / 0.8) + (16 << 20)
+        # every object below the master's eviction watermark: past it the tier evicts its
+        # least recently used copies, the last ones written
+        disk = math.ceil((n + 2) * size / MasterConfig.high_watermark) + (16 << 20)
         tier_dir = Path(directory) / f"pdserve-disk-tier-{size}"
         progress(f"pdserve/tcp-disk {fmt_size(size)} x {n}: filling the disk tier")
         with local_store(

@@ -18,14 +18,13 @@ from pdserve.bench.serve.status import say
 from pdserve.procs import ServiceProcess, free_ports
 
 
-def baseline_vllm_flags(dtype: str | None = None) -> str:
+def baseline_vllm_flags() -> str:
     """Flags of the colocated baseline engines (ENVIRONMENT.md's baseline; the last flag only
-    adds ``cached_tokens`` to the usage vLLM reports). ``dtype``: default, the one pdserve's
-    vLLM workers pick on this machine (:func:`pdserve.devices.vllm_auto_dtype`), so that both
+    adds ``cached_tokens`` to the usage vLLM reports). ``--dtype`` is the one pdserve's vLLM
+    workers pick on this machine (:func:`pdserve.devices.vllm_auto_dtype`), so that both
     systems compute in the same dtype."""
-    dtype = dtype or devices.vllm_auto_dtype(os.environ)
     return (
-        f"--dtype {dtype} --max-model-len 4096 --block-size 32 --enforce-eager "
+        f"--dtype {devices.vllm_auto_dtype(os.environ)} --max-model-len 4096 --block-size 32 --enforce-eager "
         "--enable-prefix-caching --enable-prompt-tokens-details"
     )
 
