@@ -8,12 +8,17 @@ machine with GPUs gets is decided, and tested, on a machine without one:
   vLLM sizes its KV cache from a share of the whole GPU (``gpu_memory_utilization``), so two
   engines on one GPU do not fit: more vLLM workers than GPUs is refused with the numbers.
 - Without GPUs, each vLLM worker is pinned to one core (``VLLM_CPU_OMP_THREADS_BIND``), round
-  robin: vLLM pins its OpenMP threads, and two engines on one core halve each other.
+  robin: vLLM pins its OpenMP threads, and two engines on one core halve each other. The
+  worker's whole process tree goes there too (:func:`pin_process`, before the engine
+  starts): vLLM's engine-core process, left free, spins on ``sched_yield`` while its model
+  process computes a step, on whichever core is free of its own model, which is the other
+  engine's.
 - The torch engine runs on the CPU and is left alone.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -96,3 +101,28 @@ def vllm_auto_dtype(
         return "bfloat16"
     flags = cpu_flags() if flags is None else flags
     return "bfloat16" if not flags or native_bf16(flags) else "float32"
+
+
+def parse_cores(spec: str) -> set[int]:
+    """The cores of a ``vllm_cpu_cores`` / ``VLLM_CPU_OMP_THREADS_BIND`` value: ``"0"``,
+    ``"0-3"``, ``"0,2"``, and vLLM's ``"0|1"`` (one list per tensor-parallel rank; all of
+    them). Raises ValueError on anything else."""
+    cores: set[int] = set()
+    for part in re.split(r"[,|]", spec):
+        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+        if m is None or (m[2] is not None and int(m[2]) < int(m[1])):
+            raise ValueError(f"cpu cores {spec!r}: {part!r} is not a core or a range a-b")
+        cores.update(range(int(m[1]), int(m[m.lastindex or 1]) + 1))
+    return cores
+
+
+def pin_process(spec: str) -> set[int]:
+    """Pins this process, and so every process it starts later, to the cores of ``spec``
+    (:func:`parse_cores`) that it may use; returns them (empty: nothing changed, where
+    none of them is allowed or the platform cannot pin)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return set()
+    cores = parse_cores(spec) & os.sched_getaffinity(0)
+    if cores:
+        os.sched_setaffinity(0, cores)
+    return cores

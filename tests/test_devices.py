@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from pdserve import devices
 from pdserve.commands.up import UpConfig
 from pdserve.devices import Placement, place_workers, visible_gpus
 
@@ -134,3 +135,43 @@ def test_the_vllm_engines_auto_kv_dtype_follows_this_machine(monkeypatch) -> Non
     assert EngineConfig(engine="vllm").resolved_kv_dtype() == vllm_auto_dtype({})
     assert EngineConfig(engine="vllm", kv_dtype="bfloat16").resolved_kv_dtype() == "bfloat16"
     assert EngineConfig(engine="torch").resolved_kv_dtype() == "float32"
+
+
+@pytest.mark.parametrize(
+    ("spec", "want"),
+    [("0", {0}), ("1", {1}), ("0-3", {0, 1, 2, 3}), ("0,2", {0, 2}), ("0|1", {0, 1}), (" 2 ", {2})],
+)
+def test_core_lists_parse_as_vllm_reads_them(spec: str, want: set[int]) -> None:
+    assert devices.parse_cores(spec) == want
+
+
+@pytest.mark.parametrize("spec", ["", "a", "3-1", "0-", "1;2"])
+def test_a_bad_core_list_is_refused_with_what_is_wrong(spec: str) -> None:
+    with pytest.raises(ValueError, match="is not a core or a range"):
+        devices.parse_cores(spec)
+
+
+@pytest.mark.slow
+def test_a_pinned_process_and_its_children_run_on_the_named_cores_only() -> None:
+    import json
+    import subprocess
+    import sys
+
+    allowed = sorted(os.sched_getaffinity(0))
+    core = allowed[-1]
+    # in a child process, so this test's own affinity is left alone; it starts a grandchild
+    script = (
+        "import json, os, subprocess, sys\n"
+        "from pdserve.devices import pin_process\n"
+        f"got = sorted(pin_process({str(core)!r}))\n"
+        "kid = subprocess.run([sys.executable, '-c', 'import os; print(sorted("
+        "os.sched_getaffinity(0)))'], capture_output=True, text=True, check=True).stdout\n"
+        "print(json.dumps([got, json.loads(kid)]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    ).stdout
+    assert json.loads(out) == [[core], [core]]
+    # none of the cores allowed: nothing changes
+    assert devices.pin_process(str(max(allowed) + 1)) == set()
+    assert sorted(os.sched_getaffinity(0)) == allowed

@@ -119,7 +119,9 @@ class EngineConfig(StoreBackendConfig):
     )
     vllm_kv_cache_gib: float = help_field(2.0, "vLLM KV cache size (GiB)")
     vllm_cpu_cores: str = help_field(
-        "", "cores vLLM's CPU worker binds to, e.g. '0' or '0-1' (empty = vLLM's default)"
+        "",
+        "cores vLLM's CPU worker binds to, e.g. '0' or '0-1'; a worker service also pins its "
+        "own process, and so vLLM's engine core, to them (empty = vLLM's default, unpinned)",
     )
     vllm_args: dict = help_field(
         {},

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve import grpcutil, identity, lifecycle, telemetry
+from pdserve.devices import pin_process
 from pdserve.discovery import leave, register_service
 from pdserve.engines import create_engine
 from pdserve.engines.base import Engine
@@ -52,6 +53,9 @@ async def serve(spec: WorkerSpec, cfg: WorkerConfig, stop: asyncio.Event) -> Non
     """Runs one worker until ``stop`` is set, then drains: health NOT_SERVING and deregister
     first (no new work is routed here), wait up to ``drain_timeout_s`` for in-flight RPCs,
     then close the engine (and with it its store clients)."""
+    if cfg.vllm_cpu_cores and cfg.engine != "torch":
+        # the worker, vLLM's engine core and its model process on the worker's cores
+        pin_process(cfg.vllm_cpu_cores)
     engine = create_engine(cfg)
     meta_client = None
     server = None

@@ -117,6 +117,18 @@ def test_make_up_default_serves_shares_prefixes_and_stops_clean(tmp_path: Path) 
 
         shm_used = shm_mapped(descendants(proc.pid))
         assert any(Path(p).name.startswith("psm_") for p in shm_used), shm_used  # vLLM's queues
+
+        # each worker's whole process tree (vLLM's engine core and model process too) runs
+        # on the worker's own core, and no two workers share one
+        pinned = []
+        for pid in descendants(proc.pid):
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"decode" in args and b"pdserve.commands.cli" in args:
+                tree = {frozenset(os.sched_getaffinity(p)) for p in descendants(pid)}
+                assert len(tree) == 1, tree
+                pinned.append(os.sched_getaffinity(pid))
+        assert len(pinned) == len(workers) and all(len(c) == 1 for c in pinned), pinned
+        assert len({min(c) for c in pinned}) == len(pinned), pinned
     finally:
         identity.configure_files(before_identity)
         proc.send_signal(signal.SIGINT)

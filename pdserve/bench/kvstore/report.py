@@ -78,6 +78,21 @@ def ratios(rows: list[Row]) -> list[str]:
                 f"(each get looks up its own) at {where}: {looked.get_gbps:.2f} vs "
                 f"{r.get_gbps:.2f} GB/s (p50 {looked.get_p50_us:.0f} vs {r.get_p50_us:.0f} us)"
             )
+        raw = by.get(("disk-raw-direct", r.size, "single"))
+        if r.system == "pdserve/tcp-disk" and raw is not None and raw.get_p50_us > 0:
+            each = r.get_p50_us / r.batch  # a batch is timed as one operation
+            how = (
+                "each get looks up its own"
+                if r.batch == 1
+                else (
+                    f"per object of a batch of {r.batch}: longest_prefix, then the batch, as the "
+                    "connector reads"
+                )
+            )
+            lines.append(
+                f"disk tier / raw O_DIRECT read at {where} ({how}): p50 {each:.0f} vs "
+                f"{raw.get_p50_us:.0f} us, {each / raw.get_p50_us:.2f}x"
+            )
         if r.system == "pdserve/shm" and mem is not None:
             lines.append(
                 f"shm / memcpy at {where}: put {r.put_gbps / mem.put_gbps:.0%}, "

@@ -92,3 +92,24 @@ def test_median_rows_takes_each_figure_median_across_rounds() -> None:
     assert got["a"].rounds == 3
     # "b" ran in two rounds only: the median of two is their mean.
     assert (got["b"].get_gbps, got["b"].put_p50_us, got["b"].rounds) == (5.0, 2.0, 2)
+
+
+def test_disk_tier_ratio_lines_compare_each_object_with_the_raw_direct_read() -> None:
+    from pdserve.bench.kvstore.measure import Row
+    from pdserve.bench.kvstore.report import ratios
+
+    def row(system: str, mode: str, batch: int, get_p50: float) -> Row:
+        return Row(system, 1 << 20, 10, mode, batch, 1.0, 1.0, 1.0, 1.0, get_p50, get_p50)
+
+    lines = ratios(
+        [
+            row("disk-raw-direct", "single", 1, 800.0),
+            row("pdserve/tcp-disk", "single", 1, 1400.0),
+            row("pdserve/tcp-disk", "batch", 16, 16 * 1000.0),
+        ]
+    )
+    disk = sorted(line for line in lines if line.startswith("disk tier"))
+    assert len(disk) == 2
+    batch, single = disk
+    assert "batch of 16" in batch and batch.endswith("p50 1000 vs 800 us, 1.25x")
+    assert "looks up its own" in single and single.endswith("p50 1400 vs 800 us, 1.75x")
