@@ -103,23 +103,35 @@ def vllm_auto_dtype(
     return "bfloat16" if not flags or native_bf16(flags) else "float32"
 
 
+#: ``VLLM_CPU_OMP_THREADS_BIND`` values that name no cores (vLLM binds by itself, or not at
+#: all): a worker given one is not pinned.
+UNPINNED = frozenset({"auto", "nobind", "all"})
+
+
 def parse_cores(spec: str) -> set[int]:
     """The cores of a ``vllm_cpu_cores`` / ``VLLM_CPU_OMP_THREADS_BIND`` value: ``"0"``,
     ``"0-3"``, ``"0,2"``, and vLLM's ``"0|1"`` (one list per tensor-parallel rank; all of
-    them). Raises ValueError on anything else."""
+    them); none for :data:`UNPINNED`. Raises ValueError on anything else."""
+    if spec.strip() in UNPINNED:
+        return set()
     cores: set[int] = set()
     for part in re.split(r"[,|]", spec):
         m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
-        if m is None or (m[2] is not None and int(m[2]) < int(m[1])):
-            raise ValueError(f"cpu cores {spec!r}: {part!r} is not a core or a range a-b")
-        cores.update(range(int(m[1]), int(m[m.lastindex or 1]) + 1))
+        lo = int(m[1]) if m else 0
+        hi = int(m[2]) if m and m[2] else lo
+        if m is None or hi < lo:
+            raise ValueError(
+                f"cpu cores {spec!r}: {part!r} is not a core or a range a-b "
+                f"(or one of {sorted(UNPINNED)})"
+            )
+        cores.update(range(lo, hi + 1))
     return cores
 
 
 def pin_process(spec: str) -> set[int]:
     """Pins this process, and so every process it starts later, to the cores of ``spec``
     (:func:`parse_cores`) that it may use; returns them (empty: nothing changed, where
-    none of them is allowed or the platform cannot pin)."""
+    none of them is allowed, ``spec`` names none, or the platform cannot pin)."""
     if not hasattr(os, "sched_setaffinity"):
         return set()
     cores = parse_cores(spec) & os.sched_getaffinity(0)

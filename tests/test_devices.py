@@ -139,7 +139,16 @@ def test_the_vllm_engines_auto_kv_dtype_follows_this_machine(monkeypatch) -> Non
 
 @pytest.mark.parametrize(
     ("spec", "want"),
-    [("0", {0}), ("1", {1}), ("0-3", {0, 1, 2, 3}), ("0,2", {0, 2}), ("0|1", {0, 1}), (" 2 ", {2})],
+    [
+        ("0", {0}),
+        ("1", {1}),
+        ("0-3", {0, 1, 2, 3}),
+        ("0,2", {0, 2}),
+        ("0|1", {0, 1}),
+        (" 2 ", {2}),
+        ("auto", set()),
+        ("nobind", set()),
+    ],
 )
 def test_core_lists_parse_as_vllm_reads_them(spec: str, want: set[int]) -> None:
     assert devices.parse_cores(spec) == want
@@ -149,6 +158,14 @@ def test_core_lists_parse_as_vllm_reads_them(spec: str, want: set[int]) -> None:
 def test_a_bad_core_list_is_refused_with_what_is_wrong(spec: str) -> None:
     with pytest.raises(ValueError, match="is not a core or a range"):
         devices.parse_cores(spec)
+
+
+def test_a_bad_core_list_in_a_worker_config_is_refused_at_start() -> None:
+    from pdserve.config import ConfigError
+    from pdserve.engines.config import EngineConfig
+
+    with pytest.raises(ConfigError, match=r"vllm_cpu_cores: .*'x' is not a core"):
+        EngineConfig(engine="vllm", vllm_cpu_cores="0,x").validate()
 
 
 @pytest.mark.slow

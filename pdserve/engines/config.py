@@ -176,6 +176,11 @@ class EngineConfig(StoreBackendConfig):
             )
         if self.torch_threads <= 0:
             raise ConfigError(f"torch_threads must be positive, got {self.torch_threads}")
+        if self.vllm_cpu_cores:
+            try:
+                devices.parse_cores(self.vllm_cpu_cores)
+            except ValueError as exc:
+                raise ConfigError(f"vllm_cpu_cores: {exc}") from None
         for name in ("max_model_len", "max_tokens_limit"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0 (0 = auto), got {getattr(self, name)}")
