@@ -10,9 +10,9 @@ machine with GPUs gets is decided, and tested, on a machine without one:
 - Without GPUs, each vLLM worker is pinned to one core (``VLLM_CPU_OMP_THREADS_BIND``), round
   robin: vLLM pins its OpenMP threads, and two engines on one core halve each other. The
   worker's whole process tree goes there too (:func:`pin_process`, before the engine
-  starts): vLLM's engine-core process, left free, spins on ``sched_yield`` while its model
-  process computes a step, on whichever core is free of its own model, which is the other
-  engine's.
+  starts): vLLM's engine-core process busy-waits (``sched_yield``) on its shared-memory queue
+  while its model process computes a step, and unpinned the kernel may run it on any core,
+  the other engine's included.
 - The torch engine runs on the CPU and is left alone.
 """
 
