@@ -84,6 +84,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"VLLM_CPU_KVCACHE_SPACE of each baseline engine {d}",
     )
     sysg.add_argument(
+        "--baseline-pin",
+        action="store_true",
+        help="pin each baseline engine's whole process tree to its core (as `taskset -c N "
+        "vllm serve`), as pdserve pins its workers; default: only vLLM's OpenMP threads "
+        "(VLLM_CPU_OMP_THREADS_BIND), vLLM's documented setting",
+    )
+    sysg.add_argument(
         "--baseline-args",
         default=baseline_vllm_flags(),
         metavar="ARGS",

@@ -20,9 +20,14 @@ from pdserve.procs import ServiceProcess, free_ports
 
 
 def spawn(
-    name: str, argv: Sequence[str], log: Path, env: dict[str, str] | None = None
+    name: str,
+    argv: Sequence[str],
+    log: Path,
+    env: dict[str, str] | None = None,
+    cores: set[int] | None = None,
 ) -> ServiceProcess:
-    """Starts ``argv`` in its own session (process group), output to ``log``."""
+    """Starts ``argv`` in its own session (process group), output to ``log``; with ``cores``,
+    pinned to them, it and every process it starts (as ``taskset -c``)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as f:
         popen = subprocess.Popen(
@@ -32,6 +37,7 @@ def spawn(
             stdin=subprocess.DEVNULL,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             start_new_session=True,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None,
         )
     return ServiceProcess(name, popen, log)
 

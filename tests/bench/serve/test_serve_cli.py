@@ -1,10 +1,13 @@
 """``pdserve bench serve`` takes ``vllm bench serve``'s spellings of its flags: the same run as
-pdserve's own spellings, and ``--save-result`` writes where vLLM's would."""
+pdserve's own spellings, and ``--save-result`` writes where vLLM's would; ``--baseline-pin``
+pins the baseline's engines, their children included."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+
+import pytest
 
 from pdserve.bench.serve.cli import add_arguments
 from pdserve.bench.serve.run import result_path
@@ -75,3 +78,28 @@ def test_save_result_writes_where_vllm_would(tmp_path: Path) -> None:
     assert result_path(named) == str(tmp_path / "r.json")
     default = Path(result_path(_parse(["--save-result", "--dataset-name", "random"])))
     assert default.parent == Path(".") and default.name.startswith("pdserve-random-")
+
+
+def test_the_baseline_is_pinned_only_when_asked() -> None:
+    assert _parse([]).baseline_pin is False
+    assert _parse(["--baseline-pin"]).baseline_pin is True
+
+
+@pytest.mark.slow
+def test_a_spawned_engine_and_its_children_run_on_the_cores_given(tmp_path: Path) -> None:
+    import json
+    import os
+    import sys
+
+    from pdserve.bench.serve.harness import spawn
+
+    core = max(os.sched_getaffinity(0))
+    child = (
+        "import json, os, subprocess, sys; kid = subprocess.run([sys.executable, '-c', "
+        "'import os; print(sorted(os.sched_getaffinity(0)))'], capture_output=True, "
+        "text=True).stdout; print(json.dumps([sorted(os.sched_getaffinity(0)), json.loads(kid)]))"
+    )
+    proc = spawn("pinned", [sys.executable, "-c", child], tmp_path / "pinned.log", cores={core})
+    assert proc.popen.wait(60) == 0
+    assert json.loads((tmp_path / "pinned.log").read_text()) == [[core], [core]]
+    assert max(os.sched_getaffinity(0)) == core  # this process is left as it was
