@@ -69,7 +69,7 @@ def started_engines(
             argv += ["--served-model-name", args.model, "--host", "127.0.0.1", "--port", str(port)]
             argv += shlex.split(args.baseline_args) + engine_args(i)
             env = baseline_env(i % cores, args.baseline_kv_cache_gib, work / f"vllm-{i}")
-            pin = {i % cores} if getattr(args, "baseline_pin", False) else None
+            pin = {i % cores} if args.baseline_pin else None
             where = f"core {i % cores}" + (", its whole process tree" if pin else "")
             say(f"starting vllm-{i} on {where}: {shlex.join(argv[1:])}")
             engines.append(spawn(f"vllm-{i}", argv, work / f"vllm-{i}.log", env, pin))
