@@ -157,15 +157,20 @@ class SystemCapacity:
     prefill_tokens_per_s: float
     prefill_source: str  # "flag" or "calibrated"
     base_rate: float | None  # req/s of a trace at multiplier 1
+    #: The system under test at the baseline's capacity rate (its search's run at that rate,
+    #: or one more run; not part of the search); None without a baseline that passed.
+    at_baseline: Point | None = None
 
     @property
     def points(self) -> list[Point]:
-        return [p for _, p in self.search.tried]
+        tried = [p for _, p in self.search.tried]
+        extra = self.at_baseline is not None and all(p is not self.at_baseline for p in tried)
+        return [*tried, self.at_baseline] if extra else tried  # type: ignore[list-item]
 
     def to_json(self) -> dict[str, Any]:
         s = self.search
         mult = s.capacity / self.base_rate if self.base_rate else None
-        return {
+        out: dict[str, Any] = {
             "rate": s.capacity,
             "multiplier": mult,
             "at_least": s.at_least,
@@ -173,6 +178,15 @@ class SystemCapacity:
             "bracket": [s.lo, s.hi],
             "runs": len(s.tried),
         }
+        if self.at_baseline is not None:
+            b = self.at_baseline
+            out["at_baseline_capacity"] = {
+                "rate": b.rate,
+                "attainment": b.attainment,
+                "good": b.good,
+                "total": b.total,
+            }
+        return out
 
 
 def rate_text(rate: float) -> str:
@@ -231,6 +245,13 @@ def format_table(
     for c in systems:
         src = f"{c.prefill_tokens_per_s:.0f} prompt tok/s ({c.prefill_source})"
         out.append(f"{c.name} capacity: {capacity_text(c, unit)}; bound at {src}")
+    for c, other in zip(systems, reversed(systems), strict=True):
+        if c.at_baseline is not None:
+            b = c.at_baseline
+            out.append(
+                f"{c.name} at {other.name}'s capacity ({rate_text(b.rate)} {unit}): "
+                f"{b.attainment:.1%} on time ({b.good} of {b.total})"
+            )
     r = ratio(systems)
     if len(systems) == 2:
         names = f"{systems[0].name} / {systems[1].name}"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -236,8 +237,26 @@ def search_system(
     return SystemCapacity(sut.name, search, prefill, source, plan.base_rate)
 
 
+def at_rate(
+    sut: SystemUnderTest,
+    cap: SystemCapacity,
+    rate: float,
+    plan: RatePlan,
+    slos: Mapping[str, float],
+) -> Point:
+    """``sut`` at ``rate`` (the baseline's capacity): the run its search ``cap`` made at that
+    rate, else one more run (printed, not part of the search)."""
+    for tried, point in cap.search.tried:
+        if math.isclose(tried, rate, rel_tol=1e-9):
+            return point
+    point = sut.measure(plan, rate, slos, cap.prefill_tokens_per_s)
+    say(progress_line(point, plan.unit) + " (the baseline's capacity)")
+    return point
+
+
 def run_capacity(args: argparse.Namespace) -> list[SystemCapacity]:
-    """Starts each system once, searches it, prints the table and writes JSON and plot."""
+    """Starts each system once (the baseline first), searches it, runs the system under test
+    at the baseline's capacity, prints the table and writes JSON and plot."""
     from pdserve.bench.serve.run import build_workload, each_system, result_path, vocab_size
     from pdserve.bench.serve.workloads import workload_stats
 
@@ -254,11 +273,18 @@ def run_capacity(args: argparse.Namespace) -> list[SystemCapacity]:
         f"{args.capacity_steps} runs per system, target {args.attainment:.0%} on time"
     )
     vocab = vocab_size(args)
-    systems: list[SystemCapacity] = []
-    with each_system(args) as each:
+    # The baseline first: then the system under test also runs at the baseline's capacity.
+    found: dict[bool, SystemCapacity] = {}
+    with each_system(args, baseline_first=True) as each:
         for system in each:
             sut = SystemUnderTest(system.name, system.url, system.key, args, vocab)
-            systems.append(search_system(sut, plan, slos, st.mean_input))
+            cap = search_system(sut, plan, slos, st.mean_input)
+            baseline = found.get(False)
+            if system.is_target and baseline is not None and baseline.search.capacity > 0:
+                point = at_rate(sut, cap, baseline.search.capacity, plan, slos)
+                cap = dataclasses.replace(cap, at_baseline=point)
+            found[system.is_target] = cap
+    systems = [found[k] for k in (True, False) if k in found]  # the system under test first
     print(format_table(systems, plan.unit, args.attainment, slos), flush=True)
     path = result_path(args)
     if path:

@@ -291,7 +291,9 @@ def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="instead of one run, search each system (started once) for the highest rate at "
         "which --attainment of all requests meet every --goodput SLO (needs ttft:MS); "
-        "--json and --plot-dir then write the search (capacity.png)",
+        "with --compare colocated the baseline is searched first and the system under test "
+        "is also run at the baseline's capacity; --json and --plot-dir then write the "
+        "search (capacity.png)",
     )
     cap.add_argument(
         "--attainment",

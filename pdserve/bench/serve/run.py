@@ -206,14 +206,17 @@ class System:
 
 
 @contextlib.contextmanager
-def each_system(args: argparse.Namespace) -> Iterator[Iterator[System]]:
+def each_system(
+    args: argparse.Namespace, baseline_first: bool = False
+) -> Iterator[Iterator[System]]:
     """The systems ``args`` name, one at a time: the system under test (started with
-    ``--start-pdserve``, else ``--target``), then with ``--compare colocated`` the baseline,
-    each up only until the next is asked for (a logs folder holds what they started)."""
+    ``--start-pdserve``, else ``--target``), then with ``--compare colocated`` the baseline
+    (``baseline_first``: the baseline first), each up only until the next is asked for (a
+    logs folder holds what they started)."""
     starts = args.start_pdserve is not None or args.compare == "colocated"
     with logs_dir(args.keep_logs) if starts else contextlib.nullcontext(Path()) as work:
 
-        def systems() -> Iterator[System]:
+        def target() -> Iterator[System]:
             if args.start_pdserve is not None:
                 started = started_pdserve(args.start_pdserve, args.model, work, args.start_timeout)
                 with started as (url, key):
@@ -221,9 +224,16 @@ def each_system(args: argparse.Namespace) -> Iterator[Iterator[System]]:
             else:
                 key = args.api_key or os.environ.get("PDSERVE_API_KEY", "")
                 yield System(args.label, args.target, key, True)
+
+        def baseline() -> Iterator[System]:
             if args.compare == "colocated":
                 with started_colocated(args, work) as url:
                     yield System("colocated", url, "", False)
+
+        def systems() -> Iterator[System]:
+            order = (baseline, target) if baseline_first else (target, baseline)
+            for each in order:
+                yield from each()
 
         with contextlib.closing(systems()) as each:
             yield each

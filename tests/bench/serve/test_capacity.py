@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import json
 import math
 import threading
@@ -223,6 +225,25 @@ def test_table_json_and_progress(tmp_path: Path) -> None:
     assert doc["args"]["find_capacity"] is True
 
 
+def test_the_run_at_the_baselines_capacity_is_reported() -> None:
+    """The system under test at the baseline's capacity: in the table, the JSON and the
+    points (once, also when its search ran at that rate itself)."""
+    pdserve, colocated = _systems()
+    extra = _point("pdserve", 1.0, 1.0, 0.5)
+    systems = [dataclasses.replace(pdserve, at_baseline=extra), colocated]
+    table = format_table(systems, "req/s", 0.9, {"ttft": 2000.0})
+    assert "pdserve at colocated's capacity (1.00 req/s): 100.0% on time (10 of 10)" in table
+    assert "pdserve               1.00   0.50   100.0%" in table  # its row, with the search's
+    doc = capacity_doc(systems, _parse(["--find-capacity", "--goodput", "ttft:2000"]), "req/s")
+    assert doc["capacity"]["pdserve"]["at_baseline_capacity"] == {
+        "rate": 1.0, "attainment": 1.0, "good": 10, "total": 10
+    }  # fmt: skip
+    assert "at_baseline_capacity" not in doc["capacity"]["colocated"]
+    assert [p["rate"] for p in doc["points"]] == [2.0, 4.0, 1.0, 2.0, 1.0]
+    tried = pdserve.search.tried[0][1]  # a rate the search ran: the same point, listed once
+    assert len(dataclasses.replace(pdserve, at_baseline=tried).points) == 2
+
+
 def test_halved_rates_are_not_rounded_away() -> None:
     assert [rate_text(r) for r in (2.0, 1.5, 0.5, 0.25, 0.125, 0.0625)] == [
         "2.00", "1.50", "0.50", "0.25", "0.125", "0.0625"
@@ -330,6 +351,52 @@ def test_whole_search_against_a_fake_server(
     out = capsys.readouterr()
     assert "pdserve capacity: >= 200.00 req/s, no rate tried failed" in out.out
     assert "pdserve: rate 100.00 req/s -> 100.0% on time (bound 100.0%)" in out.err
+
+
+def test_the_baseline_is_searched_first_and_sets_a_run_of_the_target(
+    fake_server: tuple[str, list[dict]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+) -> None:
+    """With a baseline, its search comes first; the system under test then runs once more at
+    the baseline's capacity (150 req/s here: a rate its own search, 100 then 200, skipped)."""
+    from pdserve.bench.serve import capacity_run, run
+    from pdserve.bench.serve.run import System
+
+    base, bodies = fake_server
+    order: list[str] = []
+
+    @contextlib.contextmanager
+    def two_systems(args: argparse.Namespace, baseline_first: bool = False):
+        assert baseline_first
+        yield iter([System("colocated", base, "", False), System("pdserve", base, "", True)])
+
+    real_search = capacity_run.search_system
+
+    def search(sut, plan, slos, mean_input):
+        order.append(sut.name)
+        cap = real_search(sut, plan, slos, mean_input)
+        if sut.name == "colocated":  # as if 150 had been its highest passing rate
+            cap = dataclasses.replace(cap, search=Search(150.0, 200.0, cap.search.tried))
+        return cap
+
+    monkeypatch.setattr(run, "each_system", two_systems)
+    monkeypatch.setattr(capacity_run, "search_system", search)
+    argv = f"--target {base} --model m --vocab-size 1000 --num-prompts 5 --input-len 20 "
+    argv += "--output-len 2 --goodput ttft:10000 --find-capacity --rate-start 100 "
+    argv += f"--capacity-steps 2 --calibrate-requests 3 --disable-tqdm --json {tmp_path}/c.json"
+    assert run_cli(_parse(argv.split())) == 0
+    assert order == ["colocated", "pdserve"]
+    # each: warm-up (2), calibration (3), 2 runs of 5; then pdserve's run at 150
+    assert len(bodies) == 2 * (2 + 3 + 10) + 5
+    doc = json.loads((tmp_path / "c.json").read_text())
+    assert list(doc["capacity"]) == ["pdserve", "colocated"]  # the system under test first
+    assert doc["capacity"]["pdserve"]["at_baseline_capacity"]["rate"] == 150.0
+    assert doc["capacity"]["pdserve"]["runs"] == 2  # the extra run is not the search's
+    out = capsys.readouterr()
+    assert "pdserve: rate 150.00 req/s -> 100.0% on time (bound 100.0%) (the baseline's" in out.err
+    assert "pdserve at colocated's capacity (150.00 req/s): 100.0% on time (5 of 5)" in out.out
 
 
 def test_a_plain_run_measures_the_target_once(
