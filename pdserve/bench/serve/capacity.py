@@ -197,11 +197,13 @@ def rate_text(rate: float) -> str:
 
 
 def progress_line(p: Point, unit: str) -> str:
-    """``pdserve: rate 2.00 req/s -> 93.4% on time (bound 98.8%)``."""
+    """``pdserve: rate 2.00 req/s -> 93.4% on time (bound 98.8%); TTFT p99 1.90 s, TPOT p99
+    265 ms``: the run's figures as it ends (a search stopped early keeps them in its log)."""
     mult = f" (x{p.multiplier:.2f})" if p.multiplier is not None else ""
     return (
         f"{p.system}: rate {rate_text(p.rate)} {unit}{mult} -> {p.attainment:.1%} on time "
-        f"(bound {p.bound:.1%})"
+        f"(bound {p.bound:.1%}); TTFT p99 {p.ttft_p99_ms / 1000:.2f} s, "
+        f"TPOT p99 {p.tpot_p99_ms:.0f} ms"
     )
 
 

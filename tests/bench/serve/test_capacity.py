@@ -209,7 +209,7 @@ def _systems() -> list[SystemCapacity]:
 def test_table_json_and_progress(tmp_path: Path) -> None:
     systems = _systems()
     p = systems[0].points[0]
-    assert progress_line(p, "req/s") == "pdserve: rate 2.00 req/s (x1.00) -> 95.0% on time (bound 100.0%)"  # fmt: skip
+    assert progress_line(p, "req/s") == "pdserve: rate 2.00 req/s (x1.00) -> 95.0% on time (bound 100.0%); TTFT p99 0.90 s, TPOT p99 90 ms"  # fmt: skip
     table = format_table(systems, "req/s", 0.9, {"ttft": 2000.0, "tpot": 200.0})
     assert "Capacity at 90% attainment (ttft<=2000ms tpot<=200ms)" in table
     assert "pdserve capacity: 2.00 req/s (x1.00), below 4.00" in table
@@ -395,7 +395,8 @@ def test_the_baseline_is_searched_first_and_sets_a_run_of_the_target(
     assert doc["capacity"]["pdserve"]["at_baseline_capacity"]["rate"] == 150.0
     assert doc["capacity"]["pdserve"]["runs"] == 2  # the extra run is not the search's
     out = capsys.readouterr()
-    assert "pdserve: rate 150.00 req/s -> 100.0% on time (bound 100.0%) (the baseline's" in out.err
+    assert "pdserve: rate 150.00 req/s -> 100.0% on time (bound 100.0%); TTFT p99" in out.err
+    assert "ms (the baseline's capacity)" in out.err
     assert "pdserve at colocated's capacity (150.00 req/s): 100.0% on time (5 of 5)" in out.out
 
 
