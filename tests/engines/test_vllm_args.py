@@ -113,8 +113,16 @@ def test_supported_vllm_args_run_token_exact_through_the_store(
     assert [r["tokens"] for r in again] == want
     # every full chunk came from the store: the first prompt's all loaded (vLLM's own cache
     # was emptied), the second's past the motif the two share (which vLLM may cache again)
-    assert again[0]["loaded"] == 3 * 32 and again[0]["prefix_cached"] == 0, again
-    assert again[1]["loaded"] >= 32 and again[1]["loaded"] + again[1]["prefix_cached"] == 4 * 32
+    # what each run did with the store, in full (a repr of the runs is cut short): a store
+    # error backs the connector off the store, and its runs then compute instead
+    did = "; ".join(
+        f"{r['id']}: loaded {r.get('loaded')} recomputed {r.get('recomputed')} prefix-cached "
+        f"{r.get('prefix_cached')} computed {r.get('computed')} store {r['store_metrics']}"
+        for r in runs
+    )
+    assert again[0]["loaded"] == 3 * 32 and again[0]["prefix_cached"] == 0, did
+    assert again[1]["loaded"] >= 32, did
+    assert again[1]["loaded"] + again[1]["prefix_cached"] == 4 * 32, did
 
 
 @pytest.mark.vllm
