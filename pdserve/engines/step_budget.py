@@ -72,13 +72,29 @@ def prompt_budget(
     """Prompt tokens the next step may take beside ``streams`` so that every stream's time
     per output token (vLLM's TPOT: from its first token to its last, over the tokens after the
     first) is projected within ``target_s``: its time so far, plus this step, plus its expected
-    future tokens at a decode-only step each. At least ``block``, so prompts always progress."""
+    future tokens at a decode-only step each. At least ``block``, so prompts always progress
+    (the scheduler passes 0 where the prompts waiting may wait: late ones, whose first token is
+    lost to its target whatever this step does; a floor above 0 would make the future steps
+    longer than the decode-only steps the projection counts on)."""
 
-    def allowed(s: Stream) -> float:
-        future = future_tokens(s)
-        return target_s * (s.tokens + future) - (now - s.first_token_at) - future * cost.fixed_s
+    step = min(allowed_step_s(s, now, target_s, cost) for s in streams)
+    return max(block, cost.tokens_within(step))
 
-    return max(block, cost.tokens_within(min(allowed(s) for s in streams)))
+
+def allowed_step_s(stream: Stream, now: float, target_s: float, cost: StepCost) -> float:
+    """The longest next step that keeps ``stream`` projected within ``target_s`` (its time so
+    far, this step, its expected future tokens at a decode-only step each)."""
+    future = future_tokens(stream)
+    spent = now - stream.first_token_at
+    return target_s * (stream.tokens + future) - spent - future * cost.fixed_s
+
+
+def streams_overrun(
+    streams: Sequence[Stream], now: float, target_s: float, cost: StepCost, tokens: int
+) -> int:
+    """How many of ``streams`` a step of ``tokens`` prompt tokens takes past ``target_s``."""
+    step = cost.step_s(tokens)
+    return sum(1 for s in streams if allowed_step_s(s, now, target_s, cost) < step)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,10 @@ they share counts once, as vLLM computes it once): a burst that fits is batched 
 and of a burst too large for its time, what can be on time goes first instead of every prompt
 being late. When the streams' budget would make that group late, its steps grow just enough
 for it to be on time (:func:`~pdserve.engines.step_budget.on_time_budget`: many short steps
-where the time left allows, its whole prompt in one step only where it does not). With none
+where the time left allows, its whole prompt in one step only where it does not), if the
+group has more prompts than the on-time streams those steps take past ``tpot_target_ms``
+(:func:`~pdserve.engines.step_budget.streams_overrun`): a request counts once, on time in both
+or not, so one stream's TPOT is not given up for one prompt's TTFT. With none
 on time, late prompts go together, oldest first, in a step of at most a quarter of
 ``ttft_target_ms``, and are never urgent (their first token is lost to the target either way:
 a backlog drains fastest in steps that pay the fixed cost once for several of them, and a
@@ -44,7 +47,12 @@ bounded step keeps the next live prompt's wait short); one that has waited twice
 A stream whose first token came after ``ttft_target_ms`` does not limit the step budget: its
 request has missed its SLO whatever its later tokens do, and in a backlog, where every stream
 is late, steps keeping them to ``tpot_target_ms`` would cut the prompt throughput that drains
-it (one block per step beside a stream that is behind). The others are held out of vLLM's
+it (one block per step beside a stream that is behind). The other way round, late prompts
+(none overdue) get no prompt tokens in a step the on-time streams need whole: their first
+token is lost whatever the step does, while a block forced into every step (the floor that
+keeps prompts progressing) made each step longer than the decode-only steps the budget had
+counted on, and took on-time streams past their TPOT (a burst's first streams at 217-241 ms
+against a 150 ms target, float32, 2026-12-05). The others are held out of vLLM's
 waiting queue for the step and put back after it; ``shortest`` and ``arrival`` take one prompt
 per step.
 
@@ -73,6 +81,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from pdserve.engines.step_budget import (
     LATE_STEP_TARGETS,
+    OVERDUE_TARGETS,
     PREFILL_ORDER_KEY,
     TPOT_TARGET_KEY,
     TTFT_TARGET_KEY,
@@ -86,6 +95,7 @@ from pdserve.engines.step_budget import (
     next_prompt,
     on_time_budget,
     prompt_budget,
+    streams_overrun,
 )
 
 #: Pause before a step while the engine only waits for asynchronous KV loads (seconds).
@@ -105,6 +115,10 @@ class Pick:
     gathering: bool = False  # nothing picked: waiting for the rest of a burst
     deadline: float = 0.0  # wall clock: the on-time group's first-token deadline (0 = none)
     tokens: int = 0  # the on-time group's prompt tokens still to compute
+    prompts: int = 0  # the on-time group's prompts
+    #: ``deadline``: the step's prompts are late and none overdue, so they may get no tokens
+    #: while the on-time streams need the whole step
+    may_wait: bool = False
 
 
 class StreamFirstScheduler(Scheduler):
@@ -145,16 +159,19 @@ class StreamFirstScheduler(Scheduler):
         pick = self._pick_prompts()
         try:
             if streams and self.tpot_target_s > 0:
-                budget = prompt_budget(
-                    streams, now, self.tpot_target_s, self.cost, self.cache_config.block_size
-                )
+                floor = 0 if pick.may_wait else self.cache_config.block_size
+                budget = prompt_budget(streams, now, self.tpot_target_s, self.cost, floor)
                 if self.prefill_order != "deadline":
                     budget = max(budget, self._urgent_prompt_tokens())
                 elif pick.deadline:
                     left = pick.deadline - time.time()
                     if not chunked_on_time(pick.tokens, budget, left, self.cost):
-                        # larger steps, just enough for the group to be on time
-                        budget = max(budget, on_time_budget(pick.tokens, left, self.cost))
+                        # larger steps, just enough for the group to be on time, when that
+                        # wins more first tokens than it loses on-time streams
+                        grown = on_time_budget(pick.tokens, left, self.cost)
+                        lost = streams_overrun(streams, now, self.tpot_target_s, self.cost, grown)
+                        if pick.prompts > lost:
+                            budget = max(budget, grown)
                 self.max_num_scheduled_tokens = min(self.full_step_tokens, decoding + budget)
             else:
                 self.max_num_scheduled_tokens = self.full_step_tokens
@@ -219,7 +236,10 @@ class StreamFirstScheduler(Scheduler):
                 tokens = sum(r.num_tokens - r.num_computed_tokens for r in group)
             deadline = min(r.arrival_time for r in group) + self.ttft_target_s
             if now + self.cost.step_s(tokens) <= deadline:
-                pick.deadline, pick.tokens = deadline, tokens
+                pick.deadline, pick.tokens, pick.prompts = deadline, tokens, len(group)
+            else:
+                overdue = now - OVERDUE_TARGETS * self.ttft_target_s
+                pick.may_wait = all(r.arrival_time > overdue for r in group)
         ids = {id(r) for r in chosen}
         pick.held = [r for r in new if id(r) not in ids]
         if pick.held:

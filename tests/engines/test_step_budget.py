@@ -16,6 +16,7 @@ from pdserve.engines.step_budget import (
     next_prompt,
     on_time_budget,
     prompt_budget,
+    streams_overrun,
 )
 
 TARGET = 0.150  # seconds per output token
@@ -59,6 +60,38 @@ def test_the_stream_with_least_slack_decides_and_progress_is_guaranteed():
     behind = Stream(10.0, 2, 3)  # 2 tokens in 0.5 s: over target, ends after the next
     assert prompt_budget([ahead, behind], 10.5, TARGET, cost, 32) == 32
     assert prompt_budget([ahead], 10.5, TARGET, cost, 32) == 146  # (750 - 500 - 30) / 1.5
+    # prompts that may wait (late ones): no floor, the stream behind gets a decode-only step
+    assert prompt_budget([ahead, behind], 10.5, TARGET, cost, 0) == 0
+    assert prompt_budget([ahead], 10.5, TARGET, cost, 0) == 146  # a budget is still used
+
+
+def test_streams_overrun_counts_the_streams_a_step_takes_past_the_target():
+    cost = StepCost(fixed_s=0.030, per_token_s=0.0015)
+    young = Stream(10.0, 1, 16)  # allows a 630 ms step
+    ending = Stream(10.0, 1, 2)  # allows 150 ms
+    streams = [young, ending]
+    assert streams_overrun(streams, 10.0, TARGET, cost, 80) == 0  # 150 ms: both keep it
+    assert streams_overrun(streams, 10.0, TARGET, cost, 81) == 1
+    assert streams_overrun(streams, 10.0, TARGET, cost, 400) == 1  # 630 ms
+    assert streams_overrun(streams, 10.0, TARGET, cost, 401) == 2
+    assert streams_overrun([], 10.0, TARGET, cost, 10_000) == 0
+
+
+def test_without_a_floor_the_planned_decode_only_steps_keep_the_target():
+    """A young stream absorbs one long step, counting on decode-only steps after it. With a
+    block forced into each of those (the floor), its TPOT goes past the target; with no floor
+    (late prompts may wait) the budget after the long step is 0 and the TPOT is the target."""
+    cost = StepCost(fixed_s=0.060, per_token_s=0.004)  # float32 on one AVX2 core
+    fresh = Stream(0.0, 1, 6)  # first token at 0; 5 to go
+    first = prompt_budget([fresh], 0.0, TARGET, cost, 0)
+    assert first == 112  # 150 * 5 - 4 * 60 = 510 ms -> (510 - 60) / 4
+    for floor, worst_ms in ((32, 270), (0, 150)):
+        t, tokens = cost.step_s(first), 2
+        while tokens < 6:
+            t += cost.step_s(prompt_budget([Stream(0.0, tokens, 6)], t, TARGET, cost, floor))
+            tokens += 1
+        assert round(1000 * t / 5) <= worst_ms
+        assert (round(1000 * t / 5) > 150) == (floor > 0)
 
 
 def test_next_prompt_orders():

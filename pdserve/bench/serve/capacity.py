@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from pdserve.bench.serve.offline_max import OfflineMax
+
 
 class _Attained(Protocol):
     @property
@@ -160,6 +162,14 @@ class SystemCapacity:
     #: The system under test at the baseline's capacity rate (its search's run at that rate,
     #: or one more run; not part of the search); None without a baseline that passed.
     at_baseline: Point | None = None
+    #: The most requests on time at any rate (:func:`~pdserve.bench.serve.offline_max.
+    #: any_rate_max`) at this system's prefill throughput; None for closed-loop workloads.
+    ceiling: OfflineMax | None = None
+
+    @property
+    def unreachable(self) -> bool:
+        """No rate can reach the target: the search was skipped (nothing tried)."""
+        return self.ceiling is not None and not self.search.tried
 
     @property
     def points(self) -> list[Point]:
@@ -178,6 +188,13 @@ class SystemCapacity:
             "bracket": [s.lo, s.hi],
             "runs": len(s.tried),
         }
+        if self.ceiling is not None:
+            out["any_rate_bound"] = {
+                "on_time": self.ceiling.on_time,
+                "total": self.ceiling.total,
+                "fraction": self.ceiling.fraction,
+            }
+            out["skipped_unreachable"] = self.unreachable
         if self.at_baseline is not None:
             b = self.at_baseline
             out["at_baseline_capacity"] = {
@@ -209,6 +226,8 @@ def progress_line(p: Point, unit: str) -> str:
 
 def capacity_text(c: SystemCapacity, unit: str) -> str:
     s = c.search
+    if c.unreachable:
+        return "none at any rate (the bound at any rate is under the target; not searched)"
     if s.lo is None:
         low = min(rate for rate, _ in s.tried)
         return f"0 (below the lowest rate tried, {rate_text(low)} {unit})"
@@ -246,7 +265,10 @@ def format_table(
     out.append("-" * len(head))
     for c in systems:
         src = f"{c.prefill_tokens_per_s:.0f} prompt tok/s ({c.prefill_source})"
-        out.append(f"{c.name} capacity: {capacity_text(c, unit)}; bound at {src}")
+        line = f"{c.name} capacity: {capacity_text(c, unit)}; bound at {src}"
+        if c.ceiling is not None:
+            line += f"; at any rate at most {c.ceiling.fraction:.1%} on time"
+        out.append(line)
     for c, other in zip(systems, reversed(systems), strict=True):
         if c.at_baseline is not None:
             b = c.at_baseline

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from pdserve.bench.serve.capacity import (
     Point,
+    Search,
     SystemCapacity,
     capacity_doc,
     check_args,
@@ -36,6 +37,7 @@ from pdserve.bench.serve.capacity import (
     rate_text,
     search_capacity,
 )
+from pdserve.bench.serve.offline_max import OfflineMax
 from pdserve.bench.serve.status import BenchError, say
 from pdserve.bench.serve.workloads import TOKEN_LOW, Request
 
@@ -226,6 +228,16 @@ def search_system(
         prefill, source = args.prefill_tokens_per_s, "flag"
     else:
         prefill, source = sut.calibrate(mean_input), "calibrated"
+    ceiling = any_rate_bound(plan, prefill, slos, args.bound_block)
+    if ceiling is not None and ceiling.fraction < args.attainment:
+        say(
+            f"{sut.name}: no rate can reach {args.attainment:.0%} on time: at {prefill:.0f} "
+            f"prompt tokens/s at most {ceiling.on_time} of {ceiling.total} "
+            f"({ceiling.fraction:.1%}) first tokens can be on time at any rate (requests that "
+            f"arrive together share one {slos['ttft'] / 1000:g} s window, whatever the rate); "
+            "its search is skipped. To compare under that bound, lower --attainment"
+        )
+        return SystemCapacity(sut.name, Search(), prefill, source, plan.base_rate, ceiling=ceiling)
     search = search_capacity(
         lambda rate: sut.measure(plan, rate, slos, prefill),
         plan.start,
@@ -234,7 +246,19 @@ def search_system(
         args.rate_tolerance,
         on_point=lambda _rate, p, _ok: say(progress_line(p, plan.unit)),
     )
-    return SystemCapacity(sut.name, search, prefill, source, plan.base_rate)
+    return SystemCapacity(sut.name, search, prefill, source, plan.base_rate, ceiling=ceiling)
+
+
+def any_rate_bound(
+    plan: RatePlan, prefill: float, slos: Mapping[str, float], block: int
+) -> OfflineMax | None:
+    """The most of ``plan``'s requests on time at any rate (None when some are sent after
+    another finished: their arrivals depend on the run)."""
+    from pdserve.bench.serve.offline_max import any_rate_max
+
+    if any(r.after is not None for r in plan.requests):
+        return None
+    return any_rate_max(plan.requests, prefill, slos["ttft"] / 1000.0, block)
 
 
 def at_rate(

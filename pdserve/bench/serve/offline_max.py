@@ -164,12 +164,58 @@ def offline_max(
         releases = [r.t_s for r in requests]
     if len(releases) != len(requests):
         raise ValueError("one release per request")
-    order = sorted(range(len(requests)), key=lambda i: (releases[i], i))
-    tokens = computed_tokens([r.prompt_token_ids for r in requests], order, block)
+    tokens = _least_compute(requests, releases, block)
     jobs = [
         Job(rel, c / prefill_tokens_per_s, rel + ttft_slo_s)
         for rel, c in zip(releases, tokens, strict=True)
     ]
     on_time = len(max_on_time(jobs))
+    total = len(requests)
+    return OfflineMax(on_time, total, on_time / total if total else 1.0, sum(tokens))
+
+
+def _least_compute(requests: Sequence[Request], releases: Sequence[float], block: int) -> list[int]:
+    order = sorted(range(len(requests)), key=lambda i: (releases[i], i))
+    return computed_tokens([r.prompt_token_ids for r in requests], order, block)
+
+
+def any_rate_max(
+    requests: Sequence[Request], prefill_tokens_per_s: float, ttft_slo_s: float, block: int = 16
+) -> OfflineMax:
+    """The most ``requests`` whose first token can be on time at ANY rate their arrival times
+    are scaled to (a trace replayed faster or slower keeps its order and its ties), on one
+    machine at ``prefill_tokens_per_s``.
+
+    Requests that arrive at the same instant ``t`` (a trace logged in whole steps arrives in
+    bursts) share one window: their charged compute (:func:`computed_tokens`, in arrival order,
+    which scaling keeps) exists only from ``t`` on and is due by ``t + ttft_slo_s``, so at most
+    ``P * ttft_slo_s`` tokens of it fit, and the most of them on time is the largest count
+    whose smallest charges sum to at most that. Windows of different instants are counted
+    apart, which can only help, so the sum over instants is an upper bound on
+    :func:`offline_max` at every rate (and equal to it when bursts lie far apart, i.e. as the
+    rate goes to 0). Below a target attainment, no rate reaches it at this throughput.
+
+    Raises:
+        ValueError: a request is sent after another finished (its arrival depends on a run),
+            or ``prefill_tokens_per_s`` is not positive.
+    """
+    if prefill_tokens_per_s <= 0:
+        raise ValueError("prefill_tokens_per_s must be positive")
+    if any(r.after is not None for r in requests):
+        raise ValueError("requests sent after another finished have no rate-free arrivals")
+    releases = [r.t_s for r in requests]
+    tokens = _least_compute(requests, releases, block)
+    budget = prefill_tokens_per_s * ttft_slo_s * (1 + 1e-9)
+    bursts: dict[float, list[int]] = {}
+    for rel, c in zip(releases, tokens, strict=True):
+        bursts.setdefault(rel, []).append(c)
+    on_time = 0
+    for charges in bursts.values():
+        used = 0
+        for c in sorted(charges):
+            used += c
+            if used > budget:
+                break
+            on_time += 1
     total = len(requests)
     return OfflineMax(on_time, total, on_time / total if total else 1.0, sum(tokens))

@@ -400,6 +400,39 @@ def test_the_baseline_is_searched_first_and_sets_a_run_of_the_target(
     assert "pdserve at colocated's capacity (150.00 req/s): 100.0% on time (5 of 5)" in out.out
 
 
+def test_a_target_no_rate_can_reach_is_not_searched(
+    fake_server: tuple[str, list[dict]], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A trace whose requests arrive in bursts too big for one TTFT window: at 100 prompt
+    tokens/s and a 1 s TTFT, 2 of each burst of 5 can be on time at any rate (40%), so a 90%
+    target is refused before any run; a 30% target is searched."""
+    base, bodies = fake_server
+    trace = tmp_path / "bursts.jsonl"
+    rows = [
+        {"timestamp": t, "input_length": 1536, "output_length": 64, "hash_ids": [3 * i + k + 10 * t for k in range(3)]}
+        for t in (0, 3000) for i in range(5)
+    ]  # fmt: skip
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = f"--target {base} --model m --vocab-size 1000 --workload trace --trace {trace} "
+    argv += "--block-tokens 16 --goodput ttft:1000 --find-capacity --prefill-tokens-per-s 100 "
+    argv += f"--capacity-steps 2 --disable-tqdm --json {tmp_path}/c.json"
+    assert run_cli(_parse(argv.split())) == 0
+    assert bodies == []  # not even a warm-up: the bound alone decided
+    out = capsys.readouterr()
+    assert "pdserve: no rate can reach 90% on time: at 100 prompt tokens/s at most 4 of 10 (40.0%)" in out.err  # fmt: skip
+    assert (
+        "pdserve capacity: none at any rate (the bound at any rate is under the target" in out.out
+    )
+    assert "at any rate at most 40.0% on time" in out.out
+    cap = json.loads((tmp_path / "c.json").read_text())["capacity"]["pdserve"]
+    assert cap["skipped_unreachable"] and cap["runs"] == 0 and cap["none_passed"]
+    assert cap["any_rate_bound"] == {"on_time": 4, "total": 10, "fraction": 0.4}
+    assert run_cli(_parse([*argv.split(), "--attainment", "0.3"])) == 0
+    assert len(bodies) == 2 + 2 * 10  # searched: warm-up, then two runs of the trace
+    cap = json.loads((tmp_path / "c.json").read_text())["capacity"]["pdserve"]
+    assert not cap["skipped_unreachable"] and cap["runs"] == 2
+
+
 def test_a_plain_run_measures_the_target_once(
     fake_server: tuple[str, list[dict]], tmp_path: Path
 ) -> None:

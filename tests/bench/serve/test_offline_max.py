@@ -12,6 +12,7 @@ import pytest
 
 from pdserve.bench.serve.offline_max import (
     Job,
+    any_rate_max,
     computed_tokens,
     max_on_time,
     offline_max,
@@ -147,3 +148,51 @@ def test_offline_max_uses_least_compute_and_arrivals() -> None:
     assert offline_max(late, 100.0, 0.45, releases=[0.0, 0.3]).on_time == 2
     with pytest.raises(ValueError):
         offline_max(reqs, 0.0, 1.0)
+
+
+# --- the bound at any rate --------------------------------------------------------------------
+
+
+def _bursty_requests(rng: random.Random) -> list[Request]:
+    """Requests in bursts at whole seconds, prompts sharing a system block and some turns."""
+    system = tuple(range(200, 216))
+    out: list[Request] = []
+    for i in range(rng.randint(1, 14)):
+        t = float(rng.randint(0, 4))
+        own = tuple(rng.randint(300, 310) for _ in range(16 * rng.randint(0, 4)))
+        prev = rng.choice(out).prompt_token_ids if out and rng.random() < 0.3 else system
+        out.append(Request(t, prev + own + (i,), 1))
+    return sorted(out, key=lambda r: r.t_s)
+
+
+def test_any_rate_max_bounds_every_rate_and_is_reached_when_bursts_lie_apart() -> None:
+    rng = random.Random(11)
+    for _ in range(300):
+        reqs = _bursty_requests(rng)
+        p, d = rng.uniform(20, 200), rng.uniform(0.2, 2.0)
+        ceiling = any_rate_max(reqs, p, d)
+        for m in (0.05, 0.5, 1.0, 4.0):  # the trace replayed at m times its rate
+            scaled = [Request(r.t_s / m, r.prompt_token_ids, r.max_tokens) for r in reqs]
+            assert offline_max(scaled, p, d).on_time <= ceiling.on_time
+        slow = 1e6  # bursts a million seconds apart: no window overlaps another
+        apart = [Request(r.t_s * slow, r.prompt_token_ids, r.max_tokens) for r in reqs]
+        assert offline_max(apart, p, d).on_time == ceiling.on_time
+        assert ceiling.computed_tokens == offline_max(reqs, p, d).computed_tokens
+
+
+def test_any_rate_max_counts_each_burst_in_its_own_window() -> None:
+    a, b, c = ((i,) * 40 for i in (101, 102, 103))
+    # 100 tok/s, 1 s: 100 tokens per burst window; three 40-token prompts at once -> 2 fit
+    burst = [Request(0.0, a, 1), Request(0.0, b, 1), Request(0.0, c, 1)]
+    got = any_rate_max(burst, 100.0, 1.0)
+    assert (got.on_time, got.total, got.fraction) == (2, 3, 2 / 3)
+    # the same prompts spread over three instants: every one fits at a slow enough rate
+    spread = [Request(float(i), r.prompt_token_ids, 1) for i, r in enumerate(burst)]
+    assert any_rate_max(spread, 100.0, 1.0).on_time == 3
+    # a prompt longer than the window never fits, at any rate
+    assert any_rate_max([Request(0.0, (5,) * 150, 1)], 100.0, 1.0).on_time == 0
+    assert any_rate_max([], 100.0, 1.0).fraction == 1.0
+    with pytest.raises(ValueError, match="after another"):
+        any_rate_max([burst[0], Request(0.5, b, 1, after=0)], 100.0, 1.0)
+    with pytest.raises(ValueError):
+        any_rate_max(burst, 0.0, 1.0)
