@@ -35,10 +35,11 @@ they share counts once, as vLLM computes it once): a burst that fits is batched 
 and of a burst too large for its time, what can be on time goes first instead of every prompt
 being late. When the streams' budget would make that group late, its steps grow just enough
 for it to be on time (:func:`~pdserve.engines.step_budget.on_time_budget`: many short steps
-where the time left allows, its whole prompt in one step only where it does not), if the
-group has more prompts than the on-time streams those steps take past ``tpot_target_ms``
+where the time left allows, its whole prompt in one step only where it does not), unless
+those steps take more on-time streams past ``tpot_target_ms`` than the group has prompts
 (:func:`~pdserve.engines.step_budget.streams_overrun`): a request counts once, on time in both
-or not, so one stream's TPOT is not given up for one prompt's TTFT. With none
+or not. A tie goes to the prompts: a first token after its deadline is lost for sure, a stream
+past the target is a projection and may still be within its SLO. With none
 on time, late prompts go together, oldest first, in a step of at most a quarter of
 ``ttft_target_ms``, and are never urgent (their first token is lost to the target either way:
 a backlog drains fastest in steps that pay the fixed cost once for several of them, and a
@@ -166,11 +167,11 @@ class StreamFirstScheduler(Scheduler):
                 elif pick.deadline:
                     left = pick.deadline - time.time()
                     if not chunked_on_time(pick.tokens, budget, left, self.cost):
-                        # larger steps, just enough for the group to be on time, when that
-                        # wins more first tokens than it loses on-time streams
+                        # larger steps, just enough for the group to be on time, unless
+                        # that takes more on-time streams past their target than it saves
                         grown = on_time_budget(pick.tokens, left, self.cost)
                         lost = streams_overrun(streams, now, self.tpot_target_s, self.cost, grown)
-                        if pick.prompts > lost:
+                        if pick.prompts >= lost:
                             budget = max(budget, grown)
                 self.max_num_scheduled_tokens = min(self.full_step_tokens, decoding + budget)
             else:

@@ -300,7 +300,9 @@ def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         metavar="FRAC",
         default=0.9,
-        help=f"share of all requests that must meet every SLO (failed ones miss) {d}",
+        help="share of all requests that must meet every SLO (failed ones miss); a system "
+        "whose bound at any rate (requests arriving together share one TTFT window) is under "
+        f"it is not searched: no rate can reach it {d}",
     )
     cap.add_argument(
         "--rate-start",
