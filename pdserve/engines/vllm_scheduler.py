@@ -48,9 +48,9 @@ bounded step keeps the next live prompt's wait short); one that has waited twice
 A stream whose first token came after ``ttft_target_ms`` does not limit the step budget: its
 request has missed its SLO whatever its later tokens do, and in a backlog, where every stream
 is late, steps keeping them to ``tpot_target_ms`` would cut the prompt throughput that drains
-it (one block per step beside a stream that is behind). The other way round, late prompts
-(none overdue) get no prompt tokens in a step the on-time streams need whole: their first
-token is lost whatever the step does, while a block forced into every step (the floor that
+it (one block per step beside a stream that is behind). The other way round, prompts past
+their deadline (none overdue) get no prompt tokens in a step the on-time streams need whole:
+their first token is lost whatever the step does, while a block forced into every step (the floor that
 keeps prompts progressing) made each step longer than the decode-only steps the budget had
 counted on, and took on-time streams past their TPOT (a burst's first streams at 217-241 ms
 against a 150 ms target, float32, 2026-12-05). The others are held out of vLLM's
@@ -117,8 +117,8 @@ class Pick:
     deadline: float = 0.0  # wall clock: the on-time group's first-token deadline (0 = none)
     tokens: int = 0  # the on-time group's prompt tokens still to compute
     prompts: int = 0  # the on-time group's prompts
-    #: ``deadline``: the step's prompts are late and none overdue, so they may get no tokens
-    #: while the on-time streams need the whole step
+    #: ``deadline``: every prompt of the step is past its first-token deadline and none is
+    #: overdue, so they may get no tokens while the on-time streams need the whole step
     may_wait: bool = False
 
 
@@ -238,9 +238,11 @@ class StreamFirstScheduler(Scheduler):
             deadline = min(r.arrival_time for r in group) + self.ttft_target_s
             if now + self.cost.step_s(tokens) <= deadline:
                 pick.deadline, pick.tokens, pick.prompts = deadline, tokens, len(group)
-            else:
+            else:  # late: those whose deadline has passed (not only by the cost model's
+                # projection, which can be wrong) may wait, unless overdue
+                lost = now - self.ttft_target_s
                 overdue = now - OVERDUE_TARGETS * self.ttft_target_s
-                pick.may_wait = all(r.arrival_time > overdue for r in group)
+                pick.may_wait = all(overdue < r.arrival_time <= lost for r in group)
         ids = {id(r) for r in chosen}
         pick.held = [r for r in new if id(r) not in ids]
         if pick.held:

@@ -37,7 +37,7 @@ from pdserve.bench.serve.capacity import (
     rate_text,
     search_capacity,
 )
-from pdserve.bench.serve.offline_max import OfflineMax
+from pdserve.bench.serve.offline_max import OfflineMax, any_rate_max
 from pdserve.bench.serve.status import BenchError, say
 from pdserve.bench.serve.workloads import TOKEN_LOW, Request
 
@@ -254,8 +254,6 @@ def any_rate_bound(
 ) -> OfflineMax | None:
     """The most of ``plan``'s requests on time at any rate (None when some are sent after
     another finished: their arrivals depend on the run)."""
-    from pdserve.bench.serve.offline_max import any_rate_max
-
     if any(r.after is not None for r in plan.requests):
         return None
     return any_rate_max(plan.requests, prefill, slos["ttft"] / 1000.0, block)
