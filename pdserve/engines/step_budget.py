@@ -73,9 +73,9 @@ def prompt_budget(
     per output token (vLLM's TPOT: from its first token to its last, over the tokens after the
     first) is projected within ``target_s``: its time so far, plus this step, plus its expected
     future tokens at a decode-only step each. At least ``block``, so prompts always progress
-    (the scheduler passes 0 where the prompts waiting may wait: late ones, whose first token is
-    lost to its target whatever this step does; a floor above 0 would make the future steps
-    longer than the decode-only steps the projection counts on)."""
+    (the scheduler passes 0 where the prompts waiting may wait: ones past their deadline, whose
+    first token is lost to its target whatever this step does; a floor above 0 would make the
+    future steps longer than the decode-only steps the projection counts on)."""
 
     step = min(allowed_step_s(s, now, target_s, cost) for s in streams)
     return max(block, cost.tokens_within(step))

@@ -50,10 +50,10 @@ request has missed its SLO whatever its later tokens do, and in a backlog, where
 is late, steps keeping them to ``tpot_target_ms`` would cut the prompt throughput that drains
 it (one block per step beside a stream that is behind). The other way round, prompts past
 their deadline (none overdue) get no prompt tokens in a step the on-time streams need whole:
-their first token is lost whatever the step does, while a block forced into every step (the floor that
-keeps prompts progressing) made each step longer than the decode-only steps the budget had
-counted on, and took on-time streams past their TPOT (a burst's first streams at 217-241 ms
-against a 150 ms target, float32, 2026-12-05). The others are held out of vLLM's
+their first token is lost whatever the step does, while a block forced into every step (the
+floor that keeps prompts progressing) made each step longer than the decode-only steps the
+budget had counted on, and took on-time streams past their TPOT (a burst's first streams at
+217-241 ms against a 150 ms target, float32, 2026-12-05). The others are held out of vLLM's
 waiting queue for the step and put back after it; ``shortest`` and ``arrival`` take one prompt
 per step.
 
@@ -240,9 +240,9 @@ class StreamFirstScheduler(Scheduler):
                 pick.deadline, pick.tokens, pick.prompts = deadline, tokens, len(group)
             else:  # late: those whose deadline has passed (not only by the cost model's
                 # projection, which can be wrong) may wait, unless overdue
-                lost = now - self.ttft_target_s
+                passed = now - self.ttft_target_s  # arrived by then: deadline passed
                 overdue = now - OVERDUE_TARGETS * self.ttft_target_s
-                pick.may_wait = all(overdue < r.arrival_time <= lost for r in group)
+                pick.may_wait = all(overdue < r.arrival_time <= passed for r in group)
         ids = {id(r) for r in chosen}
         pick.held = [r for r in new if id(r) not in ids]
         if pick.held:
