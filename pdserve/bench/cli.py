@@ -29,11 +29,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "size, one object per call and in batches (one prompt's chunks per call), numpy "
             "memcpy as the local limit, plain loopback tcp with the same socket settings as the "
             "tcp limit (tcp-plain: each get a distinct region of a large buffer, cold as a "
-            "stored object; tcp-plain-warm: one buffer sent again and again, cache-warm, for "
-            "comparison only), with --disk-dir the raw disk limit (disk-raw, disk-raw-direct), "
-            "Mooncake Store's own client when Mooncake is installed, "
-            "longest_prefix over 64 keys, and one master round trip over gRPC and over the "
-            "control wire. Run it on a quiet machine: the figures are wall-clock."
+            "stored object, single and batched; tcp-plain-warm: one buffer sent again and "
+            "again, cache-warm, for comparison only), with --disk-dir the raw disk limit "
+            "(disk-raw, disk-raw-direct), Mooncake Store's own client when Mooncake is "
+            "installed, longest_prefix over 64 keys (with the found keys' locations, as a "
+            "connector asks, and the length alone), and one master round trip over gRPC and "
+            "over the control wire. With Mooncake Store measured, a 'ceiling' line per size "
+            "says how far ahead of it a tcp get can be in this run (tcp-plain over Mooncake "
+            "Store). Run it on a quiet machine: the figures are wall-clock."
         ),
     )
     _kvstore_arguments(kv)

@@ -130,7 +130,9 @@ def _peer_port(q, peer, timeout_s: float = 120.0) -> int:
                 raise
 
 
-def bench_tcp_limit(sizes: list[int], iterations: int, verify: bool = False) -> list[Row]:
+def bench_tcp_limit(
+    sizes: list[int], iterations: int, verify: bool = False, batch: int = 1
+) -> list[Row]:
     """Loopback TCP with nothing else, with pdserve's socket settings and stream count: what
     any tcp transport on this machine works against (gets only; put mirrors get).
 
@@ -143,6 +145,10 @@ def bench_tcp_limit(sizes: list[int], iterations: int, verify: bool = False) -> 
     this row used to be, one region sent and received again and again (both ends stay in
     the caches up to about the last-level cache's size): flattering, kept for comparison.
 
+    ``batch`` > 1: also a batch row per size (:func:`batch_for` objects), each get the
+    batch's bytes in one region split over the streams as pdserve's client splits a batch
+    (the store reads a batch into adjacent buffers too): what a batched get works against.
+
     ``verify``: after the timing, check every region received holds the bytes sent."""
     import multiprocessing
 
@@ -150,11 +156,18 @@ def bench_tcp_limit(sizes: list[int], iterations: int, verify: bool = False) -> 
     rows = []
     for size in sizes:
         rows += _tcp_limit_size(ctx, size, iterations_for(size, iterations), verify)
+        nb = batch_for(size, batch) if batch > 1 else 1
+        if nb > 1:
+            n = iterations_for(size * nb, iterations)
+            rows += _tcp_limit_size(ctx, size * nb, n, verify, per_object=size)
     return rows
 
 
-def _tcp_limit_size(ctx, size: int, n: int, verify: bool) -> list[Row]:
-    """:func:`bench_tcp_limit` at one size: its two rows."""
+def _tcp_limit_size(
+    ctx, size: int, n: int, verify: bool, per_object: int | None = None
+) -> list[Row]:
+    """:func:`bench_tcp_limit` at one size: its two rows. ``per_object``: a get of ``size``
+    bytes is a batch of objects of this size (the rows say so)."""
     import itertools
     import socket
 
@@ -200,11 +213,15 @@ def _tcp_limit_size(ctx, size: int, n: int, verify: bool) -> list[Row]:
             used.add(r)
             get_region(r)
 
+        obj = per_object or size
+        nb = size // obj
+
+        def row(system: str, res: tuple[list[float], float]) -> Row:
+            return timed_row(system, obj, n, res, res, nb)
+
         get_region(0)  # connections, slow start
-        res = measure(n, cold)
-        rows = [timed_row("tcp-plain", size, n, res, res)]
-        res = measure(n, lambda _i: get_region(0))
-        rows.append(timed_row("tcp-plain-warm", size, n, res, res))
+        rows = [row("tcp-plain", measure(n, cold))]
+        rows.append(row("tcp-plain-warm", measure(n, lambda _i: get_region(0))))
         if verify:
             for r in sorted(used):
                 got = dst[r * size : (r + 1) * size]

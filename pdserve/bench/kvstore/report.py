@@ -45,8 +45,10 @@ def ratios(rows: list[Row]) -> list[str]:
     for r in sorted(rows, key=lambda r: (r.mode, r.size)):
         mc = by.get(("mooncake-store", r.size, r.mode))
         mem = by.get(("memcpy", r.size, r.mode))
-        plain = by.get(("tcp-plain", r.size, "single"))
+        plain = by.get(("tcp-plain", r.size, r.mode))
         where = f"{fmt_size(r.size)} {r.mode}"
+        if r.system == "tcp-plain" and mc is not None:
+            lines.append(ceiling(r, mc, by.get(("pdserve/tcp+lookup", r.size, r.mode))))
         if r.system in ("pdserve/tcp", "pdserve/tcp+sum") and mc is not None:
             lines.append(
                 f"{r.system[8:]} / mooncake-store at {where}: get {r.get_gbps / mc.get_gbps:.2f}x "
@@ -99,6 +101,26 @@ def ratios(rows: list[Row]) -> list[str]:
                 f"get {r.get_gbps / mem.get_gbps:.0%}"
             )
     return lines
+
+
+def ceiling(plain: Row, mc: Row, looked: Row | None) -> str:
+    """The most a tcp get can be ahead of Mooncake Store at ``plain``'s size and mode in this
+    run: plain loopback tcp (the same bytes, the same socket settings and streams, nothing
+    else: no request to decode, no grant to check, no lookup) over Mooncake Store's get, and
+    where pdserve's connector-style get (``looked``, +lookup) stands against it."""
+    where = f"{fmt_size(plain.size)} {plain.mode}"
+    line = (
+        f"ceiling at {where}: tcp-plain / mooncake-store get "
+        f"{plain.get_gbps / mc.get_gbps:.2f}x (p50 {plain.get_p50_us:.0f} vs "
+        f"{mc.get_p50_us:.0f} us): a store's get over this loopback with these socket "
+        "settings moves the same bytes and does more, so no further ahead in this run"
+    )
+    if looked is not None:
+        line += (
+            f"; tcp+lookup {looked.get_gbps / mc.get_gbps:.2f}x, "
+            f"{looked.get_gbps / plain.get_gbps:.0%} of tcp-plain"
+        )
+    return line
 
 
 def plot(rows: list[Row], path: Path) -> Path:

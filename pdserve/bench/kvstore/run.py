@@ -104,7 +104,7 @@ def _round(
     rows = bench_memcpy(sizes, args.iterations, args.batch)
     if "tcp" in transports:
         progress("plain loopback tcp")
-        rows += bench_tcp_limit(sizes, args.iterations)
+        rows += bench_tcp_limit(sizes, args.iterations, batch=args.batch)
     if getattr(args, "disk_dir", None):
         progress(f"raw disk reads in {args.disk_dir}")
         rows += bench_disk_raw(args.disk_dir, sizes, args.iterations)
@@ -121,6 +121,7 @@ def _round(
                 )
         progress("longest_prefix and the control path (pdserve)")
         prefix["pdserve"] = bench_longest_prefix(master.info["grpc"])
+        prefix["pdserve, length only"] = bench_longest_prefix(master.info["grpc"], locations=False)
         control = bench_control(master.info["grpc"])
     if args.tokens_compare and "tcp" in transports:
         progress("pdserve tcp again, its master with data tokens off")

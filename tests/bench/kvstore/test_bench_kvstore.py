@@ -52,6 +52,7 @@ def test_bench_kvstore_small_run(tmp_path: Path) -> None:
     for system in ("memcpy", "pdserve/shm", "pdserve/tcp"):
         assert {(system, 4096, 1), (system, 65536, 1), (system, 4096, 4)} <= systems
     assert {("tcp-plain", 4096, 1), ("tcp-plain", 65536, 1)} <= systems
+    assert {("tcp-plain", 4096, 4), ("tcp-plain", 65536, 4)} <= systems  # a batch's bytes
     assert ("tcp-plain-warm", 65536, 1) in systems
     assert {("disk-raw", 4096, 1), ("disk-raw", 65536, 1)} <= systems
     assert data["disk"]["dir"] == str((tmp_path / "disk").resolve())
@@ -69,6 +70,7 @@ def test_bench_kvstore_small_run(tmp_path: Path) -> None:
         assert 0 < r["get_p50_us"] <= r["get_p99_us"]
         assert r["mode"] == ("single" if r["batch"] == 1 else "batch")
     assert data["longest_prefix"]["pdserve"]["keys"] == 64
+    assert data["longest_prefix"]["pdserve, length only"]["keys"] == 64
     assert len(data["rounds"]) == 2 and all(
         len(r["rows"]) == len(data["rows"]) for r in data["rounds"]
     )
@@ -113,3 +115,31 @@ def test_disk_tier_ratio_lines_compare_each_object_with_the_raw_direct_read() ->
     batch, single = disk
     assert "batch of 16" in batch and batch.endswith("p50 1000 vs 800 us, 1.25x")
     assert "looks up its own" in single and single.endswith("p50 1400 vs 800 us, 1.75x")
+
+
+def test_the_ceiling_line_sets_mooncake_against_plain_tcp_of_the_same_mode() -> None:
+    from pdserve.bench.kvstore.measure import Row
+    from pdserve.bench.kvstore.report import ratios
+
+    def row(system: str, batch: int, gbps: float, p50: float) -> Row:
+        mode = "single" if batch == 1 else "batch"
+        return Row(system, 1 << 20, 10, mode, batch, gbps, p50, p50, gbps, p50, p50)
+
+    lines = ratios(
+        [
+            row("mooncake-store", 1, 1.0, 1000.0),
+            row("tcp-plain", 1, 2.5, 400.0),
+            row("pdserve/tcp+lookup", 1, 2.0, 500.0),
+            row("mooncake-store", 16, 1.5, 11000.0),
+            row("tcp-plain", 16, 4.5, 3700.0),
+        ]
+    )
+    ceilings = sorted(line for line in lines if line.startswith("ceiling"))
+    assert len(ceilings) == 2
+    batch, single = ceilings
+    assert batch.startswith("ceiling at 1 MiB batch: tcp-plain / mooncake-store get 3.00x")
+    assert "tcp+lookup" not in batch  # no pdserve batch row to set against it
+    assert single.startswith("ceiling at 1 MiB single: tcp-plain / mooncake-store get 2.50x")
+    assert single.endswith("; tcp+lookup 2.00x, 80% of tcp-plain")
+    # "tcp / plain" compares within a mode: the batch row against the batch's plain tcp.
+    assert not any(line.startswith("tcp / plain") for line in lines)
