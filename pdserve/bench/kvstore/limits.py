@@ -45,7 +45,7 @@ TCP_COLD_MAX_BYTES = 1024 * 1024 * 1024
 #: Multiplier of tcp-plain's source pattern: 8-byte word ``w`` holds ``w * _GOLDEN`` (mod
 #: 2**64), so every region differs and every byte of a word varies.
 _GOLDEN = 0x9E3779B97F4A7C15
-_REQ = struct.Struct("<I")  # a tcp-plain request: the region to send
+_REQ = struct.Struct("<QQ")  # a tcp-plain request: offset and length of the bytes to send
 
 
 def _mem_available() -> int:
@@ -76,16 +76,15 @@ def plain_pattern(lo: int, hi: int) -> np.ndarray:
     return words.view(np.uint8)[lo - 8 * w0 : hi - 8 * w0]
 
 
-def _tcp_limit_peer(port_out, size: int, streams: int, regions: int) -> None:
-    """Child process of :func:`bench_tcp_limit`: an anonymous mapping of ``regions`` regions
-    of ``size`` bytes, every page written (:func:`plain_pattern`); each request (a 4-byte
-    region index) is answered with that stream's part of that region."""
+def _tcp_limit_peer(port_out, total: int) -> None:
+    """Child process of :func:`bench_tcp_limit`: an anonymous mapping of ``total`` bytes,
+    every page written (:func:`plain_pattern`); each request on any connection (an offset and
+    a length) is answered with those bytes. Runs until killed."""
     import socket
     import threading
 
     from pdserve.store.transports.tcp import tune_socket
 
-    total = size * regions
     mm = mmap.mmap(-1, total)
     arr = np.frombuffer(mm, dtype=np.uint8)
     step = 64 << 20
@@ -95,22 +94,17 @@ def _tcp_limit_peer(port_out, size: int, streams: int, regions: int) -> None:
     listener = socket.socket()
     tune_socket(listener)
     listener.bind(("127.0.0.1", 0))
-    listener.listen(streams)
+    listener.listen(8)
     port_out.put(listener.getsockname()[1])
-    part = size // streams
 
-    def serve(conn: socket.socket, i: int) -> None:
-        lo, hi = i * part, size if i == streams - 1 else (i + 1) * part
+    def serve(conn: socket.socket) -> None:
         while len(req := conn.recv(_REQ.size, socket.MSG_WAITALL)) == _REQ.size:
-            base = _REQ.unpack(req)[0] * size
-            conn.sendall(view[base + lo : base + hi])
+            offset, length = _REQ.unpack(req)
+            conn.sendall(view[offset : offset + length])
 
-    conns = [listener.accept()[0] for _ in range(streams)]
-    threads = [threading.Thread(target=serve, args=(c, i)) for i, c in enumerate(conns)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    while True:
+        conn = listener.accept()[0]
+        threading.Thread(target=serve, args=(conn,), daemon=True).start()
 
 
 def _peer_port(q, peer, timeout_s: float = 120.0) -> int:
@@ -155,83 +149,95 @@ def bench_tcp_limit(
     ctx = multiprocessing.get_context("spawn")
     rows = []
     for size in sizes:
-        rows += _tcp_limit_size(ctx, size, iterations_for(size, iterations), verify)
+        gets = [(size, 1, iterations_for(size, iterations))]
         nb = batch_for(size, batch) if batch > 1 else 1
         if nb > 1:
-            n = iterations_for(size * nb, iterations)
-            rows += _tcp_limit_size(ctx, size * nb, n, verify, per_object=size)
+            gets.append((size, nb, iterations_for(size * nb, iterations)))
+        rows += _tcp_limit_size(ctx, gets, verify)
     return rows
 
 
-def _tcp_limit_size(
-    ctx, size: int, n: int, verify: bool, per_object: int | None = None
-) -> list[Row]:
-    """:func:`bench_tcp_limit` at one size: its two rows. ``per_object``: a get of ``size``
-    bytes is a batch of objects of this size (the rows say so)."""
-    import itertools
+def _tcp_limit_size(ctx, gets: list[tuple[int, int, int]], verify: bool) -> list[Row]:
+    """:func:`bench_tcp_limit` at one object size, one peer for all its rows: per
+    ``(object size, objects per get, timed gets)`` in ``gets``, the tcp-plain and
+    tcp-plain-warm rows. Each get's bytes are one region of a buffer as large as the most
+    cold regions any of them wants, split over PARALLEL_STREAMS connections from
+    PARALLEL_MIN_BYTES on (as pdserve's client splits an object or a batch)."""
     import socket
 
-    from pdserve.store import netio
     from pdserve.store.transports import tcp
 
-    streams = tcp.PARALLEL_STREAMS if size >= tcp.PARALLEL_MIN_BYTES else 1
-    regions = cold_regions(size, n)
+    total = max(cold_regions(obj * nb, n) * obj * nb for obj, nb, n in gets)
     q = ctx.Queue()
-    peer = ctx.Process(target=_tcp_limit_peer, args=(q, size, streams, regions), daemon=True)
+    peer = ctx.Process(target=_tcp_limit_peer, args=(q, total), daemon=True)
     peer.start()
-    pool = ThreadPoolExecutor(max(1, streams - 1))
+    pool = ThreadPoolExecutor(max(1, tcp.PARALLEL_STREAMS - 1))
     socks: list[socket.socket] = []
     try:
         port = _peer_port(q, peer)
-        for _ in range(streams):
+        for _ in range(tcp.PARALLEL_STREAMS):
             sock = socket.socket()
             socks.append(sock)
             tcp.tune_socket(sock)
             sock.connect(("127.0.0.1", port))
-        dst = np.frombuffer(mmap.mmap(-1, size * regions), dtype=np.uint8)
+        dst = np.frombuffer(mmap.mmap(-1, total), dtype=np.uint8)
         dst.fill(0xA5)  # every page touched before the timing
         buf = memoryview(dst)
-        part = size // streams
-        bounds = [(i * part, size if i == streams - 1 else (i + 1) * part) for i in range(streams)]
-
-        def one(i: int, r: int) -> None:
-            lo, hi = bounds[i]
-            socks[i].sendall(_REQ.pack(r))
-            netio.recv_parts(socks[i], [buf[r * size + lo : r * size + hi]])
-
-        def get_region(r: int) -> None:
-            others = [pool.submit(one, i, r) for i in range(1, streams)]  # as pdserve's client
-            one(0, r)
-            for f in others:
-                f.result()
-
-        nxt = itertools.count(1)
-        used = {0}
-
-        def cold(_i: int) -> None:
-            r = next(nxt) % regions
-            used.add(r)
-            get_region(r)
-
-        obj = per_object or size
-        nb = size // obj
-
-        def row(system: str, res: tuple[list[float], float]) -> Row:
-            return timed_row(system, obj, n, res, res, nb)
-
-        get_region(0)  # connections, slow start
-        rows = [row("tcp-plain", measure(n, cold))]
-        rows.append(row("tcp-plain-warm", measure(n, lambda _i: get_region(0))))
-        if verify:
-            for r in sorted(used):
-                got = dst[r * size : (r + 1) * size]
-                if not np.array_equal(got, plain_pattern(r * size, (r + 1) * size)):
-                    raise RuntimeError(f"tcp-plain {size} B: region {r} received wrong bytes")
+        rows: list[Row] = []
+        for obj, nb, n in gets:
+            rows += _tcp_plain_rows(obj, nb, n, total // (obj * nb), socks, pool, buf)
+            if verify:
+                _check_plain(dst, obj * nb, min(total // (obj * nb), n + 1))
         return rows
     finally:
         for s in socks:
             s.close()
         pool.shutdown()
+        peer.kill()
         peer.join(10)
-        if peer.is_alive():
-            peer.kill()
+
+
+def _tcp_plain_rows(
+    obj: int, nb: int, n: int, regions: int, socks: list, pool: ThreadPoolExecutor, buf
+) -> list[Row]:
+    """The tcp-plain row (``n`` gets, each the next of ``regions`` regions of ``obj * nb``
+    bytes) and the tcp-plain-warm row (region 0 again and again)."""
+    import itertools
+
+    from pdserve.store import netio
+    from pdserve.store.transports import tcp
+
+    size = obj * nb
+    streams = tcp.PARALLEL_STREAMS if size >= tcp.PARALLEL_MIN_BYTES else 1
+    part = size // streams
+    bounds = [(i * part, size if i == streams - 1 else (i + 1) * part) for i in range(streams)]
+
+    def one(i: int, r: int) -> None:
+        lo, hi = r * size + bounds[i][0], r * size + bounds[i][1]
+        socks[i].sendall(_REQ.pack(lo, hi - lo))
+        netio.recv_parts(socks[i], [buf[lo:hi]])
+
+    def get_region(r: int) -> None:
+        others = [pool.submit(one, i, r) for i in range(1, streams)]  # as pdserve's client
+        one(0, r)
+        for f in others:
+            f.result()
+
+    nxt = itertools.count(1)
+
+    def row(system: str, res: tuple[list[float], float]) -> Row:
+        return timed_row(system, obj, n, res, res, nb)
+
+    get_region(0)  # connections, slow start
+    rows = [row("tcp-plain", measure(n, lambda _i: get_region(next(nxt) % regions)))]
+    rows.append(row("tcp-plain-warm", measure(n, lambda _i: get_region(0))))
+    return rows
+
+
+def _check_plain(dst: np.ndarray, size: int, regions: int) -> None:
+    """The first ``regions`` regions of ``size`` bytes (those the gets read: region 0 and
+    then the next ones in turn) hold the bytes the peer sent."""
+    for r in range(regions):
+        got = dst[r * size : (r + 1) * size]
+        if not np.array_equal(got, plain_pattern(r * size, (r + 1) * size)):
+            raise RuntimeError(f"tcp-plain {size} B: region {r} received wrong bytes")

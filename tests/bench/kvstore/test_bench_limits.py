@@ -18,10 +18,14 @@ def test_tcp_plain_cold_regions_receive_the_bytes_sent(monkeypatch: pytest.Monke
     # Small buffers for the test (the bench uses 256 MiB at least); the peer gets the count.
     monkeypatch.setattr(limits, "TCP_COLD_MIN_BYTES", 1 << 20)
     big = (8 << 20) + 3  # two streams (PARALLEL_MIN_BYTES), parts of unequal length
-    rows = limits.bench_tcp_limit([4096, 65536, big], 3, verify=True)
-    got = {(r.system, r.size) for r in rows}
+    # A batch of 4 x 4 KiB goes over one stream, of 4 x 64 KiB too, of 4 x big over two;
+    # one peer per size serves its single and its batch rows.
+    rows = limits.bench_tcp_limit([4096, 65536, big], 3, verify=True, batch=4)
+    got = {(r.system, r.size, r.batch, r.mode) for r in rows}
     for size in (4096, 65536, big):
-        assert {("tcp-plain", size), ("tcp-plain-warm", size)} <= got
+        for system in ("tcp-plain", "tcp-plain-warm"):
+            assert {(system, size, 1, "single"), (system, size, 4, "batch")} <= got
+    assert len(rows) == 12
     for r in rows:
         assert r.iterations == 3 and r.get_gbps > 0 and r.get_gbps == r.put_gbps
 
