@@ -15,7 +15,7 @@ from pdserve.bench.kvstore import disk, limits
 
 @pytest.mark.slow  # starts a peer process / ldconfig (ctypes.util.find_library)
 def test_tcp_plain_cold_regions_receive_the_bytes_sent(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Small buffers for the test (the bench uses 256 MiB at least); the peer gets the count.
+    # Small buffers for the test (the bench uses 256 MiB at least); the peer gets the size.
     monkeypatch.setattr(limits, "TCP_COLD_MIN_BYTES", 1 << 20)
     big = (8 << 20) + 3  # two streams (PARALLEL_MIN_BYTES), parts of unequal length
     # A batch of 4 x 4 KiB goes over one stream, of 4 x 64 KiB too, of 4 x big over two;
