@@ -79,6 +79,12 @@ def hf_greedy(tiny_model_dir: Path):
             )
         return toks
 
+    @torch.inference_mode()
+    def next_logits(ids: Sequence[int]) -> torch.Tensor:
+        """The model's logits for the token after ``ids`` (one forward of all of them)."""
+        return model(input_ids=torch.tensor([list(ids)])).logits[0, -1]
+
+    run.next_logits = next_logits  # type: ignore[attr-defined]
     return run
 
 

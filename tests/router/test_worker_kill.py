@@ -98,7 +98,18 @@ def test_kill_decode_mid_stream_resumes(cluster, hf_greedy) -> None:
     assert at_kill < n, "the stream ended before the kill: nothing to resume"
     thread.join(120)
     got = ids(result["msgs"])
-    assert len(got) == n and got[: len(expected)] == expected
+    assert len(got) == n
+    # Token for token with the uninterrupted reference, but for a near tie deep in the run:
+    # the worker that resumes computes the stream so far in one forward, the reference one
+    # token at a time, and float32 sums in another order may flip a tie (once in CI, at
+    # token 1,034 of 1,500). A divergence counts only where the two tokens are the
+    # reference's top two within 1e-3, and the comparison ends there (the runs then differ).
+    diff = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), None)
+    if diff is not None:
+        assert diff >= at_kill, f"token {diff} differs, before the kill at {at_kill}"
+        top = hf_greedy.next_logits([*toks, *got[:diff]]).topk(2)
+        assert set(top.indices.tolist()) == {got[diff], expected[diff]}, (diff, top)
+        assert float(top.values[0] - top.values[1]) < 1e-3, (diff, top)
     assert result["msgs"][-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
     resumed = [r for t in cluster.traces().values() for r in t["retries"]]
     assert any(r.startswith("decode-resume:") for r in resumed), resumed
