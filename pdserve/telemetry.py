@@ -236,21 +236,29 @@ class Relayed:
             raise ValueError(f"a relayed metric named {name!r} exists already")
         self.name = name
         self.metric = metric
+        #: The child of each label tuple used so far (prometheus_client's ``labels`` takes a
+        #: lock and checks the values on every call: a store get updates two metrics).
+        self._children: dict[tuple[str, ...], _RelayedChild] = {}
         _RELAYED[name] = self
 
     def labels(self, *values: str) -> _RelayedChild:
-        return _RelayedChild(self, values)
+        child = self._children.get(values)
+        if child is None:
+            child = _RelayedChild(self, values)
+            self._children = {**self._children, values: child}  # readers never see it change
+        return child
 
     def inc(self, amount: float = 1.0) -> None:
-        _RelayedChild(self, ()).inc(amount)
+        self.labels().inc(amount)
 
 
 class _RelayedChild:
-    __slots__ = ("parent", "values")
+    __slots__ = ("metric", "parent", "values")
 
     def __init__(self, parent: Relayed, values: tuple[str, ...]) -> None:
         self.parent = parent
         self.values = values
+        self.metric = parent.metric.labels(*values) if values else parent.metric
 
     def inc(self, amount: float = 1.0) -> None:
         self._apply("inc", amount)
@@ -260,7 +268,7 @@ class _RelayedChild:
 
     def _apply(self, kind: str, value: float) -> None:
         global _relay_dropped
-        _update(self.parent.metric, self.values, kind, value)
+        getattr(self.metric, kind)(value)
         if _relay is None:
             return
         with _relay_lock:

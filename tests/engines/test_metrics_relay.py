@@ -95,3 +95,16 @@ def test_vllms_own_metrics_are_served_beside_pdserves() -> None:
         assert "python_gc_objects_collected_total" not in text
     finally:
         default.unregister(gauge)
+
+
+def test_a_label_tuple_used_again_updates_the_same_series(relay) -> None:
+    """The child of a label tuple is kept after its first use: later updates still land in
+    this process's series and in the relay, and other labels stay apart."""
+    before = _value("pdserve_store_read_failovers_total", transport="tcp")
+    other = _value("pdserve_store_read_failovers_total", transport="shm")
+    for _ in range(3):
+        READ_FAILOVERS.labels("tcp").inc(2)
+    assert READ_FAILOVERS.labels("tcp") is READ_FAILOVERS.labels("tcp")
+    assert _value("pdserve_store_read_failovers_total", transport="tcp") == before + 6
+    assert _value("pdserve_store_read_failovers_total", transport="shm") == other
+    assert telemetry.drain_relay() == [["store_read_failovers", ["tcp"], "inc", 2]] * 3

@@ -155,8 +155,10 @@ class Reads:
             for i, res in zip(rest, looked_up, strict=True):
                 results[i] = res
         cached = frozenset(keys[i] for i, loc in enumerate(kept) if loc is not None)
-        READ_LOCATIONS.labels("cache").inc(len(keys) - len(rest))
-        READ_LOCATIONS.labels("master").inc(len(rest))
+        if len(rest) < len(keys):
+            READ_LOCATIONS.labels("cache").inc(len(keys) - len(rest))
+        if rest:
+            READ_LOCATIONS.labels("master").inc(len(rest))
         try:
             buffers = _buffers(results, buffer_for)
             out = self._read_all(results, buffers, ReadCheck(deadlines, decode, cached))
