@@ -36,7 +36,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "connector asks, and the length alone), and one master round trip over gRPC and "
             "over the control wire. With Mooncake Store measured, a 'ceiling' line per size "
             "says how far ahead of it a tcp get can be in this run (tcp-plain over Mooncake "
-            "Store). Run it on a quiet machine: the figures are wall-clock."
+            "Store), and after the rounds a side-by-side run gets from tcp-plain, pdserve "
+            "tcp+lookup and Mooncake Store in turn, so that their ratios and that ceiling "
+            "hold for the same conditions. Run it on a quiet machine: the figures are "
+            "wall-clock."
         ),
     )
     _kvstore_arguments(kv)
@@ -161,6 +164,16 @@ def _kvstore_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--no-mooncake-store", action="store_true", help="skip the Mooncake Store baseline"
+    )
+    p.add_argument(
+        "--no-side-by-side",
+        dest="side_by_side",
+        action="store_false",
+        help="skip the side-by-side run (on by default with Mooncake Store and tcp measured): "
+        "after the rounds, tcp-plain, pdserve/tcp+lookup and Mooncake Store get in turn, one "
+        "get of each, with every server up, single and batched per size; its 'side by side' "
+        "lines give the ratios and the ceiling (tcp-plain / mooncake-store) in the same "
+        "conditions, where the rounds measure each system at another moment",
     )
     p.add_argument(
         "--checksums",

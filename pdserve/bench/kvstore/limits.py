@@ -144,93 +144,115 @@ def bench_tcp_limit(
     (the store reads a batch into adjacent buffers too): what a batched get works against.
 
     ``verify``: after the timing, check every region received holds the bytes sent."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
     rows = []
     for size in sizes:
         gets = [(size, 1, iterations_for(size, iterations))]
         nb = batch_for(size, batch) if batch > 1 else 1
         if nb > 1:
             gets.append((size, nb, iterations_for(size * nb, iterations)))
-        rows += _tcp_limit_size(ctx, gets, verify)
+        rows += _tcp_limit_size(gets, verify)
     return rows
 
 
-def _tcp_limit_size(ctx, gets: list[tuple[int, int, int]], verify: bool) -> list[Row]:
+class PlainPeer:
+    """A tcp-plain peer (:func:`_tcp_limit_peer`, a child process holding ``total`` bytes)
+    and this side's connections to it (pdserve's socket settings, PARALLEL_STREAMS of them)
+    and equally large receive buffer (``dst``, every page touched). :meth:`get` reads one
+    region as pdserve's client reads an object or a batch. Use as a context manager: the
+    peer is killed on exit."""
+
+    def __init__(self, total: int) -> None:
+        import multiprocessing
+        import socket
+
+        from pdserve.store.transports import tcp
+
+        self.total = total
+        ctx = multiprocessing.get_context("spawn")
+        q = ctx.Queue()
+        self.peer = ctx.Process(target=_tcp_limit_peer, args=(q, total), daemon=True)
+        self.peer.start()
+        self.pool = ThreadPoolExecutor(max(1, tcp.PARALLEL_STREAMS - 1))
+        self.socks: list[socket.socket] = []
+        try:
+            port = _peer_port(q, self.peer)
+            for _ in range(tcp.PARALLEL_STREAMS):
+                sock = socket.socket()
+                self.socks.append(sock)
+                tcp.tune_socket(sock)
+                sock.connect(("127.0.0.1", port))
+            self.dst = np.frombuffer(mmap.mmap(-1, total), dtype=np.uint8)
+            self.dst.fill(0xA5)  # every page touched before the timing
+        except BaseException:
+            self.close()
+            raise
+        self.buf = memoryview(self.dst)
+
+    def get(self, size: int, r: int) -> None:
+        """Reads region ``r`` of ``size`` bytes (bytes ``r * size`` on) into the same region
+        of :attr:`dst`, split over PARALLEL_STREAMS connections from PARALLEL_MIN_BYTES on (as
+        pdserve's client splits an object or a batch), the first part on this thread."""
+        from pdserve.store import netio
+        from pdserve.store.transports import tcp
+
+        streams = tcp.PARALLEL_STREAMS if size >= tcp.PARALLEL_MIN_BYTES else 1
+        part = size // streams
+
+        def one(i: int) -> None:
+            lo = r * size + i * part
+            hi = r * size + (size if i == streams - 1 else (i + 1) * part)
+            self.socks[i].sendall(_REQ.pack(lo, hi - lo))
+            if not netio.recv_parts(self.socks[i], [self.buf[lo:hi]]):
+                raise RuntimeError("the tcp-plain peer closed the connection")
+
+        others = [self.pool.submit(one, i) for i in range(1, streams)]
+        one(0)
+        for f in others:
+            f.result()
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close()
+        self.pool.shutdown()
+        self.peer.kill()
+        self.peer.join(10)
+
+    def __enter__(self) -> PlainPeer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _tcp_limit_size(gets: list[tuple[int, int, int]], verify: bool) -> list[Row]:
     """:func:`bench_tcp_limit` at one object size, one peer for all its rows: per
     ``(object size, objects per get, timed gets)`` in ``gets``, the tcp-plain and
     tcp-plain-warm rows. Each get's bytes are one region of a buffer as large as the most
-    cold regions any of them wants, split over PARALLEL_STREAMS connections from
-    PARALLEL_MIN_BYTES on (as pdserve's client splits an object or a batch)."""
-    import socket
-
-    from pdserve.store.transports import tcp
-
+    cold regions any of them wants (:meth:`PlainPeer.get`)."""
     total = max(cold_regions(obj * nb, n) * obj * nb for obj, nb, n in gets)
-    q = ctx.Queue()
-    peer = ctx.Process(target=_tcp_limit_peer, args=(q, total), daemon=True)
-    peer.start()
-    pool = ThreadPoolExecutor(max(1, tcp.PARALLEL_STREAMS - 1))
-    socks: list[socket.socket] = []
-    try:
-        port = _peer_port(q, peer)
-        for _ in range(tcp.PARALLEL_STREAMS):
-            sock = socket.socket()
-            socks.append(sock)
-            tcp.tune_socket(sock)
-            sock.connect(("127.0.0.1", port))
-        dst = np.frombuffer(mmap.mmap(-1, total), dtype=np.uint8)
-        dst.fill(0xA5)  # every page touched before the timing
-        buf = memoryview(dst)
+    with PlainPeer(total) as peer:
         rows: list[Row] = []
         for obj, nb, n in gets:
-            rows += _tcp_plain_rows(obj, nb, n, total // (obj * nb), socks, pool, buf)
+            rows += _tcp_plain_rows(obj, nb, n, total // (obj * nb), peer)
             if verify:
-                _check_plain(dst, obj * nb, min(total // (obj * nb), n + 1))
+                _check_plain(peer.dst, obj * nb, min(total // (obj * nb), n + 1))
         return rows
-    finally:
-        for s in socks:
-            s.close()
-        pool.shutdown()
-        peer.kill()
-        peer.join(10)
 
 
-def _tcp_plain_rows(
-    obj: int, nb: int, n: int, regions: int, socks: list, pool: ThreadPoolExecutor, buf
-) -> list[Row]:
+def _tcp_plain_rows(obj: int, nb: int, n: int, regions: int, peer: PlainPeer) -> list[Row]:
     """The tcp-plain row (``n`` gets, each the next of ``regions`` regions of ``obj * nb``
     bytes) and the tcp-plain-warm row (region 0 again and again)."""
     import itertools
 
-    from pdserve.store import netio
-    from pdserve.store.transports import tcp
-
     size = obj * nb
-    streams = tcp.PARALLEL_STREAMS if size >= tcp.PARALLEL_MIN_BYTES else 1
-    part = size // streams
-    bounds = [(i * part, size if i == streams - 1 else (i + 1) * part) for i in range(streams)]
-
-    def one(i: int, r: int) -> None:
-        lo, hi = r * size + bounds[i][0], r * size + bounds[i][1]
-        socks[i].sendall(_REQ.pack(lo, hi - lo))
-        netio.recv_parts(socks[i], [buf[lo:hi]])
-
-    def get_region(r: int) -> None:
-        others = [pool.submit(one, i, r) for i in range(1, streams)]  # as pdserve's client
-        one(0, r)
-        for f in others:
-            f.result()
-
     nxt = itertools.count(1)
 
     def row(system: str, res: tuple[list[float], float]) -> Row:
         return timed_row(system, obj, n, res, res, nb)
 
-    get_region(0)  # connections, slow start
-    rows = [row("tcp-plain", measure(n, lambda _i: get_region(next(nxt) % regions)))]
-    rows.append(row("tcp-plain-warm", measure(n, lambda _i: get_region(0))))
+    peer.get(size, 0)  # connections, slow start
+    rows = [row("tcp-plain", measure(n, lambda _i: peer.get(size, next(nxt) % regions)))]
+    rows.append(row("tcp-plain-warm", measure(n, lambda _i: peer.get(size, 0))))
     return rows
 
 

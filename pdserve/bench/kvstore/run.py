@@ -23,6 +23,7 @@ from pdserve.bench.kvstore.measure import (
 from pdserve.bench.kvstore.mooncake_store import bench_mooncake
 from pdserve.bench.kvstore.pdserve_store import bench_control, bench_longest_prefix, bench_pdserve
 from pdserve.bench.kvstore.report import plot, render
+from pdserve.bench.kvstore.side_by_side import bench_side_by_side
 from pdserve.sizes import parse_size
 
 
@@ -57,10 +58,16 @@ def run(args: argparse.Namespace) -> int:
     for i in range(args.rounds):
         progress(f"round {i + 1} of {args.rounds}")
         rounds.append(_round(args, sizes, transports, have_mc, log_dir / f"round-{i + 1}"))
+    side = []
+    if have_mc and not args.no_mooncake_store and "tcp" in transports and args.side_by_side:
+        progress("side by side: tcp-plain, pdserve tcp+lookup and Mooncake Store, in turn")
+        side = bench_side_by_side(sizes, args.iterations, args.batch, log_dir / "side-by-side")
     rows = median_rows([r[0] for r in rounds])
     prefix = median_dicts([r[1] for r in rounds])
     control = median_dicts([r[2] for r in rounds])
     print(render(rows, prefix, control))
+    for s in side:
+        print(s.line())
     if args.json:
         Path(args.json).write_text(
             json.dumps(
@@ -68,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
                     "rows": [asdict(r) for r in rows],
                     "longest_prefix": prefix,
                     "control": control,
+                    "side_by_side": [s.as_dict() for s in side],
                     **(
                         {"disk": {"dir": str(Path(disk_dir).resolve()), "fs": fs_type(disk_dir)}}
                         if disk_dir

@@ -144,3 +144,45 @@ def test_the_ceiling_line_sets_mooncake_against_plain_tcp_of_the_same_mode() -> 
     assert single.endswith("; tcp+lookup 2.00x, 80% of tcp-plain")
     # "tcp / plain" compares within a mode: the batch row against the batch's plain tcp.
     assert "tcp / plain loopback tcp at 1 MiB batch: get 67%" in lines
+
+
+def test_the_side_by_side_line_sets_each_system_against_the_others() -> None:
+    from pdserve.bench.kvstore.side_by_side import SideBySide
+
+    s = SideBySide(
+        1 << 20,
+        16,
+        32,
+        {"tcp-plain": 3000.0, "pdserve/tcp+lookup": 4000.0, "mooncake-store": 9000.0},
+        {"tcp-plain": 6.0, "pdserve/tcp+lookup": 4.5, "mooncake-store": 2.0},
+    )
+    assert s.line() == (
+        "side by side at 1 MiB batch of 16 (32 gets each, in turn): pdserve/tcp+lookup p50 "
+        "4000 us, tcp-plain 3000, mooncake-store 9000; tcp+lookup / mooncake-store 2.25x "
+        "GB/s (2.25x p50), ceiling tcp-plain / mooncake-store 3.00x (3.00x p50), "
+        "tcp+lookup at 75% of tcp-plain"
+    )
+
+
+@pytest.mark.slow
+def test_side_by_side_gets_every_system_in_turn_and_checks_the_bytes(tmp_path: Path) -> None:
+    """Real processes: the tcp-plain peer, a pdserve store, a Mooncake Store. Every system
+    makes the same number of gets per size and mode (and each store's bytes are compared
+    inside the run: a wrong byte raises)."""
+    from pdserve.store.mooncake_backend import available
+
+    if not available():
+        pytest.skip("Mooncake is not installed (pip install -e '.[mooncake]')")
+    from pdserve.bench.kvstore.side_by_side import SYSTEMS, bench_side_by_side
+
+    got = bench_side_by_side([4096, 65536], 4, 3, tmp_path)
+    assert [(s.size, s.batch, s.iterations) for s in got] == [
+        (4096, 1, 4),
+        (65536, 1, 4),
+        (4096, 3, 4),
+        (65536, 3, 4),
+    ]
+    for s in got:
+        assert set(s.p50_us) == set(s.gbps) == set(SYSTEMS)
+        assert all(v > 0 for v in [*s.p50_us.values(), *s.gbps.values()])
+        assert s.line().startswith(f"side by side at {s.size // 1024} KiB")
