@@ -70,17 +70,20 @@ def bench_side_by_side(
 
     runs = [(s, 1) for s in sizes] + [(s, batch_for(s, batch)) for s in sizes if batch > 1]
     plan = [(size, nb, iterations_for(size * nb, iterations)) for size, nb in runs]
-    stored = sum(size * nb * (n + 1) for size, nb, n in plan)
+    steps = [size * nb * (n + 1) for size, nb, n in plan]  # stored at once, one step each
     biggest = max(size * nb for size, nb, _n in plan)
     plain_total = max(cold_regions(size * nb, n) * size * nb for size, nb, n in plan)
-    cluster = MooncakeCluster.start(log_dir / "mooncake", 2 * stored + (64 << 20))
+    # Mooncake frees removed objects lazily: room for every step, as the rounds give it
+    cluster = MooncakeCluster.start(log_dir / "mooncake", 2 * sum(steps) + (64 << 20))
     mc = MooncakeDistributedStore()
     try:
         if mc.setup(
             "127.0.0.1", "P2PHANDSHAKE", 0, biggest + (1 << 20), "tcp", "", cluster.address
         ):
             raise RuntimeError("MooncakeDistributedStore.setup failed")
-        segment = int(stored / 0.9) + (32 << 20)  # below the master's high watermark
+        # pdserve frees a step's objects on removal: room for the largest step, below the
+        # master's high watermark
+        segment = int(max(steps) / 0.9) + (32 << 20)
         with (
             PlainPeer(plain_total) as plain,
             local_store(log_dir / "pdserve", segment_size=segment, transports="tcp") as (
@@ -108,7 +111,10 @@ def _one(plain: PlainPeer, client, mc, size: int, nb: int, n: int) -> SideBySide
     # pdserve: objects stored as KV chunks are (no raw-object checksum), read into one buffer
     opts = StoreOptions(checksum=False)
     for i in range(n + 1):
-        client.batch_put([(k, memoryview(data[i, j])) for j, k in enumerate(keys[i])], opts)
+        if not all(
+            client.batch_put([(k, memoryview(data[i, j])) for j, k in enumerate(keys[i])], opts)
+        ):
+            raise RuntimeError(f"side by side: pdserve put of {keys[i][0]} failed")
     out = np.empty((nb, size), np.uint8)
     dsts = [memoryview(row) for row in out]
     # Mooncake: registered source and destination buffers, as its own benchmarks use
