@@ -77,7 +77,7 @@ def bench_pdserve(
             rows.append(timed_row(name, size, n, put, get))
             if lookups:
                 buf[:] = 0
-                get = measure(n, lambda i, k=keys, b=bview: _looked_up_get(client, k, i, b))
+                get = measure(n, lambda i, k=keys, b=bview: looked_up_get(client, k, i, b))
                 if not np.array_equal(buf, data):
                     raise RuntimeError(f"{name}+lookup: read back different bytes")
                 rows.append(timed_row(f"{name}+lookup", size, n, put, get))
@@ -91,7 +91,7 @@ def bench_pdserve(
     return rows
 
 
-def _looked_up_get(client, keys: list[str], i: int, buf: memoryview) -> None:
+def looked_up_get(client, keys: list[str], i: int, buf: memoryview) -> None:
     """The ``i``-th get of the single +lookup row: every :data:`LOOKUP_KEYS`-th one first
     looks up the next :data:`LOOKUP_KEYS` keys (as a connector looks up a prompt's chunks)."""
     if i % LOOKUP_KEYS == 0:
@@ -100,6 +100,15 @@ def _looked_up_get(client, keys: list[str], i: int, buf: memoryview) -> None:
             raise RuntimeError("+lookup: longest_prefix missed keys")
     if client.get_into(keys[i], buf) is None:
         raise RuntimeError(f"+lookup: {keys[i]} missed")
+
+
+def looked_up_batch(client, keys: list[str], bufs: list[memoryview], size: int) -> None:
+    """A batch of the batch +lookup rows, as a connector reads a prompt's chunks:
+    ``longest_prefix`` of ``keys``, then ``batch_get_into`` of them (each ``size`` bytes)."""
+    if client.longest_prefix(keys) != len(keys):
+        raise RuntimeError("+lookup batch: longest_prefix missed keys")
+    if client.batch_get_into(keys, bufs).count(size) != len(keys):
+        raise RuntimeError(f"+lookup batch: {keys[0]}.. missed")
 
 
 def _bench_pdserve_batch(
@@ -133,13 +142,7 @@ def _bench_pdserve_batch(
     if lookups:
         out[:] = 0
 
-        def lookup_and_get(i: int) -> None:
-            if client.longest_prefix(keys[i]) != nb:
-                raise RuntimeError(f"{name}+lookup batch: longest_prefix missed keys")
-            if client.batch_get_into(keys[i], dsts).count(size) != nb:
-                raise RuntimeError(f"{name}+lookup batch: missed")
-
-        get = measure(n, lookup_and_get)
+        get = measure(n, lambda i: looked_up_batch(client, keys[i], dsts, size))
         if not np.array_equal(out, data):
             raise RuntimeError(f"{name}+lookup batch: read back different bytes")
         rows.append(timed_row(f"{name}+lookup", size, n, put, get, nb))

@@ -13,8 +13,8 @@ socket settings can be in those conditions (a store's get moves the same bytes a
 Each system reads distinct objects (tcp-plain: distinct cold regions), as the main rows do:
 pdserve's single gets look up the next 16 keys before every 16th get, a batch looks its keys
 up first (``longest_prefix``, then ``batch_get_into``); Mooncake's single get is
-``get_into`` and its batch ``batch_get_into``, into registered buffers. The bytes each store
-read are checked after the timing."""
+``get_into`` and its batch ``batch_get_into``, into registered buffers. After the timing, the
+bytes of each store's last get are compared with what was put."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import numpy as np
 
 from pdserve.bench.kvstore.limits import PlainPeer, cold_regions
 from pdserve.bench.kvstore.measure import batch_for, fmt_size, iterations_for, pct, progress
-from pdserve.bench.kvstore.pdserve_store import LOOKUP_KEYS
+from pdserve.bench.kvstore.pdserve_store import looked_up_batch, looked_up_get
 
 #: The systems in the order of the first get (it rotates get by get).
 SYSTEMS = ("tcp-plain", "pdserve/tcp+lookup", "mooncake-store")
@@ -133,16 +133,11 @@ def _one(plain: PlainPeer, client, mc, size: int, nb: int, n: int) -> SideBySide
     regions = plain.total // total
     flat = [k for ks in keys for k in ks]
 
-    def pdserve_get(i: int) -> None:
+    def pdserve_get(i: int) -> None:  # as the rows pdserve/tcp+lookup read
         if nb > 1:
-            if client.longest_prefix(keys[i]) != nb:
-                raise RuntimeError("side by side: pdserve longest_prefix missed keys")
-        elif i % LOOKUP_KEYS == 0:
-            ahead = flat[i : i + LOOKUP_KEYS]
-            if client.longest_prefix(ahead) != len(ahead):
-                raise RuntimeError("side by side: pdserve longest_prefix missed keys")
-        if client.batch_get_into(keys[i], dsts).count(size) != nb:
-            raise RuntimeError(f"side by side: pdserve missed {keys[i][0]}")
+            looked_up_batch(client, keys[i], dsts, size)
+        else:
+            looked_up_get(client, flat, i, dsts[0])
 
     def mooncake_get(i: int) -> None:
         got = (
