@@ -201,8 +201,12 @@ def _kvstore_arguments(p: argparse.ArgumentParser) -> None:
         "objects written (fsynced) there and each object read once, as O_DIRECT preads "
         "(disk-raw-direct: the device, page cache bypassed; left out where the file system "
         "refuses O_DIRECT) and as buffered preads after POSIX_FADV_DONTNEED of the file "
-        "(disk-raw: cold page cache, readahead on); put = the writes plus one fsync. What a "
-        "store's disk tier is read against: give a directory on the disk that tier would use "
+        "(disk-raw: cold page cache, readahead on); put = the writes plus one fsync. And "
+        "pdserve's disk tier there (pdserve/tcp-disk): a store whose node keeps a few objects in "
+        "memory and the rest on a disk segment in DIR, each object read once with the page "
+        "cache dropped, one by one and in batches of 16 after longest_prefix (as the "
+        "connector reads); put = the put alone. The disk figures are read against the raw "
+        "ones: give a directory on the disk that tier would use "
         "(e.g. the run dir), not /dev/shm or another tmpfs (warned: that measures memory). "
         "Needs room for the biggest size's objects (at most 512 MiB)",
     )
