@@ -3,6 +3,7 @@ and get GB/s per size per system as a PNG."""
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 from pdserve.bench.kvstore.measure import Row, fmt_size
@@ -101,6 +102,27 @@ def ratios(rows: list[Row]) -> list[str]:
                 f"get {r.get_gbps / mem.get_gbps:.0%}"
             )
     return lines
+
+
+def per_round(
+    rounds: list[list[Row]], system: str = "pdserve/tcp+lookup", against: str = "mooncake-store"
+) -> list[str]:
+    """Per size and mode, ``system``'s get GB/s over ``against``'s in each round, in the
+    rounds' order, and the median of those ratios: the spread the medians of each system hide
+    (on a noisy machine the rounds of one run can fall either side of a target)."""
+    found: dict[tuple[str, int], list[float]] = {}
+    for rows in rounds:
+        by = {(r.system, r.size, r.mode): r for r in rows}
+        for r in rows:
+            base = by.get((against, r.size, r.mode))
+            if r.system == system and base is not None and base.get_gbps > 0:
+                found.setdefault((r.mode, r.size), []).append(r.get_gbps / base.get_gbps)
+    return [
+        f"{system.removeprefix('pdserve/')} / {against} at {fmt_size(size)} {mode}, per round: "
+        + ", ".join(f"{x:.2f}x" for x in xs)
+        + f" (median {statistics.median(xs):.2f}x)"
+        for (mode, size), xs in sorted(found.items())
+    ]
 
 
 def ceiling(plain: Row, mc: Row, looked: Row | None) -> str:

@@ -22,7 +22,7 @@ from pdserve.bench.kvstore.measure import (
 )
 from pdserve.bench.kvstore.mooncake_store import bench_mooncake
 from pdserve.bench.kvstore.pdserve_store import bench_control, bench_longest_prefix, bench_pdserve
-from pdserve.bench.kvstore.report import plot, render
+from pdserve.bench.kvstore.report import per_round, plot, render
 from pdserve.bench.kvstore.side_by_side import bench_side_by_side
 from pdserve.sizes import parse_size
 
@@ -66,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
     prefix = median_dicts([r[1] for r in rounds])
     control = median_dicts([r[2] for r in rounds])
     print(render(rows, prefix, control))
+    if len(rounds) > 1:
+        for line in per_round([r[0] for r in rounds]):
+            print(line)
     for s in side:
         print(s.line())
     if args.json:

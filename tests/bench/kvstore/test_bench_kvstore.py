@@ -186,3 +186,31 @@ def test_side_by_side_gets_every_system_in_turn_and_checks_the_bytes(tmp_path: P
         assert set(s.p50_us) == set(s.gbps) == set(SYSTEMS)
         assert all(v > 0 for v in [*s.p50_us.values(), *s.gbps.values()])
         assert s.line().startswith(f"side by side at {s.size // 1024} KiB")
+
+
+def test_per_round_lines_give_each_rounds_ratio_and_their_median() -> None:
+    from pdserve.bench.kvstore.measure import Row
+    from pdserve.bench.kvstore.report import per_round
+
+    def row(system: str, batch: int, gbps: float) -> Row:
+        mode = "single" if batch == 1 else "batch"
+        return Row(system, 1 << 20, 10, mode, batch, gbps, 1.0, 1.0, gbps, 1.0, 1.0)
+
+    rounds = [
+        [row("mooncake-store", 1, 1.0), row("pdserve/tcp+lookup", 1, 2.5)],
+        [row("mooncake-store", 1, 1.0), row("pdserve/tcp+lookup", 1, 3.5)],
+        [
+            row("mooncake-store", 1, 2.0),
+            row("pdserve/tcp+lookup", 1, 6.2),
+            row("mooncake-store", 16, 1.0),
+            row("pdserve/tcp+lookup", 16, 2.0),
+            row("pdserve/tcp", 16, 9.0),  # not the system asked for
+        ],
+    ]
+    batch, single = per_round(rounds)
+    assert single == (
+        "tcp+lookup / mooncake-store at 1 MiB single, per round: 2.50x, 3.50x, 3.10x (median 3.10x)"
+    )
+    # a size and mode only one round measured: that round's ratio alone
+    assert batch == "tcp+lookup / mooncake-store at 1 MiB batch, per round: 2.00x (median 2.00x)"
+    assert per_round([[row("pdserve/tcp+lookup", 1, 2.0)]]) == []  # no baseline, no line
