@@ -34,10 +34,39 @@ class ServiceProcess:
     popen: subprocess.Popen
     log_path: Path
     info: dict[str, Any] = field(default_factory=dict)
+    #: The ``psm_*`` shared-memory segments its processes were seen to map (vLLM's message
+    #: queues, 300-400 MB a worker), removed once the service is gone if no live process maps
+    #: them: a service killed before its own shutdown ends leaves them behind
+    #: (:mod:`pdserve.engines.shm_segments`).
+    segments: set[str] = field(default_factory=set)
 
     @property
     def pid(self) -> int:
         return self.popen.pid
+
+    def note_segments(self) -> None:
+        """Adds the segments the service's process tree maps now to :attr:`segments`."""
+        from pdserve.engines import shm_segments
+
+        if self.alive():
+            self.segments |= shm_segments.mapped_segments(self.popen.pid)
+
+    def _remove_segments(self) -> None:
+        """Once the process group is gone (SIGKILLed: waits up to 2 s for it), removes the
+        noted segments no live process maps."""
+        from pdserve.engines import shm_segments
+
+        if not self.segments:
+            return
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.popen.pid, 0)
+            except (ProcessLookupError, PermissionError):
+                break
+            time.sleep(0.05)
+        left, self.segments = self.segments - shm_segments.in_use(), set()
+        shm_segments.remove(left)
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -50,14 +79,18 @@ class ServiceProcess:
 
     def kill(self) -> None:
         """SIGKILL, for fault-injection tests."""
+        self.note_segments()
         if self.alive():
             os.killpg(self.popen.pid, signal.SIGKILL)
             self.popen.wait()
+        self._remove_segments()
 
     def stop(self, timeout: float = 15.0) -> int | None:
         """SIGTERM the process group, wait for a clean exit, SIGKILL after ``timeout``
         seconds; then SIGKILL whatever is left in the group (helpers such as vLLM's engine
-        core must not outlive their service)."""
+        core must not outlive their service), and remove the shared-memory segments it left
+        (:attr:`segments`)."""
+        self.note_segments()
         if self.alive():
             try:
                 os.killpg(self.popen.pid, signal.SIGTERM)
@@ -69,6 +102,7 @@ class ServiceProcess:
                 pass
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.popen.pid, signal.SIGKILL)
+        self._remove_segments()
         return self.popen.returncode
 
 
@@ -139,6 +173,7 @@ def wait_ready(proc: ServiceProcess, timeout: float = 120.0) -> ServiceProcess:
                 info = parse_ready(line)
                 if info is not None:
                     proc.info = info
+                    proc.note_segments()  # a started engine maps its queues by now
                     with proc.log_path.open("a") as log:
                         log.write(buf)  # stdout so far (incl. READY) stays in the log
                     _drain_stdout_to_log(popen, proc.log_path)

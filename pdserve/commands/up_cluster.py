@@ -414,6 +414,7 @@ class Cluster:
                         sup.in_a_row = 0
                     continue
                 sup.last_exit = proc.popen.returncode
+                proc.stop()  # what is left of its process group, and the shared memory it left
                 delay = RESTART_BACKOFF_S[min(sup.in_a_row, len(RESTART_BACKOFF_S) - 1)]
                 sup.state, sup.next_start = "restarting", now + delay
                 progress(

@@ -8,6 +8,11 @@ worker left two 160 MiB segments. The worker notes the segments its engine's pro
 while they run (:func:`mapped_segments`) and removes those that outlive the engine's shutdown
 (:func:`remove`). Segments mapped by other processes (another worker on the host) are never
 named, so never removed.
+
+A worker killed before its shutdown ends (a supervisor's SIGKILL of its process group, which
+takes Python's resource tracker with it, or the OOM killer) removes nothing: the process that
+started it does, with the segments it saw the worker's processes map
+(:class:`pdserve.procs.ServiceProcess`), those that no live process maps (:func:`in_use`).
 """
 
 from __future__ import annotations
@@ -45,12 +50,22 @@ def descendants(pid: int) -> set[int]:
 def mapped_segments(pid: int | None = None) -> set[str]:
     """Names of the ``psm_*`` segments mapped by ``pid`` (default: this process) or any of
     its descendants."""
+    return _mapped_by(descendants(pid or os.getpid()))
+
+
+def in_use() -> set[str]:
+    """Names of the ``psm_*`` segments any live process maps (that this one may read the
+    maps of)."""
+    return _mapped_by(int(p.name) for p in Path("/proc").glob("[0-9]*"))
+
+
+def _mapped_by(pids: Iterable[int]) -> set[str]:
     names: set[str] = set()
-    for p in descendants(pid or os.getpid()):
+    for p in pids:
         try:
             names.update(_MAPPED.findall(Path(f"/proc/{p}/maps").read_text()))
         except OSError:
-            continue
+            continue  # exited meanwhile, or not ours to read
     return names
 
 
