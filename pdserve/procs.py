@@ -35,9 +35,9 @@ class ServiceProcess:
     log_path: Path
     info: dict[str, Any] = field(default_factory=dict)
     #: The ``psm_*`` shared-memory segments its processes were seen to map (vLLM's message
-    #: queues, 300-400 MB a worker), removed once the service is gone if no live process maps
-    #: them: a service killed before its own shutdown ends leaves them behind
-    #: (:mod:`pdserve.engines.shm_segments`).
+    #: queues, 300-400 MB a worker) and their ``sem.mp-*`` semaphores, removed once the
+    #: service is gone if no live process maps them: a service killed before its own shutdown
+    #: ends leaves them behind (:mod:`pdserve.engines.shm_segments`).
     segments: set[str] = field(default_factory=set)
 
     @property

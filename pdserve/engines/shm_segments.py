@@ -13,6 +13,10 @@ A worker killed before its shutdown ends (a supervisor's SIGKILL of its process 
 takes Python's resource tracker with it, or the OOM killer) removes nothing: the process that
 started it does, with the segments it saw the worker's processes map
 (:class:`pdserve.procs.ServiceProcess`), those that no live process maps (:func:`in_use`).
+The same goes for the named semaphores of Python's ``multiprocessing`` (``/dev/shm/sem.mp-*``,
+32 bytes each, left the same way by a killed spawn-context process): glibc's ``sem_open``
+maps a file it made under a temporary name before linking it to the semaphore's, so a maps
+line may name that temporary file "(deleted)"; they are found by inode instead.
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 _MAPPED = re.compile(r"/dev/shm/(psm_[0-9a-f]+)")
+#: The inode of a maps line of a file under /dev/shm/sem.* (a POSIX named semaphore).
+_SEMAPHORE = re.compile(r"^\S+ \S+ \S+ \S+ (\d+) +/dev/shm/sem\.", re.MULTILINE)
+#: The prefix of the semaphores Python's multiprocessing names (the only ones removed).
+_MP_SEMAPHORE = "sem.mp-"
 
 
 def descendants(pid: int) -> set[int]:
@@ -48,24 +56,37 @@ def descendants(pid: int) -> set[int]:
 
 
 def mapped_segments(pid: int | None = None) -> set[str]:
-    """Names of the ``psm_*`` segments mapped by ``pid`` (default: this process) or any of
-    its descendants."""
+    """Names of the ``psm_*`` segments and ``sem.mp-*`` semaphores mapped by ``pid``
+    (default: this process) or any of its descendants."""
     return _mapped_by(descendants(pid or os.getpid()))
 
 
 def in_use() -> set[str]:
-    """Names of the ``psm_*`` segments any live process maps (that this one may read the
-    maps of)."""
+    """Names of the ``psm_*`` segments and ``sem.mp-*`` semaphores any live process maps
+    (that this one may read the maps of)."""
     return _mapped_by(int(p.name) for p in Path("/proc").glob("[0-9]*"))
 
 
 def _mapped_by(pids: Iterable[int]) -> set[str]:
     names: set[str] = set()
+    inodes: set[int] = set()
     for p in pids:
         try:
-            names.update(_MAPPED.findall(Path(f"/proc/{p}/maps").read_text()))
+            maps = Path(f"/proc/{p}/maps").read_text()
         except OSError:
             continue  # exited meanwhile, or not ours to read
+        names.update(_MAPPED.findall(maps))
+        inodes.update(int(i) for i in _SEMAPHORE.findall(maps))
+    if inodes:
+        try:
+            with os.scandir(SHM_DIR) as entries:
+                names.update(
+                    e.name
+                    for e in entries
+                    if e.name.startswith(_MP_SEMAPHORE) and e.inode() in inodes
+                )
+        except OSError:
+            pass
     return names
 
 

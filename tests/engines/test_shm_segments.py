@@ -3,6 +3,7 @@ removes what outlives them."""
 
 from __future__ import annotations
 
+import ctypes
 import subprocess
 import sys
 from multiprocessing import shared_memory
@@ -44,16 +45,25 @@ def test_segments_of_a_process_tree_are_found_and_removed_after_it_dies() -> Non
 
 
 SERVICE = """
-import signal, sys, time
+import multiprocessing, signal, sys, time
 from multiprocessing import resource_tracker, shared_memory
 signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a shutdown that does not end: SIGKILL follows
 own = shared_memory.SharedMemory(create=True, size=4096)
 shared = shared_memory.SharedMemory(create=True, size=4096)
 for m in (own, shared):
     resource_tracker.unregister(m._name, "shared_memory")  # as a killed engine leaves them
-print(own.name, shared.name, flush=True)
+# spawn-context locks: named semaphores in /dev/shm (sem.mp-*) until their owner cleans up
+locks = [multiprocessing.get_context("spawn").Lock() for _ in range(2)]
+for lock in locks:
+    resource_tracker.unregister(lock._semlock.name, "semaphore")
+print(own.name, shared.name, *(lock._semlock.name for lock in locks), flush=True)
 time.sleep(60)
 """
+
+
+def _sem_file(name: str) -> Path:
+    """The file of the POSIX named semaphore ``name`` ("/mp-..."): /dev/shm/sem.mp-..."""
+    return Path("/dev/shm") / f"sem.{name.lstrip('/')}"
 
 
 @pytest.mark.slow
@@ -61,8 +71,8 @@ def test_a_service_killed_in_its_shutdown_leaves_no_segment_but_those_still_mapp
     tmp_path: Path,
 ) -> None:
     """ServiceProcess.stop SIGKILLs a service whose shutdown does not end (its group with it,
-    Python's resource tracker included) and then removes the segments the service mapped,
-    except one another live process (this one) still maps."""
+    Python's resource tracker included) and then removes the segments and multiprocessing
+    semaphores the service mapped, except those another live process (this one) still maps."""
     from pdserve.procs import ServiceProcess
 
     popen = subprocess.Popen(
@@ -72,17 +82,27 @@ def test_a_service_killed_in_its_shutdown_leaves_no_segment_but_those_still_mapp
         start_new_session=True,
     )
     proc = ServiceProcess("svc", popen, tmp_path / "svc.log")
-    own, shared = popen.stdout.readline().split()
+    own, shared, own_sem, shared_sem = popen.stdout.readline().split()
     ours = shared_memory.SharedMemory(name=shared)  # mapped here too: in use
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.sem_open.restype = ctypes.c_void_p
+    libc.sem_close.argtypes = [ctypes.c_void_p]
+    handle = libc.sem_open(shared_sem.encode(), 0)  # opened (so mapped) here too: in use
+    assert handle not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
     try:
         proc.note_segments()
-        assert proc.segments == {own, shared}
+        sems = {_sem_file(own_sem).name, _sem_file(shared_sem).name}
+        assert proc.segments == {own, shared} | sems
         assert proc.stop(timeout=0.5) == -9
         assert not (Path("/dev/shm") / own).exists()
         assert (Path("/dev/shm") / shared).exists()
+        assert not _sem_file(own_sem).exists()
+        assert _sem_file(shared_sem).exists()
         assert proc.segments == set()
     finally:
         popen.kill()
         ours.close()
         ours.unlink()
-        (Path("/dev/shm") / own).unlink(missing_ok=True)
+        libc.sem_close(handle)
+        for path in (Path("/dev/shm") / own, _sem_file(own_sem), _sem_file(shared_sem)):
+            path.unlink(missing_ok=True)
