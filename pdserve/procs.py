@@ -49,7 +49,7 @@ class ServiceProcess:
         from pdserve.engines import shm_segments
 
         if self.alive():
-            self.segments |= shm_segments.mapped_segments(self.popen.pid)
+            self.segments |= shm_segments.mapped_files(self.popen.pid)
 
     def _remove_segments(self) -> None:
         """Once the process group is gone (SIGKILLed: waits up to 2 s for it), removes the

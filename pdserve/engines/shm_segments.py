@@ -12,11 +12,12 @@ named, so never removed.
 A worker killed before its shutdown ends (a supervisor's SIGKILL of its process group, which
 takes Python's resource tracker with it, or the OOM killer) removes nothing: the process that
 started it does, with the segments it saw the worker's processes map
-(:class:`pdserve.procs.ServiceProcess`), those that no live process maps (:func:`in_use`).
-The same goes for the named semaphores of Python's ``multiprocessing`` (``/dev/shm/sem.mp-*``,
-32 bytes each, left the same way by a killed spawn-context process): glibc's ``sem_open``
-maps a file it made under a temporary name before linking it to the semaphore's, so a maps
-line may name that temporary file "(deleted)"; they are found by inode instead.
+(:class:`pdserve.procs.ServiceProcess`, :func:`mapped_files`), those that no live process maps
+(:func:`in_use`). The same goes for the named semaphores of Python's ``multiprocessing``
+(``/dev/shm/sem.mp-*``, 32 bytes each, left the same way by a killed spawn-context process;
+only the supervisor removes them, a live worker's own finalizers unlink its own): glibc's
+``sem_open`` maps a file it made under a temporary name before linking it to the semaphore's,
+so a maps line may name that temporary file "(deleted)"; they are found by inode instead.
 """
 
 from __future__ import annotations
@@ -56,9 +57,17 @@ def descendants(pid: int) -> set[int]:
 
 
 def mapped_segments(pid: int | None = None) -> set[str]:
-    """Names of the ``psm_*`` segments and ``sem.mp-*`` semaphores mapped by ``pid``
-    (default: this process) or any of its descendants."""
-    return _mapped_by(descendants(pid or os.getpid()))
+    """Names of the ``psm_*`` segments mapped by ``pid`` (default: this process) or any of
+    its descendants: what an engine removes after its own shutdown. Not its semaphores: the
+    live process still holds those, and its own finalizers unlink them."""
+    return _mapped_by(descendants(pid or os.getpid()), semaphores=False)
+
+
+def mapped_files(pid: int) -> set[str]:
+    """Names of the ``psm_*`` segments and ``sem.mp-*`` semaphores mapped by ``pid`` or any
+    of its descendants: what a supervisor removes once the process group is gone, if no live
+    process maps them (:func:`in_use`)."""
+    return _mapped_by(descendants(pid))
 
 
 def in_use() -> set[str]:
@@ -67,7 +76,7 @@ def in_use() -> set[str]:
     return _mapped_by(int(p.name) for p in Path("/proc").glob("[0-9]*"))
 
 
-def _mapped_by(pids: Iterable[int]) -> set[str]:
+def _mapped_by(pids: Iterable[int], semaphores: bool = True) -> set[str]:
     names: set[str] = set()
     inodes: set[int] = set()
     for p in pids:
@@ -76,7 +85,8 @@ def _mapped_by(pids: Iterable[int]) -> set[str]:
         except OSError:
             continue  # exited meanwhile, or not ours to read
         names.update(_MAPPED.findall(maps))
-        inodes.update(int(i) for i in _SEMAPHORE.findall(maps))
+        if semaphores:
+            inodes.update(int(i) for i in _SEMAPHORE.findall(maps))
     if inodes:
         try:
             with os.scandir(SHM_DIR) as entries:

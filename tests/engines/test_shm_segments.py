@@ -90,6 +90,9 @@ def test_a_service_killed_in_its_shutdown_leaves_no_segment_but_those_still_mapp
     handle = libc.sem_open(shared_sem.encode(), 0)  # opened (so mapped) here too: in use
     assert handle not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
     try:
+        # what an engine removes after its own shutdown: the queues, never the live
+        # process's semaphores
+        assert shm_segments.mapped_segments(popen.pid) == {own, shared}
         proc.note_segments()
         sems = {_sem_file(own_sem).name, _sem_file(shared_sem).name}
         assert proc.segments == {own, shared} | sems
