@@ -222,7 +222,7 @@ def test_a_request_the_engine_holds_counts_only_its_uncached_work_on_it() -> Non
 
 
 def test_new_prefixes_spread_over_idle_workers() -> None:
-    """Ties (idle workers, a prompt none holds) go to the worker picked least often, not
+    """Ties (idle workers, a prompt none holds) go to the worker picked longest ago, not
     always to the first: otherwise every new prefix starts on the same engine."""
     workers = [Worker(n, f"http://{n}:1", DECODE) for n in ("a", "b", "c")]
     placement = ColocatedPlacement()

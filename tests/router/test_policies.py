@@ -93,3 +93,16 @@ def test_cache_aware_spreads_sequential_requests_on_an_idle_cluster():
     pol = CacheAware()
     counts = Counter(pol.choose(ws, CTX).id for _ in range(10))
     assert counts == {"w0": 5, "w1": 5}
+
+
+def test_cache_aware_ties_alternate_whatever_the_history():
+    """A worker the costs favoured earlier (here w0, three times) does not leave w1 every tie
+    until their counts match: sequential equal requests alternate from the next one on (the
+    cluster test's 5/3 split of eight requests came from such a history)."""
+    ws = workers(2)
+    pol = CacheAware()
+    ws[1].queue_length = 4  # w1 busy: the load term sends three requests to w0
+    assert [pol.choose(ws, CTX).id for _ in range(3)] == ["w0"] * 3
+    ws[1].queue_length = 0
+    picks = [pol.choose(ws, CTX).id for _ in range(8)]
+    assert picks == ["w1", "w0"] * 4, picks

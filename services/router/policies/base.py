@@ -37,3 +37,21 @@ class PrefillPolicy(abc.ABC):
 
     @abc.abstractmethod
     def choose(self, workers: Sequence[Worker], ctx: RouteContext) -> Worker: ...
+
+
+class PickOrder:
+    """The tie-break of the cost policies: among equals, the worker picked longest ago (one
+    never picked first). Unlike a count of picks, it does not remember how a worker fell
+    behind: a worker that was busy, joined late or restarted gets its turn in the rotation,
+    not every tie until its count catches up."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, int] = {}
+        self._clock = 0
+
+    def rank(self, worker_id: str) -> int:
+        return self._last.get(worker_id, -1)
+
+    def record(self, worker_id: str) -> None:
+        self._clock += 1
+        self._last[worker_id] = self._clock

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdserve.services.router.engine_events import EngineCaches
-from pdserve.services.router.policies.base import PrefillPolicy, RouteContext
+from pdserve.services.router.policies.base import PickOrder, PrefillPolicy, RouteContext
 from pdserve.services.router.workers import Worker
 
 
@@ -33,7 +33,7 @@ class CacheAware(PrefillPolicy):
         self.cache_weight = cache_weight
         self.load_weight = load_weight
         self.request_tokens = request_tokens
-        self._picks: dict[str, int] = {}
+        self._order = PickOrder()
 
     def queued_tokens(self, w: Worker) -> float:
         reported = (w.running + w.queue_length) * self.request_tokens
@@ -49,7 +49,7 @@ class CacheAware(PrefillPolicy):
 
     def choose(self, workers: Sequence[Worker], ctx: RouteContext) -> Worker:
         # Ties (e.g. an idle cluster between sequential requests) go to the worker with fewer
-        # requests now, then to the one this policy picked least often, then by id.
-        w = min(workers, key=lambda w: (self.cost(w, ctx), w.load, self._picks.get(w.id, 0), w.id))
-        self._picks[w.id] = self._picks.get(w.id, 0) + 1
+        # requests now, then to the one this policy picked longest ago, then by id.
+        w = min(workers, key=lambda w: (self.cost(w, ctx), w.load, self._order.rank(w.id), w.id))
+        self._order.record(w.id)
         return w

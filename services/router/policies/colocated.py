@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from pdserve.services.router.engine_events import EngineCaches
 from pdserve.services.router.policies.affinity import PrefixAffinity
-from pdserve.services.router.policies.base import RouteContext
+from pdserve.services.router.policies.base import PickOrder, RouteContext
 from pdserve.services.router.workers import Worker
 
 
@@ -41,7 +41,7 @@ class ColocatedPlacement:
     ) -> None:
         self.affinity = affinity or PrefixAffinity()
         self.engines = engines
-        self._picks: dict[str, int] = {}
+        self._order = PickOrder()
         self.store_load_weight = store_load_weight
         self.request_tokens = request_tokens
         self.stream_tokens = stream_tokens
@@ -71,14 +71,14 @@ class ColocatedPlacement:
     ) -> Worker:
         """Contract: ``workers`` is non-empty; returns one of them; mutates nothing. Ties (an
         idle cluster, a prompt no worker holds) go to the worker with fewer requests now, then
-        to the one picked least often (:meth:`record`): new prefixes spread over the workers
+        to the one picked longest ago (:meth:`record`): new prefixes spread over the workers
         instead of all starting on the first."""
         return min(
             workers,
             key=lambda w: (
                 self.cost(w, ctx, keys, chunk),
                 w.load,
-                self._picks.get(w.id, 0),
+                self._order.rank(w.id),
                 w.id,
             ),
         )
@@ -86,4 +86,4 @@ class ColocatedPlacement:
     def record(self, worker_id: str, keys: Sequence[str]) -> None:
         """``worker_id`` takes the request with chain ``keys`` (the router's picks)."""
         self.affinity.record(worker_id, keys)
-        self._picks[worker_id] = self._picks.get(worker_id, 0) + 1
+        self._order.record(worker_id)
