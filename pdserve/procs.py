@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import select
 import signal
@@ -22,6 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.lifecycle import parse_ready
+
+log = logging.getLogger(__name__)
+
+#: How long a SIGKILLed service's processes may take to exit before the segments they map
+#: are given up on (an engine's exit frees GiBs of KV cache; on a loaded machine, seconds).
+GROUP_EXIT_S = 30.0
 
 
 class ProcessStartError(RuntimeError):
@@ -45,24 +52,30 @@ class ServiceProcess:
         return self.popen.pid
 
     def note_segments(self) -> None:
-        """Adds the segments the service's process tree maps now to :attr:`segments`."""
+        """Adds the segments the service's processes map now to :attr:`segments`: its tree
+        and its process group (helpers outlive a service process that exited first)."""
         from pdserve.engines import shm_segments
 
-        if self.alive():
-            self.segments |= shm_segments.mapped_files(self.popen.pid)
+        self.segments |= shm_segments.mapped_files(self.popen.pid, tree=self.alive())
 
     def _remove_segments(self) -> None:
-        """Once the process group is gone (SIGKILLed: waits up to 2 s for it), removes the
-        noted segments no live process maps."""
+        """Once the process group is gone (SIGKILLed: waits up to :data:`GROUP_EXIT_S` for
+        its last process to exit; zombies map nothing and are not waited for), removes the
+        noted segments no live process maps. A killed engine process maps its segments until
+        its exit has torn down its memory (GiBs of KV cache), seconds on a loaded machine."""
         from pdserve.engines import shm_segments
 
         if not self.segments:
             return
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(self.popen.pid, 0)
-            except (ProcessLookupError, PermissionError):
+        deadline = time.monotonic() + GROUP_EXIT_S
+        while shm_segments.group(self.popen.pid):
+            if time.monotonic() > deadline:
+                log.warning(
+                    "%s: processes of its group still run %.0f s after SIGKILL; segments they "
+                    "map stay",
+                    self.name,
+                    GROUP_EXIT_S,
+                )
                 break
             time.sleep(0.05)
         left, self.segments = self.segments - shm_segments.in_use(), set()

@@ -12,8 +12,9 @@ named, so never removed.
 A worker killed before its shutdown ends (a supervisor's SIGKILL of its process group, which
 takes Python's resource tracker with it, or the OOM killer) removes nothing: the process that
 started it does, with the segments it saw the worker's processes map
-(:class:`pdserve.procs.ServiceProcess`, :func:`mapped_files`), those that no live process maps
-(:func:`in_use`). The same goes for the named semaphores of Python's ``multiprocessing``
+(:class:`pdserve.procs.ServiceProcess`, :func:`mapped_files`: its tree and its process group,
+whose helpers may outlive the service process), those that no live process maps
+(:func:`in_use`) once the group's processes have exited. The same goes for the named semaphores of Python's ``multiprocessing``
 (``/dev/shm/sem.mp-*``, 32 bytes each, left the same way by a killed spawn-context process;
 only the supervisor removes them, a live worker's own finalizers unlink its own): glibc's
 ``sem_open`` maps a file it made under a temporary name before linking it to the semaphore's,
@@ -38,15 +39,25 @@ _SEMAPHORE = re.compile(r"^\S+ \S+ \S+ \S+ (\d+) +/dev/shm/sem\.", re.MULTILINE)
 _MP_SEMAPHORE = "sem.mp-"
 
 
-def descendants(pid: int) -> set[int]:
-    """``pid`` and every live process below it (from ``/proc``)."""
-    children: dict[int, list[int]] = {}
+def _processes() -> list[tuple[int, int, int]]:
+    """``(pid, parent pid, process group)`` of every live process (zombies left out: they
+    map nothing and are gone once reaped)."""
+    out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue  # exited meanwhile
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        if fields[0] not in ("Z", "X"):
+            out.append((int(stat.parent.name), int(fields[1]), int(fields[2])))
+    return out
+
+
+def descendants(pid: int) -> set[int]:
+    """``pid`` and every live process below it (from ``/proc``)."""
+    children: dict[int, list[int]] = {}
+    for p, parent, _group in _processes():
+        children.setdefault(parent, []).append(p)
     found, todo = set(), [pid]
     while todo:
         p = todo.pop()
@@ -56,6 +67,13 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
+def group(pgid: int) -> set[int]:
+    """The live processes of process group ``pgid``: a service's helpers whose parent
+    exited first (an engine core orphaned by its server) are no one's descendants, but
+    still in the group the service was started in."""
+    return {p for p, _parent, g in _processes() if g == pgid}
+
+
 def mapped_segments(pid: int | None = None) -> set[str]:
     """Names of the ``psm_*`` segments mapped by ``pid`` (default: this process) or any of
     its descendants: what an engine removes after its own shutdown. Not its semaphores: the
@@ -63,11 +81,12 @@ def mapped_segments(pid: int | None = None) -> set[str]:
     return _mapped_by(descendants(pid or os.getpid()), semaphores=False)
 
 
-def mapped_files(pid: int) -> set[str]:
-    """Names of the ``psm_*`` segments and ``sem.mp-*`` semaphores mapped by ``pid`` or any
-    of its descendants: what a supervisor removes once the process group is gone, if no live
-    process maps them (:func:`in_use`)."""
-    return _mapped_by(descendants(pid))
+def mapped_files(pid: int, *, tree: bool = True) -> set[str]:
+    """Names of the ``psm_*`` segments and ``sem.mp-*`` semaphores mapped by any process of
+    the group ``pid`` leads and, with ``tree`` (while ``pid`` runs: the number of a reaped
+    process may be reused), by ``pid`` and its descendants: what a supervisor removes once
+    the process group is gone, if no live process maps them (:func:`in_use`)."""
+    return _mapped_by(group(pid) | (descendants(pid) if tree else set()))
 
 
 def in_use() -> set[str]:

@@ -3,6 +3,7 @@ removes what outlives them."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import subprocess
 import sys
@@ -109,3 +110,43 @@ def test_a_service_killed_in_its_shutdown_leaves_no_segment_but_those_still_mapp
         libc.sem_close(handle)
         for path in (Path("/dev/shm") / own, _sem_file(own_sem), _sem_file(shared_sem)):
             path.unlink(missing_ok=True)
+
+
+ORPHANING = """
+import os, subprocess, sys
+helper = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE, text=True)
+print(helper.stdout.readline().strip(), helper.pid, flush=True)
+os._exit(0)  # the service process exits first; its helper runs on, in its group, orphaned
+"""
+
+
+@pytest.mark.slow
+def test_segments_of_a_helper_that_outlived_its_service_are_removed(tmp_path: Path) -> None:
+    """A service process that exited before its helper (as a vLLM server may leave its engine
+    core): the helper is no one's descendant any more, but still in the service's process
+    group. ServiceProcess.stop notes what the group maps, SIGKILLs it, waits until the helper
+    is gone and removes the segment it left."""
+    import os
+
+    from pdserve.procs import ServiceProcess
+
+    popen = subprocess.Popen(
+        [sys.executable, "-c", ORPHANING, CHILD],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    proc = ServiceProcess("svc", popen, tmp_path / "svc.log")
+    name, helper = popen.stdout.readline().split()
+    popen.wait()
+    segment = Path("/dev/shm") / name
+    try:
+        assert int(helper) in shm_segments.group(popen.pid)
+        assert int(helper) not in shm_segments.descendants(popen.pid)
+        proc.stop(timeout=0.5)  # noted now, from the group alone: nothing was noted before
+        assert shm_segments.group(popen.pid) == set()
+        assert not segment.exists()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(helper), 9)
+        segment.unlink(missing_ok=True)
