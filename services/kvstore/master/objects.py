@@ -314,11 +314,12 @@ class ObjectTable(Mapping[str, ObjectState]):
         """The found ``obj``'s outcome, its read lease for ``client_id`` extended to
         ``until`` (monotonic)."""
         lease = self.lease(obj, client_id, until)
+        reps = obj.replicas
         return GetOutcome(
             obj.key,
             OK,
             obj.size,
-            tuple(sorted(obj.replicas, key=_tier)),
+            tuple(sorted(reps, key=_tier)) if len(reps) > 1 else tuple(reps),
             int(wall_ms + (lease - now) * 1000),
             obj.inline,
             obj.checksum,

@@ -188,13 +188,13 @@ class MasterHandlers:
         lease ends (BatchGetReplicaList, and LongestPrefix with its replicas)."""
         for r in outcomes:
             res = out.add(
-                key=r.key,
-                code=r.code,
-                lease_expires_ms=r.lease_expires_ms,
-                inline_data=r.inline,
-                checksum=r.checksum,
-                lease_ms=r.lease_ms,
+                key=r.key, code=r.code, lease_expires_ms=r.lease_expires_ms, lease_ms=r.lease_ms
             )
+            # set only when there are any: a lookup answers these for every key it found
+            if r.inline:
+                res.inline_data = r.inline
+            if r.checksum:
+                res.checksum = r.checksum
             if r.replicas:
                 self.fill(res.replicas, r.replicas, r.size, OP_READ, r.lease_expires_ms)
 

@@ -206,8 +206,11 @@ class KeyOutcome:
     message: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class GetOutcome:
+    """A get's (or a prefix lookup's) answer for one key. Not frozen: a lookup makes one per
+    key found, and a frozen dataclass's ``__init__`` costs about twice as much."""
+
     key: str
     code: int
     # The object's size (bytes; 0 when not found).
