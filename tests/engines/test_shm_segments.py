@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import subprocess
 import sys
 from multiprocessing import shared_memory
@@ -126,8 +127,6 @@ def test_segments_of_a_helper_that_outlived_its_service_are_removed(tmp_path: Pa
     core): the helper is no one's descendant any more, but still in the service's process
     group. ServiceProcess.stop notes what the group maps, SIGKILLs it, waits until the helper
     is gone and removes the segment it left."""
-    import os
-
     from pdserve.procs import ServiceProcess
 
     popen = subprocess.Popen(
