@@ -14,9 +14,10 @@ takes Python's resource tracker with it, or the OOM killer) removes nothing: the
 started it does, with the segments it saw the worker's processes map
 (:class:`pdserve.procs.ServiceProcess`, :func:`mapped_files`: its tree and its process group,
 whose helpers may outlive the service process), those that no live process maps
-(:func:`in_use`) once the group's processes have exited. The same goes for the named semaphores of Python's ``multiprocessing``
-(``/dev/shm/sem.mp-*``, 32 bytes each, left the same way by a killed spawn-context process;
-only the supervisor removes them, a live worker's own finalizers unlink its own): glibc's
+(:func:`in_use`) once the group's processes have exited. The same goes for the named
+semaphores of Python's ``multiprocessing`` (``/dev/shm/sem.mp-*``, 32 bytes each, left the
+same way by a killed spawn-context process; only the supervisor removes them, a live
+worker's own finalizers unlink its own): glibc's
 ``sem_open`` maps a file it made under a temporary name before linking it to the semaphore's,
 so a maps line may name that temporary file "(deleted)"; they are found by inode instead.
 """
