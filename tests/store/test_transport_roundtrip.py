@@ -298,7 +298,7 @@ def test_transport_tcp_batches_and_parallel_streams_roundtrip(peer: Peer, monkey
     assert [bytes(b) for b in bufs] == blobs
     # Past PARALLEL_MIN_BYTES (lowered to fit the 8 MiB segment) an object moves as
     # PARALLEL_STREAMS sub-ranges, and a batch as groups, on separate connections.
-    monkeypatch.setattr(tcp, "PARALLEL_MIN_BYTES", 1 << 20)
+    monkeypatch.setattr(tcp_client, "PARALLEL_MIN_BYTES", 1 << 20)
     big = [peer.replica(1 << 20, 3 * (1 << 20) + 5), peer.replica(5 << 20, 700_001)]
     data = [rng.integers(0, 256, r.size, dtype=np.uint8).tobytes() for r in big]
     assert t.write_many([(r, memoryview(d)) for r, d in zip(big, data, strict=True)]) == [None] * 2

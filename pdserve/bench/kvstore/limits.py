@@ -45,7 +45,9 @@ TCP_COLD_MAX_BYTES = 1024 * 1024 * 1024
 #: Multiplier of tcp-plain's source pattern: 8-byte word ``w`` holds ``w * _GOLDEN`` (mod
 #: 2**64), so every region differs and every byte of a word varies.
 _GOLDEN = 0x9E3779B97F4A7C15
-_REQ = struct.Struct("<QQ")  # a tcp-plain request: offset and length of the bytes to send
+#: A tcp-plain request: offset and length of the bytes to send, and whether it is one of the
+#: parallel streams of one get (the peer then serves it as a pdserve node serves a stream).
+_REQ = struct.Struct("<QQQ")
 
 
 def _mem_available() -> int:
@@ -79,10 +81,12 @@ def plain_pattern(lo: int, hi: int) -> np.ndarray:
 def _tcp_limit_peer(port_out, total: int) -> None:
     """Child process of :func:`bench_tcp_limit`: an anonymous mapping of ``total`` bytes,
     every page written (:func:`plain_pattern`); each request on any connection (an offset and
-    a length) is answered with those bytes. Runs until killed."""
+    a length) is answered with those bytes, a stream of a split get on the CPU it came from as
+    a pdserve node serves one (:mod:`pdserve.store.affinity`). Runs until killed."""
     import socket
     import threading
 
+    from pdserve.store.affinity import CpuFollower
     from pdserve.store.transports.tcp import tune_socket
 
     mm = mmap.mmap(-1, total)
@@ -98,8 +102,10 @@ def _tcp_limit_peer(port_out, total: int) -> None:
     port_out.put(listener.getsockname()[1])
 
     def serve(conn: socket.socket) -> None:
+        cpu = CpuFollower(conn)
         while len(req := conn.recv(_REQ.size, socket.MSG_WAITALL)) == _REQ.size:
-            offset, length = _REQ.unpack(req)
+            offset, length, stream = _REQ.unpack(req)
+            cpu.request(bool(stream))
             conn.sendall(view[offset : offset + length])
 
     while True:
@@ -127,8 +133,9 @@ def _peer_port(q, peer, timeout_s: float = 120.0) -> int:
 def bench_tcp_limit(
     sizes: list[int], iterations: int, verify: bool = False, batch: int = 1
 ) -> list[Row]:
-    """Loopback TCP with nothing else, with pdserve's socket settings and stream count: what
-    any tcp transport on this machine works against (gets only; put mirrors get).
+    """Loopback TCP with nothing else, with pdserve's socket settings, stream count and
+    placement of a split get's streams: what any tcp transport on this machine works against
+    (gets only; put mirrors get).
 
     ``tcp-plain`` (the bound the report's ratios use): a peer process holds a large buffer
     of distinct bytes (:func:`cold_regions`: at least 256 MiB, every timed read its own
@@ -201,7 +208,7 @@ class PlainPeer:
         def one(i: int) -> None:
             lo = r * size + i * part
             hi = r * size + (size if i == streams - 1 else (i + 1) * part)
-            self.socks[i].sendall(_REQ.pack(lo, hi - lo))
+            self.socks[i].sendall(_REQ.pack(lo, hi - lo, streams > 1))
             if not netio.recv_parts(self.socks[i], [self.buf[lo:hi]]):
                 raise RuntimeError("the tcp-plain peer closed the connection")
 

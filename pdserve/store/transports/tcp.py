@@ -6,8 +6,13 @@ the client is :mod:`.tcp_client` (:class:`~.tcp_client.TcpTransport`), the node'
 Protocol version 3. Request header (little-endian, 32 bytes)::
 
     magic b"PDKT" | version u8 (3) | op u8 (1 READ, 2 WRITE, 3 READV, 4 WRITEV)
-    | reserved u16 | segment key u64 (first 8 bytes of BLAKE3(segment id)) | offset u64
+    | flags u16 | segment key u64 (first 8 bytes of BLAKE3(segment id)) | offset u64
     | length u64
+
+Flags are hints; a node ignores the bits it does not know (they were reserved, always 0,
+before :data:`FLAG_STREAM`). :data:`FLAG_STREAM`: the request is one of the parallel streams
+of one transfer, and a node serves it from a client on its own host on the CPU it came from
+(:mod:`pdserve.store.affinity`).
 
 Every range travels with its grant (48 bytes, :mod:`pdserve.store.grants`): the replica's
 ``Replica.offset``, ``size``, ``token_expires_ms``, ``alloc_id`` and ``token``::
@@ -76,6 +81,8 @@ OP_READ = 1
 OP_WRITE = 2
 OP_READV = 3
 OP_WRITEV = 4
+#: Request flag: one of a transfer's parallel streams (see the module's doc).
+FLAG_STREAM = 1
 #: Most ranges in one READV request.
 MAX_RANGES = 4096
 #: A READ or READV reply's payload, and a WRITEV's, start this many bytes (or a multiple)

@@ -20,6 +20,7 @@ from pdserve.store.transports.base import (
     check_write,
 )
 from pdserve.store.transports.tcp import (
+    FLAG_STREAM,
     MAX_RANGES,
     OP_READV,
     OP_WRITEV,
@@ -219,18 +220,20 @@ class TcpTransport(Transport):
                 return errors
         for address, ranges in by_node.items():
             groups = _split(ranges, PARALLEL_STREAMS)
-            jobs = [functools.partial(self._vector, op, address, g) for g in groups]
+            flags = FLAG_STREAM if len(groups) > 1 else 0
+            jobs = [functools.partial(self._vector, op, address, g, flags) for g in groups]
             for group, err in zip(groups, self._run(jobs), strict=True):
                 if err is not None:
                     for i, *_ in group:
                         errors[i] = errors[i] or err
         return errors
 
-    def _vector(self, op: int, address: str, ranges: list[_Range]) -> None:
-        """READV / WRITEV requests for ``ranges`` on one connection."""
+    def _vector(self, op: int, address: str, ranges: list[_Range], flags: int = 0) -> None:
+        """READV / WRITEV requests for ``ranges`` on one connection (``flags``: the
+        header's, :data:`FLAG_STREAM` for one of a transfer's parallel streams)."""
         for lo in range(0, len(ranges), MAX_RANGES):
             batch = ranges[lo : lo + MAX_RANGES]
-            head = REQ.pack(REQ_MAGIC, VERSION, op, 0, 0, 0, len(batch))
+            head = REQ.pack(REQ_MAGIC, VERSION, op, flags, 0, 0, len(batch))
             table = b"".join(RANGE.pack(seg, off, n, *g) for _i, seg, off, n, _b, g in batch)
             bufs = [r[4] for r in batch]
             total = sum(r[3] for r in batch)

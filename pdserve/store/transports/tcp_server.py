@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 
 from pdserve.store import grants
+from pdserve.store.affinity import CpuFollower
 from pdserve.store.netio import (
     HANDSHAKE_TIMEOUT_S,
     IDLE_TIMEOUT_S,
@@ -24,6 +25,7 @@ from pdserve.store.netio import (
 from pdserve.store.segment import SegmentMemory
 from pdserve.store.transports.base import TransportServer
 from pdserve.store.transports.tcp import (
+    FLAG_STREAM,
     GRANT,
     MAX_RANGES,
     OP_READ,
@@ -134,7 +136,8 @@ class TcpServer(TransportServer):
     ``clock_skew_ms``: how long past its expiry a grant is still accepted (the master's and
     the node's clocks may differ by that much). Connection limits and timeouts:
     :class:`~pdserve.store.netio.ConnectionServer` (a connection's first frame is its first
-    request header with its grant or range table)."""
+    request header with its grant or range table). ``follow_cpu``: serve the stream requests
+    of a client on this host on the CPU they came from (:mod:`pdserve.store.affinity`)."""
 
     name = "tcp"
 
@@ -147,8 +150,10 @@ class TcpServer(TransportServer):
         advertise_host: str = "",
         max_connections_per_peer: int = MAX_CONNECTIONS_PER_PEER,
         handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+        follow_cpu: bool = True,
     ) -> None:
         self.host = host
+        self.follow_cpu = follow_cpu
         #: What the endpoint tells clients to dial (the bound host unless set).
         self.advertise_host = advertise_host or host
         self.idle_timeout_s = idle_timeout_s
@@ -208,7 +213,8 @@ class TcpServer(TransportServer):
 
     def _serve(self, conn: socket.socket) -> None:
         reader = _Reader(conn)
-        while self._handle(conn, reader):
+        cpu = CpuFollower(conn, self.follow_cpu)
+        while self._handle(conn, reader, cpu):
             pass
 
     def _established(self, conn: socket.socket, reader: _Reader) -> None:
@@ -238,16 +244,17 @@ class TcpServer(TransportServer):
             pass
         return False
 
-    def _handle(self, conn: socket.socket, reader: _Reader) -> bool:
+    def _handle(self, conn: socket.socket, reader: _Reader, cpu: CpuFollower) -> bool:
         """One request; False when the connection is done (closed by the peer, or refused)."""
         head = reader.take(REQ.size)
         if head is None:
             return False
-        magic, version, op, _res, seg, offset, length = REQ.unpack(head)
+        magic, version, op, flags, seg, offset, length = REQ.unpack(head)
         if magic != REQ_MAGIC:
             return self._fail(conn, ST_BAD_MAGIC, repr(bytes(head[:4])))
         if version != VERSION:
             return self._fail(conn, ST_BAD_VERSION, str(version))
+        cpu.request(bool(flags & FLAG_STREAM))
         if op in (OP_READV, OP_WRITEV):
             return self._vector(conn, reader, op, length)
         if op not in (OP_READ, OP_WRITE):

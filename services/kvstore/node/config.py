@@ -72,6 +72,12 @@ class NodeConfig(SecurityConfig, MetricsConfig):
         f"{MAX_CONNECTIONS} in all)",
         metavar="N",
     )
+    tcp_follow_cpu: bool = help_field(
+        True,
+        "serve each parallel stream of a transfer from a client on this host on the CPU its "
+        "request came from (both ends of a loopback stream on one core: steadier and faster "
+        "batch reads); off leaves the serving threads to the scheduler",
+    )
     grant_clock_skew_ms: int = help_field(
         2000,
         "the tcp data server accepts a grant this long past its expiry (ms): expiries are the "

@@ -36,6 +36,7 @@ def _make_server(name: str, cfg: NodeConfig) -> TransportServer:
             host,
             max_connections_per_peer=cfg.max_connections_per_peer,
             handshake_timeout_s=cfg.handshake_timeout_s,
+            follow_cpu=cfg.tcp_follow_cpu,
         )
     from pdserve.store.transports.mooncake import MooncakeServer
 
