@@ -8,16 +8,18 @@ inter-processor interrupt (in a VM, an exit), and the bytes cross caches.
 
 A transfer split over parallel streams (:data:`~pdserve.store.transports.tcp.FLAG_STREAM`)
 wants each stream's two ends on one CPU and the streams on different CPUs. The scheduler
-rarely gets there by itself: threads that run in bursts of 50-100 us look cache-hot and the
-idle CPU's bursts are too short to pull work, so a bad placement sticks. Measured on loopback
-(2 vCPUs, Zen 4 KVM guest, 16 x 1 MiB read over two streams, p50 of 32 reads, three runs each):
-each stream's ends pinned to one CPU 2.27-2.39 ms; pinned to different CPUs 3.40-3.55 ms; left
-to the scheduler 2.5-3.2 ms, single reads up to 5 ms.
+rarely gets there by itself: threads that run in bursts of 50-100 us look cache-hot, and
+the other CPU's idle slices are too short to pull work, so a bad placement sticks. Measured
+on loopback (2 vCPUs, Zen 4 KVM guest, 16 x 1 MiB read over two streams, p50 of 32 reads,
+three stores of three rounds each): each stream's ends pinned to one CPU 2.27-2.39 ms
+(2.44-2.87 in one store); to different CPUs 3.40-3.61 ms; left to the scheduler 2.50-3.24
+ms, single reads up to 5 ms (docs/benchmarks.md, "Where the idle time was").
 
 So a node serves a stream request from a client on its own host on the CPU the request came
 from (``SO_INCOMING_CPU``: on loopback, the client thread's CPU when it sent it), and the
 client's own threads are left alone (it may be an engine's). One stream alone is not moved:
-on one CPU its two copies would run in turn instead of side by side.
+on one CPU its two copies run in turn instead of side by side (1 MiB gets: 297-318 us p50 on
+one CPU, 254-261 on two).
 """
 
 from __future__ import annotations
