@@ -60,11 +60,6 @@ class CpuFollower:
             self._allowed = os.sched_getaffinity(0)
             self.active = len(self._allowed) > 1
 
-    @property
-    def pinned(self) -> int:
-        """The CPU the serving thread is held on now, or -1 (the CPUs it was given)."""
-        return self._pinned
-
     def request(self, stream: bool) -> None:
         """Before serving a request: ``stream`` (one of a transfer's parallel streams) holds
         the thread on the CPU the request arrived on; otherwise it gets its CPUs back."""

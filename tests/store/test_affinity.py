@@ -9,6 +9,7 @@ import os
 import socket
 import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -38,38 +39,31 @@ def _server(follow: bool):
     return srv, seg
 
 
+def _serving_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "kv-tcp-conn" and t.is_alive()}
+
+
 @pytest.fixture(params=[True, False], ids=["follow", "no-follow"])
 def node(request):
+    """An in-process tcp server (following same-host streams or not), its segment, whether
+    it follows, and a function that answers the CPUs each of its serving threads may run on
+    (serving threads of other tests' servers in this process are left out)."""
     srv, seg = _server(request.param)
-    yield srv, seg, request.param
+    others = _serving_threads()
+
+    def serving_cpus() -> list[set[int]]:
+        return [os.sched_getaffinity(t.native_id) for t in _serving_threads() - others]
+
+    yield srv, seg, request.param, serving_cpus
     srv.stop()
     seg.unlink()
-    for t in threading.enumerate():  # the next test counts serving threads: none of these
-        if t.name == "kv-tcp-conn":
-            t.join(10)
-
-
-def _serving_cpus() -> list[set[int]]:
-    """The CPUs each live serving thread of the in-process tcp servers may run on."""
-    return [
-        os.sched_getaffinity(t.native_id)
-        for t in threading.enumerate()
-        if t.name == "kv-tcp-conn" and t.native_id is not None and t.is_alive()
-    ]
 
 
 def _on_cpu(cpu: int, fn):
     """``fn()`` on a thread held on ``cpu`` (so every request it sends leaves from there)."""
-    out: list = []
-
-    def run() -> None:
-        os.sched_setaffinity(0, {cpu})
-        out.append(fn())
-
-    t = threading.Thread(target=run)
-    t.start()
-    t.join(30)
-    return out[0]
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(os.sched_setaffinity, 0, {cpu}).result()
+        return pool.submit(fn).result(30)
 
 
 def test_same_host_knows_a_loopback_peer() -> None:
@@ -83,7 +77,7 @@ def test_same_host_knows_a_loopback_peer() -> None:
 
 @needs_two_cpus
 def test_a_stream_request_is_served_on_the_cpu_it_came_from_and_others_anywhere(node) -> None:
-    srv, seg, follow = node
+    srv, seg, follow, serving_cpus = node
     with socket.create_connection(("127.0.0.1", srv.port)) as s:
 
         def request(flags: int) -> list[set[int]]:
@@ -94,7 +88,7 @@ def test_a_stream_request_is_served_on_the_cpu_it_came_from_and_others_anywhere(
             assert tcp.REP.unpack(rep)[:2] == (tcp.REP_MAGIC, tcp.ST_OK)
             assert s.recv(4096, socket.MSG_WAITALL) == bytes(seg.mm[:4096])
             # the reply leaves after the thread was placed: its CPUs are settled now
-            return _serving_cpus()
+            return serving_cpus()
 
         for cpu in (CPUS[-1], CPUS[0], CPUS[-1]):
             held = _on_cpu(cpu, lambda: request(tcp.FLAG_STREAM))
@@ -110,7 +104,7 @@ def test_the_client_flags_the_streams_of_a_split_read_and_only_those(node, monke
     """pdserve's client: a read split over PARALLEL_STREAMS connections flags its requests
     (each serving thread then holds one CPU, one of them the caller's), a read that is not
     split does not (its serving thread gets all its CPUs back)."""
-    srv, seg, follow = node
+    srv, seg, follow, serving_cpus = node
     monkeypatch.setattr(tcp_client, "PARALLEL_MIN_BYTES", 1 << 20)
     endpoint = srv.endpoint(seg, "host")
     replica = kvstore_pb2.Replica(
@@ -121,7 +115,7 @@ def test_the_client_flags_the_streams_of_a_split_read_and_only_those(node, monke
         buf = bytearray(replica.size)
         assert _on_cpu(CPUS[-1], lambda: client.read_many([(replica, memoryview(buf))])) == [None]
         assert bytes(buf) == bytes(seg.mm[: replica.size])
-        held = _serving_cpus()
+        held = serving_cpus()
         assert len(held) == tcp.PARALLEL_STREAMS
         if follow:
             assert all(len(c) == 1 for c in held) and {CPUS[-1]} in held
@@ -132,6 +126,6 @@ def test_the_client_flags_the_streams_of_a_split_read_and_only_those(node, monke
         out = bytearray(4096)
         assert _on_cpu(CPUS[0], lambda: client.read_many([(small, memoryview(out))])) == [None]
         assert bytes(out) == bytes(seg.mm[:4096])
-        assert set(CPUS) in _serving_cpus()
+        assert set(CPUS) in serving_cpus()
     finally:
         client.close()
