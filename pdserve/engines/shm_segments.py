@@ -40,7 +40,11 @@ _SEMAPHORE = re.compile(r"^\S+ \S+ \S+ \S+ (\d+) +/dev/shm/sem\.", re.MULTILINE)
 _MP_SEMAPHORE = "sem.mp-"
 
 
-def _processes() -> list[tuple[int, int, int]]:
+#: ``(pid, parent pid, process group)`` of live processes, as :func:`_processes` reads them.
+_Procs = list[tuple[int, int, int]]
+
+
+def _processes() -> _Procs:
     """``(pid, parent pid, process group)`` of every live process (zombies left out: they
     map nothing and are gone once reaped)."""
     out = []
@@ -54,10 +58,10 @@ def _processes() -> list[tuple[int, int, int]]:
     return out
 
 
-def descendants(pid: int) -> set[int]:
-    """``pid`` and every live process below it (from ``/proc``)."""
+def descendants(pid: int, processes: _Procs | None = None) -> set[int]:
+    """``pid`` and every live process below it (from ``processes``, default ``/proc`` now)."""
     children: dict[int, list[int]] = {}
-    for p, parent, _group in _processes():
+    for p, parent, _group in _processes() if processes is None else processes:
         children.setdefault(parent, []).append(p)
     found, todo = set(), [pid]
     while todo:
@@ -68,11 +72,12 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
-def group(pgid: int) -> set[int]:
-    """The live processes of process group ``pgid``: a service's helpers whose parent
-    exited first (an engine core orphaned by its server) are no one's descendants, but
-    still in the group the service was started in."""
-    return {p for p, _parent, g in _processes() if g == pgid}
+def group(pgid: int, processes: _Procs | None = None) -> set[int]:
+    """The live processes of process group ``pgid`` (from ``processes``, default ``/proc``
+    now): a service's helpers whose parent exited first (an engine core orphaned by its
+    server) are no one's descendants, but still in the group the service was started in."""
+    procs = _processes() if processes is None else processes
+    return {p for p, _parent, g in procs if g == pgid}
 
 
 def mapped_segments(pid: int | None = None) -> set[str]:
@@ -87,7 +92,8 @@ def mapped_files(pid: int, *, tree: bool = True) -> set[str]:
     the group ``pid`` leads and, with ``tree`` (while ``pid`` runs: the number of a reaped
     process may be reused), by ``pid`` and its descendants: what a supervisor removes once
     the process group is gone, if no live process maps them (:func:`in_use`)."""
-    return _mapped_by(group(pid) | (descendants(pid) if tree else set()))
+    procs = _processes()  # one reading of /proc for both
+    return _mapped_by(group(pid, procs) | (descendants(pid, procs) if tree else set()))
 
 
 def in_use() -> set[str]:
