@@ -157,15 +157,22 @@ def num_full_chunks(num_tokens: int, chunk_size: int) -> int:
     return num_tokens // chunk_size
 
 
-def chain_root(fingerprint: ModelFingerprint, cache_salt: str = "") -> bytes:
-    """``h_0`` of a request's chain: the fingerprint digest without a salt (``""``), else
-    ``H(fingerprint.canonical() || u32 LE len(salt bytes) || salt bytes)``, salt bytes =
-    the salt as UTF-8. The canonical encoding is self-delimiting, so the salted input never
-    equals an unsalted one."""
-    if not cache_salt:
+def chain_root(fingerprint: ModelFingerprint, cache_salt: str = "", adapter: str = "") -> bytes:
+    """``h_0`` of a request's chain: the fingerprint digest without a salt or an adapter
+    (both ``""``); with a salt only, ``H(fingerprint.canonical() || u32 LE len(salt bytes) ||
+    salt bytes)``, salt bytes = the salt as UTF-8 (the keys salted requests always had); with
+    an adapter (its identity, :func:`pdserve.model.fingerprint.adapter_identity`: a LoRA's
+    name and content hash), ``H(fingerprint.canonical() || u32 len(salt) || salt || b"adapter"
+    || u32 len(adapter) || adapter)``. The canonical encoding is self-delimiting, so no
+    salted or adapted input equals another's."""
+    if not cache_salt and not adapter:
         return fingerprint.digest()
     salt = cache_salt.encode("utf-8")
-    return _h(fingerprint.canonical() + struct.pack("<I", len(salt)) + salt)
+    head = fingerprint.canonical() + struct.pack("<I", len(salt)) + salt
+    if adapter:
+        name = adapter.encode("utf-8")
+        head += b"adapter" + struct.pack("<I", len(name)) + name
+    return _h(head)
 
 
 def chain_hashes(root: bytes, tokens: Sequence[int] | np.ndarray, chunk_size: int) -> list[bytes]:
@@ -183,11 +190,15 @@ def chain_hashes(root: bytes, tokens: Sequence[int] | np.ndarray, chunk_size: in
 
 
 def chunk_keys(
-    fingerprint: ModelFingerprint, tokens: Sequence[int] | np.ndarray, cache_salt: str = ""
+    fingerprint: ModelFingerprint,
+    tokens: Sequence[int] | np.ndarray,
+    cache_salt: str = "",
+    adapter: str = "",
 ) -> list[str]:
     """Store keys (64 hex chars) of the full chunks of ``tokens``, in prompt order, in the
-    chain of ``cache_salt`` ("" = no salt)."""
-    root = chain_root(fingerprint, cache_salt)
+    chain of ``cache_salt`` ("" = no salt) and ``adapter`` ("" = the base model):
+    :func:`chain_root`."""
+    root = chain_root(fingerprint, cache_salt, adapter)
     return [h.hex() for h in chain_hashes(root, tokens, fingerprint.chunk_size)]
 
 
@@ -206,10 +217,11 @@ def tail_key(
     tokens: Sequence[int] | np.ndarray,
     request_id: str,
     cache_salt: str = "",
+    adapter: str = "",
 ) -> str:
     """Request-scoped key for the partial last chunk ("" when the prompt ends on a boundary).
 
-    It covers the whole chain before the tail (salted like the chunks), the tail tokens and
+    It covers the whole chain before the tail (salted and adapted like the chunks), the tail tokens and
     the request id, so two requests never share a tail object.
     """
     n = len(tokens)
@@ -217,7 +229,7 @@ def tail_key(
     full = num_full_chunks(n, cs)
     if full * cs == n:
         return ""
-    root = chain_root(fingerprint, cache_salt)
+    root = chain_root(fingerprint, cache_salt, adapter)
     chain = chain_hashes(root, tokens[: full * cs], cs)
     prev = chain[-1] if chain else root
     rid = request_id.encode()

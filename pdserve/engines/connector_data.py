@@ -180,6 +180,10 @@ class ChunkSave:
     engine_hashes: list[bytes] = field(default_factory=list)
     engine_parent: bytes = b""
     engine_block_size: int = 0
+    #: The chain root of the request's chain (:func:`pdserve.hashing.chain_root`, hex): the
+    #: fingerprint digest, or the digest of its salt and adapter; the master tags the object
+    #: with it so ``pdserve kvstore drop`` finds a salt's or an adapter's chunks.
+    root: str = ""
 
 
 @dataclass
