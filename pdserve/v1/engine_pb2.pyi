@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt_token_ids", "sampling", "publish_incrementally", "cache_salt")
+    __slots__ = ("request_id", "model", "prompt_token_ids", "sampling", "publish_incrementally", "cache_salt", "bypass_store")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_INCREMENTALLY_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    BYPASS_STORE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     publish_incrementally: bool
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., publish_incrementally: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    bypass_store: bool
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., publish_incrementally: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., bypass_store: _Optional[bool] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "kv", "cached_tokens", "computed_tokens", "worker_ms", "first_token_is_eos", "first_token_logprobs")
@@ -42,7 +44,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., kv: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., worker_ms: _Optional[float] = ..., first_token_is_eos: _Optional[bool] = ..., first_token_logprobs: _Optional[_Union[_common_pb2.OutputLogProbs, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt_token_ids", "sampling", "kv", "first_token_id", "chunk_wait_ms", "cache_salt")
+    __slots__ = ("request_id", "model", "prompt_token_ids", "sampling", "kv", "first_token_id", "chunk_wait_ms", "cache_salt", "bypass_store")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +53,7 @@ class DecodeRequest(_message.Message):
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    BYPASS_STORE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -59,7 +62,8 @@ class DecodeRequest(_message.Message):
     first_token_id: int
     chunk_wait_ms: int
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., first_token_id: _Optional[int] = ..., chunk_wait_ms: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    bypass_store: bool
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., first_token_id: _Optional[int] = ..., chunk_wait_ms: _Optional[int] = ..., cache_salt: _Optional[str] = ..., bypass_store: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "token_times_ms", "loaded_tokens", "recomputed_tokens", "prefix_cached_tokens", "logprobs")
