@@ -18,6 +18,7 @@ class KVErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_LEASED: _ClassVar[KVErrorCode]
     KV_NOT_ENOUGH_NODES: _ClassVar[KVErrorCode]
     KV_NOT_OWNER: _ClassVar[KVErrorCode]
+    KV_QUARANTINED: _ClassVar[KVErrorCode]
 
 class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -61,6 +62,7 @@ KV_NO_PENDING_PUT: KVErrorCode
 KV_LEASED: KVErrorCode
 KV_NOT_ENOUGH_NODES: KVErrorCode
 KV_NOT_OWNER: KVErrorCode
+KV_QUARANTINED: KVErrorCode
 TRANSPORT_UNSPECIFIED: Transport
 TRANSPORT_SHM: Transport
 TRANSPORT_TCP: Transport
@@ -202,18 +204,37 @@ class NodeHeartbeatResponse(_message.Message):
     def __init__(self, remount_required: _Optional[bool] = ...) -> None: ...
 
 class PutStartItem(_message.Message):
-    __slots__ = ("key", "size", "inline_data", "checksum", "block")
+    __slots__ = ("key", "size", "inline_data", "checksum", "block", "namespace")
     KEY_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     INLINE_DATA_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     key: str
     size: int
     inline_data: bytes
     checksum: bytes
     block: KVBlockMeta
-    def __init__(self, key: _Optional[str] = ..., size: _Optional[int] = ..., inline_data: _Optional[bytes] = ..., checksum: _Optional[bytes] = ..., block: _Optional[_Union[KVBlockMeta, _Mapping]] = ...) -> None: ...
+    namespace: int
+    def __init__(self, key: _Optional[str] = ..., size: _Optional[int] = ..., inline_data: _Optional[bytes] = ..., checksum: _Optional[bytes] = ..., block: _Optional[_Union[KVBlockMeta, _Mapping]] = ..., namespace: _Optional[int] = ...) -> None: ...
+
+class KVNamespace(_message.Message):
+    __slots__ = ("root", "fingerprint", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    root: str
+    fingerprint: str
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, root: _Optional[str] = ..., fingerprint: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class KVBlockMeta(_message.Message):
     __slots__ = ("parent_key", "token_ids", "block_size", "medium", "engine_block_hashes", "engine_parent_block_hash", "engine_block_size")
@@ -234,14 +255,16 @@ class KVBlockMeta(_message.Message):
     def __init__(self, parent_key: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., block_size: _Optional[int] = ..., medium: _Optional[str] = ..., engine_block_hashes: _Optional[_Iterable[bytes]] = ..., engine_parent_block_hash: _Optional[bytes] = ..., engine_block_size: _Optional[int] = ...) -> None: ...
 
 class BatchPutStartRequest(_message.Message):
-    __slots__ = ("client_id", "items", "options")
+    __slots__ = ("client_id", "items", "options", "namespaces")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     items: _containers.RepeatedCompositeFieldContainer[PutStartItem]
     options: PutOptions
-    def __init__(self, client_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[PutStartItem, _Mapping]]] = ..., options: _Optional[_Union[PutOptions, _Mapping]] = ...) -> None: ...
+    namespaces: _containers.RepeatedCompositeFieldContainer[KVNamespace]
+    def __init__(self, client_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[PutStartItem, _Mapping]]] = ..., options: _Optional[_Union[PutOptions, _Mapping]] = ..., namespaces: _Optional[_Iterable[_Union[KVNamespace, _Mapping]]] = ...) -> None: ...
 
 class PutStartResult(_message.Message):
     __slots__ = ("key", "code", "message", "already_exists", "replicas")
@@ -368,7 +391,7 @@ class SegmentStats(_message.Message):
     def __init__(self, segment_id: _Optional[str] = ..., node_id: _Optional[str] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., alive: _Optional[bool] = ..., tier: _Optional[_Union[StorageTier, str]] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("objects", "used_bytes", "capacity_bytes", "segments", "puts", "gets", "get_hits", "evictions", "removals", "prefix_queries", "prefix_hit_keys", "alive_nodes", "demotions", "promotions", "memory_evictions", "disk_capacity_bytes", "disk_used_bytes")
+    __slots__ = ("objects", "used_bytes", "capacity_bytes", "segments", "puts", "gets", "get_hits", "evictions", "removals", "prefix_queries", "prefix_hit_keys", "alive_nodes", "demotions", "promotions", "memory_evictions", "disk_capacity_bytes", "disk_used_bytes", "dropped_objects", "quarantined_fingerprints", "quarantined_misses")
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -386,6 +409,9 @@ class StatsResponse(_message.Message):
     MEMORY_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     DISK_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     DISK_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FINGERPRINTS_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_MISSES_FIELD_NUMBER: _ClassVar[int]
     objects: int
     used_bytes: int
     capacity_bytes: int
@@ -403,7 +429,97 @@ class StatsResponse(_message.Message):
     memory_evictions: int
     disk_capacity_bytes: int
     disk_used_bytes: int
-    def __init__(self, objects: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentStats, _Mapping]]] = ..., puts: _Optional[int] = ..., gets: _Optional[int] = ..., get_hits: _Optional[int] = ..., evictions: _Optional[int] = ..., removals: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hit_keys: _Optional[int] = ..., alive_nodes: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., memory_evictions: _Optional[int] = ..., disk_capacity_bytes: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ...) -> None: ...
+    dropped_objects: int
+    quarantined_fingerprints: int
+    quarantined_misses: int
+    def __init__(self, objects: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentStats, _Mapping]]] = ..., puts: _Optional[int] = ..., gets: _Optional[int] = ..., get_hits: _Optional[int] = ..., evictions: _Optional[int] = ..., removals: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hit_keys: _Optional[int] = ..., alive_nodes: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., memory_evictions: _Optional[int] = ..., disk_capacity_bytes: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ..., dropped_objects: _Optional[int] = ..., quarantined_fingerprints: _Optional[int] = ..., quarantined_misses: _Optional[int] = ...) -> None: ...
+
+class ListNamespacesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RootUsage(_message.Message):
+    __slots__ = ("root", "objects", "bytes")
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    root: str
+    objects: int
+    bytes: int
+    def __init__(self, root: _Optional[str] = ..., objects: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class FingerprintUsage(_message.Message):
+    __slots__ = ("fingerprint", "labels", "roots", "objects", "bytes", "quarantined", "quarantine_reason", "quarantined_by", "quarantined_ms", "idle_ms")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    ROOTS_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINE_REASON_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_BY_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_MS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_MS_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: str
+    labels: _containers.ScalarMap[str, str]
+    roots: _containers.RepeatedCompositeFieldContainer[RootUsage]
+    objects: int
+    bytes: int
+    quarantined: bool
+    quarantine_reason: str
+    quarantined_by: str
+    quarantined_ms: int
+    idle_ms: int
+    def __init__(self, fingerprint: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., roots: _Optional[_Iterable[_Union[RootUsage, _Mapping]]] = ..., objects: _Optional[int] = ..., bytes: _Optional[int] = ..., quarantined: _Optional[bool] = ..., quarantine_reason: _Optional[str] = ..., quarantined_by: _Optional[str] = ..., quarantined_ms: _Optional[int] = ..., idle_ms: _Optional[int] = ...) -> None: ...
+
+class ListNamespacesResponse(_message.Message):
+    __slots__ = ("fingerprints",)
+    FINGERPRINTS_FIELD_NUMBER: _ClassVar[int]
+    fingerprints: _containers.RepeatedCompositeFieldContainer[FingerprintUsage]
+    def __init__(self, fingerprints: _Optional[_Iterable[_Union[FingerprintUsage, _Mapping]]] = ...) -> None: ...
+
+class DropNamespacesRequest(_message.Message):
+    __slots__ = ("fingerprints", "roots", "dry_run")
+    FINGERPRINTS_FIELD_NUMBER: _ClassVar[int]
+    ROOTS_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    fingerprints: _containers.RepeatedScalarFieldContainer[str]
+    roots: _containers.RepeatedScalarFieldContainer[str]
+    dry_run: bool
+    def __init__(self, fingerprints: _Optional[_Iterable[str]] = ..., roots: _Optional[_Iterable[str]] = ..., dry_run: _Optional[bool] = ...) -> None: ...
+
+class DropNamespacesResponse(_message.Message):
+    __slots__ = ("dropped", "deferred")
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    DEFERRED_FIELD_NUMBER: _ClassVar[int]
+    dropped: _containers.RepeatedCompositeFieldContainer[FingerprintUsage]
+    deferred: int
+    def __init__(self, dropped: _Optional[_Iterable[_Union[FingerprintUsage, _Mapping]]] = ..., deferred: _Optional[int] = ...) -> None: ...
+
+class SetQuarantineRequest(_message.Message):
+    __slots__ = ("fingerprint", "quarantined", "reason")
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: str
+    quarantined: bool
+    reason: str
+    def __init__(self, fingerprint: _Optional[str] = ..., quarantined: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class SetQuarantineResponse(_message.Message):
+    __slots__ = ("was_quarantined", "objects")
+    WAS_QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    was_quarantined: bool
+    objects: int
+    def __init__(self, was_quarantined: _Optional[bool] = ..., objects: _Optional[int] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ()

@@ -109,6 +109,21 @@ class KVMasterServiceStub:
                 request_serializer=pdserve_dot_v1_dot_kvstore__pb2.ControlWireRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_kvstore__pb2.ControlWireResponse.FromString,
                 _registered_method=True)
+        self.ListNamespaces = channel.unary_unary(
+                '/pdserve.v1.KVMasterService/ListNamespaces',
+                request_serializer=pdserve_dot_v1_dot_kvstore__pb2.ListNamespacesRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kvstore__pb2.ListNamespacesResponse.FromString,
+                _registered_method=True)
+        self.DropNamespaces = channel.unary_unary(
+                '/pdserve.v1.KVMasterService/DropNamespaces',
+                request_serializer=pdserve_dot_v1_dot_kvstore__pb2.DropNamespacesRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kvstore__pb2.DropNamespacesResponse.FromString,
+                _registered_method=True)
+        self.SetQuarantine = channel.unary_unary(
+                '/pdserve.v1.KVMasterService/SetQuarantine',
+                request_serializer=pdserve_dot_v1_dot_kvstore__pb2.SetQuarantineRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kvstore__pb2.SetQuarantineResponse.FromString,
+                _registered_method=True)
 
 
 class KVMasterServiceServicer:
@@ -221,6 +236,30 @@ class KVMasterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListNamespaces(self, request, context):
+        """Every model fingerprint the master knows with its roots, objects, bytes and quarantine;
+        admin only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DropNamespaces(self, request, context):
+        """Removes every object of the given fingerprints or roots from memory and disk tiers (and
+        the dormant ones); admin only. INVALID_ARGUMENT for a malformed hex or an empty request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetQuarantine(self, request, context):
+        """Quarantines a fingerprint (its objects read as not found, its puts answer
+        KV_QUARANTINED) or clears it. The router's identity may set it; only admin may clear.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVMasterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -298,6 +337,21 @@ def add_KVMasterServiceServicer_to_server(servicer, server):
                     servicer.GetControlWire,
                     request_deserializer=pdserve_dot_v1_dot_kvstore__pb2.ControlWireRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_kvstore__pb2.ControlWireResponse.SerializeToString,
+            ),
+            'ListNamespaces': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListNamespaces,
+                    request_deserializer=pdserve_dot_v1_dot_kvstore__pb2.ListNamespacesRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kvstore__pb2.ListNamespacesResponse.SerializeToString,
+            ),
+            'DropNamespaces': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropNamespaces,
+                    request_deserializer=pdserve_dot_v1_dot_kvstore__pb2.DropNamespacesRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kvstore__pb2.DropNamespacesResponse.SerializeToString,
+            ),
+            'SetQuarantine': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetQuarantine,
+                    request_deserializer=pdserve_dot_v1_dot_kvstore__pb2.SetQuarantineRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kvstore__pb2.SetQuarantineResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -705,6 +759,87 @@ class KVMasterService:
             '/pdserve.v1.KVMasterService/GetControlWire',
             pdserve_dot_v1_dot_kvstore__pb2.ControlWireRequest.SerializeToString,
             pdserve_dot_v1_dot_kvstore__pb2.ControlWireResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListNamespaces(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVMasterService/ListNamespaces',
+            pdserve_dot_v1_dot_kvstore__pb2.ListNamespacesRequest.SerializeToString,
+            pdserve_dot_v1_dot_kvstore__pb2.ListNamespacesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropNamespaces(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVMasterService/DropNamespaces',
+            pdserve_dot_v1_dot_kvstore__pb2.DropNamespacesRequest.SerializeToString,
+            pdserve_dot_v1_dot_kvstore__pb2.DropNamespacesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetQuarantine(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVMasterService/SetQuarantine',
+            pdserve_dot_v1_dot_kvstore__pb2.SetQuarantineRequest.SerializeToString,
+            pdserve_dot_v1_dot_kvstore__pb2.SetQuarantineResponse.FromString,
             options,
             channel_credentials,
             insecure,

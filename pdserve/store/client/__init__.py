@@ -50,7 +50,7 @@ from pdserve.store.api import (
     check_keys,
     decode_chunk,
 )
-from pdserve.store.client import locations
+from pdserve.store.client import locations, namespaces
 from pdserve.store.client.control import MasterLink
 from pdserve.store.client.leases import LeaseReleaser
 from pdserve.store.client.reads import Reads
@@ -248,6 +248,34 @@ class StoreClient(StoreBackend):
 
     def stats(self) -> kvstore_pb2.StatsResponse:
         return self.master.call("Stats", kvstore_pb2.StatsRequest())
+
+    # -- namespaces (:mod:`.namespaces`) -----------------------------------------------------
+
+    def list_namespaces(self) -> list[kvstore_pb2.FingerprintUsage]:
+        """Every model fingerprint the store holds chunks of (admin only)."""
+        return namespaces.list_namespaces(self.master)
+
+    def drop_namespaces(
+        self, fingerprints: Sequence[str] = (), roots: Sequence[str] = (), *, dry_run: bool = False
+    ) -> kvstore_pb2.DropNamespacesResponse:
+        """Removes the fingerprints' (every root) and the roots' chunks (admin only). The
+        read leases this process's location cache holds go back first: they would only
+        defer the removal of what they lease."""
+        if not dry_run:
+            self.locations.clear()
+            self.release_leases()
+        return namespaces.drop_namespaces(self.master, fingerprints, roots, dry_run=dry_run)
+
+    def set_quarantine(self, fingerprint_hex: str, reason: str) -> bool:
+        """Quarantines a fingerprint: the store answers its chunks as not found and refuses
+        its puts until an admin clears it (the router's identity or admin). Returns whether
+        it was quarantined already."""
+        return namespaces.set_quarantine(self.master, fingerprint_hex, reason).was_quarantined
+
+    def clear_quarantine(self, fingerprint_hex: str, reason: str = "") -> bool:
+        """Clears a fingerprint's quarantine (admin only); returns whether it had one."""
+        resp = namespaces.set_quarantine(self.master, fingerprint_hex, reason, quarantined=False)
+        return resp.was_quarantined
 
     def release_leases(self) -> None:
         """Sends the read leases queued for release now, instead of with the next call (so
