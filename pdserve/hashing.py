@@ -61,6 +61,10 @@ class ModelFingerprint:
     #: The chunk encoding (:data:`KV_COMPRESSIONS`); ``bf16`` of bfloat16 KV would store the
     #: same bytes as ``none``, so it is refused: resolve it to ``none`` first.
     kv_compression: str = "none"
+    #: Runtime options that change the KV (vLLM's ``quantization``, ``hf_overrides``, ...):
+    #: sorted ``name=value`` pairs joined by ``;``, built only by
+    #: :func:`pdserve.model.kv_options.kv_options`; ``""`` when none is set.
+    options: str = ""
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -82,7 +86,9 @@ class ModelFingerprint:
         """Unambiguous byte encoding: length-prefixed strings, fixed-width integers. The KV
         dtype field reads ``"<kv_dtype>+<kv_compression>"`` when chunks are compressed (never
         a valid dtype, so no compressed fingerprint equals an uncompressed one), else just the
-        dtype: uncompressed keys are those stored before compression existed."""
+        dtype: uncompressed keys are those stored before compression existed. Options, when
+        set, follow the integers as ``b"options" || u32 LE length || options``; without them
+        the encoding is the one fingerprints had before options existed."""
         stored = self.kv_dtype
         if self.kv_compression != "none":
             stored = f"{self.kv_dtype}+{self.kv_compression}"
@@ -93,16 +99,21 @@ class ModelFingerprint:
             stored.encode(),
         ]
         head = b"".join(struct.pack("<I", len(p)) + p for p in parts)
-        return head + struct.pack(
+        tail = struct.pack(
             "<IIII", self.layout_version, self.chunk_size, self.tp_rank, self.tp_size
         )
+        if self.options:
+            options = self.options.encode()
+            tail += b"options" + struct.pack("<I", len(options)) + options
+        return head + tail
 
     def to_labels(self) -> dict[str, str]:
         """The fingerprint as strings, the one form every process writes it in (a worker's
         registration labels with meta, which the router reads; the vLLM connector's extra
-        config): every field, and the digest (hex) under ``"fingerprint"``.
+        config): every field (``kv_options`` only when set), and the digest (hex) under
+        ``"fingerprint"``.
         :meth:`from_labels` reads it back."""
-        return {
+        labels = {
             DIGEST_LABEL: self.digest().hex(),
             "model_id": self.model_id,
             "model_revision": self.revision,
@@ -112,12 +123,16 @@ class ModelFingerprint:
             "kv_layout": str(self.layout_version),
             "tp": f"{self.tp_rank}/{self.tp_size}",
         }
+        if self.options:
+            labels["kv_options"] = self.options
+        return labels
 
     @classmethod
     def from_labels(cls, labels: Mapping[str, str], *, model_id: str = "") -> ModelFingerprint:
         """The fingerprint :meth:`to_labels` wrote. ``kv_dtype`` and ``chunk_size`` are
         required; ``model_id`` defaults to the argument, the others to the field defaults
-        (a worker that registers no ``kv_compression`` stores uncompressed chunks). The
+        (a worker that registers no ``kv_compression`` stores uncompressed chunks, one with no
+        ``kv_options`` runs without options). The
         digest label is not read: it follows from the fields. Raises ValueError naming the
         field that is missing or invalid."""
         for name in ("kv_dtype", "chunk_size"):
@@ -139,6 +154,7 @@ class ModelFingerprint:
             tp_rank=tp_rank,
             tp_size=tp_size,
             kv_compression=labels.get("kv_compression", "none"),
+            options=labels.get("kv_options", ""),
         )
 
     def digest(self) -> bytes:

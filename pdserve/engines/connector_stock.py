@@ -10,8 +10,10 @@ change, ``--kv-transfer-config`` (docs/vllm-connector.md)::
 replicas, timeouts, chunk encoding, TLS files); everything else is vLLM's own config: the model
 and its served name, the KV dtype, the block size, the tensor-parallel size. Keys are strict: a
 missing or unknown one stops the engine at start, named. Engines that derive the same
-fingerprint (the same model folder and served name, KV dtype, chunk size and TP size) share
-chunks, a pdserve worker's included.
+fingerprint (the same model bytes and served name, KV dtype, chunk size, TP size and KV
+options: :mod:`pdserve.model.kv_options`) share chunks, a pdserve worker's included. A Hugging
+Face id is read from the local Hugging Face cache (:func:`pdserve.model.fingerprint.model_source`);
+pipeline parallelism is refused.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from typing import Any
 from pdserve import hashing
 from pdserve.engines.connector_data import ConnectorSettings
 from pdserve.errors import did_you_mean
-from pdserve.model.fingerprint import model_fingerprint
+from pdserve.model.fingerprint import model_fingerprint, model_source
+from pdserve.model.kv_options import refuse_pipeline_parallel, vllm_config_options
 
 #: The keys of ``kv_connector_extra_config`` in a stock engine: name -> what it is.
 STOCK_KEYS = {
@@ -63,13 +66,20 @@ def stock_settings(extra: dict[str, Any], vllm_config: Any) -> ConnectorSettings
             f"{_WHAT}.chunk_size {chunk_size} must be a positive multiple of vLLM's block size "
             f"{block_size} (--block-size)"
         )
+    parallel = vllm_config.parallel_config
+    refuse_pipeline_parallel(
+        getattr(parallel, "pipeline_parallel_size", 1), "--pipeline-parallel-size"
+    )
+    model_config = vllm_config.model_config
+    model_dir = model_source(str(model_config.model), getattr(model_config, "revision", None))
     fingerprint = model_fingerprint(
-        vllm_config.model_config.model,
-        _served_name(vllm_config.model_config),
+        model_dir,
+        _served_name(model_config),
         _kv_dtype(vllm_config),
         chunk_size,
         str(extra.get("kv_compression", "none")),
-        tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+        tp_size=int(parallel.tensor_parallel_size),
+        options=vllm_config_options(vllm_config, model_dir),
     )
     tls = tuple(
         str(extra.get(f"tls_{part}") or os.environ.get(f"PDSERVE_TLS_{part.upper()}", ""))

@@ -61,6 +61,7 @@ from pdserve.engines.step_budget import (
 )
 from pdserve.errors import InvalidArgument
 from pdserve.model.fingerprint import model_fingerprint
+from pdserve.model.kv_options import kv_options, refuse_pipeline_parallel
 from pdserve.requests import Finish, KVRef, Sampling, TokenLogprob
 
 CONNECTOR_MODULE = "pdserve.engines.vllm_connector"
@@ -179,6 +180,9 @@ class VllmEngine(Engine):
         cfg = self.config
         model_dir = await asyncio.to_thread(resolve_model, cfg.model)
         served = cfg.served_model_name or cfg.model
+        if cfg.store_master:
+            pp = cfg.vllm_args.get("pipeline_parallel_size", 1)
+            refuse_pipeline_parallel(pp, "vllm_args.pipeline_parallel_size")
         self.fingerprint = model_fingerprint(
             model_dir,
             served,
@@ -186,6 +190,7 @@ class VllmEngine(Engine):
             cfg.chunk_size,
             cfg.resolved_kv_compression(),
             tp_size=int(cfg.vllm_args.get("tensor_parallel_size", 1)),
+            options=kv_options(cfg.vllm_args, model_dir),
         )
         prepare_environment(cfg)
         self._llm = await asyncio.to_thread(self._build, model_dir, served)

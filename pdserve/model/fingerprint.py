@@ -32,6 +32,7 @@ import blake3
 
 from pdserve.hashing import ModelFingerprint
 from pdserve.model.file_digest import CACHE_NAME, file_digests
+from pdserve.model.hub import HUB_FILES, HUB_ID, hub_cache_dir
 
 _CONFIG_FILE = "config.json"
 #: Suffixes of the files whose bytes are the model's weights.
@@ -128,6 +129,36 @@ def adapter_identity(name: str, path: str) -> str:
     return f"{name}:{h.hexdigest()[:DIGEST_HEX]}"
 
 
+def model_source(model: str, revision: str | None = None) -> Path:
+    """The folder whose bytes are ``model``, as vLLM names it (``model_config.model`` and
+    ``model_config.revision``): a local folder as it is; a Hugging Face id (``org/name``) as
+    its snapshot in the local Hugging Face cache (``revision``: a branch, tag or commit; None:
+    ``main``), looked up offline. Raises ValueError when it is neither: the fingerprint covers
+    the weights' bytes, so they must be on disk (vLLM has downloaded them by the time its KV
+    connector starts; elsewhere, ``huggingface-cli download`` them first)."""
+    folder = Path(model).expanduser()
+    if folder.is_dir():
+        return folder
+    if HUB_ID.fullmatch(model):
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        try:
+            return Path(
+                snapshot_download(
+                    model, revision=revision, allow_patterns=HUB_FILES, local_files_only=True
+                )
+            )
+        except (LocalEntryNotFoundError, OSError, ValueError):
+            pass
+    at = f" at revision {revision!r}" if revision else ""
+    raise ValueError(
+        f"model {model!r}{at} is neither a folder nor in the local Hugging Face cache "
+        f"({hub_cache_dir()}): its KV fingerprint covers the weights' bytes, so they must be "
+        "on disk"
+    )
+
+
 def model_fingerprint(
     model_dir: str | Path,
     served_name: str,
@@ -135,14 +166,16 @@ def model_fingerprint(
     chunk_size: int,
     kv_compression: str = "none",
     tp_size: int = 1,
+    options: str = "",
 ) -> ModelFingerprint:
     """The :class:`ModelFingerprint` of ``model_dir`` served as ``served_name``.
 
     Contract: a pure function of the folder's config and weight bytes (:func:`model_revision`),
     the served name, the KV dtype, the chunk size, the chunk encoding (resolved:
-    ``EngineConfig.resolved_kv_compression``) and the tensor-parallel size (the fingerprint is
-    rank 0's, whose keys are the chain's: :func:`pdserve.hashing.rank_key`); identical across
-    processes, hosts and restarts.
+    ``EngineConfig.resolved_kv_compression``), the tensor-parallel size (the fingerprint is
+    rank 0's, whose keys are the chain's: :func:`pdserve.hashing.rank_key`) and the runtime
+    options that change the KV (:func:`pdserve.model.kv_options.kv_options`); identical
+    across processes, hosts and restarts.
     """
     return ModelFingerprint(
         model_id=served_name,
@@ -151,4 +184,5 @@ def model_fingerprint(
         chunk_size=chunk_size,
         kv_compression=kv_compression,
         tp_size=tp_size,
+        options=options,
     )

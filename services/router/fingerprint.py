@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 AUTO_DTYPE = "auto"
 
 #: A worker's KV settings as the keys see them: (kv_dtype, chunk_size, stored encoding,
-#: tensor-parallel size: the keys are those of the fingerprint of TP rank 0).
-Settings = tuple[str, int, str, int]
+#: tensor-parallel size: the keys are those of the fingerprint of TP rank 0, KV options: like
+#: the TP size, always the workers').
+Settings = tuple[str, int, str, int, str]
 
 
 def _stored_encoding(kv_compression: str, kv_dtype: str) -> str:
@@ -49,7 +50,7 @@ def _settings(labels: Mapping[str, str]) -> Settings | None:
         fp = ModelFingerprint.from_labels({**labels, "kv_compression": encoding}, model_id="?")
     except ValueError:
         return None
-    return fp.kv_dtype, fp.chunk_size, fp.kv_compression, fp.tp_size
+    return fp.kv_dtype, fp.chunk_size, fp.kv_compression, fp.tp_size, fp.options
 
 
 class FingerprintSource:
@@ -89,7 +90,7 @@ class FingerprintSource:
 
     def _allowed(self, s: Settings) -> bool:
         """Whether worker settings ``s`` fit the router's explicit settings."""
-        dtype, chunk, encoding, _tp = s
+        dtype, chunk, encoding, _tp, _options = s
         return (
             (not self._kv_dtype or self._kv_dtype == dtype)
             and (not self._chunk_size or self._chunk_size == chunk)
@@ -118,12 +119,13 @@ class FingerprintSource:
             encoding = _stored_encoding(self._kv_compression, dtype)
         else:
             encoding = pick[2] if pick else "none"
-        key = (dtype, chunk, encoding, pick[3] if pick else 1)
+        key = (dtype, chunk, encoding, pick[3] if pick else 1, pick[4] if pick else "")
         if len(seen) > 1:
             self._warn_once(
                 frozenset(seen),
                 "workers disagree on their KV settings (kv_dtype/chunk_size/kv_compression/"
-                "tp_size: workers) %s: the cluster's are %s; workers with others are refused",
+                "tp_size/kv_options: workers) %s: the cluster's are %s; workers with others are "
+                "refused",
                 {"/".join(map(str, s)): n for s, n in sorted(seen.items())},
                 "/".join(map(str, key)),
             )
@@ -146,6 +148,7 @@ class FingerprintSource:
                 chunk_size=chunk,
                 kv_compression=encoding,
                 tp_size=key[3],
+                options=key[4],
             )
             self._cache[key] = fp
         return fp
