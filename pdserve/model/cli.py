@@ -1,4 +1,4 @@
-"""``pdserve model``: prepare local model folders and show where they are.
+"""``pdserve model``: prepare local model folders, show where they are and their KV fingerprint.
 
 Light at import time: torch and transformers are imported only when a command runs.
 """
@@ -9,9 +9,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from pdserve.model import fingerprint_cli
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Registers ``pdserve model prepare`` and ``pdserve model path``."""
+    """Registers ``pdserve model prepare``, ``pdserve model path`` and ``pdserve model
+    fingerprint``."""
     parser = subparsers.add_parser(
         "model",
         help="prepare local model folders (SmolLM2, tiny test model) and show their paths",
@@ -67,6 +70,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     path.add_argument("--cache-dir", type=Path, default=None, help=cache_help)
     path.set_defaults(func=_path)
+    fingerprint_cli.add_parser(sub)
 
 
 def _prepare(args: argparse.Namespace) -> int:

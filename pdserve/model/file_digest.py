@@ -96,6 +96,7 @@ def _store(cache: Path, files: dict[str, Any]) -> None:
         cache.parent.mkdir(parents=True, exist_ok=True)
         merged = {**_load(cache), **files}
         fd, tmp = tempfile.mkstemp(dir=cache.parent, prefix=cache.name, suffix=".tmp")
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide it from other users of the model
         with os.fdopen(fd, "w") as f:
             json.dump({"format": _FORMAT, "files": merged}, f, indent=1, sort_keys=True)
         os.replace(tmp, cache)
