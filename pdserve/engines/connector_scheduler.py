@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pdserve import hashing
 from pdserve.engines.chunk_io import ChunkIO
 from pdserve.engines.connector_data import (
     PARAMS_KEY,
@@ -19,6 +18,7 @@ from pdserve.engines.connector_data import (
     RequestLoad,
     log_store_off,
 )
+from pdserve.engines.connector_keys import KeyScope, RequestKeys, request_params
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -49,6 +49,7 @@ class _SaveTracker:
     tail_done: bool = False
     # vLLM's hashes of the prompt's full blocks (request.block_hashes); empty = none
     engine_hashes: list[bytes] = field(default_factory=list)
+    root: str = ""  # the chain's root (hex): every save's ChunkSave.root
 
 
 @dataclass
@@ -58,12 +59,6 @@ class _Outcome:
     block_ids: list[int] = field(default_factory=list)
     failed_from: int | None = None  # first token position that failed to load
     chunks: int = 0  # chunks the plan loads (an asynchronous load: saved by their writer)
-
-
-def _request_params(request: Any) -> dict[str, Any]:
-    params = getattr(request, "kv_transfer_params", None) or {}
-    inner = params.get(PARAMS_KEY) if isinstance(params, dict) else None
-    return inner if isinstance(inner, dict) else {}
 
 
 def _remote_decode(request: Any) -> bool:
@@ -82,13 +77,6 @@ def _engine_hashes(request: Any, prompt_len: int, block_size: int) -> list[bytes
     if not hashes or len(hashes) != getattr(request, "num_tokens", -1) // block_size:
         return []
     return [bytes(h) for h in hashes[: prompt_len // block_size]]
-
-
-def _cache_salt(request: Any) -> str:
-    """The request's cache salt ("" = none): vLLM's ``Request.cache_salt``, which the engine
-    sets from the prompt's ``cache_salt`` (and which salts vLLM's own block hashes)."""
-    salt = getattr(request, "cache_salt", None)
-    return salt if isinstance(salt, str) else ""
 
 
 class ConnectorScheduler:
@@ -111,6 +99,9 @@ class ConnectorScheduler:
         self._trackers: dict[str, _SaveTracker] = {}
         self._outcomes: dict[str, _Outcome] = {}
         self._requests: dict[str, Request] = {}
+        #: each live request's chain (or bypass), from its first sight (connector_keys)
+        self._keys = RequestKeys(self.fp)
+        self._scopes: dict[str, KeyScope] = {}
         #: leading prompt chunks the store held at each waiting request's last lookup: a
         #: request need not save them again (its local prefix-cache hit is not loaded, and
         #: without this every later request on a cached prefix gathered and encoded the whole
@@ -126,11 +117,14 @@ class ConnectorScheduler:
     ) -> tuple[int | None, bool]:
         if self.off_reason or not self.settings.loads:  # kv_producer: saves only
             return 0, False
+        scope = self._scope(request.request_id, request)
+        if scope.bypass:  # no lookup: vLLM computes the whole prompt
+            return 0, False
         tokens = list(request.prompt_token_ids or [])
         limit = len(tokens) - 1  # the last prompt token is always computed
         cs = self.chunk_size
-        params = _request_params(request)
-        keys = hashing.chunk_keys(self.fp, tokens, _cache_salt(request))
+        params = request_params(request)
+        keys = scope.chunk_keys(self.fp, tokens)
         # a store that fails answers no hit (ChunkIO): vLLM computes everything
         hit = self.io.lookup(keys)
         self._stored[request.request_id] = hit
@@ -231,7 +225,8 @@ class ConnectorScheduler:
                 done = self._outcomes[new.req_id]
                 failed = done.failed_from
                 loaded_chunks = done.chunks if failed is None else failed // self.chunk_size
-            self._track(new.req_id, new.prompt_token_ids or [], block_ids, loaded_chunks)
+            if not self._track(new, block_ids, loaded_chunks):
+                continue  # a bypass: nothing of it is saved
             self._advance(
                 new.req_id,
                 new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id],
@@ -267,23 +262,37 @@ class ConnectorScheduler:
             chunks.append(ChunkLoad(plan.tail_key, base, plan.tail_tokens, plan.start, plan.end))
         return RequestLoad(req_id, block_ids, chunks, plan.wait_ms)
 
-    def _track(
-        self, req_id: str, prompt: list[int], block_ids: list[int], loaded_chunks: int
-    ) -> None:
+    def _scope(self, req_id: str, request: Any) -> KeyScope:
+        """The chain of request ``req_id`` (or its bypass), worked out at its first sight
+        from ``request`` (vLLM's ``Request``, or a step's ``NewRequestData``) and kept until
+        it finishes."""
+        scope = self._scopes.get(req_id)
+        if scope is None:
+            scope = self._scopes[req_id] = self._keys.scope(request)
+        return scope
+
+    def _track(self, new: Any, block_ids: list[int], loaded_chunks: int) -> bool:
+        """Starts tracking the saves of the newly scheduled request ``new`` (vLLM's
+        ``NewRequestData``); False for a request that bypasses the store (not tracked)."""
+        req_id, prompt = new.req_id, list(new.prompt_token_ids or [])
         request = self._requests.get(req_id)
-        params = _request_params(request)
-        tail = str(params.get("save_tail_key", ""))
+        scope = self._scope(req_id, request if request is not None else new)
+        if scope.bypass:
+            return False
+        tail = str(request_params(request).get("save_tail_key", ""))
         if not tail and _remote_decode(request):  # a stock proxy's prefill: the tail too
-            tail = hashing.tail_key(self.fp, prompt, req_id, _cache_salt(request))
+            tail = scope.tail_key(self.fp, prompt, req_id)
         self._trackers[req_id] = _SaveTracker(
-            keys=hashing.chunk_keys(self.fp, prompt, _cache_salt(request)),
+            keys=scope.chunk_keys(self.fp, prompt),
             prompt_len=len(prompt),
             prompt=prompt,
             tail_key=tail,
             block_ids=block_ids,
             next_chunk=loaded_chunks,
             engine_hashes=_engine_hashes(request, len(prompt), self.block_size),
+            root=scope.root,
         )
+        return True
 
     def _advance(self, req_id: str, computed: int, meta: PdserveConnectorMetadata) -> None:
         """Emits saves for the prompt chunks (and tail) that ``computed`` tokens complete."""
@@ -298,7 +307,9 @@ class ConnectorScheduler:
             blocks = tracker.block_ids[i * bpc : (i + 1) * bpc]
             parent = tracker.keys[i - 1] if i else ""
             tokens = list(tracker.prompt[i * cs : (i + 1) * cs])
-            save = ChunkSave(tracker.keys[i], i * cs, cs, blocks, 0, parent, tokens)
+            save = ChunkSave(
+                tracker.keys[i], i * cs, cs, blocks, 0, parent, tokens, root=tracker.root
+            )
             if len(engine) >= (i + 1) * bpc:  # vLLM's own hashes of the chunk's blocks
                 save.engine_hashes = engine[i * bpc : (i + 1) * bpc]
                 save.engine_parent = engine[i * bpc - 1] if i else b""
@@ -310,13 +321,15 @@ class ConnectorScheduler:
             n = tracker.prompt_len - start
             if n > 0:
                 blocks = tracker.block_ids[start // bs : (tracker.prompt_len + bs - 1) // bs]
+                ttl = self.settings.tail_ttl_ms
                 meta.saves.append(
-                    ChunkSave(tracker.tail_key, start, n, blocks, self.settings.tail_ttl_ms)
+                    ChunkSave(tracker.tail_key, start, n, blocks, ttl, root=tracker.root)
                 )
             tracker.tail_done = True
 
     def on_new_request(self, request: Request) -> None:
         self._requests[request.request_id] = request
+        self._scope(request.request_id, request)
 
     def update_connector_output(self, connector_output: Any) -> None:
         invalid = getattr(connector_output, "invalid_block_ids", None)
@@ -336,6 +349,7 @@ class ConnectorScheduler:
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         self._requests.pop(req_id, None)
+        scope = self._scopes.pop(req_id, None)
         tracker = self._trackers.pop(req_id, None)
         self._plans.pop(req_id, None)
         self._stored.pop(req_id, None)
@@ -348,6 +362,8 @@ class ConnectorScheduler:
                 outcome.plan_start + outcome.planned - max(outcome.failed_from, outcome.plan_start)
             )
         ours: dict[str, Any] = {"loaded_tokens": outcome.planned - failed, "failed_tokens": failed}
+        if scope is not None and scope.bypass:
+            ours["bypassed"] = scope.bypass  # why it was computed without the store
         out: dict[str, Any] = {PARAMS_KEY: ours}
         if tracker is not None and _remote_decode(request) and self.settings.saves:
             # what the decode engine's connector needs beyond the stored chunks: the tail

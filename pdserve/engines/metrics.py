@@ -13,6 +13,8 @@ from pdserve.telemetry import REGISTRY, Relayed, init_labels
 #: without the store, recomputing what it could not load. ``op``: lookup|load|save.
 STORE_OPS = ("lookup", "load", "save")
 CHUNK_KINDS = ("chunk", "tail")
+#: Why the vLLM connector left a request out of the store (:mod:`pdserve.engines.connector_keys`).
+BYPASS_REASONS = ("requested", "multimodal", "prompt_embeds", "adapter_unreadable")
 
 KV_STORE_ERRORS = Relayed(
     "kv_store_errors",
@@ -87,6 +89,17 @@ KV_CHUNKS_SKIPPED = Relayed(
         registry=REGISTRY,
     ),
 )
+#: Requests the vLLM connector neither looked up, loaded nor saved (vLLM computed them), by
+#: ``reason`` (:data:`BYPASS_REASONS`).
+KV_STORE_BYPASSED = Relayed(
+    "kv_store_bypassed",
+    Counter(
+        "pdserve_kv_store_bypassed_requests_total",
+        "Requests that bypassed the KV store (computed, neither loaded nor saved)",
+        ["reason"],
+        registry=REGISTRY,
+    ),
+)
 GENERATED_TOKENS = Counter(
     "pdserve_engine_generated_tokens_total", "Tokens generated", registry=REGISTRY
 )
@@ -98,3 +111,4 @@ init_labels(KV_LOADED_TOKENS, ("prefill", "decode"))
 init_labels(KV_COMPUTED_TOKENS, ("uncached", "local", "kv_miss", "store_error"))
 init_labels(KV_CHUNK_MISSES, CHUNK_KINDS)
 init_labels(KV_CHUNKS_WRITTEN, CHUNK_KINDS)
+init_labels(KV_STORE_BYPASSED, BYPASS_REASONS)
