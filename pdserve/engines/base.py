@@ -104,6 +104,7 @@ class Engine(abc.ABC):
         *,
         publish_incrementally: bool = False,
         cache_salt: str = "",
+        bypass_store: bool = False,
     ) -> PrefillOutcome:
         """Loads cached prefix chunks, computes the rest, writes new full chunks under their
         chain keys (skipping existing ones) and the partial tail under a request-scoped key
@@ -111,7 +112,11 @@ class Engine(abc.ABC):
 
         ``cache_salt`` ("" = none, else validated by the caller) selects the chain
         (:func:`pdserve.hashing.chunk_keys`): keys loaded, saved and returned are the salt's,
-        and the engine's own prefix cache, if any, reuses only entries of the same salt."""
+        and the engine's own prefix cache, if any, reuses only entries of the same salt.
+
+        ``bypass_store``: this request neither loads from nor saves to the KV store (every
+        prompt token is computed, nothing is written); the returned handle still names the
+        salt's keys, which a decode then finds missing and recomputes."""
 
     @abc.abstractmethod
     def generate(
@@ -124,11 +129,13 @@ class Engine(abc.ABC):
         first_token_id: int | None = None,
         chunk_wait_ms: int = 0,
         cache_salt: str = "",
+        bypass_store: bool = False,
     ) -> AsyncIterator[TokenEvent]:
         """Streams generated tokens. With ``kv`` the prompt KV is loaded from the store and
         ``first_token_id`` (from prefill) is the first output token; without, the engine
         prefills locally (reusing cached prefix chunks when it can). ``cache_salt`` as in
-        :meth:`prefill`: ``kv`` must hold that salt's keys.
+        :meth:`prefill`: ``kv`` must hold that salt's keys. ``bypass_store`` as in
+        :meth:`prefill`: nothing is loaded (``kv`` included: the prompt is computed) or saved.
 
         Write mode: ``kv`` without ``first_token_id`` names the prompt's leading full chunks
         (no tail) that a prefill running elsewhere is still publishing. The engine waits up to

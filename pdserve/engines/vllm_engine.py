@@ -317,18 +317,19 @@ class VllmEngine(Engine):
         *,
         publish_incrementally: bool = False,
         cache_salt: str = "",
+        bypass_store: bool = False,
     ) -> PrefillOutcome:
         prompt = list(prompt_token_ids)
         sampling.validate(self.config.resolved_max_tokens_limit(self.max_model_len))
         self.check_prompt(prompt, sampling)
         fp = self.fingerprint
         keys = hashing.chunk_keys(fp, prompt, cache_salt)
-        tail = (
-            hashing.tail_key(fp, prompt, request_id, cache_salt) if self.config.store_master else ""
-        )
-        params = sampling_params(
-            sampling, max_tokens=1, extra={PARAMS_KEY: {"save_tail_key": tail}} if tail else None
-        )
+        store = bool(self.config.store_master)
+        tail = hashing.tail_key(fp, prompt, request_id, cache_salt) if store else ""
+        extra = {PARAMS_KEY: {"save_tail_key": tail}} if tail else None
+        if bypass_store and store:
+            tail, extra = "", _bypass_params()
+        params = sampling_params(sampling, max_tokens=1, extra=extra)
         first: int | None = None
         first_lp: TokenLogprob | None = None
         result: Any = None
@@ -365,6 +366,7 @@ class VllmEngine(Engine):
         first_token_id: int | None = None,
         chunk_wait_ms: int = 0,
         cache_salt: str = "",
+        bypass_store: bool = False,
     ) -> AsyncIterator[TokenEvent]:
         prompt = list(prompt_token_ids)
         sampling.validate(self.config.resolved_max_tokens_limit(self.max_model_len))
@@ -393,6 +395,8 @@ class VllmEngine(Engine):
                 }
             prompt = [*prompt, first_token_id]
             max_tokens -= 1
+        if bypass_store and self.config.store_master:
+            extra = _bypass_params()  # no handle load, no wait, no save: all computed here
         prior = first_token_id if kv is not None and first_token_id is not None else None
         params = sampling_params(sampling, max_tokens=max_tokens, extra=extra, prior_output=prior)
         last: Any = None
@@ -515,6 +519,12 @@ def kv_usage_logger(engine: VllmEngine) -> Any:
 def _vllm_id(request_id: str) -> str:
     # vLLM needs unique ids per engine; a retried pdserve request must not collide.
     return f"{request_id}-{uuid.uuid4().hex[:8]}"
+
+
+def _bypass_params() -> dict[str, Any]:
+    """The connector's parameters of a request that neither loads nor saves (bypass_store in
+    engine.proto; the connector honours them, connector_scheduler.py)."""
+    return {PARAMS_KEY: {"bypass_store": True}}
 
 
 def _pdserve_params(out: Any) -> dict[str, Any]:

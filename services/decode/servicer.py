@@ -68,6 +68,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServiceServicer):
                     first_token_id=first,
                     chunk_wait_ms=request.chunk_wait_ms,
                     cache_salt=req.cache_salt,
+                    bypass_store=req.bypass_store,
                 ):
                     if ev.loaded_tokens or ev.recomputed_tokens or ev.prefix_cached_tokens:
                         counts = (ev.loaded_tokens, ev.recomputed_tokens, ev.prefix_cached_tokens)

@@ -54,6 +54,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServiceServicer):
                     req.sampling,
                     publish_incrementally=request.publish_incrementally,
                     cache_salt=req.cache_salt,
+                    bypass_store=req.bypass_store,
                 )
         except Exception as exc:
             REQUESTS.labels(type(exc).__name__).inc()

@@ -10,6 +10,7 @@ from pdserve.enums import DISAGG_MODE
 from pdserve.hashing import KV_COMPRESSIONS
 from pdserve.identity import SecurityConfig
 from pdserve.services.router.engine_events import parse_engine_events
+from pdserve.services.router.kv_check import KVCheckSettings
 from pdserve.store import StoreBackendConfig
 from pdserve.tenants import Tenants
 
@@ -154,6 +155,27 @@ class RouterConfig(SecurityConfig, StoreBackendConfig):
         "usually terminates TLS (tls_* is the router's identity toward the other services)",
     )
     public_tls_key: str = help_field("", "private key (PEM) of public_tls_cert")
+    kv_check_share: float = help_field(
+        0.01,
+        "share of requests served from the store (prompt KV loaded) that a worker recomputes "
+        "cold, off the client's path, to compare its tokens (docs/router.md, KV check; 0 = off)",
+    )
+    kv_check_tokens: int = help_field(4, "greedy tokens each KV check run generates")
+    kv_check_tolerance: float = help_field(
+        0.5,
+        "logit gap (nats) above which a token flip between the stored and the cold run is a "
+        "divergence; at or below it, a near tie",
+    )
+    kv_check_window: int = help_field(20, "KV checks per fingerprint the divergence rate covers")
+    kv_check_min: int = help_field(3, "KV checks a fingerprint needs before it can be quarantined")
+    kv_check_max_divergence: float = help_field(
+        0.05,
+        "divergence rate over the window above which the fingerprint is quarantined: the "
+        "master answers its chunks as not found until an operator clears it",
+    )
+    kv_check_queue: int = help_field(
+        16, "sampled KV checks waiting at most; more are dropped (counted)"
+    )
     log_level: str = help_field("info", "log level")
 
     @property
@@ -220,3 +242,34 @@ class RouterConfig(SecurityConfig, StoreBackendConfig):
             raise ConfigError("tenant_max_inflight needs tenant_keys_file (tenants to cap)")
         if self.tenant_keys_file:
             Tenants.load(self.tenant_keys_file, self.api_key)  # a bad file fails at start
+        self.check_kv_check()
+
+    def check_kv_check(self) -> None:
+        if not 0.0 <= self.kv_check_share <= 1.0:
+            raise ConfigError(f"kv_check_share must be in [0, 1], got {self.kv_check_share}")
+        if not 1 <= self.kv_check_tokens <= 64:
+            raise ConfigError(f"kv_check_tokens must be in [1, 64], got {self.kv_check_tokens}")
+        if self.kv_check_tolerance < 0:
+            raise ConfigError(f"kv_check_tolerance must be >= 0, got {self.kv_check_tolerance}")
+        if not 1 <= self.kv_check_min <= self.kv_check_window:
+            raise ConfigError(
+                f"kv_check_min ({self.kv_check_min}) must be in [1, kv_check_window "
+                f"({self.kv_check_window})]"
+            )
+        if not 0.0 <= self.kv_check_max_divergence < 1.0:
+            raise ConfigError(
+                f"kv_check_max_divergence must be in [0, 1), got {self.kv_check_max_divergence}"
+            )
+        if self.kv_check_queue < 1:
+            raise ConfigError(f"kv_check_queue must be >= 1, got {self.kv_check_queue}")
+
+    def kv_check_settings(self) -> KVCheckSettings:
+        return KVCheckSettings(
+            share=self.kv_check_share,
+            tokens=self.kv_check_tokens,
+            tolerance=self.kv_check_tolerance,
+            window=self.kv_check_window,
+            min_checks=self.kv_check_min,
+            max_divergence=self.kv_check_max_divergence,
+            queue=self.kv_check_queue,
+        )

@@ -55,6 +55,7 @@ from pdserve.services.router.execute import (
     prefill_once,
 )
 from pdserve.services.router.fingerprint import FingerprintSource
+from pdserve.services.router.kv_check import KVCheck
 from pdserve.services.router.place import Placer
 from pdserve.services.router.plan import Plan, choose_plan
 from pdserve.services.router.policies import (
@@ -125,6 +126,7 @@ class Orchestrator:
         placement: ColocatedPlacement | None = None,
         detokenize: Callable[[list[int]], str] = lambda ids: "",
         tenants: Tenants | None = None,
+        kv_check: KVCheck | None = None,
     ) -> None:
         self.config = config
         #: API keys by tenant and each tenant's requests in flight (:mod:`pdserve.tenants`).
@@ -142,6 +144,8 @@ class Orchestrator:
         self.overheads_ms: deque[float] = deque(maxlen=10000)
         self.running = Running()
         self.traces: deque[Trace] = deque(maxlen=1000)
+        #: Samples requests served from the store for a cold recompute (``kv_check.py``).
+        self.kv_check = kv_check
 
     @property
     def fp(self) -> ModelFingerprint | None:
@@ -157,6 +161,8 @@ class Orchestrator:
         keys = chunk_keys(fp, tokens, cache_salt)
         if not keys or self.prefix_lookup is None:
             return keys, 0
+        if self.kv_check is not None and self.kv_check.quarantined(fp.digest().hex()):
+            return keys, 0  # its objects answer as not found: no store hit to count
         try:
             found = await self.prefix_lookup(keys)
         except Exception as exc:  # the store is an optimisation: never fail a request on it
@@ -199,9 +205,12 @@ class Orchestrator:
         t0 = time.monotonic()
         deadline = t0 + (timeout_s if timeout_s is not None else self.config.request_timeout_s)
         n = len(req.prompt_token_ids)
+        fp = self.fp
+        fp_hex = fp.digest().hex() if fp is not None else ""
+        if self.kv_check is not None:
+            req = self.kv_check.route(req, fp_hex)  # a quarantined fingerprint's salt
         keys, cached = await self.cached_tokens(req.prompt_token_ids, req.cache_salt)
         n_prefill = len(self.pool.candidates(PREFILL))
-        fp = self.fp
         mode = req.mode or self.config.default_mode
         if req.sampling.constrained:
             # guided decoding keeps a grammar state per generation: one engine must run it all
@@ -244,6 +253,8 @@ class Orchestrator:
                         last_t = now_ms
                     yield chunk
                 outcome = "ok"
+                if self.kv_check is not None:
+                    self.kv_check.offer(req, trace, fp_hex)
             except (asyncio.CancelledError, GeneratorExit):
                 outcome = "cancelled"
                 raise
@@ -273,6 +284,7 @@ class Orchestrator:
                 yield c
             return
         CACHED.labels("store").inc(resp.cached_tokens)  # prefill reports store + its own cache
+        job.trace.prefill_cached = resp.cached_tokens
         CACHED.labels("computed").inc(resp.computed_tokens)
         first = resp.first_token_id
         # Whether the first token already ends the generation (EOS, a stop string, max_tokens

@@ -24,6 +24,7 @@ from pdserve.services.router.frontend import Frontend
 from pdserve.services.router.grpc_worker_client import GrpcWorkerClient
 from pdserve.services.router.http_edge import EdgeLimits, EdgeSite
 from pdserve.services.router.http_worker_client import DispatchingWorkerClient, HttpWorkerClient
+from pdserve.services.router.kv_check import KVCheck, MasterQuarantine
 from pdserve.services.router.openai_http import make_app
 from pdserve.services.router.orchestrator import Orchestrator, OrchestratorConfig
 from pdserve.services.router.policies import ColocatedPlacement, make_policy
@@ -156,6 +157,16 @@ def build(cfg: RouterConfig, tokenizer=None) -> Frontend:
         placement=ColocatedPlacement(engines=engines),
         detokenize=tokenizer.decode,
     )
+    if cfg.kv_check_share > 0 and cfg.store_master:
+        orch.kv_check = KVCheck(
+            cfg.kv_check_settings(),
+            model=cfg.name,
+            client=orch.client,
+            pool=pool,
+            set_quarantine=(
+                MasterQuarantine(cfg.store_master) if cfg.store_backend == "pdserve" else None
+            ),
+        )
     return Frontend(
         tokenizer=tokenizer, limits=limits, orchestrator=orch, pool=pool, engines=engines
     )
@@ -243,6 +254,9 @@ async def serve(
         fe.engines.start()
     if cfg.meta:
         tasks.append(asyncio.ensure_future(fe.pool.watch_meta(cfg.meta, stop)))
+    kv_check = fe.orchestrator.kv_check
+    if kv_check is not None:
+        tasks.append(asyncio.ensure_future(kv_check.run(stop)))
     if started is not None:
         started(Running(fe, server.port, http_port))
     meta_client = await register_service(
@@ -279,3 +293,5 @@ async def serve(
         close = getattr(fe.orchestrator.prefix_lookup, "close", None)
         if close is not None:
             close()
+        if kv_check is not None and isinstance(kv_check.set_quarantine, MasterQuarantine):
+            kv_check.set_quarantine.close()

@@ -73,6 +73,8 @@ class Trace:
     first_token: float = 0.0
     prefill_worker_ms: float = 0.0
     decode_worker_ms: float = 0.0
+    #: Prompt tokens the prefill worker did not compute (the store's, its own prefix cache's).
+    prefill_cached: int = 0
     #: Prompt tokens the decode worker loaded from the store / computed itself / found in its
     #: own prefix cache.
     decode_loaded: int = 0

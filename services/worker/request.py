@@ -25,6 +25,8 @@ class WorkerRequest:
     sampling: Sampling
     #: "" = none.
     cache_salt: str
+    #: No store loads or saves for this request (engine.proto; the router's cold recompute).
+    bypass_store: bool = False
 
 
 def check_request(
@@ -41,4 +43,4 @@ def check_request(
     tokens = list(request.prompt_token_ids)
     default = cfg.default_max_tokens(engine.max_model_len, len(tokens))
     sampling = sampling_from_proto(request.sampling, default_max_tokens=default)
-    return WorkerRequest(rid, tokens, sampling, salt)
+    return WorkerRequest(rid, tokens, sampling, salt, bool(request.bypass_store))

@@ -135,6 +135,7 @@ class TorchEngine(Engine):
         *,
         publish_incrementally: bool = False,
         cache_salt: str = "",
+        bypass_store: bool = False,
     ) -> PrefillOutcome:
         scheduler = self._require_started()
         tokens = list(prompt_token_ids)
@@ -143,7 +144,9 @@ class TorchEngine(Engine):
         refuse_constrained(sampling)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         scheduler.submit(
-            PrefillJob(request_id, tokens, sampling, publish_incrementally, fut, cache_salt)
+            PrefillJob(
+                request_id, tokens, sampling, publish_incrementally, fut, cache_salt, bypass_store
+            )
         )
         return await asyncio.wrap_future(fut)
 
@@ -157,10 +160,12 @@ class TorchEngine(Engine):
         first_token_id: int | None = None,
         chunk_wait_ms: int = 0,
         cache_salt: str = "",
+        bypass_store: bool = False,
     ) -> AsyncIterator[TokenEvent]:
         """Emits every output token, the prefill's ``first_token_id`` included (first). A
         ``kv`` handle's chunks are got (in write mode: waited for) on a loader thread before
-        the generation is queued for the model's thread."""
+        the generation is queued for the model's thread; ``bypass_store`` drops the handle
+        (the prompt is computed here, nothing saved)."""
         self._require_started()
         tokens = list(prompt_token_ids)
         sampling.validate(self.cfg.resolved_max_tokens_limit(self.max_model_len))
@@ -173,6 +178,8 @@ class TorchEngine(Engine):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
+        if bypass_store:
+            kv = None
         job = GenJob(
             request_id,
             tokens,
@@ -184,6 +191,7 @@ class TorchEngine(Engine):
             time.monotonic(),
             seed,
             cache_salt,
+            bypass_store,
         )
         try:
             if kv is not None:

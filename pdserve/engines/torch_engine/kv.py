@@ -74,15 +74,19 @@ class PromptKV:
         write_tail: bool,
         publish: bool,
         phase: str,
+        bypass_store: bool = False,
     ) -> tuple[Any, torch.Tensor, int, int]:
         """Builds the prompt's KV: loads the longest cached chunk prefix of ``cache_salt``'s
         chain, computes the rest and writes new full chunks (and the tail when
         ``write_tail``; chunk by chunk as each exists when ``publish``: write mode). Returns
-        the cache, the last position's logits, and the loaded and computed token counts."""
+        the cache, the last position's logits, and the loaded and computed token counts.
+        ``bypass_store``: no load and no write (everything computed; Engine.prefill)."""
         cs = self.cfg.chunk_size
         n = len(tokens)
         keys = hashing.chunk_keys(self.fingerprint, tokens, cache_salt)
-        chunks = self._load_prefix(keys)
+        # chunks saved: every full one, none when bypassing the store
+        saved = 0 if bypass_store else len(keys)
+        chunks = [] if bypass_store else self._load_prefix(keys)
         loaded = min(len(chunks) * cs, n - 1)  # the last token is always computed (logits)
         cache = self.model.cache_from_chunks(chunks, loaded)
         if loaded:
@@ -94,15 +98,15 @@ class PromptKV:
             while pos < n:
                 end = min(n, (pos // cs + 1) * cs)
                 logits = self.model.forward(tokens[pos:end], cache)
-                if end % cs == 0 and end // cs > done_chunks:
+                if end % cs == 0 and done_chunks < end // cs <= saved:
                     self._save_chunks(cache, keys, done_chunks, end // cs, tokens)
                     done_chunks = end // cs
                 pos = end
             assert logits is not None
         else:
             logits = self.model.forward(tokens[loaded:], cache)
-            self._save_chunks(cache, keys, done_chunks, len(keys), tokens)
-        if write_tail and n % cs:
+            self._save_chunks(cache, keys, done_chunks, saved, tokens)
+        if write_tail and n % cs and not bypass_store:
             tail = hashing.tail_key(self.fingerprint, tokens, request_id, cache_salt)
             self._save_tail(cache, tail, n)
         reason = "uncached" if phase == "prefill" else "local"

@@ -47,6 +47,8 @@ class PrefillJob:
     publish: bool
     future: concurrent.futures.Future
     cache_salt: str = ""
+    #: Neither load from nor save to the store (Engine.prefill).
+    bypass_store: bool = False
 
 
 @dataclass
@@ -61,6 +63,8 @@ class GenJob:
     t0: float
     seed: int
     cache_salt: str = ""
+    #: Neither load from nor save to the store (Engine.generate; the engine drops ``kv``).
+    bypass_store: bool = False
     cancelled: threading.Event = field(default_factory=threading.Event)
     #: The handle's chunks (and tail) as the loader thread got them (``PromptKV.fetch``);
     #: None when there is no handle or it does not match the prompt.
@@ -180,6 +184,7 @@ class Scheduler:
             write_tail=True,
             publish=job.publish,
             phase="prefill",
+            bypass_store=job.bypass_store,
         )
         seed = job.sampling.seed if job.sampling.seed is not None else random.getrandbits(63)
         first = sample_token(
@@ -258,6 +263,7 @@ class Scheduler:
                 write_tail=False,
                 publish=False,
                 phase="decode",
+                bypass_store=job.bypass_store,
             )
         if job.first_token is not None:
             first = job.first_token
