@@ -217,6 +217,20 @@ class KVCheck:
     def quarantined(self, fingerprint: str) -> bool:
         return fingerprint in self.quarantines
 
+    def store_hits(self, fingerprint: str, found: int) -> int:
+        """The chunks of a lookup that placement may count: ``found``, or none while the
+        fingerprint is quarantined. A quarantined fingerprint's objects answer as not found
+        and its puts are refused, so a hit on its (rotated) keys means an operator cleared the
+        quarantine at the master: the router then lifts its own (:meth:`lift`)."""
+        if fingerprint not in self.quarantines:
+            return found
+        if found:
+            log.info(
+                "KV check: the store serves fingerprint %s again: quarantine lifted", fingerprint
+            )
+            self.lift(fingerprint)
+        return found
+
     def cache_salt(self, fingerprint: str, salt: str) -> str:
         """The cache salt a request of ``fingerprint`` runs under: ``salt``, or once the
         fingerprint was quarantined a salt derived from it and the quarantine's random key

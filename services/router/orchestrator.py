@@ -161,13 +161,13 @@ class Orchestrator:
         keys = chunk_keys(fp, tokens, cache_salt)
         if not keys or self.prefix_lookup is None:
             return keys, 0
-        if self.kv_check is not None and self.kv_check.quarantined(fp.digest().hex()):
-            return keys, 0  # its objects answer as not found: no store hit to count
         try:
             found = await self.prefix_lookup(keys)
         except Exception as exc:  # the store is an optimisation: never fail a request on it
             log.warning("longest-prefix lookup failed: %s", exc)
             found = 0
+        if self.kv_check is not None:  # none while its fingerprint is quarantined
+            found = self.kv_check.store_hits(fp.digest().hex(), found)
         return keys, min(found, len(keys)) * fp.chunk_size
 
     def generate(

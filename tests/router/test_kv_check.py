@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
-from pdserve.hashing import ModelFingerprint
+from pdserve.config import ConfigError
+from pdserve.hashing import ModelFingerprint, chunk_keys
 from pdserve.requests import Sampling, TokenLogprob
 from pdserve.services.router import kv_check as kc
 from pdserve.services.router.admission import Admission
+from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.fingerprint import FingerprintSource
 from pdserve.services.router.kv_compare import (
     DIVERGENT,
@@ -338,10 +340,11 @@ def test_the_orchestrator_offers_requests_and_honours_a_quarantine() -> None:
     p = WorkerPool(model="tiny")
     p.add_static(DECODE, ["d0"])
     lookups: list[list[str]] = []
+    held = [2]  # chunks the store answers it holds
 
     async def lookup(keys: list[str]) -> int:
         lookups.append(keys)
-        return len(keys)
+        return held[0]
 
     check = kc.KVCheck(
         kc.KVCheckSettings(share=1.0), model="tiny", client=client, pool=p, rng=lambda: 0.0
@@ -370,6 +373,32 @@ def test_the_orchestrator_offers_requests_and_honours_a_quarantine() -> None:
 
     check.quarantines[FP_HEX] = "test"
     check.rotations[FP_HEX] = b"k" * 16
+    held[0] = 0  # the master answers the fingerprint's objects as not found
     assert asyncio.run(generate()) == [1, 2]
-    assert len(lookups) == 1  # no store hit counted for a quarantined fingerprint
-    assert client.requests[-1].cache_salt == check.cache_salt(FP_HEX, "s") != "s"
+    rotated = check.cache_salt(FP_HEX, "s")
+    assert client.requests[-1].cache_salt == rotated != "s"
+    assert lookups[-1] == chunk_keys(FP, PROMPT, rotated)
+    assert check.quarantined(FP_HEX)
+
+    held[0] = 1  # a hit on the rotated keys: an operator cleared the quarantine
+    assert asyncio.run(orch.cached_tokens(PROMPT, rotated))[1] == 4
+    assert not check.quarantined(FP_HEX)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("kv_check_share", 1.5, "kv_check_share must be in [0, 1]"),
+        ("kv_check_tokens", 0, "kv_check_tokens must be in [1, 64]"),
+        ("kv_check_tolerance", -0.1, "kv_check_tolerance must be >= 0"),
+        ("kv_check_min", 21, "kv_check_min (21) must be in [1, kv_check_window (20)]"),
+        ("kv_check_max_divergence", 1.0, "kv_check_max_divergence must be in [0, 1)"),
+        ("kv_check_queue", 0, "kv_check_queue must be >= 1"),
+    ],
+)
+def test_the_config_refuses_check_settings_that_cannot_work(field, value, message) -> None:
+    cfg = RouterConfig(decode=["127.0.0.1:1"], **{field: value})
+    with pytest.raises(ConfigError) as exc:
+        cfg.validate()
+    assert message in str(exc.value)
+    assert RouterConfig(decode=["127.0.0.1:1"]).kv_check_settings() == kc.KVCheckSettings()
