@@ -21,6 +21,7 @@ MODULES = {
         "pdserve.services.router.workers",
         "pdserve.services.router.prefix_index",
         "pdserve.services.router.engine_events",
+        "pdserve.services.router.kv_check",
     ],
     "prefill": [
         "pdserve.services.prefill.servicer",
