@@ -33,7 +33,7 @@ import torch
 from pdserve import errors, hashing
 from pdserve.engines import metrics
 from pdserve.engines.chunk_wait import load_as_landed
-from pdserve.store.api import ChunkMeta, StoreOptions
+from pdserve.store.api import ChunkMeta, ChunkNamespace, StoreOptions
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ class ChunkStore(Protocol):
         *,
         encoding: str = "none",
         meta: Mapping[str, ChunkMeta] | None = None,
+        namespace: ChunkNamespace | None = None,
     ) -> list[bool]: ...
 
     def close(self) -> None: ...
@@ -85,6 +86,8 @@ class ChunkIO:
         self.store = store
         self.fingerprint = fingerprint
         self.digest = fingerprint.digest()
+        #: The fingerprint's labels, sent with every save (the master's namespaces).
+        self.labels = fingerprint.to_labels()
         self.replicas = replicas
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
@@ -199,17 +202,23 @@ class ChunkIO:
         *,
         ttl_ms: int = 0,
         meta: Mapping[str, ChunkMeta] | None = None,
+        roots: Mapping[str, str] | None = None,
     ) -> int:
         """Stores the chunks (one batched put; keys the store holds are skipped by it) in the
         fingerprint's chunk encoding; how many were written now. Nothing on an error or while
         skipped: a chunk not saved is a future miss. ``meta``: per key, the chunk's parent key
-        and token ids, which the master publishes with its KV events (stores that cannot
-        carry it drop it)."""
+        and token ids, which the master publishes with its KV events; ``roots``: per key, the
+        chain root (hex) of its request's chain (a key not there: the fingerprint's digest),
+        with which the master tags it, together with the fingerprint's labels (stores that
+        cannot carry either drop it)."""
         if not items or not self.available():
             return 0
         kind = "tail" if ttl_ms else "chunk"
         start = time.perf_counter()
-        extra = {"meta": meta} if meta else {}
+        namespace = ChunkNamespace(self.labels[hashing.DIGEST_LABEL], self.labels, roots or {})
+        extra: dict[str, object] = {"namespace": namespace}
+        if meta:
+            extra["meta"] = meta
         try:
             written = self.store.batch_put_chunks(
                 items,

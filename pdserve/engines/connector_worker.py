@@ -309,8 +309,11 @@ class ConnectorWorker:
             for s in meta.saves
             if s.tokens and self.rank_fp.tp_rank == 0
         }
+        # the master tags each chunk with its request's chain root (a salt's, an adapter's)
+        roots = {self._rank_key(s.key): s.root for s in meta.saves if s.root}
         for ttl_ms, items in by_ttl.items():
-            self.io.save(items, ttl_ms=ttl_ms, meta=chain)  # a chunk not saved: a future miss
+            # a chunk not saved: a future miss
+            self.io.save(items, ttl_ms=ttl_ms, meta=chain, roots=roots)
 
     def _gather_all(self, saves: list[ChunkSave]) -> list[torch.Tensor]:
         """Each save's KV ``[layers, 2, kv_heads, tokens, head_dim]``. The full chunks of a

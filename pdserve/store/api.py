@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter
@@ -84,6 +84,26 @@ class ChunkMeta:
         return a.tobytes()
 
 
+@dataclass(frozen=True)
+class ChunkNamespace:
+    """Whose KV a put's chunks are (``KVNamespace``; docs/kvstore.md, "Namespaces"): the
+    model fingerprint (digest hex and labels, ``ModelFingerprint.to_labels()``) and each
+    chunk's chain root (:func:`pdserve.hashing.chain_root`, hex). The master tags the objects
+    with it, so ``pdserve kvstore drop`` finds a model's (or a cache salt's) chunks and a
+    quarantine hides them. Backends that cannot carry it (memory, Mooncake) ignore it."""
+
+    #: The fingerprint's digest (64 hex characters).
+    fingerprint: str
+    #: The fingerprint's labels.
+    labels: Mapping[str, str]
+    #: key -> its chain root (hex); a key not here has the fingerprint's digest as its root
+    #: (no cache salt, no adapter).
+    roots: Mapping[str, str] = field(default_factory=dict)
+
+    def root_of(self, key: str) -> str:
+        return self.roots.get(key) or self.fingerprint
+
+
 #: The default per-put options (one replica, no pin, no TTL).
 DEFAULT_OPTIONS = StoreOptions()
 
@@ -142,8 +162,9 @@ class StoreBackend(ABC):
     misses (None), never exceptions; invalid input raises InvalidArgument, an unreachable
     master Unavailable, no space ResourceExhausted."""
 
-    #: Whether :meth:`batch_put` takes ``meta=`` (per-key :class:`ChunkMeta`); the others
-    #: get none, and :meth:`batch_put_chunks` drops it for them.
+    #: Whether :meth:`batch_put` takes ``meta=`` (per-key :class:`ChunkMeta`) and
+    #: ``namespace=`` (:class:`ChunkNamespace`); the others get neither, and
+    #: :meth:`batch_put_chunks` drops them for them.
     carries_chunk_meta = False
 
     def put(
@@ -213,19 +234,21 @@ class StoreBackend(ABC):
         *,
         encoding: str = "none",
         meta: Mapping[str, ChunkMeta] | None = None,
+        namespace: ChunkNamespace | None = None,
     ) -> list[bool]:
         """Encodes each chunk (with the chunk ``encoding`` of :mod:`pdserve.kvformat`, the
         fingerprint's ``kv_compression``) and puts them all with one :meth:`batch_put` (one
         master round trip per phase, whatever the count; existing keys are skipped, no
         pre-check). Readers need no encoding: the chunk's header names it. ``meta``: the
-        chunks' places in their chains, for the KV events (where the backend carries it)."""
+        chunks' places in their chains, for the KV events; ``namespace``: whose KV they are
+        (both where the backend carries them)."""
         try:
             encoded = [(key, kvformat.encode(kv, fingerprint, key, encoding)) for key, kv in items]
         except kvformat.ChunkFormatError as exc:
             raise errors.InvalidArgument(str(exc)) from exc
         options = replace(options, checksum=False)
-        if meta and self.carries_chunk_meta:
-            return self.batch_put(encoded, options, meta=meta)  # type: ignore[call-arg]
+        if (meta or namespace) and self.carries_chunk_meta:
+            return self.batch_put(encoded, options, meta=meta, namespace=namespace)  # type: ignore[call-arg]
         return self.batch_put(encoded, options)
 
     def get_chunk(self, key: str, fingerprint: bytes) -> torch.Tensor | None:

@@ -84,6 +84,7 @@ class PromptKV:
         cs = self.cfg.chunk_size
         n = len(tokens)
         keys = hashing.chunk_keys(self.fingerprint, tokens, cache_salt)
+        root = hashing.chain_root(self.fingerprint, cache_salt).hex()  # the master's namespace
         # chunks saved: every full one, none when bypassing the store
         saved = 0 if bypass_store else len(keys)
         chunks = [] if bypass_store else self._load_prefix(keys)
@@ -99,16 +100,16 @@ class PromptKV:
                 end = min(n, (pos // cs + 1) * cs)
                 logits = self.model.forward(tokens[pos:end], cache)
                 if end % cs == 0 and done_chunks < end // cs <= saved:
-                    self._save_chunks(cache, keys, done_chunks, end // cs, tokens)
+                    self._save_chunks(cache, keys, done_chunks, end // cs, tokens, root)
                     done_chunks = end // cs
                 pos = end
             assert logits is not None
         else:
             logits = self.model.forward(tokens[loaded:], cache)
-            self._save_chunks(cache, keys, done_chunks, saved, tokens)
+            self._save_chunks(cache, keys, done_chunks, saved, tokens, root)
         if write_tail and n % cs and not bypass_store:
             tail = hashing.tail_key(self.fingerprint, tokens, request_id, cache_salt)
-            self._save_tail(cache, tail, n)
+            self._save_tail(cache, tail, n, root)
         reason = "uncached" if phase == "prefill" else "local"
         metrics.KV_COMPUTED_TOKENS.labels(reason).inc(n - loaded)
         return cache, logits, loaded, n - loaded
@@ -204,11 +205,18 @@ class PromptKV:
         return out
 
     def _save_chunks(
-        self, cache: Any, keys: list[str], first: int, end: int, tokens: Sequence[int] = ()
+        self,
+        cache: Any,
+        keys: list[str],
+        first: int,
+        end: int,
+        tokens: Sequence[int] = (),
+        root: str = "",
     ) -> None:
         """Writes chunks ``first..end-1`` (one batched put; the store skips those it holds),
         with each one's parent key and token ids (for the master's KV events) when
-        ``tokens`` (the prompt) is given."""
+        ``tokens`` (the prompt) is given, tagged with chain ``root`` (hex; "" = the
+        fingerprint's digest)."""
         if first >= end or self.chunks is None or not self.chunks.available():
             return
         cs = self.cfg.chunk_size
@@ -223,10 +231,13 @@ class PromptKV:
                 for i in range(first, end)
             ],
             meta=meta,
+            roots=dict.fromkeys(keys[first:end], root) if root else None,
         )
 
-    def _save_tail(self, cache: Any, key: str, n: int) -> None:
+    def _save_tail(self, cache: Any, key: str, n: int, root: str = "") -> None:
         if self.chunks is None or not self.chunks.available():
             return
         start = n - n % self.cfg.chunk_size
-        self.chunks.save([(key, self.model.chunk_of(cache, start, n))], ttl_ms=self.cfg.tail_ttl_ms)
+        chunk = self.model.chunk_of(cache, start, n)
+        roots = {key: root} if root else None
+        self.chunks.save([(key, chunk)], ttl_ms=self.cfg.tail_ttl_ms, roots=roots)

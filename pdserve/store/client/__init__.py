@@ -44,6 +44,7 @@ from pdserve import errors
 from pdserve.store.api import (
     DEFAULT_OPTIONS,
     ChunkMeta,
+    ChunkNamespace,
     StoreBackend,
     StoreOptions,
     byte_view,
@@ -126,14 +127,17 @@ class StoreClient(StoreBackend):
         options: StoreOptions = DEFAULT_OPTIONS,
         *,
         meta: Mapping[str, ChunkMeta] | None = None,
+        namespace: ChunkNamespace | None = None,
     ) -> list[bool]:
         """Puts several objects with one master round trip per phase. Items that succeed are
         committed even when another item fails; the first hard failure is then raised.
         ``meta``: per key, the chunk's place in its chain (``PutStartItem.block``), which the
-        master publishes with the stored event. Kept locations of the keys are dropped (and
-        their leases released in the background)."""
+        master publishes with the stored event; ``namespace``: whose KV the objects are
+        (``PutStartItem.namespace``). An item of a quarantined fingerprint is not stored
+        (False), and not a failure. Kept locations of the keys are dropped (and their leases
+        released in the background)."""
         self.locations.drop([k for k, _v in items])
-        return self.writes.batch_put(items, options, meta)
+        return self.writes.batch_put(items, options, meta, namespace)
 
     # -- gets -------------------------------------------------------------------------------
 

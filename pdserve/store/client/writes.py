@@ -14,6 +14,7 @@ from pdserve import errors
 from pdserve.store.api import (
     DEFAULT_OPTIONS,
     ChunkMeta,
+    ChunkNamespace,
     StoreOptions,
     byte_view,
     check_keys,
@@ -50,6 +51,20 @@ def _block(m: ChunkMeta) -> kvstore_pb2.KVBlockMeta:
     )
 
 
+def _tag(request: kvstore_pb2.BatchPutStartRequest, namespace: ChunkNamespace) -> None:
+    """Names each item's namespace: one ``KVNamespace`` per distinct chain root."""
+    index: dict[str, int] = {}
+    for item in request.items:
+        root = namespace.root_of(item.key)
+        at = index.get(root)
+        if at is None:
+            request.namespaces.add(
+                root=root, fingerprint=namespace.fingerprint, labels=namespace.labels
+            )
+            at = index[root] = len(request.namespaces)
+        item.namespace = at
+
+
 class Writes:
     """Puts through ``master`` and the transports of ``routes``, each retried up to
     ``put_retries`` times after a failed replica write."""
@@ -67,6 +82,7 @@ class Writes:
         items: Sequence[tuple[str, bytes | memoryview]],
         options: StoreOptions = DEFAULT_OPTIONS,
         meta: Mapping[str, ChunkMeta] | None = None,
+        namespace: ChunkNamespace | None = None,
     ) -> list[bool]:
         """:meth:`pdserve.store.client.StoreClient.batch_put`."""
         keys = check_keys([k for k, _ in items])
@@ -89,22 +105,22 @@ class Writes:
                 PUT_RETRIES.inc(len(pending))
                 time.sleep(0.25 * attempt)
             self.master.wire_client()  # learns inline_max at first use
-            resp = call(
-                "BatchPutStart",
-                kvstore_pb2.BatchPutStartRequest(
-                    client_id=self.client_id,
-                    items=[
-                        self._put_item(k, views[k], options.checksum, blocks.get(k))
-                        for k in pending
-                    ],
-                    options=opts,
-                ),
+            request = kvstore_pb2.BatchPutStartRequest(
+                client_id=self.client_id,
+                items=[
+                    self._put_item(k, views[k], options.checksum, blocks.get(k)) for k in pending
+                ],
+                options=opts,
             )
+            if namespace is not None:
+                _tag(request, namespace)
+            resp = call("BatchPutStart", request)
             allocated = []
             for res in resp.results:
-                if (
-                    res.code == kvstore_pb2.KV_OK and res.already_exists
-                ) or res.code == kvstore_pb2.KV_PUT_IN_PROGRESS:
+                if (res.code == kvstore_pb2.KV_OK and res.already_exists) or res.code in (
+                    kvstore_pb2.KV_PUT_IN_PROGRESS,
+                    kvstore_pb2.KV_QUARANTINED,  # not stored, by design: not a failure
+                ):
                     result[res.key] = False
                 elif res.code != kvstore_pb2.KV_OK:
                     failure = failure or kv_error(res.code, f"put of {res.key!r}", res.message)

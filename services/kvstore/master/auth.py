@@ -16,6 +16,9 @@
   identity of the cluster. A longest prefix that also asks for the replicas
   (``with_replicas``) grants read leases and data-plane grants as ``BatchGetReplicaList``
   does, so it is a client call like it. ``admin`` may do everything.
+- Namespaces: listing and dropping a model's chunks take ``admin``. A quarantine may be set
+  by the ``router`` (its production check finds a fingerprint whose stored KV diverges) and
+  cleared only by ``admin`` (an operator decides the chunks are good again).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ CLIENT_CALLS = frozenset(
     }
 )
 CLIENT_ROLES = ("worker", "router")
+ADMIN_CALLS = frozenset({"ListNamespaces", "DropNamespaces"})
 
 
 def owner_prefix(caller: Identity) -> str:
@@ -71,6 +75,13 @@ def authorize(state: MasterState, method: str, request: Any, caller: Identity | 
             _check_own_segment(caller, request.segment)
         elif method == "UnmountSegment":
             _check_own_segment(caller, pb.Segment(segment_id=request.segment_id))
+    elif method in ADMIN_CALLS:
+        require(caller, ("admin",), f"call {method}")
+    elif method == "SetQuarantine":
+        if request.quarantined:
+            require(caller, ("router",), "quarantine a fingerprint")
+        else:
+            require(caller, ("admin",), "clear a quarantine")
     elif method in CLIENT_CALLS or (method == "LongestPrefix" and request.with_replicas):
         require(caller, CLIENT_ROLES, f"call {method}")
         request.client_id = owner_prefix(caller) + request.client_id

@@ -115,6 +115,11 @@ class MasterConfig(SecurityConfig, MetricsConfig):
         0.95, "evict when a segment's or the pool's used fraction passes this"
     )
     low_watermark: float = help_field(0.85, "evict down to this used fraction")
+    idle_fingerprint_s: float = help_field(
+        600.0,
+        "a model fingerprint with no put and no hit for this long is idle (no live worker "
+        "serves it): eviction takes its chunks before the least recently used of the others (s)",
+    )
     max_evictions_per_alloc: int = help_field(
         4096, "most objects evicted to make room for one allocation"
     )
@@ -178,6 +183,8 @@ class MasterConfig(SecurityConfig, MetricsConfig):
         self.etcd_access().check()
         if not 1 <= self.ha_lease_s <= 60:
             raise ConfigError(f"ha_lease_s must be 1 to 60, got {self.ha_lease_s}")
+        if self.idle_fingerprint_s <= 0:
+            raise ConfigError(f"idle_fingerprint_s must be > 0, got {self.idle_fingerprint_s}")
         if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
             raise ConfigError("need 0 < low_watermark <= high_watermark <= 1")
         if not 0.0 <= self.demote_watermark <= 1.0:

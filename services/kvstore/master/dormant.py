@@ -6,6 +6,7 @@ are dropped with it after ``dormant_grace_s``."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Container
 
 from pdserve.services.kvstore.master.persistence import StoredObject, StoredReplica
 
@@ -64,6 +65,21 @@ class DormantReplicas:
                 del self._objects[key]
                 gone.append(key)
         return out, gone
+
+    def with_roots(self, roots: Container[str]) -> list[StoredObject]:
+        """The dormant objects whose namespace's chain root is in ``roots``."""
+        return [o for o in self._objects.values() if o.root and o.root in roots]
+
+    def drop_roots(self, roots: Container[str]) -> list[str]:
+        """Forgets the dormant objects under ``roots`` (a drop); returns their keys."""
+        gone = self.with_roots(roots)
+        for stored in gone:
+            del self._objects[stored.key]
+            for r in stored.replicas:
+                keys = self._by_segment.get(r.segment_id)
+                if keys is not None:
+                    keys.discard(stored.key)
+        return [o.key for o in gone]
 
     def due(self, now: float) -> list[str]:
         """The segments whose grace ended by ``now``."""

@@ -1,8 +1,10 @@
 """The master's evictor: which committed objects go when space runs short, as Mooncake's
 master hands eviction to its own strategy object.
 
-LRU (last put end, get or prefix hit), soft-pinned objects only after every other candidate,
-never a leased one (pending puts are not candidates at all). It evicts on demand, when an
+Idle fingerprints' objects first (a model fingerprint with no put and no hit for
+``idle_fingerprint_s``: no live worker serves it, :mod:`.namespaces`), then LRU (last put end,
+get or prefix hit), soft-pinned objects only after every other candidate, never a leased one
+(pending puts are not candidates at all). It evicts on demand, when an
 allocation fails, and between the watermarks, when a segment or a tier's pool passes
 ``high_watermark`` (down to ``low_watermark``). Each tier is evicted on its own: memory when
 memory runs short, a node's disk segment when it does. It reads the object and segment tables
@@ -43,8 +45,12 @@ class Evictor:
         self, now: float, segment_id: str | None = None, tier: int = MEMORY
     ) -> Iterator[ObjectState]:
         """Evictable objects with a copy on ``segment_id`` (when given) or else in ``tier``,
-        in eviction order. One pass over a snapshot; objects removed meanwhile are skipped."""
+        in eviction order: idle fingerprints' objects (least recently used first), then the
+        others', then the soft-pinned ones. One pass over a snapshot; objects removed
+        meanwhile are skipped."""
+        idle = self.objects.namespaces.idle(now)
         pinned: list[ObjectState] = []
+        busy: list[ObjectState] = []
         for obj in self.objects.lru():
             if segment_id is not None:
                 if not any(r.segment_id == segment_id for r in obj.replicas):
@@ -53,9 +59,12 @@ class Evictor:
                 continue
             if obj.soft_pin:
                 pinned.append(obj)
-            elif self._evictable(obj, now):
-                yield obj
-        for obj in pinned:
+            elif idle and obj.ns in idle:
+                if self._evictable(obj, now):
+                    yield obj
+            else:
+                busy.append(obj)
+        for obj in busy + pinned:
             if self._evictable(obj, now):
                 yield obj
 

@@ -37,7 +37,13 @@ from typing import Any, TypeVar
 
 from pdserve.errors import Unavailable
 from pdserve.etcdaccess import EtcdAccess
-from pdserve.services.kvstore.master.persistence import StoredObject, StoredReplica
+from pdserve.services.kvstore.master.persistence import (
+    NamespaceChanges,
+    StoredNamespace,
+    StoredObject,
+    StoredQuarantine,
+    StoredReplica,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -202,6 +208,7 @@ def _encode(obj: StoredObject) -> str:
             "ttl": obj.ttl_deadline_ms,
             "replicas": [[r.segment_id, r.node_id, r.offset] for r in obj.replicas],
             "checksum": obj.checksum.hex(),
+            "root": obj.root,
         },
         separators=(",", ":"),
     )
@@ -217,43 +224,87 @@ def _decode(key: str, value: bytes) -> StoredObject:
         int(row["ttl"]),
         replicas,
         bytes.fromhex(row.get("checksum", "")),
+        str(row.get("root", "")),
     )
 
 
 class EtcdMetadataStore:
-    """The committed objects under ``<prefix>objects/``: the interface of
-    :class:`~.persistence.MetadataStore`, each write guarded by the leader's lease."""
+    """The committed objects under ``<prefix>objects/``, the namespaces under
+    ``<prefix>namespaces/`` (by chain root) and the quarantines under ``<prefix>quarantines/``
+    (by fingerprint digest): the interface of :class:`~.persistence.MetadataStore`, each write
+    guarded by the leader's lease."""
 
     def __init__(self, link: EtcdLink, leadership: Leadership, prefix: str) -> None:
         self.link = link
         self.leadership = leadership
         self.prefix = prefix + "objects/"
+        self.ns_prefix = prefix + "namespaces/"
+        self.q_prefix = prefix + "quarantines/"
         #: Where the rows are, for log lines (as MetadataStore.path).
         self.path = f"etcd {','.join(link.endpoints)} {self.prefix}"
 
-    def load(self) -> list[StoredObject]:
+    def _range(self, what: str, prefix: str) -> list[tuple[str, bytes]]:
+        """(key without ``prefix``, value) of every key under ``prefix``."""
         from etcd3aio import prefix_range_end
 
         got = self.link.call(
-            "load the objects",
-            self.link.kv.get(self.prefix, range_end=prefix_range_end(self.prefix)),
-            timeout=60.0,
+            what, self.link.kv.get(prefix, range_end=prefix_range_end(prefix)), timeout=60.0
         )
-        n = len(self.prefix)
-        return [_decode(kv.key.decode()[n:], kv.value) for kv in got.kvs]
+        return [(kv.key.decode()[len(prefix) :], kv.value) for kv in got.kvs]
 
-    def apply(self, upserts: Iterable[StoredObject], deletes: Iterable[str]) -> None:
+    def load(self) -> list[StoredObject]:
+        return [_decode(k, v) for k, v in self._range("load the objects", self.prefix)]
+
+    def load_namespaces(self) -> tuple[list[StoredNamespace], list[StoredQuarantine]]:
+        spaces = []
+        for root, value in self._range("load the namespaces", self.ns_prefix):
+            row = json.loads(value)
+            spaces.append(StoredNamespace(root, str(row["fingerprint"]), dict(row["labels"])))
+        quarantines = []
+        for digest, value in self._range("load the quarantines", self.q_prefix):
+            row = json.loads(value)
+            quarantines.append(
+                StoredQuarantine(digest, str(row["reason"]), str(row["by"]), int(row["since_ms"]))
+            )
+        return spaces, quarantines
+
+    def apply(
+        self,
+        upserts: Iterable[StoredObject],
+        deletes: Iterable[str],
+        changes: NamespaceChanges | None = None,
+    ) -> None:
         """Writes one call's changes before the call answers (in transactions of at most
         :data:`MAX_TXN_OPS`, each guarded by the leader's lease)."""
         kv = self.link.kv
         ops = [kv.txn_op_delete(self.prefix + key) for key in deletes]
         ops += [kv.txn_op_put(self.prefix + o.key, _encode(o)) for o in upserts]
+        if changes:
+            ops += self._namespace_ops(changes)
         for i in range(0, len(ops), MAX_TXN_OPS):
             batch = ops[i : i + MAX_TXN_OPS]
             done = self.link.call("write objects", kv.txn([self.leadership.guard()], batch))
             if not done.succeeded:
                 self.leadership.on_lost("a write found another master leading")
                 raise Unavailable("this kvstore master no longer leads")
+
+    def _namespace_ops(self, changes: NamespaceChanges) -> list[Any]:
+        kv = self.link.kv
+        ops = [kv.txn_op_delete(self.ns_prefix + root) for root in changes.dropped]
+        ops += [
+            kv.txn_op_put(
+                self.ns_prefix + n.root,
+                json.dumps({"fingerprint": n.fingerprint, "labels": n.labels}, sort_keys=True),
+            )
+            for n in changes.namespaces.values()
+        ]
+        for digest, q in changes.quarantines.items():
+            if q is None:
+                ops.append(kv.txn_op_delete(self.q_prefix + digest))
+            else:
+                row = {"reason": q.reason, "by": q.by, "since_ms": q.since_ms}
+                ops.append(kv.txn_op_put(self.q_prefix + digest, json.dumps(row)))
+        return ops
 
     def close(self) -> None:
         pass

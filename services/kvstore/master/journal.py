@@ -1,21 +1,33 @@
 """The master's journal: the per-call write-back of committed and removed objects to a
 :class:`~.persistence.MetadataStore`, and what a restart loads back from it.
 
-Parts of the state say what changed (:meth:`Journal.mark`, :meth:`Journal.mark_deleted`);
-the facade writes it once at the end of every mutating call (:meth:`Journal.flush`, one
-transaction). Without a store every call is a no-op.
+Parts of the state say what changed (:meth:`Journal.mark`, :meth:`Journal.mark_deleted`;
+the namespace table keeps its own changes, taken at the flush); the facade writes it once at
+the end of every mutating call (:meth:`Journal.flush`, one transaction). Without a store
+every call is a no-op. An object dropped while leased (its namespace
+:data:`~.namespaces.DROPPED`) is never written again: its row went with the drop.
 """
 
 from __future__ import annotations
 
-from pdserve.services.kvstore.master.persistence import MetadataStore, StoredObject, StoredReplica
+from pdserve.services.kvstore.master.namespaces import DROPPED, NamespaceTable
+from pdserve.services.kvstore.master.persistence import (
+    MetadataStore,
+    StoredNamespace,
+    StoredObject,
+    StoredQuarantine,
+    StoredReplica,
+)
 from pdserve.services.kvstore.master.types import Clock, ObjectState
 
 
 class Journal:
-    def __init__(self, store: MetadataStore | None, clock: Clock) -> None:
+    def __init__(
+        self, store: MetadataStore | None, clock: Clock, namespaces: NamespaceTable
+    ) -> None:
         self.store = store
         self.clock = clock
+        self.namespaces = namespaces
         self._dirty: dict[str, ObjectState] = {}
         self._deleted: set[str] = set()
 
@@ -33,9 +45,13 @@ class Journal:
         self.store.apply([], expired)
         return keep
 
+    def load_namespaces(self) -> tuple[list[StoredNamespace], list[StoredQuarantine]]:
+        """The persisted namespaces and quarantines."""
+        return ([], []) if self.store is None else self.store.load_namespaces()
+
     def mark(self, obj: ObjectState) -> None:
         """``obj`` (committed) changed: its row is written at the next flush."""
-        if self.store is not None:
+        if self.store is not None and obj.ns is not DROPPED:
             self._dirty[obj.key] = obj
             self._deleted.discard(obj.key)
 
@@ -51,7 +67,8 @@ class Journal:
 
     def flush(self) -> None:
         """Writes this call's changes in one transaction."""
-        if self.store is None or (not self._dirty and not self._deleted):
+        changes = self.namespaces.take_changes()
+        if self.store is None or (not self._dirty and not self._deleted and not changes):
             return
         mono, wall = self.clock.mono(), self.clock.wall_ms()
         ups = [
@@ -62,9 +79,10 @@ class Journal:
                 int(wall + (o.ttl_deadline - mono) * 1000) if o.ttl_deadline else 0,
                 tuple(StoredReplica(r.segment_id, r.node_id, r.offset) for r in o.replicas),
                 o.checksum,
+                o.ns.root if o.ns is not None else "",
             )
             for o in self._dirty.values()
         ]
-        self.store.apply(ups, self._deleted)
+        self.store.apply(ups, self._deleted, changes)
         self._dirty.clear()
         self._deleted.clear()

@@ -47,11 +47,17 @@ def check_put(
     inline: Sequence[object],
     checksums: Sequence[object],
     blocks: Sequence[object],
+    spaces: Sequence[object] = (),
 ) -> int:
-    """Whole-call checks of a put start (``inline``, ``checksums`` and ``blocks``: empty, or
-    one per item); returns the replica count to place (0 asks for the default)."""
+    """Whole-call checks of a put start (``inline``, ``checksums``, ``blocks`` and
+    ``spaces``: empty, or one per item); returns the replica count to place (0 asks for the
+    default)."""
     check_batch(cfg, n_items, "items")
-    for what, given in (("block metadata", blocks), ("inline payloads", inline)):
+    for what, given in (
+        ("block metadata", blocks),
+        ("inline payloads", inline),
+        ("namespace indexes", spaces),
+    ):
         if given and len(given) != n_items:
             raise errors.InvalidArgument(f"{len(given)} {what} for {n_items} items")
     if checksums and len(checksums) != n_items:

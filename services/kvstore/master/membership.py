@@ -18,6 +18,7 @@ from pdserve.services.kvstore.master.config import MasterConfig
 from pdserve.services.kvstore.master.dormant import DormantReplicas
 from pdserve.services.kvstore.master.journal import Journal
 from pdserve.services.kvstore.master.limits import check_id, key_problem
+from pdserve.services.kvstore.master.namespaces import DROPPED
 from pdserve.services.kvstore.master.objects import ObjectTable
 from pdserve.services.kvstore.master.persistence import StoredObject, StoredReplica
 from pdserve.services.kvstore.master.repair import Repairer
@@ -173,7 +174,10 @@ class Membership:
             obj = self.objects.get(c.key)
             if obj is None:
                 ttl = mono + (c.ttl_deadline_ms - wall) / 1000 if c.ttl_deadline_ms else 0.0
-                obj = ObjectState(c.key, c.size, [rep], soft_pin=c.soft_pin, checksum=c.checksum)
+                ns = self.objects.namespaces.get(c.root) if c.root else None  # None: unknown
+                obj = ObjectState(
+                    c.key, c.size, [rep], soft_pin=c.soft_pin, checksum=c.checksum, ns=ns
+                )
                 self.objects.restore(obj, ttl)  # restored objects are the coldest
                 self.on_event(pb.KV_EVENT_STORED, c.key, c.size, pb.KV_EVENT_REASON_UNSPECIFIED)
             else:
@@ -221,10 +225,13 @@ class Membership:
         deadline = self.grace_deadline()
         for obj in self.objects.on_segment(seg.segment_id):
             mine = self.objects.strip_segment(obj, seg.segment_id)
-            if dormant:
+            if dormant and obj.ns is not DROPPED:  # a dropped object is not remembered
                 ttl_ms = int(wall + (obj.ttl_deadline - mono) * 1000) if obj.ttl_deadline else 0
                 reps = tuple(StoredReplica(r.segment_id, r.node_id, r.offset) for r in mine)
-                stored = StoredObject(obj.key, obj.size, obj.soft_pin, ttl_ms, reps, obj.checksum)
+                root = obj.ns.root if obj.ns is not None else ""
+                stored = StoredObject(
+                    obj.key, obj.size, obj.soft_pin, ttl_ms, reps, obj.checksum, root
+                )
                 self.dormant.add(stored, deadline)
             if obj.replicas:
                 self.journal.mark(obj)

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 from pdserve.services.kvstore.master.config import MasterConfig
 from pdserve.services.kvstore.master.limits import key_problem
+from pdserve.services.kvstore.master.namespaces import NamespaceTable
 from pdserve.services.kvstore.master.types import (
     CHECKSUM_BYTES,
     MAX_BLOCK_TOKENS,
@@ -113,9 +114,15 @@ class ObjectTable(Mapping[str, ObjectState]):
     """A read-only mapping of the committed objects (least recently used first), plus the
     pending puts and the calls that change either. Single-threaded, like the facade."""
 
-    def __init__(self, cfg: MasterConfig, counters: Counters) -> None:
+    def __init__(
+        self, cfg: MasterConfig, counters: Counters, namespaces: NamespaceTable | None = None
+    ) -> None:
         self.cfg = cfg
         self.counters = counters
+        self.namespaces = namespaces or NamespaceTable(cfg.idle_fingerprint_s)
+        #: The namespaces readers must not see (the table's set, read here; empty unless a
+        #: quarantine or a drop hides some): the read path looks into it only when non-empty.
+        self.hidden = self.namespaces.hidden
         self._lru: OrderedDict[str, ObjectState] = OrderedDict()
         self._pending: dict[str, ObjectState] = {}
         # (monotonic TTL deadline, key) of committed objects with a TTL.
@@ -137,13 +144,27 @@ class ObjectTable(Mapping[str, ObjectState]):
         return len(self._lru)
 
     def visible(self, key: str, now: float) -> ObjectState | None:
-        """The committed object ``key`` unless its TTL ended."""
+        """The committed object ``key`` unless its TTL ended or its namespace is hidden."""
         obj = self._lru.get(key)
-        return None if obj is None or expired(obj, now) else obj
+        if obj is None or expired(obj, now) or (self.hidden and self._hides(obj)):
+            return None
+        return obj
+
+    def _hides(self, obj: ObjectState) -> bool:
+        """Whether ``obj``'s namespace is hidden (counted as a quarantined miss)."""
+        if obj.ns not in self.hidden:
+            return False
+        self.counters.quarantined_misses += 1
+        return True
 
     def visible_keys(self, now: float) -> list[str]:
         """Every key a reader can see now, least recently used first."""
-        return [k for k, o in self._lru.items() if not expired(o, now)]
+        hidden = self.hidden
+        return [
+            k
+            for k, o in self._lru.items()
+            if not expired(o, now) and not (hidden and o.ns in hidden)
+        ]
 
     def lru(self) -> list[ObjectState]:
         """A snapshot of the committed objects, least recently used first."""
@@ -215,6 +236,7 @@ class ObjectTable(Mapping[str, ObjectState]):
         self._lru[obj.key] = obj
         self.used_bytes += obj.size
         self.counters.puts += 1
+        self.namespaces.used(obj.ns, now)
 
     def restore(self, obj: ObjectState, ttl_deadline: float) -> None:
         """Adds an object brought back from a node or the journal, as the coldest."""
@@ -303,6 +325,8 @@ class ObjectTable(Mapping[str, ObjectState]):
                 continue
             found.append(key)
             out.append(self._leased(obj, client_id, now + lease_s, now, wall_ms))
+        if found:
+            self.namespaces.used(self._lru[found[0]].ns, now)
         self.touch(found)
         self.counters.gets += len(keys)
         self.counters.get_hits += len(found)
@@ -344,6 +368,8 @@ class ObjectTable(Mapping[str, ObjectState]):
         for key in keys:
             o = objs.get(key)
             out.append(o is not None and not (o.ttl_deadline and o.ttl_deadline <= now))
+        if self.hidden:
+            out = [ok and not self._hides(objs[k]) for k, ok in zip(keys, out, strict=True)]
         return out
 
     def longest_prefix(self, keys: Sequence[str], now: float) -> int:
@@ -372,12 +398,17 @@ class ObjectTable(Mapping[str, ObjectState]):
         that is not; touched and counted as a prefix query."""
         objs = self._lru
         found: list[ObjectState] = []
+        hidden = self.hidden
         for key in keys:
             o = objs.get(key)
             if o is None or (o.ttl_deadline and o.ttl_deadline <= now):
                 break
+            if hidden and self._hides(o):
+                break
             found.append(o)
         n = len(found)
+        if n:
+            self.namespaces.used(found[0].ns, now)
         self.touch(keys[:n])
         self.counters.prefix_queries += 1
         self.counters.prefix_hit_keys += n

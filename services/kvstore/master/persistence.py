@@ -4,14 +4,18 @@ Why persist instead of only trusting node re-reports: a node re-reports what it 
 the master knows each object's soft pin and TTL deadline, and a node cannot tell a committed
 object from a put that was abandoned half-written. So the master keeps one row per committed
 object (key, size, pin, TTL deadline, replicas as segment id + node id + offset,
-checksum) and re-loads
+checksum, the chain root of its namespace) and re-loads
 them on start as *dormant* replicas, which become visible again when their segment (same stable
 segment id, same node) remounts. Nodes may still re-report ``held`` objects on mount; the master
 accepts both paths (see :mod:`pdserve.services.kvstore.master.state`).
 
+The namespaces (chain root -> fingerprint digest and labels) and the quarantines
+(:mod:`.namespaces`) have tables of their own, so a row names its namespace by root only.
+
 Writes are batched: the master calls :meth:`MetadataStore.apply` once per RPC with every
 upsert and delete of that RPC, which is one transaction. Only JSON and plain columns are
-stored; no pickle.
+stored; no pickle. Schema 3 added the root column and the two tables (a version 1 or 2 file
+is migrated in place: its objects' namespaces are unknown).
 """
 
 from __future__ import annotations
@@ -21,12 +25,12 @@ import json
 import os
 import sqlite3
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve import errors
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 class StateDirInUse(errors.FailedPrecondition):
@@ -50,6 +54,42 @@ class StoredObject:
     replicas: tuple[StoredReplica, ...]
     # The writer's checksum of the bytes (b"" = none).
     checksum: bytes = b""
+    # The chain root (hex) of its namespace ("" = unknown).
+    root: str = ""
+
+
+@dataclass(frozen=True)
+class StoredNamespace:
+    """A chain root and the fingerprint (digest hex, labels) it belongs to."""
+
+    root: str
+    fingerprint: str
+    labels: dict[str, str]
+
+
+@dataclass(frozen=True)
+class StoredQuarantine:
+    """A quarantined fingerprint: why, by whom, since when (unix ms)."""
+
+    fingerprint: str
+    reason: str
+    by: str
+    since_ms: int
+
+
+@dataclass
+class NamespaceChanges:
+    """One call's changes to the namespaces and quarantines."""
+
+    #: root -> its row, written.
+    namespaces: dict[str, StoredNamespace] = field(default_factory=dict)
+    #: Roots whose rows are deleted.
+    dropped: set[str] = field(default_factory=set)
+    #: digest -> its quarantine row (None = cleared: the row is deleted).
+    quarantines: dict[str, StoredQuarantine | None] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.namespaces or self.dropped or self.quarantines)
 
 
 class MetadataStore:
@@ -81,11 +121,22 @@ class MetadataStore:
             "CREATE TABLE IF NOT EXISTS objects ("
             " key TEXT PRIMARY KEY, size INTEGER NOT NULL, soft_pin INTEGER NOT NULL,"
             " ttl_deadline_ms INTEGER NOT NULL, replicas TEXT NOT NULL,"
-            " checksum BLOB NOT NULL DEFAULT x'')"
+            " checksum BLOB NOT NULL DEFAULT x'', root TEXT NOT NULL DEFAULT '')"
+        )
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS namespaces ("
+            " root TEXT PRIMARY KEY, fingerprint TEXT NOT NULL, labels TEXT NOT NULL)"
+        )
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS quarantines (fingerprint TEXT PRIMARY KEY,"
+            " reason TEXT NOT NULL, by_identity TEXT NOT NULL, since_ms INTEGER NOT NULL)"
         )
         row = self._db.execute("SELECT value FROM meta WHERE name='schema'").fetchone()
         if row is not None and int(row[0]) == 1:  # version 1 had no checksums
             self._db.execute("ALTER TABLE objects ADD COLUMN checksum BLOB NOT NULL DEFAULT x''")
+            row = ("2",)
+        if row is not None and int(row[0]) == 2:  # version 2 had no namespaces
+            self._db.execute("ALTER TABLE objects ADD COLUMN root TEXT NOT NULL DEFAULT ''")
             self._db.execute("UPDATE meta SET value=? WHERE name='schema'", (str(SCHEMA_VERSION),))
             row = (str(SCHEMA_VERSION),)
         if row is None:
@@ -99,14 +150,37 @@ class MetadataStore:
 
     def load(self) -> list[StoredObject]:
         out = []
-        for key, size, pin, ttl, reps, checksum in self._db.execute(
-            "SELECT key, size, soft_pin, ttl_deadline_ms, replicas, checksum FROM objects"
+        for key, size, pin, ttl, reps, checksum, root in self._db.execute(
+            "SELECT key, size, soft_pin, ttl_deadline_ms, replicas, checksum, root FROM objects"
         ):
             replicas = tuple(StoredReplica(str(s), str(n), int(o)) for s, n, o in json.loads(reps))
-            out.append(StoredObject(key, int(size), bool(pin), int(ttl), replicas, bytes(checksum)))
+            out.append(
+                StoredObject(
+                    key, int(size), bool(pin), int(ttl), replicas, bytes(checksum), str(root)
+                )
+            )
         return out
 
-    def apply(self, upserts: Iterable[StoredObject], deletes: Iterable[str]) -> None:
+    def load_namespaces(self) -> tuple[list[StoredNamespace], list[StoredQuarantine]]:
+        """The namespace and quarantine rows."""
+        spaces = [
+            StoredNamespace(str(r), str(f), dict(json.loads(labels)))
+            for r, f, labels in self._db.execute("SELECT root, fingerprint, labels FROM namespaces")
+        ]
+        quarantines = [
+            StoredQuarantine(str(f), str(reason), str(by), int(since))
+            for f, reason, by, since in self._db.execute(
+                "SELECT fingerprint, reason, by_identity, since_ms FROM quarantines"
+            )
+        ]
+        return spaces, quarantines
+
+    def apply(
+        self,
+        upserts: Iterable[StoredObject],
+        deletes: Iterable[str],
+        changes: NamespaceChanges | None = None,
+    ) -> None:
         """Writes one batch of changes in one transaction."""
         up = [
             (
@@ -116,11 +190,12 @@ class MetadataStore:
                 o.ttl_deadline_ms,
                 json.dumps([[r.segment_id, r.node_id, r.offset] for r in o.replicas]),
                 o.checksum,
+                o.root,
             )
             for o in upserts
         ]
         dels = [(k,) for k in deletes]
-        if not up and not dels:
+        if not up and not dels and not changes:
             return
         self._db.execute("BEGIN")
         try:
@@ -129,14 +204,36 @@ class MetadataStore:
             if up:
                 self._db.executemany(
                     "INSERT OR REPLACE INTO objects"
-                    " (key, size, soft_pin, ttl_deadline_ms, replicas, checksum)"
-                    " VALUES (?, ?, ?, ?, ?, ?)",
+                    " (key, size, soft_pin, ttl_deadline_ms, replicas, checksum, root)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?)",
                     up,
                 )
+            if changes:
+                self._apply_namespaces(changes)
             self._db.execute("COMMIT")
         except BaseException:
             self._db.execute("ROLLBACK")
             raise
+
+    def _apply_namespaces(self, changes: NamespaceChanges) -> None:
+        db = self._db
+        db.executemany("DELETE FROM namespaces WHERE root=?", [(r,) for r in changes.dropped])
+        db.executemany(
+            "INSERT OR REPLACE INTO namespaces (root, fingerprint, labels) VALUES (?, ?, ?)",
+            [
+                (n.root, n.fingerprint, json.dumps(n.labels, sort_keys=True))
+                for n in changes.namespaces.values()
+            ],
+        )
+        for digest, q in changes.quarantines.items():
+            if q is None:
+                db.execute("DELETE FROM quarantines WHERE fingerprint=?", (digest,))
+            else:
+                db.execute(
+                    "INSERT OR REPLACE INTO quarantines"
+                    " (fingerprint, reason, by_identity, since_ms) VALUES (?, ?, ?, ?)",
+                    (digest, q.reason, q.by, q.since_ms),
+                )
 
     def close(self) -> None:
         self._db.close()

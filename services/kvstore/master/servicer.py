@@ -21,6 +21,7 @@ from pdserve.grpcutil import rpc
 from pdserve.identity import Identity, grpc_caller, require
 from pdserve.services.kvstore.master.auth import authorize, owner_prefix
 from pdserve.services.kvstore.master.events import EventHub
+from pdserve.services.kvstore.master.invalidation import FingerprintReport
 from pdserve.services.kvstore.master.kv_events import KVEventLog
 from pdserve.services.kvstore.master.state import MasterState
 from pdserve.services.kvstore.master.types import BlockMeta, GetOutcome, ReplicaLoc
@@ -52,6 +53,26 @@ def _block(item: pb.PutStartItem) -> BlockMeta | None:
     )
 
 
+def _usage(r: FingerprintReport) -> pb.FingerprintUsage:
+    q = r.quarantine
+    return pb.FingerprintUsage(
+        fingerprint=r.digest,
+        labels=r.labels,
+        roots=[pb.RootUsage(root=k, objects=n, bytes=b) for k, (n, b) in sorted(r.roots.items())],
+        objects=r.objects,
+        bytes=r.bytes,
+        quarantined=q is not None,
+        quarantine_reason=q.reason if q else "",
+        quarantined_by=q.by if q else "",
+        quarantined_ms=q.since_ms if q else 0,
+        idle_ms=int(r.idle_s * 1000),
+    )
+
+
+#: Handlers that take the caller's identity too.
+CALLER_AWARE = frozenset({"BatchRemove", "SetQuarantine"})
+
+
 class MasterHandlers:
     """One synchronous method per unary RPC, named as in the proto. Callers go through
     :meth:`call`: gRPC runs on the event loop and the control wire on its own threads, and
@@ -76,8 +97,8 @@ class MasterHandlers:
         once :func:`.auth.authorize` lets it."""
         with self.lock:
             authorize(self.state, method, request, caller)
-            if method == "BatchRemove":
-                return self.BatchRemove(request, caller)
+            if method in CALLER_AWARE:
+                return getattr(self, method)(request, caller)
             return getattr(self, method)(request)
 
     def fill(self, out, locs: Sequence[ReplicaLoc], size: int, op: int, expires_ms: int) -> None:
@@ -157,6 +178,8 @@ class MasterHandlers:
             inline=[i.inline_data for i in request.items],
             checksums=[i.checksum for i in request.items],
             blocks=[_block(i) for i in request.items],
+            spaces=[(n.root, n.fingerprint, n.labels) for n in request.namespaces],
+            space_of=[i.namespace for i in request.items],
         )
         # Write grants last as long as the put may (its space is reclaimed after that).
         expires = int(self.state.clock.wall_ms() + self.state.cfg.put_timeout_s * 1000)
@@ -220,6 +243,27 @@ class MasterHandlers:
     ) -> pb.BatchKeysResponse:
         owner = owner_prefix(caller) if caller is not None and caller.role != "admin" else ""
         return _keys(self.state.remove(list(request.keys), owner))
+
+    def ListNamespaces(self, request: pb.ListNamespacesRequest) -> pb.ListNamespacesResponse:
+        usage = self.state.invalidation.usage()
+        return pb.ListNamespacesResponse(fingerprints=[_usage(r) for r in usage])
+
+    def DropNamespaces(self, request: pb.DropNamespacesRequest) -> pb.DropNamespacesResponse:
+        report = self.state.drop_namespaces(
+            list(request.fingerprints), list(request.roots), request.dry_run
+        )
+        return pb.DropNamespacesResponse(
+            dropped=[_usage(r) for r in report.fingerprints], deferred=report.deferred
+        )
+
+    def SetQuarantine(
+        self, request: pb.SetQuarantineRequest, caller: Identity | None = None
+    ) -> pb.SetQuarantineResponse:
+        by = str(caller) if caller is not None else ""
+        was, n = self.state.set_quarantine(
+            request.fingerprint, request.quarantined, request.reason, by
+        )
+        return pb.SetQuarantineResponse(was_quarantined=was, objects=n)
 
     def Stats(self, request: pb.StatsRequest) -> pb.StatsResponse:
         # StoreStats has StatsResponse's fields, one for one (segments as SegmentStats).
@@ -300,6 +344,18 @@ class KVMasterServicer(kvstore_pb2_grpc.KVMasterServiceServicer):
     @rpc
     async def GetControlWire(self, request, context):
         return await self._call("GetControlWire", request, context)
+
+    @rpc
+    async def ListNamespaces(self, request, context):
+        return await self._call("ListNamespaces", request, context)
+
+    @rpc
+    async def DropNamespaces(self, request, context):
+        return await self._call("DropNamespaces", request, context)
+
+    @rpc
+    async def SetQuarantine(self, request, context):
+        return await self._call("SetQuarantine", request, context)
 
     @rpc
     async def WatchEvents(

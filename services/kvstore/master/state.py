@@ -15,6 +15,8 @@ The parts, each with its own state, collaborating only through their methods:
 * :class:`~.tiers.Tierer` (``tierer``): copies between a node's memory and disk tiers (down
   before memory evicts, up after a read of a disk-only object), run as copy jobs too.
 * :class:`~.membership.Membership`: segments and nodes coming and going.
+* :class:`~.invalidation.Invalidation` over :class:`~.namespaces.NamespaceTable`
+  (``namespaces``): whose KV each object is, drops and quarantines of a model's chunks.
 
 The facade validates whole calls, combines the parts (a put places through the segment
 table, evicts through the evictor, records in the object table) and ends every mutating call
@@ -28,9 +30,8 @@ Rules it enforces:
   is reclaimed after ``put_timeout_s``.
 * A read lease (granted by :meth:`get_replicas` and :meth:`prefix_replicas`, per client,
   ended by :meth:`release` or by time) protects an object from eviction and removal.
-* Eviction is LRU (last put end / get), soft-pinned objects only when nothing else can go;
-  it runs when a segment or the pool passes ``high_watermark`` (down to ``low_watermark``) and
-  on demand when an allocation fails.
+* Eviction takes idle fingerprints' objects first, then LRU (last put end / get), soft-pinned
+  ones last; it runs past ``high_watermark`` (down to ``low_watermark``) and on demand.
 * A node that misses ``heartbeat_miss_limit`` heartbeats is dead: nothing new is placed on
   it, and its replicas go *dormant*: invisible to readers (an object left without a live
   replica is gone for them: event reason ``KV_EVENT_REASON_NODE_DEAD``) but remembered, with
@@ -48,19 +49,22 @@ Rules it enforces:
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from pdserve import errors
 from pdserve.services.kvstore.master.config import MasterConfig
 from pdserve.services.kvstore.master.dormant import DormantReplicas
 from pdserve.services.kvstore.master.eviction import Evictor
+from pdserve.services.kvstore.master.invalidation import DropReport, Invalidation
 from pdserve.services.kvstore.master.journal import Journal
 from pdserve.services.kvstore.master.limits import check_batch, check_put, key_problem
 from pdserve.services.kvstore.master.membership import Membership
+from pdserve.services.kvstore.master.namespaces import NamespaceTable
 from pdserve.services.kvstore.master.objects import ObjectTable, expired, item_problem
 from pdserve.services.kvstore.master.persistence import MetadataStore
 from pdserve.services.kvstore.master.repair import Repairer, RepairJob
 from pdserve.services.kvstore.master.segments import SegmentTable
+from pdserve.services.kvstore.master.stats import store_stats
 from pdserve.services.kvstore.master.tiers import MEMORY, Tierer
 from pdserve.services.kvstore.master.types import (
     OK,
@@ -72,7 +76,6 @@ from pdserve.services.kvstore.master.types import (
     KeyOutcome,
     ObjectState,
     PutStartOutcome,
-    SegmentStats,
     StoreStats,
 )
 from pdserve.v1 import kvstore_pb2 as pb
@@ -96,11 +99,21 @@ class MasterState:
         self.clock = clock or Clock()
         self.on_event = on_event or (lambda *_: None)
         self.counters = Counters()
-        self.objects = ObjectTable(cfg, self.counters)
+        self.namespaces = NamespaceTable(cfg.idle_fingerprint_s)
+        self.objects = ObjectTable(cfg, self.counters, self.namespaces)
         self.segments = SegmentTable(placement_seed)
         self.evictor = Evictor(cfg, self.objects, self.segments, self._evict)
-        self.journal = Journal(store, self.clock)
+        self.journal = Journal(store, self.clock, self.namespaces)
         self.dormant = DormantReplicas()
+        self.invalidation = Invalidation(
+            self.clock,
+            self.counters,
+            objects=self.objects,
+            namespaces=self.namespaces,
+            dormant=self.dormant,
+            journal=self.journal,
+            delete=self._delete,
+        )
         self.repairer = Repairer(self.objects, self.segments, self.clock, self.counters)
         self.tierer = Tierer(
             cfg, self.objects, self.segments, self.evictor, self.clock, self.counters
@@ -129,6 +142,7 @@ class MasterState:
     def _load(self) -> None:
         """Persisted objects come back as dormant replicas, waiting for their segments."""
         deadline = self.membership.grace_deadline()
+        self.namespaces.restore(*self.journal.load_namespaces(), self.clock.mono())
         for stored in self.journal.load():
             self.dormant.add(stored, deadline)
         if self.dormant:
@@ -249,28 +263,42 @@ class MasterState:
         inline: Sequence[bytes] = (),
         checksums: Sequence[bytes] = (),
         blocks: Sequence[BlockMeta | None] = (),
+        spaces: Sequence[tuple[str, str, Mapping[str, str]]] = (),
+        space_of: Sequence[int] = (),
     ) -> list[PutStartOutcome]:
         """Allocates each ``(key, size)``. ``inline``, when given, holds each item's bytes
         for objects up to ``inline_max_bytes`` (b"" = not inlined); ``checksums`` each
         item's BLAKE3-16 (b"" = none); ``blocks`` each item's KV block metadata (None =
-        none), kept with the object for its stored event."""
+        none), kept with the object for its stored event. ``spaces``: the namespaces (root,
+        digest, labels) named, ``space_of`` each item's (1 + index; 0 = none)."""
         cfg = self.cfg
-        n_rep = check_put(cfg, len(items), replicas, ttl_ms, inline, checksums, blocks)
+        n_rep = check_put(cfg, len(items), replicas, ttl_ms, inline, checksums, blocks, space_of)
         strategy = self.segments.strategy(placement)
         if strategy is None:
             raise errors.InvalidArgument(f"options.placement={placement} is not a known strategy")
         now = self.clock.mono()
+        named = self.namespaces.intern_all(spaces, now)
         out = []
         for i, (key, size) in enumerate(items):
             data = inline[i] if inline else b""
             checksum = checksums[i] if checksums else b""
             block = blocks[i] if blocks else None
             problem = item_problem(cfg, key, size, data, checksum, block)
+            at = space_of[i] if space_of else 0
+            if not problem and at > len(named):
+                problem = f"namespace {at} names none of the request's {len(named)} namespaces"
             if problem:
                 out.append(PutStartOutcome(key, pb.KV_INVALID, problem))
                 continue
+            ns = named[at - 1] if at else None
+            if ns is not None and ns.fp.quarantine is not None:
+                out.append(PutStartOutcome(key, pb.KV_QUARANTINED, "fingerprint quarantined"))
+                continue
             old = self.objects.get(key)
             if old is not None:
+                if old.ns is None and ns is not None:  # an unknown object's writer says whose
+                    old.ns = ns
+                    self.journal.mark(old)
                 if not expired(old, now):
                     out.append(PutStartOutcome(key, OK, "already committed", already_exists=True))
                     continue
@@ -308,6 +336,7 @@ class MasterState:
                     checksum=checksum,
                     want=n_rep,
                     block=block,
+                    ns=ns,
                 )
             )
             out.append(PutStartOutcome(key, OK, replicas=tuple(locs)))
@@ -458,6 +487,20 @@ class MasterState:
         self.flush()
         return out
 
+    # ------------------------------------------------------------------ namespaces
+
+    def drop_namespaces(
+        self, digests: Sequence[str], roots: Sequence[str], dry: bool
+    ) -> DropReport:
+        report = self.invalidation.drop(digests, roots, dry)
+        self.flush()
+        return report
+
+    def set_quarantine(self, digest: str, on: bool, reason: str, by: str) -> tuple[bool, int]:
+        out = self.invalidation.set_quarantine(digest, on, reason, by)
+        self.flush()
+        return out
+
     # ------------------------------------------------------------------ housekeeping
 
     def tick(self) -> None:
@@ -485,6 +528,7 @@ class MasterState:
             self.counters.put_timeouts += 1
             log.warning("put of %r by %r timed out; space reclaimed", obj.key, obj.client_id)
         self.membership.expire_dormant(now)
+        self.invalidation.reap(now)
         self.evictor.to_watermarks(now)
         self.flush()
 
@@ -512,33 +556,4 @@ class MasterState:
     # ------------------------------------------------------------------ stats
 
     def stats(self) -> StoreStats:
-        c = self.counters
-        return StoreStats(
-            objects=len(self.objects),
-            used_bytes=self.objects.used_bytes,
-            capacity_bytes=self.segments.capacity(),
-            segments=tuple(
-                SegmentStats(
-                    segment_id=s.segment_id,
-                    node_id=s.node_id,
-                    capacity=s.capacity,
-                    used=s.used,
-                    alive=s.alive,
-                    tier=s.tier,
-                )
-                for s in self.segments.values()
-            ),
-            puts=c.puts,
-            gets=c.gets,
-            get_hits=c.get_hits,
-            evictions=c.evictions,
-            removals=c.removals,
-            prefix_queries=c.prefix_queries,
-            prefix_hit_keys=c.prefix_hit_keys,
-            alive_nodes=self.segments.alive_nodes(),
-            demotions=c.demotions,
-            promotions=c.promotions,
-            memory_evictions=c.memory_evictions,
-            disk_capacity_bytes=self.segments.capacity(pb.STORAGE_TIER_DISK),
-            disk_used_bytes=self.segments.used(pb.STORAGE_TIER_DISK),
-        )
+        return store_stats(self.objects, self.segments, self.counters, self.namespaces)

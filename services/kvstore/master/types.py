@@ -13,9 +13,13 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.services.kvstore.master.allocator import OffsetAllocator
 from pdserve.v1 import kvstore_pb2 as pb
+
+if TYPE_CHECKING:
+    from pdserve.services.kvstore.master.namespaces import Namespace
 
 OK = pb.KV_OK
 #: Bytes of an object checksum (BLAKE3, truncated).
@@ -145,6 +149,8 @@ class ObjectState:
     # What the writer said the object is as a KV block (PutStartItem.block), for the KV event
     # stream; None = not given. In memory only: not persisted (docs/architecture.md).
     block: BlockMeta | None = None
+    # Whose KV it is (:mod:`.namespaces`, shared by its namespace's objects); None = unknown.
+    ns: Namespace | None = None
 
     def in_memory(self) -> bool:
         """Whether a memory replica holds it (else only disk ones do)."""
@@ -188,6 +194,8 @@ class Counters:
     promotions: int = 0
     memory_evictions: int = 0
     tier_move_failures: int = 0
+    dropped_objects: int = 0
+    quarantined_misses: int = 0
 
 
 @dataclass(frozen=True)
@@ -255,6 +263,9 @@ class StoreStats:
     memory_evictions: int = 0
     disk_capacity_bytes: int = 0
     disk_used_bytes: int = 0
+    dropped_objects: int = 0
+    quarantined_fingerprints: int = 0
+    quarantined_misses: int = 0
 
 
 #: on_event(type, key, size, reason) with type pb.KV_EVENT_STORED / pb.KV_EVENT_REMOVED and
