@@ -7,8 +7,10 @@ weights (``load_format: dummy``), attends without the sliding window
 ``kv_cache_dtype_skip_layers``). Each of these, when set to something else than vLLM's default,
 enters :attr:`pdserve.hashing.ModelFingerprint.options` as ``name=value``; the pairs are sorted
 by name and joined by ``;``. Scalars read as JSON (``quantization="fp8"``,
-``disable_sliding_window=true``); dicts and lists as ``b3:`` and 32 hex digits of a BLAKE3 over
-their canonical JSON (keys sorted), so the string stays short enough for a registration label.
+``disable_sliding_window=true``); dicts, lists and values over 40 characters as ``b3:`` and 32
+hex digits of a BLAKE3 over their canonical JSON (keys sorted), so the string stays short
+enough for a registration label (256 bytes).
+
 A separate field, rather than a part of the revision, because the revision belongs to the
 model folder (the router computes it from its own copy) while options belong to each engine:
 the router takes them from what the workers registered, as it takes the TP size.
@@ -42,6 +44,10 @@ KV_OPTIONS: dict[str, Callable[[Any], bool]] = {
 }
 
 
+#: Longest value (JSON characters) written as it is; longer ones are hashed.
+_LONGEST_PLAIN = 40
+
+
 def _value(name: str, value: Any) -> str:
     if callable(value):
         raise ValueError(
@@ -52,7 +58,7 @@ def _value(name: str, value: Any) -> str:
         text = json.dumps(value, sort_keys=True, separators=(",", ":"))
     except TypeError:
         raise ValueError(f"{name} {value!r} is not JSON: it cannot be fingerprinted") from None
-    if isinstance(value, dict | list | tuple):
+    if isinstance(value, dict | list | tuple) or len(text) > _LONGEST_PLAIN:
         return "b3:" + blake3.blake3(text.encode()).hexdigest()[:32]
     return text
 

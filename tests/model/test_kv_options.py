@@ -51,6 +51,8 @@ def test_options_are_canonical_and_change_every_key(tmp_path: Path) -> None:
         {"hf_overrides": {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}}, model
     )
     assert other.partition(";")[0] != a.partition(";")[0]
+    long = kv_options({"quantization": "q" * 60}, model)
+    assert long.startswith("quantization=b3:") and len(long) == len("quantization=b3:") + 32
     assert kv_options({"load_format": "dummy"}, model) == 'load_format="dummy"'
     assert kv_options({"disable_sliding_window": True}, model) == "disable_sliding_window=true"
     plain = model_fingerprint(model, "m", "float32", 4)
