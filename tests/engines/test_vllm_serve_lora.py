@@ -6,7 +6,8 @@ base model, adapter a and adapter b, never shares a chunk: each variant stores i
 chunks (the master's object count, the keys each chain must have), none loads a chunk another
 stored (vLLM's ``cached_tokens``, with its own prefix cache off, and the master's read hits),
 and each repeat loads its own six chunks. Every answer is token-exact against a plain ``vllm
-serve`` (no connector) with the same adapter."""
+serve`` (no connector) with the same adapter. A request with ``bypass_store`` neither looks
+up, loads nor saves a chunk (the master's counters)."""
 
 from __future__ import annotations
 
@@ -65,10 +66,15 @@ def _serve(
     return spawn(name, cmd, work / f"{name}.log", env), port
 
 
-def _complete(port: int, model: str, prompt: list[int]) -> tuple[list[int], int, dict]:
-    """(the greedy answer's token ids, vLLM's cached_tokens, the connector's params)."""
+def _complete(
+    port: int, model: str, prompt: list[int], bypass: bool = False
+) -> tuple[list[int], int, dict]:
+    """(the greedy answer's token ids, vLLM's cached_tokens, the connector's params);
+    ``bypass``: the request asks the connector to leave the store out."""
     body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0.0,
             "return_token_ids": True}  # fmt: skip
+    if bypass:
+        body["kv_transfer_params"] = {"pdserve": {"bypass_store": True}}
     req = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/completions",
         json.dumps(body).encode(),
@@ -119,7 +125,14 @@ def test_adapter_and_base_requests_never_share_a_chunk(tiny_model_dir, tmp_path_
                     tokens, cached, params = _complete(port, served[model], prompt)
                     assert tokens == expected[model], model
                     assert cached == params["loaded_tokens"] == 6 * BLOCK, (model, params)
-                assert store.stats().objects == objects
+                # bypass_store: computed (its tokens), neither looked up, loaded nor saved
+                before = store.stats()
+                tokens, cached, params = _complete(port, "a", prompt, bypass=True)
+                assert tokens == expected["a"]
+                assert (cached, params["loaded_tokens"], params["bypassed"]) == (0, 0, "requested")
+                after = store.stats()
+                assert (after.objects, after.get_hits) == (objects, before.get_hits)
+                assert after.prefix_queries == before.prefix_queries
         finally:
             stored.stop(60)
             plain.stop(60)
