@@ -1,5 +1,6 @@
 """``pdserve kvstore``: the KV store's processes, ``master`` (metadata and allocation) and
-``node`` (a storage node)."""
+``node`` (a storage node), and its admin commands (:mod:`.admin`: ``namespaces``, ``drop``,
+``quarantine``)."""
 
 from __future__ import annotations
 
@@ -49,4 +50,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "mooncake when installed). Prints PDSERVE_READY with its ports once mounted."
         ),
     )
+    from pdserve.services.kvstore.admin import add_admin_commands
+
+    add_admin_commands(kv_sub)
     kv.set_defaults(func=lambda _args: kv.print_help() or 2)

@@ -119,7 +119,9 @@ class ObjectTable(Mapping[str, ObjectState]):
     ) -> None:
         self.cfg = cfg
         self.counters = counters
-        self.namespaces = namespaces or NamespaceTable(cfg.idle_fingerprint_s)
+        if namespaces is None:
+            namespaces = NamespaceTable(cfg.idle_fingerprint_s)
+        self.namespaces = namespaces
         #: The namespaces readers must not see (the table's set, read here; empty unless a
         #: quarantine or a drop hides some): the read path looks into it only when non-empty.
         self.hidden = self.namespaces.hidden
