@@ -12,9 +12,12 @@ One chunk is ``chunk_size / block_size`` vLLM blocks. Chunks are written in the 
 ``kv_compression`` encoding and read back in vLLM's KV dtype (an encoded chunk is dequantized
 into new memory, then scattered like any other).
 
-Keys are those of the request's cache salt (vLLM's ``Request.cache_salt``, "" = none), so
-tenants with different salts never load each other's chunks, as vLLM's own salted block
-hashes keep its local prefix cache apart.
+Keys are those of the request's cache salt (vLLM's ``Request.cache_salt``, "" = none) and
+LoRA adapter (its name and content digest), so tenants with different salts and requests
+through different adapters (or none) never load each other's chunks, as vLLM's own block
+hashes keep its local prefix cache apart. Requests with multimodal inputs or prompt
+embeddings, and those whose ``kv_transfer_params["pdserve"]["bypass_store"]`` is true, bypass
+the store: no lookup, load or save (:mod:`pdserve.engines.connector_keys`).
 
 Flow per request:
 
