@@ -164,3 +164,20 @@ def test_a_real_vllm_config_gives_the_engines_options(tiny_dir: Path) -> None:
     args = {"hf_overrides": {"rope_theta": 20000.0}, "quantization": "fp8", "load_format": "dummy"}
     options = vllm_config_options(config(**args), tiny_dir)
     assert options == kv_options(args, tiny_dir) and options.count(";") == 2
+
+
+def test_pdserve_vllm_engine_refuses_pipeline_parallel_with_a_store(tiny_dir: Path) -> None:
+    """Refused at start, before vLLM is built: the check runs where the fingerprint is made."""
+    import asyncio
+
+    from pdserve.engines.config import EngineConfig
+    from pdserve.engines.vllm_engine import VllmEngine
+
+    cfg = EngineConfig(
+        engine="vllm",
+        model=str(tiny_dir),
+        store_master="127.0.0.1:1",
+        vllm_args={"pipeline_parallel_size": 2},
+    )
+    with pytest.raises(ValueError, match=r"vllm_args\.pipeline_parallel_size 2"):
+        asyncio.run(VllmEngine(cfg).start())

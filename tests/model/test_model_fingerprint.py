@@ -176,3 +176,16 @@ def test_adapter_identity_is_name_and_content(tmp_path: Path, hashed: list[Path]
         adapter_identity("", str(lora))
     with pytest.raises(ValueError, match="neither a file nor a folder"):
         adapter_identity("sql", str(tmp_path / "missing"))
+
+
+def test_a_large_file_shows_a_progress_bar_on_a_terminal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    weights = make_model(tmp_path / "a") / "model.safetensors"
+    quiet = file_digest.hash_file(weights, len(WEIGHTS))
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(file_digest, "PROGRESS_MIN_BYTES", 1)
+    monkeypatch.setattr(file_digest, "READ_BLOCK", 4096)  # several updates
+    monkeypatch.setattr(file_digest.sys.stderr, "isatty", lambda: True)
+    assert file_digest.hash_file(weights, len(WEIGHTS)) == quiet
+    assert "hashing model.safetensors" in capsys.readouterr().err
