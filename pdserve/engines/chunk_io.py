@@ -238,5 +238,33 @@ class ChunkIO:
             metrics.KV_CHUNKS_SKIPPED.inc(len(items) - n)
         return n
 
+    def drop(self, digests: Sequence[str]) -> bool:
+        """Removes every chunk of the fingerprints ``digests`` (hex) from the store, all their
+        chain roots, memory and disk (``DropNamespaces``: the connector's reset). False, with
+        the reason logged, when the store cannot (a backend without namespaces) or this
+        process's identity may not (the master takes admin), or on any store error."""
+        drop = getattr(self.store, "drop_namespaces", None)
+        if drop is None:
+            log.warning(
+                "KV store reset: the %s backend keeps no namespaces; its chunks stay",
+                type(self.store).__name__,
+            )
+            return False
+        try:
+            resp = drop(list(digests))
+        except errors.PermissionDenied as exc:
+            log.warning(
+                "KV store reset: this engine's identity may not drop chunks (the master "
+                "takes an admin identity; run `pdserve kvstore drop` instead): %s",
+                exc,
+            )
+            return False
+        except Exception as exc:
+            log.warning("KV store reset failed (%s: %s); its chunks stay", type(exc).__name__, exc)
+            return False
+        n = sum(f.objects for f in resp.dropped)
+        log.info("KV store reset: dropped %d chunks of fingerprint(s) %s", n, list(digests))
+        return True
+
     def close(self) -> None:
         self.store.close()

@@ -243,6 +243,14 @@ class PdserveConnector(KVConnectorBase_V1):
     ) -> KVConnectorStats | None:
         return StoreMetricStats(data={"updates": list((data or {}).get("updates", []))})
 
+    def reset_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)`` reaches the store: every
+        chunk of this engine's fingerprint (each TP rank's) is dropped, when the engine's
+        identity may (admin; :meth:`ChunkIO.drop` logs why not and this answers False)."""
+        fp = self.io.fingerprint
+        ranks = {replace(fp, tp_rank=r).digest().hex() for r in range(fp.tp_size)}
+        return self.io.drop(sorted(ranks))
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()

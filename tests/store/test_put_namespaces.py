@@ -76,3 +76,31 @@ class NoMaster:
 def test_bad_input_is_refused_before_the_master(call, words) -> None:
     with pytest.raises(errors.InvalidArgument, match=words):
         call(NoMaster())
+
+
+class Dropping(MemoryBackend):
+    """A store whose drop answers as the master would, or refuses as it would a worker."""
+
+    def __init__(self, refuse: bool) -> None:
+        super().__init__()
+        self.refuse = refuse
+        self.asked: list[list[str]] = []
+
+    def drop_namespaces(self, fingerprints=(), roots=(), *, dry_run=False):
+        self.asked.append(list(fingerprints))
+        if self.refuse:
+            raise errors.PermissionDenied("worker:w1 may not call DropNamespaces")
+        resp = kvstore_pb2.DropNamespacesResponse()
+        resp.dropped.add(fingerprint=fingerprints[0], objects=3)
+        return resp
+
+
+def test_the_connector_reset_drops_through_chunk_io_when_allowed(caplog) -> None:
+    digest = FP.digest().hex()
+    allowed = Dropping(refuse=False)
+    assert ChunkIO(allowed, FP).drop([digest]) is True and allowed.asked == [[digest]]
+    refused = Dropping(refuse=True)
+    assert ChunkIO(refused, FP).drop([digest]) is False
+    assert "may not drop chunks" in caplog.text and "pdserve kvstore drop" in caplog.text
+    assert ChunkIO(MemoryBackend(), FP).drop([digest]) is False  # no namespaces there
+    assert "keeps no namespaces" in caplog.text
