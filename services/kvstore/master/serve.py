@@ -73,6 +73,12 @@ class _StateCollector:
                 "memory copies evicted while a disk copy kept the object",
             ),
             ("tier_move_failures", c.tier_move_failures, "moves between tiers that failed"),
+            ("dropped_objects", c.dropped_objects, "objects removed by DropNamespaces"),
+            (
+                "quarantined_misses",
+                c.quarantined_misses,
+                "keys answered as not found because their fingerprint is quarantined",
+            ),
             ("prefix_queries", c.prefix_queries, "LongestPrefix calls"),
             ("prefix_hit_keys", c.prefix_hit_keys, "sum of LongestPrefix answers (keys)"),
             ("events_dropped", self.hub.dropped, "events dropped for slow watchers"),
@@ -112,6 +118,12 @@ class _StateCollector:
             ),
             ("alive_nodes", s.alive_nodes(), "storage nodes alive"),
             ("dormant_objects", len(s.dormant), "persisted objects waiting for their segment"),
+            (
+                "quarantined_fingerprints",
+                len(s.namespaces.quarantined()),
+                "model fingerprints quarantined (their chunks read as not found)",
+            ),
+            ("fingerprints", len(s.namespaces), "model fingerprints the master knows"),
             ("watchers", len(self.hub.subscribers), "WatchEvents subscribers"),
             ("kv_event_subscribers", self.kv_events.subscribers, "SubscribeKVEvents streams"),
         ):
