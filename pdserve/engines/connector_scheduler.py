@@ -225,7 +225,8 @@ class ConnectorScheduler:
                 done = self._outcomes[new.req_id]
                 failed = done.failed_from
                 loaded_chunks = done.chunks if failed is None else failed // self.chunk_size
-            if not self._track(new, block_ids, loaded_chunks):
+            prompt = list(new.prompt_token_ids or [])
+            if not self._track(new.req_id, prompt, block_ids, loaded_chunks, new):
                 continue  # a bypass: nothing of it is saved
             self._advance(
                 new.req_id,
@@ -271,10 +272,17 @@ class ConnectorScheduler:
             scope = self._scopes[req_id] = self._keys.scope(request)
         return scope
 
-    def _track(self, new: Any, block_ids: list[int], loaded_chunks: int) -> bool:
-        """Starts tracking the saves of the newly scheduled request ``new`` (vLLM's
-        ``NewRequestData``); False for a request that bypasses the store (not tracked)."""
-        req_id, prompt = new.req_id, list(new.prompt_token_ids or [])
+    def _track(
+        self,
+        req_id: str,
+        prompt: list[int],
+        block_ids: list[int],
+        loaded_chunks: int,
+        new: Any = None,
+    ) -> bool:
+        """Starts tracking the saves of the newly scheduled request ``req_id`` (its chain from
+        its vLLM ``Request``, else from the step's ``NewRequestData`` ``new``); False for a
+        request that bypasses the store (not tracked)."""
         request = self._requests.get(req_id)
         scope = self._scope(req_id, request if request is not None else new)
         if scope.bypass:
