@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 
 from pdserve import errors, grpcutil
+from pdserve.store.wire import METHOD_IDS as WIRE_METHODS
 from pdserve.store.wire import VERSION as WIRE_VERSION
 from pdserve.store.wire import WireClient, WireUnreachable
 from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
@@ -50,8 +51,9 @@ class MasterLink:
 
     def call(self, method: str, request: Any) -> Any:
         """The master's answer to RPC ``method``; a failure raises the
-        :class:`~pdserve.errors.PdserveError` of its status."""
-        wire = self.wire_client()
+        :class:`~pdserve.errors.PdserveError` of its status. Methods the control wire does
+        not carry (the admin calls: namespaces, quarantine) go over gRPC."""
+        wire = self.wire_client() if method in WIRE_METHODS else None
         if wire is not None:
             try:
                 return wire.call(method, request)
