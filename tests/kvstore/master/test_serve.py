@@ -278,3 +278,39 @@ def replica_map(stub, keys: list[str]) -> dict[str, list[tuple[str, int]]]:
         assert r.code == pb.KV_OK, r
         out[r.key] = sorted((rep.segment_id, rep.offset) for rep in r.replicas)
     return out
+
+
+@pytest.mark.slow
+def test_namespace_rpcs_answer_bad_input_with_invalid_argument(master) -> None:
+    ch, stub = stub_for(master)
+    try:
+        expect_status(
+            lambda: stub.DropNamespaces(pb.DropNamespacesRequest(fingerprints=["xyz"]), timeout=5),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "fingerprints[0] must be 64 lowercase hex",
+        )
+        expect_status(
+            lambda: stub.DropNamespaces(pb.DropNamespacesRequest(), timeout=5),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "at least one fingerprint or root",
+        )
+        expect_status(
+            lambda: stub.SetQuarantine(
+                pb.SetQuarantineRequest(fingerprint="a" * 64, quarantined=True), timeout=5
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "needs a reason",
+        )
+        bad = pb.BatchPutStartRequest(
+            client_id="t",
+            items=[pb.PutStartItem(key="k", size=KB, namespace=1)],
+            namespaces=[pb.KVNamespace(root="nothex", fingerprint="a" * 64)],
+        )
+        expect_status(
+            lambda: stub.BatchPutStart(bad, timeout=5),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "namespaces[0].root",
+        )
+        assert not stub.ListNamespaces(pb.ListNamespacesRequest(), timeout=5).fingerprints
+    finally:
+        ch.close()
