@@ -348,3 +348,33 @@ def test_the_control_wire_client_talks_only_to_a_master(tmp_path: Path):
         client.close()
         listener.close()
         thread.join(5)
+
+
+@pytest.mark.slow
+def test_only_admin_lists_and_drops_namespaces_and_clears_quarantines(peers: Peers):
+    """A worker could drop another model's chunks, or lift the quarantine the router's check
+    set: listing and dropping take admin, a quarantine the router (or admin), clearing it
+    admin only."""
+    fp = "9" * 64
+    drop = pb.DropNamespacesRequest(fingerprints=[fp])
+    for name in ("w1", "r1", "node-a"):
+        stub = peers.stub(name)
+        denied = grpc.StatusCode.PERMISSION_DENIED
+        assert _code(lambda s=stub: s.ListNamespaces(pb.ListNamespacesRequest(), timeout=5)) == (
+            denied
+        ), name
+        assert _code(lambda s=stub: s.DropNamespaces(drop, timeout=5)) == denied, name
+    quarantine = pb.SetQuarantineRequest(fingerprint=fp, quarantined=True, reason="diverged")
+    w1 = peers.stub("w1")
+    assert (
+        _code(lambda: w1.SetQuarantine(quarantine, timeout=5)) == grpc.StatusCode.PERMISSION_DENIED
+    )
+    r1 = peers.stub("r1")
+    assert not r1.SetQuarantine(quarantine, timeout=5).was_quarantined
+    clear = pb.SetQuarantineRequest(fingerprint=fp, quarantined=False)
+    assert _code(lambda: r1.SetQuarantine(clear, timeout=5)) == grpc.StatusCode.PERMISSION_DENIED
+    admin = peers.stub("ops")
+    (listed,) = admin.ListNamespaces(pb.ListNamespacesRequest(), timeout=5).fingerprints
+    assert listed.fingerprint == fp and listed.quarantined_by == "router:r1"
+    assert admin.SetQuarantine(clear, timeout=5).was_quarantined
+    assert admin.DropNamespaces(drop, timeout=5).dropped == []
