@@ -11,7 +11,9 @@ Rules:
 * A drop removes every committed object of the matching namespaces from memory and disk
   (one object is one record however many tiers hold it), and the dormant ones (a node
   presumed dead, or not remounted since a master restart): their persisted rows go, so
-  neither a node's remount nor a master restart brings them back.
+  neither a node's remount nor a master restart brings them back. The last dropped keys are
+  remembered (:attr:`~.namespaces.NamespaceTable.tombstones`, in memory) against a node that
+  re-reports one as ``held``.
 * An object a reader holds a read lease on is hidden at once (its namespace becomes
   :data:`~.namespaces.DROPPED`: lookups and gets answer not found, its row is deleted) and
   removed when the last lease ends (:meth:`Invalidation.reap`, each housekeeping pass):
@@ -169,6 +171,7 @@ class Invalidation:
         for obj in victims:
             self._drop(obj, now)
         for key in self.dormant.drop_roots(by_root):
+            self.namespaces.bury(key)
             if key not in self.objects:
                 self.journal.mark_deleted(key)
         self.namespaces.forget(spaces)
@@ -176,6 +179,7 @@ class Invalidation:
 
     def _drop(self, obj: ObjectState, now: float) -> None:
         self.counters.dropped_objects += 1
+        self.namespaces.bury(obj.key)
         if not obj.leased(now):
             self.delete(obj, pb.KV_EVENT_REASON_REMOVE)
             return

@@ -195,6 +195,9 @@ class Membership:
             return False
         obj = self.objects.get(c.key)
         if obj is None:
+            if c.key in self.objects.namespaces.tombstones:
+                log.warning("segment %s re-reported %r, which was dropped", seg.segment_id, c.key)
+                return False
             return True
         if obj.size != c.size or (c.checksum and obj.checksum and c.checksum != obj.checksum):
             log.warning("%r on segment %s differs from the committed object", c.key, seg.segment_id)

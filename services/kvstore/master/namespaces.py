@@ -21,6 +21,7 @@ journal writes (:class:`~.persistence.NamespaceChanges`).
 from __future__ import annotations
 
 import re
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -39,6 +40,8 @@ MAX_LABEL_CHARS = 256
 MAX_PUT_NAMESPACES = 64
 #: Longest quarantine reason (characters).
 MAX_REASON = 1024
+#: Most dropped keys remembered against a node's re-report (``held``; about 150 bytes each).
+MAX_TOMBSTONES = 100_000
 
 
 def hex_problem(what: str, value: str) -> str:
@@ -101,6 +104,9 @@ class NamespaceTable:
         #: :data:`DROPPED` while objects wait for their lease to end). The object table reads
         #: this very set; empty on the fast path.
         self.hidden: set[Namespace] = set()
+        #: Keys dropped lately (the last :data:`MAX_TOMBSTONES`): a node that re-reports one
+        #: as ``held`` on a mount does not bring it back; a new put of the key forgets it.
+        self.tombstones: OrderedDict[str, None] = OrderedDict()
         self._changes = NamespaceChanges()
 
     def __len__(self) -> int:
@@ -225,6 +231,13 @@ class NamespaceTable:
         """The namespaces of fingerprints ``digests`` (every root) and of ``roots``."""
         out = {ns for d in digests if (fp := self._fps.get(d)) for ns in fp.roots}
         return out | {ns for r in roots if (ns := self._roots.get(r)) is not None}
+
+    def bury(self, key: str) -> None:
+        """Remembers the dropped ``key`` (see :attr:`tombstones`)."""
+        self.tombstones[key] = None
+        self.tombstones.move_to_end(key)
+        if len(self.tombstones) > MAX_TOMBSTONES:
+            self.tombstones.popitem(last=False)
 
     def forget(self, namespaces: Iterable[Namespace]) -> None:
         """Forgets dropped namespaces (a later put interns them again); a fingerprint left

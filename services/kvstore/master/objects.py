@@ -239,6 +239,8 @@ class ObjectTable(Mapping[str, ObjectState]):
         self.used_bytes += obj.size
         self.counters.puts += 1
         self.namespaces.used(obj.ns, now)
+        if self.namespaces.tombstones:
+            self.namespaces.tombstones.pop(obj.key, None)  # stored anew: re-reports welcome
 
     def restore(self, obj: ObjectState, ttl_deadline: float) -> None:
         """Adds an object brought back from a node or the journal, as the coldest."""

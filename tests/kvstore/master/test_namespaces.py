@@ -309,3 +309,18 @@ def test_a_version_2_state_file_is_migrated(tmp_path) -> None:
     schema = store._db.execute("SELECT value FROM meta WHERE name='schema'").fetchone()[0]
     assert schema == "3"
     store.close()
+
+
+def test_a_node_that_re_reports_a_dropped_object_does_not_bring_it_back(make_state) -> None:
+    s = node(make_state)
+    put(s, ["a0"], FP_A)
+    put(s, ["b0"], FP_B)
+    offsets = {k: s.objects[k].replicas[0].offset for k in ("a0", "b0")}
+    s.drop_namespaces([FP_A], [], False)
+    s.unmount("n1-seg0")  # b0 goes with it; then the node remounts, reporting what it holds
+    held = [(k, offsets[k], 4 * KB) for k in ("a0", "b0")]
+    assert s.mount("n1-seg0", "n1", 64 * KB, [], held, address="n1:7000") == 1
+    assert set(s.objects) == {"b0"} and s.objects["b0"].ns is None  # b0: unknown namespace
+    # a new put of the dropped key is welcome, and so is a later re-report of it
+    put(s, ["a0"], FP_A)
+    assert "a0" not in s.namespaces.tombstones
