@@ -302,13 +302,16 @@ class KVCheck:
         if verdict.outcome != MATCH:
             POSITION.observe(verdict.position)
             GAP.observe(verdict.gap)
-        if verdict.outcome == DIVERGENT:
-            log.warning(
-                "KV check of request %s (fingerprint %s) on %s diverged at token %d: logit gap "
-                "%.3f nats%s > %.3f; stored %s, cold %s",
+        if verdict.outcome != MATCH:
+            # a near tie is logged too (info): the gaps honest flips reach set the tolerance
+            log.log(
+                logging.WARNING if verdict.outcome == DIVERGENT else logging.INFO,
+                "KV check of request %s (fingerprint %s) on %s: %s at token %d, logit gap "
+                "%.3f nats%s (tolerance %.3f); stored %s, cold %s",
                 sample.request_id,
                 fp,
                 result.worker,
+                verdict.outcome,
                 verdict.position,
                 verdict.gap,
                 " at least" if verdict.gap_is_bound else "",
