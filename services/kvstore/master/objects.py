@@ -402,17 +402,16 @@ class ObjectTable(Mapping[str, ObjectState]):
         that is not; touched and counted as a prefix query."""
         objs = self._lru
         found: list[ObjectState] = []
-        hidden = self.hidden
         for key in keys:
             o = objs.get(key)
             if o is None or (o.ttl_deadline and o.ttl_deadline <= now):
                 break
-            if hidden and self._hides(o):
-                break
             found.append(o)
+        if self.hidden:  # a quarantine or a drop hides some: the prefix ends at the first
+            found = found[: next((i for i, o in enumerate(found) if self._hides(o)), len(found))]
         n = len(found)
-        if n:
-            self.namespaces.used(found[0].ns, now)
+        if n and (ns := found[0].ns) is not None:
+            ns.fp.last_used = now  # the fingerprint is served (NamespaceTable.used, inlined)
         self.touch(keys[:n])
         self.counters.prefix_queries += 1
         self.counters.prefix_hit_keys += n
