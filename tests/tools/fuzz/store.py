@@ -60,6 +60,13 @@ MASTER_BASES: Bases = {
     "KVMasterService.Stats": lambda k: pb.StatsRequest(),
     "KVMasterService.WatchEvents": lambda k: pb.WatchEventsRequest(),
     "KVMasterService.GetControlWire": lambda k: pb.ControlWireRequest(),
+    "KVMasterService.ListNamespaces": lambda k: pb.ListNamespacesRequest(),
+    "KVMasterService.DropNamespaces": lambda k: pb.DropNamespacesRequest(
+        fingerprints=[f"{k:064x}"], dry_run=k % 2 == 0
+    ),
+    "KVMasterService.SetQuarantine": lambda k: pb.SetQuarantineRequest(
+        fingerprint=f"{k:064x}", quarantined=k % 2 == 0, reason="fz"
+    ),
     "Health.Check": lambda k: health_pb2.HealthCheckRequest(),
 }
 
