@@ -3,11 +3,12 @@
 test Llama in float32 and two random rank-8 adapters made here (q, k, v and o projections, so
 each changes every layer's K and V). One prompt of six chunks and a tail, sent through the
 base model, adapter a and adapter b, never shares a chunk: each variant stores its own six
-chunks (the master's object count, the keys each chain must have), none loads a chunk another
-stored (vLLM's ``cached_tokens``, with its own prefix cache off, and the master's read hits),
-and each repeat loads its own six chunks. Every answer is token-exact against a plain ``vllm
-serve`` (no connector) with the same adapter. A request with ``bypass_store`` neither looks
-up, loads nor saves a chunk (the master's counters)."""
+chunks (the master's object count, the keys each chain must have, the objects under each
+chain's root), none loads a chunk another stored (vLLM's ``cached_tokens``, with its own
+prefix cache off, and the master's read hits), and each repeat loads its own six chunks.
+Every answer is token-exact against a plain ``vllm serve`` (no connector) with the same
+adapter. A request with ``bypass_store`` neither looks up, loads nor saves a chunk (the
+master's counters)."""
 
 from __future__ import annotations
 
@@ -121,6 +122,12 @@ def test_adapter_and_base_requests_never_share_a_chunk(tiny_model_dir, tmp_path_
                     assert store.exists(keys[model]) == [True] * 6, model
                     objects += 6
                     assert store.stats().objects == objects, model  # its own six, no more
+                # the master keeps each chain's objects under its root (ChunkSave.root)
+                (usage,) = [
+                    u for u in store.list_namespaces() if u.fingerprint == fp.digest().hex()
+                ]
+                roots = {hashing.chain_root(fp, "", ident).hex() for ident in chains.values()}
+                assert {r.root: r.objects for r in usage.roots} == dict.fromkeys(roots, 6)
                 for model in chains:  # again: each loads its own chain's six chunks
                     tokens, cached, params = _complete(port, served[model], prompt)
                     assert tokens == expected[model], model
