@@ -4,6 +4,7 @@ bridge (veth pairs), so nothing can rely on 127.0.0.1 reaching another service."
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from dataclasses import dataclass, field
 
@@ -11,6 +12,26 @@ from dataclasses import dataclass, field
 def _ip(*args: str, ns: str | None = None) -> None:
     cmd = ["ip", *(["-n", ns] if ns else []), *args]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+
+def _forward_rule(action: str, bridge: str) -> bool:
+    """Adds (``-I``) or removes (``-D``) an iptables rule letting traffic between the lab's
+    hosts through the bridge. A host running Docker sets the FORWARD policy to DROP, and with
+    ``br_netfilter`` loaded (Docker loads it) bridged frames pass that chain: without the rule
+    no host reaches another. No iptables, no filter: nothing to do. True when the rule is
+    there after ``-I`` (or ``-C``)."""
+    if shutil.which("iptables") is None:
+        return False
+    rule = ["FORWARD", "-i", bridge, "-o", bridge, "-j", "ACCEPT"]
+    res = subprocess.run(["iptables", "-w", action, *rule], capture_output=True, text=True)
+    if action == "-I" and res.returncode != 0:
+        raise RuntimeError(f"iptables {action} {' '.join(rule)}: {res.stderr.strip()}")
+    return res.returncode == 0
+
+
+def forwarding_rule_left(bridge: str) -> bool:
+    """Whether the lab's FORWARD rule for ``bridge`` is still in iptables."""
+    return _forward_rule("-C", bridge)
 
 
 def can_create_namespaces() -> str | None:
@@ -35,6 +56,7 @@ class Lab:
     subnet: str = "10.231.0"
     hosts: dict[str, str] = field(default_factory=dict)  # host name -> address
     _ns: dict[str, str] = field(default_factory=dict)  # host name -> namespace name
+    _forwarding: bool = False  # our iptables FORWARD rule is in place
 
     @property
     def bridge(self) -> str:
@@ -44,6 +66,7 @@ class Lab:
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
+        self._forwarding = _forward_rule("-I", self.bridge)
 
     def add_host(self, name: str) -> str:
         n = len(self.hosts) + 2
@@ -75,5 +98,8 @@ class Lab:
         for ns in self._ns.values():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+        if self._forwarding:
+            _forward_rule("-D", self.bridge)
+            self._forwarding = False
         self._ns.clear()
         self.hosts.clear()

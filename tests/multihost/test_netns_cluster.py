@@ -34,7 +34,7 @@ from pathlib import Path
 import grpc
 import openai
 import pytest
-from netns import Lab, can_create_namespaces
+from netns import Lab, can_create_namespaces, forwarding_rule_left
 from transformers import AutoTokenizer
 
 from pdserve import grpcutil, identity
@@ -236,8 +236,9 @@ class NetCluster:
     def close(self) -> dict[str, list[str]]:
         """Stops every process by pid (SIGTERM, then SIGKILL), destroys the lab; returns what
         was left behind (and removes it): ``shm`` files the nodes did not delete, processes
-        that had to be killed, namespaces still listed."""
-        left: dict[str, list[str]] = {"shm": [], "killed": [], "netns": []}
+        that had to be killed, namespaces still listed, and the bridge's iptables FORWARD rule
+        (the lab adds one: a host running Docker drops forwarded traffic) if still there."""
+        left: dict[str, list[str]] = {"shm": [], "killed": [], "netns": [], "iptables": []}
         if self.closed:
             return left
         self.closed = True
@@ -257,6 +258,8 @@ class NetCluster:
         identity.configure_files(self._prior_tls)
         listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         left["netns"] = [ln.split()[0] for ln in listed.splitlines() if ln.split()[0] in ours]
+        if forwarding_rule_left(self.lab.bridge):
+            left["iptables"].append(f"FORWARD -i {self.lab.bridge} -o {self.lab.bridge}")
         return left
 
 
@@ -528,6 +531,6 @@ def test_teardown_leaves_no_process_namespace_or_shared_memory(cluster):
     assert len(names) == len(HOSTS)
     left = c.close()
     assert all(not p.alive() for p in c.procs.values())
-    assert left == {"shm": [], "killed": [], "netns": []}, left
+    assert left == {"shm": [], "killed": [], "netns": [], "iptables": []}, left
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not set(names) & {ln.split()[0] for ln in listed.splitlines() if ln.strip()}
