@@ -10,6 +10,8 @@ blocker), "prompts": [[int]], "max_tokens": int}``: the blocker first, then ever
 ``{"mode": "forget", "id": str}``: vLLM's local prefix cache emptied, so that the jobs after it
 find what earlier jobs stored only in the KV store (one engine writes, then reads its own
 chunks back from the store process, instead of a second engine process started to read them).
+``{"mode": "reset_store", "id": str}``: the same with ``reset_connector=True``, which asks the
+connector to drop the engine's chunks from the store too; the result's ``reset`` is vLLM's answer.
 RESULTS.json: one object per job with the tokens and the KV counters the engine reported (for
 generations also the counts it put on events before the last, its KV usage at each event and
 after, and vLLM's number of KV blocks), and this process's store metrics after it.
@@ -64,6 +66,8 @@ async def run(spec: dict) -> list[dict]:
             elif job["mode"] == "forget":
                 out["reset"] = await engine._llm.reset_prefix_cache()
                 assert out["reset"], "vLLM did not empty its prefix cache"
+            elif job["mode"] == "reset_store":  # the connector's reset_cache reaches the store
+                out["reset"] = await engine._llm.reset_prefix_cache(reset_connector=True)
             elif job["mode"] == "prefill":
                 res = await engine.prefill(job["id"], job["prompt"], sampling, cache_salt=salt)
                 kv = res.kv
