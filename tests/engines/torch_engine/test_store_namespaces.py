@@ -1,0 +1,49 @@
+"""The torch engine's puts say whose KV they carry: every chunk and tail of a request is
+tagged with the engine's fingerprint (digest and labels) and its cache salt's chain root, so
+the master can drop or quarantine them (docs/architecture.md, "Namespaces")."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from conftest import MemoryStore
+
+from pdserve import hashing
+from pdserve.engines.torch_engine.engine import TorchEngine
+from pdserve.requests import Sampling
+
+CS = 16
+
+
+class Tagged(MemoryStore):
+    """The tests' memory store, keeping each put's key -> (chain root, fingerprint, labels)."""
+
+    carries_chunk_meta = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: dict[str, tuple[str, str, dict[str, str]]] = {}
+
+    def batch_put(self, items, options=None, *, meta=None, namespace=None):
+        assert namespace is not None, "a chunk put without its namespace"
+        for key, _ in items:
+            self.tags[key] = (namespace.root_of(key), namespace.fingerprint, dict(namespace.labels))
+        return super().batch_put(items, options) if options else super().batch_put(items)
+
+
+@pytest.mark.parametrize("salt", ["", "tenant-1"])
+def test_chunks_and_tails_carry_the_salts_chain_root(engine: TorchEngine, salt: str) -> None:
+    store = Tagged()
+    engine.attach_store(store)
+    toks = [(7 * i + 3) % 400 + 5 for i in range(2 * CS + 5)]
+    out = asyncio.run(
+        engine.prefill("p", toks, Sampling(max_tokens=1, temperature=0.0), cache_salt=salt)
+    )
+    fp = engine.fingerprint
+    written = {*out.kv.chunk_keys, out.kv.tail_key}
+    assert len(written) == 3 and set(store.tags) == written
+    root = hashing.chain_root(fp, salt).hex()
+    assert (root == fp.digest().hex()) == (not salt)  # a salt's chain has a root of its own
+    for key in written:
+        assert store.tags[key] == (root, fp.digest().hex(), fp.to_labels())
