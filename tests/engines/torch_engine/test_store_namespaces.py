@@ -7,17 +7,17 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from conftest import MemoryStore
 
 from pdserve import hashing
 from pdserve.engines.torch_engine.engine import TorchEngine
 from pdserve.requests import Sampling
+from pdserve.store.memory import MemoryBackend
 
 CS = 16
 
 
-class Tagged(MemoryStore):
-    """The tests' memory store, keeping each put's key -> (chain root, fingerprint, labels)."""
+class Tagged(MemoryBackend):
+    """The in-memory store (the real chunk codec), keeping each put's key -> (chain root, fingerprint, labels)."""
 
     carries_chunk_meta = True
 
