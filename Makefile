@@ -21,3 +21,21 @@ test: setup lint
 # Lint and the tests that start no process (a process-starting test not marked slow fails).
 check: setup lint
 	PDSERVE_NO_PROCESSES=1 .venv/bin/python -m pytest -m "not slow" -q
+
+# The docker-compose lab (docs/deploy.md). Root, Docker (deploy/lab/dockerd.sh installs and
+# starts it) and minutes; not part of `make test`. IMAGE_ARGS= (empty) builds from the index.
+.PHONY: image lab lab-down lab-test
+IMAGE_ARGS ?= --offline
+
+image:
+	bash deploy/build-image.sh $(IMAGE_ARGS)
+
+lab:
+	bash deploy/lab/lab.sh up
+
+lab-down:
+	bash deploy/lab/lab.sh down
+
+# Starts the lab if it is not up, runs tests/lab against it; its last test tears it down.
+lab-test: lab
+	PDSERVE_LAB=1 .venv/bin/python -m pytest tests/lab -v -p no:cacheprovider

@@ -1,0 +1,151 @@
+"""The running compose lab, seen from the host: its containers (docker CLI), the router's
+public gRPC API (the API key, no client certificate), a worker's /metrics (read inside its
+container, where port 9100 is not published) and the links' shaping (deploy/lab/shape.sh)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+LAB = ROOT / "deploy" / "lab" / "lab.sh"
+SHAPE = ROOT / "deploy" / "lab" / "shape.sh"
+ENV_FILE = ROOT / "build" / "lab" / "lab.env"
+PROJECT = "pdserve-lab"
+DOCKER = "/usr/bin/docker"
+ROUTER = "127.0.0.1:50060"
+
+
+def docker(*args: str, check: bool = True) -> str:
+    res = subprocess.run([DOCKER, *args], capture_output=True, text=True, timeout=120)
+    if check and res.returncode != 0:
+        raise RuntimeError(f"docker {' '.join(args)}: {res.stderr.strip()}")
+    return res.stdout.strip()
+
+
+def lab(*args: str) -> subprocess.CompletedProcess:
+    """deploy/lab/lab.sh ARGS (up, down, compose ...), output captured."""
+    return subprocess.run(["bash", str(LAB), *args], capture_output=True, text=True, timeout=1200)
+
+
+def shape(*args: str) -> str:
+    res = subprocess.run(["bash", str(SHAPE), *args], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def api_key() -> str:
+    if os.environ.get("PDSERVE_API_KEY"):
+        return os.environ["PDSERVE_API_KEY"]
+    match = re.search(r"^PDSERVE_API_KEY=(\S+)$", ENV_FILE.read_text(), re.M)
+    assert match, f"no key in {ENV_FILE}"
+    return match.group(1)
+
+
+def project_objects() -> dict[str, list[str]]:
+    """The project's containers (any state), volumes and networks, by compose's label."""
+    label = f"label=com.docker.compose.project={PROJECT}"
+    return {
+        kind: docker(*cmd, "--filter", label, "-q").split()
+        for kind, cmd in (
+            ("containers", ("ps", "-a")),
+            ("volumes", ("volume", "ls")),
+            ("networks", ("network", "ls")),
+        )
+    }
+
+
+def container(service: str) -> str:
+    """The id of ``service``'s container (running or not)."""
+    ids = docker(
+        "ps", "-a", "-q",
+        "--filter", f"label=com.docker.compose.project={PROJECT}",
+        "--filter", f"label=com.docker.compose.service={service}",
+    ).split()  # fmt: skip
+    assert len(ids) == 1, f"{service}: containers {ids}"
+    return ids[0]
+
+
+def health(service: str) -> str:
+    state = json.loads(docker("inspect", "-f", "{{json .State}}", container(service)))
+    return state.get("Health", {}).get("Status", state["Status"])
+
+
+def wait_healthy(service: str, timeout: float = 600.0) -> float:
+    """Seconds until ``service``'s healthcheck passes (polls docker inspect)."""
+    start = time.monotonic()
+    while (status := health(service)) != "healthy":
+        if time.monotonic() - start > timeout:
+            raise TimeoutError(f"{service} not healthy after {timeout:.0f} s: {status}")
+        time.sleep(0.5)
+    return time.monotonic() - start
+
+
+def leads(master: str) -> bool:
+    """Whether KV store master ``master`` leads (its health without --standby-ok passes)."""
+    res = subprocess.run(
+        [DOCKER, "exec", container(master), "pdserve", "health", f"{master}:50051"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return res.returncode == 0
+
+
+def metric(service: str, name: str, labels: str = "") -> float:
+    """Sum of ``name`` samples (whose labels contain ``labels``) on ``service``'s /metrics."""
+    text = docker(
+        "exec", container(service), "curl", "-sf",
+        "-H", f"Authorization: Bearer {api_key()}", "http://127.0.0.1:9100/metrics",
+    )  # fmt: skip
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and labels in line and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@dataclass
+class Answer:
+    tokens: list[int]
+    cached: int
+    ttft_s: float
+
+
+class Router:
+    """The router's public gRPC API with the lab's API key."""
+
+    def __init__(self) -> None:
+        self.channel = grpc.insecure_channel(ROUTER)
+        self.stub = router_pb2_grpc.RouterServiceStub(self.channel)
+        self.meta = (("authorization", f"Bearer {api_key()}"),)
+
+    def generate(self, prompt: list[int], n: int, timeout: float = 120.0) -> Answer:
+        """Greedy ``n`` tokens of ``prompt`` (token ids), with the time to the first token."""
+        req = router_pb2.GenerateRequest(
+            prompt_token_ids=prompt,
+            sampling=common_pb2.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+        )
+        start = time.monotonic()
+        tokens: list[int] = []
+        cached, ttft = 0, 0.0
+        for msg in self.stub.GenerateStream(
+            req, timeout=timeout, metadata=self.meta, wait_for_ready=True
+        ):
+            if msg.token_ids and not tokens:
+                ttft = time.monotonic() - start
+            tokens.extend(msg.token_ids)
+            cached = max(cached, msg.cached_tokens)
+        return Answer(tokens, cached, ttft)
+
+    def close(self) -> None:
+        self.channel.close()
