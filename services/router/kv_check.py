@@ -180,8 +180,9 @@ class CheckResult:
 
 
 class KVCheck:
-    """See the module docstring. ``set_quarantine``: the master's (None: no store master, the
-    router quarantines in its own placement only); ``rng``: a number in [0, 1) per offer."""
+    """See the module docstring. ``set_quarantine``: the master's (None: a store without
+    quarantines, Mooncake's; the router quarantines in its own placement only); ``rng``: a
+    number in [0, 1) per offer."""
 
     def __init__(
         self,
@@ -276,10 +277,13 @@ class KVCheck:
         while not stop.is_set():
             get = asyncio.ensure_future(self.queue.get())
             halt = asyncio.ensure_future(stop.wait())
-            done, _ = await asyncio.wait({get, halt}, return_when=asyncio.FIRST_COMPLETED)
-            halt.cancel()
+            try:
+                done, _ = await asyncio.wait({get, halt}, return_when=asyncio.FIRST_COMPLETED)
+            finally:  # stopped, or cancelled: neither waiter outlives the loop
+                halt.cancel()
+                if not get.done():
+                    get.cancel()
             if get not in done:
-                get.cancel()
                 return
             try:
                 await self.check(get.result())
