@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,26 @@ def _read(field_name: str, path: str) -> bytes | None:
         return Path(path).expanduser().read_bytes()
     except OSError as exc:
         raise ConfigError(f"{field_name} {path!r}: {exc.strerror or exc}") from exc
+
+
+def ipv4_endpoint(endpoint: str) -> str:
+    """``host:port`` with the host resolved to an IPv4 address: etcd3aio dials an ``ipv4:``
+    target, which takes address literals only (a container or Kubernetes service name such as
+    ``etcd:2379`` fails with "the target uri is not valid"). Resolved when a client is made.
+    ConfigError when the name does not resolve."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host:
+        return endpoint
+    try:
+        ipaddress.IPv4Address(host)
+        return endpoint
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, int(port), socket.AF_INET, socket.SOCK_STREAM)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"etcd endpoint {endpoint!r}: cannot resolve {host!r}: {exc}") from exc
+    return f"{infos[0][4][0]}:{port}"
 
 
 @dataclass(frozen=True)
@@ -69,10 +91,15 @@ class EtcdAccess:
                 "cert_chain": _read(f"{f}cert", self.cert),
                 "cert_key": _read(f"{f}key", self.key),
             }
+        server_name = self.server_name
+        if self.ca and not server_name and len(self.endpoints) == 1:
+            host = self.endpoints[0].rpartition(":")[0]
+            if ipv4_endpoint(self.endpoints[0]) != self.endpoints[0]:
+                server_name = host  # the name the dialled address no longer carries
         return Etcd3Client(
-            list(self.endpoints),
+            [ipv4_endpoint(e) for e in self.endpoints],
             rpc_max_attempts=2,
-            tls_server_name=self.server_name or None,
+            tls_server_name=server_name or None,
             **tls,
         )
 
