@@ -47,6 +47,7 @@ class _SaveTracker:
     computed: int = 0
     next_chunk: int = 0
     tail_done: bool = False
+    tail_rid: str = ""  # the request id the tail key was derived from ("" = handed in)
     # vLLM's hashes of the prompt's full blocks (request.block_hashes); empty = none
     engine_hashes: list[bytes] = field(default_factory=list)
     root: str = ""  # the chain's root (hex): every save's ChunkSave.root
@@ -138,6 +139,7 @@ class ConnectorScheduler:
             bool(tail_key)
             and cs * (tail_end // cs) == end
             and end < tail_end <= limit + 1
+            and self._tail_in_chain(scope, tokens[:tail_end], tail_key, params)
             and self.io.has(tail_key)
         )
         tail_tokens = tail_end - end if use_tail else 0
@@ -173,6 +175,21 @@ class ConnectorScheduler:
             tail_tokens=tail_tokens,
         )
         return end - num_computed_tokens, False
+
+    def _tail_in_chain(
+        self, scope: KeyScope, prompt: list[int], tail_key: str, params: dict[str, Any]
+    ) -> bool:
+        """Whether the handed tail belongs to this request's chain. A stock prefill names the
+        request id its tail key was derived from (``load_tail_rid``): the tail is loaded only
+        when this request's own chain (salt, adapter) derives the same key from it, so a proxy
+        that pairs a prefill and a decode of different adapters or salts gets a recompute, not
+        the other chain's KV. Without an id (pdserve's own workers: the router pairs the two
+        phases of one request, and never with an adapter) the tail is trusted, except for a
+        request through an adapter, whose tail must prove its chain."""
+        rid = params.get("load_tail_rid")
+        if rid is None:
+            return not scope.adapter
+        return isinstance(rid, str) and scope.tail_key(self.fp, prompt, rid) == tail_key
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -288,13 +305,15 @@ class ConnectorScheduler:
         if scope.bypass:
             return False
         tail = str(request_params(request).get("save_tail_key", ""))
+        tail_rid = ""
         if not tail and _remote_decode(request):  # a stock proxy's prefill: the tail too
-            tail = scope.tail_key(self.fp, prompt, req_id)
+            tail, tail_rid = scope.tail_key(self.fp, prompt, req_id), req_id
         self._trackers[req_id] = _SaveTracker(
             keys=scope.chunk_keys(self.fp, prompt),
             prompt_len=len(prompt),
             prompt=prompt,
             tail_key=tail,
+            tail_rid=tail_rid,
             block_ids=block_ids,
             next_chunk=loaded_chunks,
             engine_hashes=_engine_hashes(request, len(prompt), self.block_size),
@@ -377,5 +396,10 @@ class ConnectorScheduler:
             # what the decode engine's connector needs beyond the stored chunks: the tail
             out["do_remote_prefill"] = True
             if tracker.tail_key and tracker.tail_done:
-                ours.update(load_tail_key=tracker.tail_key, load_tail_tokens=tracker.prompt_len)
+                ours.update(
+                    load_tail_key=tracker.tail_key,
+                    load_tail_tokens=tracker.prompt_len,
+                )
+                if tracker.tail_rid:  # lets the decode engine check the tail is its chain's
+                    ours["load_tail_rid"] = tracker.tail_rid
         return False, out

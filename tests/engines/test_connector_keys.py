@@ -47,6 +47,9 @@ class _Recording:
         self.looked_up.extend(keys)
         return self.store.longest_prefix(keys)
 
+    def exists(self, keys):
+        return self.store.exists(keys)
+
     def close(self) -> None:
         pass
 
@@ -188,6 +191,34 @@ def test_the_tail_of_a_stock_prefill_through_an_adapter_is_the_adapters(memory_s
     tail = hashing.tail_key(FP, TOKENS, "p", "", ida)
     assert params["load_tail_key"] == tail != hashing.tail_key(FP, TOKENS, "p")
     assert saves[-1].key == tail and saves[-1].root == hashing.chain_root(FP, "", ida).hex()
+
+
+def test_a_handed_tail_loads_only_in_the_chain_it_was_derived_in(memory_store, adapters):
+    """A stock proxy hands the decode engine what the prefill engine answered: a tail derived
+    in the base chain must not load into a request through an adapter (its chunks, stored in
+    the adapter's own chain, still load), and a tail without its request id proves no chain."""
+    sched, _ = _scheduler(memory_store)
+    a = LoRARequest("a", 1, str(adapters.a))
+    ida = adapter_identity("a", str(adapters.a))
+    _store_chunks(memory_store, BASE_KEYS)
+    _store_chunks(memory_store, hashing.chunk_keys(FP, TOKENS, "", ida))
+    _, _, handed = _serve(sched, _request("p", params={"do_remote_decode": True}))
+    assert handed["load_tail_rid"] == "p"
+    tail = handed["load_tail_key"]
+    memory_store.put_chunk(tail, torch.randn(L, 2, H, len(TOKENS) - 3 * CHUNK, D), FP.digest())
+    params = {PARAMS_KEY: {k: v for k, v in handed.items() if k.startswith("load_tail")}}
+    no_rid = {PARAMS_KEY: {k: v for k, v in params[PARAMS_KEY].items() if k != "load_tail_rid"}}
+    matched = {
+        name: sched.get_num_new_matched_tokens(req, 0)[0]
+        for name, req in {
+            "base": _request("d1", params=params),
+            "a": _request("d2", lora=a, params=params),
+            "a, no id": _request("d3", lora=a, params=no_rid),
+            "base, no id": _request("d4", params=no_rid),
+        }.items()
+    }
+    whole = len(TOKENS) - 1  # the last prompt token is always computed
+    assert matched == {"base": whole, "a": 3 * CHUNK, "a, no id": 3 * CHUNK, "base, no id": whole}
 
 
 def _bypassed(reason: str) -> float:
