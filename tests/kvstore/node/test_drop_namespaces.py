@@ -1,7 +1,8 @@
 """``pdserve kvstore drop`` through real processes: a master and a node with a disk tier hold
 the chunks of two model fingerprints in memory and on disk; dropping one leaves none of its
 chunks (the master's stats and listing, BatchExists, the disk tier's use), the other's all,
-byte for byte, and a restart of the node brings none of the dropped ones back."""
+byte for byte, and a restart of the node brings none of the dropped ones back; ``--salt``
+drops one tenant's chunks of a model and none of the model's others."""
 
 from __future__ import annotations
 
@@ -126,4 +127,30 @@ def test_drop_removes_one_models_chunks_from_memory_and_disk_for_good(
     assert client.exists(keys_a) == [False] * CHUNKS
     got = client.batch_get_chunks(keys_b, B.digest())
     assert all(g is not None and torch.equal(g, t) for g, t in zip(got, kv_b, strict=True))
+
+    # a tenant's chunks of B (its cache salt's chain): --salt drops them alone, the salt
+    # computed into chain roots by the CLI, never sent
+    salt = "tenant-secret-7"
+    tokens = list(range(1, 1 + CHUNK * CHUNKS))
+    keys_s = hashing.chunk_keys(B, tokens, salt)
+    root = hashing.chain_root(B, salt).hex()
+    saved = ChunkIO(client, B).save(
+        list(zip(keys_s, kv_b, strict=True)), roots=dict.fromkeys(keys_s, root)
+    )
+    assert saved == CHUNKS and client.stats().objects == 2 * CHUNKS
+    out = _pdserve(
+        "kvstore",
+        "drop",
+        "--model",
+        "org/model-b",
+        "--salt",
+        salt,
+        "--master",
+        c.address,
+        "--run-dir",
+        str(tmp_path / "no-up"),
+    )
+    assert f"dropped {CHUNKS} objects" in out and salt not in out
+    assert client.exists(keys_s) == [False] * CHUNKS
+    assert client.exists(keys_b) == [True] * CHUNKS
     client.close()
