@@ -176,6 +176,20 @@ class RouterConfig(SecurityConfig, StoreBackendConfig):
     kv_check_queue: int = help_field(
         16, "sampled KV checks waiting at most; more are dropped (counted)"
     )
+    tool_call_parser: str = help_field(
+        "",
+        "vLLM tool call parser for tool_choice auto (vLLM's --tool-call-parser, e.g. hermes; "
+        "'' = auto refused, required and named still work)",
+    )
+    reasoning_parser: str = help_field(
+        "", "vLLM reasoning parser (vLLM's --reasoning-parser, e.g. qwen3; '' = none)"
+    )
+    responses_max_stored: int = help_field(
+        1000, "/v1/responses kept for previous_response_id at most (oldest dropped first)"
+    )
+    responses_ttl_s: float = help_field(
+        3600.0, "how long a stored /v1/responses answer stays usable as previous_response_id (s)"
+    )
     log_level: str = help_field("info", "log level")
 
     @property

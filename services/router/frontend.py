@@ -18,6 +18,8 @@ from pdserve.enums import DISAGG_MODE
 from pdserve.errors import InvalidArgument
 from pdserve.requests import MAX_LOGPROBS
 from pdserve.services.router import request as rq
+from pdserve.services.router.api.parsers import ChatParse, Parsers
+from pdserve.services.router.api.responses_store import ResponseStore
 from pdserve.services.router.engine_events import EngineCaches
 from pdserve.services.router.openai_fields import chat_options, check_fields, flag, truncate
 from pdserve.services.router.orchestrator import Orchestrator
@@ -54,6 +56,10 @@ class Frontend:
     started: float = field(default_factory=time.monotonic)
     #: The stock engines' own prefix caches, from their KV events (engine_kv_events).
     engines: EngineCaches | None = None
+    #: vLLM's tool-call and reasoning parsers (None: tools are refused).
+    parsers: Parsers | None = None
+    #: /v1/responses answers kept for previous_response_id.
+    responses: ResponseStore = field(default_factory=ResponseStore)
 
     def current_limits(self) -> rq.Limits:
         """The configured limits, each lowered to the smallest value any registered worker
@@ -176,6 +182,14 @@ class Frontend:
         refused (:mod:`~pdserve.services.router.openai_fields`). One request per prompt:
         completions take a batch of prompts (strings or token-id lists), as vLLM does; the
         first keeps the request's id, prompt ``k`` gets ``<id>-p<k>``, all abort under it."""
+        return self.from_openai_parsed(body, chat=chat)[0]
+
+    def from_openai_parsed(
+        self, body: Any, *, chat: bool
+    ) -> tuple[list[rq.GenRequest], ChatParse | None]:
+        """:meth:`from_openai` and the chat body's parse (tools, reasoning:
+        :meth:`Parsers.for_chat`; None when its answer is plain text). A parsed chat request
+        takes ``n`` 1 only (the parser keeps one generation's state)."""
         if not isinstance(body, dict):
             raise InvalidArgument("request body must be a JSON object")
         model = body.get("model")
@@ -187,8 +201,26 @@ class Frontend:
         check_fields(body, chat=chat)
         extra = _openai_sampling(body, chat=chat)
         salt = rq.tenant_salt(body.get("cache_salt"))
+        parse = self._chat_parse(body) if chat else None
+        if parse is not None and parse.parser is not None:
+            if n != 1:
+                raise InvalidArgument(
+                    "n must be 1 with tools or a reasoning parser (each answer is parsed)",
+                    param="n",
+                )
+            if parse.json_schema and ("json_schema" in extra or "json_object" in extra):
+                raise InvalidArgument(
+                    "response_format and a required or named tool_choice cannot both constrain "
+                    "the output",
+                    param="response_format",
+                )
+            if parse.json_schema:
+                extra["json_schema"] = parse.json_schema
+            if not parse.skip_special_tokens:
+                extra["skip_special_tokens"] = False
         if chat:
-            prompts = [self.chat_ids(body.get("messages"), limits, body)]
+            tools = parse.template_tools if parse is not None else None
+            prompts = [self.chat_ids(body.get("messages"), limits, body, tools=tools)]
         else:
             special = flag(body, "add_special_tokens", True)
             prompts = self._openai_prompts(body.get("prompt"), limits, special)
@@ -231,13 +263,28 @@ class Frontend:
             own = rid if k == 0 else f"{rid[:112]}-p{k}"
             tenant = tenants.current.get()
             out.append(rq.GenRequest(own, ids, sampling, "", salt, abort_id=rid, tenant=tenant))
-        return out
+        return out, parse
 
-    def chat_ids(self, messages: Any, limits: rq.Limits, body: dict[str, Any]) -> list[int]:
+    def _chat_parse(self, body: dict[str, Any]) -> ChatParse | None:
+        if self.parsers is not None:
+            return self.parsers.for_chat(body)
+        if body.get("tools") or body.get("tool_choice") not in (None, "none"):
+            raise InvalidArgument("tools: this router has no tool parsers", param="tools")
+        return None
+
+    def chat_ids(
+        self,
+        messages: Any,
+        limits: rq.Limits,
+        body: dict[str, Any],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
         """The prompt of validated chat ``messages`` (chat completions, /tokenize), refused
         before templating when their text cannot fit the context; templated with vLLM's chat
         options of ``body`` (``add_generation_prompt``, ``continue_final_message``,
-        ``chat_template_kwargs``, ``add_special_tokens``)."""
+        ``chat_template_kwargs``, ``add_special_tokens``) and the request's ``tools`` (the
+        template's ``tools`` variable, as vLLM renders them)."""
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise InvalidArgument(
                 "messages must be a list of {role, content} objects", param="messages"
@@ -245,6 +292,8 @@ class Frontend:
         msgs = rq.check_messages(messages)
         rq.check_text_size(sum(len(m["content"]) for m in msgs), limits, "messages")
         options = chat_options(body, msgs)
+        if tools:
+            options["template_kwargs"] = {**options["template_kwargs"], "tools": tools}
         return self.tokenizer.apply_chat_template(msgs, **options)
 
     def _openai_prompts(self, prompt: Any, limits: rq.Limits, special: bool) -> list[list[int]]:

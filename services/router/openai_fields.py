@@ -1,9 +1,11 @@
-"""Every field of an OpenAI completions / chat completions body, as OpenAI's and vLLM's request
-models name them (the ``openai`` package's ``CompletionCreateParams`` TypedDicts and vLLM's
-``CompletionRequest`` / ``ChatCompletionRequest``; tests/router/test_openai_fields.py keeps
-this table covering both): each is honoured, accepted because it cannot change the answer, or
-refused with its reason unless it holds its default. A field neither API has is refused with a
-400 naming it (OpenAI's own API does the same), with the closest known name when there is one.
+"""Every field of an OpenAI completions / chat completions / responses body and of an Anthropic
+messages body, as OpenAI's, Anthropic's and vLLM's request models name them (the ``openai`` and
+``anthropic`` packages' ``*CreateParams`` TypedDicts and vLLM's ``CompletionRequest`` /
+``ChatCompletionRequest`` / ``ResponsesRequest`` / ``AnthropicMessagesRequest``;
+tests/router/test_openai_fields.py keeps this table covering them all): each is honoured,
+accepted because it cannot change the answer, or refused with its reason unless it holds its
+default. A field none of them has is refused with a 400 naming it (OpenAI's own API does the
+same), with the closest known name when there is one.
 """
 
 from __future__ import annotations
@@ -25,8 +27,29 @@ COMPLETIONS = _SHARED | {"prompt", "echo"}
 #: Honoured fields of /v1/chat/completions.
 CHAT = _SHARED | {
     "messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
-    "continue_final_message", "chat_template_kwargs",
+    "continue_final_message", "chat_template_kwargs", "tools", "tool_choice",
+    "parallel_tool_calls", "include_reasoning",
 }  # fmt: skip
+#: Honoured fields of /v1/responses (api/responses.py turns them into a chat request).
+RESPONSES = {
+    "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "top_k",
+    "tools", "tool_choice", "parallel_tool_calls", "previous_response_id", "store", "stream",
+    "text", "seed", "stop", "ignore_eos", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "logit_bias", "stop_token_ids", "cache_salt", "request_id",
+    "include_reasoning", "skip_special_tokens", "chat_template_kwargs",
+}  # fmt: skip
+#: Honoured fields of /v1/messages, Anthropic's shape (api/messages.py).
+MESSAGES = {
+    "model", "messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p",
+    "top_k", "stream", "tools", "tool_choice", "cache_salt", "chat_template_kwargs",
+}  # fmt: skip
+#: Each API's path and honoured fields.
+APIS = {
+    "/v1/completions": COMPLETIONS,
+    "/v1/chat/completions": CHAT,
+    "/v1/responses": RESPONSES,
+    "/v1/messages": MESSAGES,
+}
 
 #: Accepted with any value: they describe the caller or hint at caching, and change no token.
 ACCEPTED: dict[str, str] = {
@@ -36,16 +59,19 @@ ACCEPTED: dict[str, str] = {
     "prompt_cache_key": "pdserve finds shared prefixes by their tokens",
     "prompt_cache_retention": "pdserve keeps prefixes while the store has room",
     "stream_interval": "pdserve streams each token as it comes",
+    "user_profile_id": "an end-user id for the caller's records",
+    "workspace_id": "the caller's records",
+    "diagnostics": "the caller's records",
 }
 
 #: Refused unless they hold one of these values (their defaults in OpenAI's or vLLM's model):
 #: name -> (accepted values, why the others are refused).
 REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "tools": ((None, []), "no tool calling (no tool parser)"),
-    "tool_choice": ((None, "none"), "no tool calling (no tool parser)"),
-    "parallel_tool_calls": ((None, True, False), "no tool calling (no tool parser)"),
-    "functions": ((None, []), "no function calling (no tool parser)"),
-    "function_call": ((None, "none"), "no function calling (no tool parser)"),
+    "tools": ((None, []), "tools are a chat completions field"),
+    "tool_choice": ((None, "none"), "tools are a chat completions field"),
+    "parallel_tool_calls": ((None, True, False), "tools are a chat completions field"),
+    "functions": ((None, []), "deprecated by OpenAI: use tools"),
+    "function_call": ((None, "none"), "deprecated by OpenAI: use tools and tool_choice"),
     "best_of": ((None, 1), "best_of > 1 is not supported (as in vLLM V1); use n"),
     "use_beam_search": ((None, False), "no beam search (as in vLLM V1's OpenAI server)"),
     "length_penalty": ((None, 1, 1.0), "beam search only"),
@@ -71,9 +97,9 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "guided_grammar": ((None,), "not implemented"),
     "chat_template": ((None,), "the model's own chat template only"),
     "documents": ((None, []), "no retrieval-augmented templates"),
-    "include_reasoning": ((None, True), "no reasoning parser"),
-    "reasoning_effort": ((None,), "no reasoning parser"),
-    "thinking_token_budget": ((None,), "no reasoning parser"),
+    "include_reasoning": ((None, True), "a chat completions and responses field"),
+    "reasoning_effort": ((None,), "not implemented (set chat_template_kwargs)"),
+    "thinking_token_budget": ((None,), "not implemented"),
     "verbosity": ((None,), "not implemented"),
     "web_search_options": ((None,), "no web search"),
     "moderation": ((None,), "no moderation"),
@@ -95,14 +121,35 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "watermarking": ((None,), "not implemented"),
     "repetition_detection": ((None,), "not implemented"),
     "routed_experts_prompt_start": ((None, 0), "not implemented"),
+    # /v1/responses
+    "prompt": ((None,), "no stored prompt templates"),
+    "include": ((None, []), "no extra output data"),
+    "background": ((None, False), "no background responses"),
+    "background_options": ((None,), "no background responses"),
+    "conversation": ((None,), "no conversations: use previous_response_id"),
+    "context_management": ((None,), "not implemented"),
+    "max_tool_calls": ((None,), "not implemented"),
+    "truncation": ((None, "disabled"), "an input over the context is refused"),
+    "reasoning": ((None,), "no reasoning effort (a reasoning parser only splits the output)"),
+    "access_programs": ((None,), "not implemented"),
+    "image": ((None,), "text only"),
+    "previous_input_messages": ((None,), "use previous_response_id"),
+    "enable_response_messages": ((None, False), "not implemented"),
+    # /v1/messages
+    "thinking": ((None,), "no thinking blocks"),
+    "container": ((None,), "no code execution"),
+    "output_config": ((None,), "use tools and tool_choice"),
+    "cache_control": ((None,), "pdserve finds shared prefixes by their tokens"),
+    "inference_geo": ((None,), "one location"),
+    "speed": ((None,), "one speed"),
 }
 
 
-def check_fields(body: dict[str, Any], *, chat: bool) -> None:
-    """Refuses (400, naming the field) a field the API does not have, and a field pdserve does
-    not implement set to anything but its default."""
-    honoured = CHAT if chat else COMPLETIONS
-    api = "/v1/chat/completions" if chat else "/v1/completions"
+def check_fields(body: dict[str, Any], *, chat: bool = False, api: str = "") -> None:
+    """Refuses (400, naming the field) a field the API (``api``, else chat or completions) does
+    not have, and a field pdserve does not implement set to anything but its default."""
+    api = api or ("/v1/chat/completions" if chat else "/v1/completions")
+    honoured = APIS[api]
     for name, value in body.items():
         if name in honoured or name in ACCEPTED:
             continue
@@ -115,8 +162,7 @@ def check_fields(body: dict[str, Any], *, chat: bool) -> None:
                     param=name,
                 )
             continue
-        other = COMPLETIONS if chat else CHAT
-        if name in other:
+        if any(name in fields for fields in APIS.values()):
             raise InvalidArgument(f"{name}: not a field of {api}", param=name)
         known = sorted(honoured | ACCEPTED.keys() | REFUSED.keys())
         raise InvalidArgument(

@@ -1,6 +1,9 @@
 """OpenAI-compatible HTTP API (aiohttp): /v1/completions, /v1/chat/completions (SSE streaming
-and not); the endpoints that describe the server (/v1/models, /tokenize, /version, /health,
-/metrics, ...) are :mod:`~pdserve.services.router.openai_info`'s.
+and not; a chat request with tools or a reasoning parser is answered by
+:mod:`~pdserve.services.router.api.chat_http`); /v1/responses and /v1/messages (Anthropic's
+shape) are :mod:`~pdserve.services.router.api`'s; the endpoints that describe the server
+(/v1/models, /tokenize, /version, /health, /metrics, ...) are
+:mod:`~pdserve.services.router.openai_info`'s.
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` with 400 (bad
 input), 401 (no or a wrong API key), 404 (unknown model), 429 (admission refused, or too many
@@ -40,6 +43,8 @@ from aiohttp import web
 from pdserve import auth, errors
 from pdserve.requests import TokenLogprob
 from pdserve.services.router import openai_info
+from pdserve.services.router.api import chat_http, messages, responses
+from pdserve.services.router.api.chat_run import ChatRun
 from pdserve.services.router.frontend import Frontend, openai_n
 from pdserve.services.router.openai_errors import (
     error_body,
@@ -112,6 +117,8 @@ def make_app(
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     openai_info.add_routes(app, fe)
+    responses.add_routes(app, fe)
+    messages.add_routes(app, fe)
     return app
 
 
@@ -126,7 +133,7 @@ async def _generate(fe: Frontend, request: web.Request, *, chat: bool) -> web.St
     try:
         # Tokenizing a long prompt takes a while: off the event loop, so /health and other
         # requests keep being answered meanwhile.
-        reqs = await asyncio.to_thread(fe.from_openai, body, chat=chat)
+        reqs, parse = await asyncio.to_thread(fe.from_openai_parsed, body, chat=chat)
     except Exception as exc:
         return error_response(exc)
     rid = reqs[0].request_id
@@ -145,6 +152,14 @@ async def _generate(fe: Frontend, request: web.Request, *, chat: bool) -> web.St
         "created": int(time.time()),
         "model": fe.limits.model,
     }
+    if parse is not None:  # tools or a reasoning parser: the answer is parsed
+        try:
+            run = await ChatRun.open(fe, reqs[0], parse)
+        except Exception as exc:
+            return error_response(exc, headers)
+        return await chat_http.answer(
+            request, run, meta, headers, stream=stream, usage=usage_in_stream
+        )
     n = openai_n(body)
     echo = bool(body.get("echo")) and not chat
     out = _Output(

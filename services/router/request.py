@@ -8,6 +8,7 @@ workers.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -63,9 +64,11 @@ def check_model(model: str, limits: Limits) -> None:
     validation.check_model(model, limits.model)
 
 
-def check_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
+def check_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Validated ``{role, content}`` dicts with role names; a role may be the OpenAI string
-    or the gRPC ``ChatRole`` enum value."""
+    or the gRPC ``ChatRole`` enum value. An assistant message may carry ``tool_calls`` (then
+    its content may be null) and a tool message its ``tool_call_id``, passed to the chat
+    template as vLLM passes them."""
     if not messages:
         raise InvalidArgument("messages must not be empty", param="messages")
     out = []
@@ -100,12 +103,60 @@ def check_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
                     )
                 parts.append(part["text"])
             content = "".join(parts)
+        calls = _tool_calls(m.get("tool_calls"), role, i)
+        if content is None and calls:
+            content = ""  # an assistant turn that only called tools
         if not isinstance(content, str):
             raise InvalidArgument(
                 f"messages[{i}].content must be a string or text parts",
                 param=f"messages[{i}].content",
             )
-        out.append({"role": role, "content": content})
+        msg: dict[str, Any] = {"role": role, "content": content}
+        if calls:
+            msg["tool_calls"] = calls
+        call_id = m.get("tool_call_id")
+        if call_id is not None:
+            if role != "tool" or not isinstance(call_id, str):
+                raise InvalidArgument(
+                    f"messages[{i}].tool_call_id must be a string, on a tool message only",
+                    param=f"messages[{i}].tool_call_id",
+                )
+            msg["tool_call_id"] = call_id
+        out.append(msg)
+    return out
+
+
+def _tool_calls(calls: Any, role: str, i: int) -> list[dict[str, Any]]:
+    """An assistant message's validated ``tool_calls`` as chat templates take them (vLLM's
+    way: each call's JSON ``arguments`` string parsed into an object)."""
+    if calls is None:
+        return []
+    where = f"messages[{i}].tool_calls"
+    if role != "assistant" or not isinstance(calls, list):
+        raise InvalidArgument(f"{where} must be a list, on an assistant message only", param=where)
+    out = []
+    for k, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        args = fn.get("arguments") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or not name or not isinstance(args, str):
+            raise InvalidArgument(
+                f"{where}[{k}] must be {{id, type: function, function: {{name, arguments}}}} "
+                "with arguments a JSON string",
+                param=where,
+            )
+        try:
+            parsed = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise InvalidArgument(
+                f"{where}[{k}].function.arguments is not valid JSON: {args!r:.80}", param=where
+            ) from None
+        call_id = call.get("id", "")
+        if not isinstance(call_id, str):
+            raise InvalidArgument(f"{where}[{k}].id must be a string", param=where)
+        out.append(
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": parsed}}
+        )
     return out
 
 

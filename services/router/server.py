@@ -17,6 +17,8 @@ from pdserve.discovery import leave, register_service
 from pdserve.identity import advertised
 from pdserve.model.fingerprint import model_revision
 from pdserve.services.router.admission import Admission
+from pdserve.services.router.api.parsers import ParserConfig, Parsers
+from pdserve.services.router.api.responses_store import ResponseStore
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.engine_events import EngineCaches, parse_engine_events
 from pdserve.services.router.fingerprint import FingerprintSource
@@ -167,8 +169,17 @@ def build(cfg: RouterConfig, tokenizer=None) -> Frontend:
                 MasterQuarantine(cfg.store_master) if cfg.store_backend == "pdserve" else None
             ),
         )
+    parsers = Parsers(ParserConfig(cfg.tool_call_parser, cfg.reasoning_parser), folder)
+    if cfg.tool_call_parser or cfg.reasoning_parser:
+        parsers.check()  # an unknown parser name stops the start, not the first request
     return Frontend(
-        tokenizer=tokenizer, limits=limits, orchestrator=orch, pool=pool, engines=engines
+        tokenizer=tokenizer,
+        limits=limits,
+        orchestrator=orch,
+        pool=pool,
+        engines=engines,
+        parsers=parsers,
+        responses=ResponseStore(cfg.responses_max_stored, cfg.responses_ttl_s),
     )
 
 

@@ -157,7 +157,7 @@ BAD_HTTP = [
         {
             "model": "tiny",
             "messages": [{"role": "user", "content": "hi"}],
-            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tools": [{"type": "function", "function": {"description": "no name"}}],
         },
         "tools",
     ),
