@@ -81,7 +81,9 @@ class Parsers:
                     with_tools = ParserManager.get_parser(
                         tool_parser_name=cfg.tool_call_parser or JSON_PATH_PARSER,
                         reasoning_parser_name=cfg.reasoning_parser or None,
-                        enable_auto_tools=bool(cfg.tool_call_parser),
+                        # the class exists only with auto tools; auto itself is refused
+                        # below when no tool_call_parser is configured
+                        enable_auto_tools=True,
                         tokenizer=tok,
                     )
                     plain = (
@@ -102,9 +104,10 @@ class Parsers:
         (or ``tool_choice`` none) and no reasoning parser."""
         tools = body.get("tools")
         choice = body.get("tool_choice")
+        for name in ("parallel_tool_calls", "include_reasoning"):
+            if body.get(name) not in (None, True, False):
+                raise InvalidArgument(f"{name} must be a boolean", param=name)
         if tools is None and choice is None and not self.reasoning:
-            if body.get("parallel_tool_calls") not in (None, True, False):
-                raise InvalidArgument("parallel_tool_calls must be a boolean", param="tools")
             return None
         fields = {
             k: body[k]
@@ -149,9 +152,13 @@ def _vllm_request(fields: dict[str, Any]) -> Any:
     naming the field."""
     from pydantic import ValidationError
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.exceptions import VLLMValidationError
 
     try:
         return ChatCompletionRequest.model_validate({"model": "", "messages": [], **fields})
+    except VLLMValidationError as exc:
+        param = (exc.parameter or "tools").split(".")[0]
+        raise InvalidArgument(f"{param}: {exc.args[0]}", param=param) from None
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err.get("loc", ()) if p not in ("function-after",))
