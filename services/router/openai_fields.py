@@ -121,7 +121,9 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "watermarking": ((None,), "not implemented"),
     "repetition_detection": ((None,), "not implemented"),
     "routed_experts_prompt_start": ((None, 0), "not implemented"),
-    # /v1/responses
+    # /v1/responses (fields the chat endpoints honour, not implemented here)
+    "top_logprobs": ((None, 0), "no logprobs in /v1/responses output; use chat completions"),
+    "stream_options": ((None,), "not implemented in /v1/responses"),
     "prompt": ((None,), "no stored prompt templates"),
     "include": ((None, []), "no extra output data"),
     "background": ((None, False), "no background responses"),
