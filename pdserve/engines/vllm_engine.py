@@ -403,9 +403,11 @@ class VllmEngine(Engine):
         async for ids, out in self._run(_vllm_id(request_id), prompt, params, cache_salt):
             last = out
             now = (time.perf_counter() - t0) * 1e3
-            # a stop token id (vLLM: stop_reason is the id) ends the output without text
+            # a stop token id (vLLM: stop_reason is the id) ends the output without text, and
+            # so does EOS (finish stop, no stop reason), also with skip_special_tokens false
             stop_id = out.finished and isinstance(out.outputs[0].stop_reason, int)
-            pieces = "".join(text.add(t) for t in (ids[:-1] if stop_id else ids))
+            eos = out.finished and out.outputs[0].finish_reason == "stop" and not stop_id
+            pieces = "".join(text.add(t) for t in (ids[:-1] if stop_id or eos else ids))
             finish = None
             if text.stopped:
                 finish = Finish.STOP
