@@ -68,7 +68,8 @@ FINISH = {
 
 
 def _require_key(keys: Tenants, metrics_need_key: bool, failures: auth.KeyFailures | None):
-    """401 in the OpenAI error shape for a request without ``key``, 429 (with Retry-After)
+    """401 in the OpenAI error shape for a request without ``key`` (``Authorization: Bearer``,
+    or Anthropic's ``x-api-key``), 429 (with Retry-After)
     for every request from an address ``failures`` holds back after too many wrong keys
     (/health is open, and /metrics unless ``metrics_need_key``)."""
     open_paths = {"/health"} | (set() if metrics_need_key else {"/metrics"})
@@ -78,6 +79,8 @@ def _require_key(keys: Tenants, metrics_need_key: bool, failures: auth.KeyFailur
         if request.path in open_paths:
             return await handler(request)
         header = request.headers.get("Authorization")
+        if header is None and "x-api-key" in request.headers:  # Anthropic's clients
+            header = f"Bearer {request.headers['x-api-key']}"
         why, wait = auth.refusal(header, keys, request.remote or "", failures)
         if wait:
             retry = {"Retry-After": str(math.ceil(wait))}
