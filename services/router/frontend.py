@@ -202,22 +202,8 @@ class Frontend:
         extra = _openai_sampling(body, chat=chat)
         salt = rq.tenant_salt(body.get("cache_salt"))
         parse = self._chat_parse(body) if chat else None
-        if parse is not None and parse.parser is not None:
-            if n != 1:
-                raise InvalidArgument(
-                    "n must be 1 with tools or a reasoning parser (each answer is parsed)",
-                    param="n",
-                )
-            if parse.json_schema and ("json_schema" in extra or "json_object" in extra):
-                raise InvalidArgument(
-                    "response_format and a required or named tool_choice cannot both constrain "
-                    "the output",
-                    param="response_format",
-                )
-            if parse.json_schema:
-                extra["json_schema"] = parse.json_schema
-            if not parse.skip_special_tokens:
-                extra["skip_special_tokens"] = False
+        if parse is not None:
+            parse.constrain(extra, n)
         if chat:
             tools = parse.template_tools if parse is not None else None
             prompts = [self.chat_ids(body.get("messages"), limits, body, tools=tools)]

@@ -121,10 +121,7 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "watermarking": ((None,), "not implemented"),
     "repetition_detection": ((None,), "not implemented"),
     "routed_experts_prompt_start": ((None, 0), "not implemented"),
-    # /v1/responses (fields the chat endpoints honour, not implemented here)
-    "top_logprobs": ((None, 0), "no logprobs in /v1/responses output; use chat completions"),
-    "stream_options": ((None,), "not implemented in /v1/responses"),
-    "prompt": ((None,), "no stored prompt templates"),
+    # /v1/responses
     "include": ((None, []), "no extra output data"),
     "background": ((None, False), "no background responses"),
     "background_options": ((None,), "no background responses"),
@@ -147,16 +144,32 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 
+#: Refused by one API only, where another honours the same name: API -> ``REFUSED``'s form.
+REFUSED_IN: dict[str, dict[str, tuple[tuple[Any, ...], str]]] = {
+    "/v1/responses": {
+        "prompt": ((None,), "no stored prompt templates"),
+        "top_logprobs": ((None, 0), "no logprobs in /v1/responses output; use chat completions"),
+        "stream_options": ((None,), "not implemented in /v1/responses"),
+    },
+}
+
+
+def known(api: str) -> set[str]:
+    """Every field name ``api`` honours, accepts or refuses with a reason."""
+    return APIS[api] | ACCEPTED.keys() | REFUSED.keys() | REFUSED_IN.get(api, {}).keys()
+
+
 def check_fields(body: dict[str, Any], *, chat: bool = False, api: str = "") -> None:
     """Refuses (400, naming the field) a field the API (``api``, else chat or completions) does
     not have, and a field pdserve does not implement set to anything but its default."""
     api = api or ("/v1/chat/completions" if chat else "/v1/completions")
     honoured = APIS[api]
+    refused = {**REFUSED, **REFUSED_IN.get(api, {})}
     for name, value in body.items():
         if name in honoured or name in ACCEPTED:
             continue
-        if name in REFUSED:
-            off, why = REFUSED[name]
+        if name in refused:
+            off, why = refused[name]
             if not any(value == v and type(value) is type(v) for v in off):
                 raise InvalidArgument(
                     f"{name}: not supported by this server ({why}; got {value!r:.100}); "

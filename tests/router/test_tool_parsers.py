@@ -176,3 +176,16 @@ def test_reasoning_parser_on_crafted_text(smollm2):
 def test_an_unknown_parser_name_fails_the_check(smollm2):
     with pytest.raises(ValueError, match="nope"):
         Parsers(ParserConfig(tool_call_parser="nope"), smollm2).check()
+
+
+def test_a_parsed_request_constrains_the_sampling_once(no_parser):
+    parse = no_parser.for_chat({"tools": [WEATHER], "tool_choice": "required"})
+    sampling: dict = {}
+    parse.constrain(sampling, 1)
+    assert sampling["json_schema"] == parse.json_schema
+    with pytest.raises(InvalidArgument, match="n must be 1") as info:
+        parse.constrain({}, 2)
+    assert info.value.param == "n"
+    with pytest.raises(InvalidArgument, match="cannot both") as info:
+        parse.constrain({"json_object": True}, 1)
+    assert info.value.param == "response_format"

@@ -183,6 +183,27 @@ class ChatParse:
     #: Tool calls found so far (:meth:`delta`), for the streamed finish_reason.
     streamed_calls: int = field(default=0)
 
+    def constrain(self, sampling: dict[str, Any], n: int) -> None:
+        """Adds what the workers must enforce to the request's ``sampling`` keywords (its
+        ``json_schema`` and ``skip_special_tokens``); 400 when the request also asks ``n`` > 1
+        or a ``response_format`` (both would constrain the output)."""
+        if self.parser is None:
+            return
+        if n != 1:
+            raise InvalidArgument(
+                "n must be 1 with tools or a reasoning parser (each answer is parsed)", param="n"
+            )
+        if self.json_schema:
+            if "json_schema" in sampling or "json_object" in sampling:
+                raise InvalidArgument(
+                    "response_format and a required or named tool_choice cannot both constrain "
+                    "the output",
+                    param="response_format",
+                )
+            sampling["json_schema"] = self.json_schema
+        if not self.skip_special_tokens:
+            sampling["skip_special_tokens"] = False
+
     @property
     def required(self) -> bool:
         return self.request.tool_choice == "required"
