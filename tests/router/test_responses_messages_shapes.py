@@ -215,3 +215,38 @@ def test_every_vllm_responses_and_messages_field_is_known_and_its_default_passes
         for name, info in fields.items():
             if name in refused and info.default is not PydanticUndefined:
                 check_fields({name: info.default}, api=api)
+
+
+def test_chat_history_with_tool_calls_and_results():
+    from pdserve.services.router.request import check_messages
+
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    msgs = check_messages(
+        [
+            {"role": "user", "content": "add"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "1"},
+        ]
+    )
+    assert msgs[1] == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 1}}}
+        ],
+    }  # arguments as an object for the template, as vLLM passes them
+    assert msgs[2] == {"role": "tool", "content": "1", "tool_call_id": "c1"}
+    bad_calls = [
+        ({"role": "assistant", "content": "", "tool_calls": {}}, "messages[0].tool_calls"),
+        ({"role": "user", "content": "", "tool_calls": [call]}, "messages[0].tool_calls"),
+        ({"role": "assistant", "tool_calls": [{"function": {"name": "add"}}]}, "tool_calls"),
+        (
+            {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]},
+            "not valid JSON",
+        ),
+        ({"role": "user", "content": "x", "tool_call_id": "c1"}, "tool_call_id"),
+        ({"role": "assistant", "content": None}, "messages[0].content"),
+    ]
+    for message, words in bad_calls:
+        with pytest.raises(InvalidArgument, match=words.replace("[", r"\[")):
+            check_messages([message])
