@@ -89,3 +89,26 @@ def test_messages_shapes_and_anthropic_key_header(tiny_model_dir):
         assert "content_block_delta" in events
 
     _run(tiny_model_dir, steps, api_key=KEY)
+
+
+def test_a_tenant_finds_only_its_own_responses(tiny_model_dir, tmp_path):
+    ka, kb = "a" * 16 + "-alpha-key", "b" * 16 + "-beta-key"
+    keys = tmp_path / "tenants"
+    keys.write_text(f"alpha {ka}\nbeta {kb}\n")
+
+    async def steps(http: aiohttp.ClientSession, dec: FakeDecode):
+        alpha, beta = ({"Authorization": f"Bearer {k}"} for k in (ka, kb))
+        body = {"model": "tiny", "input": "hello", "max_output_tokens": 2}
+        async with http.post("/v1/responses", json=body, headers=alpha) as resp:
+            rid = (await resp.json())["id"]
+        async with http.get(f"/v1/responses/{rid}", headers=alpha) as resp:
+            assert resp.status == 200
+        async with http.get(f"/v1/responses/{rid}", headers=beta) as resp:
+            assert resp.status == 404
+        more = {**body, "previous_response_id": rid}
+        async with http.post("/v1/responses", json=more, headers=beta) as resp:
+            assert resp.status == 404
+        async with http.post("/v1/responses", json=more, headers=alpha) as resp:
+            assert resp.status == 200
+
+    _run(tiny_model_dir, steps, tenant_keys_file=str(keys))

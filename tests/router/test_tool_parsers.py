@@ -186,6 +186,8 @@ def test_a_parsed_request_constrains_the_sampling_once(no_parser):
     with pytest.raises(InvalidArgument, match="n must be 1") as info:
         parse.constrain({}, 2)
     assert info.value.param == "n"
+    with pytest.raises(InvalidArgument, match="logprobs") as info:
+        parse.constrain({"logprobs": 0}, 1)
     with pytest.raises(InvalidArgument, match="cannot both") as info:
         parse.constrain({"json_object": True}, 1)
     assert info.value.param == "response_format"

@@ -185,13 +185,20 @@ class ChatParse:
 
     def constrain(self, sampling: dict[str, Any], n: int) -> None:
         """Adds what the workers must enforce to the request's ``sampling`` keywords (its
-        ``json_schema`` and ``skip_special_tokens``); 400 when the request also asks ``n`` > 1
-        or a ``response_format`` (both would constrain the output)."""
+        ``json_schema`` and ``skip_special_tokens``); 400 when the request also asks ``n`` > 1,
+        logprobs (not implemented here) or a ``response_format`` (both would constrain the
+        output)."""
         if self.parser is None:
             return
         if n != 1:
             raise InvalidArgument(
                 "n must be 1 with tools or a reasoning parser (each answer is parsed)", param="n"
+            )
+        if sampling.get("logprobs") is not None:
+            raise InvalidArgument(
+                "logprobs: not supported with tools or a reasoning parser (not implemented); "
+                "leave it unset",
+                param="logprobs",
             )
         if self.json_schema:
             if "json_schema" in sampling or "json_object" in sampling:

@@ -3,8 +3,8 @@ GET /v1/responses/{id}, over the chat path (:mod:`.responses_input` turns the bo
 request, :class:`~.chat_run.ChatRun` runs it), so a response's text is the chat endpoint's
 token for token. Output items: ``reasoning`` (with a reasoning parser), one ``message`` with
 an ``output_text`` part, and a ``function_call`` per tool call. An answer is kept for
-``previous_response_id`` in the router's bounded memory (:mod:`.responses_store`) unless the
-request says ``store: false``. Errors are OpenAI's shape (:mod:`..openai_errors`); an error
+``previous_response_id`` in the router's bounded memory (:mod:`.responses_store`), for the
+tenant that created it only, unless the request says ``store: false``. Errors are OpenAI's shape (:mod:`..openai_errors`); an error
 after the stream began is an ``error`` event.
 
 Streaming events, in order: ``response.created``, ``response.in_progress``; per output item
@@ -24,7 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
-from pdserve import errors
+from pdserve import errors, tenants
 from pdserve.services.router.api.chat_run import ChatRun, Turn
 from pdserve.services.router.api.responses_input import chat_body
 from pdserve.services.router.api.responses_store import ResponseStore
@@ -41,13 +41,19 @@ def add_routes(app: web.Application, fe: Frontend) -> None:
 
     async def retrieve(request: web.Request) -> web.StreamResponse:
         try:
-            item = store.get(request.match_info["id"], param="response_id")
+            item = store.get(_own(request.match_info["id"]), param="response_id")
         except errors.NotFound as exc:
             return error_response(exc)
         return web.json_response(item.response)
 
     app.router.add_post("/v1/responses", create)
     app.router.add_get("/v1/responses/{id}", retrieve)
+
+
+def _own(rid: str) -> str:
+    """The store key of response ``rid`` for the request's tenant: a tenant finds only its own
+    responses (another's id is unknown to it: 404)."""
+    return f"{tenants.current.get()}\x00{rid}"
 
 
 def _id(prefix: str) -> str:
@@ -63,7 +69,7 @@ async def _create(fe: Frontend, store: ResponseStore, request: web.Request) -> w
             raise errors.InvalidArgument(
                 "previous_response_id must be a string", param="previous_response_id"
             )
-        history = store.get(prev).messages if prev else []
+        history = store.get(_own(prev)).messages if prev else []
         chat, conversation = chat_body(body, history)
         header_id = request.headers.get(REQUEST_ID_HEADER, "")
         if header_id and not chat.get("request_id"):
@@ -83,7 +89,7 @@ async def _create(fe: Frontend, store: ResponseStore, request: web.Request) -> w
 
     def remember(response: dict[str, Any], turn: Turn) -> None:
         if keep:
-            store.put(shape.id, [*conversation, _assistant(turn)], response)
+            store.put(_own(shape.id), [*conversation, _assistant(turn)], response)
 
     if not stream:
         turn = await run.whole()
