@@ -134,6 +134,7 @@ def test_tools_reach_the_template_and_none_parses_nothing(hermes):
     assert parse.parser is None and parse.template_tools == [WEATHER]
     assert parse.parse(HERMES_CALL, []) == (None, HERMES_CALL, [])
     assert hermes.for_chat({}) is None  # no tools, no reasoning parser: plain chat
+    assert hermes.for_chat({"tool_choice": "none", "parallel_tool_calls": False}) is None
 
 
 @pytest.mark.parametrize(

@@ -107,8 +107,8 @@ class Parsers:
         for name in ("parallel_tool_calls", "include_reasoning"):
             if body.get(name) not in (None, True, False):
                 raise InvalidArgument(f"{name} must be a boolean", param=name)
-        if tools is None and choice is None and not self.reasoning:
-            return None
+        if tools is None and choice in (None, "none") and not self.reasoning:
+            return None  # nothing to render or parse (vLLM is not even loaded)
         fields = {
             k: body[k]
             for k in ("tools", "tool_choice", "parallel_tool_calls", "include_reasoning")
