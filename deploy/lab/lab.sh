@@ -86,7 +86,7 @@ pdserve lab up in $(($(date +%s) - start)) s (project $PROJECT; workers: $worker
   try: curl -s 127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
          -H "Authorization: Bearer \$(sed -n 's/^PDSERVE_API_KEY=//p' $ENV_FILE)" \\
          -d '{"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 32}'
-  shape links: deploy/lab/shape.sh --delay 1ms --rate 1gbit --loss 0.1   stop: make lab-down
+  shape links: deploy/lab/shape.sh --delay 1 --rate 1gbit --loss 0.1 (ms, rate, %)   stop: make lab-down
 MSG
     ;;
   down)  # every profile's services, whichever were on

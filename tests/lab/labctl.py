@@ -105,7 +105,7 @@ def metric(service: str, name: str, labels: str = "") -> float:
     """Sum of ``name`` samples (whose labels contain ``labels``) on ``service``'s /metrics."""
     text = docker(
         "exec", container(service), "curl", "-sf",
-        "-H", f"Authorization: Bearer {api_key()}", "http://127.0.0.1:9100/metrics",
+        "-H", f"Authorization: Bearer {api_key()}", f"http://{service}:9100/metrics",
     )  # fmt: skip
     total = 0.0
     for line in text.splitlines():
