@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Shapes the links between the lab's containers like a datacenter's: a `tc netem` qdisc on each
-# container's eth0 (its egress), set from the host inside the container's network namespace
-# (nsenter; the images carry no tc). Every container-to-container packet crosses two of them
-# (the sender's): a delay of D ms adds D per direction, 2*D per round trip.
+# Shapes the links between the lab's containers like a datacenter's: a qdisc on each container's
+# eth0 (its egress), set from the host inside the container's network namespace (nsenter; the
+# images carry no tc): `netem` for a delay or loss (with the rate), `tbf` for a rate alone.
+# A container-to-container packet crosses the sender's: a delay of D ms adds D per direction,
+# 2*D per round trip. Kernels without sch_netem (some VMs) take --rate alone only.
 #
 #   deploy/lab/shape.sh [--delay MS] [--rate RATE] [--loss PCT] [SERVICE...]
 #   deploy/lab/shape.sh --clear [SERVICE...]
@@ -26,11 +27,15 @@ while (($#)); do
     *) services+=("$1"); shift ;;
   esac
 done
-netem=()
-[[ -n $delay ]] && netem+=(delay "${delay}ms")
-[[ -n $rate ]] && netem+=(rate "$rate")
-[[ -n $loss ]] && netem+=(loss "${loss}%")
-if [[ $mode == set && ${#netem[@]} -eq 0 ]]; then
+qdisc=()
+[[ -n $delay ]] && qdisc+=(delay "${delay}ms")
+[[ -n $loss ]] && qdisc+=(loss "${loss}%")
+if ((${#qdisc[@]})); then
+  qdisc=(netem "${qdisc[@]}")
+  [[ -n $rate ]] && qdisc+=(rate "$rate")
+elif [[ -n $rate ]]; then
+  qdisc=(tbf rate "$rate" burst 256kb latency 100ms)
+elif [[ $mode == set ]]; then
   echo "shape: give --delay, --rate and/or --loss (or --clear, --show)" >&2
   exit 2
 fi
@@ -53,9 +58,16 @@ for id in "${ids[@]}"; do
   pid=$("$DOCKER" inspect -f '{{.State.Pid}}' "$id")
   tc=(nsenter -t "$pid" -n tc)
   case $mode in
-    set) "${tc[@]}" qdisc replace dev eth0 root netem "${netem[@]}" ;;
+    set)
+      if ! err=$("${tc[@]}" qdisc replace dev eth0 root "${qdisc[@]}" 2>&1); then
+        [[ $err == *"qdisc kind is unknown"* ]] &&
+          err="$err (this kernel has no sch_${qdisc[0]}: --delay and --loss need netem; --rate alone uses tbf)"
+        echo "shape: $name: $err" >&2
+        exit 1
+      fi
+      ;;
     clear)
-      if "${tc[@]}" qdisc show dev eth0 | grep -q netem; then
+      if "${tc[@]}" qdisc show dev eth0 | grep -qE 'qdisc (netem|tbf)'; then
         "${tc[@]}" qdisc del dev eth0 root
       fi
       ;;

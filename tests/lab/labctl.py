@@ -37,10 +37,9 @@ def lab(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(LAB), *args], capture_output=True, text=True, timeout=1200)
 
 
-def shape(*args: str) -> str:
-    res = subprocess.run(["bash", str(SHAPE), *args], capture_output=True, text=True, timeout=60)
-    assert res.returncode == 0, res.stderr
-    return res.stdout
+def shape(*args: str) -> subprocess.CompletedProcess:
+    """deploy/lab/shape.sh ARGS, output captured."""
+    return subprocess.run(["bash", str(SHAPE), *args], capture_output=True, text=True, timeout=60)
 
 
 def api_key() -> str:

@@ -121,18 +121,29 @@ def _ttft(router, model, salt: str) -> tuple[float, float]:
     return cold.ttft_s * 1000, warm.ttft_s * 1000
 
 
+#: netem's delay and loss with a rate; a kernel without sch_netem (this project's VMs) takes
+#: the rate alone (tbf)
+SHAPES = (["--delay", "1", "--rate", "1gbit", "--loss", "0.1"], ["--rate", "1gbit"])
+
+
 def test_ttft_of_a_stored_prefix_with_and_without_shaped_links(router, model):
     cold, warm = _ttft(router, model, "unshaped")
     _record("ttft_ms_unshaped", {"cold": round(cold), "stored_prefix": round(warm)})
-    labctl.shape("--delay", "1", "--rate", "1gbit", "--loss", "0.1")
+    assert warm < cold
+    for shaping in SHAPES:
+        res = labctl.shape(*shaping)
+        if res.returncode == 0:
+            break
+        assert "no sch_netem" in res.stderr, res.stderr
+    assert res.returncode == 0, res.stderr
     try:
+        shown = labctl.shape("--show", "decode-0").stdout
+        assert "qdisc netem" in shown or "qdisc tbf" in shown, shown
         cold_s, warm_s = _ttft(router, model, "shaped")
     finally:
-        labctl.shape("--clear")
-    _record(
-        "ttft_ms_shaped_1ms_1gbit_0.1loss", {"cold": round(cold_s), "stored_prefix": round(warm_s)}
-    )
-    assert warm < cold
+        assert labctl.shape("--clear").returncode == 0
+    name = "ttft_ms_shaped_" + "_".join(a.lstrip("-") for a in shaping)
+    _record(name, {"cold": round(cold_s), "stored_prefix": round(warm_s)})
 
 
 class Load:
