@@ -22,6 +22,7 @@ import pytest
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.timeout(1800),  # minutes per kill under load on a busy 2-core machine
     pytest.mark.skipif(
         os.environ.get("PDSERVE_LAB") != "1",
         reason="runs against the docker-compose lab: make lab-test (root, Docker, minutes)",
