@@ -44,7 +44,7 @@ from pdserve import auth, errors
 from pdserve.requests import TokenLogprob
 from pdserve.services.router import openai_info
 from pdserve.services.router.api import chat_http, messages, responses
-from pdserve.services.router.api.chat_run import ChatRun
+from pdserve.services.router.api.chat_run import FINISH, ChatRun
 from pdserve.services.router.frontend import Frontend, openai_n
 from pdserve.services.router.openai_errors import (
     error_body,
@@ -58,13 +58,6 @@ from pdserve.tenants import Tenants
 from pdserve.v1 import common_pb2
 
 log = logging.getLogger(__name__)
-
-FINISH = {
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_EOS: "stop",
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_CANCELLED: "abort",
-}
 
 
 def _require_key(keys: Tenants, metrics_need_key: bool, failures: auth.KeyFailures | None):

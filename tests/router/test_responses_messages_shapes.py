@@ -199,6 +199,8 @@ def test_every_responses_and_messages_field_is_honoured_accepted_or_refused():
         assert set(fields) <= known(api), sorted(set(fields) - known(api))
 
 
+@pytest.mark.slow  # importing vLLM runs a subprocess (cpuinfo's `file`)
+@pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 def test_every_vllm_responses_and_messages_field_is_known_and_its_default_passes():
     from pydantic_core import PydanticUndefined

