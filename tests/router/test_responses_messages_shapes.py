@@ -252,3 +252,23 @@ def test_chat_history_with_tool_calls_and_results():
     for message, words in bad_calls:
         with pytest.raises(InvalidArgument, match=words.replace("[", r"\[")):
             check_messages([message])
+
+
+@pytest.mark.parametrize(
+    "tools",
+    [
+        "get_weather",
+        [],
+        [{"type": "function"}],
+        [{"type": "function", "function": {"name": ""}}],
+        [{"type": "web_search"}],
+        [{"type": "function", "function": {"name": "f", "parameters": "any"}}],
+    ],
+)
+def test_malformed_chat_tools_are_400s_before_vllm_loads(tools, tmp_path):
+    from pdserve.services.router.api.parsers import ParserConfig, Parsers
+
+    parsers = Parsers(ParserConfig(), tmp_path)  # no model there: nothing may be loaded
+    with pytest.raises(InvalidArgument, match="tools") as info:
+        parsers.for_chat({"tools": tools})
+    assert info.value.param == "tools"
