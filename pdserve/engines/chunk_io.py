@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Protocol
 
 import torch
@@ -86,8 +87,11 @@ class ChunkIO:
         self.store = store
         self.fingerprint = fingerprint
         self.digest = fingerprint.digest()
-        #: The fingerprint's labels, sent with every save (the master's namespaces).
-        self.labels = fingerprint.to_labels()
+        #: The labels of the fingerprint whose chain the saves belong to, sent with every save
+        #: (the master's namespaces): rank 0's, on every tensor-parallel rank. A rank's keys
+        #: derive from rank 0's (:func:`pdserve.hashing.rank_key`), and the master keeps one
+        #: fingerprint per chain root: a rank tagging its own refused every TP save.
+        self.labels = replace(fingerprint, tp_rank=0).to_labels()
         self.replicas = replicas
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
