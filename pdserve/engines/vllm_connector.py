@@ -72,7 +72,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from pdserve import telemetry
+from pdserve import hashing, telemetry
 from pdserve.engines import kv_layout
 from pdserve.engines.chunk_io import ChunkIO
 from pdserve.engines.connector_data import (
@@ -245,11 +245,10 @@ class PdserveConnector(KVConnectorBase_V1):
 
     def reset_cache(self) -> bool:
         """vLLM's ``reset_prefix_cache(reset_connector=True)`` reaches the store: every
-        chunk of this engine's fingerprint (each TP rank's) is dropped, when the engine's
-        identity may (admin; :meth:`ChunkIO.drop` logs why not and this answers False)."""
-        fp = self.io.fingerprint
-        ranks = {replace(fp, tp_rank=r).digest().hex() for r in range(fp.tp_size)}
-        return self.io.drop(sorted(ranks))
+        chunk of this engine's fingerprint is dropped (each TP rank's: every rank tags its
+        chunks with rank 0's fingerprint, :attr:`ChunkIO.labels`), when the engine's identity
+        may (admin; :meth:`ChunkIO.drop` logs why not and this answers False)."""
+        return self.io.drop([self.io.labels[hashing.DIGEST_LABEL]])
 
     def shutdown(self) -> None:
         if self._worker is not None:
