@@ -25,45 +25,45 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"B\n\x0b\x43hatMessage\x12\"\n\x04role\x18\x01 \x01(\x0e\x32\x14.pdserve.v1.ChatRole\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x90\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12)\n\x08messages\x18\x05 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12$\n\x04mode\x18\x07 \x01(\x0e\x32\x16.pdserve.v1.DisaggMode\x12\x17\n\ncache_salt\x18\x08 \x01(\tH\x00\x88\x01\x01\x12\t\n\x01n\x18\t \x01(\rB\r\n\x0b_cache_salt\"\x9f\x01\n\x0eGenerateChoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12,\n\x08logprobs\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.OutputLogProbs\"\xa4\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x07 \x01(\x01\x12\x10\n\x08total_ms\x18\x08 \x01(\x01\x12,\n\x08logprobs\x18\t \x01(\x0b\x32\x1a.pdserve.v1.OutputLogProbs\x12+\n\x07\x63hoices\x18\n \x03(\x0b\x32\x1a.pdserve.v1.GenerateChoice\"\x81\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x16\n\x0etoken_times_ms\x18\x04 \x03(\x01\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x15\n\rcached_tokens\x18\x07 \x01(\r\x12,\n\x08logprobs\x18\x08 \x01(\x0b\x32\x1a.pdserve.v1.OutputLogProbs\x12\r\n\x05index\x18\t \x01(\r\"\x13\n\x11ListModelsRequest\"z\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x17\n\x0fprefill_workers\x18\x03 \x01(\r\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x04 \x01(\r\x12\x17\n\x0frefused_workers\x18\x05 \x03(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo\"J\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x16\n\x14GetServerInfoRequest\"\xc0\x02\n\x15GetServerInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x18\n\x10max_tokens_limit\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x0f\n\x07\x65ngines\x18\x05 \x03(\t\x12\x0f\n\x07version\x18\x06 \x01(\t\x12\x12\n\nchunk_size\x18\x07 \x01(\r\x12\x10\n\x08kv_dtype\x18\x08 \x01(\t\x12\x17\n\x0fprefill_workers\x18\t \x01(\r\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\n \x01(\r\x12\x17\n\x0f\x61\x63tive_requests\x18\x0b \x01(\r\x12\x16\n\x0euptime_seconds\x18\x0c \x01(\x01\x12\x13\n\x0bserver_type\x18\r \x01(\t\x12\x14\n\x0cmax_logprobs\x18\x0e \x01(\r*q\n\nDisaggMode\x12\x1b\n\x17\x44ISAGG_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10\x44ISAGG_MODE_READ\x10\x01\x12\x15\n\x11\x44ISAGG_MODE_WRITE\x10\x02\x12\x19\n\x15\x44ISAGG_MODE_COLOCATED\x10\x03*\x95\x01\n\x08\x43hatRole\x12\x19\n\x15\x43HAT_ROLE_UNSPECIFIED\x10\x00\x12\x14\n\x10\x43HAT_ROLE_SYSTEM\x10\x01\x12\x12\n\x0e\x43HAT_ROLE_USER\x10\x02\x12\x17\n\x13\x43HAT_ROLE_ASSISTANT\x10\x03\x12\x17\n\x13\x43HAT_ROLE_DEVELOPER\x10\x04\x12\x12\n\x0e\x43HAT_ROLE_TOOL\x10\x05\x32\xd3\x03\n\rRouterService\x12\x45\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1b.pdserve.v1.GenerateRequest\x1a\".pdserve.v1.GenerateStreamResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponse\x12\x45\n\x08Tokenize\x12\x1b.pdserve.v1.TokenizeRequest\x1a\x1c.pdserve.v1.TokenizeResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12T\n\rGetServerInfo\x12 .pdserve.v1.GetServerInfoRequest\x1a!.pdserve.v1.GetServerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"B\n\x0b\x43hatMessage\x12\"\n\x04role\x18\x01 \x01(\x0e\x32\x14.pdserve.v1.ChatRole\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xa2\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12)\n\x08messages\x18\x05 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12$\n\x04mode\x18\x07 \x01(\x0e\x32\x16.pdserve.v1.DisaggMode\x12\x17\n\ncache_salt\x18\x08 \x01(\tH\x00\x88\x01\x01\x12\t\n\x01n\x18\t \x01(\r\x12\x10\n\x08priority\x18\n \x01(\x05\x42\r\n\x0b_cache_salt\"\x9f\x01\n\x0eGenerateChoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12,\n\x08logprobs\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.OutputLogProbs\"\xa4\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x07 \x01(\x01\x12\x10\n\x08total_ms\x18\x08 \x01(\x01\x12,\n\x08logprobs\x18\t \x01(\x0b\x32\x1a.pdserve.v1.OutputLogProbs\x12+\n\x07\x63hoices\x18\n \x03(\x0b\x32\x1a.pdserve.v1.GenerateChoice\"\x81\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x16\n\x0etoken_times_ms\x18\x04 \x03(\x01\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x15\n\rcached_tokens\x18\x07 \x01(\r\x12,\n\x08logprobs\x18\x08 \x01(\x0b\x32\x1a.pdserve.v1.OutputLogProbs\x12\r\n\x05index\x18\t \x01(\r\"\x13\n\x11ListModelsRequest\"z\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x17\n\x0fprefill_workers\x18\x03 \x01(\r\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x04 \x01(\r\x12\x17\n\x0frefused_workers\x18\x05 \x03(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo\"J\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x16\n\x14GetServerInfoRequest\"\xc0\x02\n\x15GetServerInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x18\n\x10max_tokens_limit\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x0f\n\x07\x65ngines\x18\x05 \x03(\t\x12\x0f\n\x07version\x18\x06 \x01(\t\x12\x12\n\nchunk_size\x18\x07 \x01(\r\x12\x10\n\x08kv_dtype\x18\x08 \x01(\t\x12\x17\n\x0fprefill_workers\x18\t \x01(\r\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\n \x01(\r\x12\x17\n\x0f\x61\x63tive_requests\x18\x0b \x01(\r\x12\x16\n\x0euptime_seconds\x18\x0c \x01(\x01\x12\x13\n\x0bserver_type\x18\r \x01(\t\x12\x14\n\x0cmax_logprobs\x18\x0e \x01(\r*q\n\nDisaggMode\x12\x1b\n\x17\x44ISAGG_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10\x44ISAGG_MODE_READ\x10\x01\x12\x15\n\x11\x44ISAGG_MODE_WRITE\x10\x02\x12\x19\n\x15\x44ISAGG_MODE_COLOCATED\x10\x03*\x95\x01\n\x08\x43hatRole\x12\x19\n\x15\x43HAT_ROLE_UNSPECIFIED\x10\x00\x12\x14\n\x10\x43HAT_ROLE_SYSTEM\x10\x01\x12\x12\n\x0e\x43HAT_ROLE_USER\x10\x02\x12\x17\n\x13\x43HAT_ROLE_ASSISTANT\x10\x03\x12\x17\n\x13\x43HAT_ROLE_DEVELOPER\x10\x04\x12\x12\n\x0e\x43HAT_ROLE_TOOL\x10\x05\x32\xd3\x03\n\rRouterService\x12\x45\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1b.pdserve.v1.GenerateRequest\x1a\".pdserve.v1.GenerateStreamResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponse\x12\x45\n\x08Tokenize\x12\x1b.pdserve.v1.TokenizeRequest\x1a\x1c.pdserve.v1.TokenizeResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12T\n\rGetServerInfo\x12 .pdserve.v1.GetServerInfoRequest\x1a!.pdserve.v1.GetServerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DISAGGMODE']._serialized_start=1861
-  _globals['_DISAGGMODE']._serialized_end=1974
-  _globals['_CHATROLE']._serialized_start=1977
-  _globals['_CHATROLE']._serialized_end=2126
+  _globals['_DISAGGMODE']._serialized_start=1879
+  _globals['_DISAGGMODE']._serialized_end=1992
+  _globals['_CHATROLE']._serialized_start=1995
+  _globals['_CHATROLE']._serialized_end=2144
   _globals['_CHATMESSAGE']._serialized_start=64
   _globals['_CHATMESSAGE']._serialized_end=130
   _globals['_GENERATEREQUEST']._serialized_start=133
-  _globals['_GENERATEREQUEST']._serialized_end=405
-  _globals['_GENERATECHOICE']._serialized_start=408
-  _globals['_GENERATECHOICE']._serialized_end=567
-  _globals['_GENERATERESPONSE']._serialized_start=570
-  _globals['_GENERATERESPONSE']._serialized_end=862
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=865
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1122
-  _globals['_LISTMODELSREQUEST']._serialized_start=1124
-  _globals['_LISTMODELSREQUEST']._serialized_end=1143
-  _globals['_MODELINFO']._serialized_start=1145
-  _globals['_MODELINFO']._serialized_end=1267
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1269
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1328
-  _globals['_TOKENIZEREQUEST']._serialized_start=1330
-  _globals['_TOKENIZEREQUEST']._serialized_end=1404
-  _globals['_TOKENIZERESPONSE']._serialized_start=1406
-  _globals['_TOKENIZERESPONSE']._serialized_end=1459
-  _globals['_ABORTREQUEST']._serialized_start=1461
-  _globals['_ABORTREQUEST']._serialized_end=1495
-  _globals['_ABORTRESPONSE']._serialized_start=1497
-  _globals['_ABORTRESPONSE']._serialized_end=1512
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=1514
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1536
-  _globals['_GETSERVERINFORESPONSE']._serialized_start=1539
-  _globals['_GETSERVERINFORESPONSE']._serialized_end=1859
-  _globals['_ROUTERSERVICE']._serialized_start=2129
-  _globals['_ROUTERSERVICE']._serialized_end=2596
+  _globals['_GENERATEREQUEST']._serialized_end=423
+  _globals['_GENERATECHOICE']._serialized_start=426
+  _globals['_GENERATECHOICE']._serialized_end=585
+  _globals['_GENERATERESPONSE']._serialized_start=588
+  _globals['_GENERATERESPONSE']._serialized_end=880
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=883
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1140
+  _globals['_LISTMODELSREQUEST']._serialized_start=1142
+  _globals['_LISTMODELSREQUEST']._serialized_end=1161
+  _globals['_MODELINFO']._serialized_start=1163
+  _globals['_MODELINFO']._serialized_end=1285
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1287
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1346
+  _globals['_TOKENIZEREQUEST']._serialized_start=1348
+  _globals['_TOKENIZEREQUEST']._serialized_end=1422
+  _globals['_TOKENIZERESPONSE']._serialized_start=1424
+  _globals['_TOKENIZERESPONSE']._serialized_end=1477
+  _globals['_ABORTREQUEST']._serialized_start=1479
+  _globals['_ABORTREQUEST']._serialized_end=1513
+  _globals['_ABORTRESPONSE']._serialized_start=1515
+  _globals['_ABORTRESPONSE']._serialized_end=1530
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=1532
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=1554
+  _globals['_GETSERVERINFORESPONSE']._serialized_start=1557
+  _globals['_GETSERVERINFORESPONSE']._serialized_end=1877
+  _globals['_ROUTERSERVICE']._serialized_start=2147
+  _globals['_ROUTERSERVICE']._serialized_end=2614
 # @@protoc_insertion_point(module_scope)

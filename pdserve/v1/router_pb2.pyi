@@ -43,7 +43,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[_Union[ChatRole, str]] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt", "prompt_token_ids", "messages", "sampling", "mode", "cache_salt", "n")
+    __slots__ = ("request_id", "model", "prompt", "prompt_token_ids", "messages", "sampling", "mode", "cache_salt", "n", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class GenerateRequest(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt: str
@@ -62,7 +63,8 @@ class GenerateRequest(_message.Message):
     mode: DisaggMode
     cache_salt: str
     n: int
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[DisaggMode, str]] = ..., cache_salt: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[DisaggMode, str]] = ..., cache_salt: _Optional[str] = ..., n: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class GenerateChoice(_message.Message):
     __slots__ = ("index", "text", "token_ids", "finish_reason", "logprobs")
