@@ -38,10 +38,12 @@ if [[ ! -x $VENV/bin/python ]]; then
   fi
 fi
 
-# 1. System packages: etcd (meta backend + tests), libibverbs (Mooncake imports it), iproute2.
+# 1. System packages: etcd (meta backend + tests), libibverbs (Mooncake imports it), iproute2,
+#    nginx (the gateway in front of the router in tests/router/test_gateway_nginx.py).
 if [[ "${PDSERVE_SKIP_APT:-0}" != 1 ]]; then
   missing=()
   command -v etcd >/dev/null || missing+=(etcd-server)
+  command -v nginx >/dev/null || [[ -x /usr/sbin/nginx ]] || missing+=(nginx)
   ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || missing+=(libibverbs1)
   command -v ip >/dev/null || missing+=(iproute2)
   if ((${#missing[@]})); then
