@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/engine.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xd6\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x1d\n\x15publish_incrementally\x18\x05 \x01(\x08\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x14\n\x0c\x62ypass_store\x18\x07 \x01(\x08\x12\x10\n\x08priority\x18\x08 \x01(\x05\"\xe4\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12 \n\x02kv\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x04 \x01(\r\x12\x11\n\tworker_ms\x18\x05 \x01(\x01\x12\x1a\n\x12\x66irst_token_is_eos\x18\x06 \x01(\x08\x12\x38\n\x14\x66irst_token_logprobs\x18\x07 \x01(\x0b\x32\x1a.pdserve.v1.OutputLogProbs\"\xab\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12%\n\x02kv\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVHandleH\x00\x88\x01\x01\x12\x1b\n\x0e\x66irst_token_id\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x15\n\rchunk_wait_ms\x18\x07 \x01(\r\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12\x14\n\x0c\x62ypass_store\x18\t \x01(\x08\x12\x10\n\x08priority\x18\n \x01(\x05\x42\x05\n\x03_kvB\x11\n\x0f_first_token_id\"\xf8\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x16\n\x0etoken_times_ms\x18\x04 \x03(\x01\x12\x15\n\rloaded_tokens\x18\x05 \x01(\r\x12\x19\n\x11recomputed_tokens\x18\x06 \x01(\r\x12\x1c\n\x14prefix_cached_tokens\x18\x07 \x01(\r\x12,\n\x08logprobs\x18\x08 \x01(\x0b\x32\x1a.pdserve.v1.OutputLogProbs2T\n\x0ePrefillService\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse2R\n\rDecodeService\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/engine.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xe6\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x1d\n\x15publish_incrementally\x18\x05 \x01(\x08\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x14\n\x0c\x62ypass_store\x18\x07 \x01(\x08\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x0e\n\x06tenant\x18\t \x01(\t\"\xe4\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12 \n\x02kv\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x04 \x01(\r\x12\x11\n\tworker_ms\x18\x05 \x01(\x01\x12\x1a\n\x12\x66irst_token_is_eos\x18\x06 \x01(\x08\x12\x38\n\x14\x66irst_token_logprobs\x18\x07 \x01(\x0b\x32\x1a.pdserve.v1.OutputLogProbs\"\xbb\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12%\n\x02kv\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVHandleH\x00\x88\x01\x01\x12\x1b\n\x0e\x66irst_token_id\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x15\n\rchunk_wait_ms\x18\x07 \x01(\r\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12\x14\n\x0c\x62ypass_store\x18\t \x01(\x08\x12\x10\n\x08priority\x18\n \x01(\x05\x12\x0e\n\x06tenant\x18\x0b \x01(\tB\x05\n\x03_kvB\x11\n\x0f_first_token_id\"\xf8\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x16\n\x0etoken_times_ms\x18\x04 \x03(\x01\x12\x15\n\rloaded_tokens\x18\x05 \x01(\r\x12\x19\n\x11recomputed_tokens\x18\x06 \x01(\r\x12\x1c\n\x14prefix_cached_tokens\x18\x07 \x01(\r\x12,\n\x08logprobs\x18\x08 \x01(\x0b\x32\x1a.pdserve.v1.OutputLogProbs2T\n\x0ePrefillService\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse2R\n\rDecodeService\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,15 +33,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.engine_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=65
-  _globals['_PREFILLREQUEST']._serialized_end=279
-  _globals['_PREFILLRESPONSE']._serialized_start=282
-  _globals['_PREFILLRESPONSE']._serialized_end=510
-  _globals['_DECODEREQUEST']._serialized_start=513
-  _globals['_DECODEREQUEST']._serialized_end=812
-  _globals['_DECODERESPONSE']._serialized_start=815
-  _globals['_DECODERESPONSE']._serialized_end=1063
-  _globals['_PREFILLSERVICE']._serialized_start=1065
-  _globals['_PREFILLSERVICE']._serialized_end=1149
-  _globals['_DECODESERVICE']._serialized_start=1151
-  _globals['_DECODESERVICE']._serialized_end=1233
+  _globals['_PREFILLREQUEST']._serialized_end=295
+  _globals['_PREFILLRESPONSE']._serialized_start=298
+  _globals['_PREFILLRESPONSE']._serialized_end=526
+  _globals['_DECODEREQUEST']._serialized_start=529
+  _globals['_DECODEREQUEST']._serialized_end=844
+  _globals['_DECODERESPONSE']._serialized_start=847
+  _globals['_DECODERESPONSE']._serialized_end=1095
+  _globals['_PREFILLSERVICE']._serialized_start=1097
+  _globals['_PREFILLSERVICE']._serialized_end=1181
+  _globals['_DECODESERVICE']._serialized_start=1183
+  _globals['_DECODESERVICE']._serialized_end=1265
 # @@protoc_insertion_point(module_scope)

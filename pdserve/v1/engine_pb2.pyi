@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt_token_ids", "sampling", "publish_incrementally", "cache_salt", "bypass_store", "priority")
+    __slots__ = ("request_id", "model", "prompt_token_ids", "sampling", "publish_incrementally", "cache_salt", "bypass_store", "priority", "tenant")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class PrefillRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     BYPASS_STORE_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -25,7 +26,8 @@ class PrefillRequest(_message.Message):
     cache_salt: str
     bypass_store: bool
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., publish_incrementally: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., bypass_store: _Optional[bool] = ..., priority: _Optional[int] = ...) -> None: ...
+    tenant: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., publish_incrementally: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., bypass_store: _Optional[bool] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "kv", "cached_tokens", "computed_tokens", "worker_ms", "first_token_is_eos", "first_token_logprobs")
@@ -46,7 +48,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., kv: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., worker_ms: _Optional[float] = ..., first_token_is_eos: _Optional[bool] = ..., first_token_logprobs: _Optional[_Union[_common_pb2.OutputLogProbs, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt_token_ids", "sampling", "kv", "first_token_id", "chunk_wait_ms", "cache_salt", "bypass_store", "priority")
+    __slots__ = ("request_id", "model", "prompt_token_ids", "sampling", "kv", "first_token_id", "chunk_wait_ms", "cache_salt", "bypass_store", "priority", "tenant")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +59,7 @@ class DecodeRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     BYPASS_STORE_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -67,7 +70,8 @@ class DecodeRequest(_message.Message):
     cache_salt: str
     bypass_store: bool
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., first_token_id: _Optional[int] = ..., chunk_wait_ms: _Optional[int] = ..., cache_salt: _Optional[str] = ..., bypass_store: _Optional[bool] = ..., priority: _Optional[int] = ...) -> None: ...
+    tenant: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., first_token_id: _Optional[int] = ..., chunk_wait_ms: _Optional[int] = ..., cache_salt: _Optional[str] = ..., bypass_store: _Optional[bool] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "token_times_ms", "loaded_tokens", "recomputed_tokens", "prefix_cached_tokens", "logprobs")

@@ -220,7 +220,7 @@ class PutStartItem(_message.Message):
     def __init__(self, key: _Optional[str] = ..., size: _Optional[int] = ..., inline_data: _Optional[bytes] = ..., checksum: _Optional[bytes] = ..., block: _Optional[_Union[KVBlockMeta, _Mapping]] = ..., namespace: _Optional[int] = ...) -> None: ...
 
 class KVNamespace(_message.Message):
-    __slots__ = ("root", "fingerprint", "labels")
+    __slots__ = ("root", "fingerprint", "labels", "tenant")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -231,10 +231,12 @@ class KVNamespace(_message.Message):
     ROOT_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     root: str
     fingerprint: str
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, root: _Optional[str] = ..., fingerprint: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    tenant: str
+    def __init__(self, root: _Optional[str] = ..., fingerprint: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class KVBlockMeta(_message.Message):
     __slots__ = ("parent_key", "token_ids", "block_size", "medium", "engine_block_hashes", "engine_parent_block_hash", "engine_block_size")
@@ -439,14 +441,16 @@ class ListNamespacesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RootUsage(_message.Message):
-    __slots__ = ("root", "objects", "bytes")
+    __slots__ = ("root", "objects", "bytes", "tenant")
     ROOT_FIELD_NUMBER: _ClassVar[int]
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     root: str
     objects: int
     bytes: int
-    def __init__(self, root: _Optional[str] = ..., objects: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+    tenant: str
+    def __init__(self, root: _Optional[str] = ..., objects: _Optional[int] = ..., bytes: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class FingerprintUsage(_message.Message):
     __slots__ = ("fingerprint", "labels", "roots", "objects", "bytes", "quarantined", "quarantine_reason", "quarantined_by", "quarantined_ms", "idle_ms")
@@ -604,6 +608,90 @@ class KVEventBatch(_message.Message):
     snapshot: bool
     snapshot_end: bool
     def __init__(self, seq: _Optional[int] = ..., ts: _Optional[float] = ..., events: _Optional[_Iterable[_Union[KVCacheEvent, _Mapping]]] = ..., snapshot: _Optional[bool] = ..., snapshot_end: _Optional[bool] = ...) -> None: ...
+
+class PinKeysRequest(_message.Message):
+    __slots__ = ("tenant", "name", "keys")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    name: str
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tenant: _Optional[str] = ..., name: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PinInfo(_message.Message):
+    __slots__ = ("tenant", "name", "keys", "present", "bytes", "created_ms")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    CREATED_MS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    name: str
+    keys: int
+    present: int
+    bytes: int
+    created_ms: int
+    def __init__(self, tenant: _Optional[str] = ..., name: _Optional[str] = ..., keys: _Optional[int] = ..., present: _Optional[int] = ..., bytes: _Optional[int] = ..., created_ms: _Optional[int] = ...) -> None: ...
+
+class PinKeysResponse(_message.Message):
+    __slots__ = ("pin", "tenant_pinned_bytes", "memory_share_bytes")
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    TENANT_PINNED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_SHARE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    pin: PinInfo
+    tenant_pinned_bytes: int
+    memory_share_bytes: int
+    def __init__(self, pin: _Optional[_Union[PinInfo, _Mapping]] = ..., tenant_pinned_bytes: _Optional[int] = ..., memory_share_bytes: _Optional[int] = ...) -> None: ...
+
+class UnpinKeysRequest(_message.Message):
+    __slots__ = ("tenant", "name")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    name: str
+    def __init__(self, tenant: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class UnpinKeysResponse(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: bool
+    def __init__(self, removed: _Optional[bool] = ...) -> None: ...
+
+class ListPinsRequest(_message.Message):
+    __slots__ = ("tenant",)
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    def __init__(self, tenant: _Optional[str] = ...) -> None: ...
+
+class TenantUsage(_message.Message):
+    __slots__ = ("tenant", "memory_bytes", "disk_bytes", "memory_share_bytes", "disk_share_bytes", "pinned_bytes", "evictions_over_share", "evictions_normal")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_SHARE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_SHARE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_OVER_SHARE_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_NORMAL_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    memory_bytes: int
+    disk_bytes: int
+    memory_share_bytes: int
+    disk_share_bytes: int
+    pinned_bytes: int
+    evictions_over_share: int
+    evictions_normal: int
+    def __init__(self, tenant: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., memory_share_bytes: _Optional[int] = ..., disk_share_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., evictions_over_share: _Optional[int] = ..., evictions_normal: _Optional[int] = ...) -> None: ...
+
+class ListPinsResponse(_message.Message):
+    __slots__ = ("pins", "tenants")
+    PINS_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
+    pins: _containers.RepeatedCompositeFieldContainer[PinInfo]
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantUsage]
+    def __init__(self, pins: _Optional[_Iterable[_Union[PinInfo, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantUsage, _Mapping]]] = ...) -> None: ...
 
 class ControlWireRequest(_message.Message):
     __slots__ = ()

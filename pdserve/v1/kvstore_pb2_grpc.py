@@ -124,6 +124,21 @@ class KVMasterServiceStub:
                 request_serializer=pdserve_dot_v1_dot_kvstore__pb2.SetQuarantineRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_kvstore__pb2.SetQuarantineResponse.FromString,
                 _registered_method=True)
+        self.PinKeys = channel.unary_unary(
+                '/pdserve.v1.KVMasterService/PinKeys',
+                request_serializer=pdserve_dot_v1_dot_kvstore__pb2.PinKeysRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kvstore__pb2.PinKeysResponse.FromString,
+                _registered_method=True)
+        self.UnpinKeys = channel.unary_unary(
+                '/pdserve.v1.KVMasterService/UnpinKeys',
+                request_serializer=pdserve_dot_v1_dot_kvstore__pb2.UnpinKeysRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kvstore__pb2.UnpinKeysResponse.FromString,
+                _registered_method=True)
+        self.ListPins = channel.unary_unary(
+                '/pdserve.v1.KVMasterService/ListPins',
+                request_serializer=pdserve_dot_v1_dot_kvstore__pb2.ListPinsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kvstore__pb2.ListPinsResponse.FromString,
+                _registered_method=True)
 
 
 class KVMasterServiceServicer:
@@ -260,6 +275,29 @@ class KVMasterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PinKeys(self, request, context):
+        """Pins chunk keys for a tenant: pinned objects are never evicted and their bytes count
+        against the tenant's share. RESOURCE_EXHAUSTED naming the share and the size when the
+        tenant's pinned bytes would pass its memory share; router or admin.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnpinKeys(self, request, context):
+        """Removes a tenant's pin by name; router or admin.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListPins(self, request, context):
+        """The pins (of one tenant or all) and every tenant's use of the pool; router or admin.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVMasterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -352,6 +390,21 @@ def add_KVMasterServiceServicer_to_server(servicer, server):
                     servicer.SetQuarantine,
                     request_deserializer=pdserve_dot_v1_dot_kvstore__pb2.SetQuarantineRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_kvstore__pb2.SetQuarantineResponse.SerializeToString,
+            ),
+            'PinKeys': grpc.unary_unary_rpc_method_handler(
+                    servicer.PinKeys,
+                    request_deserializer=pdserve_dot_v1_dot_kvstore__pb2.PinKeysRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kvstore__pb2.PinKeysResponse.SerializeToString,
+            ),
+            'UnpinKeys': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnpinKeys,
+                    request_deserializer=pdserve_dot_v1_dot_kvstore__pb2.UnpinKeysRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kvstore__pb2.UnpinKeysResponse.SerializeToString,
+            ),
+            'ListPins': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPins,
+                    request_deserializer=pdserve_dot_v1_dot_kvstore__pb2.ListPinsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kvstore__pb2.ListPinsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -840,6 +893,87 @@ class KVMasterService:
             '/pdserve.v1.KVMasterService/SetQuarantine',
             pdserve_dot_v1_dot_kvstore__pb2.SetQuarantineRequest.SerializeToString,
             pdserve_dot_v1_dot_kvstore__pb2.SetQuarantineResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PinKeys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVMasterService/PinKeys',
+            pdserve_dot_v1_dot_kvstore__pb2.PinKeysRequest.SerializeToString,
+            pdserve_dot_v1_dot_kvstore__pb2.PinKeysResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnpinKeys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVMasterService/UnpinKeys',
+            pdserve_dot_v1_dot_kvstore__pb2.UnpinKeysRequest.SerializeToString,
+            pdserve_dot_v1_dot_kvstore__pb2.UnpinKeysResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPins(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVMasterService/ListPins',
+            pdserve_dot_v1_dot_kvstore__pb2.ListPinsRequest.SerializeToString,
+            pdserve_dot_v1_dot_kvstore__pb2.ListPinsResponse.FromString,
             options,
             channel_credentials,
             insecure,
