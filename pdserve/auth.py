@@ -16,14 +16,16 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Protocol
 from urllib.parse import unquote
 
 import grpc
 
 from pdserve import tenants
 from pdserve.config import ConfigError
+from pdserve.errors import PermissionDenied
 from pdserve.tenants import Tenants
 
 #: gRPC methods answered without a key (prefixes of the full method name).
@@ -157,20 +159,45 @@ def grpc_peer_host(peer: str) -> str:
     return rest.rsplit(":", 1)[0].strip("[]")
 
 
+class TenantHeader(Protocol):
+    """A trusted gateway's tenant header (services/router/gateway.py's ``Gateway``)."""
+
+    def grpc_tenant(self, metadata: Mapping[str, str], peer: str, auth: Mapping) -> str | None:
+        """The tenant the call's metadata names (None: it names none); PermissionDenied when
+        the header comes from no trusted gateway or names no tenant."""
+        ...
+
+
 class RequireKey(grpc.aio.ServerInterceptor):
     """Answers UNAUTHENTICATED to calls without the key, and RESOURCE_EXHAUSTED to every call
     from an address ``failures`` holds back; before the request message is parsed. Guards
-    unary-request methods (all pdserve has); refuses others outright."""
+    unary-request methods (all pdserve has); refuses others outright. With ``gateway``, a call
+    whose metadata names a tenant in its header is that tenant's without a key when it comes
+    from a trusted gateway, and PERMISSION_DENIED otherwise."""
 
-    def __init__(self, keys: Tenants, failures: KeyFailures | None = None) -> None:
+    def __init__(
+        self,
+        keys: Tenants,
+        failures: KeyFailures | None = None,
+        gateway: TenantHeader | None = None,
+    ) -> None:
         self.keys = keys
         self.failures = failures
+        self.gateway = gateway
 
     async def _gate(self, context: grpc.aio.ServicerContext) -> None:
-        """Aborts the call unless it carries the key (the peer known only here, not to the
-        interceptor)."""
+        """Aborts the call unless it carries the key or a trusted gateway's tenant (the peer
+        known only here, not to the interceptor)."""
         meta = dict(context.invocation_metadata() or ())
         peer = grpc_peer_host(context.peer() or "")
+        if self.gateway is not None:
+            try:
+                tenant = self.gateway.grpc_tenant(meta, peer, context.auth_context())
+            except PermissionDenied as exc:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+            if tenant is not None:
+                tenants.current.set(tenant)
+                return
         why, wait = refusal(meta.get(HEADER), self.keys, peer, self.failures)
         if wait:
             await context.abort(

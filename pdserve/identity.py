@@ -7,7 +7,8 @@ sockets the same way (:func:`server_context`, :func:`client_context`).
 
 A certificate names its holder's identity (``pdserve certs`` makes them): the subject's
 organizational unit (OU) is the **role**, the common name (CN) the **name** of the instance.
-Roles: ``meta``, ``master``, ``node``, ``worker`` (prefill and decode), ``router``, ``admin``.
+Roles: ``meta``, ``master``, ``node``, ``worker`` (prefill and decode), ``router``, ``admin``,
+``gateway`` (a gateway in front of the router: services/router/gateway.py).
 Services authorize on the role, and the KV master and meta also on the name (a node mounts
 only segments of its own node id; a client commits, revokes, releases or removes only what
 its own identity started, unless it is an admin).
@@ -45,7 +46,7 @@ from pdserve.errors import PermissionDenied, Unauthenticated
 
 log = logging.getLogger(__name__)
 
-ROLES = ("meta", "master", "node", "worker", "router", "admin")
+ROLES = ("meta", "master", "node", "worker", "router", "admin", "gateway")
 #: How often :func:`tls` looks whether the certificate files were renewed (seconds).
 RELOAD_CHECK_S = 1.0
 

@@ -9,6 +9,7 @@ from pdserve.config import ConfigError, help_field
 from pdserve.enums import DISAGG_MODE
 from pdserve.hashing import KV_COMPRESSIONS
 from pdserve.identity import SecurityConfig
+from pdserve.services.router import gateway
 from pdserve.services.router.engine_events import parse_engine_events
 from pdserve.services.router.kv_check import KVCheckSettings
 from pdserve.store import StoreBackendConfig
@@ -155,6 +156,25 @@ class RouterConfig(SecurityConfig, StoreBackendConfig):
         "usually terminates TLS (tls_* is the router's identity toward the other services)",
     )
     public_tls_key: str = help_field("", "private key (PEM) of public_tls_cert")
+    gateway_tenant_header: str = help_field(
+        "x-pdserve-tenant",
+        "header in which a trusted gateway names the caller's tenant (docs/gateway.md); from "
+        "anyone else it is refused (403 / PERMISSION_DENIED)",
+    )
+    gateway_identities: list[str] = help_field(
+        [],
+        "names (CN) of the gateway certificates (OU gateway, `pdserve certs gateway:NAME`) "
+        "trusted to set gateway_tenant_header, over mutual TLS on the public API (needs "
+        "public_tls_cert and gateway_ca or tls_ca)",
+    )
+    gateway_peers: list[str] = help_field(
+        [],
+        "addresses or CIDRs of the gateways trusted to set gateway_tenant_header (connections "
+        "from them, e.g. 10.0.0.7 or 10.0.0.0/24)",
+    )
+    gateway_ca: str = help_field(
+        "", "CA (PEM) that signs the gateways' client certificates ('' = tls_ca)"
+    )
     kv_check_share: float = help_field(
         0.01,
         "share of requests served from the store (prompt KV loaded) that a worker recomputes "
@@ -256,6 +276,14 @@ class RouterConfig(SecurityConfig, StoreBackendConfig):
             raise ConfigError("tenant_max_inflight needs tenant_keys_file (tenants to cap)")
         if self.tenant_keys_file:
             Tenants.load(self.tenant_keys_file, self.api_key)  # a bad file fails at start
+        gateway.check_config(
+            self.gateway_tenant_header,
+            self.gateway_identities,
+            self.gateway_peers,
+            tenants_file=self.tenant_keys_file,
+            public_tls=bool(self.public_tls_cert),
+            ca=self.gateway_ca or self.tls_ca,
+        )
         self.check_kv_check()
 
     def check_kv_check(self) -> None:
