@@ -12,6 +12,7 @@ from pdserve.identity import SecurityConfig
 from pdserve.services.router import gateway
 from pdserve.services.router.engine_events import parse_engine_events
 from pdserve.services.router.kv_check import KVCheckSettings
+from pdserve.services.router.models import check_models
 from pdserve.store import StoreBackendConfig
 from pdserve.tenants import Tenants
 
@@ -39,6 +40,22 @@ class RouterConfig(SecurityConfig, StoreBackendConfig):
         "tiny", "model folder, or a name that pdserve.model.prepare.resolve_model knows"
     )
     served_name: str = help_field("", "model name in requests and on workers ('' = --model)")
+    models: list[str] = help_field(
+        [],
+        "several models behind this router, SERVED=MODEL or MODEL each (served name in requests "
+        "and on the workers, model folder or name), comma-separated; the first is the default "
+        "(requests without a model) and replaces model/served_name ([] = model alone). Each "
+        "model has its own workers, fingerprint and tokenizer (services/router/models.py)",
+        metavar="SERVED=MODEL,...",
+    )
+    model_settings: dict = help_field(
+        {},
+        "per served name of models, its own values of the router fields that belong to a model "
+        "(max_model_len, max_tokens_limit, default_max_tokens, kv_dtype, chunk_size, "
+        "kv_compression, tool_call_parser, reasoning_parser, and static prefill/decode "
+        'workers): YAML, or JSON in a flag: {"b": {"max_model_len": 2048}}',
+        metavar="JSON",
+    )
     kv_dtype: str = help_field(
         "auto",
         "KV dtype of the workers, part of the chunk keys (auto = what the workers registered)",
@@ -238,7 +255,8 @@ class RouterConfig(SecurityConfig, StoreBackendConfig):
                 f"max_inflight ({self.max_inflight}) and max_queue ({self.max_queue}) must be "
                 ">= 0 (max_inflight 0 = the workers' capacity)"
             )
-        if not self.meta and not self.decode:
+        check_models(self)
+        if not self.meta and not self.decode and not self.models:
             raise ConfigError("give --meta or at least one --decode worker address")
         if not self.meta and self.store_master and (self.kv_dtype == "auto" or not self.chunk_size):
             raise ConfigError(
@@ -250,6 +268,8 @@ class RouterConfig(SecurityConfig, StoreBackendConfig):
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         static = {*self.prefill, *self.decode}
+        for settings in self.model_settings.values():
+            static |= {*settings.get("prefill", ()), *settings.get("decode", ())}
         for url in engines:
             if url not in static:
                 raise ConfigError(
