@@ -147,14 +147,18 @@ async def start_server(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     public_tls: tuple[bytes, bytes] | None = None,
+    public_client_ca: bytes = b"",
 ) -> Server:
     """Starts a grpc.aio server on ``address`` ("host:port", port 0 = any free port).
 
     ``servicers`` holds ``(add_XServicer_to_server, servicer, full service name)`` triples;
     ``interceptors`` run before pdserve's own (e.g. :class:`pdserve.auth.RequireKey`).
     An internal server is mutual TLS when the process has TLS; a public one (``public_tls``
-    given: ``(cert PEM, key PEM)``, or ``(b"", b"")`` for plaintext) never asks for a client
-    certificate.
+    given: ``(cert PEM, key PEM)``, or ``(b"", b"")`` for plaintext) asks no client certificate
+    unless ``public_client_ca`` (PEM) is given: then it requires one signed by that CA (the
+    router's trusted gateways, services/router/gateway.py). NOTE: Python's gRPC cannot ask for
+    an optional one: without ``require_client_auth`` it asks for none (measured: the auth
+    context held no certificate though the client had one).
     """
     options = [*_options(max_message_bytes), *_SERVER_OPTIONS]
     server = grpc.aio.server(options=options, interceptors=[*interceptors, _RefuseMalformed()])
@@ -165,7 +169,7 @@ async def start_server(
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(names, server)
-    port = _add_port(server, address, public_tls)
+    port = _add_port(server, address, public_tls, public_client_ca)
     if port == 0:
         raise OSError(f"cannot bind gRPC server to {address}")
     await server.start()
@@ -175,12 +179,20 @@ async def start_server(
     return Server(server, address.rsplit(":", 1)[0], port, health_servicer)
 
 
-def _add_port(server: grpc.aio.Server, address: str, public_tls: tuple[bytes, bytes] | None) -> int:
+def _add_port(
+    server: grpc.aio.Server,
+    address: str,
+    public_tls: tuple[bytes, bytes] | None,
+    client_ca: bytes = b"",
+) -> int:
     if public_tls is not None:
         cert, key = public_tls
         if not cert:
             return server.add_insecure_port(address)
-        return server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+        creds = grpc.ssl_server_credentials(
+            [(key, cert)], root_certificates=client_ca or None, require_client_auth=bool(client_ca)
+        )
+        return server.add_secure_port(address, creds)
     files = identity.tls()
     if files is None:
         return server.add_insecure_port(address)

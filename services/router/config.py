@@ -182,7 +182,8 @@ class RouterConfig(SecurityConfig, StoreBackendConfig):
         [],
         "names (CN) of the gateway certificates (OU gateway, `pdserve certs gateway:NAME`) "
         "trusted to set gateway_tenant_header, over mutual TLS on the public API (needs "
-        "public_tls_cert and gateway_ca or tls_ca)",
+        "public_tls_cert and gateway_ca or tls_ca; the gRPC port then requires a certificate "
+        "from that CA of every client, HTTP asks for one)",
     )
     gateway_peers: list[str] = help_field(
         [],

@@ -6,8 +6,9 @@ shape) are :mod:`~pdserve.services.router.api`'s; the endpoints that describe th
 :mod:`~pdserve.services.router.openai_info`'s.
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` with 400 (bad
-input), 401 (no or a wrong API key), 404 (unknown model), 429 (admission refused, or too many
-wrong API keys from the address: :class:`pdserve.auth.KeyFailures`), 503 (no worker), 504
+input), 401 (no or a wrong API key), 403 (a tenant header from no trusted gateway:
+:mod:`~pdserve.services.router.gateway`), 404 (unknown model), 429 (admission refused, or too
+many wrong API keys from the address: :class:`pdserve.auth.KeyFailures`), 503 (no worker), 504
 (deadline). Connection limits (header and body timeouts, connections per address) are
 :mod:`~pdserve.services.router.http_edge`'s.
 
@@ -40,12 +41,13 @@ from typing import Any
 
 from aiohttp import web
 
-from pdserve import auth, errors
+from pdserve import auth, errors, tenants, tracing
 from pdserve.requests import TokenLogprob
 from pdserve.services.router import openai_info
 from pdserve.services.router.api import chat_http, messages, responses
 from pdserve.services.router.api.chat_run import FINISH, ChatRun
 from pdserve.services.router.frontend import Frontend, openai_n
+from pdserve.services.router.gateway import Gateway
 from pdserve.services.router.openai_errors import (
     error_body,
     error_response,
@@ -60,16 +62,28 @@ from pdserve.v1 import common_pb2
 log = logging.getLogger(__name__)
 
 
-def _require_key(keys: Tenants, metrics_need_key: bool, failures: auth.KeyFailures | None):
+def _require_key(
+    keys: Tenants, metrics_need_key: bool, failures: auth.KeyFailures | None, gateway: Gateway
+):
     """401 in the OpenAI error shape for a request without ``key`` (``Authorization: Bearer``,
     or Anthropic's ``x-api-key``), 429 (with Retry-After)
     for every request from an address ``failures`` holds back after too many wrong keys
-    (/health is open, and /metrics unless ``metrics_need_key``)."""
+    (/health is open, and /metrics unless ``metrics_need_key``). A request whose ``gateway``
+    header names a tenant is that tenant's without a key from a trusted gateway, else 403."""
     open_paths = {"/health"} | (set() if metrics_need_key else {"/metrics"})
 
     @web.middleware
     async def require(request: web.Request, handler) -> web.StreamResponse:
         if request.path in open_paths:
+            return await handler(request)
+        tls = request.transport.get_extra_info("ssl_object") if request.transport else None
+        try:
+            tenant = gateway.http_tenant(request.headers, request.remote or "", tls)
+        except errors.PermissionDenied as exc:
+            body = {"message": str(exc), "type": "permission_error", "param": None}
+            return web.json_response({"error": {**body, "code": "permission_denied"}}, status=403)
+        if tenant is not None:
+            tenants.current.set(tenant)
             return await handler(request)
         header = request.headers.get("Authorization")
         if header is None and "x-api-key" in request.headers:  # Anthropic's clients
@@ -96,12 +110,15 @@ def make_app(
     keys: Tenants | None = None,
     metrics_need_key: bool = False,
     key_failures: auth.KeyFailures | None = None,
+    gateway: Gateway | None = None,
 ) -> web.Application:
     """The OpenAI HTTP API over ``fe``; with ``keys`` (not open), every route but /health (and
-    /metrics unless ``metrics_need_key``) takes one of them, which names the tenant."""
-    middlewares = [http_errors]
+    /metrics unless ``metrics_need_key``) takes one of them, which names the tenant, or a
+    tenant named by a trusted ``gateway`` (none: the gateway header is refused from all)."""
+    middlewares = [*tracing.http_middlewares(), http_errors]  # a caller's traceparent
     if keys is not None and not keys.open:
-        middlewares.insert(0, _require_key(keys, metrics_need_key, key_failures))
+        gate = gateway or Gateway(keys)
+        middlewares.insert(0, _require_key(keys, metrics_need_key, key_failures, gate))
     app = web.Application(middlewares=middlewares)
 
     async def completions(request: web.Request) -> web.StreamResponse:
@@ -127,6 +144,7 @@ async def _generate(fe: Frontend, request: web.Request, *, chat: bool) -> web.St
     if header_id and isinstance(body, dict) and not body.get("request_id"):
         body = {**body, "request_id": header_id}
     try:
+        fe = fe.for_model(body.get("model") if isinstance(body, dict) else None)
         # Tokenizing a long prompt takes a while: off the event loop, so /health and other
         # requests keep being answered meanwhile.
         reqs, parse = await asyncio.to_thread(fe.from_openai_parsed, body, chat=chat)
