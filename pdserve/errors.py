@@ -10,6 +10,7 @@ client.
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Iterable
 
 import grpc
@@ -57,6 +58,22 @@ class FailedPrecondition(PdserveError):
 
 class ResourceExhausted(PdserveError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class RateLimited(ResourceExhausted):
+    """RESOURCE_EXHAUSTED that says when a retry can pass: ``retry_after_s`` (seconds). The
+    router's OpenAI API sends it as ``Retry-After`` and its gRPC API as the trailing metadata
+    ``retry-after`` (:attr:`retry_after`: whole seconds, rounded up, at least 1); ``limit``
+    names the limit that refused (for metrics)."""
+
+    def __init__(self, message: str, *, retry_after_s: float, limit: str = "") -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.limit = limit
+
+    @property
+    def retry_after(self) -> str:
+        return str(max(1, math.ceil(self.retry_after_s)))
 
 
 class PermissionDenied(PdserveError):

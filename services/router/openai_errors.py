@@ -39,7 +39,10 @@ def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
 
 
 def error_response(exc: BaseException, headers: dict[str, str] | None = None) -> web.Response:
+    """``exc`` in the OpenAI error shape; a rate limit's 429 carries ``Retry-After``."""
     status, body = error_body(exc)
+    if isinstance(exc, errors.RateLimited):
+        headers = {**(headers or {}), "Retry-After": exc.retry_after}
     if status == 500:
         log.error("internal error: %r", exc, exc_info=exc)
     return web.json_response(body, status=status, headers=headers)
