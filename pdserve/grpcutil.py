@@ -21,7 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve import identity, reloading
-from pdserve.errors import status_for
+from pdserve.errors import RateLimited, status_for
 
 log = logging.getLogger(__name__)
 
@@ -347,7 +347,10 @@ def error_status(exc: BaseException, name: str) -> tuple[grpc.StatusCode, str]:
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, name: str) -> None:
-    await context.abort(*error_status(exc, name))
+    """Ends the call with ``exc``'s status; a rate limit adds the trailing metadata
+    ``retry-after`` (whole seconds, :class:`pdserve.errors.RateLimited`)."""
+    trailing = (("retry-after", exc.retry_after),) if isinstance(exc, RateLimited) else ()
+    await context.abort(*error_status(exc, name), trailing_metadata=trailing)
 
 
 def rpc(method: Callable) -> Callable:
