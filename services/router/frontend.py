@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pdserve import __version__, tenants
 from pdserve.enums import DISAGG_MODE
@@ -26,6 +26,9 @@ from pdserve.services.router.orchestrator import Orchestrator
 from pdserve.services.router.stream import StreamChunk
 from pdserve.services.router.workers import DECODE, PREFILL, WorkerPool
 from pdserve.v1 import router_pb2
+
+if TYPE_CHECKING:
+    from pdserve.services.router.models import Models
 
 
 class TokenizerLike(Protocol):
@@ -60,6 +63,15 @@ class Frontend:
     parsers: Parsers | None = None
     #: /v1/responses answers kept for previous_response_id.
     responses: ResponseStore = field(default_factory=ResponseStore)
+    #: Every model the router serves (services/router/models.py); None: this one alone.
+    models: Models | None = None
+
+    def for_model(self, model: object) -> Frontend:
+        """The frontend of the model a request names (:meth:`Models.select`)."""
+        return self if self.models is None else self.models.select(model)
+
+    def every_model(self) -> list[Frontend]:
+        return [self] if self.models is None else self.models.all()
 
     def current_limits(self) -> rq.Limits:
         """The configured limits, each lowered to the smallest value any registered worker

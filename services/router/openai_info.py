@@ -24,20 +24,22 @@ from pdserve.telemetry import REGISTRY
 
 def add_routes(app: web.Application, fe: Frontend) -> None:
     async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [_model(fe)]})
+        return web.json_response({"object": "list", "data": [_model(m) for m in fe.every_model()]})
 
     async def model(request: web.Request) -> web.Response:
         name = request.match_info["model_id"]
-        if name != fe.limits.model:
+        found = [m for m in fe.every_model() if m.limits.model == name]
+        if not found:
             return error_response(ModelNotFound(f"the model {name!r:.80} does not exist"))
-        return web.json_response(_model(fe))
+        return web.json_response(_model(found[0]))
 
     def answer(compute):  # a POST body -> JSON (tokenizing off the event loop)
         async def handle(request: web.Request) -> web.Response:
             try:
-                return web.json_response(
-                    await asyncio.to_thread(compute, fe, await _body(request, fe))
-                )
+                body = await _body(request)
+                own = fe.for_model(body.get("model"))  # optional, as in vLLM
+                rq.check_model(body.get("model") or "", own.limits)
+                return web.json_response(await asyncio.to_thread(compute, own, body))
             except Exception as exc:
                 return error_response(exc)
 
@@ -47,9 +49,13 @@ def add_routes(app: web.Application, fe: Frontend) -> None:
         return web.json_response({"version": __version__})
 
     async def health(request: web.Request) -> web.Response:
-        decode = len(fe.pool.candidates(DECODE))
-        body = {"status": "ok" if decode else "no decode worker", "decode_workers": decode}
-        return web.json_response(body, status=200 if decode else 503)
+        counts = {m.limits.model: len(m.pool.candidates(DECODE)) for m in fe.every_model()}
+        idle = [name for name, n in counts.items() if not n]
+        status = "ok" if not idle else "no decode worker"
+        if idle and len(counts) > 1:
+            status += f" for {', '.join(idle)}"
+        body = {"status": status, "decode_workers": sum(counts.values())}
+        return web.json_response(body, status=503 if idle else 200)
 
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model_id:.+}", model)
@@ -77,15 +83,12 @@ def _model(fe: Frontend) -> dict[str, Any]:
     return out
 
 
-async def _body(request: web.Request, fe: Frontend) -> dict[str, Any]:
+async def _body(request: web.Request) -> dict[str, Any]:
     body = await read_json(request)
     if not isinstance(body, dict):
         raise InvalidArgument("request body must be a JSON object")
-    model = body.get("model")
-    if model is not None:  # optional, as in vLLM
-        if not isinstance(model, str):
-            raise InvalidArgument("model must be a string", param="model")
-        rq.check_model(model, fe.limits)
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise InvalidArgument("model must be a string", param="model")
     return body
 
 

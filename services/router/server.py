@@ -28,6 +28,7 @@ from pdserve.services.router.grpc_worker_client import GrpcWorkerClient
 from pdserve.services.router.http_edge import EdgeLimits, EdgeSite
 from pdserve.services.router.http_worker_client import DispatchingWorkerClient, HttpWorkerClient
 from pdserve.services.router.kv_check import KVCheck, MasterQuarantine
+from pdserve.services.router.models import Models, model_configs
 from pdserve.services.router.openai_http import make_app
 from pdserve.services.router.orchestrator import Orchestrator, OrchestratorConfig
 from pdserve.services.router.policies import ColocatedPlacement, make_policy
@@ -95,8 +96,52 @@ def store_lookup(cfg: RouterConfig):
     return indexed_lookup(cfg.store_master, cfg.prefix_source, prefix_lookup(cfg.store_master))
 
 
+@dataclass
+class Shared:
+    """What every model's frontend of one router shares."""
+
+    engines: EngineCaches
+    admission: Admission
+    tenants: Tenants
+    prefix_lookup: object
+    responses: ResponseStore
+    pools: list[WorkerPool]
+
+
 def build(cfg: RouterConfig, tokenizer=None) -> Frontend:
-    """Everything but the servers and background loops (tests drive it in-process)."""
+    """Everything but the servers and background loops (tests drive it in-process): a
+    frontend per served model (:func:`~pdserve.services.router.models.model_configs`), all
+    sharing admission (the decode capacity of every model's workers), the API keys, the store
+    lookup and the responses store. Returns the default model's; its ``models`` holds them
+    all. ``tokenizer`` (tests) stands in for the default model's."""
+    pools: list[WorkerPool] = []
+    shared = Shared(
+        engines=EngineCaches(parse_engine_events(cfg.engine_kv_events)),
+        admission=Admission(
+            cfg.max_inflight,
+            cfg.max_queue,
+            slo_ttft_ms=cfg.slo_ttft_ms,
+            slo_tpot_ms=cfg.slo_tpot_ms,
+            capacity=lambda: sum(p.decode_capacity() for p in pools),
+        ),
+        tenants=Tenants.configured(cfg.api_key, cfg.tenant_keys_file, cfg.tenant_max_inflight),
+        prefix_lookup=store_lookup(cfg),
+        responses=ResponseStore(cfg.responses_max_stored, cfg.responses_ttl_s),
+        pools=pools,
+    )
+    frontends = [
+        build_model(mc, shared, tokenizer if i == 0 else None)
+        for i, mc in enumerate(model_configs(cfg))
+    ]
+    models = Models(frontends)
+    for fe in frontends:
+        fe.models = models
+    return models.default
+
+
+def build_model(cfg: RouterConfig, shared: Shared, tokenizer=None) -> Frontend:
+    """The frontend of the one model ``cfg`` serves: its tokenizer, limits, worker pool (the
+    workers registered with its served name), KV fingerprint and orchestrator."""
     folder = model_folder(cfg.model)
     if tokenizer is None:
         from pdserve.services.router.tokenizer import Tokenizer
@@ -126,14 +171,8 @@ def build(cfg: RouterConfig, tokenizer=None) -> Frontend:
         kv_compression=cfg.kv_compression,
     )
     pool.refusals = fingerprints.refusals
-    engines = EngineCaches(parse_engine_events(cfg.engine_kv_events))
-    admission = Admission(
-        cfg.max_inflight,
-        cfg.max_queue,
-        slo_ttft_ms=cfg.slo_ttft_ms,
-        slo_tpot_ms=cfg.slo_tpot_ms,
-        capacity=pool.decode_capacity,
-    )
+    engines, admission = shared.engines, shared.admission
+    shared.pools.append(pool)
     pool.on_change = admission.wake
     orch = Orchestrator(
         OrchestratorConfig(
@@ -145,7 +184,7 @@ def build(cfg: RouterConfig, tokenizer=None) -> Frontend:
             request_timeout_s=cfg.request_timeout_s,
         ),
         client=DispatchingWorkerClient(GrpcWorkerClient(), HttpWorkerClient(tokenizer)),
-        tenants=Tenants.configured(cfg.api_key, cfg.tenant_keys_file, cfg.tenant_max_inflight),
+        tenants=shared.tenants,
         fingerprints=fingerprints,
         pool=pool,
         policy=make_policy(
@@ -156,7 +195,7 @@ def build(cfg: RouterConfig, tokenizer=None) -> Frontend:
             request_tokens=cfg.request_tokens,
         ),
         admission=admission,
-        prefix_lookup=store_lookup(cfg),
+        prefix_lookup=shared.prefix_lookup,
         placement=ColocatedPlacement(engines=engines),
         detokenize=tokenizer.decode,
     )
@@ -180,7 +219,7 @@ def build(cfg: RouterConfig, tokenizer=None) -> Frontend:
         pool=pool,
         engines=engines,
         parsers=parsers,
-        responses=ResponseStore(cfg.responses_max_stored, cfg.responses_ttl_s),
+        responses=shared.responses,
     )
 
 
@@ -280,14 +319,14 @@ async def serve(
         )
         await site.start()
         http_port = site.port
-    tasks = [asyncio.ensure_future(fe.pool.probe_loop(stop))]
+    models = fe.every_model()
+    tasks = [asyncio.ensure_future(m.pool.probe_loop(stop)) for m in models]
     if fe.engines is not None:
         fe.engines.start()
     if cfg.meta:
-        tasks.append(asyncio.ensure_future(fe.pool.watch_meta(cfg.meta, stop)))
-    kv_check = fe.orchestrator.kv_check
-    if kv_check is not None:
-        tasks.append(asyncio.ensure_future(kv_check.run(stop)))
+        tasks += [asyncio.ensure_future(m.pool.watch_meta(cfg.meta, stop)) for m in models]
+    checks = [m.orchestrator.kv_check for m in models if m.orchestrator.kv_check is not None]
+    tasks += [asyncio.ensure_future(check.run(stop)) for check in checks]
     if started is not None:
         started(Running(fe, server.port, http_port))
     meta_client = await register_service(
@@ -316,13 +355,15 @@ async def serve(
             t.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await t
-        await fe.pool.close()
         if fe.engines is not None:
             await fe.engines.aclose()
-        if isinstance(fe.orchestrator.client, DispatchingWorkerClient):
-            await fe.orchestrator.client.http.close()  # its session to stock vLLM engines
+        for m in models:
+            await m.pool.close()
+            if isinstance(m.orchestrator.client, DispatchingWorkerClient):
+                await m.orchestrator.client.http.close()  # its session to stock vLLM engines
         close = getattr(fe.orchestrator.prefix_lookup, "close", None)
         if close is not None:
             close()
-        if kv_check is not None and isinstance(kv_check.set_quarantine, MasterQuarantine):
-            kv_check.set_quarantine.close()
+        for check in checks:
+            if isinstance(check.set_quarantine, MasterQuarantine):
+                check.set_quarantine.close()

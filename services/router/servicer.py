@@ -22,28 +22,32 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     def __init__(self, frontend: Frontend) -> None:
         self.fe = frontend
 
-    async def _validated(self, request, context: grpc.aio.ServicerContext) -> GenRequest:
-        """The validated request; its id is the request's ``request_id``, else the caller's
-        ``x-request-id`` metadata, else a fresh one, and goes back as ``x-request-id``."""
+    async def _validated(
+        self, request, context: grpc.aio.ServicerContext
+    ) -> tuple[Frontend, GenRequest]:
+        """The frontend of the request's model and the validated request; its id is the
+        request's ``request_id``, else the caller's ``x-request-id`` metadata, else a fresh
+        one, and goes back as ``x-request-id``."""
         if not request.request_id:
             for key, value in context.invocation_metadata() or ():
                 if key == REQUEST_ID_HEADER and isinstance(value, str):
                     request.request_id = value
-        req = await asyncio.to_thread(self.fe.from_proto, request)  # tokenizing: off the loop
+        fe = self.fe.for_model(request.model)
+        req = await asyncio.to_thread(fe.from_proto, request)  # tokenizing: off the loop
         request_id_var.set(req.request_id)
         await context.send_initial_metadata(((REQUEST_ID_HEADER, req.request_id),))
-        return req
+        return fe, req
 
     @rpc
     async def Generate(self, request, context: grpc.aio.ServicerContext):
         n = proto_n(request)
-        req = await self._validated(request, context)
+        fe, req = await self._validated(request, context)
         ids: list[list[int]] = [[] for _ in range(n)]
         parts: list[list[str]] = [[] for _ in range(n)]
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
         finish = [0] * n
         out = router_pb2.GenerateResponse(request_id=req.request_id)
-        chunks = self.fe.generate_n([req], n, timeout_s=context.time_remaining())
+        chunks = fe.generate_n([req], n, timeout_s=context.time_remaining())
         async with contextlib.aclosing(chunks):
             async for i, c in chunks:
                 if c.prompt_tokens and i == 0:
@@ -81,8 +85,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     @rpc
     async def GenerateStream(self, request, context: grpc.aio.ServicerContext):
         n = proto_n(request)
-        req = await self._validated(request, context)
-        chunks = self.fe.generate_n([req], n, timeout_s=context.time_remaining())
+        fe, req = await self._validated(request, context)
+        chunks = fe.generate_n([req], n, timeout_s=context.time_remaining())
         async with contextlib.aclosing(chunks):
             async for i, c in chunks:
                 yield router_pb2.GenerateStreamResponse(
@@ -99,31 +103,35 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
     @rpc
     async def ListModels(self, request, context: grpc.aio.ServicerContext):
-        return router_pb2.ListModelsResponse(models=[self.fe.model_info()])
+        return router_pb2.ListModelsResponse(models=[m.model_info() for m in self.fe.every_model()])
 
     @rpc
     async def Tokenize(self, request, context: grpc.aio.ServicerContext):
         # Generate's rules: text too long to fit the context refused before tokenizing, and
         # tokenizing off the event loop, so /health and other calls keep being answered.
-        limits = self.fe.current_limits()
+        fe = self.fe.for_model(request.model)
+        limits = fe.current_limits()
         check_model(request.model, limits)
         check_text_size(len(request.text), limits, "text")
-        return await asyncio.to_thread(self._tokenize, request)
-
-    def _tokenize(self, request: router_pb2.TokenizeRequest) -> router_pb2.TokenizeResponse:
-        tok = self.fe.tokenizer
-        ids = tok.encode(request.text, add_special_tokens=request.add_special_tokens)
-        return router_pb2.TokenizeResponse(token_ids=ids, tokens=tok.token_strings(ids))
+        return await asyncio.to_thread(_tokenize, fe, request)
 
     @rpc
     async def Abort(self, request, context: grpc.aio.ServicerContext):
         if not request.request_id:
             raise InvalidArgument("request_id must be set", param="request_id")
         # a tenant aborts its own requests only: another's with the same id are not seen
-        if not self.fe.orchestrator.abort(request.request_id, tenants.current.get()):
+        tenant = tenants.current.get()
+        found = [m.orchestrator.abort(request.request_id, tenant) for m in self.fe.every_model()]
+        if not any(found):
             raise NotFound(f"request_id {request.request_id!r:.140}: no such running request")
         return router_pb2.AbortResponse()
 
     @rpc
     async def GetServerInfo(self, request, context: grpc.aio.ServicerContext):
         return self.fe.server_info()
+
+
+def _tokenize(fe: Frontend, request: router_pb2.TokenizeRequest) -> router_pb2.TokenizeResponse:
+    tok = fe.tokenizer
+    ids = tok.encode(request.text, add_special_tokens=request.add_special_tokens)
+    return router_pb2.TokenizeResponse(token_ids=ids, tokens=tok.token_strings(ids))

@@ -30,7 +30,9 @@ DECODE = ROLE.names[common_pb2.ROLE_DECODE]
 BREAKER_TRIPS = Counter(
     "pdserve_router_breaker_trips", "Workers taken out of rotation", ["role"], registry=REGISTRY
 )
-WORKERS = Gauge("pdserve_router_workers", "Workers in rotation", ["role"], registry=REGISTRY)
+WORKERS = Gauge(
+    "pdserve_router_workers", "Workers in rotation", ["role", "model"], registry=REGISTRY
+)
 REFUSED = Counter(
     "pdserve_router_refused_workers",
     "Workers refused (kept out of placement) because their registered KV fingerprint differs "
@@ -281,7 +283,7 @@ class WorkerPool:
     def _changed(self) -> None:
         """Membership, capacity or health changed: the gauges, then ``on_change``."""
         for role, table in self.workers.items():
-            WORKERS.labels(role).set(
+            WORKERS.labels(role, self.model).set(
                 sum(1 for w in table.values() if not w.broken and not w.refused)
             )
         if self.on_change is not None:

@@ -78,8 +78,9 @@ class ChatRun:
     @classmethod
     async def start(cls, fe: Frontend, body: dict[str, Any]) -> ChatRun:
         """Validates the chat completions ``body`` (off the event loop: templating and the
-        parsers' first load take a while) and opens its generation; raises what the chat
-        endpoint would answer as an error."""
+        parsers' first load take a while) and opens its generation on the frontend of its
+        ``model`` (``run.fe``); raises what the chat endpoint would answer as an error."""
+        fe = fe.for_model(body.get("model"))
         reqs, parse = await asyncio.to_thread(fe.from_openai_parsed, body, chat=True)
         return await cls.open(fe, reqs[0], parse)
 

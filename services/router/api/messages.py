@@ -69,8 +69,8 @@ async def _create(fe: Frontend, request: web.Request) -> web.StreamResponse:
     mid = f"msg_{uuid.uuid4().hex}"
     if not body.get("stream"):
         turn = await run.whole()
-        return web.json_response(_message(mid, fe.limits.model, turn), headers=headers)
-    return await _stream(request, run, mid, fe.limits.model, headers)
+        return web.json_response(_message(mid, run.fe.limits.model, turn), headers=headers)
+    return await _stream(request, run, mid, run.fe.limits.model, headers)
 
 
 def chat_body(body: Any) -> dict[str, Any]:

@@ -85,7 +85,7 @@ async def _create(fe: Frontend, store: ResponseStore, request: web.Request) -> w
         return error_response(exc, headers)
     request_id_var.set(run.request_id)
     headers[REQUEST_ID_HEADER] = run.request_id
-    shape = _Shape(fe, body, _id("resp"), prev, keep)
+    shape = _Shape(run.fe, body, _id("resp"), prev, keep)
 
     def remember(response: dict[str, Any], turn: Turn) -> None:
         if keep:
