@@ -145,7 +145,6 @@ async def _generate(fe: Frontend, request: web.Request, *, chat: bool) -> web.St
         body = {**body, "request_id": header_id}
     try:
         fe = fe.for_model(body.get("model") if isinstance(body, dict) else None)
-        fe = fe.for_model(body.get("model") if isinstance(body, dict) else None)
         # Tokenizing a long prompt takes a while: off the event loop, so /health and other
         # requests keep being answered meanwhile.
         reqs, parse = await asyncio.to_thread(fe.from_openai_parsed, body, chat=chat)
