@@ -4,9 +4,12 @@ RESOURCE_EXHAUSTED and a reason, instead of waiting forever.
 
 The in-flight limit is ``max_inflight``, or with ``max_inflight`` 0 what the decode workers
 can run: the sum of their ``max_num_seqs`` as they register it (``DEFAULT_INFLIGHT`` while none
-has). Requests beyond it wait here, first in first out, out of the workers' sight; a worker's
-scheduler can only order (by deadline, by shared prefix) the requests it has, so the default
-hands the workers as many as they can run.
+has). Requests beyond it wait here, out of the workers' sight; a worker's scheduler can only
+order (by deadline, by shared prefix, by priority) the requests it has, so the default hands
+the workers as many as they can run. Waiting requests are let in by weighted fair queueing
+across tenants (their ``share``) and by ``priority`` (lower first), then arrival, within a
+tenant (:mod:`~pdserve.services.router.fair_queue`). Before it queues, a request passes its
+tenant's rate limits (:mod:`~pdserve.services.router.rate_limit`).
 
 Predictions come from what the router observed (EWMAs, so they follow the cluster's speed):
     predicted TTFT = base_ms + ms_per_prefill_token * (own uncached tokens
@@ -19,14 +22,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from prometheus_client import Counter, Gauge
 
-from pdserve.errors import ResourceExhausted
+from pdserve.errors import RateLimited, ResourceExhausted
+from pdserve.services.router.fair_queue import FairQueue
+from pdserve.services.router.rate_limit import RateLimits
 from pdserve.telemetry import REGISTRY, init_labels
+from pdserve.tenants import Tenants
 
+#: Why admission control refuses a request (the ``reason`` label).
+REASONS = ("queue_full", "slo_ttft", "slo_tpot", "rate_limit")
 REJECTED = init_labels(
     Counter(
         "pdserve_router_rejected",
@@ -34,7 +41,31 @@ REJECTED = init_labels(
         ["reason"],
         registry=REGISTRY,
     ),
-    ("queue_full", "slo_ttft", "slo_tpot"),
+    REASONS,
+)
+TENANT_QUEUED = Gauge(
+    "pdserve_router_tenant_queued",
+    "Requests waiting for admission, by tenant",
+    ["tenant"],
+    registry=REGISTRY,
+)
+TENANT_ADMITTED = Counter(
+    "pdserve_router_tenant_admitted",
+    "Requests admitted (given an in-flight slot), by tenant",
+    ["tenant"],
+    registry=REGISTRY,
+)
+TENANT_REJECTED = Counter(
+    "pdserve_router_tenant_rejected",
+    "Requests refused by admission control, by tenant and reason",
+    ["tenant", "reason"],
+    registry=REGISTRY,
+)
+TENANT_RATE_LIMITED = Counter(
+    "pdserve_router_tenant_rate_limited",
+    "Requests refused by a tenant's rate limit, by tenant and limit (requests, tokens)",
+    ["tenant", "limit"],
+    registry=REGISTRY,
 )
 QUEUED = Gauge("pdserve_router_queued", "Requests waiting for admission", registry=REGISTRY)
 INFLIGHT = Gauge("pdserve_router_inflight", "Requests being orchestrated", registry=REGISTRY)
@@ -66,16 +97,28 @@ class Admission:
         slo_ttft_ms: float = 0.0,
         slo_tpot_ms: float = 0.0,
         capacity: Callable[[], int] | None = None,
+        tenants: Tenants | None = None,
+        rates: RateLimits | None = None,
     ) -> None:
         """``max_inflight`` 0: the limit is ``capacity()`` (requests the workers can run at
-        once; 0 when unknown), read on every admission and release."""
+        once; 0 when unknown), read on every admission and release. ``tenants``: their shares
+        and the per-tenant metrics' labels; ``rates``: their rate limits (None: none)."""
         self.max_inflight = max_inflight
         self.max_queue = max_queue
         self.slo_ttft_ms = slo_ttft_ms
         self.slo_tpot_ms = slo_tpot_ms
         self._capacity = capacity
-        #: Requests waiting for a slot, oldest first: each is woken with its slot taken.
-        self._slots: deque[asyncio.Future[None]] = deque()
+        tenants = tenants or Tenants()
+        self._rates = rates
+        #: Requests waiting for a slot: each is woken with its slot taken.
+        self._slots: FairQueue[asyncio.Future[None]] = FairQueue(
+            lambda tenant: tenants.limits_of(tenant).share
+        )
+        for name in tenants.names:  # "" = the anonymous tenant
+            init_labels(TENANT_REJECTED, (name,), REASONS[:3])
+            init_labels(TENANT_RATE_LIMITED, (name,), ("requests", "tokens"))
+            TENANT_QUEUED.labels(name).set(0)
+            TENANT_ADMITTED.labels(name)
         INFLIGHT_LIMIT.set(self.limit())
         self.waiting = 0
         self.inflight = 0
@@ -113,18 +156,37 @@ class Admission:
         queued = self.pending_prefill_tokens / max(1, prefill_workers)
         return self.base_ms.value + self.ms_per_token.value * (uncached_tokens + queued)
 
-    def check(self, uncached_tokens: int, prefill_workers: int) -> None:
-        """Raises ResourceExhausted with the reason when the request should be refused."""
+    def check(
+        self, uncached_tokens: int, prefill_workers: int, tenant: str = "", prompt_tokens: int = 0
+    ) -> None:
+        """Raises ResourceExhausted with the reason when ``tenant``'s request should be
+        refused: a full queue, an SLO, then the tenant's rate limits (RateLimited; they count
+        the request only when it passes)."""
+        refusal = self._refusal(uncached_tokens, prefill_workers)
+        if refusal is not None:
+            reason, message = refusal
+            REJECTED.labels(reason).inc()
+            TENANT_REJECTED.labels(tenant, reason).inc()
+            raise ResourceExhausted(message)
+        if self._rates is None:
+            return
+        try:
+            self._rates.check(tenant, prompt_tokens)
+        except RateLimited as exc:
+            REJECTED.labels("rate_limit").inc()
+            TENANT_RATE_LIMITED.labels(tenant, exc.limit).inc()
+            raise
+
+    def _refusal(self, uncached_tokens: int, prefill_workers: int) -> tuple[str, str] | None:
+        """(reason, message) of the admission refusal that applies now, None for none."""
         if self.inflight >= self.limit() and self.waiting >= self.max_queue:
-            REJECTED.labels("queue_full").inc()
-            raise ResourceExhausted(
+            return "queue_full", (
                 f"queue full: {self.waiting} requests waiting (max_queue={self.max_queue})"
             )
         if self.slo_ttft_ms > 0:
             pred = self.predicted_ttft_ms(uncached_tokens, prefill_workers)
             if pred is not None and pred > self.slo_ttft_ms:
-                REJECTED.labels("slo_ttft").inc()
-                raise ResourceExhausted(
+                return "slo_ttft", (
                     f"predicted time to first token {pred:.0f} ms exceeds the SLO of "
                     f"{self.slo_ttft_ms:.0f} ms ({self.pending_prefill_tokens} prefill tokens "
                     f"queued)"
@@ -132,23 +194,32 @@ class Admission:
         if self.slo_tpot_ms > 0 and self.inflight > 0:
             tpot = self.tpot_ms.value
             if tpot is not None and tpot > self.slo_tpot_ms:
-                REJECTED.labels("slo_tpot").inc()
-                raise ResourceExhausted(
+                return "slo_tpot", (
                     f"time per output token is {tpot:.1f} ms, above the SLO of "
                     f"{self.slo_tpot_ms:.1f} ms, with {self.inflight} requests running"
                 )
+        return None
 
     @contextlib.asynccontextmanager
-    async def admit(self, uncached_tokens: int, prefill_workers: int) -> AsyncIterator[Ticket]:
-        """Checks, then waits for an in-flight slot; the ticket's ``first_token()`` marks the
+    async def admit(
+        self,
+        uncached_tokens: int,
+        prefill_workers: int,
+        *,
+        tenant: str = "",
+        priority: int = 0,
+        prompt_tokens: int = 0,
+    ) -> AsyncIterator[Ticket]:
+        """Checks (:meth:`check`), then waits for an in-flight slot, in ``tenant``'s turn and
+        at ``priority`` (lower first) among its own; the ticket's ``first_token()`` marks the
         end of its prefill work for the TTFT prediction."""
-        self.check(uncached_tokens, prefill_workers)
+        self.check(uncached_tokens, prefill_workers, tenant, prompt_tokens)
         ticket = Ticket(self, uncached_tokens)
         self.pending_prefill_tokens += uncached_tokens
         self.waiting += 1
         QUEUED.set(self.waiting)
         try:
-            await self._slot()
+            await self._slot(tenant, priority)
         except BaseException:
             ticket.first_token()
             raise
@@ -161,26 +232,29 @@ class Admission:
             ticket.first_token()
             self._release()
 
-    async def _slot(self) -> None:
+    async def _slot(self, tenant: str, priority: int) -> None:
         """Takes an in-flight slot, at once if none is waiting and one is free, else in turn."""
         if not self._slots and self.inflight < self.limit():
-            self._take()
+            self._slots.charge(tenant)
+            self._take(tenant)
             return
         granted = asyncio.get_running_loop().create_future()
-        self._slots.append(granted)
+        self._slots.push(tenant, granted, priority)
+        TENANT_QUEUED.labels(tenant).set(self._slots.queued(tenant))
         try:
             await granted
         except BaseException:
             if granted.done() and not granted.cancelled():  # its slot came with the cancel
                 self._release()
-            elif granted in self._slots:
-                self._slots.remove(granted)
+            elif self._slots.remove(granted):
+                TENANT_QUEUED.labels(tenant).set(self._slots.queued(tenant))
                 self.wake()  # one that queued behind it while a slot was free goes now
             raise
 
-    def _take(self) -> None:
+    def _take(self, tenant: str) -> None:
         self.inflight += 1
         INFLIGHT.set(self.inflight)
+        TENANT_ADMITTED.labels(tenant).inc()
 
     def _release(self) -> None:
         self.inflight -= 1
@@ -188,14 +262,15 @@ class Admission:
         self.wake()
 
     def wake(self) -> None:
-        """Hands free slots to the waiting requests, oldest first; called on every release
-        and whenever the workers' capacity changes."""
+        """Hands free slots to the waiting requests, in the fair queue's order; called on
+        every release and whenever the workers' capacity changes."""
         limit = self.limit()
         INFLIGHT_LIMIT.set(limit)
         while self._slots and self.inflight < limit:
-            granted = self._slots.popleft()
+            tenant, granted = self._slots.pop()
+            TENANT_QUEUED.labels(tenant).set(self._slots.queued(tenant))
             if not granted.done():  # a cancelled one is on its way out
-                self._take()
+                self._take(tenant)
                 granted.set_result(None)
 
 

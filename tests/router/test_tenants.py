@@ -29,7 +29,9 @@ def test_keys_name_their_tenants(tmp_path: Path) -> None:
     ("text", "message"),
     [
         ("", "names no tenant"),
-        (f"alpha {KA} extra\n", "line 1: expected 'NAME KEY'"),
+        (f"alpha {KA} extra\n", "line 1: field 3 is not an option"),
+        (f"alpha {KA} {KB}\n", "line 1: field 3 is not an option"),
+        ("alpha\n", "line 1: expected 'NAME KEY"),
         (f"al/pha {KA}\n", "tenant name 'al/pha'"),
         (f"alpha {KA}\nalpha {KB}\n", "line 2: tenant 'alpha' is named twice"),
         ("alpha short\n", "key is shorter than 16"),
