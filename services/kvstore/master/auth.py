@@ -19,6 +19,8 @@
 - Namespaces: listing and dropping a model's chunks take ``admin``. A quarantine may be set
   by the ``router`` (its production check finds a fingerprint whose stored KV diverges) and
   cleared only by ``admin`` (an operator decides the chunks are good again).
+- Tenants' pins (pin, unpin, list) take the ``router`` (it authenticates the tenant by its
+  API key and names it) or ``admin``.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ CLIENT_CALLS = frozenset(
 )
 CLIENT_ROLES = ("worker", "router")
 ADMIN_CALLS = frozenset({"ListNamespaces", "DropNamespaces"})
+PIN_CALLS = frozenset({"PinKeys", "UnpinKeys", "ListPins"})
 
 
 def owner_prefix(caller: Identity) -> str:
@@ -77,6 +80,8 @@ def authorize(state: MasterState, method: str, request: Any, caller: Identity | 
             _check_own_segment(caller, pb.Segment(segment_id=request.segment_id))
     elif method in ADMIN_CALLS:
         require(caller, ("admin",), f"call {method}")
+    elif method in PIN_CALLS:
+        require(caller, ("router",), f"call {method}")
     elif method == "SetQuarantine":
         if request.quarantined:
             require(caller, ("router",), "quarantine a fingerprint")

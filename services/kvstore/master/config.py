@@ -123,6 +123,20 @@ class MasterConfig(SecurityConfig, MetricsConfig):
     max_evictions_per_alloc: int = help_field(
         4096, "most objects evicted to make room for one allocation"
     )
+    tenant_shares: dict[str, object] = help_field(
+        {},
+        "tenant -> its share of the pool (KVNamespace.tenant; docs/kvstore.md, 'Tenant "
+        "shares and pins'): a fraction in (0, 1] of each tier's capacity, a size (bytes, "
+        "512MiB), or {memory: ..., disk: ...}; eviction takes over-share tenants' objects "
+        "first, and a tenant's pinned bytes stay within its memory share (JSON on a flag)",
+        metavar="JSON",
+    )
+    tenant_shares_file: str = help_field(
+        "", "YAML or JSON file of tenant -> share, as tenant_shares (whose entries win)"
+    )
+    default_tenant_share: str = help_field(
+        "1", "share of tenants not listed, and of objects of no tenant (1 = the whole pool)"
+    )
     # Input limits
     max_key_bytes: int = help_field(256, "longest key (UTF-8 bytes)")
     max_object_bytes: int = help_field(1 << 30, "largest object (bytes)")
@@ -211,6 +225,9 @@ class MasterConfig(SecurityConfig, MetricsConfig):
         if self.inline_max_bytes < 0 or self.inline_capacity_bytes < 0:
             raise ConfigError("inline_max_bytes and inline_capacity_bytes must be >= 0")
         self._check_kv_events()
+        from pdserve.services.kvstore.master.quotas import Shares
+
+        Shares.configured(self.tenant_shares, self.tenant_shares_file, self.default_tenant_share)
         if self.default_lease_ms > self.max_lease_ms:
             raise ConfigError("default_lease_ms must be <= max_lease_ms")
 

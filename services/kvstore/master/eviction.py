@@ -4,7 +4,9 @@ master hands eviction to its own strategy object.
 Idle fingerprints' objects first (a model fingerprint with no put and no hit for
 ``idle_fingerprint_s``: no live worker serves it, :mod:`.namespaces`), then LRU (last put end,
 get or prefix hit), soft-pinned objects only after every other candidate, never a leased one
-(pending puts are not candidates at all). It evicts on demand, when an
+(pending puts are not candidates at all). With tenant shares (:mod:`.quotas`), objects of
+tenants over their share come before all of these, and pinned objects (:mod:`.pins`) are no
+candidates. It evicts on demand, when an
 allocation fails, and between the watermarks, when a segment or a tier's pool passes
 ``high_watermark`` (down to ``low_watermark``). Each tier is evicted on its own: memory when
 memory runs short, a node's disk segment when it does. It reads the object and segment tables
@@ -16,6 +18,7 @@ the space is freed, the removal journaled and the event published).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from pdserve.services.kvstore.master.config import MasterConfig
 from pdserve.services.kvstore.master.objects import ObjectTable
@@ -23,6 +26,9 @@ from pdserve.services.kvstore.master.placement import PlacementStrategy
 from pdserve.services.kvstore.master.segments import SegmentTable
 from pdserve.services.kvstore.master.types import ObjectState, ReplicaLoc, SegmentState
 from pdserve.v1 import kvstore_pb2 as pb
+
+if TYPE_CHECKING:
+    from pdserve.services.kvstore.master.quotas import Quotas
 
 MEMORY = pb.STORAGE_TIER_MEMORY
 DISK = pb.STORAGE_TIER_DISK
@@ -35,18 +41,35 @@ class Evictor:
         objects: ObjectTable,
         segments: SegmentTable,
         evict: Callable[[ObjectState, int], None],
+        quotas: Quotas | None = None,
     ) -> None:
         self.cfg = cfg
         self.objects = objects
         self.segments = segments
-        self.evict = evict
+        self._evict = evict
+        self.quotas = quotas
+
+    def evict(self, obj: ObjectState, tier: int) -> None:
+        """Evicts ``obj``'s copies in ``tier`` (counted for its tenant)."""
+        if self.quotas is not None:
+            self.quotas.evicted(obj, tier)
+        self._evict(obj, tier)
 
     def candidates(
         self, now: float, segment_id: str | None = None, tier: int = MEMORY
     ) -> Iterator[ObjectState]:
-        """Evictable objects with a copy on ``segment_id`` (when given) or else in ``tier``,
-        in eviction order: idle fingerprints' objects (least recently used first), then the
-        others', then the soft-pinned ones. One pass over a snapshot; objects removed
+        """Evictable objects with a copy on ``segment_id`` (when given; ``tier`` is then
+        its tier) or else in ``tier``, in eviction order: over-share tenants' objects first
+        (:meth:`.quotas.Quotas.order`, without pinned ones), then idle fingerprints' objects
+        (least recently used first), then the others', then the soft-pinned ones."""
+        if self.quotas is None:
+            return self._lru_order(now, segment_id, tier)
+        if segment_id is not None:
+            tier = self.segments[segment_id].tier
+        return self.quotas.order(self._lru_order(now, segment_id, tier), tier)
+
+    def _lru_order(self, now: float, segment_id: str | None, tier: int) -> Iterator[ObjectState]:
+        """:meth:`candidates` without tenants: one pass over a snapshot; objects removed
         meanwhile are skipped."""
         idle = self.objects.namespaces.idle(now)
         pinned: list[ObjectState] = []

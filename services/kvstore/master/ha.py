@@ -259,7 +259,11 @@ class EtcdMetadataStore:
         spaces = []
         for root, value in self._range("load the namespaces", self.ns_prefix):
             row = json.loads(value)
-            spaces.append(StoredNamespace(root, str(row["fingerprint"]), dict(row["labels"])))
+            spaces.append(
+                StoredNamespace(
+                    root, str(row["fingerprint"]), dict(row["labels"]), str(row.get("tenant", ""))
+                )
+            )
         quarantines = []
         for digest, value in self._range("load the quarantines", self.q_prefix):
             row = json.loads(value)
@@ -294,7 +298,10 @@ class EtcdMetadataStore:
         ops += [
             kv.txn_op_put(
                 self.ns_prefix + n.root,
-                json.dumps({"fingerprint": n.fingerprint, "labels": n.labels}, sort_keys=True),
+                json.dumps(
+                    {"fingerprint": n.fingerprint, "labels": n.labels, "tenant": n.tenant},
+                    sort_keys=True,
+                ),
             )
             for n in changes.namespaces.values()
         ]

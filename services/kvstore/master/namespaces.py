@@ -24,6 +24,7 @@ import re
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve import errors
 from pdserve.services.kvstore.master.persistence import (
@@ -32,7 +33,12 @@ from pdserve.services.kvstore.master.persistence import (
     StoredQuarantine,
 )
 
+if TYPE_CHECKING:
+    from pdserve.services.kvstore.master.types import ObjectState
+
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+#: A tenant's name, as the router's tenants file allows it (pdserve.tenants).
+_TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 #: Most labels a namespace may carry, and the longest label name or value (characters).
 MAX_LABELS = 32
 MAX_LABEL_CHARS = 256
@@ -49,6 +55,25 @@ def hex_problem(what: str, value: str) -> str:
     if _HEX64.fullmatch(value) is None:
         return f"{what} must be 64 lowercase hex characters, got {value[:80]!r}"
     return ""
+
+
+def tenant_problem(what: str, tenant: str) -> str:
+    """Why ``tenant`` is not a tenant name ("" = no tenant is one), or ""."""
+    if tenant and _TENANT.fullmatch(tenant) is None:
+        return (
+            f"{what} {tenant[:80]!r} must be 1-64 characters of letters, digits, '_', '.', '-', "
+            "starting with a letter or digit"
+        )
+    return ""
+
+
+def tenant_of(obj: ObjectState) -> str:
+    """The tenant of ``obj``'s namespace ("" = none, or an unknown namespace)."""
+    return obj.ns.tenant if obj.ns is not None else ""
+
+
+#: What a put names for each namespace: (root, fingerprint digest, labels[, tenant]).
+Spec = tuple[str, str, Mapping[str, str]] | tuple[str, str, Mapping[str, str], str]
 
 
 def check_hex(what: str, value: str) -> str:
@@ -86,6 +111,8 @@ class Namespace:
 
     root: str
     fp: Fingerprint
+    #: The tenant whose requests write under it ("" = none; its first put naming one sets it).
+    tenant: str = ""
 
 
 #: The namespace of objects dropped while a reader held them: hidden at once, freed when the
@@ -124,20 +151,35 @@ class NamespaceTable:
     def fingerprints(self) -> list[Fingerprint]:
         return [self._fps[d] for d in sorted(self._fps)]
 
-    def intern_all(
-        self, specs: Sequence[tuple[str, str, Mapping[str, str]]], now: float
-    ) -> list[Namespace]:
-        """The namespaces a put names, each ``(root, fingerprint digest, labels)``, interned
-        (new ones journaled); InvalidArgument for a malformed one, or a root that another
-        fingerprint already owns."""
+    def intern_all(self, specs: Sequence[Spec], now: float) -> list[Namespace]:
+        """The namespaces a put names, each ``(root, fingerprint digest, labels[, tenant])``,
+        interned (new ones journaled); InvalidArgument for a malformed one, a root that another
+        fingerprint already owns, or one another tenant writes under."""
         if len(specs) > MAX_PUT_NAMESPACES:
             raise errors.InvalidArgument(
                 f"the put names {len(specs)} namespaces; at most {MAX_PUT_NAMESPACES}"
             )
-        return [
-            self._intern(root, digest, labels, now, i)
-            for i, (root, digest, labels) in enumerate(specs)
-        ]
+        out = []
+        for i, (root, digest, labels, *tenant) in enumerate(specs):
+            ns = self._intern(root, digest, labels, now, i)
+            self._tag(ns, tenant[0] if tenant else "", i)
+            out.append(ns)
+        return out
+
+    def _tag(self, ns: Namespace, tenant: str, i: int) -> None:
+        """Records ``tenant`` as ``ns``'s ("" changes nothing); another tenant's is refused."""
+        if not tenant or tenant == ns.tenant:
+            return
+        problem = tenant_problem(f"namespaces[{i}].tenant", tenant)
+        if problem:
+            raise errors.InvalidArgument(problem)
+        if ns.tenant:
+            raise errors.InvalidArgument(
+                f"namespaces[{i}]: root {ns.root[:16]}... belongs to tenant {ns.tenant!r}, "
+                f"not {tenant!r}"
+            )
+        ns.tenant = tenant
+        self._changed(ns)
 
     def _intern(
         self, root: str, digest: str, labels: Mapping[str, str], now: float, i: int
@@ -185,7 +227,9 @@ class NamespaceTable:
         return ns
 
     def _changed(self, ns: Namespace) -> None:
-        self._changes.namespaces[ns.root] = StoredNamespace(ns.root, ns.fp.digest, ns.fp.labels)
+        self._changes.namespaces[ns.root] = StoredNamespace(
+            ns.root, ns.fp.digest, ns.fp.labels, ns.tenant
+        )
         self._changes.dropped.discard(ns.root)
 
     # ------------------------------------------------------------------ use and idleness
@@ -264,7 +308,7 @@ class NamespaceTable:
         """Loads what the journal kept (at start; nothing is journaled again)."""
         for row in namespaces:
             if row.root not in self._roots:
-                self._add(row.root, row.fingerprint, dict(row.labels), now)
+                self._add(row.root, row.fingerprint, dict(row.labels), now).tenant = row.tenant
         for q in quarantines:
             self.set_quarantine(q.fingerprint, Quarantine(q.reason, q.by, q.since_ms), now)
         self._changes = NamespaceChanges()

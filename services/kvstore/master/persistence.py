@@ -15,7 +15,8 @@ The namespaces (chain root -> fingerprint digest and labels) and the quarantines
 Writes are batched: the master calls :meth:`MetadataStore.apply` once per RPC with every
 upsert and delete of that RPC, which is one transaction. Only JSON and plain columns are
 stored; no pickle. Schema 3 added the root column and the two tables (a version 1 or 2 file
-is migrated in place: its objects' namespaces are unknown).
+is migrated in place: its objects' namespaces are unknown); schema 4 the namespaces' tenant
+column (a version 3 file's namespaces have no tenant).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from pathlib import Path
 
 from pdserve import errors
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 class StateDirInUse(errors.FailedPrecondition):
@@ -65,6 +66,8 @@ class StoredNamespace:
     root: str
     fingerprint: str
     labels: dict[str, str]
+    #: The tenant whose requests write under it ("" = none).
+    tenant: str = ""
 
 
 @dataclass(frozen=True)
@@ -125,7 +128,8 @@ class MetadataStore:
         )
         self._db.execute(
             "CREATE TABLE IF NOT EXISTS namespaces ("
-            " root TEXT PRIMARY KEY, fingerprint TEXT NOT NULL, labels TEXT NOT NULL)"
+            " root TEXT PRIMARY KEY, fingerprint TEXT NOT NULL, labels TEXT NOT NULL,"
+            " tenant TEXT NOT NULL DEFAULT '')"
         )
         self._db.execute(
             "CREATE TABLE IF NOT EXISTS quarantines (fingerprint TEXT PRIMARY KEY,"
@@ -135,10 +139,15 @@ class MetadataStore:
         if row is not None and int(row[0]) == 1:  # version 1 had no checksums
             self._db.execute("ALTER TABLE objects ADD COLUMN checksum BLOB NOT NULL DEFAULT x''")
             row = ("2",)
+        found = row
         if row is not None and int(row[0]) == 2:  # version 2 had no namespaces
             self._db.execute("ALTER TABLE objects ADD COLUMN root TEXT NOT NULL DEFAULT ''")
+            row = ("4",)  # its namespaces table was made just now, with the tenant column
+        if row is not None and int(row[0]) == 3:  # version 3 had no tenants
+            self._db.execute("ALTER TABLE namespaces ADD COLUMN tenant TEXT NOT NULL DEFAULT ''")
+            row = ("4",)
+        if row is not found:
             self._db.execute("UPDATE meta SET value=? WHERE name='schema'", (str(SCHEMA_VERSION),))
-            row = (str(SCHEMA_VERSION),)
         if row is None:
             self._db.execute(
                 "INSERT INTO meta (name, value) VALUES ('schema', ?)", (str(SCHEMA_VERSION),)
@@ -164,8 +173,10 @@ class MetadataStore:
     def load_namespaces(self) -> tuple[list[StoredNamespace], list[StoredQuarantine]]:
         """The namespace and quarantine rows."""
         spaces = [
-            StoredNamespace(str(r), str(f), dict(json.loads(labels)))
-            for r, f, labels in self._db.execute("SELECT root, fingerprint, labels FROM namespaces")
+            StoredNamespace(str(r), str(f), dict(json.loads(labels)), str(t))
+            for r, f, labels, t in self._db.execute(
+                "SELECT root, fingerprint, labels, tenant FROM namespaces"
+            )
         ]
         quarantines = [
             StoredQuarantine(str(f), str(reason), str(by), int(since))
@@ -219,9 +230,10 @@ class MetadataStore:
         db = self._db
         db.executemany("DELETE FROM namespaces WHERE root=?", [(r,) for r in changes.dropped])
         db.executemany(
-            "INSERT OR REPLACE INTO namespaces (root, fingerprint, labels) VALUES (?, ?, ?)",
+            "INSERT OR REPLACE INTO namespaces (root, fingerprint, labels, tenant)"
+            " VALUES (?, ?, ?, ?)",
             [
-                (n.root, n.fingerprint, json.dumps(n.labels, sort_keys=True))
+                (n.root, n.fingerprint, json.dumps(n.labels, sort_keys=True), n.tenant)
                 for n in changes.namespaces.values()
             ],
         )

@@ -128,6 +128,31 @@ class _StateCollector:
             ("kv_event_subscribers", self.kv_events.subscribers, "SubscribeKVEvents streams"),
         ):
             yield GaugeMetricFamily(p + name, doc, value=value)
+        yield from _tenant_families(s.quotas.report(), p)
+
+
+def _tenant_families(report, p: str):
+    """Each tenant's bytes per tier, pinned bytes and evictions by reason (:mod:`.quotas`)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    stored = GaugeMetricFamily(
+        p + "tenant_bytes", "bytes of a tenant's copies in a tier", labels=["tenant", "tier"]
+    )
+    pinned = GaugeMetricFamily(
+        p + "tenant_pinned_bytes", "bytes of a tenant's pinned objects", labels=["tenant"]
+    )
+    evictions = CounterMetricFamily(
+        p + "tenant_evictions",
+        "copies evicted, by tenant and reason (over_share: the tenant was over its share)",
+        labels=["tenant", "reason"],
+    )
+    for t in report:
+        stored.add_metric([t.tenant, "memory"], t.memory_bytes)
+        stored.add_metric([t.tenant, "disk"], t.disk_bytes)
+        pinned.add_metric([t.tenant], t.pinned_bytes)
+        evictions.add_metric([t.tenant, "over_share"], t.evictions_over_share)
+        evictions.add_metric([t.tenant, "normal"], t.evictions_normal)
+    yield from (stored, pinned, evictions)
 
 
 async def _lead(cfg: MasterConfig, stop: asyncio.Event) -> Leadership | None:

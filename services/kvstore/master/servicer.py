@@ -23,6 +23,8 @@ from pdserve.services.kvstore.master.auth import authorize, owner_prefix
 from pdserve.services.kvstore.master.events import EventHub
 from pdserve.services.kvstore.master.invalidation import FingerprintReport
 from pdserve.services.kvstore.master.kv_events import KVEventLog
+from pdserve.services.kvstore.master.namespaces import NamespaceTable
+from pdserve.services.kvstore.master.pins import PinReport
 from pdserve.services.kvstore.master.state import MasterState
 from pdserve.services.kvstore.master.types import BlockMeta, GetOutcome, ReplicaLoc
 from pdserve.store.grants import OP_READ, OP_WRITE, GrantKey, new_master_key, segment_key_for
@@ -53,12 +55,16 @@ def _block(item: pb.PutStartItem) -> BlockMeta | None:
     )
 
 
-def _usage(r: FingerprintReport) -> pb.FingerprintUsage:
+def _usage(r: FingerprintReport, tenants: NamespaceTable) -> pb.FingerprintUsage:
     q = r.quarantine
     return pb.FingerprintUsage(
         fingerprint=r.digest,
         labels=r.labels,
-        roots=[pb.RootUsage(root=k, objects=n, bytes=b) for k, (n, b) in sorted(r.roots.items())],
+        roots=[
+            pb.RootUsage(root=k, objects=n, bytes=b, tenant=ns.tenant if ns else "")
+            for k, (n, b) in sorted(r.roots.items())
+            for ns in (tenants.get(k),)
+        ],
         objects=r.objects,
         bytes=r.bytes,
         quarantined=q is not None,
@@ -67,6 +73,10 @@ def _usage(r: FingerprintReport) -> pb.FingerprintUsage:
         quarantined_ms=q.since_ms if q else 0,
         idle_ms=int(r.idle_s * 1000),
     )
+
+
+def _pin(p: PinReport) -> pb.PinInfo:
+    return pb.PinInfo(**dataclasses.asdict(p))
 
 
 #: Handlers that take the caller's identity too.
@@ -178,7 +188,7 @@ class MasterHandlers:
             inline=[i.inline_data for i in request.items],
             checksums=[i.checksum for i in request.items],
             blocks=[_block(i) for i in request.items],
-            spaces=[(n.root, n.fingerprint, n.labels) for n in request.namespaces],
+            spaces=[(n.root, n.fingerprint, n.labels, n.tenant) for n in request.namespaces],
             space_of=[i.namespace for i in request.items],
         )
         # Write grants last as long as the put may (its space is reclaimed after that).
@@ -246,14 +256,16 @@ class MasterHandlers:
 
     def ListNamespaces(self, request: pb.ListNamespacesRequest) -> pb.ListNamespacesResponse:
         usage = self.state.invalidation.usage()
-        return pb.ListNamespacesResponse(fingerprints=[_usage(r) for r in usage])
+        spaces = self.state.namespaces
+        return pb.ListNamespacesResponse(fingerprints=[_usage(r, spaces) for r in usage])
 
     def DropNamespaces(self, request: pb.DropNamespacesRequest) -> pb.DropNamespacesResponse:
         report = self.state.drop_namespaces(
             list(request.fingerprints), list(request.roots), request.dry_run
         )
+        spaces = self.state.namespaces
         return pb.DropNamespacesResponse(
-            dropped=[_usage(r) for r in report.fingerprints], deferred=report.deferred
+            dropped=[_usage(r, spaces) for r in report.fingerprints], deferred=report.deferred
         )
 
     def SetQuarantine(
@@ -264,6 +276,25 @@ class MasterHandlers:
             request.fingerprint, request.quarantined, request.reason, by
         )
         return pb.SetQuarantineResponse(was_quarantined=was, objects=n)
+
+    def PinKeys(self, request: pb.PinKeysRequest) -> pb.PinKeysResponse:
+        pin, total, share = self.state.quotas.pin(
+            request.tenant, request.name, list(request.keys), int(self.state.clock.wall_ms())
+        )
+        return pb.PinKeysResponse(
+            pin=_pin(pin), tenant_pinned_bytes=total, memory_share_bytes=share
+        )
+
+    def UnpinKeys(self, request: pb.UnpinKeysRequest) -> pb.UnpinKeysResponse:
+        return pb.UnpinKeysResponse(removed=self.state.pins.unpin(request.tenant, request.name))
+
+    def ListPins(self, request: pb.ListPinsRequest) -> pb.ListPinsResponse:
+        tenant = request.tenant or None
+        quotas = self.state.quotas
+        return pb.ListPinsResponse(
+            pins=[_pin(p) for p in quotas.pins.report(tenant)],
+            tenants=[pb.TenantUsage(**dataclasses.asdict(t)) for t in quotas.report(tenant)],
+        )
 
     def Stats(self, request: pb.StatsRequest) -> pb.StatsResponse:
         # StoreStats has StatsResponse's fields, one for one (segments as SegmentStats).
@@ -356,6 +387,18 @@ class KVMasterServicer(kvstore_pb2_grpc.KVMasterServiceServicer):
     @rpc
     async def SetQuarantine(self, request, context):
         return await self._call("SetQuarantine", request, context)
+
+    @rpc
+    async def PinKeys(self, request, context):
+        return await self._call("PinKeys", request, context)
+
+    @rpc
+    async def UnpinKeys(self, request, context):
+        return await self._call("UnpinKeys", request, context)
+
+    @rpc
+    async def ListPins(self, request, context):
+        return await self._call("ListPins", request, context)
 
     @rpc
     async def WatchEvents(

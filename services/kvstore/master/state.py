@@ -32,6 +32,8 @@ Rules it enforces:
   ended by :meth:`release` or by time) protects an object from eviction and removal.
 * Eviction takes idle fingerprints' objects first, then LRU (last put end / get), soft-pinned
   ones last; it runs past ``high_watermark`` (down to ``low_watermark``) and on demand.
+  Objects of tenants over their share go before all of these, and a tenant's pinned objects
+  never go (:class:`~.quotas.Quotas`, :class:`~.pins.PinTable`).
 * A node that misses ``heartbeat_miss_limit`` heartbeats is dead: nothing new is placed on
   it, and its replicas go *dormant*: invisible to readers (an object left without a live
   replica is gone for them: event reason ``KV_EVENT_REASON_NODE_DEAD``) but remembered, with
@@ -62,6 +64,8 @@ from pdserve.services.kvstore.master.membership import Membership
 from pdserve.services.kvstore.master.namespaces import NamespaceTable
 from pdserve.services.kvstore.master.objects import ObjectTable, expired, item_problem
 from pdserve.services.kvstore.master.persistence import MetadataStore
+from pdserve.services.kvstore.master.pins import PinTable
+from pdserve.services.kvstore.master.quotas import Quotas, Shares
 from pdserve.services.kvstore.master.repair import Repairer, RepairJob
 from pdserve.services.kvstore.master.segments import SegmentTable
 from pdserve.services.kvstore.master.stats import store_stats
@@ -102,7 +106,12 @@ class MasterState:
         self.namespaces = NamespaceTable(cfg.idle_fingerprint_s)
         self.objects = ObjectTable(cfg, self.counters, self.namespaces)
         self.segments = SegmentTable(placement_seed)
-        self.evictor = Evictor(cfg, self.objects, self.segments, self._evict)
+        self.pins = PinTable(self.objects, cfg.max_batch_keys)
+        shares = Shares.configured(
+            cfg.tenant_shares, cfg.tenant_shares_file, cfg.default_tenant_share
+        )
+        self.quotas = Quotas(shares, self.objects, self.segments, self.pins)
+        self.evictor = Evictor(cfg, self.objects, self.segments, self._evict, self.quotas)
         self.journal = Journal(store, self.clock, self.namespaces)
         self.dormant = DormantReplicas()
         self.invalidation = Invalidation(
@@ -359,6 +368,7 @@ class MasterState:
                 out.append(KeyOutcome(key, pb.KV_NOT_ENOUGH_NODES, msg))
                 continue
             self.objects.commit(obj, now)
+            self.pins.committed(obj, self.quotas.memory_share)
             self.journal.mark(obj)
             self.on_event(pb.KV_EVENT_STORED, key, obj.size, pb.KV_EVENT_REASON_UNSPECIFIED)
             out.append(KeyOutcome(key, OK))

@@ -307,7 +307,7 @@ def test_a_version_2_state_file_is_migrated(tmp_path) -> None:
     assert (obj.key, obj.size, obj.checksum, obj.root) == ("k", 10, b"\x01", "")
     assert store.load_namespaces() == ([], [])
     schema = store._db.execute("SELECT value FROM meta WHERE name='schema'").fetchone()[0]
-    assert schema == "3"
+    assert schema == "4"
     store.close()
 
 

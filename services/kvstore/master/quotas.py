@@ -1,0 +1,276 @@
+"""Tenants' shares of the pool: how many bytes of each tier a tenant may hold before its
+objects are the first to go (docs/kvstore.md, "Tenant shares and pins").
+
+A tenant is the router's tenant name that the writer of a chunk put into its
+``KVNamespace.tenant`` (:mod:`.namespaces`; "" = no tenant, which has a share too: the
+default). ``kvstore_master.tenant_shares`` gives a tenant its share of the memory tier and of
+the disk tier, each a fraction of the tier's capacity (alive segments, now) or bytes; tenants
+not listed get ``default_tenant_share`` (1 = the whole tier: no limit).
+
+Eviction (:mod:`.eviction`) asks :meth:`Quotas.order` for its candidates: objects of tenants
+over their share of the tier come first, the most over first (bytes over its share, updated
+as each copy goes), then the rest in the evictor's own order. So a tenant within its share
+loses nothing to another tenant's flood while an over-share tenant has something to evict.
+Pinned objects (:mod:`.pins`) are never candidates. Usage counts replica bytes in the tier
+(an object with two memory copies holds twice its size there), as the tier's capacity does.
+
+Plain and single-threaded, like the master state; no network, no protobuf messages.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdserve.config import ConfigError
+from pdserve.services.kvstore.master.namespaces import tenant_of, tenant_problem
+from pdserve.services.kvstore.master.objects import ObjectTable
+from pdserve.services.kvstore.master.pins import PinReport, PinTable
+from pdserve.services.kvstore.master.segments import SegmentTable
+from pdserve.services.kvstore.master.types import ObjectState
+from pdserve.sizes import parse_size
+from pdserve.v1 import kvstore_pb2 as pb
+
+MEMORY = pb.STORAGE_TIER_MEMORY
+DISK = pb.STORAGE_TIER_DISK
+#: The tier names a share mapping may use, and their pb.StorageTier.
+TIERS = {"memory": MEMORY, "disk": DISK}
+#: Eviction reasons counted per tenant (``pdserve_kvstore_master_tenant_evictions_total``).
+OVER_SHARE = "over_share"
+NORMAL = "normal"
+
+
+@dataclass(frozen=True)
+class Share:
+    """A tenant's share of one tier: ``fraction`` of the tier's capacity, or ``bytes`` (when
+    not 0)."""
+
+    fraction: float = 1.0
+    bytes: int = 0
+
+    def of(self, capacity: int) -> int:
+        """The share in bytes of a tier of ``capacity`` bytes."""
+        return self.bytes if self.bytes else int(self.fraction * capacity)
+
+    @property
+    def whole(self) -> bool:
+        """The whole tier: no limit."""
+        return not self.bytes and self.fraction >= 1.0
+
+
+def parse_share(value: Any, what: str) -> Share:
+    """One tier's share: a number in (0, 1] is a fraction of the tier, an integer above 1 or
+    a size with a unit (``512MiB``) is bytes; ConfigError naming ``what`` otherwise."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{what}: expected a fraction or a size, got {value!r}")
+    number = value
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            return Share(bytes=parse_size(value, what=what))
+    if not isinstance(number, int | float) or number <= 0:
+        raise ConfigError(
+            f"{what}: expected a fraction in (0, 1] or a size (bytes, 512MiB), got {value!r}"
+        )
+    if number <= 1:
+        return Share(fraction=float(number))
+    if not float(number).is_integer():
+        raise ConfigError(f"{what}: {value!r} is above 1, so bytes: it must be a whole number")
+    return Share(bytes=int(number))
+
+
+def parse_tenant_share(value: Any, what: str) -> dict[int, Share]:
+    """A tenant's shares by tier: one value for both tiers, or a mapping ``{memory: ...,
+    disk: ...}`` (a tier not named: the whole tier)."""
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - set(TIERS))
+        if unknown:
+            raise ConfigError(f"{what}: unknown tier {unknown[0]!r}; the tiers are memory, disk")
+        return {
+            tier: parse_share(value[name], f"{what}.{name}") if name in value else Share()
+            for name, tier in TIERS.items()
+        }
+    share = parse_share(value, what)
+    return {MEMORY: share, DISK: share}
+
+
+class Shares:
+    """Every tenant's share of each tier, and the default of the tenants not listed."""
+
+    def __init__(
+        self, by_tenant: Mapping[str, dict[int, Share]], default: dict[int, Share]
+    ) -> None:
+        self.by_tenant = dict(by_tenant)
+        self.default = default
+        #: Some share is less than its whole tier: eviction orders by usage.
+        self.limited = any(
+            not s.whole for shares in [default, *self.by_tenant.values()] for s in shares.values()
+        )
+
+    @classmethod
+    def parse(
+        cls, mapping: Mapping[str, Any], default: Any = 1, source: str = "tenant_shares"
+    ) -> Shares:
+        """The shares of ``mapping`` (tenant -> share, :func:`parse_tenant_share`) with
+        ``default`` for the others; ConfigError naming ``source``, the tenant and the problem."""
+        if not isinstance(mapping, Mapping):
+            raise ConfigError(f"{source}: expected a mapping of tenant to share")
+        out = {}
+        for tenant, value in mapping.items():
+            name = str(tenant)
+            problem = tenant_problem("tenant", name) if name else "a tenant name is empty"
+            if problem:
+                raise ConfigError(f"{source}: {problem}")
+            out[name] = parse_tenant_share(value, f"{source}[{name!r}]")
+        return cls(out, parse_tenant_share(default, "default_tenant_share"))
+
+    @classmethod
+    def configured(cls, shares: Mapping[str, Any], shares_file: str, default: Any) -> Shares:
+        """The master config's shares: ``shares_file`` (YAML or JSON: a mapping of tenant to
+        share) overlaid by ``shares``, with ``default`` for tenants listed in neither."""
+        merged: dict[str, Any] = {}
+        if shares_file:
+            import yaml
+
+            try:
+                data = yaml.safe_load(Path(shares_file).expanduser().read_text()) or {}
+            except (OSError, yaml.YAMLError) as exc:
+                raise ConfigError(f"tenant_shares_file {shares_file!r}: {exc}") from exc
+            cls.parse(data, source=f"tenant_shares_file {shares_file!r}")  # its errors name it
+            merged.update({str(k): v for k, v in data.items()})
+        merged.update(shares)
+        return cls.parse(merged, default)
+
+    def of(self, tenant: str, tier: int) -> Share:
+        return self.by_tenant.get(tenant, self.default).get(tier, Share())
+
+
+@dataclass(frozen=True)
+class TenantReport:
+    """One tenant's use of the pool (``TenantUsage``; bytes, counts)."""
+
+    tenant: str
+    memory_bytes: int
+    disk_bytes: int
+    memory_share_bytes: int
+    disk_share_bytes: int
+    pinned_bytes: int
+    evictions_over_share: int
+    evictions_normal: int
+
+
+class Quotas:
+    """Shares, usage and the over-share-first eviction order (see the module docstring)."""
+
+    def __init__(
+        self, shares: Shares, objects: ObjectTable, segments: SegmentTable, pins: PinTable
+    ) -> None:
+        self.shares = shares
+        self.objects = objects
+        self.segments = segments
+        self.pins = pins
+        #: (tenant, reason) -> copies evicted since start.
+        self.evictions: dict[tuple[str, str], int] = {}
+        # The eviction pass under way: (tier, usage by tenant, share by tenant), live.
+        self._live: tuple[int, dict[str, int], dict[str, int]] | None = None
+
+    def share(self, tenant: str, tier: int) -> int:
+        """``tenant``'s share of ``tier`` now (bytes)."""
+        return self.shares.of(tenant, tier).of(self.segments.capacity(tier))
+
+    def memory_share(self, tenant: str) -> int:
+        """``tenant``'s share of the memory tier now (bytes): what its pins may hold."""
+        return self.share(tenant, MEMORY)
+
+    def pin(
+        self, tenant: str, name: str, keys: Sequence[str], now_ms: int
+    ) -> tuple[PinReport, int, int]:
+        """Pins ``keys`` for ``tenant`` within its memory share (:meth:`.pins.PinTable.pin`);
+        returns the pin, the tenant's pinned bytes in all and its memory share (bytes)."""
+        share = self.memory_share(tenant)
+        pin, total = self.pins.pin(tenant, name, keys, share, now_ms)
+        return pin, total, share
+
+    def usage(self, tier: int) -> dict[str, int]:
+        """Bytes each tenant's copies hold in ``tier`` (one pass over the objects)."""
+        out: dict[str, int] = {}
+        for obj in self.objects.values():
+            n = sum(1 for r in obj.replicas if r.tier == tier)
+            if n:
+                t = tenant_of(obj)
+                out[t] = out.get(t, 0) + n * obj.size
+        return out
+
+    def order(self, base: Iterable[ObjectState], tier: int) -> Iterator[ObjectState]:
+        """``base`` (the evictor's candidates of ``tier``, in its order) without the pinned
+        objects, over-share tenants' first when some share is limited."""
+        self._live = None
+        if not self.shares.limited:
+            return (o for o in base if not self.pins.holds(o))
+        return self._over_share_first(base, tier)
+
+    def _over_share_first(self, base: Iterable[ObjectState], tier: int) -> Iterator[ObjectState]:
+        usage = self.usage(tier)
+        share = {t: self.share(t, tier) for t in usage}
+        self._live = (tier, usage, share)
+        rest: list[ObjectState] = []
+        over: dict[str, deque[ObjectState]] = {}
+        for obj in base:
+            if self.pins.holds(obj):
+                continue
+            t = tenant_of(obj)
+            if usage.get(t, 0) > share.get(t, 0):
+                over.setdefault(t, deque()).append(obj)
+            rest.append(obj)
+        taken: set[int] = set()
+        while True:
+            # NOTE: usage drops as the caller evicts (:meth:`evicted`), so this picks anew
+            live = [(usage[t] - share[t], t) for t, q in over.items() if q and usage[t] > share[t]]
+            if not live:
+                break
+            obj = over[max(live)[1]].popleft()
+            if self.objects.get(obj.key) is obj:
+                taken.add(id(obj))
+                yield obj
+        for obj in rest:
+            if id(obj) not in taken and self.objects.get(obj.key) is obj:
+                yield obj
+
+    def evicted(self, obj: ObjectState, tier: int) -> None:
+        """``obj``'s copies in ``tier`` are about to be evicted: counted for its tenant, as
+        over its share or normal, and taken off the pass's usage."""
+        t = tenant_of(obj)
+        reason = NORMAL
+        live = self._live
+        if live is not None and live[0] == tier:
+            _, usage, share = live
+            if usage.get(t, 0) > share.get(t, 0):
+                reason = OVER_SHARE
+            usage[t] = usage.get(t, 0) - obj.size * sum(1 for r in obj.replicas if r.tier == tier)
+        self.evictions[(t, reason)] = self.evictions.get((t, reason), 0) + 1
+
+    def report(self, tenant: str | None = None) -> list[TenantReport]:
+        """Each tenant's use (only ``tenant``'s when given), by name: every tenant with
+        objects, a share, a pin or an eviction, and "" (no tenant) always."""
+        memory, disk = self.usage(MEMORY), self.usage(DISK)
+        names = {"", *memory, *disk, *self.shares.by_tenant, *self.pins.tenants()}
+        names |= {t for t, _ in self.evictions}
+        if tenant is not None:
+            names = {tenant}
+        return [
+            TenantReport(
+                t,
+                memory.get(t, 0),
+                disk.get(t, 0),
+                self.share(t, MEMORY),
+                self.share(t, DISK),
+                self.pins.pinned_bytes(t),
+                self.evictions.get((t, OVER_SHARE), 0),
+                self.evictions.get((t, NORMAL), 0),
+            )
+            for t in sorted(names)
+        ]
