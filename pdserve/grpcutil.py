@@ -20,7 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve import identity, reloading
+from pdserve import identity, reloading, tracing_grpc
 from pdserve.errors import RateLimited, status_for
 
 log = logging.getLogger(__name__)
@@ -161,7 +161,10 @@ async def start_server(
     context held no certificate though the client had one).
     """
     options = [*_options(max_message_bytes), *_SERVER_OPTIONS]
-    server = grpc.aio.server(options=options, interceptors=[*interceptors, _RefuseMalformed()])
+    traced = tracing_grpc.server_interceptors()  # first: a refused call is in the trace too
+    server = grpc.aio.server(
+        options=options, interceptors=[*traced, *interceptors, _RefuseMalformed()]
+    )
     names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
     for add, servicer, name in servicers:
         add(servicer, server)
@@ -270,16 +273,19 @@ def channel(
 
         return failover.AioFailoverChannel(failover.addresses(address), one)  # type: ignore[return-value]
     options = [*_options(max_message_bytes), *_RECONNECT_OPTIONS]
+    traced = tracing_grpc.client_interceptors()  # the request's trace in each call's metadata
     creds = _credentials(public)
     if creds is None:
-        return grpc.aio.insecure_channel(address, options=options)
+        return grpc.aio.insecure_channel(address, options=options, interceptors=traced)
     expect = server_name or (identity.role_name(role) if role else "")
     if expect:
         options.append(("grpc.ssl_target_name_override", expect))
     if public:  # a public server's CA: no certificate of ours to renew
-        return grpc.aio.secure_channel(address, creds, options=options)
+        return grpc.aio.secure_channel(address, creds, options=options, interceptors=traced)
     return reloading.AioReloadingChannel(  # type: ignore[return-value]
-        lambda: grpc.aio.secure_channel(address, _credentials(False), options=options)
+        lambda: grpc.aio.secure_channel(
+            address, _credentials(False), options=options, interceptors=traced
+        )
     )
 
 
@@ -300,15 +306,16 @@ def sync_channel(
 
         return failover.SyncFailoverChannel(failover.addresses(address), one)  # type: ignore[return-value]
     options = [*_options(max_message_bytes), *_RECONNECT_OPTIONS]
+    traced = tracing_grpc.intercept_sync  # the request's trace in each call's metadata
     creds = _credentials(public)
     if creds is None:
-        return grpc.insecure_channel(address, options=options)
+        return traced(grpc.insecure_channel(address, options=options))
     if role:
         options.append(("grpc.ssl_target_name_override", identity.role_name(role)))
     if public:
-        return grpc.secure_channel(address, creds, options=options)
+        return traced(grpc.secure_channel(address, creds, options=options))
     return reloading.SyncReloadingChannel(  # type: ignore[return-value]
-        lambda: grpc.secure_channel(address, _credentials(False), options=options)
+        lambda: traced(grpc.secure_channel(address, _credentials(False), options=options))
     )
 
 

@@ -43,6 +43,7 @@ import grpc
 
 from pdserve.config import ConfigError, help_field
 from pdserve.errors import PermissionDenied, Unauthenticated
+from pdserve.tracing import TracingConfig
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +71,9 @@ class Identity:
 
 
 @dataclass
-class SecurityConfig:
-    """The fields every service config carries (a base class of each)."""
+class SecurityConfig(TracingConfig):
+    """The fields every service config carries (a base class of each): TLS and exposure, and
+    with :class:`~pdserve.tracing.TracingConfig` where its request traces go."""
 
     tls_ca: str = help_field(
         "",

@@ -1,7 +1,7 @@
 """The one way a service becomes a ``pdserve`` command: flags from its config dataclass,
 config errors as a clean message (exit 2), the process's TLS identity and the protected-mode
 checks (:mod:`pdserve.identity` for its ports, ``telemetry.configure_metrics`` for its
-metrics port), structured logging, and the service's
+metrics port), structured logging, tracing (:mod:`pdserve.tracing`), and the service's
 ``serve(cfg, stop)`` run under :func:`pdserve.lifecycle.run` (SIGTERM/SIGINT drain)."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def add_service_command(
     label = service or name
 
     def run(args: argparse.Namespace) -> int:
-        from pdserve import lifecycle, telemetry
+        from pdserve import lifecycle, telemetry, tracing
 
         try:
             cfg = config.from_args(config_cls, section, args)
@@ -41,6 +41,8 @@ def add_service_command(
             has_key = any(getattr(cfg, k, "") for k in keys) if hasattr(cfg, "api_key") else None
             identity.check_exposure(cfg, f"pdserve {label}", has_key=has_key)
             telemetry.configure_metrics(cfg, f"pdserve {label}")
+            endpoint = tracing.resolve_endpoint(getattr(cfg, "otlp_traces_endpoint", ""))
+            tracing.configure(endpoint, tracing.service_name(label))
         except config.ConfigError as exc:
             print(f"pdserve {label}: {exc}", file=sys.stderr)
             return 2
@@ -52,6 +54,8 @@ def add_service_command(
         except errors.PdserveError as exc:  # a clear start-up refusal, not a crash
             print(f"pdserve {label}: error: {exc}", file=sys.stderr)
             return 1
+        finally:
+            tracing.shutdown()  # exports the spans still buffered
 
     parser.set_defaults(func=run)
     return parser

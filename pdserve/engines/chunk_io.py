@@ -31,9 +31,10 @@ from typing import Protocol
 
 import torch
 
-from pdserve import errors, hashing
+from pdserve import errors, hashing, tracing
 from pdserve.engines import metrics
 from pdserve.engines.chunk_wait import load_as_landed
+from pdserve.kvformat import encoded_size
 from pdserve.store.api import ChunkMeta, ChunkNamespace, StoreOptions
 
 log = logging.getLogger(__name__)
@@ -158,18 +159,21 @@ class ChunkIO:
             return []
         if not self.available():
             return [None] * len(keys)
-        start = time.perf_counter()
-        try:
-            if arena is None:
-                got = self.store.batch_get_chunks(keys, self.digest)
-            else:
-                got = self.store.batch_get_chunks(keys, self.digest, arena=arena)
-        except Exception as exc:
-            self._failed("load", exc)
-            return [None] * len(keys)
-        metrics.KV_STORE_SECONDS.labels("load").observe(time.perf_counter() - start)
-        self._ok()
-        return got
+        with tracing.span("pdserve.kv.load", root=False) as span:
+            start = time.perf_counter()
+            try:
+                if arena is None:
+                    got = self.store.batch_get_chunks(keys, self.digest)
+                else:
+                    got = self.store.batch_get_chunks(keys, self.digest, arena=arena)
+            except Exception as exc:
+                self._failed("load", exc)
+                return [None] * len(keys)
+            metrics.KV_STORE_SECONDS.labels("load").observe(time.perf_counter() - start)
+            self._ok()
+            if span.is_recording():
+                span.set_attributes(self._moved(len(keys), [t for t in got if t is not None]))
+            return got
 
     def load_prefix(self, keys: Sequence[str]) -> list[torch.Tensor]:
         """The chunks of the longest run of leading ``keys`` that are stored and verify."""
@@ -224,13 +228,17 @@ class ChunkIO:
         if meta:
             extra["meta"] = meta
         try:
-            written = self.store.batch_put_chunks(
-                items,
-                self.digest,
-                StoreOptions(replicas=self.replicas, ttl_ms=ttl_ms),
-                encoding=self.fingerprint.kv_compression,
-                **extra,
-            )
+            with tracing.span("pdserve.kv.save", {"pdserve.kv.kind": kind}, root=False) as span:
+                written = self.store.batch_put_chunks(
+                    items,
+                    self.digest,
+                    StoreOptions(replicas=self.replicas, ttl_ms=ttl_ms),
+                    encoding=self.fingerprint.kv_compression,
+                    **extra,
+                )
+                if span.is_recording():
+                    done = [kv for (_k, kv), ok in zip(items, written, strict=True) if ok]
+                    span.set_attributes(self._moved(len(items), done))
         except Exception as exc:
             self._failed("save", exc)
             return 0
@@ -241,6 +249,17 @@ class ChunkIO:
         if len(items) - n:
             metrics.KV_CHUNKS_SKIPPED.inc(len(items) - n)
         return n
+
+    def _moved(self, asked: int, chunks: Sequence[torch.Tensor]) -> dict[str, int]:
+        """A load or save span's attributes: chunks asked for, chunks moved and their bytes
+        in the store (encoded chunks, headers included)."""
+        encoding = self.fingerprint.kv_compression
+        size = sum(encoded_size(tuple(kv.shape), kv.dtype, encoding) for kv in chunks)
+        return {
+            "pdserve.kv.chunks": asked,
+            "pdserve.kv.moved": len(chunks),
+            "pdserve.kv.bytes": size,
+        }
 
     def drop(self, digests: Sequence[str]) -> bool:
         """Removes every chunk of the fingerprints ``digests`` (hex) from the store, all their

@@ -161,6 +161,8 @@ class RequestLoad:
     #: Write mode: load asynchronously, waiting up to this long for each chunk (ms); 0 = a
     #: synchronous load of stored chunks before this step's forward.
     wait_ms: int = 0
+    #: The request's W3C trace headers (vLLM's ``trace_headers``; empty = not traced).
+    trace: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -190,3 +192,5 @@ class ChunkSave:
 class PdserveConnectorMetadata(KVConnectorMetadata):
     loads: list[RequestLoad] = field(default_factory=list)
     saves: list[ChunkSave] = field(default_factory=list)
+    #: The W3C trace headers of the traced requests whose chunks are in ``saves``.
+    save_traces: list[dict[str, str]] = field(default_factory=list)

@@ -278,7 +278,12 @@ class ConnectorScheduler:
         if plan.tail_key:
             base = len(plan.keys) * cs
             chunks.append(ChunkLoad(plan.tail_key, base, plan.tail_tokens, plan.start, plan.end))
-        return RequestLoad(req_id, block_ids, chunks, plan.wait_ms)
+        return RequestLoad(req_id, block_ids, chunks, plan.wait_ms, self._trace(req_id))
+
+    def _trace(self, req_id: str) -> dict[str, str]:
+        """The request's trace headers (empty unless vLLM traces it)."""
+        headers = getattr(self._requests.get(req_id), "trace_headers", None)
+        return dict(headers) if headers else {}
 
     def _scope(self, req_id: str, request: Any) -> KeyScope:
         """The chain of request ``req_id`` (or its bypass), worked out at its first sight
@@ -327,6 +332,15 @@ class ConnectorScheduler:
         tracker.computed = computed
         if not self.settings.saves:  # kv_consumer: loads only
             return
+        saves = len(meta.saves)
+        self._advance_saves(tracker, computed, meta)
+        trace = self._trace(req_id) if len(meta.saves) > saves else None
+        if trace:
+            meta.save_traces.append(trace)
+
+    def _advance_saves(
+        self, tracker: _SaveTracker, computed: int, meta: PdserveConnectorMetadata
+    ) -> None:
         cs, bs, bpc = self.chunk_size, self.block_size, self.blocks_per_chunk
         done = min(computed, tracker.prompt_len) // cs
         engine = tracker.engine_hashes

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from pdserve import hashing
+from pdserve import hashing, tracing
 from pdserve.engines import kv_layout
 from pdserve.engines.chunk_io import ChunkIO
 from pdserve.engines.connector_data import (
@@ -137,7 +137,8 @@ class ConnectorWorker:
             loaded += len(good)
             return len(good)
 
-        self.io.load_as_landed(keys, load.wait_ms, land, stop.is_set)
+        with tracing.continued(load.trace):
+            self.io.load_as_landed(keys, load.wait_ms, land, stop.is_set)
         with self._lock:
             if loaded < len(load.chunks) and not stop.is_set():
                 self._failed_blocks.update(self._blocks_from(load, loaded))
@@ -172,9 +173,10 @@ class ConnectorWorker:
 
     def _load_request(self, load: RequestLoad) -> None:
         bs = self.block_size
-        tensors = self.io.get(
-            [self._rank_key(c.key) for c in load.chunks], arena=self._arena_for(load)
-        )
+        with tracing.continued(load.trace):
+            tensors = self.io.get(
+                [self._rank_key(c.key) for c in load.chunks], arena=self._arena_for(load)
+            )
         loaded: list[tuple[ChunkLoad, torch.Tensor]] = []
         for i, (chunk, kv) in enumerate(zip(load.chunks, tensors, strict=True)):
             if not self._valid(kv, chunk.num_tokens):
@@ -311,9 +313,11 @@ class ConnectorWorker:
         }
         # the master tags each chunk with its request's chain root (a salt's, an adapter's)
         roots = {self._rank_key(s.key): s.root for s in meta.saves if s.root}
-        for ttl_ms, items in by_ttl.items():
-            # a chunk not saved: a future miss
-            self.io.save(items, ttl_ms=ttl_ms, meta=chain, roots=roots)
+        # in the trace of the step's first traced request (a batch serves them all)
+        with tracing.continued(meta.save_traces[0] if meta.save_traces else None):
+            for ttl_ms, items in by_ttl.items():
+                # a chunk not saved: a future miss
+                self.io.save(items, ttl_ms=ttl_ms, meta=chain, roots=roots)
 
     def _gather_all(self, saves: list[ChunkSave]) -> list[torch.Tensor]:
         """Each save's KV ``[layers, 2, kv_heads, tokens, head_dim]``. The full chunks of a

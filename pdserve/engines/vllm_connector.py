@@ -72,7 +72,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from pdserve import hashing, telemetry
+from pdserve import hashing, telemetry, tracing
 from pdserve.engines import kv_layout
 from pdserve.engines.chunk_io import ChunkIO
 from pdserve.engines.connector_data import (
@@ -126,6 +126,8 @@ class PdserveConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         # This process's registry is not served: the store metrics go to the worker's.
         telemetry.start_relay()
+        # the worker's (or vllm serve's) OTLP endpoint: its store spans join the requests'
+        tracing.configure_from_env("pdserve-vllm")
         settings = ConnectorSettings.from_vllm(vllm_config)
         fp = settings.fingerprint
         block_size = vllm_config.cache_config.block_size

@@ -41,7 +41,7 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from pdserve import hashing, identity, telemetry
+from pdserve import hashing, identity, telemetry, tracing
 from pdserve.engines import kv_layout, metrics, shm_segments, vllm_args
 from pdserve.engines.base import (
     Engine,
@@ -237,7 +237,9 @@ class VllmEngine(Engine):
                 ),
             )
         # users' vllm_args may override these two, which are pdserve's defaults, not its needs
-        defaults = {"enforce_eager": True, "enable_prefix_caching": True}
+        defaults: dict[str, Any] = {"enforce_eager": True, "enable_prefix_caching": True}
+        if tracing.enabled():  # vLLM's llm_request span, and trace headers to the connector
+            defaults["otlp_traces_endpoint"] = tracing.endpoint()
         for name in defaults.keys() & cfg.vllm_args.keys():
             defaults.pop(name)
         args = AsyncEngineArgs(
@@ -293,7 +295,8 @@ class VllmEngine(Engine):
         if cache_salt:
             inputs["cache_salt"] = cache_salt
         try:
-            stream = self._llm.generate(inputs, params, request_id)
+            trace = tracing.headers() or None  # the worker's span: vLLM's joins it
+            stream = self._llm.generate(inputs, params, request_id, trace_headers=trace)
             async for out in stream:
                 if not started:
                     started = True

@@ -67,7 +67,8 @@ from pdserve.services.router.policies import (
 from pdserve.services.router.request import GenRequest
 from pdserve.services.router.running import Running
 from pdserve.services.router.stream import DecodeSession, StreamChunk
-from pdserve.services.router.trace import CACHED, RETRIES, TTFT, Trace, record_outcome
+from pdserve.services.router.trace import CACHED, RETRIES, TTFT, Trace, end_span, record_outcome
+from pdserve.services.router.trace import traced as trace_span
 from pdserve.services.router.worker_client import WorkerCallError, WorkerClient
 from pdserve.services.router.workers import DECODE, PREFILL, WorkerPool
 from pdserve.tenants import Tenants
@@ -177,7 +178,10 @@ class Orchestrator:
 
         :meth:`abort` (RouterService.Abort) ends it early: the worker calls are cancelled and
         the stream ends with a FINISH_REASON_CANCELLED chunk."""
-        inner = self._counted(req, self._generate(req, timeout_s=timeout_s))
+        traced = trace_span(
+            req.request_id, len(req.prompt_token_ids), self._generate(req, timeout_s=timeout_s)
+        )
+        inner = self._counted(req, traced)
         key = Tenants.abort_key(req.tenant, req.abort_id or req.request_id)
         return self.running.track(key, req.request_id, inner)
 
@@ -261,6 +265,7 @@ class Orchestrator:
             finally:
                 trace.total_ms = (time.monotonic() - t0) * 1000.0
                 overhead = record_outcome(trace, plan, outcome, t0)
+                end_span(trace, outcome, t0)
                 if overhead is not None:
                     self.overheads_ms.append(overhead)
                 self.traces.append(trace)

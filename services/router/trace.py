@@ -4,13 +4,20 @@ tokens by source and the time of each phase."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
+from opentelemetry.trace import SpanKind
 from prometheus_client import Counter, Histogram
 
+from pdserve import tracing
 from pdserve.services.router.plan import Plan
 from pdserve.services.router.workers import DECODE, PREFILL
 from pdserve.telemetry import REGISTRY, init_labels
+
+T = TypeVar("T")
 
 _MS_BUCKETS = (0.25, 0.5, 1, 2, 3, 5, 7.5, 10, 15, 25, 50, 100, 250, 500, 1000, 2500, 5000)
 _S_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -112,3 +119,47 @@ def record_outcome(trace: Trace, plan: Plan, outcome: str, t0: float) -> float |
         OVERHEAD.observe(trace.overhead_ms)
         return trace.overhead_ms
     return None
+
+
+def traced(request_id: str, prompt_tokens: int, inner: AsyncIterator[T]) -> AsyncIterator[T]:
+    """``inner`` (a request's chunks) inside its span ``pdserve.request``, the current span
+    while it runs, so that the workers' and the store's spans join it (:mod:`pdserve.tracing`;
+    the caller's trace when it sent one); ``inner`` as it is while tracing is off. Its
+    attributes and phases are set as it ends (:func:`end_span`)."""
+    if not tracing.enabled():
+        return inner
+    return _traced(request_id, prompt_tokens, inner)
+
+
+async def _traced(request_id: str, prompt_tokens: int, inner: AsyncIterator[Any]) -> Any:
+    attrs = {"pdserve.request_id": request_id, "pdserve.prompt_tokens": prompt_tokens}
+    with tracing.span("pdserve.request", attrs, kind=SpanKind.SERVER):
+        async with contextlib.aclosing(inner) as items:  # type: ignore[type-var]
+            async for item in items:
+                yield item
+
+
+def end_span(trace: Trace, outcome: str, t0: float) -> None:
+    """Sets the request span's attributes from ``trace`` and records its phases as child
+    spans (the intervals of PHASE, :func:`observe_phases`; nothing while tracing is off)."""
+    if not tracing.enabled():
+        return
+    tracing.annotate(
+        {
+            "pdserve.plan": trace.plan.value,
+            "pdserve.outcome": outcome,
+            "pdserve.cached_tokens": trace.cached_tokens,
+            "pdserve.prefill_worker": trace.prefill_worker,
+            "pdserve.decode_worker": trace.decode_worker,
+            "pdserve.decode_loaded_tokens": trace.decode_loaded,
+            "pdserve.retries": len(trace.retries),
+        }
+    )
+    end = t0 + trace.total_ms / 1000.0
+    tracing.record("pdserve.phase.queue", t0, trace.admitted or end)
+    if not trace.first_token:
+        return
+    tracing.record("pdserve.phase.prefill", trace.admitted, trace.first_token)
+    if trace.prefill_end and trace.decode_first > trace.prefill_end:
+        tracing.record("pdserve.phase.kv_transfer", trace.prefill_end, trace.decode_first)
+    tracing.record("pdserve.phase.decode", trace.first_token, end)

@@ -11,8 +11,9 @@ import time
 from typing import Any
 
 import grpc
+from opentelemetry.trace import SpanKind
 
-from pdserve import errors, grpcutil
+from pdserve import errors, grpcutil, tracing
 from pdserve.store.wire import METHOD_IDS as WIRE_METHODS
 from pdserve.store.wire import VERSION as WIRE_VERSION
 from pdserve.store.wire import WireClient, WireUnreachable
@@ -54,6 +55,14 @@ class MasterLink:
         :class:`~pdserve.errors.PdserveError` of its status. Methods the control wire does
         not carry (the admin calls: namespaces, quarantine) go over gRPC."""
         wire = self.wire_client() if method in WIRE_METHODS else None
+        if not tracing.enabled():
+            return self._call(wire, method, request)
+        attrs = {"rpc.method": method, "pdserve.control": "grpc" if wire is None else "wire"}
+        name = f"pdserve.kvstore.master/{method}"
+        with tracing.span(name, attrs, kind=SpanKind.CLIENT, root=False):
+            return self._call(wire, method, request)
+
+    def _call(self, wire: WireClient | None, method: str, request: Any) -> Any:
         if wire is not None:
             try:
                 return wire.call(method, request)

@@ -19,7 +19,7 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from pdserve import errors
+from pdserve import errors, tracing
 from pdserve.enums import TRANSPORT
 from pdserve.store.api import CORRUPT_CHUNKS
 from pdserve.store.client.checksum import checksum
@@ -29,6 +29,7 @@ from pdserve.store.client.locations import Location, LocationCache
 from pdserve.store.client.routing import ReplicaRoutes
 from pdserve.store.transports.base import Transport, TransportError
 from pdserve.telemetry import REGISTRY, Relayed, init_labels
+from pdserve.tracing import store_io
 from pdserve.v1 import kvstore_pb2
 
 log = logging.getLogger(__name__)
@@ -257,7 +258,9 @@ class Reads:
             first.setdefault(t.name, []).append((i, rep, buf))
         for name, jobs in first.items():
             t = transports[name]
-            errs = t.read_many([(rep, buf) for _i, rep, buf in jobs])
+            reps = [rep for _i, rep, _buf in jobs]
+            with tracing.span("pdserve.kvstore.read", store_io(name, reps), root=False):
+                errs = t.read_many([(rep, buf) for _i, rep, buf in jobs])
             # One failed request (say, to a dead node) counts once, however many objects
             # it carried.
             for err in {id(e): e for e in errs if e is not None}.values():

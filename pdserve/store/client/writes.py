@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 
 from prometheus_client import Counter
 
-from pdserve import errors
+from pdserve import errors, tracing
 from pdserve.store.api import (
     DEFAULT_OPTIONS,
     ChunkMeta,
@@ -25,6 +25,7 @@ from pdserve.store.client.control import MasterLink
 from pdserve.store.client.routing import ReplicaRoutes
 from pdserve.store.transports.base import Transport
 from pdserve.telemetry import REGISTRY, Relayed
+from pdserve.tracing import store_io
 from pdserve.v1 import kvstore_pb2
 
 log = logging.getLogger(__name__)
@@ -192,7 +193,9 @@ class Writes:
                 jobs.setdefault(t.name, []).append((res.key, rep))
         for name, items in jobs.items():
             t = transports[name]
-            errs = t.write_many([(rep, views[key]) for key, rep in items])
+            reps = [rep for _key, rep in items]
+            with tracing.span("pdserve.kvstore.write", store_io(name, reps), root=False):
+                errs = t.write_many([(rep, views[key]) for key, rep in items])
             for (key, rep), err in zip(items, errs, strict=True):
                 if err is not None:
                     failed.add(key)
