@@ -185,7 +185,8 @@ class Frontend:
         mode = DISAGG_MODE.names.get(req.mode) if req.mode else ""  # "": the router's default
         if mode is None:
             raise InvalidArgument(f"mode: unknown value {req.mode}", param="mode")
-        return rq.GenRequest(rid, ids, sampling, mode, salt, tenant=tenants.current.get())
+        tenant = tenants.current.get()
+        return rq.GenRequest(rid, ids, sampling, mode, salt, tenant=tenant, priority=req.priority)
 
     # --- OpenAI -----------------------------------------------------------------------------
 
@@ -241,6 +242,7 @@ class Frontend:
         if not isinstance(rid, str):
             raise InvalidArgument("request_id must be a string", param="request_id")
         rid = rq.check_request_id(rid)
+        priority = rq.check_priority(body.get("priority"))
         out = []
         for k, prompt in enumerate(prompts):
             ids = truncate(prompt, body.get("truncate_prompt_tokens"), limits.max_model_len)
@@ -260,7 +262,11 @@ class Frontend:
             )
             own = rid if k == 0 else f"{rid[:112]}-p{k}"
             tenant = tenants.current.get()
-            out.append(rq.GenRequest(own, ids, sampling, "", salt, abort_id=rid, tenant=tenant))
+            out.append(
+                rq.GenRequest(
+                    own, ids, sampling, "", salt, abort_id=rid, tenant=tenant, priority=priority
+                )
+            )
         return out, parse
 
     def _chat_parse(self, body: dict[str, Any]) -> ChatParse | None:

@@ -20,7 +20,7 @@ _SHARED = frozenset({
     "seed", "stop", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "logit_bias", "logprobs", "response_format", "cache_salt",
     "request_id", "truncate_prompt_tokens", "add_special_tokens", "min_tokens",
-    "skip_special_tokens",
+    "skip_special_tokens", "priority",
 })  # fmt: skip
 #: Honoured fields of /v1/completions.
 COMPLETIONS = _SHARED | {"prompt", "echo"}
@@ -85,7 +85,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "bad_words": ((None, []), "not implemented"),
     "spaces_between_special_tokens": ((None, True), "the tokenizer's own spacing is kept"),
     "truncation_side": ((None, "left"), "prompts are truncated on the left only"),
-    "priority": ((None, 0), "no priority scheduling (deadline order: ttft_target_ms)"),
     "return_token_ids": ((None, False), "not implemented"),
     "return_tokens_as_token_ids": ((None, False), "not implemented"),
     "return_token_offsets": ((None, False), "not implemented"),
@@ -150,6 +149,7 @@ REFUSED_IN: dict[str, dict[str, tuple[tuple[Any, ...], str]]] = {
         "prompt": ((None,), "no stored prompt templates"),
         "top_logprobs": ((None, 0), "no logprobs in /v1/responses output; use chat completions"),
         "stream_options": ((None,), "not implemented in /v1/responses"),
+        "priority": ((None, 0), "priority is honoured on completions and chat completions"),
     },
 }
 

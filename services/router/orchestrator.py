@@ -231,7 +231,10 @@ class Orchestrator:
         trace = job.trace
         outcome = "error"
         admit_tokens = job.uncached if plan != Plan.LOCAL else 0
-        async with self.admission.admit(admit_tokens, n_prefill) as ticket:
+        admit = self.admission.admit(
+            admit_tokens, n_prefill, tenant=req.tenant, priority=req.priority, prompt_tokens=n
+        )
+        async with admit as ticket:
             trace.admitted = time.monotonic()
             try:
                 if plan == Plan.READ:

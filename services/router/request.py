@@ -51,6 +51,24 @@ class GenRequest:
     abort_id: str = ""
     #: The tenant whose key sent it ("" = the anonymous tenant; :mod:`pdserve.tenants`).
     tenant: str = ""
+    #: vLLM's scheduling priority, lower first: orders the tenant's queue in the router
+    #: (:mod:`~pdserve.services.router.fair_queue`) and the engine's waiting prompts.
+    priority: int = 0
+
+
+I32 = 2**31
+
+
+def check_priority(value: object) -> int:
+    """The request's ``priority`` (unset = 0): an integer that fits int32, as vLLM's."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or not -I32 <= value < I32:
+        raise InvalidArgument(
+            f"priority must be an integer in [{-I32}, {I32 - 1}] (lower first), got {value!r:.40}",
+            param="priority",
+        )
+    return value
 
 
 def tenant_salt(cache_salt: object) -> str:

@@ -32,6 +32,7 @@ from pdserve.services.router.models import Models, model_configs
 from pdserve.services.router.openai_http import make_app
 from pdserve.services.router.orchestrator import Orchestrator, OrchestratorConfig
 from pdserve.services.router.policies import ColocatedPlacement, make_policy
+from pdserve.services.router.rate_limit import RateLimits
 from pdserve.services.router.request import Limits
 from pdserve.services.router.servicer import RouterServicer
 from pdserve.services.router.workers import DECODE, PREFILL, WorkerPool
@@ -115,6 +116,7 @@ def build(cfg: RouterConfig, tokenizer=None) -> Frontend:
     lookup and the responses store. Returns the default model's; its ``models`` holds them
     all. ``tokenizer`` (tests) stands in for the default model's."""
     pools: list[WorkerPool] = []
+    tenants = Tenants.configured(cfg.api_key, cfg.tenant_keys_file, cfg.tenant_max_inflight)
     shared = Shared(
         engines=EngineCaches(parse_engine_events(cfg.engine_kv_events)),
         admission=Admission(
@@ -123,8 +125,10 @@ def build(cfg: RouterConfig, tokenizer=None) -> Frontend:
             slo_ttft_ms=cfg.slo_ttft_ms,
             slo_tpot_ms=cfg.slo_tpot_ms,
             capacity=lambda: sum(p.decode_capacity() for p in pools),
+            tenants=tenants,  # shares (fair queueing) and per-tenant metrics
+            rates=RateLimits(tenants) if tenants.limits else None,
         ),
-        tenants=Tenants.configured(cfg.api_key, cfg.tenant_keys_file, cfg.tenant_max_inflight),
+        tenants=tenants,
         prefix_lookup=store_lookup(cfg),
         responses=ResponseStore(cfg.responses_max_stored, cfg.responses_ttl_s),
         pools=pools,

@@ -55,9 +55,9 @@ def test_unknown_fields_are_refused_with_the_closest_name():
         check_fields({"typical_p": 0.9}, chat=True)
     with pytest.raises(InvalidArgument, match="not a field of /v1/completions"):
         check_fields({"messages": []}, chat=False)
-    with pytest.raises(InvalidArgument, match=r"priority: not supported .*priority scheduling"):
-        check_fields({"priority": 3}, chat=True)
-    check_fields({"user": "u-1", "priority": 0, "skip_special_tokens": True}, chat=True)
+    with pytest.raises(InvalidArgument, match=r"priority: not supported .*honoured on completions"):
+        check_fields({"priority": 3}, api="/v1/responses")
+    check_fields({"user": "u-1", "priority": 3, "skip_special_tokens": True}, chat=True)
 
 
 def _run(tiny_model_dir, requests: list[tuple[str, dict]]) -> list[tuple[int, dict, list[int]]]:
