@@ -109,6 +109,15 @@ class UpConfig:
         "model: 'smollm2' (= HuggingFaceTB/SmolLM2-135M-Instruct, shipped), 'tiny', a model "
         "directory, or a Hugging Face id (from the Hugging Face cache, downloaded when missing)",
     )
+    models: list[str] = help_field(
+        [],
+        "several models behind the one router, each with workers of its own: SERVED=MODEL or "
+        "MODEL each, comma-separated (--model repeated says the same), the first the default; "
+        "prefill_workers and decode_workers then count per model, auto giving each model "
+        "min(cores, 8) // models workers, at least one ([] = model alone; "
+        "pdserve/commands/up_models.py)",
+        metavar="[SERVED=]MODEL,...",
+    )
     chunk_size: int = help_field(
         32,
         "KV chunk size in tokens: the unit of prefix reuse through the store (vllm: a multiple "
@@ -231,8 +240,9 @@ class UpConfig:
         if self.meta_backend not in ("memory", "etcd"):
             raise ConfigError(f"meta_backend must be 'memory' or 'etcd', got {self.meta_backend!r}")
         self._validate_store()
-        from pdserve.commands import up_etcd, up_external
+        from pdserve.commands import up_etcd, up_external, up_models
 
+        up_models.validate(self)
         up_etcd.validate(self)
         up_external.validate(self)
         if self.api_key and not self.auth:
@@ -307,14 +317,17 @@ class UpConfig:
             return
         if self.prefill_workers < 0:
             self.prefill_workers = 0
-        if self.decode_workers == 0:
+        if self.decode_workers == 0:  # per model: the units shared among the models
             units = len(gpus) if gpus and self.engine == "vllm" else os.cpu_count() or 1
-            self.decode_workers = min(units, 8) if self.prefill_workers == 0 else 1
+            share = max(min(units, 8) // max(len(self.models), 1), 1)
+            self.decode_workers = share if self.prefill_workers == 0 else 1
 
     def workers(self) -> list[tuple[str, int]]:
-        """(role, index) of every worker, in start order (after :meth:`resolve`)."""
-        return [("prefill", i) for i in range(self.prefill_workers)] + [
-            ("decode", i) for i in range(self.decode_workers)
+        """(role, index) of every worker, in start order (after :meth:`resolve`): each
+        model's ``prefill_workers`` and ``decode_workers`` (:mod:`~pdserve.commands.up_models`)."""
+        n = max(len(self.models), 1)
+        return [("prefill", i) for i in range(self.prefill_workers * n)] + [
+            ("decode", i) for i in range(self.decode_workers * n)
         ]
 
 
@@ -442,18 +455,19 @@ def _interrupt(_signum: int, _frame: object) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pdserve.commands import up_models
     from pdserve.commands.up_cluster import Cluster, progress
     from pdserve.commands.up_external import model_explicit
     from pdserve.errors import FailedPrecondition
-    from pdserve.model.prepare import resolve_model
 
     try:
+        up_models.fold_flag(args)
         cfg = config.from_args(UpConfig, "up", args)
         cfg.resolve()
-        # the model first (a name, a folder, a Hugging Face id): refused before anything starts
+        # the models first (names, folders, Hugging Face ids): refused before anything starts
         explicit = model_explicit(args)
         if explicit or not cfg.external_engine:  # else the model is the external engines'
-            resolve_model(cfg.model)
+            up_models.resolve_all(cfg)
         # places the workers: ValueError when it cannot
         cluster = Cluster(cfg, args.config, explicit_model=explicit)
     except (ConfigError, ValueError, FailedPrecondition) as exc:
@@ -489,6 +503,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="start a whole cluster on this machine (meta, KV store, workers, router)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        conflict_handler="resolve",  # up_models' --model replaces the config's
     )
     config.add_arguments(p, UpConfig)
+    from pdserve.commands import up_models
+
+    up_models.add_flag(p)
     p.set_defaults(func=run)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.commands import up_etcd, up_external
+from pdserve.commands import up_etcd, up_external, up_models
 from pdserve.commands.up import (
     ADMIN,
     MOONCAKE_HOST,
@@ -150,7 +150,7 @@ class Cluster:
         # must not share them (and a node's certificate names its node id)
         node_ids = [] if mooncake else [f"node-{i}-{c.master_port}" for i in range(c.storage_nodes)]
         workers = c.workers()
-        self.model_name = c.model
+        self.model_name = up_models.specs(c)[0].name
         if mooncake:
             from pdserve.store.mooncake_backend import available
 
@@ -302,7 +302,7 @@ class Cluster:
                     service_args(
                         role,
                         engine=c.engine,
-                        model=c.model,
+                        **up_models.worker_flags(c, role, i),
                         chunk_size=c.chunk_size,
                         kv_compression=c.kv_compression,
                         kv_dtype=kv_dtype,
@@ -329,7 +329,7 @@ class Cluster:
             meta=meta,
             store_master=master,
             **store,
-            **{"model": c.model, "chunk_size": c.chunk_size, **external},
+            **{**up_models.router_flags(c), "chunk_size": c.chunk_size, **external},
             api_key_file=self.creds.key_file(),
             **self.creds.tls("router"),
         )
@@ -344,10 +344,11 @@ class Cluster:
         from pdserve.v1 import router_pb2, router_pb2_grpc
 
         c = self.cfg
+        roles = [role for role, _ in c.workers()]
         want = (
             (len(c.external_prefill), len(c.external_engine))
             if c.external_engine
-            else (c.prefill_workers, c.decode_workers)
+            else (roles.count("prefill"), roles.count("decode"))
         )
         deadline = time.monotonic() + self.cfg.ready_timeout_s
         with grpcutil.sync_channel(router, public=True) as ch:
