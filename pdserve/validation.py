@@ -54,6 +54,22 @@ def check_cache_salt(salt: object) -> str:
     return salt
 
 
+#: A tenant's name (the router's tenants file; KVNamespace.tenant): 1-64 characters.
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def check_tenant(raw: str) -> str:
+    """The request's tenant ("" = none) when it is a tenant name; INVALID_ARGUMENT (param
+    ``tenant``) otherwise."""
+    if raw and TENANT_NAME.fullmatch(raw) is None:
+        raise InvalidArgument(
+            f"tenant {raw[:80]!r} must be 1-64 characters of letters, digits, '_', '.', '-', "
+            "starting with a letter or digit",
+            param="tenant",
+        )
+    return raw
+
+
 def check_model(requested: str, served: str) -> None:
     """NOT_FOUND (:class:`~pdserve.errors.ModelNotFound`, param ``model``) unless
     ``requested`` is empty (= the served model) or the served model's name."""

@@ -211,6 +211,7 @@ class ChunkIO:
         ttl_ms: int = 0,
         meta: Mapping[str, ChunkMeta] | None = None,
         roots: Mapping[str, str] | None = None,
+        tenants: Mapping[str, str] | None = None,
     ) -> int:
         """Stores the chunks (one batched put; keys the store holds are skipped by it) in the
         fingerprint's chunk encoding; how many were written now. Nothing on an error or while
@@ -218,12 +219,14 @@ class ChunkIO:
         and token ids, which the master publishes with its KV events; ``roots``: per key, the
         chain root (hex) of its request's chain (a key not there: the fingerprint's digest),
         with which the master tags it, together with the fingerprint's labels (stores that
-        cannot carry either drop it)."""
+        cannot carry either drop it); ``tenants``: chain root -> the tenant writing under it."""
         if not items or not self.available():
             return 0
         kind = "tail" if ttl_ms else "chunk"
         start = time.perf_counter()
-        namespace = ChunkNamespace(self.labels[hashing.DIGEST_LABEL], self.labels, roots or {})
+        namespace = ChunkNamespace(
+            self.labels[hashing.DIGEST_LABEL], self.labels, roots or {}, tenants or {}
+        )
         extra: dict[str, object] = {"namespace": namespace}
         if meta:
             extra["meta"] = meta

@@ -186,6 +186,8 @@ class ChunkSave:
     #: fingerprint digest, or the digest of its salt and adapter; the master tags the object
     #: with it so ``pdserve kvstore drop`` finds a salt's or an adapter's chunks.
     root: str = ""
+    #: The request's tenant ("" = none): the master counts the chunk against its share.
+    tenant: str = ""
 
 
 @dataclass

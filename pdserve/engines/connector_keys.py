@@ -48,6 +48,9 @@ class KeyScope:
     adapter: str = ""
     root: str = ""
     bypass: str = ""
+    #: The tenant the chunks are tagged with (``kv_transfer_params["pdserve"]["tenant"]``,
+    #: KVNamespace.tenant; "" = none): what the store's tenant shares and pins count.
+    tenant: str = ""
 
     def chunk_keys(self, fp: hashing.ModelFingerprint, tokens: list[int]) -> list[str]:
         return hashing.chunk_keys(fp, tokens, self.salt, self.adapter)
@@ -101,7 +104,8 @@ class RequestKeys:
             return KeyScope(bypass=reason)
         salt = cache_salt(request)
         root = hashing.chain_root(self.fp, salt, adapter).hex()
-        return KeyScope(salt=salt, adapter=adapter, root=root)
+        tenant = request_params(request).get("tenant", "")
+        return KeyScope(salt, adapter, root, tenant=tenant if isinstance(tenant, str) else "")
 
     @staticmethod
     def _bypass_reason(request: Any) -> str:

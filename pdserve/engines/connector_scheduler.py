@@ -51,6 +51,7 @@ class _SaveTracker:
     # vLLM's hashes of the prompt's full blocks (request.block_hashes); empty = none
     engine_hashes: list[bytes] = field(default_factory=list)
     root: str = ""  # the chain's root (hex): every save's ChunkSave.root
+    tenant: str = ""  # the request's tenant: every save's ChunkSave.tenant
 
 
 @dataclass
@@ -323,6 +324,7 @@ class ConnectorScheduler:
             next_chunk=loaded_chunks,
             engine_hashes=_engine_hashes(request, len(prompt), self.block_size),
             root=scope.root,
+            tenant=scope.tenant,
         )
         return True
 
@@ -349,7 +351,15 @@ class ConnectorScheduler:
             parent = tracker.keys[i - 1] if i else ""
             tokens = list(tracker.prompt[i * cs : (i + 1) * cs])
             save = ChunkSave(
-                tracker.keys[i], i * cs, cs, blocks, 0, parent, tokens, root=tracker.root
+                tracker.keys[i],
+                i * cs,
+                cs,
+                blocks,
+                0,
+                parent,
+                tokens,
+                root=tracker.root,
+                tenant=tracker.tenant,
             )
             if len(engine) >= (i + 1) * bpc:  # vLLM's own hashes of the chunk's blocks
                 save.engine_hashes = engine[i * bpc : (i + 1) * bpc]
@@ -364,7 +374,15 @@ class ConnectorScheduler:
                 blocks = tracker.block_ids[start // bs : (tracker.prompt_len + bs - 1) // bs]
                 ttl = self.settings.tail_ttl_ms
                 meta.saves.append(
-                    ChunkSave(tracker.tail_key, start, n, blocks, ttl, root=tracker.root)
+                    ChunkSave(
+                        tracker.tail_key,
+                        start,
+                        n,
+                        blocks,
+                        ttl,
+                        root=tracker.root,
+                        tenant=tracker.tenant,
+                    )
                 )
             tracker.tail_done = True
 

@@ -313,11 +313,12 @@ class ConnectorWorker:
         }
         # the master tags each chunk with its request's chain root (a salt's, an adapter's)
         roots = {self._rank_key(s.key): s.root for s in meta.saves if s.root}
+        tenants = {s.root: s.tenant for s in meta.saves if s.root and s.tenant}
         # in the trace of the step's first traced request (a batch serves them all)
         with tracing.continued(meta.save_traces[0] if meta.save_traces else None):
             for ttl_ms, items in by_ttl.items():
                 # a chunk not saved: a future miss
-                self.io.save(items, ttl_ms=ttl_ms, meta=chain, roots=roots)
+                self.io.save(items, ttl_ms=ttl_ms, meta=chain, roots=roots, tenants=tenants)
 
     def _gather_all(self, saves: list[ChunkSave]) -> list[torch.Tensor]:
         """Each save's KV ``[layers, 2, kv_heads, tokens, head_dim]``. The full chunks of a

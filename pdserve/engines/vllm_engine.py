@@ -41,7 +41,7 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from pdserve import hashing, identity, telemetry, tracing
+from pdserve import hashing, identity, telemetry, tenants, tracing
 from pdserve.engines import kv_layout, metrics, shm_segments, vllm_args
 from pdserve.engines.base import (
     Engine,
@@ -294,6 +294,10 @@ class VllmEngine(Engine):
         inputs: dict[str, Any] = {"prompt_token_ids": prompt}
         if cache_salt:
             inputs["cache_salt"] = cache_salt
+        tenant = tenants.current.get()
+        if tenant and self.config.store_master:  # the connector tags the saved chunks with it
+            args = params.extra_args = params.extra_args or {}
+            args.setdefault("kv_transfer_params", {}).setdefault(PARAMS_KEY, {})["tenant"] = tenant
         try:
             trace = tracing.headers() or None  # the worker's span: vLLM's joins it
             stream = self._llm.generate(inputs, params, request_id, trace_headers=trace)

@@ -99,6 +99,9 @@ class ChunkNamespace:
     #: key -> its chain root (hex); a key not here has the fingerprint's digest as its root
     #: (no cache salt, no adapter).
     roots: Mapping[str, str] = field(default_factory=dict)
+    #: chain root -> the tenant whose requests write under it (KVNamespace.tenant; a root not
+    #: here: no tenant).
+    tenants: Mapping[str, str] = field(default_factory=dict)
 
     def root_of(self, key: str) -> str:
         return self.roots.get(key) or self.fingerprint

@@ -18,6 +18,7 @@ def prefill_request(req: GenRequest, model: str, *, publish: bool) -> engine_pb2
         sampling=sampling_to_proto(req.sampling),
         publish_incrementally=publish,
         cache_salt=req.cache_salt,
+        tenant=req.tenant,
         priority=req.priority,
     )
 
@@ -31,6 +32,7 @@ def decode_request(req: GenRequest, model: str, **fields) -> engine_pb2.DecodeRe
         prompt_token_ids=req.prompt_token_ids,
         sampling=sampling_to_proto(req.sampling),
         cache_salt=req.cache_salt,
+        tenant=req.tenant,
         priority=req.priority,
         **fields,
     )
@@ -64,5 +66,6 @@ def resumed_request(
         prompt_token_ids=[*first.prompt_token_ids, *emitted],
         sampling=sampling,
         cache_salt=first.cache_salt,
+        tenant=first.tenant,
         priority=first.priority,
     )

@@ -1,18 +1,19 @@
-"""The checks every worker request gets, whichever the role: request id, model and cache salt
-by :mod:`pdserve.validation` (the router's rules too), sampling decoded by
-:mod:`pdserve.requests_codec` with the worker's default ``max_tokens``."""
+"""The checks every worker request gets, whichever the role: request id, model, cache salt and
+tenant by :mod:`pdserve.validation` (the router's rules too), sampling decoded by
+:mod:`pdserve.requests_codec` with the worker's default ``max_tokens``. The tenant is set as
+the task's :data:`pdserve.tenants.current`: the engine tags the chunks it saves with it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve import telemetry
+from pdserve import telemetry, tenants
 from pdserve.engines.base import Engine
 from pdserve.requests import Sampling
 from pdserve.requests_codec import sampling_from_proto
 from pdserve.services.worker.config import WorkerConfig
 from pdserve.v1 import engine_pb2
-from pdserve.validation import check_cache_salt, check_model, check_request_id
+from pdserve.validation import check_cache_salt, check_model, check_request_id, check_tenant
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ def check_request(
     id of this task's log lines."""
     rid = check_request_id(request.request_id)
     telemetry.request_id_var.set(rid)
+    tenants.current.set(check_tenant(request.tenant))
     check_model(request.model, cfg.served_name())
     salt = check_cache_salt(request.cache_salt or None)
     tokens = list(request.prompt_token_ids)

@@ -60,7 +60,10 @@ def _tag(request: kvstore_pb2.BatchPutStartRequest, namespace: ChunkNamespace) -
         at = index.get(root)
         if at is None:
             request.namespaces.add(
-                root=root, fingerprint=namespace.fingerprint, labels=namespace.labels
+                root=root,
+                fingerprint=namespace.fingerprint,
+                labels=namespace.labels,
+                tenant=namespace.tenants.get(root, ""),
             )
             at = index[root] = len(request.namespaces)
         item.namespace = at

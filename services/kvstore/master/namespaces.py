@@ -32,13 +32,12 @@ from pdserve.services.kvstore.master.persistence import (
     StoredNamespace,
     StoredQuarantine,
 )
+from pdserve.validation import TENANT_NAME
 
 if TYPE_CHECKING:
     from pdserve.services.kvstore.master.types import ObjectState
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-#: A tenant's name, as the router's tenants file allows it (pdserve.tenants).
-_TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 #: Most labels a namespace may carry, and the longest label name or value (characters).
 MAX_LABELS = 32
 MAX_LABEL_CHARS = 256
@@ -59,7 +58,7 @@ def hex_problem(what: str, value: str) -> str:
 
 def tenant_problem(what: str, tenant: str) -> str:
     """Why ``tenant`` is not a tenant name ("" = no tenant is one), or ""."""
-    if tenant and _TENANT.fullmatch(tenant) is None:
+    if tenant and TENANT_NAME.fullmatch(tenant) is None:
         return (
             f"{what} {tenant[:80]!r} must be 1-64 characters of letters, digits, '_', '.', '-', "
             "starting with a letter or digit"
