@@ -105,6 +105,7 @@ class Engine(abc.ABC):
         publish_incrementally: bool = False,
         cache_salt: str = "",
         bypass_store: bool = False,
+        priority: int = 0,
     ) -> PrefillOutcome:
         """Loads cached prefix chunks, computes the rest, writes new full chunks under their
         chain keys (skipping existing ones) and the partial tail under a request-scoped key
@@ -116,7 +117,11 @@ class Engine(abc.ABC):
 
         ``bypass_store``: this request neither loads from nor saves to the KV store (every
         prompt token is computed, nothing is written); the returned handle still names the
-        salt's keys, which a decode then finds missing and recomputes."""
+        salt's keys, which a decode then finds missing and recomputes.
+
+        ``priority``: vLLM's, lower first: the vLLM engine's scheduler takes waiting prompts
+        in that order (:mod:`pdserve.engines.vllm_scheduler`); the torch reference engine
+        runs in arrival order."""
 
     @abc.abstractmethod
     def generate(
@@ -130,12 +135,14 @@ class Engine(abc.ABC):
         chunk_wait_ms: int = 0,
         cache_salt: str = "",
         bypass_store: bool = False,
+        priority: int = 0,
     ) -> AsyncIterator[TokenEvent]:
         """Streams generated tokens. With ``kv`` the prompt KV is loaded from the store and
         ``first_token_id`` (from prefill) is the first output token; without, the engine
         prefills locally (reusing cached prefix chunks when it can). ``cache_salt`` as in
         :meth:`prefill`: ``kv`` must hold that salt's keys. ``bypass_store`` as in
         :meth:`prefill`: nothing is loaded (``kv`` included: the prompt is computed) or saved.
+        ``priority`` as in :meth:`prefill`.
 
         Write mode: ``kv`` without ``first_token_id`` names the prompt's leading full chunks
         (no tail) that a prefill running elsewhere is still publishing. The engine waits up to

@@ -283,11 +283,12 @@ class VllmEngine(Engine):
     # ------------------------------------------------------------------ requests
 
     async def _run(
-        self, request_id: str, prompt: list[int], params: Any, cache_salt: str
+        self, request_id: str, prompt: list[int], params: Any, cache_salt: str, priority: int
     ) -> AsyncIterator[tuple[list[int], Any]]:
         """Yields ``(new token ids, RequestOutput)``; aborts the request when closed early.
         A ``cache_salt`` goes to vLLM with the prompt: it salts vLLM's own block hashes (its
-        local prefix cache) and the connector reads it from the request for the chunk keys."""
+        local prefix cache) and the connector reads it from the request for the chunk keys.
+        ``priority`` goes to vLLM's request, whose scheduler orders waiting prompts by it."""
         self._waiting += 1
         started = False
         finished = False
@@ -300,7 +301,9 @@ class VllmEngine(Engine):
             args.setdefault("kv_transfer_params", {}).setdefault(PARAMS_KEY, {})["tenant"] = tenant
         try:
             trace = tracing.headers() or None  # the worker's span: vLLM's joins it
-            stream = self._llm.generate(inputs, params, request_id, trace_headers=trace)
+            stream = self._llm.generate(
+                inputs, params, request_id, trace_headers=trace, priority=priority
+            )
             async for out in stream:
                 if not started:
                     started = True
@@ -325,6 +328,7 @@ class VllmEngine(Engine):
         publish_incrementally: bool = False,
         cache_salt: str = "",
         bypass_store: bool = False,
+        priority: int = 0,
     ) -> PrefillOutcome:
         prompt = list(prompt_token_ids)
         sampling.validate(self.config.resolved_max_tokens_limit(self.max_model_len))
@@ -340,7 +344,7 @@ class VllmEngine(Engine):
         first: int | None = None
         first_lp: TokenLogprob | None = None
         result: Any = None
-        async for ids, out in self._run(_vllm_id(request_id), prompt, params, cache_salt):
+        async for ids, out in self._run(_vllm_id(request_id), prompt, params, cache_salt, priority):
             if ids and first is None:
                 first = ids[0]
                 lps = token_logprobs(out, ids[:1], sampling.logprobs)
@@ -374,6 +378,7 @@ class VllmEngine(Engine):
         chunk_wait_ms: int = 0,
         cache_salt: str = "",
         bypass_store: bool = False,
+        priority: int = 0,
     ) -> AsyncIterator[TokenEvent]:
         prompt = list(prompt_token_ids)
         sampling.validate(self.config.resolved_max_tokens_limit(self.max_model_len))
@@ -407,7 +412,7 @@ class VllmEngine(Engine):
         prior = first_token_id if kv is not None and first_token_id is not None else None
         params = sampling_params(sampling, max_tokens=max_tokens, extra=extra, prior_output=prior)
         last: Any = None
-        async for ids, out in self._run(_vllm_id(request_id), prompt, params, cache_salt):
+        async for ids, out in self._run(_vllm_id(request_id), prompt, params, cache_salt, priority):
             last = out
             now = (time.perf_counter() - t0) * 1e3
             # a stop token id (vLLM: stop_reason is the id) ends the output without text, and

@@ -64,6 +64,14 @@ second to learn when the load is done, measured here at more than a whole core (
 plus worker process) taken from the prefill computing those very chunks. The price: a request
 arriving meanwhile starts up to that much later, and a finished load is noticed that much later.
 
+Requests carry vLLM's ``priority`` (lower first; the router sends the caller's). Under vLLM's
+default ``fcfs`` policy, which vLLM itself runs in arrival order, the waiting queue is kept in
+priority order (arrival order within one priority, preempted requests first, as vLLM's
+``priority`` policy orders them) and the new prompts ``prefill_order`` picks from are those of
+the best priority waiting: a prompt is never held back for one of a worse priority. Running
+streams are not preempted for priority (vLLM's ``priority`` policy, set with
+``vllm_args: {scheduling_policy: priority}``, does that, without ``prefill_order``).
+
 Loaded inside vLLM's engine core through ``scheduler_cls``; the settings come from
 ``additional_config`` (``pdserve_tpot_target_ms``, ``pdserve_ttft_urgent_ms``,
 ``pdserve_ttft_target_ms``; 0 = off; ``pdserve_prefill_order``).
@@ -157,6 +165,7 @@ class StreamFirstScheduler(Scheduler):
                 if not late:
                     streams.append(Stream(first, r.num_output_tokens, r.max_tokens))
         self._first_token_at = live
+        self._order_by_priority()
         pick = self._pick_prompts()
         try:
             if streams and self.tpot_target_s > 0:
@@ -186,6 +195,16 @@ class StreamFirstScheduler(Scheduler):
         self._step_prompt_tokens = max(0, total - decoding)
         return out
 
+    def _order_by_priority(self) -> None:
+        """Under ``fcfs``: the waiting queue sorted by priority, stably (the module docstring;
+        no work while every request has the same priority)."""
+        queue = self.waiting
+        if self.policy != SchedulingPolicy.FCFS or len({r.priority for r in queue}) < 2:
+            return
+        ordered = sorted(queue, key=lambda r: r.priority)
+        queue.clear()
+        queue.extend(ordered)
+
     def _pick_prompts(self) -> Pick:
         """Leaves in the waiting queue, for this step, only the new prompts ``prefill_order``
         picks (:func:`~pdserve.engines.step_budget.deadline_group` or
@@ -202,6 +221,9 @@ class StreamFirstScheduler(Scheduler):
         if order == "batched" or self.policy != SchedulingPolicy.FCFS:
             return Pick()
         new = [r for r in queue if r.status == RequestStatus.WAITING and not r.num_computed_tokens]
+        # the best priority's prompts only (lower first): the others wait for them
+        top = min((r.priority for r in new), default=0)
+        best = [r for r in new if r.priority == top]
         partial = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
         now = time.time()
         block = self.cache_config.block_size
@@ -215,7 +237,7 @@ class StreamFirstScheduler(Scheduler):
         elif order == "deadline" and not self.running and self._still_arriving(new, now):
             chosen = group = []
         else:
-            prompts = [self._prompt(r, block) for r in new]
+            prompts = [self._prompt(r, block) for r in best]
             if order == "deadline":
                 picked, _ = deadline_group(
                     prompts,
@@ -228,7 +250,7 @@ class StreamFirstScheduler(Scheduler):
                 # whether the group is on time is checked below, alike for a part-way prompt
             else:
                 picked = [next_prompt(prompts, now, self.ttft_urgent_s, order)]
-            chosen = group = [new[i] for i in picked]
+            chosen = group = [best[i] for i in picked]
         pick = Pick(gathering=not group)
         if order == "deadline" and group and self.ttft_target_s > 0:
             if chosen:

@@ -69,6 +69,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServiceServicer):
                     chunk_wait_ms=request.chunk_wait_ms,
                     cache_salt=req.cache_salt,
                     bypass_store=req.bypass_store,
+                    priority=req.priority,
                 ):
                     if ev.loaded_tokens or ev.recomputed_tokens or ev.prefix_cached_tokens:
                         counts = (ev.loaded_tokens, ev.recomputed_tokens, ev.prefix_cached_tokens)

@@ -55,6 +55,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServiceServicer):
                     publish_incrementally=request.publish_incrementally,
                     cache_salt=req.cache_salt,
                     bypass_store=req.bypass_store,
+                    priority=req.priority,
                 )
         except Exception as exc:
             REQUESTS.labels(type(exc).__name__).inc()

@@ -28,6 +28,8 @@ class WorkerRequest:
     cache_salt: str
     #: No store loads or saves for this request (engine.proto; the router's cold recompute).
     bypass_store: bool = False
+    #: Scheduling priority, lower first (vLLM's; any int32).
+    priority: int = 0
 
 
 def check_request(
@@ -45,4 +47,6 @@ def check_request(
     tokens = list(request.prompt_token_ids)
     default = cfg.default_max_tokens(engine.max_model_len, len(tokens))
     sampling = sampling_from_proto(request.sampling, default_max_tokens=default)
-    return WorkerRequest(rid, tokens, sampling, salt, bool(request.bypass_store))
+    return WorkerRequest(
+        rid, tokens, sampling, salt, bool(request.bypass_store), int(request.priority)
+    )

@@ -5,8 +5,9 @@ JOBS.json: ``{"config": {EngineConfig fields}, "jobs": [{"mode": "single"|"prefi
 "id": str, "prompt": [int], "max_tokens": int, "kv": {KVRef fields}, "first": int,
 "cache_salt": str (optional)}]}``; or ``{"mode": "burst", "id": str, "prompt": [int] (the
 blocker), "prompts": [[int]], "max_tokens": int}``: the blocker first, then every prompt of
-``prompts`` at once while it prefills; the result has each generation's ``tokens`` and
-``first_order``, the burst's indices in the order their first tokens came; or
+``prompts`` at once while it prefills (with ``"priorities": [int]``, each at its priority);
+the result has each generation's ``tokens`` and ``first_order``, the burst's indices in the
+order their first tokens came; or
 ``{"mode": "forget", "id": str}``: vLLM's local prefix cache emptied, so that the jobs after it
 find what earlier jobs stored only in the KV store (one engine writes, then reads its own
 chunks back from the store process, instead of a second engine process started to read them).
@@ -150,9 +151,11 @@ async def burst(engine, job: dict, sampling) -> dict:
     first_order: list[int] = []
     started = asyncio.Event()
 
-    async def gen(i: int, prompt: list[int]) -> list[int]:
+    priorities = job.get("priorities") or [0] * len(job["prompts"])
+
+    async def gen(i: int, prompt: list[int], priority: int = 0) -> list[int]:
         tokens: list[int] = []
-        async for ev in engine.generate(f"{job['id']}-{i}", prompt, sampling):
+        async for ev in engine.generate(f"{job['id']}-{i}", prompt, sampling, priority=priority):
             if not tokens:
                 first_order.append(i)
             started.set()
@@ -166,7 +169,7 @@ async def burst(engine, job: dict, sampling) -> dict:
     await asyncio.sleep(BLOCKER_HEAD_START_S)
     if started.is_set():
         raise AssertionError("the blocker prefilled before the burst arrived: make it longer")
-    outs = await asyncio.gather(*(gen(i, p) for i, p in enumerate(job["prompts"])))
+    outs = await asyncio.gather(*(gen(i, p, priorities[i]) for i, p in enumerate(job["prompts"])))
     blocker_tokens = await blocker
     if first_order[0] != -1:
         raise AssertionError(f"the burst's first tokens came before the blocker's: {first_order}")

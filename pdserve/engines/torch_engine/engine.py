@@ -136,6 +136,7 @@ class TorchEngine(Engine):
         publish_incrementally: bool = False,
         cache_salt: str = "",
         bypass_store: bool = False,
+        priority: int = 0,  # arrival order here (Engine.prefill)
     ) -> PrefillOutcome:
         scheduler = self._require_started()
         tokens = list(prompt_token_ids)
@@ -161,6 +162,7 @@ class TorchEngine(Engine):
         chunk_wait_ms: int = 0,
         cache_salt: str = "",
         bypass_store: bool = False,
+        priority: int = 0,  # arrival order here (Engine.prefill)
     ) -> AsyncIterator[TokenEvent]:
         """Emits every output token, the prefill's ``first_token_id`` included (first). A
         ``kv`` handle's chunks are got (in write mode: waited for) on a loader thread before
