@@ -47,10 +47,13 @@ _STATUS = {
 }
 
 
-def completion_body(model: str, prompt: list[int], p: common_pb2.SamplingParams) -> dict[str, Any]:
+def completion_body(
+    model: str, prompt: list[int], p: common_pb2.SamplingParams, priority: int = 0
+) -> dict[str, Any]:
     """vLLM's completions body for ``prompt`` with the sampling controls of ``p`` (read with
-    their documented defaults by :func:`~pdserve.requests_codec.sampling_from_proto`);
-    INVALID_ARGUMENT for what a stock engine is not asked here (logprobs)."""
+    their documented defaults by :func:`~pdserve.requests_codec.sampling_from_proto`) and
+    vLLM's ``priority`` (sent when not 0); INVALID_ARGUMENT for what a stock engine is not
+    asked here (logprobs)."""
     s = sampling_from_proto(p, default_max_tokens=0)
     if s.logprobs is not None:
         raise WorkerCallError(
@@ -77,6 +80,8 @@ def completion_body(model: str, prompt: list[int], p: common_pb2.SamplingParams)
     }
     if s.seed is not None:
         body["seed"] = s.seed
+    if priority:
+        body["priority"] = priority
     if s.json_object:
         body["structured_outputs"] = {"json_object": True}
     elif s.json_schema:
@@ -107,7 +112,7 @@ class HttpWorkerClient(WorkerClient):
         self, worker: Worker, request: engine_pb2.PrefillRequest, timeout: float | None
     ) -> engine_pb2.PrefillResponse:
         prompt = list(request.prompt_token_ids)
-        body = completion_body(request.model, prompt, request.sampling)
+        body = completion_body(request.model, prompt, request.sampling, request.priority)
         body.update(max_tokens=1, min_tokens=min(1, request.sampling.min_tokens))
         body["kv_transfer_params"] = {"do_remote_decode": True}
         t0 = time.perf_counter()
@@ -187,7 +192,7 @@ class _HttpDecodeCall(DecodeCall):
         req, tok = self.request, self.client.tokenizer
         prompt = list(req.prompt_token_ids)
         s = req.sampling
-        body = completion_body(req.model, prompt, s)
+        body = completion_body(req.model, prompt, s, req.priority)
         first = req.first_token_id if req.HasField("first_token_id") else None
         t0 = time.perf_counter()
         if first is not None:
