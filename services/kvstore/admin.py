@@ -1,5 +1,6 @@
-"""``pdserve kvstore namespaces | drop | quarantine``: whose KV the store holds, dropping a
-model's chunks, and fingerprint quarantines (docs/kvstore.md, "Namespaces"). Admin calls:
+"""``pdserve kvstore namespaces | drop | quarantine``: whose KV the store holds (each root's
+tenant too), dropping a model's chunks, and fingerprint quarantines (docs/kvstore.md,
+"Namespaces"); ``pins`` is :mod:`.admin_pins`'s. Admin calls:
 with a ``pdserve up`` running from ``--run-dir`` with TLS on, they dial the master as its
 admin identity, as ``pdserve status`` does (unless PDSERVE_TLS_* say otherwise).
 
@@ -69,7 +70,9 @@ def _row(fp: Any) -> dict[str, Any]:
         "model_revision": fp.labels.get("model_revision", ""),
         "objects": fp.objects,
         "bytes": fp.bytes,
-        "roots": {r.root: {"objects": r.objects, "bytes": r.bytes} for r in fp.roots},
+        "roots": {
+            r.root: {"objects": r.objects, "bytes": r.bytes, "tenant": r.tenant} for r in fp.roots
+        },
         "quarantined": fp.quarantined,
         "quarantine_reason": fp.quarantine_reason,
         "quarantined_by": fp.quarantined_by,
@@ -272,3 +275,6 @@ def add_admin_commands(kv_sub: argparse._SubParsersAction) -> None:
     how.add_argument("--set", metavar="FP", default="", help="quarantine FP (needs --reason)")
     q.add_argument("--reason", default="", help="why (with --set; logged with --clear)")
     q.set_defaults(func=_guarded(run_quarantine))
+    from pdserve.services.kvstore.admin_pins import add_pins_command  # it imports this module
+
+    add_pins_command(kv_sub)
