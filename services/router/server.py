@@ -16,6 +16,7 @@ from pdserve.auth import KeyFailures, RequireKey
 from pdserve.discovery import leave, register_service
 from pdserve.identity import advertised
 from pdserve.model.fingerprint import model_revision
+from pdserve.services.router import pins
 from pdserve.services.router.admission import Admission
 from pdserve.services.router.api.parsers import ParserConfig, Parsers
 from pdserve.services.router.api.responses_store import ResponseStore
@@ -311,6 +312,7 @@ async def serve(
             key_failures=failures,
             gateway=gate,
         )
+        pins.add_routes(app, fe, cfg.store_master if cfg.store_backend == "pdserve" else "")
         runner = web.AppRunner(app, handler_cancellation=True)
         await runner.setup()
         site = EdgeSite(
