@@ -169,6 +169,9 @@ def test_one_up_serves_two_models_each_from_its_own_worker(tmp_path, hf_greedy):
         rows = json.loads(listing.stdout)
         assert sorted(r["model_id"] for r in rows) == ["tiny", "tiny-b"], rows
         assert all(r["objects"] >= 1 for r in rows), rows
+        # each model's workers are simply its own: no refusal, no "disagreement" logged
+        router_log = (run_dir / "logs" / "router.log").read_text()
+        assert "refused" not in router_log and "disagree" not in router_log, router_log[-2000:]
     finally:
         stop_up(proc, timeout=120)
     assert proc.returncode == 0, proc.stderr.read()[-3000:]

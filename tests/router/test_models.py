@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -184,3 +185,37 @@ def test_each_model_from_its_own_workers(tiny_model_dir):
                 assert REGISTRY.get_sample_value("pdserve_router_workers", labels) == 1
 
     asyncio.run(main())
+
+
+def test_a_worker_of_another_model_is_not_refused_just_not_that_models(caplog):
+    """Two models' pools fed the same meta listing: each takes its own worker and sees the
+    other's not at all (its different fingerprint is no disagreement: nothing refused,
+    nothing logged)."""
+    from pdserve.hashing import ModelFingerprint
+    from pdserve.services.router.fingerprint import FingerprintSource
+    from pdserve.services.router.workers import DECODE, WorkerPool
+    from pdserve.v1 import common_pb2 as c
+    from pdserve.v1 import meta_pb2
+
+    def instance(iid: str, model: str) -> meta_pb2.Instance:
+        labels = ModelFingerprint(model, "rev1", "float32", 32).to_labels()
+        return meta_pb2.Instance(
+            instance_id=iid, role=c.ROLE_DECODE, model=model, address=f"{iid}:1", labels=labels
+        )
+
+    listing = [instance("decode-0", "a"), instance("decode-1", "b")]
+    pools = {}
+    for name in ("a", "b"):
+        pool = WorkerPool(model=name)
+        src = FingerprintSource(
+            name, "rev1", kv_dtype="auto", chunk_size=0, workers=pool.registered_labels
+        )
+        pool.refusals = src.refusals
+        with caplog.at_level(logging.INFO):
+            pool.sync(listing)
+        pools[name] = pool
+        assert src.current() == ModelFingerprint(name, "rev1", "float32", 32)
+    assert [w.id for w in pools["a"].candidates(DECODE)] == ["decode-0"]
+    assert [w.id for w in pools["b"].candidates(DECODE)] == ["decode-1"]
+    assert not pools["a"].refused() and not pools["b"].refused()
+    assert "refused" not in caplog.text and "disagree" not in caplog.text
