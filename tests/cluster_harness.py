@@ -39,6 +39,8 @@ class Cluster:
         router_flags: dict[str, object] | None = None,
         node_id: str = "",
         ha_etcd: str = "",
+        master_flags: dict[str, object] | None = None,
+        node_flags: dict[str, object] | None = None,
     ) -> None:
         """``tls``: every service gets its own certificate (made in ``log_dir/certs``), and
         this process an admin one, so every internal link is mutual TLS. ``worker_flags(role,
@@ -46,8 +48,11 @@ class Cluster:
         cores); ``router_flags`` likewise for the router. ``node_id``: the storage node's id,
         which names its /dev/shm files (two clusters at once need two). ``ha_etcd``: an etcd
         endpoint: two KV masters elect a leader there (``self.masters``; every client names
-        both, ``self.master_address``)."""
+        both, ``self.master_address``). ``master_flags`` and ``node_flags`` replace or add to
+        the KV master's and the storage node's."""
         self.ha_etcd = ha_etcd
+        self.master_flags = master_flags or {}
+        self.node_flags = node_flags or {}
         self.procs: list[ServiceProcess] = []
         self.log_dir = log_dir
         self.model_dir = model_dir
@@ -95,7 +100,10 @@ class Cluster:
         else:
             state = self.log_dir / "master"
             self.masters = [
-                self._add("master", service_args("kvstore-master", port=0, state_dir=state))
+                self._add(
+                    "master",
+                    service_args("kvstore-master", port=0, state_dir=state, **self.master_flags),
+                )
             ]
         self.master = self.masters[0]
         master = self.master_address = ",".join(m.info["grpc"] for m in self.masters)
@@ -103,10 +111,13 @@ class Cluster:
             "node",
             service_args(
                 "kvstore-node",
-                master_address=master,
-                node_id=self.node_id,
-                segment_sizes="64MiB",
-                transports="shm,tcp",
+                **{
+                    "master_address": master,
+                    "node_id": self.node_id,
+                    "segment_sizes": "64MiB",
+                    "transports": "shm,tcp",
+                    **self.node_flags,
+                },
             ),
             env={"MC_TCP_BIND_ADDRESS": "127.0.0.1"},
         )
