@@ -24,14 +24,20 @@ def _with_trace(metadata: Any) -> Any:
     return grpc.aio.Metadata(*kept, *extra.items())
 
 
-class _AioClient(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_unary(self, continuation, client_call_details, request):
-        details = client_call_details._replace(metadata=_with_trace(client_call_details.metadata))
-        return await continuation(details, request)
+def _traced_details(details: Any) -> Any:
+    return details._replace(metadata=_with_trace(details.metadata))
 
+
+# NOTE: two classes: grpc.aio files an interceptor under the first kind it is an instance of,
+# so one object of both kinds would never see a server-streaming call (Decode).
+class _AioUnary(grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        return await continuation(_traced_details(client_call_details), request)
+
+
+class _AioStream(grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, client_call_details, request):
-        details = client_call_details._replace(metadata=_with_trace(client_call_details.metadata))
-        return await continuation(details, request)
+        return await continuation(_traced_details(client_call_details), request)
 
 
 class _Details(
@@ -68,7 +74,7 @@ class _SyncClient(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterc
 
 def client_interceptors() -> list[grpc.aio.ClientInterceptor]:
     """The interceptors of a new asyncio channel: none while tracing is off."""
-    return [_AioClient()] if tracing.enabled() else []
+    return [_AioUnary(), _AioStream()] if tracing.enabled() else []
 
 
 def intercept_sync(channel: grpc.Channel) -> grpc.Channel:

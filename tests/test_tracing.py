@@ -19,6 +19,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from pdserve import grpcutil, tracing, tracing_grpc
+from pdserve.v1 import engine_pb2, engine_pb2_grpc
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
@@ -161,6 +162,39 @@ def test_store_io_attributes() -> None:
         "pdserve.kv.bytes": 16,
         "pdserve.kvstore.nodes": ["a", "b"],
     }
+
+
+class _Stream(engine_pb2_grpc.DecodeServiceServicer):
+    """A server-streaming method (the workers' Decode is one) that says what trace it runs in."""
+
+    async def Decode(self, request, context):
+        for _ in range(2):
+            yield engine_pb2.DecodeResponse(text=tracing.headers().get("traceparent", ""))
+
+
+def test_a_server_stream_carries_the_trace_both_ways(spans) -> None:
+    """grpc.aio files a client interceptor under one call kind only: the streaming call (the
+    router's Decode) must carry the trace too, and its server span cover the whole stream."""
+
+    async def main() -> list[str]:
+        server = await grpcutil.start_server(
+            [(engine_pb2_grpc.add_DecodeServiceServicer_to_server, _Stream(), "Decode")],
+            "127.0.0.1:0",
+        )
+        try:
+            async with grpcutil.channel(server.address) as ch:
+                stub = engine_pb2_grpc.DecodeServiceStub(ch)
+                with tracing.continued({"traceparent": TRACEPARENT}), tracing.span("client"):
+                    return [m.text async for m in stub.Decode(engine_pb2.DecodeRequest())]
+        finally:
+            await server.stop(0)
+
+    texts = asyncio.run(main())
+    by_name = {s.name: s for s in spans.get_finished_spans()}
+    server = by_name["pdserve.v1.DecodeService/Decode"]
+    assert server.parent.span_id == by_name["client"].context.span_id
+    # what the servicer saw as current: the server span, in the caller's trace
+    assert texts == [f"00-{TRACE_ID}-{server.context.span_id:016x}-01"] * 2
 
 
 def _health_check_traced(sync: bool) -> None:
