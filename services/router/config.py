@@ -133,9 +133,11 @@ class RouterConfig(SecurityConfig, StoreBackendConfig):
     api_key_file: str = help_field("", "file whose first line is the API key")
     tenant_keys_file: str = help_field(
         "",
-        "file of tenants, one 'NAME KEY' a line (keys of 16+ characters): each key is a tenant "
-        "with its own cache namespace, cached_tokens, requests to abort and in-flight cap "
-        "(pdserve/tenants.py); api_key, if also given, is the tenant 'default'",
+        "file of tenants, one 'NAME KEY [share=N] [rps=N] [tps=N]' a line (keys of 16+ "
+        "characters): each key is a tenant with its own cache namespace, cached_tokens, "
+        "requests to abort and in-flight cap, its share of a saturated router's admissions and "
+        "its rate limits in requests and prompt tokens per second (pdserve/tenants.py); "
+        "api_key, if also given, is the tenant 'default'",
     )
     tenant_max_inflight: int = help_field(
         0, "requests one tenant may have in flight; past it 429 / RESOURCE_EXHAUSTED (0 = no cap)"
