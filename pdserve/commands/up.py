@@ -365,6 +365,8 @@ def admin_tls(run_dir: str | Path) -> TlsFiles | None:
 def banner(cfg: UpConfig, model: str = "") -> str:
     """What ``up`` prints once every service is ready (it never prints the API key); ``model``
     is the name requests use (default: cfg.model; with external engines the name they serve)."""
+    from pdserve.commands import up_models
+
     model = model or cfg.model
     http = f"http://{cfg.host}:{cfg.http_port}"
     grpc_addr = f"{cfg.host}:{cfg.router_port}"
@@ -433,7 +435,7 @@ def banner(cfg: UpConfig, model: str = "") -> str:
     return f"""
 pdserve is up.
   OpenAI-compatible HTTP  {http}/v1   (health: {http}/health, metrics: {http}/metrics)
-  gRPC (pdserve.v1.RouterService)  {grpc_addr}
+{up_models.banner_line(cfg)}  gRPC (pdserve.v1.RouterService)  {grpc_addr}
 {auth_line}  meta (registry)  {cfg.host}:{cfg.meta_port}   {store_line}
 {sd_line}{tls_lines}{external}  logs  {Path(cfg.run_dir) / "logs"}/<service>.log      status: {status}
 

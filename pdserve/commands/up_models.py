@@ -98,3 +98,11 @@ def resolve_all(cfg: UpConfig) -> None:
 
     for spec in specs(cfg):
         resolve_model(spec.model)
+
+
+def banner_line(cfg: UpConfig) -> str:
+    """The banner's line naming the models when there are several ('' for one)."""
+    if len(cfg.models) < 2:
+        return ""
+    names = [s.name for s in specs(cfg)]
+    return f"  models  {names[0]} (default), {', '.join(names[1:])}\n"

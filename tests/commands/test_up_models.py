@@ -21,7 +21,7 @@ from pdserve import config, grpcutil
 from pdserve.auth import bearer
 from pdserve.commands import up_models
 from pdserve.commands.cli import build_parser
-from pdserve.commands.up import UpConfig
+from pdserve.commands.up import UpConfig, banner
 from pdserve.config import ConfigError
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -39,6 +39,7 @@ def test_one_model_is_todays_up(tmp_path, monkeypatch):
     assert (cfg.model, cfg.models, cfg.workers()) == ("tiny", [], [("decode", 0), ("decode", 1)])
     assert up_models.worker_flags(cfg, "decode", 1) == {"model": "tiny", "served_model_name": None}
     assert up_models.router_flags(cfg) == {"model": "tiny"}
+    assert "models " not in banner(cfg)
     assert _up(tmp_path).model == "smollm2"  # the default, unchanged
 
 
@@ -53,6 +54,7 @@ def test_repeated_model_flag_gives_each_model_its_workers(tmp_path, monkeypatch)
         {"model": "smollm2", "served_model_name": "b"},
     ]
     assert up_models.router_flags(cfg) == {"models": "smollm2=smollm2,b=smollm2"}
+    assert "  models  smollm2 (default), b\n" in banner(cfg, "smollm2")
     # a disaggregated shape counts per model: prefill 0 serves a, prefill 1 b
     cfg = _up(tmp_path, "--models", "a=tiny,b=tiny", "--prefill-workers", "1", "--engine", "torch")
     cfg.resolve(gpus=[])
