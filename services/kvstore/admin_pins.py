@@ -1,4 +1,4 @@
-"""``pdserve kvstore pins``: tenants' pins and each tenant's use of the pool (docs/kvstore.md,
+"""``pdserve kvstore pins``: tenants' pins and each tenant's use of the pool (docs/architecture.md,
 "Tenant shares and pins"), dialing the master as :mod:`.admin`'s commands do (the run dir's
 admin identity with TLS on)."""
 

@@ -1,5 +1,5 @@
 """``/v1/pdserve/pins``: a tenant pins a prefix (a system prompt) in the KV store so eviction
-never takes it (docs/router.md, "Pinned prefixes"; the store's side: docs/kvstore.md, "Tenant
+never takes it (docs/router.md, "Pinned prefixes"; the store's side: docs/architecture.md, "Tenant
 shares and pins").
 
 - ``POST /v1/pdserve/pins`` with ``{"name", "prompt" | "messages" | "prompt_token_ids",

@@ -1,4 +1,4 @@
-"""The store client's calls about tenants' pins and shares (docs/kvstore.md, "Tenant shares
+"""The store client's calls about tenants' pins and shares (docs/architecture.md, "Tenant shares
 and pins"): pin a tenant's chunk keys, unpin them, list the pins and every tenant's use of the
 pool. The master takes them from the ``router`` identity (which authenticates tenants) or
 ``admin``; a refusal raises PermissionDenied, a pin past the tenant's memory share

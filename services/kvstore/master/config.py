@@ -125,7 +125,7 @@ class MasterConfig(SecurityConfig, MetricsConfig):
     )
     tenant_shares: dict[str, object] = help_field(
         {},
-        "tenant -> its share of the pool (KVNamespace.tenant; docs/kvstore.md, 'Tenant "
+        "tenant -> its share of the pool (KVNamespace.tenant; docs/architecture.md, 'Tenant "
         "shares and pins'): a fraction in (0, 1] of each tier's capacity, a size (bytes, "
         "512MiB), or {memory: ..., disk: ...}; eviction takes over-share tenants' objects "
         "first, and a tenant's pinned bytes stay within its memory share (JSON on a flag)",

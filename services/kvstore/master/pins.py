@@ -1,5 +1,5 @@
 """Tenants' pins: named sets of chunk keys (a system prompt's chunks) that eviction never
-takes (docs/kvstore.md, "Tenant shares and pins").
+takes (docs/architecture.md, "Tenant shares and pins").
 
 A tenant pins a prefix under a name (the router computes the keys of the prompt under the
 tenant's chain root, ``POST /v1/pdserve/pins``); a pin of a name the tenant already has

@@ -1,5 +1,5 @@
 """Tenants' shares of the pool: how many bytes of each tier a tenant may hold before its
-objects are the first to go (docs/kvstore.md, "Tenant shares and pins").
+objects are the first to go (docs/architecture.md, "Tenant shares and pins").
 
 A tenant is the router's tenant name that the writer of a chunk put into its
 ``KVNamespace.tenant`` (:mod:`.namespaces`; "" = no tenant, which has a share too: the
