@@ -162,7 +162,7 @@ class Admission:
         """Raises ResourceExhausted with the reason when ``tenant``'s request should be
         refused: a full queue, an SLO, then the tenant's rate limits (RateLimited; they count
         the request only when it passes)."""
-        refusal = self._refusal(uncached_tokens, prefill_workers)
+        refusal = self._refusal(uncached_tokens, prefill_workers, tenant)
         if refusal is not None:
             reason, message = refusal
             REJECTED.labels(reason).inc()
@@ -177,11 +177,17 @@ class Admission:
             TENANT_RATE_LIMITED.labels(tenant, exc.limit).inc()
             raise
 
-    def _refusal(self, uncached_tokens: int, prefill_workers: int) -> tuple[str, str] | None:
-        """(reason, message) of the admission refusal that applies now, None for none."""
-        if self.inflight >= self.limit() and self.waiting >= self.max_queue:
+    def _refusal(
+        self, uncached_tokens: int, prefill_workers: int, tenant: str
+    ) -> tuple[str, str] | None:
+        """(reason, message) of the admission refusal that applies now to ``tenant``'s
+        request, None for none. ``max_queue`` bounds each tenant's waiting requests: a tenant
+        that floods fills its own queue, never another's."""
+        queued = self._slots.queued(tenant)
+        if self.inflight >= self.limit() and queued >= self.max_queue:
+            whose = f" of tenant {tenant!r}" if tenant else ""
             return "queue_full", (
-                f"queue full: {self.waiting} requests waiting (max_queue={self.max_queue})"
+                f"queue full: {queued} requests{whose} waiting (max_queue={self.max_queue})"
             )
         if self.slo_ttft_ms > 0:
             pred = self.predicted_ttft_ms(uncached_tokens, prefill_workers)

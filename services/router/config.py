@@ -94,7 +94,7 @@ class RouterConfig(SecurityConfig, StoreBackendConfig):
         "requests orchestrated at once; more wait in the queue, out of the workers' sight "
         "(0 = the decode workers' max_num_seqs summed, 64 until one registers it)",
     )
-    max_queue: int = help_field(256, "requests allowed to wait; beyond that 429")
+    max_queue: int = help_field(256, "requests one tenant may have waiting; beyond that 429")
     slo_ttft_ms: float = help_field(0.0, "reject requests predicted to miss this TTFT (0 = off)")
     slo_tpot_ms: float = help_field(
         0.0, "reject requests while time per output token exceeds this (0 = off)"

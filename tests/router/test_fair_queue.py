@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 
+from pdserve.errors import ResourceExhausted
 from pdserve.services.router.admission import Admission
 from pdserve.services.router.fair_queue import FairQueue
 from pdserve.telemetry import REGISTRY
@@ -174,5 +175,25 @@ def test_a_cancelled_waiter_leaves_the_fair_queue() -> None:
         go.set()
         await asyncio.gather(first, stays)
         assert got == ["first", "stays"] and adm.inflight == 0
+
+    asyncio.run(main())
+
+
+def test_a_flood_fills_its_own_queue_not_another_tenants() -> None:
+    async def main() -> None:
+        adm = Admission(max_inflight=1, max_queue=2)
+        got: list[str] = []
+        go = asyncio.Event()
+        tasks = [asyncio.ensure_future(_holder(adm, "heavy", "h0", got, go))]
+        await _until(lambda: got == ["h0"], "the first request holds the slot")
+        tasks += [asyncio.ensure_future(_holder(adm, "heavy", f"h{i}", got, go)) for i in (1, 2)]
+        await _until(lambda: adm.waiting == 2, "heavy's queue is full")
+        with pytest.raises(ResourceExhausted, match=r"queue full: 2 requests of tenant 'heavy'"):
+            adm.check(1, 1, "heavy")
+        tasks.append(asyncio.ensure_future(_holder(adm, "light", "l0", got, go)))
+        await _until(lambda: adm.waiting == 3, "light still queues")
+        go.set()
+        await asyncio.gather(*tasks)
+        assert got == ["h0", "l0", "h1", "h2"]
 
     asyncio.run(main())
