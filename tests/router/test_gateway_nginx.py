@@ -249,14 +249,24 @@ async def _http_first_then_leave(stack: Stack, running: list[float]) -> None:
     async with aiohttp.ClientSession(f"https://{stack.gateway}", connector=conn) as http:
         resp = await http.post("/v1/completions", json=body, headers=headers)
         assert resp.status == 200
-        events = 0
+        # SSE unbuffered: each event comes as the router sends it (measured with fake workers:
+        # 1 event, ~200 bytes, a read; with nginx's proxy_buffering on the first read held 76
+        # events, 15.7 KB: a buffer is 4 KB at least)
+        first = await resp.content.readany()
+        assert first.startswith(b"data:") and len(first) < 4096, first
+        events = first.count(b"data:")
         async for line in resp.content:
             events += line.startswith(b"data:")
-            if events == 5:
+            if events >= 5:
                 break
-        # tokens reached the client while the worker still generates: SSE is not buffered
+        # tokens reached the client while the worker still generates
         running.append((await asyncio.to_thread(_decode_counts, stack))[0])
-        resp.close()  # the connection goes, mid-stream
+        # The connection goes, mid-stream. NOTE: abort, not close: asyncio's TLS close sends
+        # close_notify and keeps the socket until the peer answers (up to 30 s), and nginx,
+        # which reads nothing from a client while it streams, notices a client gone by its TCP
+        # FIN or RST only (measured: the stream ran on for exactly those 30 s).
+        assert resp.connection is not None and resp.connection.transport is not None
+        resp.connection.transport.abort()
 
 
 def _grpc_first_then_leave(stack: Stack, running: list[float]) -> None:
@@ -275,6 +285,9 @@ def _grpc_first_then_leave(stack: Stack, running: list[float]) -> None:
 
 @pytest.mark.parametrize("api", ["http", "grpc"])
 def test_a_client_leaving_through_nginx_stops_the_engine(stack: Stack, api: str) -> None:
+    """A long stream through nginx, left after its first tokens (HTTP: the connection dropped;
+    gRPC: the call cancelled): the decode worker's stream ends cancelled within seconds, long
+    before its max_tokens."""
     _wait_for(lambda: _decode_counts(stack)[0] == 0, 60, "a stream still runs from before")
     _, cancelled, tokens = _decode_counts(stack)
     running: list[float] = []
