@@ -38,11 +38,17 @@ def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
     return status, {"error": {"message": message, "type": etype, "param": param, "code": code}}
 
 
+def with_retry_after(exc: BaseException, headers: dict[str, str] | None) -> dict[str, str] | None:
+    """``headers`` plus ``Retry-After`` (seconds) when ``exc`` is a rate limit's refusal."""
+    if isinstance(exc, errors.RateLimited):
+        return {**(headers or {}), "Retry-After": exc.retry_after}
+    return headers
+
+
 def error_response(exc: BaseException, headers: dict[str, str] | None = None) -> web.Response:
     """``exc`` in the OpenAI error shape; a rate limit's 429 carries ``Retry-After``."""
     status, body = error_body(exc)
-    if isinstance(exc, errors.RateLimited):
-        headers = {**(headers or {}), "Retry-After": exc.retry_after}
+    headers = with_retry_after(exc, headers)
     if status == 500:
         log.error("internal error: %r", exc, exc_info=exc)
     return web.json_response(body, status=status, headers=headers)

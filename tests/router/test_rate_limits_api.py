@@ -50,6 +50,10 @@ def test_over_the_rate_limit_is_429_with_retry_after_and_resource_exhausted(
                     "tenant 'alpha' is over its rate limit of 0.01 requests per second"
                     in (err["message"])
                 )
+            anthropic = {**_chat(), "messages": [{"role": "user", "content": "hi"}]}
+            async with http.post("/v1/messages", json=anthropic, headers=alpha) as resp:
+                assert resp.status == 429 and int(resp.headers["Retry-After"]) >= 90
+                assert (await resp.json())["error"]["type"] == "rate_limit_error"
             beta = {"Authorization": f"Bearer {KB}"}  # another tenant is not limited by it
             for _ in range(3):
                 async with http.post("/v1/completions", json=BODY, headers=beta) as resp:

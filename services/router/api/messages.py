@@ -20,7 +20,7 @@ from aiohttp import web
 from pdserve.errors import InvalidArgument
 from pdserve.services.router.api.chat_run import ChatRun, Turn
 from pdserve.services.router.frontend import Frontend
-from pdserve.services.router.openai_errors import error_body, read_json
+from pdserve.services.router.openai_errors import error_body, read_json, with_retry_after
 from pdserve.services.router.openai_fields import check_fields
 from pdserve.telemetry import REQUEST_ID_HEADER, request_id_var
 
@@ -50,7 +50,7 @@ def error_response(exc: BaseException, headers: dict[str, str] | None = None) ->
     return web.json_response(
         {"type": "error", "error": {"type": kind, "message": body["error"]["message"]}},
         status=status,
-        headers=headers,
+        headers=with_retry_after(exc, headers),
     )
 
 
