@@ -128,3 +128,12 @@ def test_router_config_checks_its_gateway_fields(tmp_path: Path) -> None:
         RouterConfig(**base, gateway_identities=["nginx"]).validate()
     with pytest.raises(ConfigError, match="need tenant_keys_file"):
         RouterConfig(decode=["127.0.0.1:1"], gateway_peers=["127.0.0.1"]).validate()
+
+
+def test_docs_show_the_nginx_config_the_tests_run() -> None:
+    """docs/gateway.md carries deploy/nginx/pdserve.conf as it is (test_gateway_nginx.py runs
+    that file): the page cannot drift from the tested configuration."""
+    root = Path(__file__).resolve().parents[2]
+    doc = (root / "docs" / "gateway.md").read_text()
+    block = doc.split("```nginx\n", 1)[1].split("```", 1)[0]
+    assert block == (root / "deploy" / "nginx" / "pdserve.conf").read_text()
