@@ -14,7 +14,7 @@ from pathlib import Path
 
 from router_traces import read_router_traces
 
-from pdserve import grpcutil, identity
+from pdserve import auth, grpcutil, identity
 from pdserve.commands import certs
 from pdserve.procs import ServiceProcess, free_ports, service_args, start_service
 from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
@@ -170,9 +170,11 @@ class Cluster:
         self.http = self.router.info["http"]
         with grpcutil.sync_channel(self.grpc, public=True) as ch:
             stub = router_pb2_grpc.RouterServiceStub(ch)
+            api_key = self.router_flags.get("api_key")
+            key = auth.bearer(str(api_key)) if api_key else None
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
-                (m,) = stub.ListModels(router_pb2.ListModelsRequest()).models
+                (m,) = stub.ListModels(router_pb2.ListModelsRequest(), metadata=key).models
                 if m.prefill_workers == self.n_prefills and m.decode_workers == self.n_decodes:
                     break
                 time.sleep(0.2)
