@@ -28,6 +28,7 @@ import re
 import ssl
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pdserve.config import ConfigError
@@ -98,6 +99,8 @@ def check_config(
             "gateway_identities takes mutual TLS on the public API: give public_tls_cert, "
             "public_tls_key and the CA of the gateways' certificates (gateway_ca, else tls_ca)"
         )
+    if identities and not Path(ca).expanduser().is_file():
+        raise ConfigError(f"gateway_ca (else tls_ca) {ca!r}: no such file")
 
 
 @dataclass(frozen=True)

@@ -108,10 +108,13 @@ def test_certificates_are_read_from_the_connection(tenants: Tenants, tmp_path: P
         (dict(peers=["10.0.0.1"], tenants_file=""), "need tenant_keys_file"),
         (dict(identities=["nginx"], public_tls=False), "takes mutual TLS on the public API"),
         (dict(identities=["nginx"], ca=""), "gateway_ca, else tls_ca"),
+        (dict(identities=["nginx"], ca="/nonexistent/ca.crt"), "'/nonexistent/ca.crt': no such"),
     ],
 )
 def test_config_errors_say_what_is_wrong(fields: dict, message: str) -> None:
-    args = dict(header=HEADER, identities=[], peers=[], tenants_file="t", public_tls=True, ca="c")
+    args = dict(
+        header=HEADER, identities=[], peers=[], tenants_file="t", public_tls=True, ca=__file__
+    )
     args.update(fields)
     with pytest.raises(ConfigError, match=message):
         gateway.check_config(args.pop("header"), args.pop("identities"), args.pop("peers"), **args)
