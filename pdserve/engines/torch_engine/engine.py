@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 
+from pdserve import tracing
 from pdserve.engines.base import Engine, EngineLoad, PrefillOutcome, TokenEvent
 from pdserve.engines.chunk_io import ChunkIO, ChunkStore
 from pdserve.engines.config import EngineConfig
@@ -222,8 +223,9 @@ class TorchEngine(Engine):
         keys = kv.handle_keys(job.kv, job.tokens, job.cache_salt, job.request_id)
         if keys is None:
             return
-        job.fetched = kv.fetch(
-            keys,
-            job.chunk_wait_ms,
-            lambda: job.cancelled.is_set() or self._closed.is_set(),
-        )
+        with tracing.continued(job.trace):
+            job.fetched = kv.fetch(
+                keys,
+                job.chunk_wait_ms,
+                lambda: job.cancelled.is_set() or self._closed.is_set(),
+            )

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from pdserve import tracing
 from pdserve.engines import metrics
 from pdserve.engines.base import PrefillOutcome, TokenEvent, next_text, text_stream
 from pdserve.engines.config import EngineConfig
@@ -49,6 +50,8 @@ class PrefillJob:
     cache_salt: str = ""
     #: Neither load from nor save to the store (Engine.prefill).
     bypass_store: bool = False
+    #: The request's trace (W3C headers, taken where the job is made): its store spans'.
+    trace: dict[str, str] = field(default_factory=tracing.headers)
 
 
 @dataclass
@@ -73,6 +76,8 @@ class GenJob:
     out_ids: list[int] = field(default_factory=list)
     #: Prompt tokens loaded from the store / computed here, reported with the last token.
     loaded: int = 0
+    #: The request's trace (W3C headers, taken where the job is made): its store spans'.
+    trace: dict[str, str] = field(default_factory=tracing.headers)
     recomputed: int = 0
     stream: TextStream | None = None
     last_token: int = -1
@@ -167,7 +172,8 @@ class Scheduler:
         self.busy_prefill = 1
         self.prefill_tokens = len(job.tokens)
         try:
-            job.future.set_result(self._prefill(job))
+            with tracing.continued(job.trace):
+                job.future.set_result(self._prefill(job))
         except BaseException as exc:
             log.exception("prefill %s failed", job.request_id)
             job.future.set_exception(exc)
@@ -204,7 +210,8 @@ class Scheduler:
             if job.cancelled.is_set():
                 continue
             try:
-                self._start_generation(job)
+                with tracing.continued(job.trace):
+                    self._start_generation(job)
             except BaseException as exc:
                 log.exception("generation %s failed to start", job.request_id)
                 job.deliver(exc)
