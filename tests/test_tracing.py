@@ -6,6 +6,7 @@ blocking channels), spans nest, and phases timed on the monotonic clock land at 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Iterator
 
@@ -56,7 +57,7 @@ def test_off_by_default_everything_is_a_no_op() -> None:
 
 
 def test_configure_needs_an_endpoint_and_env_supplies_one(monkeypatch) -> None:
-    monkeypatch.delenv(tracing.ENDPOINT_ENV, raising=False)
+    monkeypatch.setenv(tracing.ENDPOINT_ENV, "")
     assert tracing.resolve_endpoint("") == ""
     assert not tracing.configure("", "pdserve-router")
     assert tracing._provider is None
@@ -69,14 +70,13 @@ def test_configure_needs_an_endpoint_and_env_supplies_one(monkeypatch) -> None:
 def test_configure_sets_the_service_and_the_childrens_environment(monkeypatch) -> None:
     """On: an SDK provider named after the service, the endpoint and name in the environment
     for vLLM's processes; shutdown turns it off again."""
-    monkeypatch.delenv(tracing.ENDPOINT_ENV, raising=False)
-    monkeypatch.delenv(tracing.SERVICE_ENV, raising=False)
+    # set (to empty), not deleted: monkeypatch then restores what configure writes
+    monkeypatch.setenv(tracing.ENDPOINT_ENV, "")
+    monkeypatch.setenv(tracing.SERVICE_ENV, "")
     try:
         assert tracing.configure("http://127.0.0.1:1", "pdserve-decode")
         assert tracing.enabled() and tracing.endpoint() == "http://127.0.0.1:1"
         assert tracing._provider.resource.attributes["service.name"] == "pdserve-decode"
-        import os
-
         assert os.environ[tracing.ENDPOINT_ENV] == "http://127.0.0.1:1"
         assert os.environ[tracing.SERVICE_ENV] == "pdserve-decode"
         assert tracing.configure("http://other:2", "x")  # once per process: kept
