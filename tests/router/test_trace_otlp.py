@@ -7,7 +7,8 @@ A chat request comes in over HTTP with a gateway's ``traceparent``: every span t
 export for it is in that trace, the router's request span is the gateway span's child, and the
 trace holds the workers' calls, vLLM's ``llm_request``, the prefill's store save and the
 decode's store load with the bytes they moved (equal: decode reads what prefill wrote). A
-second request sharing the prompt's prefix finds it cached and loads it from the store."""
+second request sharing the prompt's prefix finds it cached and loads it from the store. The
+same with the torch reference engine on plaintext links."""
 
 from __future__ import annotations
 
@@ -22,12 +23,11 @@ from typing import Any
 
 import grpc
 import pytest
-from cluster_harness import Cluster
+from cluster_harness import CS, Cluster
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from vllm_services.vllm_flags import CHUNK, VLLM
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
-pytest.importorskip("vllm", reason="vLLM is not installed")
+pytestmark = pytest.mark.slow
 
 GATEWAY_SPAN = "00f067aa0ba902b7"
 
@@ -102,13 +102,19 @@ def moved(spans: list[Span], service: str, name: str) -> int:
     return sum(int(s.attrs.get("pdserve.kv.bytes", 0)) for s in named(spans, service, name))
 
 
-def complete(spans: list[Span]) -> bool:
-    return (
-        bool(named(spans, "pdserve-router", "pdserve.phase.decode"))
-        and moved(spans, "pdserve-prefill", "pdserve.kv.save") > 0
-        and moved(spans, "pdserve-decode", "pdserve.kv.load") > 0
-        and bool(named(spans, "pdserve-decode", "llm_request"))
-    )
+def complete(vllm: bool):
+    """Whether a trace holds what every request here leaves: the router's last phase, the
+    prefill's save, the decode's load (and vLLM's span of it)."""
+
+    def done(spans: list[Span]) -> bool:
+        return (
+            bool(named(spans, "pdserve-router", "pdserve.phase.decode"))
+            and moved(spans, "pdserve-prefill", "pdserve.kv.save") > 0
+            and moved(spans, "pdserve-decode", "pdserve.kv.load") > 0
+            and (not vllm or bool(named(spans, "pdserve-decode", "llm_request")))
+        )
+
+    return done
 
 
 @pytest.fixture
@@ -144,70 +150,99 @@ def chat(cluster: Cluster, content: str, trace_id: str) -> dict:
         return json.loads(resp.read())
 
 
-def test_a_request_is_one_trace_across_router_workers_engine_and_store(
-    collector, tmp_path, tiny_model_dir, monkeypatch
-) -> None:
+def check_traces(collector: Collector, cluster: Cluster, chunk: int, *, vllm: bool) -> None:
+    """Two chat requests on one prefix, each with a gateway's traceparent: the first one's
+    whole trace (see the module docstring), the second one's store load."""
+    prefix = " ".join(f"word{i}" for i in range(120))
+    first_id, second_id = os.urandom(16).hex(), os.urandom(16).hex()
+    t0 = time.time_ns()
+    out = chat(cluster, prefix + " first question", first_id)
+    t1 = time.time_ns()
+    assert out["usage"]["prompt_tokens"] > 2 * chunk  # full chunks to save and load
+    spans = collector.trace(first_id, complete(vllm))
+
+    # every span of the trace is within the request's time, and the gateway's child
+    for s in spans:
+        assert t0 <= s.start_ns <= s.end_ns <= t1 + 5 * 10**9, s
+    (request,) = named(spans, "pdserve-router", "pdserve.request")
+    assert request.parent == GATEWAY_SPAN
+    assert request.attrs["pdserve.plan"] == "read"
+    assert request.attrs["pdserve.prompt_tokens"] == out["usage"]["prompt_tokens"]
+    assert request.attrs["pdserve.cached_tokens"] == 0
+    assert request.attrs["pdserve.outcome"] == "ok"
+    children = [s for s in spans if s.parent == request.span_id]
+    for phase in ("queue", "prefill", "decode"):
+        assert named(children, "pdserve-router", f"pdserve.phase.{phase}")
+    # the router asked the master (gRPC) for the cached prefix
+    assert named(children, "pdserve-kvstore-master", "pdserve.v1.KVMasterService/LongestPrefix")
+    # the workers' calls are the request span's children; vLLM's span is theirs
+    for service, rpc in (
+        ("pdserve-prefill", "pdserve.v1.PrefillService/Prefill"),
+        ("pdserve-decode", "pdserve.v1.DecodeService/Decode"),
+    ):
+        (call,) = named(children, service, rpc)
+        if vllm:
+            (engine,) = named(spans, service, "llm_request")
+            assert engine.parent == call.span_id
+    # the store: what prefill wrote (chunks and the tail) is what decode read, in bytes
+    saved = moved(spans, "pdserve-prefill", "pdserve.kv.save")
+    assert saved == moved(spans, "pdserve-decode", "pdserve.kv.load")
+    assert moved(spans, "pdserve-prefill", "pdserve.kvstore.write") > 0  # to the node
+    assert moved(spans, "pdserve-decode", "pdserve.kvstore.read") > 0  # from the node
+    assert named(spans, "pdserve-prefill", "pdserve.kvstore.master/BatchPutStart")
+    for save in named(spans, "pdserve-prefill", "pdserve.kv.save"):
+        assert save.attrs["pdserve.kv.moved"] > 0
+
+    # a second request on the same prefix: cached, and loaded from the store
+    chat(cluster, prefix + " another question", second_id)
+    spans2 = collector.trace(second_id, complete(vllm))
+    (request2,) = named(spans2, "pdserve-router", "pdserve.request")
+    assert request2.attrs["pdserve.cached_tokens"] >= 2 * chunk
+    loads = [s for s in spans2 if s.name == "pdserve.kv.load"]
+    assert any(s.attrs["pdserve.kv.bytes"] > 0 for s in loads)
+    assert {s.trace_id for s in spans2} == {second_id}
+
+
+@pytest.fixture
+def traced_env(collector, monkeypatch) -> None:
+    """Every service the test starts exports to ``collector``, within 0.2 s (not 5 s)."""
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", collector.endpoint)
-    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")  # export within 0.2 s, not 5 s
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")
+
+
+@pytest.mark.vllm
+def test_a_request_is_one_trace_across_router_vllm_workers_and_store(
+    collector, traced_env, tmp_path, tiny_model_dir
+) -> None:
+    pytest.importorskip("vllm", reason="vLLM is not installed")
     cluster = Cluster(
         tmp_path,
         tiny_model_dir,
         prefills=1,
         worker_flags=lambda role, i: {**VLLM, "vllm_cpu_cores": "0" if role == "prefill" else "1"},
-        # the router asks the master (gRPC) for the cached prefix: the master's span
         router_flags={"chunk_size": CHUNK, "prefix_source": "master"},
         node_id=f"n0-otlp-{os.getpid()}",
         tls=True,
     )
     try:
-        prefix = " ".join(f"word{i}" for i in range(120))
-        first_id, second_id = os.urandom(16).hex(), os.urandom(16).hex()
-        t0 = time.time_ns()
-        out = chat(cluster, prefix + " first question", first_id)
-        t1 = time.time_ns()
-        assert out["usage"]["prompt_tokens"] > 2 * CHUNK  # full chunks to save and load
-        spans = collector.trace(first_id, complete)
+        check_traces(collector, cluster, CHUNK, vllm=True)
+    finally:
+        cluster.close()
 
-        # every span of the trace is within the request's time, and the gateway's child
-        for s in spans:
-            assert t0 <= s.start_ns <= s.end_ns <= t1 + 5 * 10**9, s
-        (request,) = named(spans, "pdserve-router", "pdserve.request")
-        assert request.parent == GATEWAY_SPAN
-        assert request.attrs["pdserve.plan"] == "read"
-        assert request.attrs["pdserve.prompt_tokens"] == out["usage"]["prompt_tokens"]
-        assert request.attrs["pdserve.cached_tokens"] == 0
-        assert request.attrs["pdserve.outcome"] == "ok"
-        for phase in ("queue", "prefill", "decode"):
-            (p,) = named(spans, "pdserve-router", f"pdserve.phase.{phase}")
-            assert p.parent == request.span_id
-        (lookup,) = named(
-            spans, "pdserve-kvstore-master", "pdserve.v1.KVMasterService/LongestPrefix"
-        )
-        assert lookup.parent == request.span_id
-        # the workers' calls are the request span's children; vLLM's span is theirs
-        for service, rpc in (
-            ("pdserve-prefill", "pdserve.v1.PrefillService/Prefill"),
-            ("pdserve-decode", "pdserve.v1.DecodeService/Decode"),
-        ):
-            (call,) = named(spans, service, rpc)
-            assert call.parent == request.span_id
-            (engine,) = named(spans, service, "llm_request")
-            assert engine.parent == call.span_id
-        # the store: what prefill wrote (chunks and the tail) is what decode read, in bytes
-        saved = moved(spans, "pdserve-prefill", "pdserve.kv.save")
-        assert saved == moved(spans, "pdserve-decode", "pdserve.kv.load")
-        assert moved(spans, "pdserve-prefill", "pdserve.kvstore.write") > 0  # to the node
-        assert named(spans, "pdserve-prefill", "pdserve.kvstore.master/BatchPutStart")
-        for save in named(spans, "pdserve-prefill", "pdserve.kv.save"):
-            assert save.attrs["pdserve.kv.moved"] > 0
 
-        # a second request on the same prefix: cached, and loaded from the store
-        chat(cluster, prefix + " another question", second_id)
-        spans2 = collector.trace(second_id, complete)
-        (request2,) = named(spans2, "pdserve-router", "pdserve.request")
-        assert request2.attrs["pdserve.cached_tokens"] >= 2 * CHUNK
-        loads = [s for s in spans2 if s.name == "pdserve.kv.load"]
-        assert any(s.attrs["pdserve.kv.bytes"] > 0 for s in loads)
-        assert {s.trace_id for s in spans2} == {second_id}
+def test_a_request_is_one_trace_with_the_torch_engine_in_plaintext(
+    collector, traced_env, tmp_path, tiny_model_dir
+) -> None:
+    """The reference engine's store I/O (its scheduler and loader threads) joins the trace
+    too, and plaintext channels carry it as mutual TLS ones do."""
+    cluster = Cluster(
+        tmp_path,
+        tiny_model_dir,
+        prefills=1,
+        router_flags={"prefix_source": "master"},
+        node_id=f"n0-otlp-torch-{os.getpid()}",
+    )
+    try:
+        check_traces(collector, cluster, CS, vllm=False)
     finally:
         cluster.close()
