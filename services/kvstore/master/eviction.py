@@ -66,11 +66,17 @@ class Evictor:
             return self._lru_order(now, segment_id, tier)
         if segment_id is not None:
             tier = self.segments[segment_id].tier
-        return self.quotas.order(self._lru_order(now, segment_id, tier), tier)
+        base = self._lru_order(now, segment_id, tier, check=False)
+        return self.quotas.order(
+            base, tier, lambda o: self._evictable(o, now), whole_tier=segment_id is None
+        )
 
-    def _lru_order(self, now: float, segment_id: str | None, tier: int) -> Iterator[ObjectState]:
+    def _lru_order(
+        self, now: float, segment_id: str | None, tier: int, check: bool = True
+    ) -> Iterator[ObjectState]:
         """:meth:`candidates` without tenants: one pass over a snapshot; objects removed
-        meanwhile are skipped."""
+        meanwhile are skipped (not checked with ``check`` False: every object with a copy
+        there, leased ones too)."""
         idle = self.objects.namespaces.idle(now)
         pinned: list[ObjectState] = []
         busy: list[ObjectState] = []
@@ -83,12 +89,12 @@ class Evictor:
             if obj.soft_pin:
                 pinned.append(obj)
             elif idle and obj.ns in idle:
-                if self._evictable(obj, now):
+                if not check or self._evictable(obj, now):
                     yield obj
             else:
                 busy.append(obj)
         for obj in busy + pinned:
-            if self._evictable(obj, now):
+            if not check or self._evictable(obj, now):
                 yield obj
 
     def _evictable(self, obj: ObjectState, now: float) -> bool:

@@ -20,7 +20,7 @@ Plain and single-threaded, like the master state; no network, no protobuf messag
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -197,47 +197,57 @@ class Quotas:
 
     def usage(self, tier: int) -> dict[str, int]:
         """Bytes each tenant's copies hold in ``tier`` (one pass over the objects)."""
-        out: dict[str, int] = {}
-        for obj in self.objects.values():
-            n = sum(1 for r in obj.replicas if r.tier == tier)
-            if n:
-                t = tenant_of(obj)
-                out[t] = out.get(t, 0) + n * obj.size
-        return out
+        return _usage_of(self.objects.values(), tier)
 
-    def order(self, base: Iterable[ObjectState], tier: int) -> Iterator[ObjectState]:
-        """``base`` (the evictor's candidates of ``tier``, in its order) without the pinned
+    def order(
+        self,
+        base: Iterable[ObjectState],
+        tier: int,
+        evictable: Callable[[ObjectState], bool],
+        whole_tier: bool,
+    ) -> Iterator[ObjectState]:
+        """The eviction order of ``base`` (the evictor's order of the objects with a copy in
+        ``tier``, not yet checked: ``evictable`` says whether one may go now; ``whole_tier``:
+        ``base`` is every such object of the pool, not one segment's), without the pinned
         objects, over-share tenants' first when some share is limited."""
         self._live = None
+        holds = self.pins.holds
         if not self.shares.limited:
-            return (o for o in base if not self.pins.holds(o))
-        return self._over_share_first(base, tier)
+            return (o for o in base if not holds(o) and evictable(o))
+        return self._over_share_first(base, tier, evictable, whole_tier)
 
-    def _over_share_first(self, base: Iterable[ObjectState], tier: int) -> Iterator[ObjectState]:
-        usage = self.usage(tier)
+    def _over_share_first(
+        self,
+        base: Iterable[ObjectState],
+        tier: int,
+        evictable: Callable[[ObjectState], bool],
+        whole_tier: bool,
+    ) -> Iterator[ObjectState]:
+        objs = list(base)
+        usage = _usage_of(objs, tier) if whole_tier else self.usage(tier)
         share = {t: self.share(t, tier) for t in usage}
         self._live = (tier, usage, share)
-        rest: list[ObjectState] = []
-        over: dict[str, deque[ObjectState]] = {}
-        for obj in base:
-            if self.pins.holds(obj):
-                continue
-            t = tenant_of(obj)
-            if usage.get(t, 0) > share.get(t, 0):
-                over.setdefault(t, deque()).append(obj)
-            rest.append(obj)
+        queues: dict[str, deque[ObjectState]] = {t: deque() for t in usage if usage[t] > share[t]}
+        if queues:
+            for obj in objs:
+                q = queues.get(obj.ns.tenant if obj.ns is not None else "")
+                if q is not None:
+                    q.append(obj)
+        holds = self.pins.holds
         taken: set[int] = set()
         while True:
             # NOTE: usage drops as the caller evicts (:meth:`evicted`), so this picks anew
-            live = [(usage[t] - share[t], t) for t, q in over.items() if q and usage[t] > share[t]]
+            live = [
+                (usage[t] - share[t], t) for t, q in queues.items() if q and usage[t] > share[t]
+            ]
             if not live:
                 break
-            obj = over[max(live)[1]].popleft()
-            if self.objects.get(obj.key) is obj:
+            obj = queues[max(live)[1]].popleft()
+            if not holds(obj) and evictable(obj):
                 taken.add(id(obj))
                 yield obj
-        for obj in rest:
-            if id(obj) not in taken and self.objects.get(obj.key) is obj:
+        for obj in objs:
+            if id(obj) not in taken and not holds(obj) and evictable(obj):
                 yield obj
 
     def evicted(self, obj: ObjectState, tier: int) -> None:
@@ -274,3 +284,17 @@ class Quotas:
             )
             for t in sorted(names)
         ]
+
+
+def _usage_of(objs: Iterable[ObjectState], tier: int) -> dict[str, int]:
+    """Bytes each tenant's copies among ``objs`` hold in ``tier``."""
+    out: dict[str, int] = {}
+    for obj in objs:
+        n = 0
+        for r in obj.replicas:
+            if r.tier == tier:
+                n += 1
+        if n:
+            t = obj.ns.tenant if obj.ns is not None else ""
+            out[t] = out.get(t, 0) + n * obj.size
+    return out
