@@ -1,6 +1,7 @@
 """The HA master's etcd rows carry the namespaces too (services/kvstore/master/ha.py, a real
-etcd): an object's chain root, the namespace rows and the quarantines written by a leader
-read back as a successor loads them, and a drop's and a clear's deletions stick."""
+etcd): an object's chain root, the namespace rows (with their tenant) and the quarantines
+written by a leader read back as a successor loads them, and a drop's and a clear's deletions
+stick."""
 
 from __future__ import annotations
 
@@ -35,8 +36,11 @@ def test_namespaces_and_quarantines_round_trip_through_etcd(tmp_path: Path) -> N
             obj = StoredObject("k", 10, False, 0, (StoredReplica("s", "n", 64),), b"\x01", SALTED)
             labels = {"fingerprint": FP, "model_id": "org/a"}
             changes = NamespaceChanges(
-                namespaces={r: StoredNamespace(r, FP, labels) for r in (FP, SALTED)}
-                | {OTHER: StoredNamespace(OTHER, OTHER, {})},
+                namespaces={
+                    FP: StoredNamespace(FP, FP, labels),
+                    SALTED: StoredNamespace(SALTED, FP, labels, "acme"),  # a tenant's root
+                    OTHER: StoredNamespace(OTHER, OTHER, {}),
+                },
                 quarantines={OTHER: StoredQuarantine(OTHER, "diverged", "router:r1", 7)},
             )
             store.apply([obj], [], changes)
@@ -45,7 +49,7 @@ def test_namespaces_and_quarantines_round_trip_through_etcd(tmp_path: Path) -> N
             assert sorted(spaces, key=lambda n: n.root) == [
                 StoredNamespace(FP, FP, labels),
                 StoredNamespace(OTHER, OTHER, {}),
-                StoredNamespace(SALTED, FP, labels),
+                StoredNamespace(SALTED, FP, labels, "acme"),
             ]
             assert quarantines == [StoredQuarantine(OTHER, "diverged", "router:r1", 7)]
             # a drop of FP's roots and a cleared quarantine
