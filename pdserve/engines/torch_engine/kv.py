@@ -75,16 +75,19 @@ class PromptKV:
         publish: bool,
         phase: str,
         bypass_store: bool = False,
+        tenant: str = "",
     ) -> tuple[Any, torch.Tensor, int, int]:
         """Builds the prompt's KV: loads the longest cached chunk prefix of ``cache_salt``'s
         chain, computes the rest and writes new full chunks (and the tail when
         ``write_tail``; chunk by chunk as each exists when ``publish``: write mode). Returns
         the cache, the last position's logits, and the loaded and computed token counts.
-        ``bypass_store``: no load and no write (everything computed; Engine.prefill)."""
+        ``bypass_store``: no load and no write (everything computed; Engine.prefill).
+        ``tenant``: the tenant the written chunks are tagged with ("" = none)."""
         cs = self.cfg.chunk_size
         n = len(tokens)
         keys = hashing.chunk_keys(self.fingerprint, tokens, cache_salt)
         root = hashing.chain_root(self.fingerprint, cache_salt).hex()  # the master's namespace
+        space = (root, tenant)
         # chunks saved: every full one, none when bypassing the store
         saved = 0 if bypass_store else len(keys)
         chunks = [] if bypass_store else self._load_prefix(keys)
@@ -100,16 +103,16 @@ class PromptKV:
                 end = min(n, (pos // cs + 1) * cs)
                 logits = self.model.forward(tokens[pos:end], cache)
                 if end % cs == 0 and done_chunks < end // cs <= saved:
-                    self._save_chunks(cache, keys, done_chunks, end // cs, tokens, root)
+                    self._save_chunks(cache, keys, done_chunks, end // cs, tokens, *space)
                     done_chunks = end // cs
                 pos = end
             assert logits is not None
         else:
             logits = self.model.forward(tokens[loaded:], cache)
-            self._save_chunks(cache, keys, done_chunks, saved, tokens, root)
+            self._save_chunks(cache, keys, done_chunks, saved, tokens, *space)
         if write_tail and n % cs and not bypass_store:
             tail = hashing.tail_key(self.fingerprint, tokens, request_id, cache_salt)
-            self._save_tail(cache, tail, n, root)
+            self._save_tail(cache, tail, n, *space)
         reason = "uncached" if phase == "prefill" else "local"
         metrics.KV_COMPUTED_TOKENS.labels(reason).inc(n - loaded)
         return cache, logits, loaded, n - loaded
@@ -212,11 +215,12 @@ class PromptKV:
         end: int,
         tokens: Sequence[int] = (),
         root: str = "",
+        tenant: str = "",
     ) -> None:
         """Writes chunks ``first..end-1`` (one batched put; the store skips those it holds),
         with each one's parent key and token ids (for the master's KV events) when
         ``tokens`` (the prompt) is given, tagged with chain ``root`` (hex; "" = the
-        fingerprint's digest)."""
+        fingerprint's digest) and ``tenant`` ("" = none)."""
         if first >= end or self.chunks is None or not self.chunks.available():
             return
         cs = self.cfg.chunk_size
@@ -232,12 +236,14 @@ class PromptKV:
             ],
             meta=meta,
             roots=dict.fromkeys(keys[first:end], root) if root else None,
+            tenants={root: tenant} if root and tenant else None,
         )
 
-    def _save_tail(self, cache: Any, key: str, n: int, root: str = "") -> None:
+    def _save_tail(self, cache: Any, key: str, n: int, root: str = "", tenant: str = "") -> None:
         if self.chunks is None or not self.chunks.available():
             return
         start = n - n % self.cfg.chunk_size
         chunk = self.model.chunk_of(cache, start, n)
         roots = {key: root} if root else None
-        self.chunks.save([(key, chunk)], ttl_ms=self.cfg.tail_ttl_ms, roots=roots)
+        tenants = {root: tenant} if root and tenant else None
+        self.chunks.save([(key, chunk)], ttl_ms=self.cfg.tail_ttl_ms, roots=roots, tenants=tenants)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from pdserve import tracing
+from pdserve import tenants, tracing
 from pdserve.engines import metrics
 from pdserve.engines.base import PrefillOutcome, TokenEvent, next_text, text_stream
 from pdserve.engines.config import EngineConfig
@@ -52,6 +52,8 @@ class PrefillJob:
     bypass_store: bool = False
     #: The request's trace (W3C headers, taken where the job is made): its store spans'.
     trace: dict[str, str] = field(default_factory=tracing.headers)
+    #: The request's tenant (taken where the job is made): its saved chunks' KVNamespace.tenant.
+    tenant: str = field(default_factory=tenants.current.get)
 
 
 @dataclass
@@ -78,6 +80,8 @@ class GenJob:
     loaded: int = 0
     #: The request's trace (W3C headers, taken where the job is made): its store spans'.
     trace: dict[str, str] = field(default_factory=tracing.headers)
+    #: The request's tenant (taken where the job is made): its saved chunks' KVNamespace.tenant.
+    tenant: str = field(default_factory=tenants.current.get)
     recomputed: int = 0
     stream: TextStream | None = None
     last_token: int = -1
@@ -191,6 +195,7 @@ class Scheduler:
             publish=job.publish,
             phase="prefill",
             bypass_store=job.bypass_store,
+            tenant=job.tenant,
         )
         seed = job.sampling.seed if job.sampling.seed is not None else random.getrandbits(63)
         first = sample_token(
@@ -271,6 +276,7 @@ class Scheduler:
                 publish=False,
                 phase="decode",
                 bypass_store=job.bypass_store,
+                tenant=job.tenant,
             )
         if job.first_token is not None:
             first = job.first_token

@@ -47,3 +47,37 @@ def test_chunks_and_tails_carry_the_salts_chain_root(engine: TorchEngine, salt: 
     assert (root == fp.digest().hex()) == (not salt)  # a salt's chain has a root of its own
     for key in written:
         assert store.tags[key] == (root, fp.digest().hex(), fp.to_labels())
+
+
+class TenantTagged(MemoryBackend):
+    """The in-memory store, keeping each put's key -> the tenant of its root."""
+
+    carries_chunk_meta = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tenants: dict[str, str] = {}
+
+    def batch_put(self, items, options=None, *, meta=None, namespace=None):
+        for key, _ in items:
+            self.tenants[key] = namespace.tenants.get(namespace.root_of(key), "")
+        return super().batch_put(items, options) if options else super().batch_put(items)
+
+
+@pytest.mark.parametrize("tenant", ["", "acme"])
+def test_chunks_and_tails_carry_the_requests_tenant(engine: TorchEngine, tenant: str) -> None:
+    """The tenant of the task that asks (the worker sets it: pdserve.tenants.current) tags the
+    chunks the engine's own thread writes (KVNamespace.tenant)."""
+    from pdserve import tenants
+
+    store = TenantTagged()
+    engine.attach_store(store)
+    toks = [(5 * i + 1) % 400 + 5 for i in range(2 * CS + 3)]
+
+    async def prefill():
+        tenants.current.set(tenant)
+        return await engine.prefill("t", toks, Sampling(max_tokens=1), cache_salt="s")
+
+    out = asyncio.run(prefill())
+    written = {*out.kv.chunk_keys, out.kv.tail_key}
+    assert store.tenants == dict.fromkeys(written, tenant)
