@@ -120,3 +120,5 @@ def test_the_tenant_report_counts_pins_usage_and_evictions(pool) -> None:
     assert (a.memory_bytes, a.disk_bytes, a.pinned_bytes) == (8 * KB, 0, 4 * KB)
     assert (a.memory_share_bytes, a.evictions_over_share, a.evictions_normal) == (16 * KB, 0, 0)
     assert [t.tenant for t in pool.quotas.report()] == ["", "a", "b"]
+    with pytest.raises(errors.InvalidArgument, match=r"tenant '\.\./etc' must be 1-64"):
+        pool.quotas.report("../etc")

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve import errors
 from pdserve.config import ConfigError
 from pdserve.services.kvstore.master.namespaces import tenant_of, tenant_problem
 from pdserve.services.kvstore.master.objects import ObjectTable
@@ -264,8 +265,12 @@ class Quotas:
         self.evictions[(t, reason)] = self.evictions.get((t, reason), 0) + 1
 
     def report(self, tenant: str | None = None) -> list[TenantReport]:
-        """Each tenant's use (only ``tenant``'s when given), by name: every tenant with
-        objects, a share, a pin or an eviction, and "" (no tenant) always."""
+        """Each tenant's use (only ``tenant``'s when given; InvalidArgument for a malformed
+        name), by name: every tenant with objects, a share, a pin or an eviction, and ""
+        (no tenant) always."""
+        problem = tenant_problem("tenant", tenant) if tenant else ""
+        if problem:
+            raise errors.InvalidArgument(problem)
         memory, disk = self.usage(MEMORY), self.usage(DISK)
         names = {"", *memory, *disk, *self.shares.by_tenant, *self.pins.tenants()}
         names |= {t for t, _ in self.evictions}
