@@ -30,21 +30,35 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
+#: Seconds between keepalive pings on every channel (with calls or not).
+KEEPALIVE_S = 10
+#: Seconds a ping may go unanswered before the connection is dropped (generous: a process
+#: on a starved core, or stopped for seconds, still answers within it).
+PING_TIMEOUT_S = 10
+
+
 def _options(max_message_bytes: int) -> list[tuple[str, Any]]:
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", 20_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
+        # A peer that vanishes without a reset (a killed container, a cut link, a frozen
+        # process) is noticed within KEEPALIVE_S + PING_TIMEOUT_S and its calls fail
+        # UNAVAILABLE, so the router resumes a stream elsewhere instead of waiting on it.
+        # gRPC (1.85) waits for a ping's answer ``ping_timeout_ms`` (default 60 s), not
+        # ``keepalive_timeout_ms`` alone: both are set (measured: 80 s with the latter only).
+        ("grpc.keepalive_time_ms", KEEPALIVE_S * 1000),
+        ("grpc.keepalive_timeout_ms", PING_TIMEOUT_S * 1000),
+        ("grpc.http2.ping_timeout_ms", PING_TIMEOUT_S * 1000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
     ]
 
 
-#: Servers accept the keepalive pings of the clients above (every 20 s, calls or not).
-#: gRPC's default allows one every 5 minutes on a connection without calls and answers the
-#: third sooner with GOAWAY "too_many_pings": every idle channel was dropped after a minute.
-_SERVER_OPTIONS = [("grpc.http2.min_ping_interval_without_data_ms", 10_000)]
+#: Servers accept the keepalive pings of the clients above (every KEEPALIVE_S, calls or
+#: not; half that is allowed, for timer jitter). gRPC's default allows one every 5 minutes on
+#: a connection without calls and answers the third sooner with GOAWAY "too_many_pings":
+#: every idle channel was dropped after a minute.
+_SERVER_OPTIONS = [("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_S * 500)]
 
 
 @dataclass
