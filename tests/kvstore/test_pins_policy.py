@@ -2,7 +2,7 @@
 never evicted, not even by their own tenant's flood; a pin past the tenant's memory share is
 refused naming the share and the size; keys not stored yet are pinned when their put commits
 (while the share holds them); another tenant's chunk cannot be pinned; unpinned objects are
-evictable again."""
+evictable again; pins are journaled and survive a restart."""
 
 from __future__ import annotations
 
@@ -122,3 +122,27 @@ def test_the_tenant_report_counts_pins_usage_and_evictions(pool) -> None:
     assert [t.tenant for t in pool.quotas.report()] == ["", "a", "b"]
     with pytest.raises(errors.InvalidArgument, match=r"tenant '\.\./etc' must be 1-64"):
         pool.quotas.report("../etc")
+
+
+def test_pins_survive_a_restart_and_an_unpin_sticks(make_state, tmp_path) -> None:
+    from pdserve.services.kvstore.master.persistence import MetadataStore
+
+    store = MetadataStore(tmp_path)
+    s = make_state(store=store, inline_max_bytes=0, tenant_shares={"a": 0.5})
+    s.mount("n1-seg0", "n1", 64 * KB, [], address="n1:7000")
+    keys = [key("a", i) for i in range(3)]
+    put(s, "a", keys[:2])
+    s.quotas.pin("a", "system", keys, 7)
+    s.flush()
+    s.quotas.pin("a", "other", keys[:1], 8)
+    s.pins.unpin("a", "other")
+    s.flush()
+    store.close()
+
+    store = MetadataStore(tmp_path)
+    again = make_state(store=store, inline_max_bytes=0, tenant_shares={"a": 0.5})
+    assert [(p.name, p.keys, p.created_ms) for p in again.pins.report()] == [("system", 3, 7)]
+    # the node remounts with its bytes: the pinned objects come back, held by the pin
+    again.mount("n1-seg0", "n1", 64 * KB, [], address="n1:7000")
+    assert all(again.pins.holds(again.objects[k]) for k in keys[:2])
+    store.close()

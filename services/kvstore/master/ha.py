@@ -41,6 +41,7 @@ from pdserve.services.kvstore.master.persistence import (
     NamespaceChanges,
     StoredNamespace,
     StoredObject,
+    StoredPin,
     StoredQuarantine,
     StoredReplica,
 )
@@ -240,6 +241,7 @@ class EtcdMetadataStore:
         self.prefix = prefix + "objects/"
         self.ns_prefix = prefix + "namespaces/"
         self.q_prefix = prefix + "quarantines/"
+        self.pin_prefix = prefix + "pins/"
         #: Where the rows are, for log lines (as MetadataStore.path).
         self.path = f"etcd {','.join(link.endpoints)} {self.prefix}"
 
@@ -271,6 +273,18 @@ class EtcdMetadataStore:
                 StoredQuarantine(digest, str(row["reason"]), str(row["by"]), int(row["since_ms"]))
             )
         return spaces, quarantines
+
+    def load_pins(self) -> list[StoredPin]:
+        """The pins under ``<prefix>pins/`` (by tenant and the name's hex)."""
+        out = []
+        for _, value in self._range("load the pins", self.pin_prefix):
+            row = json.loads(value)
+            pin = StoredPin(row["tenant"], row["name"], tuple(row["keys"]), int(row["created_ms"]))
+            out.append(pin)
+        return sorted(out, key=lambda p: (p.tenant, p.name))
+
+    def _pin_key(self, tenant: str, name: str) -> str:
+        return f"{self.pin_prefix}{tenant}/{name.encode().hex()}"
 
     def apply(
         self,
@@ -305,6 +319,13 @@ class EtcdMetadataStore:
             )
             for n in changes.namespaces.values()
         ]
+        for (tenant, name), pin in changes.pins.items():
+            key = self._pin_key(tenant, name)
+            if pin is None:
+                ops.append(kv.txn_op_delete(key))
+            else:
+                row = {"tenant": tenant, "name": name, "keys": list(pin.keys)}
+                ops.append(kv.txn_op_put(key, json.dumps({**row, "created_ms": pin.created_ms})))
         for digest, q in changes.quarantines.items():
             if q is None:
                 ops.append(kv.txn_op_delete(self.q_prefix + digest))

@@ -2,7 +2,7 @@
 :class:`~.persistence.MetadataStore`, and what a restart loads back from it.
 
 Parts of the state say what changed (:meth:`Journal.mark`, :meth:`Journal.mark_deleted`;
-the namespace table keeps its own changes, taken at the flush); the facade writes it once at
+the namespace and pin tables keep their own changes, taken at the flush); the facade writes it once at
 the end of every mutating call (:meth:`Journal.flush`, one transaction). Without a store
 every call is a no-op. An object dropped while leased (its namespace
 :data:`~.namespaces.DROPPED`) is never written again: its row went with the drop.
@@ -10,15 +10,21 @@ every call is a no-op. An object dropped while leased (its namespace
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pdserve.services.kvstore.master.namespaces import DROPPED, NamespaceTable
 from pdserve.services.kvstore.master.persistence import (
     MetadataStore,
     StoredNamespace,
     StoredObject,
+    StoredPin,
     StoredQuarantine,
     StoredReplica,
 )
 from pdserve.services.kvstore.master.types import Clock, ObjectState
+
+if TYPE_CHECKING:
+    from pdserve.services.kvstore.master.pins import PinTable
 
 
 class Journal:
@@ -28,6 +34,8 @@ class Journal:
         self.store = store
         self.clock = clock
         self.namespaces = namespaces
+        #: The pin table whose changes each flush writes too (set by the facade).
+        self.pins: PinTable | None = None
         self._dirty: dict[str, ObjectState] = {}
         self._deleted: set[str] = set()
 
@@ -49,6 +57,10 @@ class Journal:
         """The persisted namespaces and quarantines."""
         return ([], []) if self.store is None else self.store.load_namespaces()
 
+    def load_pins(self) -> list[StoredPin]:
+        """The persisted pins."""
+        return [] if self.store is None else self.store.load_pins()
+
     def mark(self, obj: ObjectState) -> None:
         """``obj`` (committed) changed: its row is written at the next flush."""
         if self.store is not None and obj.ns is not DROPPED:
@@ -68,6 +80,8 @@ class Journal:
     def flush(self) -> None:
         """Writes this call's changes in one transaction."""
         changes = self.namespaces.take_changes()
+        if self.pins is not None:
+            changes.pins = self.pins.take_changes()
         if self.store is None or (not self._dirty and not self._deleted and not changes):
             return
         mono, wall = self.clock.mono(), self.clock.wall_ms()

@@ -9,14 +9,15 @@ them on start as *dormant* replicas, which become visible again when their segme
 segment id, same node) remounts. Nodes may still re-report ``held`` objects on mount; the master
 accepts both paths (see :mod:`pdserve.services.kvstore.master.state`).
 
-The namespaces (chain root -> fingerprint digest and labels) and the quarantines
-(:mod:`.namespaces`) have tables of their own, so a row names its namespace by root only.
+The namespaces (chain root -> fingerprint digest, labels and tenant), the quarantines
+(:mod:`.namespaces`) and the tenants' pins (:mod:`.pins`) have tables of their own, so a row
+names its namespace by root only.
 
 Writes are batched: the master calls :meth:`MetadataStore.apply` once per RPC with every
 upsert and delete of that RPC, which is one transaction. Only JSON and plain columns are
 stored; no pickle. Schema 3 added the root column and the two tables (a version 1 or 2 file
 is migrated in place: its objects' namespaces are unknown); schema 4 the namespaces' tenant
-column (a version 3 file's namespaces have no tenant).
+column and the pins table (a version 3 file's namespaces have no tenant).
 """
 
 from __future__ import annotations
@@ -80,9 +81,19 @@ class StoredQuarantine:
     since_ms: int
 
 
+@dataclass(frozen=True)
+class StoredPin:
+    """A tenant's pin: its name, chunk keys (chain order) and creation time (unix ms)."""
+
+    tenant: str
+    name: str
+    keys: tuple[str, ...]
+    created_ms: int
+
+
 @dataclass
 class NamespaceChanges:
-    """One call's changes to the namespaces and quarantines."""
+    """One call's changes to the namespaces, quarantines and pins."""
 
     #: root -> its row, written.
     namespaces: dict[str, StoredNamespace] = field(default_factory=dict)
@@ -90,9 +101,11 @@ class NamespaceChanges:
     dropped: set[str] = field(default_factory=set)
     #: digest -> its quarantine row (None = cleared: the row is deleted).
     quarantines: dict[str, StoredQuarantine | None] = field(default_factory=dict)
+    #: (tenant, name) -> its pin row (None = unpinned: the row is deleted).
+    pins: dict[tuple[str, str], StoredPin | None] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return bool(self.namespaces or self.dropped or self.quarantines)
+        return bool(self.namespaces or self.dropped or self.quarantines or self.pins)
 
 
 class MetadataStore:
@@ -134,6 +147,10 @@ class MetadataStore:
         self._db.execute(
             "CREATE TABLE IF NOT EXISTS quarantines (fingerprint TEXT PRIMARY KEY,"
             " reason TEXT NOT NULL, by_identity TEXT NOT NULL, since_ms INTEGER NOT NULL)"
+        )
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS pins (tenant TEXT NOT NULL, name TEXT NOT NULL,"
+            " keys TEXT NOT NULL, created_ms INTEGER NOT NULL, PRIMARY KEY (tenant, name))"
         )
         row = self._db.execute("SELECT value FROM meta WHERE name='schema'").fetchone()
         if row is not None and int(row[0]) == 1:  # version 1 had no checksums
@@ -186,6 +203,15 @@ class MetadataStore:
         ]
         return spaces, quarantines
 
+    def load_pins(self) -> list[StoredPin]:
+        """The pin rows."""
+        return [
+            StoredPin(str(t), str(n), tuple(json.loads(keys)), int(ms))
+            for t, n, keys, ms in self._db.execute(
+                "SELECT tenant, name, keys, created_ms FROM pins ORDER BY tenant, name"
+            )
+        ]
+
     def apply(
         self,
         upserts: Iterable[StoredObject],
@@ -237,6 +263,15 @@ class MetadataStore:
                 for n in changes.namespaces.values()
             ],
         )
+        for (tenant, name), pin in changes.pins.items():
+            if pin is None:
+                db.execute("DELETE FROM pins WHERE tenant=? AND name=?", (tenant, name))
+            else:
+                db.execute(
+                    "INSERT OR REPLACE INTO pins (tenant, name, keys, created_ms)"
+                    " VALUES (?, ?, ?, ?)",
+                    (tenant, name, json.dumps(list(pin.keys)), pin.created_ms),
+                )
         for digest, q in changes.quarantines.items():
             if q is None:
                 db.execute("DELETE FROM quarantines WHERE fingerprint=?", (digest,))

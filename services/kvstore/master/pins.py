@@ -10,8 +10,10 @@ are pinned when their put commits (:meth:`PinTable.committed`), unless the share
 them then: such a key leaves the pin (logged), so pinned bytes never pass the share. A key
 whose object is another tenant's is refused (INVALID_ARGUMENT).
 
-Pins live in the master's memory only: a master restart (or an HA takeover) forgets them,
-and the router pins again (the call is idempotent). Plain and single-threaded.
+Pins are journaled with the objects (:class:`~.persistence.StoredPin`: SQLite's ``pins``
+table, the HA etcd prefix's ``pins/``), so a master restart or an HA takeover keeps them.
+Plain and single-threaded; what changed since the last :meth:`PinTable.take_changes` is what
+the journal writes.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 
 from pdserve import errors
 from pdserve.services.kvstore.master.namespaces import tenant_of, tenant_problem
+from pdserve.services.kvstore.master.persistence import StoredPin
 from pdserve.services.kvstore.master.types import ObjectState, is_block_key
 
 log = logging.getLogger(__name__)
@@ -62,6 +65,8 @@ class PinTable:
         self._pins: dict[tuple[str, str], Pin] = {}
         #: key -> the pins naming it (tenant, name).
         self._by_key: dict[str, set[tuple[str, str]]] = {}
+        #: (tenant, name) -> its row now (None = gone), since the last take_changes.
+        self._changes: dict[tuple[str, str], StoredPin | None] = {}
 
     def __len__(self) -> int:
         return len(self._pins)
@@ -123,11 +128,19 @@ class PinTable:
                 f"memory share is {share} bytes (kvstore_master.tenant_shares)"
             )
         self.unpin(tenant, name)
-        pin = Pin(tenant, name, list(dict.fromkeys(keys)), now_ms)
-        self._pins[(tenant, name)] = pin
-        for k in pin.keys:
-            self._by_key.setdefault(k, set()).add((tenant, name))
+        pin = self._add(Pin(tenant, name, list(dict.fromkeys(keys)), now_ms))
+        self._changed(pin)
         return self._report(pin), total
+
+    def _add(self, pin: Pin) -> Pin:
+        self._pins[(pin.tenant, pin.name)] = pin
+        for k in pin.keys:
+            self._by_key.setdefault(k, set()).add((pin.tenant, pin.name))
+        return pin
+
+    def _changed(self, pin: Pin) -> None:
+        row = StoredPin(pin.tenant, pin.name, tuple(pin.keys), pin.created_ms)
+        self._changes[(pin.tenant, pin.name)] = row
 
     def unpin(self, tenant: str, name: str) -> bool:
         """Removes ``tenant``'s pin ``name``; False when there was none."""
@@ -137,6 +150,7 @@ class PinTable:
             return False
         for k in pin.keys:
             self._release(k, (tenant, name))
+        self._changes[(tenant, name)] = None
         return True
 
     def _release(self, key: str, owner: tuple[str, str]) -> None:
@@ -167,6 +181,17 @@ class PinTable:
             )
             self._pins[owner].keys.remove(obj.key)
             self._release(obj.key, owner)
+            self._changed(self._pins[owner])
+
+    def restore(self, rows: Sequence[StoredPin]) -> None:
+        """Loads the journaled pins (at start; nothing is journaled again)."""
+        for row in rows:
+            self._add(Pin(row.tenant, row.name, list(row.keys), row.created_ms))
+
+    def take_changes(self) -> dict[tuple[str, str], StoredPin | None]:
+        """What changed since the last call (for the journal's flush)."""
+        out, self._changes = self._changes, {}
+        return out
 
     def report(self, tenant: str | None = None) -> list[PinReport]:
         """The pins (only ``tenant``'s when given), by tenant then name."""

@@ -281,12 +281,15 @@ class MasterHandlers:
         pin, total, share = self.state.quotas.pin(
             request.tenant, request.name, list(request.keys), int(self.state.clock.wall_ms())
         )
+        self.state.flush()  # the pin is journaled before the call answers
         return pb.PinKeysResponse(
             pin=_pin(pin), tenant_pinned_bytes=total, memory_share_bytes=share
         )
 
     def UnpinKeys(self, request: pb.UnpinKeysRequest) -> pb.UnpinKeysResponse:
-        return pb.UnpinKeysResponse(removed=self.state.pins.unpin(request.tenant, request.name))
+        removed = self.state.pins.unpin(request.tenant, request.name)
+        self.state.flush()
+        return pb.UnpinKeysResponse(removed=removed)
 
     def ListPins(self, request: pb.ListPinsRequest) -> pb.ListPinsResponse:
         tenant = request.tenant or None

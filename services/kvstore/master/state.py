@@ -113,6 +113,7 @@ class MasterState:
         self.quotas = Quotas(shares, self.objects, self.segments, self.pins)
         self.evictor = Evictor(cfg, self.objects, self.segments, self._evict, self.quotas)
         self.journal = Journal(store, self.clock, self.namespaces)
+        self.journal.pins = self.pins
         self.dormant = DormantReplicas()
         self.invalidation = Invalidation(
             self.clock,
@@ -152,6 +153,7 @@ class MasterState:
         """Persisted objects come back as dormant replicas, waiting for their segments."""
         deadline = self.membership.grace_deadline()
         self.namespaces.restore(*self.journal.load_namespaces(), self.clock.mono())
+        self.pins.restore(self.journal.load_pins())
         for stored in self.journal.load():
             self.dormant.add(stored, deadline)
         if self.dormant:

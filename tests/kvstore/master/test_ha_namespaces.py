@@ -1,7 +1,7 @@
 """The HA master's etcd rows carry the namespaces too (services/kvstore/master/ha.py, a real
-etcd): an object's chain root, the namespace rows (with their tenant) and the quarantines
-written by a leader read back as a successor loads them, and a drop's and a clear's deletions
-stick."""
+etcd): an object's chain root, the namespace rows (with their tenant), the quarantines and
+the tenants' pins written by a leader read back as a successor loads them, and a drop's, a
+clear's and an unpin's deletions stick."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pdserve.services.kvstore.master.persistence import (
     NamespaceChanges,
     StoredNamespace,
     StoredObject,
+    StoredPin,
     StoredQuarantine,
     StoredReplica,
 )
@@ -42,6 +43,7 @@ def test_namespaces_and_quarantines_round_trip_through_etcd(tmp_path: Path) -> N
                     OTHER: StoredNamespace(OTHER, OTHER, {}),
                 },
                 quarantines={OTHER: StoredQuarantine(OTHER, "diverged", "router:r1", 7)},
+                pins={("acme", "sys/prompt"): StoredPin("acme", "sys/prompt", ("k",), 9)},
             )
             store.apply([obj], [], changes)
             assert store.load() == [obj]
@@ -52,10 +54,18 @@ def test_namespaces_and_quarantines_round_trip_through_etcd(tmp_path: Path) -> N
                 StoredNamespace(SALTED, FP, labels, "acme"),
             ]
             assert quarantines == [StoredQuarantine(OTHER, "diverged", "router:r1", 7)]
+            assert store.load_pins() == [StoredPin("acme", "sys/prompt", ("k",), 9)]
             # a drop of FP's roots and a cleared quarantine
             store.apply(
-                [], ["k"], NamespaceChanges(dropped={FP, SALTED}, quarantines={OTHER: None})
+                [],
+                ["k"],
+                NamespaceChanges(
+                    dropped={FP, SALTED},
+                    quarantines={OTHER: None},
+                    pins={("acme", "sys/prompt"): None},
+                ),
             )
+            assert store.load_pins() == []
             assert store.load() == []
             assert store.load_namespaces() == ([StoredNamespace(OTHER, OTHER, {})], [])
             leader.resign()
