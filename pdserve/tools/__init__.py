@@ -1,0 +1,1 @@
+"""Developer tools that read the source tree (no service imports them)."""
