@@ -169,3 +169,30 @@ def complete(http: int, prompt: str, key: str) -> dict:
     )
     with urllib.request.urlopen(req, timeout=60) as resp:
         return json.loads(resp.read())
+
+
+def services_of(run_dir: Path) -> dict[str, dict]:
+    """up's ``services.json`` in ``run_dir``: each service's record by its name."""
+    data = json.loads((run_dir / "services.json").read_text())
+    return {r["name"]: r for r in data["services"]}
+
+
+def zombie(pid: int) -> bool:
+    """Whether ``pid`` is gone or a zombie (exited, not yet reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except OSError:
+        return True
+
+
+def pids_with(*words: str) -> list[int]:
+    """Live processes whose command line holds every one of ``words``."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError):
+            continue
+        if all(w in cmd for w in words) and not zombie(int(d.name)):
+            out.append(int(d.name))
+    return out
