@@ -275,6 +275,3 @@ def add_admin_commands(kv_sub: argparse._SubParsersAction) -> None:
     how.add_argument("--set", metavar="FP", default="", help="quarantine FP (needs --reason)")
     q.add_argument("--reason", default="", help="why (with --set; logged with --clear)")
     q.set_defaults(func=_guarded(run_quarantine))
-    from pdserve.services.kvstore.admin_pins import add_pins_command  # it imports this module
-
-    add_pins_command(kv_sub)

@@ -51,6 +51,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     from pdserve.services.kvstore.admin import add_admin_commands
+    from pdserve.services.kvstore.admin_pins import add_pins_command
 
     add_admin_commands(kv_sub)
+    add_pins_command(kv_sub)
     kv.set_defaults(func=lambda _args: kv.print_help() or 2)
