@@ -24,7 +24,7 @@ from urllib.parse import unquote
 import grpc
 
 from pdserve import tenants
-from pdserve.config import ConfigError
+from pdserve.config_fields import ConfigError
 from pdserve.errors import PermissionDenied
 from pdserve.tenants import Tenants
 

@@ -26,7 +26,8 @@ from typing import Any
 
 from pdserve import compat_upstream as upstream
 from pdserve import errors
-from pdserve.config import ConfigError
+from pdserve.compat_transport import check_metadata_server, check_transport
+from pdserve.config_fields import ConfigError
 from pdserve.errors import did_you_mean
 from pdserve.sizes import parse_size
 
@@ -174,50 +175,6 @@ KEYS: tuple[Key, ...] = (
 BY_NAME: dict[str, Key] = {k.name: k for k in KEYS}
 MOONCAKE_KEYS = tuple(k.name for k in KEYS if k.source == "mooncake")
 LMCACHE_KEYS = tuple(k.name for k in KEYS if k.source == "lmcache")
-METADATA_SCHEMES = ("http://", "https://", "etcd://", "redis://")
-RDMA_SYS = Path("/sys/class/infiniband")
-
-
-def rdma_devices() -> list[str]:
-    """RDMA devices of this machine (``/sys/class/infiniband``)."""
-    try:
-        return sorted(p.name for p in RDMA_SYS.iterdir())
-    except OSError:
-        return []
-
-
-def check_metadata_server(value: str, *, what: str) -> None:
-    if value == "P2PHANDSHAKE" or value.startswith(METADATA_SCHEMES):
-        return
-    raise ConfigError(
-        f"{what}: metadata server {value!r} must be P2PHANDSHAKE or a URL starting with "
-        f"{', '.join(METADATA_SCHEMES)} (pdserve meta serves http://HOST:PORT/metadata)"
-    )
-
-
-def check_transport(protocol: str, device: str, *, what: str) -> None:
-    """Mooncake's ``protocol`` / ``device_name`` pair as this machine can honour it."""
-    if protocol not in ("tcp", "rdma"):
-        raise ConfigError(f"{what}: protocol must be 'tcp' or 'rdma', got {protocol!r}")
-    devices = [d.strip() for d in device.split(",") if d.strip()]
-    if protocol == "tcp" and devices:
-        raise ConfigError(
-            f"{what}: device_name {device!r} names RDMA devices, which protocol 'tcp' does not "
-            "use: leave it empty, or set protocol 'rdma'"
-        )
-    if protocol == "rdma":
-        have = rdma_devices()
-        if not have:
-            raise ConfigError(
-                f"{what}: protocol 'rdma' needs an RDMA device and this machine has none "
-                f"({RDMA_SYS} is empty or missing): use protocol 'tcp'"
-            )
-        missing = [d for d in devices if d not in have]
-        if missing:
-            raise ConfigError(
-                f"{what}: device_name {', '.join(missing)}: no such RDMA device here "
-                f"(this machine has {', '.join(have)})"
-            )
 
 
 def _remote_url(url: str, *, what: str) -> tuple[str, str]:
@@ -375,7 +332,7 @@ def translate(keys: Mapping[str, Any], section: str, what: str) -> dict[str, Any
 
 def read_file(path: str | Path) -> dict[str, Any]:
     """A Mooncake JSON or LMCache YAML file as a mapping (ConfigError naming the file)."""
-    from pdserve.config import read_config
+    from pdserve.config_fields import read_config
 
     return read_config(path)
 

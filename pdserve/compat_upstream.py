@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.config import ConfigError
+from pdserve.config_fields import ConfigError
 
 #: LMCache's own settings (LMCache 0.5.6's ``lmcache.v1.config`` definitions and aliases, less
 #: the keys of :data:`pdserve.compat.KEYS`): they configure the LMCache engine, not pdserve, so in the file

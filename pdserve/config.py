@@ -24,80 +24,36 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import json
 import os
-import types
-import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-import yaml
-
+from pdserve import compat, compat_upstream
+from pdserve.config_fields import (
+    ConfigError,
+    coerce,
+    field_types,
+    help_field,
+    read_config,
+    unwrap_optional,
+)
 from pdserve.errors import did_you_mean
 
+#: The loader's names, and the leaf's that users import from here (re-exported).
+__all__ = [
+    "SECTIONS",
+    "ConfigError",
+    "add_arguments",
+    "check_file",
+    "from_args",
+    "help_field",
+    "load",
+    "read_config",
+    "section_class",
+]
+
 T = TypeVar("T")
-
-
-class ConfigError(ValueError):
-    """A configuration value is missing, unknown or of the wrong type."""
-
-
-def _field_types(cls: type) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-
-
-def _is_list(tp: Any) -> bool:
-    return typing.get_origin(tp) is list
-
-
-def _unwrap_optional(tp: Any) -> Any:
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return tp
-
-
-def _coerce(name: str, tp: Any, value: Any) -> Any:
-    """Converts a YAML/env/flag value to the field's type, with an error naming the field."""
-    tp = _unwrap_optional(tp)
-    if value is None:
-        return None
-    try:
-        if _is_list(tp):
-            (item_tp,) = typing.get_args(tp) or (str,)
-            items = value.split(",") if isinstance(value, str) else list(value)
-            return [_coerce(name, item_tp, v.strip() if isinstance(v, str) else v) for v in items]
-        if tp is bool:
-            if isinstance(value, bool):
-                return value
-            text = str(value).strip().lower()
-            if text in ("1", "true", "yes", "on"):
-                return True
-            if text in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(f"expected a boolean, got {value!r}")
-        if tp is int:
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise ValueError(f"expected an integer, got {value!r}")
-            return int(value)
-        if tp is float:
-            return float(value)
-        if tp is str:
-            return str(value)
-        if tp is Path:
-            return Path(value)
-        if tp is dict or typing.get_origin(tp) is dict:
-            # a YAML mapping, or JSON from a flag or an environment variable
-            mapping = json.loads(value) if isinstance(value, str) else value
-            if not isinstance(mapping, Mapping):
-                raise ValueError(f"expected a mapping (JSON object), got {value!r}")
-            return dict(mapping)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"config field {name!r}: {exc}") from exc
-    raise ConfigError(f"config field {name!r}: unsupported type {tp!r}")
 
 
 #: Every section a config file may hold, and the config class that reads it (imported only to
@@ -118,39 +74,10 @@ def section_class(section: str) -> type:
     return getattr(importlib.import_module(module), name)
 
 
-def read_config(path: str | Path) -> dict[str, Any]:
-    """A YAML (or JSON: ``.json``) config file as a mapping, with a ConfigError naming it."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError as exc:
-        raise ConfigError(f"config file {path} does not exist") from exc
-    except OSError as exc:
-        raise ConfigError(f"config file {path} cannot be read: {exc}") from exc
-    if path.suffix.lower() == ".json":
-        try:
-            data = json.loads(text) if text.strip() else {}
-        except ValueError as exc:
-            raise ConfigError(f"config file {path} is not valid JSON: {exc}") from exc
-    else:
-        try:
-            data = yaml.safe_load(text) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of sections")
-    return data
-
-
-read_yaml = read_config
-
-
 def check_file(path: str | Path, data: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Reads (unless given) and checks a whole config file: every top-level key is a section or
     a familiar Mooncake / LMCache key (:mod:`pdserve.compat`), every section a mapping of
     fields its service has, every value of its field's type. Returns the data."""
-    from pdserve import compat, compat_upstream
-
     data = read_config(path) if data is None else dict(data)
     known = [*SECTIONS, *compat.BY_NAME]
     for key, value in data.items():
@@ -159,7 +86,7 @@ def check_file(path: str | Path, data: Mapping[str, Any] | None = None) -> dict[
                 continue
             if not isinstance(value, dict):
                 raise ConfigError(f"config file {path}: config section {key!r} must be a mapping")
-            types_ = _field_types(section_class(key))
+            types_ = field_types(section_class(key))
             unknown = sorted(set(value) - set(types_))
             if unknown:
                 hints = "".join(did_you_mean(u, types_) for u in unknown)
@@ -168,7 +95,7 @@ def check_file(path: str | Path, data: Mapping[str, Any] | None = None) -> dict[
                     f"{', '.join(unknown)}{hints}; known: {', '.join(sorted(types_))}"
                 )
             for name, v in value.items():
-                _coerce(f"{key}.{name}", types_[name], v)
+                coerce(f"{key}.{name}", types_[name], v)
         elif compat_upstream.known(key):
             compat_upstream.check(key, value, what=f"config file {path}")
         elif key not in compat.BY_NAME:
@@ -190,13 +117,11 @@ def load(
 ) -> T:
     """Builds ``cls`` from defaults, then the YAML section, then env, then ``overrides``."""
     env = os.environ if env is None else env
-    types_ = _field_types(cls)
+    types_ = field_types(cls)
     values: dict[str, Any] = {}
 
     def take(settings: Mapping[str, Any]) -> None:
-        values.update({k: _coerce(k, types_[k], v) for k, v in settings.items() if k in types_})
-
-    from pdserve import compat
+        values.update({k: coerce(k, types_[k], v) for k, v in settings.items() if k in types_})
 
     # the files MOONCAKE_CONFIG_PATH / LMCACHE_CONFIG_FILE name, as those tools read them
     take(compat.from_env(env, section))
@@ -216,19 +141,19 @@ def load(
                 f"config file {yaml_path}: config section {section!r}: unknown field(s) "
                 f"{', '.join(unknown)}{hints}; known: {', '.join(sorted(types_))}"
             )
-        values.update({k: _coerce(k, types_[k], v) for k, v in sect.items()})
+        values.update({k: coerce(k, types_[k], v) for k, v in sect.items()})
     prefix = f"PDSERVE_{section.upper()}_"
     for name, tp in types_.items():
         key = prefix + name.upper()
         if key in env:
-            values[name] = _coerce(name, tp, env[key])
+            values[name] = coerce(name, tp, env[key])
     for name, value in (overrides or {}).items():
         if name not in types_:
             raise ConfigError(
                 f"unknown config field {name!r} for {section}{did_you_mean(name, types_)}"
             )
         if value is not None:
-            values[name] = _coerce(name, types_[name], value)
+            values[name] = coerce(name, types_[name], value)
     cfg = cls(**values)
     validate = getattr(cfg, "validate", None)
     if validate is not None:
@@ -246,9 +171,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         "docs/configuration.md); unknown keys are an error. Flags and PDSERVE_* env vars "
         "override it",
     )
-    types_ = _field_types(cls)
+    types_ = field_types(cls)
     for f in dataclasses.fields(cls):
-        tp = _unwrap_optional(types_[f.name])
+        tp = unwrap_optional(types_[f.name])
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         help_text = f"{f.metadata.get('help', '')} (default: {default})".strip()
@@ -270,12 +195,3 @@ def from_args(cls: type[T], section: str, args: argparse.Namespace) -> T:
     names = {f.name for f in dataclasses.fields(cls)}
     overrides = {k: v for k, v in vars(args).items() if k in names and v is not None}
     return load(cls, section, yaml_path=getattr(args, "config", None), overrides=overrides)
-
-
-def help_field(default: Any, help: str, **extra: Any) -> Any:
-    """A dataclass field with help text, for :func:`add_arguments`."""
-    if isinstance(default, list | dict):
-        return dataclasses.field(
-            default_factory=lambda: type(default)(default), metadata={"help": help, **extra}
-        )
-    return dataclasses.field(default=default, metadata={"help": help, **extra})

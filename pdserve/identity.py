@@ -41,7 +41,7 @@ from pathlib import Path
 
 import grpc
 
-from pdserve.config import ConfigError, help_field
+from pdserve.config_fields import ConfigError, help_field
 from pdserve.errors import PermissionDenied, Unauthenticated
 from pdserve.tracing import TracingConfig
 

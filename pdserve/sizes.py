@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pdserve.config import ConfigError
+from pdserve.config_fields import ConfigError
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*", re.IGNORECASE)
 

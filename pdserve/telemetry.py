@@ -30,7 +30,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from pdserve.config import ConfigError, help_field
+from pdserve.config_fields import ConfigError, help_field
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
 #: HTTP header / gRPC metadata key carrying a caller's request id (lowercase, as gRPC needs).

@@ -39,7 +39,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from pdserve.config import ConfigError
+from pdserve.config_fields import ConfigError
 from pdserve.errors import ResourceExhausted, did_you_mean
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")

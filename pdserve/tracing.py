@@ -34,7 +34,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from pdserve.config import help_field
+from pdserve.config_fields import help_field
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def _exporter(endpoint: str) -> Any:
 
         return OTLPSpanExporter(endpoint=endpoint)
     if protocol != "grpc":
-        from pdserve.config import ConfigError
+        from pdserve.config_fields import ConfigError
 
         raise ConfigError(f"{PROTOCOL_ENV}={protocol!r}: pdserve exports grpc or http/protobuf")
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc

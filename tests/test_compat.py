@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdserve import compat, compat_upstream, config
+from pdserve import compat, compat_transport, compat_upstream, config
 from pdserve.commands.up import UpConfig
 from pdserve.config import ConfigError
 from pdserve.engines.connector_data import ConnectorSettings, extra_config
@@ -149,7 +149,7 @@ def test_familiar_keys_beside_sections_and_precedence(tmp_path):
     ],
 )  # fmt: skip
 def test_mooncake_keys_pdserve_cannot_honour(tmp_path, monkeypatch, changes, message):
-    monkeypatch.setattr(compat, "RDMA_SYS", tmp_path / "no-infiniband")
+    monkeypatch.setattr(compat_transport, "RDMA_SYS", tmp_path / "no-infiniband")
     path = mooncake_file(tmp_path, **changes)
     with pytest.raises(ConfigError, match=message) as exc:
         config.load(PrefillConfig, "prefill", yaml_path=path, env={})
@@ -162,7 +162,7 @@ def test_mooncake_keys_pdserve_cannot_honour(tmp_path, monkeypatch, changes, mes
 def test_rdma_devices_are_checked_by_name(tmp_path, monkeypatch):
     sys_dir = tmp_path / "infiniband"
     (sys_dir / "mlx5_0").mkdir(parents=True)
-    monkeypatch.setattr(compat, "RDMA_SYS", sys_dir)
+    monkeypatch.setattr(compat_transport, "RDMA_SYS", sys_dir)
     ok = mooncake_file(tmp_path, protocol="rdma", device_name="mlx5_0")
     cfg = config.load(PrefillConfig, "prefill", yaml_path=ok, env={})
     assert (cfg.store_protocol, cfg.store_device) == ("rdma", "mlx5_0")

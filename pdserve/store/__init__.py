@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pdserve.config import ConfigError, help_field
+from pdserve.compat_transport import check_metadata_server, check_transport
+from pdserve.config_fields import ConfigError, help_field
 from pdserve.sizes import parse_size
 
 if TYPE_CHECKING:
@@ -72,16 +73,14 @@ class StoreBackendConfig:
 
     def check_store_backend(self) -> None:
         """ConfigError for a backend choice this machine or backend cannot honour."""
-        from pdserve import compat
-
         if self.store_backend not in BACKENDS:
             raise ConfigError(
                 f"store_backend must be one of {', '.join(BACKENDS)}, got {self.store_backend!r}"
             )
         parse_size(self.store_buffer_size, what="store_buffer_size", minimum=0)
         if self.store_backend == "mooncake":
-            compat.check_metadata_server(self.store_metadata_server, what="store_metadata_server")
-            compat.check_transport(self.store_protocol, self.store_device, what="store_protocol")
+            check_metadata_server(self.store_metadata_server, what="store_metadata_server")
+            check_transport(self.store_protocol, self.store_device, what="store_protocol")
             return
         # pdserve's own store: its data plane is shm / tcp / a Mooncake Transfer Engine over
         # tcp connected peer to peer, so the Mooncake-only settings must stay at their defaults

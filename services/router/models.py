@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pdserve.config import ConfigError
+from pdserve.config_fields import ConfigError, coerce
 from pdserve.errors import ModelNotFound
 
 if TYPE_CHECKING:
@@ -79,8 +79,6 @@ def model_specs(models: Sequence[str]) -> list[ModelSpec]:
 def check_models(cfg: RouterConfig) -> None:
     """Validates ``models`` and ``model_settings`` and, when ``models`` is given, sets
     ``model``/``served_name`` to the first (the default: what the router registers as)."""
-    from pdserve.config import _coerce
-
     if not cfg.models:
         if cfg.model_settings:
             raise ConfigError("model_settings needs models (the served names it configures)")
@@ -102,7 +100,7 @@ def check_models(cfg: RouterConfig) -> None:
                 f"these can: {', '.join(MODEL_FIELDS)}"
             )
         normalized[name] = {
-            k: _coerce(f"model_settings.{name}.{k}", types[k], v) for k, v in settings.items()
+            k: coerce(f"model_settings.{name}.{k}", types[k], v) for k, v in settings.items()
         }
     cfg.model_settings = normalized
     if len(specs) > 1 and (cfg.prefill or cfg.decode):
