@@ -1,8 +1,10 @@
 """Meta registry benchmark: registry ops/s (register + heartbeat with load) and watch latency
 (Register sent -> watcher receives JOINED), against a real ``pdserve meta`` process.
 
-    python -m pdserve.bench.meta --backend memory
-    python -m pdserve.bench.meta --backend etcd --etcd-endpoints 127.0.0.1:2379
+    pdserve bench meta --backend memory
+    pdserve bench meta --backend etcd --etcd-endpoints 127.0.0.1:2379
+
+(its flags are :func:`pdserve.bench.cli.meta_arguments`, which imports no gRPC).
 """
 
 from __future__ import annotations
@@ -92,15 +94,3 @@ def run(args: argparse.Namespace) -> int:
     finally:
         meta.stop()
     return 0
-
-
-def main() -> None:
-    from pdserve.bench.cli import meta_arguments
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    meta_arguments(parser)
-    run(parser.parse_args())
-
-
-if __name__ == "__main__":
-    main()
