@@ -225,7 +225,7 @@ class MasterConfig(SecurityConfig, MetricsConfig):
         if self.inline_max_bytes < 0 or self.inline_capacity_bytes < 0:
             raise ConfigError("inline_max_bytes and inline_capacity_bytes must be >= 0")
         self._check_kv_events()
-        from pdserve.services.kvstore.master.quotas import Shares
+        from pdserve.services.kvstore.master.shares import Shares
 
         Shares.configured(self.tenant_shares, self.tenant_shares_file, self.default_tenant_share)
         if self.default_lease_ms > self.max_lease_ms:

@@ -24,7 +24,6 @@ import re
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from pdserve import errors
 from pdserve.services.kvstore.master.persistence import (
@@ -33,9 +32,6 @@ from pdserve.services.kvstore.master.persistence import (
     StoredQuarantine,
 )
 from pdserve.validation import TENANT_NAME
-
-if TYPE_CHECKING:
-    from pdserve.services.kvstore.master.types import ObjectState
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 #: Most labels a namespace may carry, and the longest label name or value (characters).
@@ -64,11 +60,6 @@ def tenant_problem(what: str, tenant: str) -> str:
             "starting with a letter or digit"
         )
     return ""
-
-
-def tenant_of(obj: ObjectState) -> str:
-    """The tenant of ``obj``'s namespace ("" = none, or an unknown namespace)."""
-    return obj.ns.tenant if obj.ns is not None else ""
 
 
 #: What a put names for each namespace: (root, fingerprint digest, labels[, tenant]).

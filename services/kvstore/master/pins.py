@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from pdserve import errors
-from pdserve.services.kvstore.master.namespaces import tenant_of, tenant_problem
+from pdserve.services.kvstore.master.namespaces import tenant_problem
 from pdserve.services.kvstore.master.persistence import StoredPin
 from pdserve.services.kvstore.master.types import ObjectState, is_block_key
 
@@ -109,9 +109,9 @@ class PinTable:
                     f"keys[{i}] {key[:80]!r} is not a chunk key (64 lowercase hex characters)"
                 )
             obj = self.objects.get(key)
-            if obj is not None and tenant_of(obj) != tenant:
+            if obj is not None and obj.tenant != tenant:
                 raise errors.InvalidArgument(
-                    f"keys[{i}] is a chunk of tenant {tenant_of(obj)!r}, not of {tenant!r}"
+                    f"keys[{i}] is a chunk of tenant {obj.tenant!r}, not of {tenant!r}"
                 )
         if (tenant, name) not in self._pins and (
             sum(1 for t, _ in self._pins if t == tenant) >= MAX_PINS_PER_TENANT
@@ -167,7 +167,7 @@ class PinTable:
         owners = self._by_key.get(obj.key)
         if not owners:
             return
-        t = tenant_of(obj)
+        t = obj.tenant
         for owner in list(owners):
             tenant, name = owner
             if tenant == t and self.pinned_bytes(tenant) <= share_of(tenant):

@@ -65,9 +65,10 @@ from pdserve.services.kvstore.master.namespaces import NamespaceTable
 from pdserve.services.kvstore.master.objects import ObjectTable, expired, item_problem
 from pdserve.services.kvstore.master.persistence import MetadataStore
 from pdserve.services.kvstore.master.pins import PinTable
-from pdserve.services.kvstore.master.quotas import Quotas, Shares
+from pdserve.services.kvstore.master.quotas import Quotas
 from pdserve.services.kvstore.master.repair import Repairer, RepairJob
 from pdserve.services.kvstore.master.segments import SegmentTable
+from pdserve.services.kvstore.master.shares import Shares
 from pdserve.services.kvstore.master.stats import store_stats
 from pdserve.services.kvstore.master.tiers import MEMORY, Tierer
 from pdserve.services.kvstore.master.types import (

@@ -152,6 +152,11 @@ class ObjectState:
     # Whose KV it is (:mod:`.namespaces`, shared by its namespace's objects); None = unknown.
     ns: Namespace | None = None
 
+    @property
+    def tenant(self) -> str:
+        """The tenant of its namespace ("" = none, or an unknown namespace)."""
+        return self.ns.tenant if self.ns is not None else ""
+
     def in_memory(self) -> bool:
         """Whether a memory replica holds it (else only disk ones do)."""
         return any(not r.on_disk for r in self.replicas)
