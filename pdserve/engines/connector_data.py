@@ -7,7 +7,7 @@ from which blocks). See :mod:`pdserve.engines.vllm_connector` for the flow."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -50,24 +50,6 @@ class ConnectorSettings:
     @property
     def saves(self) -> bool:
         return self.kv_role in ("kv_both", "kv_producer")
-
-    @classmethod
-    def from_vllm(cls, vllm_config: Any) -> ConnectorSettings:
-        """The settings of the engine ``vllm_config`` describes: a pdserve worker's
-        (:func:`extra_config` wrote them) or a stock ``vllm serve``'s
-        (:func:`pdserve.engines.connector_stock.stock_settings`: the store's address in
-        ``kv_connector_extra_config``, the rest derived from vLLM's config)."""
-        ktc = vllm_config.kv_transfer_config
-        extra = dict(ktc.kv_connector_extra_config or {})
-        role = ktc.kv_role or "kv_both"
-        if role not in ("kv_both", "kv_producer", "kv_consumer"):
-            raise ValueError(f"kv_role {role!r}: the pdserve connector takes kv_both, "
-                             "kv_producer or kv_consumer")  # fmt: skip
-        if "fingerprint" in extra:
-            return replace(cls.from_extra(extra), kv_role=role)
-        from pdserve.engines.connector_stock import stock_settings
-
-        return replace(stock_settings(extra, vllm_config), kv_role=role)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:

@@ -19,6 +19,7 @@ pipeline parallelism is refused.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
 from pdserve import hashing
@@ -43,6 +44,22 @@ STOCK_KEYS = {
     "tls_key": "its key (default: $PDSERVE_TLS_KEY)",
 }
 _WHAT = "kv_connector_extra_config"
+
+
+def settings_from_vllm(vllm_config: Any) -> ConnectorSettings:
+    """The settings of the engine ``vllm_config`` describes: a pdserve worker's
+    (:func:`pdserve.engines.connector_data.extra_config` wrote them) or a stock ``vllm serve``'s
+    (:func:`stock_settings`: the store's address in ``kv_connector_extra_config``, the rest
+    derived from vLLM's config); ValueError names a wrong key or ``kv_role``."""
+    ktc = vllm_config.kv_transfer_config
+    extra = dict(ktc.kv_connector_extra_config or {})
+    role = ktc.kv_role or "kv_both"
+    if role not in ("kv_both", "kv_producer", "kv_consumer"):
+        raise ValueError(f"kv_role {role!r}: the pdserve connector takes kv_both, "
+                         "kv_producer or kv_consumer")  # fmt: skip
+    if "fingerprint" in extra:
+        return replace(ConnectorSettings.from_extra(extra), kv_role=role)
+    return replace(stock_settings(extra, vllm_config), kv_role=role)
 
 
 def stock_settings(extra: dict[str, Any], vllm_config: Any) -> ConnectorSettings:

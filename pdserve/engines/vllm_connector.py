@@ -82,6 +82,7 @@ from pdserve.engines.connector_data import (
     extra_config,
 )
 from pdserve.engines.connector_scheduler import ConnectorScheduler
+from pdserve.engines.connector_stock import settings_from_vllm
 from pdserve.engines.connector_worker import ConnectorWorker
 
 if TYPE_CHECKING:
@@ -128,7 +129,7 @@ class PdserveConnector(KVConnectorBase_V1):
         telemetry.start_relay()
         # the worker's (or vllm serve's) OTLP endpoint: its store spans join the requests'
         tracing.configure_from_env("pdserve-vllm")
-        settings = ConnectorSettings.from_vllm(vllm_config)
+        settings = settings_from_vllm(vllm_config)
         fp = settings.fingerprint
         block_size = vllm_config.cache_config.block_size
         if fp.chunk_size % block_size:

