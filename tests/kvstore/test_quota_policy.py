@@ -14,7 +14,8 @@ from pdserve import errors
 from pdserve.config import ConfigError
 from pdserve.services.kvstore.master.config import MasterConfig
 from pdserve.services.kvstore.master.persistence import MetadataStore
-from pdserve.services.kvstore.master.quotas import NORMAL, OVER_SHARE, Share, Shares
+from pdserve.services.kvstore.master.quotas import NORMAL, OVER_SHARE
+from pdserve.services.kvstore.master.shares import Share, Shares
 from pdserve.services.kvstore.master.state import MasterState
 from pdserve.v1 import kvstore_pb2 as pb
 

@@ -28,10 +28,8 @@ from pdserve.services.kvstore.master.namespaces import tenant_problem
 from pdserve.services.kvstore.master.objects import ObjectTable
 from pdserve.services.kvstore.master.pins import PinReport, PinTable
 from pdserve.services.kvstore.master.segments import SegmentTable
-from pdserve.services.kvstore.master.shares import DISK, MEMORY, Share, Shares
+from pdserve.services.kvstore.master.shares import DISK, MEMORY, Shares
 from pdserve.services.kvstore.master.types import ObjectState
-
-__all__ = ["MEMORY", "NORMAL", "OVER_SHARE", "Quotas", "Share", "Shares", "TenantReport"]
 
 #: Eviction reasons counted per tenant (``pdserve_kvstore_master_tenant_evictions_total``).
 OVER_SHARE = "over_share"
