@@ -301,17 +301,3 @@ class DispatchingWorkerClient(WorkerClient):
         self, worker: Worker, request: engine_pb2.DecodeRequest, timeout: float | None
     ) -> DecodeCall:
         return self._for(worker).decode(worker, request, timeout)
-
-
-async def http_healthy(address: str, timeout: float = 1.0) -> bool:
-    """vLLM's ``GET /health`` answers 200."""
-    import aiohttp
-
-    try:
-        async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
-            session.get(f"{address}/health") as resp,
-        ):
-            return resp.status == 200
-    except (aiohttp.ClientError, TimeoutError):
-        return False

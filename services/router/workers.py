@@ -290,10 +290,18 @@ class WorkerPool:
             self.on_change()
 
 
-async def _healthy(w: Worker) -> bool:
-    """gRPC health of a pdserve worker; ``GET /health`` of an ``http://`` one (stock vLLM)."""
-    if w.http:
-        from pdserve.services.router.http_worker_client import http_healthy
+async def _healthy(w: Worker, timeout: float = 1.0) -> bool:
+    """gRPC health of a pdserve worker; for an ``http://`` one (stock vLLM), whether its
+    ``GET /health`` answers 200."""
+    if not w.http:
+        return await grpcutil.check_health(w.address, timeout=timeout)
+    import aiohttp
 
-        return await http_healthy(w.address)
-    return await grpcutil.check_health(w.address, timeout=1.0)
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
+            session.get(f"{w.address}/health") as resp,
+        ):
+            return resp.status == 200
+    except (aiohttp.ClientError, TimeoutError):
+        return False

@@ -1,6 +1,6 @@
 """services/router/http_worker_client.py without engines: the completions body it sends a stock
-vLLM engine for pdserve's sampling controls (the engines themselves answer in
-tests/integrations/test_vllm_serve_store.py)."""
+vLLM engine for pdserve's sampling controls, and the router's health probe of such an engine
+(``workers.py``; the engines themselves answer in tests/integrations/test_vllm_serve_store.py)."""
 
 from __future__ import annotations
 
@@ -106,3 +106,34 @@ def test_each_token_is_passed_on_as_it_comes_and_the_last_carries_the_usage():
 
     # token 5 went on when only its own event had been read; the last after the usage event
     assert asyncio.run(main()) == [([5], 1), ([6], 2), ([7], 5)]
+
+
+def test_an_http_workers_health_is_its_get_health_answering_200():
+    """The router's health probe of a stock engine (``workers._healthy``): 200 on ``/health``
+    is healthy; another status, or nothing listening, is not."""
+    import asyncio
+
+    from aiohttp import web
+
+    from pdserve.procs import free_ports
+    from pdserve.services.router.workers import _healthy
+
+    async def probe() -> list[bool]:
+        status = {"code": 200}
+        app = web.Application()
+        app.router.add_get("/health", lambda _req: web.Response(status=status["code"]))
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port, closed = free_ports(2)
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            up = Worker("e", f"http://127.0.0.1:{port}", "decode")
+            seen = [await _healthy(up)]
+            status["code"] = 503
+            seen.append(await _healthy(up))
+        finally:
+            await runner.cleanup()
+        seen.append(await _healthy(Worker("f", f"http://127.0.0.1:{closed}", "decode")))
+        return seen
+
+    assert asyncio.run(probe()) == [True, False, False]
