@@ -119,6 +119,12 @@ class ServiceProcess:
         return self.popen.returncode
 
 
+#: The group every service started as a user of its own (``user``, ``pdserve up
+#: --isolate-services``: :mod:`pdserve.commands.up_isolation`) is in besides its own: the
+#: group that may read the API key file.
+SHARED_GID = 64199
+
+
 def free_ports(n: int) -> list[int]:
     """``n`` distinct ports free on 127.0.0.1 right now (all bound at once, then released)."""
     socks = [socket.socket() for _ in range(n)]
@@ -164,8 +170,6 @@ def spawn_service(
 def _as_user(uid: int | None) -> dict[str, object]:
     if uid is None:
         return {}
-    from pdserve.commands.up_isolation import SHARED_GID
-
     return {"user": uid, "group": uid, "extra_groups": [SHARED_GID]}
 
 

@@ -30,11 +30,11 @@ import sys
 from pathlib import Path
 
 from pdserve.config import ConfigError
+from pdserve.procs import SHARED_GID
 
-#: The first service user id; one per service identity after it.
-BASE_UID = 64200
-#: The group that may read the API key file.
-SHARED_GID = BASE_UID - 1
+#: The first service user id; one per service identity after it (the group that may read the
+#: API key file, SHARED_GID, is the one below: :func:`pdserve.procs.spawn_service` adds it).
+BASE_UID = SHARED_GID + 1
 #: Most service identities (ids stay below 65534, nobody).
 MAX_ACCOUNTS = 1000
 
