@@ -21,14 +21,13 @@ import dataclasses
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from pdserve.config_fields import ConfigError, coerce
 from pdserve.errors import ModelNotFound
 
 if TYPE_CHECKING:
-    from pdserve.services.router.config import RouterConfig
-    from pdserve.services.router.frontend import Frontend
+    from pdserve.services.router.request import Limits
 
 #: The router fields ``model_settings`` may set per served model.
 MODEL_FIELDS = (
@@ -76,7 +75,34 @@ def model_specs(models: Sequence[str]) -> list[ModelSpec]:
     return specs
 
 
-def check_models(cfg: RouterConfig) -> None:
+class ModelsConfig(Protocol):
+    """The router config's fields this module reads and sets
+    (:class:`~pdserve.services.router.config.RouterConfig` has them; it calls
+    :func:`check_models` when it validates, so this module names no config class)."""
+
+    meta: str
+    model: str
+    served_name: str
+    models: list[str]
+    model_settings: dict[str, Any]
+    prefill: list[str]
+    decode: list[str]
+
+
+C = TypeVar("C", bound=ModelsConfig)
+
+
+class Served(Protocol):
+    """What :class:`Models` needs of a model's frontend
+    (:class:`~pdserve.services.router.frontend.Frontend`): its limits, which name the model."""
+
+    limits: Limits
+
+
+F = TypeVar("F", bound=Served)
+
+
+def check_models(cfg: ModelsConfig) -> None:
     """Validates ``models`` and ``model_settings`` and, when ``models`` is given, sets
     ``model``/``served_name`` to the first (the default: what the router registers as)."""
     if not cfg.models:
@@ -117,7 +143,7 @@ def check_models(cfg: RouterConfig) -> None:
             )
 
 
-def model_configs(cfg: RouterConfig) -> list[RouterConfig]:
+def model_configs(cfg: C) -> list[C]:
     """One router config per served model of the validated ``cfg``, the default first: ``cfg``
     with the model's folder, served name and ``model_settings`` (``cfg`` itself without
     ``models``)."""
@@ -139,10 +165,10 @@ def model_configs(cfg: RouterConfig) -> list[RouterConfig]:
     return out
 
 
-class Models:
+class Models(Generic[F]):
     """The frontends of the served models by served name; the first is the default."""
 
-    def __init__(self, frontends: Sequence[Frontend]) -> None:
+    def __init__(self, frontends: Sequence[F]) -> None:
         if not frontends:
             raise ValueError("a router serves at least one model")
         self._all = list(frontends)
@@ -151,20 +177,20 @@ class Models:
             raise ValueError(f"served names repeat: {[fe.limits.model for fe in self._all]}")
 
     @property
-    def default(self) -> Frontend:
+    def default(self) -> F:
         return self._all[0]
 
-    def all(self) -> list[Frontend]:
+    def all(self) -> list[F]:
         """Every model's frontend, the default first."""
         return list(self._all)
 
     def names(self) -> list[str]:
         return [fe.limits.model for fe in self._all]
 
-    def find(self, name: str) -> Frontend | None:
+    def find(self, name: str) -> F | None:
         return self._by_name.get(name)
 
-    def select(self, model: object) -> Frontend:
+    def select(self, model: object) -> F:
         """The frontend of a request's ``model``: the default when it is empty or not a string
         (the request's own validation then names the field), NOT_FOUND
         (:class:`~pdserve.errors.ModelNotFound`, param ``model``) when no model has that name."""
