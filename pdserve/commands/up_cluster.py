@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -19,14 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.commands import up_etcd, up_external, up_models
-from pdserve.commands.up import (
+from pdserve.commands.up_isolation import Isolation
+from pdserve.commands.up_secrets import UpSecrets
+from pdserve.commands.up_settings import (
     ADMIN,
     MOONCAKE_HOST,
     SERVICES_FILE,
-    UpConfig,
+    UpSettings,
+    progress,
 )
-from pdserve.commands.up_isolation import Isolation
-from pdserve.commands.up_secrets import UpSecrets
 from pdserve.devices import Placement, place_workers, visible_gpus
 from pdserve.sizes import parse_size
 
@@ -69,7 +69,7 @@ class Supervised:
 class Cluster:
     """The services of one ``pdserve up``, in start order."""
 
-    cfg: UpConfig
+    cfg: UpSettings
     config_path: str | None
     #: each worker's share of the machine, in ``cfg.workers()`` order (:mod:`pdserve.devices`;
     #: made from this machine's visible GPUs, else its cores, before anything starts)
@@ -488,10 +488,6 @@ class Cluster:
 
 def _endpoints(info: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in info.items() if k != "service")
-
-
-def progress(msg: str) -> None:
-    print(f"[pdserve up] {msg}", file=sys.stderr, flush=True)
 
 
 def disk_tier(directory: Path, size: str) -> dict[str, object]:

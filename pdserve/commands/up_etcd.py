@@ -36,10 +36,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pdserve.commands.up_settings import CERTS_DIR, UpSettings
 from pdserve.config import ConfigError
 
 if TYPE_CHECKING:
-    from pdserve.commands.up import UpConfig
     from pdserve.procs import ServiceProcess
 
 #: Most masters ``up`` runs (one leads; the rest only wait).
@@ -56,29 +56,27 @@ PLAIN_NOTE = (
 )
 
 
-def etcd_data_dir(cfg: UpConfig) -> Path:
+def etcd_data_dir(cfg: UpSettings) -> Path:
     """Where up's own etcd keeps its data (kept across runs)."""
     return (Path(cfg.run_dir) / "etcd").resolve()
 
 
-def master_state_dir(cfg: UpConfig) -> Path:
+def master_state_dir(cfg: UpSettings) -> Path:
     """The single master's SQLite state dir (HA masters keep their state in etcd)."""
     return Path(cfg.run_dir) / "kvstore-master"
 
 
-def etcd_tls(cfg: UpConfig, identity: str) -> tuple[str, ...]:
+def etcd_tls(cfg: UpSettings, identity: str) -> tuple[str, ...]:
     """(CA, certificate, key) paths of ``identity`` (ETCD_SERVER or ETCD_CLIENT) under the
     etcd CA; () when up runs no etcd or TLS is off."""
     if not (embedded(cfg) and cfg.tls):
         return ()
-    from pdserve.commands.up import CERTS_DIR
-
     d = (Path(cfg.run_dir) / CERTS_DIR / ETCD_CERTS).resolve()
     name = identity.partition(":")[2]
     return str(d / "ca.crt"), str(d / f"{name}.crt"), str(d / f"{name}.key")
 
 
-def validate(cfg: UpConfig) -> None:
+def validate(cfg: UpSettings) -> None:
     """The kvstore_masters and etcd_port fields, and what they exclude."""
     n = cfg.kvstore_masters
     if not 1 <= n <= MAX_MASTERS:
@@ -121,21 +119,21 @@ def validate(cfg: UpConfig) -> None:
             )
 
 
-def embedded(cfg: UpConfig) -> bool:
+def embedded(cfg: UpSettings) -> bool:
     """Whether ``up`` runs an etcd of its own (HA masters, meta without etcd)."""
     return cfg.kvstore_masters > 1 and cfg.meta_backend != "etcd"
 
 
-def etcd_endpoints(cfg: UpConfig) -> list[str]:
+def etcd_endpoints(cfg: UpSettings) -> list[str]:
     """The etcd the masters elect through: meta's, else up's own."""
     return list(cfg.etcd_endpoints) if cfg.meta_backend == "etcd" else [etcd_address(cfg)]
 
 
-def etcd_address(cfg: UpConfig) -> str:
+def etcd_address(cfg: UpSettings) -> str:
     return f"{ETCD_HOST}:{cfg.etcd_port}"
 
 
-def check(cfg: UpConfig) -> None:
+def check(cfg: UpSettings) -> None:
     """RuntimeError (what to install) when ``up`` must run etcd and no binary is there."""
     from pdserve.commands.etcd import MISSING, binary
 
@@ -143,7 +141,7 @@ def check(cfg: UpConfig) -> None:
         raise RuntimeError(f"kvstore_masters {cfg.kvstore_masters} runs an etcd: {MISSING}")
 
 
-def etcd_spec(cfg: UpConfig) -> tuple[str, list[str]]:
+def etcd_spec(cfg: UpSettings) -> tuple[str, list[str]]:
     """(name, args) of up's own etcd (:mod:`pdserve.commands.etcd`)."""
     from pdserve.procs import service_args
 
@@ -161,7 +159,7 @@ def etcd_spec(cfg: UpConfig) -> tuple[str, list[str]]:
     )
 
 
-def masters(cfg: UpConfig) -> dict[str, str]:
+def masters(cfg: UpSettings) -> dict[str, str]:
     """Each KV store master's service name and address, the one to lead first."""
     addresses = cfg.master_addresses()
     if len(addresses) == 1:
@@ -169,7 +167,9 @@ def masters(cfg: UpConfig) -> dict[str, str]:
     return {f"kvstore-master-{i}": a for i, a in enumerate(addresses)}
 
 
-def master_specs(cfg: UpConfig, meta: str, flags: dict[str, object]) -> list[tuple[str, list[str]]]:
+def master_specs(
+    cfg: UpSettings, meta: str, flags: dict[str, object]
+) -> list[tuple[str, list[str]]]:
     """(name, args) of each KV store master, the one to lead first; ``flags``: the TLS and
     metrics-key flags every master gets (one identity for all)."""
     from pdserve.procs import service_args

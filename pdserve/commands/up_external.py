@@ -27,12 +27,10 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from pdserve.commands.up_settings import UpSettings, tls_files
 from pdserve.config import ConfigError
-
-if TYPE_CHECKING:
-    from pdserve.commands.up import UpConfig
 
 #: What ``up`` writes for the engines' operators (and tests), in the run dir.
 EXTERNAL_FILE = "external-engines.json"
@@ -81,7 +79,7 @@ def check_url(flag: str, url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
-def validate(cfg: UpConfig) -> None:
+def validate(cfg: UpSettings) -> None:
     """The external-engine fields of ``cfg`` (normalized in place), and what they exclude."""
     from pdserve.hashing import KV_DTYPES
 
@@ -137,24 +135,22 @@ def validate(cfg: UpConfig) -> None:
         )
 
 
-def engines(cfg: UpConfig) -> list[Engine]:
+def engines(cfg: UpSettings) -> list[Engine]:
     """The external engines, decode (``--external-engine``) first."""
     return [
         Engine(u, "decode", f"external-decode-{i}") for i, u in enumerate(cfg.external_engine)
     ] + [Engine(u, "prefill", f"external-prefill-{i}") for i, u in enumerate(cfg.external_prefill)]
 
 
-def kv_dtype(cfg: UpConfig) -> str:
+def kv_dtype(cfg: UpSettings) -> str:
     return DEFAULT_KV_DTYPE if cfg.kv_dtype == "auto" else cfg.kv_dtype
 
 
-def kv_transfer_config(cfg: UpConfig, engine: Engine) -> dict[str, Any]:
+def kv_transfer_config(cfg: UpSettings, engine: Engine) -> dict[str, Any]:
     """The ``--kv-transfer-config`` that points ``engine`` at up's store (connector_stock.py:
     master_address, chunk_size, kv_compression, tls_* files). Every engine is kv_both: the
     router's local plan runs a whole request on a decode engine, which then stores what it
     computed, and a prefill engine loads the prefix others stored."""
-    from pdserve.commands.up import tls_files
-
     extra: dict[str, Any] = {
         "master_address": ",".join(cfg.master_addresses()),  # HA: every master's
         "chunk_size": cfg.chunk_size,
@@ -171,7 +167,7 @@ def kv_transfer_config(cfg: UpConfig, engine: Engine) -> dict[str, Any]:
     }
 
 
-def write_file(cfg: UpConfig) -> Path:
+def write_file(cfg: UpSettings) -> Path:
     """``<run_dir>/external-engines.json``: each engine's URL, role and kv_transfer_config."""
     path = Path(cfg.run_dir) / EXTERNAL_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -185,7 +181,7 @@ def write_file(cfg: UpConfig) -> Path:
     return path
 
 
-def instructions(cfg: UpConfig) -> str:
+def instructions(cfg: UpSettings) -> str:
     """What each engine needs, ready to paste (banner and start-up message)."""
     lines = []
     for e in engines(cfg):
@@ -213,7 +209,7 @@ def http_get(url: str, timeout: float) -> tuple[int, bytes]:
         return 0, b""
 
 
-def wait_healthy(cfg: UpConfig, progress) -> None:
+def wait_healthy(cfg: UpSettings, progress) -> None:
     """Waits until every engine's ``GET /health`` answers 200 (ready_timeout_s); RuntimeError
     naming those that never did."""
     t0 = time.monotonic()
@@ -256,7 +252,7 @@ def served_model(url: str, timeout: float = 10.0) -> tuple[str, str]:
     return str(card.get("root") or name), name
 
 
-def router_model(cfg: UpConfig, explicit: bool, progress) -> tuple[str, str]:
+def router_model(cfg: UpSettings, explicit: bool, progress) -> tuple[str, str]:
     """(the router's --model, its --served-name): the engines' served name always (the name
     requests use and part of the chunk keys); the model folder for the tokenizer from --model
     when the user set it, else from the first engine (which must then be readable here)."""
@@ -290,7 +286,7 @@ def model_explicit(args: argparse.Namespace) -> bool:
     return isinstance(section, dict) and "model" in section
 
 
-def router_flags(cfg: UpConfig) -> dict[str, object]:
+def router_flags(cfg: UpSettings) -> dict[str, object]:
     """The router flags of the external engines (static workers, their KV settings)."""
     flags: dict[str, object] = {
         "decode": ",".join(cfg.external_engine),
@@ -304,7 +300,7 @@ def router_flags(cfg: UpConfig) -> dict[str, object]:
     return flags
 
 
-def await_engines(cfg: UpConfig, explicit_model: bool, progress) -> tuple[dict[str, object], str]:
+def await_engines(cfg: UpSettings, explicit_model: bool, progress) -> tuple[dict[str, object], str]:
     """With the store up: says what the engines need to reach it (and writes it to the run
     dir), waits until each answers /health, learns their model. Returns the router's flags for
     them and the name requests use."""

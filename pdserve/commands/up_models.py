@@ -19,21 +19,21 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from pdserve.commands.up_settings import UpSettings
 from pdserve.config import ConfigError
 
 if TYPE_CHECKING:
-    from pdserve.commands.up import UpConfig
     from pdserve.services.router.models import ModelSpec
 
 
-def specs(cfg: UpConfig) -> list[ModelSpec]:
+def specs(cfg: UpSettings) -> list[ModelSpec]:
     """The models ``up`` serves, the default first (``model`` alone without ``models``)."""
     from pdserve.services.router.models import ModelSpec, model_specs
 
     return model_specs(cfg.models) if cfg.models else [ModelSpec(cfg.model, cfg.model)]
 
 
-def validate(cfg: UpConfig) -> None:
+def validate(cfg: UpSettings) -> None:
     """Checks ``models`` (served names once each; not with external engines, which serve
     their own model) and makes ``model`` the first one's."""
     if not cfg.models:
@@ -46,16 +46,16 @@ def validate(cfg: UpConfig) -> None:
     cfg.model = specs(cfg)[0].model
 
 
-def worker_flags(cfg: UpConfig, role: str, index: int) -> dict[str, object]:
+def worker_flags(cfg: UpSettings, role: str, index: int) -> dict[str, object]:
     """The ``model`` (and ``served_model_name``, when it differs) of worker ``index`` of
-    ``role`` (after :meth:`UpConfig.resolve`)."""
+    ``role`` (after :meth:`UpSettings.resolve`)."""
     per_model = cfg.prefill_workers if role == "prefill" else cfg.decode_workers
     spec = specs(cfg)[index // max(per_model, 1)]
     name = spec.name if spec.name != spec.model else None
     return {"model": spec.model, "served_model_name": name}
 
 
-def router_flags(cfg: UpConfig) -> dict[str, object]:
+def router_flags(cfg: UpSettings) -> dict[str, object]:
     """The router's model flags: ``model`` alone for one unnamed model, else ``models``."""
     if not cfg.models:
         return {"model": cfg.model}
@@ -92,7 +92,7 @@ def fold_flag(args: argparse.Namespace) -> None:
     args.model, args.models = None, given
 
 
-def resolve_all(cfg: UpConfig) -> None:
+def resolve_all(cfg: UpSettings) -> None:
     """Resolves every model (a name, a folder, a Hugging Face id) before anything starts."""
     from pdserve.model.prepare import resolve_model
 
@@ -100,7 +100,7 @@ def resolve_all(cfg: UpConfig) -> None:
         resolve_model(spec.model)
 
 
-def banner_line(cfg: UpConfig) -> str:
+def banner_line(cfg: UpSettings) -> str:
     """The banner's line naming the models when there are several ('' for one)."""
     if len(cfg.models) < 2:
         return ""

@@ -14,8 +14,15 @@ import time
 from pathlib import Path
 
 from pdserve.commands import up_etcd
-from pdserve.commands.up import API_KEY_FILE, CERTS_DIR, UpConfig, admin_tls, tls_files
 from pdserve.commands.up_isolation import Isolation
+from pdserve.commands.up_settings import (
+    API_KEY_FILE,
+    CERTS_DIR,
+    UpSettings,
+    admin_tls,
+    progress,
+    tls_files,
+)
 
 #: Seconds before a failed certificate renewal is tried again.
 RENEW_RETRY_S = 30.0
@@ -26,7 +33,7 @@ RENEW_POLL_S = 5.0
 class UpSecrets:
     """One run's certificates and API key (none of either when ``cfg`` turns them off)."""
 
-    def __init__(self, cfg: UpConfig, isolation: Isolation) -> None:
+    def __init__(self, cfg: UpSettings, isolation: Isolation) -> None:
         self.cfg = cfg
         self.isolation = isolation  # whose each key is
         self.issuer = None  # with TLS: the CA that issued and renews the certificates
@@ -88,8 +95,6 @@ class UpSecrets:
         """Renews every certificate once half its life has passed (the renewing thread calls
         it); the services load the new files within a second (:mod:`pdserve.identity`). A
         failed renewal is retried."""
-        from pdserve.commands.up_cluster import progress
-
         if self.issuer is None or time.monotonic() < self.renew_at:
             return
         try:
