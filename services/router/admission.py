@@ -11,6 +11,16 @@ across tenants (their ``share``) and by ``priority`` (lower first), then arrival
 tenant (:mod:`~pdserve.services.router.fair_queue`). Before it queues, a request passes its
 tenant's rate limits (:mod:`~pdserve.services.router.rate_limit`).
 
+Headroom: a tenant below its fair share of the slots (``limit * share / the shares of the
+tenants holding or waiting for slots``) is not kept waiting for another tenant's requests to
+end. When every slot is held, its request is admitted at once beyond the limit, up to
+``fair_headroom`` extra slots in all (work-conserving: nothing running is preempted; the
+flooding tenant gets the slots back as its requests end, since none of its own is admitted
+until in-flight requests are below the limit again). One tenant alone never uses it. Each
+admitted request's engine priority carries its tenant's rank, its slots held divided by its
+share (:func:`~pdserve.services.router.fair_queue.engine_priority`), so the engine prefills
+a light tenant's prompt before a flood's too.
+
 Predictions come from what the router observed (EWMAs, so they follow the cluster's speed):
     predicted TTFT = base_ms + ms_per_prefill_token * (own uncached tokens
                      + prefill tokens already queued or running / prefill workers)
@@ -27,7 +37,7 @@ from collections.abc import AsyncIterator, Callable
 from prometheus_client import Counter, Gauge
 
 from pdserve.errors import RateLimited, ResourceExhausted
-from pdserve.services.router.fair_queue import FairQueue
+from pdserve.services.router.fair_queue import FairQueue, engine_priority
 from pdserve.services.router.rate_limit import RateLimits
 from pdserve.telemetry import REGISTRY, init_labels
 from pdserve.tenants import Tenants
@@ -99,21 +109,26 @@ class Admission:
         capacity: Callable[[], int] | None = None,
         tenants: Tenants | None = None,
         rates: RateLimits | None = None,
+        fair_headroom: int = 0,
     ) -> None:
         """``max_inflight`` 0: the limit is ``capacity()`` (requests the workers can run at
         once; 0 when unknown), read on every admission and release. ``tenants``: their shares
-        and the per-tenant metrics' labels; ``rates``: their rate limits (None: none)."""
+        and the per-tenant metrics' labels; ``rates``: their rate limits (None: none);
+        ``fair_headroom``: slots beyond the limit for tenants below their share (0: none; the
+        router's config defaults to 2)."""
         self.max_inflight = max_inflight
         self.max_queue = max_queue
+        self.fair_headroom = fair_headroom
         self.slo_ttft_ms = slo_ttft_ms
         self.slo_tpot_ms = slo_tpot_ms
         self._capacity = capacity
         tenants = tenants or Tenants()
         self._rates = rates
-        #: Requests waiting for a slot: each is woken with its slot taken.
-        self._slots: FairQueue[asyncio.Future[None]] = FairQueue(
-            lambda tenant: tenants.limits_of(tenant).share
-        )
+        self._share: Callable[[str], float] = lambda tenant: tenants.limits_of(tenant).share
+        #: Requests waiting for a slot: each is woken with its slot taken, and its rank.
+        self._slots: FairQueue[asyncio.Future[int]] = FairQueue(self._share)
+        #: Slots held, by tenant (tenants holding none absent).
+        self._held: dict[str, int] = {}
         for name in tenants.names:  # "" = the anonymous tenant
             init_labels(TENANT_REJECTED, (name,), REASONS[:3])
             init_labels(TENANT_RATE_LIMITED, (name,), ("requests", "tokens"))
@@ -149,6 +164,16 @@ class Admission:
             return self.max_inflight
         known = self._capacity() if self._capacity is not None else 0
         return known if known > 0 else DEFAULT_INFLIGHT
+
+    def fair_slots(self, tenant: str) -> float:
+        """``tenant``'s fair share of the limit: ``limit * share`` over the shares of the
+        tenants holding or waiting for slots, ``tenant`` included."""
+        active = {*self._held, *self._slots.waiting_tenants(), tenant}
+        return self.limit() * self._share(tenant) / sum(self._share(t) for t in active)
+
+    def below_share(self, tenant: str) -> bool:
+        """Whether ``tenant`` holds fewer slots than its fair share (headroom is for it)."""
+        return self._held.get(tenant, 0) < self.fair_slots(tenant)
 
     def predicted_ttft_ms(self, uncached_tokens: int, prefill_workers: int) -> float | None:
         if self.ms_per_token.value is None or self.base_ms.value is None:
@@ -225,7 +250,7 @@ class Admission:
         self.waiting += 1
         QUEUED.set(self.waiting)
         try:
-            await self._slot(tenant, priority)
+            ticket.engine_priority = engine_priority(priority, await self._slot(tenant, priority))
         except BaseException:
             ticket.first_token()
             raise
@@ -236,54 +261,87 @@ class Admission:
             yield ticket
         finally:
             ticket.first_token()
-            self._release()
+            self._release(tenant)
 
-    async def _slot(self, tenant: str, priority: int) -> None:
-        """Takes an in-flight slot, at once if none is waiting and one is free, else in turn."""
-        if not self._slots and self.inflight < self.limit():
+    async def _slot(self, tenant: str, priority: int) -> int:
+        """Takes an in-flight slot, at once if one is free to ``tenant`` (:meth:`_free_now`),
+        else in turn; returns the tenant's rank as it took it (:meth:`_take`)."""
+        if self._free_now(tenant):
             self._slots.charge(tenant)
-            self._take(tenant)
-            return
+            return self._take(tenant)
         granted = asyncio.get_running_loop().create_future()
         self._slots.push(tenant, granted, priority)
         TENANT_QUEUED.labels(tenant).set(self._slots.queued(tenant))
         try:
-            await granted
+            return await granted
         except BaseException:
             if granted.done() and not granted.cancelled():  # its slot came with the cancel
-                self._release()
+                self._release(tenant)
             elif self._slots.remove(granted):
                 TENANT_QUEUED.labels(tenant).set(self._slots.queued(tenant))
                 self.wake()  # one that queued behind it while a slot was free goes now
             raise
 
-    def _take(self, tenant: str) -> None:
+    def _free_now(self, tenant: str) -> bool:
+        """Whether a request of ``tenant`` arriving now takes a slot without queueing: one is
+        free and nobody waits, or the tenant is below its share with none of its own waiting
+        and headroom is left (the module docstring)."""
+        limit = self.limit()
+        if not self._slots and self.inflight < limit:
+            return True
+        return (
+            self.inflight < limit + self.fair_headroom
+            and not self._slots.queued(tenant)
+            and self.below_share(tenant)
+        )
+
+    def _take(self, tenant: str) -> int:
+        """Gives ``tenant`` a slot; returns its rank before it: the slots it held, divided by
+        its share (the engine priority's tiebreak)."""
+        held = self._held.get(tenant, 0)
+        self._held[tenant] = held + 1
         self.inflight += 1
         INFLIGHT.set(self.inflight)
         TENANT_ADMITTED.labels(tenant).inc()
+        return int(held / self._share(tenant))
 
-    def _release(self) -> None:
+    def _release(self, tenant: str) -> None:
+        held = self._held[tenant] - 1
+        if held:
+            self._held[tenant] = held
+        else:
+            del self._held[tenant]
         self.inflight -= 1
         INFLIGHT.set(self.inflight)
         self.wake()
 
     def wake(self) -> None:
-        """Hands free slots to the waiting requests, in the fair queue's order; called on
-        every release and whenever the workers' capacity changes."""
+        """Hands free slots to the waiting requests, in the fair queue's order, then the
+        headroom to waiting tenants below their share; called on every release and whenever
+        the workers' capacity changes."""
         limit = self.limit()
         INFLIGHT_LIMIT.set(limit)
-        while self._slots and self.inflight < limit:
-            tenant, granted = self._slots.pop()
+        while self._slots:
+            if self.inflight < limit:
+                tenant, granted = self._slots.pop()
+            elif self.inflight < limit + self.fair_headroom and (
+                (light := self._slots.peek_tenant(self.below_share)) is not None
+            ):
+                tenant, granted = self._slots.pop(light)
+            else:
+                break
             TENANT_QUEUED.labels(tenant).set(self._slots.queued(tenant))
             if not granted.done():  # a cancelled one is on its way out
-                self._take(tenant)
-                granted.set_result(None)
+                granted.set_result(self._take(tenant))
 
 
 class Ticket:
     def __init__(self, admission: Admission, tokens: int) -> None:
         self._adm = admission
         self._tokens = tokens
+        #: The priority the engine gets (:func:`~pdserve.services.router.fair_queue.
+        #: engine_priority`), set when the request is admitted.
+        self.engine_priority = 0
 
     def first_token(self) -> None:
         """Idempotent: this request's prefill tokens are no longer pending."""

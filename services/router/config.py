@@ -95,6 +95,11 @@ class RouterConfig(SecurityConfig, StoreBackendConfig):
         "(0 = the decode workers' max_num_seqs summed, 64 until one registers it)",
     )
     max_queue: int = help_field(256, "requests one tenant may have waiting; beyond that 429")
+    fair_headroom: int = help_field(
+        2,
+        "in-flight slots beyond max_inflight for tenants below their fair share of it, so "
+        "they are admitted at once, not after another tenant's requests end (0 = none)",
+    )
     slo_ttft_ms: float = help_field(0.0, "reject requests predicted to miss this TTFT (0 = off)")
     slo_tpot_ms: float = help_field(
         0.0, "reject requests while time per output token exceeds this (0 = off)"
@@ -258,6 +263,8 @@ class RouterConfig(SecurityConfig, StoreBackendConfig):
                 f"max_inflight ({self.max_inflight}) and max_queue ({self.max_queue}) must be "
                 ">= 0 (max_inflight 0 = the workers' capacity)"
             )
+        if self.fair_headroom < 0:
+            raise ConfigError(f"fair_headroom must be >= 0 (0 = none), got {self.fair_headroom}")
         check_models(self)
         if not self.meta and not self.decode and not self.models:
             raise ConfigError("give --meta or at least one --decode worker address")

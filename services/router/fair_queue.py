@@ -17,6 +17,12 @@ Within a tenant, requests go by ``priority`` (lower first, vLLM's rule), then by
 Priorities do not cross tenants: a tenant's urgent request jumps its own queue, never another
 tenant's share.
 
+The engine orders its waiting prompts by the priority the router sends it, so that priority
+carries the tenant's fairness position too (:func:`engine_priority`): the caller's priority
+first, then the tenant's rank: its requests in flight when this one was admitted, divided by
+its share. A light tenant's prompt (rank 0) prefills before a flood's (rank 4 with 4 in flight)
+of the same caller priority, and within a tenant a lower priority still goes first.
+
 Plain logic, no asyncio: the admission control queues futures in it and tests drive it
 deterministically.
 """
@@ -30,6 +36,20 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+
+#: Ranks per caller priority in :func:`engine_priority` (0..RANK_STRIDE - 1).
+RANK_STRIDE = 256
+#: Caller priorities in [-PRIORITY_BOUND, PRIORITY_BOUND) keep their order in the engine.
+PRIORITY_BOUND = 2**31 // RANK_STRIDE
+
+
+def engine_priority(priority: int, rank: int) -> int:
+    """The int32 priority the engine gets for a request of caller ``priority`` (lower first)
+    whose tenant's rank was ``rank`` when it was admitted (the module docstring): ``priority *
+    RANK_STRIDE + rank``. Order between caller priorities is kept within ±PRIORITY_BOUND (2^23;
+    beyond, they saturate there); ranks past RANK_STRIDE - 1 count as RANK_STRIDE - 1."""
+    p = min(max(priority, -PRIORITY_BOUND), PRIORITY_BOUND - 1)
+    return p * RANK_STRIDE + min(max(rank, 0), RANK_STRIDE - 1)
 
 
 @dataclass(order=True)
@@ -63,6 +83,10 @@ class FairQueue(Generic[T]):
         """Items of ``tenant`` waiting."""
         return self._live.get(tenant, 0)
 
+    def waiting_tenants(self) -> list[str]:
+        """The tenants with items waiting."""
+        return [tenant for tenant, n in self._live.items() if n]
+
     def push(self, tenant: str, item: T, priority: int = 0) -> None:
         """Queues ``item`` for ``tenant`` (each item at most once)."""
         assert id(item) not in self._by_item, "item queued twice"
@@ -80,23 +104,26 @@ class FairQueue(Generic[T]):
         self._live[entry.tenant] -= 1
         return True
 
-    def peek_tenant(self) -> str | None:
-        """The tenant whose head :meth:`pop` would hand out, None when empty."""
+    def peek_tenant(self, eligible: Callable[[str], bool] | None = None) -> str | None:
+        """The tenant whose head :meth:`pop` would hand out, None when empty; ``eligible``:
+        among the tenants it says yes to only (None when none of them has items waiting)."""
         best: tuple[float, int] | None = None
         chosen = None
         for tenant, heap in self._heaps.items():
             head = self._head(heap)
-            if head is None:
+            if head is None or (eligible is not None and not eligible(tenant)):
                 continue
             key = (self._start(tenant) + 1.0 / self._share(tenant), head.seq)
             if best is None or key < best:
                 best, chosen = key, tenant
         return chosen
 
-    def pop(self) -> tuple[str, T]:
-        """The next item and its tenant (IndexError when empty), the tenant charged for it."""
-        tenant = self.peek_tenant()
+    def pop(self, tenant: str | None = None) -> tuple[str, T]:
+        """The next item and its tenant, the tenant charged for it; ``tenant``: that tenant's
+        head instead. IndexError when there is none."""
         if tenant is None:
+            tenant = self.peek_tenant()
+        if tenant is None or self._head(self._heaps.get(tenant, [])) is None:
             raise IndexError("pop from an empty FairQueue")
         entry = heapq.heappop(self._heaps[tenant])
         del self._by_item[id(entry.item)]

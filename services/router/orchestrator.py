@@ -38,7 +38,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import grpc
 
@@ -236,6 +236,8 @@ class Orchestrator:
         )
         async with admit as ticket:
             trace.admitted = time.monotonic()
+            # the workers get the caller's priority with the tenant's fairness rank
+            job.req = replace(req, priority=ticket.engine_priority)
             try:
                 if plan == Plan.READ:
                     stream = self._read(job)

@@ -128,6 +128,7 @@ def build(cfg: RouterConfig, tokenizer=None) -> Frontend:
             capacity=lambda: sum(p.decode_capacity() for p in pools),
             tenants=tenants,  # shares (fair queueing) and per-tenant metrics
             rates=RateLimits(tenants) if tenants.limits else None,
+            fair_headroom=cfg.fair_headroom,
         ),
         tenants=tenants,
         prefix_lookup=store_lookup(cfg),
