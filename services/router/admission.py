@@ -17,9 +17,9 @@ end. When every slot is held, its request is admitted at once beyond the limit, 
 ``fair_headroom`` extra slots in all (work-conserving: nothing running is preempted; the
 flooding tenant gets the slots back as its requests end, since none of its own is admitted
 until in-flight requests are below the limit again). One tenant alone never uses it. Each
-admitted request's engine priority carries its tenant's rank, its slots held divided by its
-share (:func:`~pdserve.services.router.fair_queue.engine_priority`), so the engine prefills
-a light tenant's prompt before a flood's too.
+admitted request's engine priority carries its tenant's rank, the whole fair shares of slots
+it already held (:func:`~pdserve.services.router.fair_queue.engine_priority`), so the engine
+prefills a light tenant's prompt (rank 0) before a flood's beyond its share (rank 1 and up).
 
 Predictions come from what the router observed (EWMAs, so they follow the cluster's speed):
     predicted TTFT = base_ms + ms_per_prefill_token * (own uncached tokens
@@ -296,14 +296,15 @@ class Admission:
         )
 
     def _take(self, tenant: str) -> int:
-        """Gives ``tenant`` a slot; returns its rank before it: the slots it held, divided by
-        its share (the engine priority's tiebreak)."""
+        """Gives ``tenant`` a slot; returns its rank before it (the engine priority's
+        tiebreak): the fair shares of slots it held, ``held // fair_slots``."""
         held = self._held.get(tenant, 0)
+        rank = int(held // self.fair_slots(tenant))
         self._held[tenant] = held + 1
         self.inflight += 1
         INFLIGHT.set(self.inflight)
         TENANT_ADMITTED.labels(tenant).inc()
-        return int(held / self._share(tenant))
+        return rank
 
     def _release(self, tenant: str) -> None:
         held = self._held[tenant] - 1

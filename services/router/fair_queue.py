@@ -19,9 +19,12 @@ tenant's share.
 
 The engine orders its waiting prompts by the priority the router sends it, so that priority
 carries the tenant's fairness position too (:func:`engine_priority`): the caller's priority
-first, then the tenant's rank: its requests in flight when this one was admitted, divided by
-its share. A light tenant's prompt (rank 0) prefills before a flood's (rank 4 with 4 in flight)
-of the same caller priority, and within a tenant a lower priority still goes first.
+first, then the tenant's rank, how many whole fair shares of the router's slots it held when
+this one was admitted (the admission control's ``fair_slots``). A light tenant's prompt (rank
+0) prefills before those of a flood past its share (rank 1 and up) at the same caller
+priority, and within a tenant a lower priority still goes first. Ranks are coarse on purpose:
+the engine batches only the prompts of its best waiting priority into a step, and a rank per
+request in flight would cut a flood's prompts into steps of one.
 
 Plain logic, no asyncio: the admission control queues futures in it and tests drive it
 deterministically.

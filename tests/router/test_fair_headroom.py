@@ -157,31 +157,33 @@ def test_engine_priority_keeps_the_callers_order_then_ranks() -> None:
     assert engine_priority(3, -1) == 3 * RANK_STRIDE  # no negative rank
 
 
-def test_a_tickets_engine_priority_is_its_tenants_rank_by_share() -> None:
+def test_a_tickets_engine_priority_ranks_its_tenant_by_fair_shares_held() -> None:
+    tenants = _two_tenants({"heavy": 1.0, "light": 1.0, "big": 2.0})
+
     async def main() -> None:
-        tenants = _two_tenants({"heavy": 1.0, "light": 1.0, "big": 2.0})
-        adm = Admission(3, 100, tenants=tenants, fair_headroom=1)
+        adm = Admission(4, 100, tenants=tenants, fair_headroom=1)
         r = _Requests(adm)
+        r.send("light", "l0")
+        await _settle()
         for i in range(3):
             r.send("heavy", f"h{i}")
         r.send("heavy", "h3", priority=-1)
         await _settle()
-        r.send("light", "l0")
-        await _settle()
+        # beside light, heavy's fair share is 2 slots: its third request is past it
         ranks = {name: t.engine_priority for name, t in r.tickets.items()}
-        assert ranks == {"h0": 0, "h1": 1, "h2": 2, "l0": 0}  # light, beyond the limit: rank 0
-        await r.release("h0")
+        assert ranks == {"l0": 0, "h0": 0, "h1": 0, "h2": 1} and adm.waiting == 1
         await r.release("l0")
-        await _settle()  # h3 (priority -1) is admitted with heavy holding 2
-        assert r.tickets["h3"].engine_priority == engine_priority(-1, 2)
+        await _settle()  # h3 goes with heavy alone holding slots: its fair share is all 4
+        assert r.tickets["h3"].engine_priority == engine_priority(-1, 0) == -RANK_STRIDE
         await r.release_all()
-        adm = Admission(8, 100, tenants=tenants)
+        adm = Admission(6, 100, tenants=tenants)
         r = _Requests(adm)
+        r.send("heavy", "h0")
         for i in range(5):
             r.send("big", f"b{i}")
         await _settle()
-        # share 2: two slots held count as one rank
-        assert [r.tickets[f"b{i}"].engine_priority for i in range(5)] == [0, 0, 1, 1, 2]
+        # share 2 of 3 beside heavy: 4 of the 6 slots are big's fair share
+        assert [r.tickets[f"b{i}"].engine_priority for i in range(5)] == [0, 0, 0, 0, 1]
         await r.release_all()
 
     asyncio.run(main())
