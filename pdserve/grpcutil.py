@@ -370,8 +370,10 @@ def error_status(exc: BaseException, name: str) -> tuple[grpc.StatusCode, str]:
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, name: str) -> None:
     """Ends the call with ``exc``'s status; a rate limit adds the trailing metadata
     ``retry-after`` (whole seconds, :class:`pdserve.errors.RateLimited`)."""
-    trailing = (("retry-after", exc.retry_after),) if isinstance(exc, RateLimited) else ()
-    await context.abort(*error_status(exc, name), trailing_metadata=trailing)
+    if isinstance(exc, RateLimited):
+        trailing = (("retry-after", exc.retry_after),)
+        await context.abort(*error_status(exc, name), trailing_metadata=trailing)
+    await context.abort(*error_status(exc, name))
 
 
 def rpc(method: Callable) -> Callable:
