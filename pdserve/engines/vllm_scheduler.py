@@ -64,7 +64,8 @@ second to learn when the load is done, measured here at more than a whole core (
 plus worker process) taken from the prefill computing those very chunks. The price: a request
 arriving meanwhile starts up to that much later, and a finished load is noticed that much later.
 
-Requests carry vLLM's ``priority`` (lower first; the router sends the caller's). Under vLLM's
+Requests carry vLLM's ``priority`` (lower first; the router sends the caller's with its
+tenant's fairness rank, services/router/fair_queue.py ``engine_priority``). Under vLLM's
 default ``fcfs`` policy, which vLLM itself runs in arrival order, the waiting queue is kept in
 priority order (arrival order within one priority, preempted requests first, as vLLM's
 ``priority`` policy orders them) and the new prompts ``prefill_order`` picks from are those of

@@ -3,9 +3,12 @@
 ``max_inflight``). The light tenant sends 10% of the cluster's capacity, alone, then beside a
 heavy tenant sending 5x the capacity, then once more under the same flood from the heavy
 tenant's own key (no fairness between them: one tenant's FIFO queue). Prints the light
-tenant's TTFT p50/p99 in each phase and the ratio to alone (target: p99 within 1.3x).
+tenant's TTFT p50/p99 in each phase and the ratio to alone (target: p99 within 1.3x), and
+where all the phase's requests spent their time (the router's ``pdserve_router_phase_seconds``
+means: queue, prefill, kv_transfer, decode, and the decode's time per output token).
 
     .venv/bin/python tests/router/fair_share_bench.py [--phase-s 30] [--max-inflight 4]
+        [--fair-headroom N]
 
 Capacity is measured first: ``max_inflight`` requests kept in flight for ``--phase-s / 2``
 seconds. Requests: 64 random prompt tokens, 16 greedy output tokens (ignore_eos), streamed
@@ -27,6 +30,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.procs import free_ports
 
@@ -94,6 +98,41 @@ async def capacity(http, concurrency: int, seconds: float) -> float:
     return count / (time.monotonic() - t0)
 
 
+async def phase_sums(http: aiohttp.ClientSession) -> dict[str, tuple[float, float]]:
+    """The router's ``pdserve_router_phase_seconds`` (sum, count) by phase."""
+    async with http.get("/metrics") as resp:
+        text = await resp.text()
+    out: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "pdserve_router_phase_seconds":
+            continue
+        for sample in family.samples:
+            kind = sample.name.rsplit("_", 1)[1]
+            if kind in ("sum", "count"):
+                out.setdefault(sample.labels["phase"], [0.0, 0.0])[kind == "count"] = sample.value
+    return {phase: (v[0], v[1]) for phase, v in out.items()}
+
+
+def phase_means(before: dict, after: dict) -> dict[str, float]:
+    """Mean ms per request of each phase between two :func:`phase_sums`, and the decode's
+    time per output token."""
+    means = {}
+    for phase, (total, n) in after.items():
+        t0, n0 = before.get(phase, (0.0, 0.0))
+        if n > n0:
+            means[f"{phase}_ms"] = round(1000.0 * (total - t0) / (n - n0), 1)
+    if "decode_ms" in means:
+        means["tpot_ms"] = round(means["decode_ms"] / (OUT - 1), 1)
+    return means
+
+
+async def measured(http: aiohttp.ClientSession, *loads) -> tuple[list[float], dict]:
+    """Runs ``loads`` (open loops) together; the first's TTFTs and the phase means."""
+    before = await phase_sums(http)
+    ttfts, *_ = await asyncio.gather(*loads)
+    return ttfts, phase_means(before, await phase_sums(http))
+
+
 async def phases(base: str, args: argparse.Namespace) -> dict:
     conn = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None)
@@ -102,30 +141,36 @@ async def phases(base: str, args: argparse.Namespace) -> dict:
         cap = await capacity(http, args.max_inflight, args.phase_s / 2)
         light_rate, heavy_rate = 0.1 * cap, 5 * cap
         s = args.phase_s
-        alone = await open_loop(http, LIGHT, light_rate, s, seed=2)
-        fair, _ = await asyncio.gather(
-            open_loop(http, LIGHT, light_rate, s, seed=3),
-            open_loop(http, HEAVY, heavy_rate, s, seed=4),
-        )
-        shared, _ = await asyncio.gather(
-            open_loop(http, HEAVY, light_rate, s, seed=5),  # the light load, heavy's key
-            open_loop(http, HEAVY, heavy_rate, s, seed=6),
-        )
+        runs = {
+            "alone": await measured(http, open_loop(http, LIGHT, light_rate, s, seed=2)),
+            "flood_fair": await measured(
+                http,
+                open_loop(http, LIGHT, light_rate, s, seed=3),
+                open_loop(http, HEAVY, heavy_rate, s, seed=4),
+            ),
+            "flood_one_tenant": await measured(
+                http,
+                open_loop(http, HEAVY, light_rate, s, seed=5),  # the light load, heavy's key
+                open_loop(http, HEAVY, heavy_rate, s, seed=6),
+            ),
+        }
     out = {"capacity_rps": cap, "light_rps": light_rate, "heavy_rps": heavy_rate}
-    for name, xs in (("alone", alone), ("flood_fair", fair), ("flood_one_tenant", shared)):
-        out[name] = {"n": len(xs), "p50_ms": pct(xs, 0.5), "p99_ms": pct(xs, 0.99)}
+    for name, (xs, means) in runs.items():
+        out[name] = {"n": len(xs), "p50_ms": pct(xs, 0.5), "p99_ms": pct(xs, 0.99), **means}
     for name in ("flood_fair", "flood_one_tenant"):
         out[name]["p99_vs_alone"] = out[name]["p99_ms"] / out["alone"]["p99_ms"]
     return out
 
 
-def up(run: Path, max_inflight: int) -> tuple[subprocess.Popen, str]:
+def up(run: Path, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     """`pdserve up` on free ports with the two tenants; (its process, the HTTP base URL)."""
     (run / "tenants").write_text(f"heavy {HEAVY} share=1\nlight {LIGHT} share=1\n")
+    headroom = {} if args.fair_headroom is None else {"fair_headroom": args.fair_headroom}
     config = {
         "router": {
+            **headroom,
             "tenant_keys_file": str(run / "tenants"),
-            "max_inflight": max_inflight,
+            "max_inflight": args.max_inflight,
             "max_queue": 100000,
             "http_max_conns_per_peer": 0,  # one client address sends both tenants' load
             "api_key_failures": 0,
@@ -164,9 +209,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--phase-s", type=float, default=30.0)
     ap.add_argument("--max-inflight", type=int, default=4)
+    ap.add_argument("--fair-headroom", type=int, help="the router's (default: its own, 2)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="fairbench-") as tmp:
-        proc, base = up(Path(tmp), args.max_inflight)
+        proc, base = up(Path(tmp), args)
         try:
             t0 = time.monotonic()
             asyncio.run(ready(base, proc))
