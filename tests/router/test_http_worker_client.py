@@ -120,8 +120,12 @@ def test_an_http_workers_health_is_its_get_health_answering_200():
 
     async def probe() -> list[bool]:
         status = {"code": 200}
+
+        async def health(_request: web.Request) -> web.Response:
+            return web.Response(status=status["code"])
+
         app = web.Application()
-        app.router.add_get("/health", lambda _req: web.Response(status=status["code"]))
+        app.router.add_get("/health", health)
         runner = web.AppRunner(app)
         await runner.setup()
         port, closed = free_ports(2)
