@@ -25,15 +25,18 @@ class ConfigError(ValueError):
 
 
 def field_types(cls: type) -> dict[str, Any]:
+    """Each field of the dataclass ``cls`` and its type (annotations resolved)."""
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
 def is_list(tp: Any) -> bool:
+    """Whether ``tp`` is ``list[...]``."""
     return typing.get_origin(tp) is list
 
 
 def unwrap_optional(tp: Any) -> Any:
+    """``X`` for ``X | None`` (``Optional[X]``); any other type as it is."""
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if len(args) == 1:
