@@ -2,7 +2,7 @@
 
 Each command group lives in its own module with an ``add_parser(subparsers)`` function that
 registers it and sets ``func``; modules are imported only when present, so ``--help`` lists
-exactly the commands that exist.
+exactly the commands that exist, and a command line imports only its command's module.
 """
 
 from __future__ import annotations
@@ -14,27 +14,33 @@ import sys
 
 from pdserve import __version__
 
-#: Modules that contribute subcommands, in the order ``--help`` lists them.
-COMMAND_MODULES = [
-    "pdserve.commands.up",
-    "pdserve.commands.status",
-    "pdserve.commands.certs",
-    "pdserve.generate",
-    "pdserve.services.router.cli",
-    "pdserve.services.prefill.cli",
-    "pdserve.services.decode.cli",
-    "pdserve.services.kvstore.cli",
-    "pdserve.commands.mooncake",
-    "pdserve.commands.etcd",
-    "pdserve.services.meta.cli",
-    "pdserve.model.cli",
-    "pdserve.bench.cli",
-    "pdserve.commands.vllm",
-    "pdserve.integrations.lmcache_url",
-]
+#: Each command and the module that registers it, in the order ``--help`` lists them. A
+#: command line that names one imports only its module: ``pdserve health`` (the lab's
+#: healthchecks, every few seconds in every container) must not load torch and vLLM's
+#: settings, which the other modules' imports do (measured: 10 s of a busy core per check).
+COMMANDS = {
+    "up": "pdserve.commands.up",
+    "status": "pdserve.commands.status",
+    "health": "pdserve.commands.status",
+    "certs": "pdserve.commands.certs",
+    "generate": "pdserve.generate",
+    "router": "pdserve.services.router.cli",
+    "prefill": "pdserve.services.prefill.cli",
+    "decode": "pdserve.services.decode.cli",
+    "kvstore": "pdserve.services.kvstore.cli",
+    "mooncake": "pdserve.commands.mooncake",
+    "etcd": "pdserve.commands.etcd",
+    "meta": "pdserve.services.meta.cli",
+    "model": "pdserve.model.cli",
+    "bench": "pdserve.bench.cli",
+    "vllm": "pdserve.commands.vllm",
+    "lmcache": "pdserve.integrations.lmcache_url",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser: with ``command`` (one of :data:`COMMANDS`) only that
+    command's module is imported; else every module present (``--help`` lists them all)."""
     parser = argparse.ArgumentParser(
         prog="pdserve",
         description=(
@@ -44,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"pdserve {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="<command>")
-    for name in COMMAND_MODULES:
+    wanted = [COMMANDS[command]] if command in COMMANDS else list(dict.fromkeys(COMMANDS.values()))
+    for name in wanted:
         try:
             found = importlib.util.find_spec(name) is not None
         except ModuleNotFoundError:
@@ -55,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv[0] if argv else None)
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
     if func is None:
