@@ -19,7 +19,7 @@ What counts as an edge (read from the source with :mod:`ast`, nothing is importe
 * an import of one of the module's own enclosing packages is no edge (Python has run that
   ``__init__`` before the module anyway), nor is an import of itself;
 * the enclosing packages of an imported module are not edges either (``import a.b.c`` runs
-  ``a/b/__init__.py`` too, but is no edge to ``a.b``), as the shared hook counts them. Counting
+  ``a/b/__init__.py`` too, but is no edge to ``a.b``), as in the shared hook. Counting
   them would find one more circle today, through a ``TYPE_CHECKING`` import:
   ``router.engine_events`` -> ``router.policies.base`` (whose package's ``__init__`` imports
   ``engine_events``).
