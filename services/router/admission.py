@@ -15,8 +15,8 @@ Headroom: a tenant below its fair share of the slots (``limit * share / the shar
 tenants holding or waiting for slots``) is not kept waiting for another tenant's requests to
 end. When every slot is held, its request is admitted at once beyond the limit, up to
 ``fair_headroom`` extra slots in all (work-conserving: nothing running is preempted; the
-flooding tenant gets the slots back as its requests end, since none of its own is admitted
-until in-flight requests are below the limit again). One tenant alone never uses it. Each
+flooding tenant gets the slots back as its requests end, since it is past its share and so
+waits until in-flight requests are below the limit again). One tenant alone never uses it. Each
 admitted request's engine priority carries its tenant's rank, the whole fair shares of slots
 it already held (:func:`~pdserve.services.router.fair_queue.engine_priority`), so the engine
 prefills a light tenant's prompt (rank 0) before a flood's beyond its share (rank 1 and up).

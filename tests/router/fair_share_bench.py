@@ -8,7 +8,7 @@ where all the phase's requests spent their time (the router's ``pdserve_router_p
 means: queue, prefill, kv_transfer, decode, and the decode's time per output token).
 
     .venv/bin/python tests/router/fair_share_bench.py [--phase-s 30] [--max-inflight 4]
-        [--fair-headroom N]
+        [--fair-headroom N] [--tpot-target-ms MS]
 
 Capacity is measured first: ``max_inflight`` requests kept in flight for ``--phase-s / 2``
 seconds. Requests: 64 random prompt tokens, 16 greedy output tokens (ignore_eos), streamed
@@ -166,7 +166,10 @@ def up(run: Path, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     """`pdserve up` on free ports with the two tenants; (its process, the HTTP base URL)."""
     (run / "tenants").write_text(f"heavy {HEAVY} share=1\nlight {LIGHT} share=1\n")
     headroom = {} if args.fair_headroom is None else {"fair_headroom": args.fair_headroom}
+    engine = {} if args.tpot_target_ms is None else {"tpot_target_ms": args.tpot_target_ms}
     config = {
+        "prefill": engine,
+        "decode": engine,
         "router": {
             **headroom,
             "tenant_keys_file": str(run / "tenants"),
@@ -174,7 +177,7 @@ def up(run: Path, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
             "max_queue": 100000,
             "http_max_conns_per_peer": 0,  # one client address sends both tenants' load
             "api_key_failures": 0,
-        }
+        },
     }
     (run / "bench.json").write_text(json.dumps(config))
     meta, meta_http, master, grpc_port, http_port, etcd = free_ports(6)
@@ -210,6 +213,7 @@ def main() -> None:
     ap.add_argument("--phase-s", type=float, default=30.0)
     ap.add_argument("--max-inflight", type=int, default=4)
     ap.add_argument("--fair-headroom", type=int, help="the router's (default: its own, 2)")
+    ap.add_argument("--tpot-target-ms", type=float, help="the workers' (default: their own)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="fairbench-") as tmp:
         proc, base = up(Path(tmp), args)

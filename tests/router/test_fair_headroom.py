@@ -7,10 +7,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 
+import pytest
 from router_fakes import FakeDecode, FakePrefill, fake_cluster
 
 from pdserve import grpcutil
+from pdserve.config import ConfigError
 from pdserve.services.router.admission import Admission, Ticket
+from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.fair_queue import PRIORITY_BOUND, RANK_STRIDE, engine_priority
 from pdserve.tenants import TenantLimits, Tenants
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -205,3 +208,9 @@ def test_the_workers_get_the_callers_priority_with_the_rank(tiny_model_dir) -> N
         assert p.calls[0].priority == d.calls[0].priority == engine_priority(-2, 0) == -512
 
     asyncio.run(main())
+
+
+def test_a_negative_fair_headroom_is_refused_naming_it() -> None:
+    with pytest.raises(ConfigError, match=r"fair_headroom must be >= 0 \(0 = none\), got -1"):
+        RouterConfig(decode=["127.0.0.1:1"], fair_headroom=-1).validate()
+    RouterConfig(decode=["127.0.0.1:1"], fair_headroom=0).validate()
