@@ -1,6 +1,7 @@
 """Flow control on real processes: meta, one vLLM worker (the tiny model, float32, colocated)
 and a router with a tenants file and ``max_inflight`` 1. A priority request overtakes a queued
-one of its own tenant, token-exact; a tenant past its rate limit gets a 429 with Retry-After
+one of its own tenant, token-exact; another tenant's request is admitted beyond the limit
+(headroom) while its queue waits; a tenant past its rate limit gets a 429 with Retry-After
 from the real router; the per-tenant metrics count what happened."""
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ pytestmark = [
     ),
 ]
 
-KA, KL = "a" * 16 + "-alpha-key", "l" * 16 + "-limited-key"
+KA, KL, KB = "a" * 16 + "-alpha-key", "l" * 16 + "-limited-key", "b" * 16 + "-beta-key"
 #: the request that holds the one in-flight slot while the others queue
 LONG = 1500
 
@@ -38,7 +39,7 @@ def router(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> It
     log_dir = tmp_path_factory.mktemp("priority-cluster")
     keys = log_dir / "tenants"
     # limited: one request, then one per 100 s (the second is refused however slow the machine)
-    keys.write_text(f"alpha {KA}\nlimited {KL} rps=0.01\n")
+    keys.write_text(f"alpha {KA}\nlimited {KL} rps=0.01\nbeta {KB}\n")
     procs: list[ServiceProcess] = []
     try:
         procs.append(start_service("meta", service_args("meta", port=0, http_port=-1), log_dir))
@@ -80,9 +81,11 @@ def _wait_for_worker(address: str) -> None:
     raise RuntimeError("the router did not discover the worker")
 
 
-def _generate(address: str, rid: str, toks: list[int], n: int, priority: int, done: dict) -> None:
-    """One greedy request of tenant alpha (``LONG`` tokens: past EOS); ``done[rid]`` = (its
-    tokens, when it ended)."""
+def _generate(
+    address: str, rid: str, toks: list[int], n: int, priority: int, done: dict, key: str = KA
+) -> None:
+    """One greedy request of tenant alpha (or ``key``'s; ``LONG`` tokens: past EOS);
+    ``done[rid]`` = (its tokens, when it ended)."""
     with grpcutil.sync_channel(address, public=True) as ch:
         stub = router_pb2_grpc.RouterServiceStub(ch)
         req = router_pb2.GenerateRequest(
@@ -91,7 +94,7 @@ def _generate(address: str, rid: str, toks: list[int], n: int, priority: int, do
             sampling=common_pb2.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=n == LONG),
             priority=priority,
         )
-        resp = stub.Generate(req, timeout=300, metadata=auth.bearer(KA), wait_for_ready=True)
+        resp = stub.Generate(req, timeout=300, metadata=auth.bearer(key), wait_for_ready=True)
         done[rid] = (list(resp.token_ids), time.monotonic())
 
 
@@ -137,6 +140,36 @@ def test_a_priority_request_overtakes_a_queued_one_of_its_tenant(router, hf_gree
     text = _metrics(router["http"])
     assert _sample(text, 'pdserve_router_tenant_admitted_total{tenant="alpha"}') >= 3
     assert _sample(text, queued) == 0
+
+
+def test_another_tenant_is_admitted_beyond_the_limit_while_the_queue_waits(
+    router, hf_greedy
+) -> None:
+    done: dict[str, tuple[list[int], float]] = {}
+    queued = 'pdserve_router_tenant_queued{tenant="alpha"}'
+    threads = []
+    # alpha's long request holds the one slot, alpha's next one queues
+    for rid, toks, n, series in (("long", [7, 8, 9], LONG, "pdserve_router_inflight"),
+                                 ("next", [41, 42, 43], 8, queued)):  # fmt: skip
+        threads.append(
+            threading.Thread(target=_generate, args=(router["grpc"], rid, toks, n, 0, done))
+        )
+        threads[-1].start()
+        deadline = time.monotonic() + 60
+        while _sample(_metrics(router["http"]), series) < 1:
+            assert time.monotonic() < deadline, f"{rid}: {series} never reached 1"
+            time.sleep(0.05)
+    # beta holds nothing: admitted at once, a second request in flight beside alpha's long one
+    _generate(router["grpc"], "beta", [51, 52, 53, 54], 8, 0, done, key=KB)
+    text = _metrics(router["http"])
+    assert "long" not in done, "beta's request ended after the long one: not admitted beside it?"
+    assert _sample(text, queued) == 1 and "next" not in done  # alpha's own still waits
+    assert done["beta"][0] == hf_greedy([51, 52, 53, 54], 8)
+    assert _sample(text, 'pdserve_router_tenant_admitted_total{tenant="beta"}') == 1
+    for t in threads:
+        t.join(timeout=300)
+    assert done["long"][1] < done["next"][1]  # alpha's next one waited for the slot
+    assert done["next"][0] == hf_greedy([41, 42, 43], 8)
 
 
 def test_a_tenant_past_its_rate_limit_gets_429_with_retry_after(router) -> None:
