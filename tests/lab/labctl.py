@@ -89,6 +89,16 @@ def wait_healthy(service: str, timeout: float = 600.0) -> float:
     return time.monotonic() - start
 
 
+def wait_until(condition, timeout: float) -> bool:
+    """Whether ``condition()`` holds within ``timeout`` seconds (polled twice a second)."""
+    end = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.5)
+    return True
+
+
 def leads(master: str) -> bool:
     """Whether KV store master ``master`` leads (its health without --standby-ok passes)."""
     res = subprocess.run(
