@@ -13,6 +13,7 @@ import pytest
 from router_fakes import FakeDecode, FakePrefill, fake_cluster
 
 from pdserve import auth
+from pdserve.services.router.fair_queue import engine_priority
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
 KA, KB = "a" * 16 + "-alpha-key", "b" * 16 + "-beta-key"
@@ -101,10 +102,13 @@ def test_priority_is_checked_and_reaches_the_workers(tiny_model_dir: Path) -> No
                     )
             async with http.post("/v1/completions", json={**BODY, "priority": 3}) as resp:
                 assert resp.status == 200, await resp.text()
-            assert (prefill.calls[-1].priority, decode.calls[-1].priority) == (3, 3)
+            # the caller's priority, then the tenant's fairness rank (0: nothing else in flight)
+            want = engine_priority(3, 0)
+            assert (prefill.calls[-1].priority, decode.calls[-1].priority) == (want, want)
             async with http.post("/v1/chat/completions", json=_chat(priority=-7)) as resp:
                 assert resp.status == 200, await resp.text()
-            assert (prefill.calls[-1].priority, decode.calls[-1].priority) == (-7, -7)
+            want = engine_priority(-7, 0)
+            assert (prefill.calls[-1].priority, decode.calls[-1].priority) == (want, want)
             responses = {"model": "tiny", "input": "hi", "priority": 1}
             async with http.post("/v1/responses", json=responses) as resp:
                 assert resp.status == 400
