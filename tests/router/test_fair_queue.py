@@ -197,3 +197,17 @@ def test_a_flood_fills_its_own_queue_not_another_tenants() -> None:
         assert got == ["h0", "l0", "h1", "h2"]
 
     asyncio.run(main())
+
+
+def test_peek_and_pop_among_eligible_tenants_or_one_tenant() -> None:
+    q: FairQueue[str] = FairQueue()
+    q.push("a", "a0")
+    q.push("b", "b0")
+    q.push("b", "b1")
+    assert q.peek_tenant() == "a" and q.peek_tenant(lambda t: t != "a") == "b"
+    assert q.peek_tenant(lambda t: False) is None and q.waiting_tenants() == ["a", "b"]
+    assert q.pop("b") == ("b", "b0")  # b's head, a still first in the fair order
+    assert q.pop() == ("a", "a0")
+    with pytest.raises(IndexError):
+        q.pop("a")
+    assert q.waiting_tenants() == ["b"]
