@@ -128,6 +128,7 @@ class Answer:
     tokens: list[int]
     cached: int
     ttft_s: float
+    logprobs: list[float]
 
 
 class Router:
@@ -138,14 +139,18 @@ class Router:
         self.stub = router_pb2_grpc.RouterServiceStub(self.channel)
         self.meta = (("authorization", f"Bearer {api_key()}"),)
 
-    def generate(self, prompt: list[int], n: int, timeout: float = 120.0) -> Answer:
-        """Greedy ``n`` tokens of ``prompt`` (token ids), with the time to the first token."""
-        req = router_pb2.GenerateRequest(
-            prompt_token_ids=prompt,
-            sampling=common_pb2.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
-        )
+    def generate(
+        self, prompt: list[int], n: int, timeout: float = 120.0, logprobs: int | None = None
+    ) -> Answer:
+        """Greedy ``n`` tokens of ``prompt`` (token ids), with the time to the first token
+        (and each token's logprob when ``logprobs`` is given)."""
+        sampling = common_pb2.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        if logprobs is not None:
+            sampling.logprobs = logprobs
+        req = router_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=sampling)
         start = time.monotonic()
         tokens: list[int] = []
+        lps: list[float] = []
         cached, ttft = 0, 0.0
         for msg in self.stub.GenerateStream(
             req, timeout=timeout, metadata=self.meta, wait_for_ready=True
@@ -153,8 +158,9 @@ class Router:
             if msg.token_ids and not tokens:
                 ttft = time.monotonic() - start
             tokens.extend(msg.token_ids)
+            lps.extend(msg.logprobs.token_logprobs)
             cached = max(cached, msg.cached_tokens)
-        return Answer(tokens, cached, ttft)
+        return Answer(tokens, cached, ttft, lps)
 
     def close(self) -> None:
         self.channel.close()

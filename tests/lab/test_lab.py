@@ -96,6 +96,15 @@ def test_completions_are_token_exact(router, model):
         assert got.tokens == reference(model, prompt), length
 
 
+def test_logprobs_are_answered(router, model):
+    """vLLM gathers logprobs through torch.compile even in eager mode: the image carries the
+    compiler inductor needs (without it the first such request killed the engine)."""
+    prompt = text_prompt(model, 40, "logprobs")
+    got = router.generate(prompt, N, logprobs=1)
+    assert got.tokens == reference(model, prompt)
+    assert len(got.logprobs) == N and all(lp <= 0.0 for lp in got.logprobs), got.logprobs
+
+
 def test_a_prefix_computed_by_prefill_is_loaded_by_decode_across_containers(router, model):
     shared = text_prompt(model, 2 * CHUNK, "shared prefix")
     loaded_before = labctl.metric(
