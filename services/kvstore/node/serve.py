@@ -17,7 +17,7 @@ import logging
 
 import grpc
 
-from pdserve import grpcutil
+from pdserve import failover, grpcutil
 from pdserve.discovery import leave, register_service
 from pdserve.identity import advertised
 from pdserve.lifecycle import announce_ready
@@ -149,9 +149,15 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event) -> None:
                 interval = await _mount_all(node, stub, address)
                 break
             except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                # a standby binds nothing and a call with a deadline waits for a connection:
+                # DEADLINE_EXCEEDED, and the failover channel moves on to the next master
+                if exc.code() not in failover.FAILOVER_CODES:
                     raise
-                log.warning("master %s unavailable; retrying mount", cfg.master_address)
+                log.warning(
+                    "master %s answered %s; retrying mount",
+                    cfg.master_address,
+                    exc.code().name,
+                )
                 try:
                     await asyncio.wait_for(stop.wait(), 0.5)
                     return

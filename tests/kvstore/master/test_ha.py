@@ -1,7 +1,7 @@
 """Two KV masters on a real etcd (services/kvstore/master/ha.py): one leads, the other stands
 by binding nothing. A storage node and a store client name both. SIGKILL the leader: the
 standby takes over, the node remounts, and every object stored before the kill reads back
-byte-exact; new puts work. Restart the killed one (a standby now), SIGSTOP the leader past its
+byte-exact; new puts work; a node started then mounts at the new leader. Restart the killed one (a standby now), SIGSTOP the leader past its
 lease: the standby takes over again, and the paused one exits as soon as it runs again (it
 lost its lease; its writes would be refused by etcd anyway)."""
 
@@ -96,6 +96,11 @@ def test_a_standby_master_takes_over_without_losing_an_object(tmp_path: Path) ->
         with open_store(address, transport="tcp") as store:
             assert store.put("ha-after-kill", b"x" * 5000)
         objects["ha-after-kill"] = b"x" * 5000
+        # a node (re)started now names the dead leader first: its mount there waits for a
+        # connection until the deadline (DEADLINE_EXCEEDED), and it mounts at the new leader
+        # (the lab's restarted storage node crashed here in a loop)
+        late = start_node(address, tmp_path, transports="tcp", segment_sizes="16MiB")
+        late.stop()
 
         start(0)  # as up would: it stands by now
         time.sleep(0.5)
