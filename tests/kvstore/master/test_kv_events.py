@@ -442,7 +442,7 @@ def test_vllm_connector_saves_carry_the_chain() -> None:
         def available(self) -> bool:
             return True
 
-        def save(self, items, *, ttl_ms=0, meta=None, roots=None):
+        def save(self, items, *, ttl_ms=0, meta=None, roots=None, tenants=None):
             saved.append((ttl_ms, {k: meta[k] for k, _ in items if meta and k in meta}))
             return len(items)
 

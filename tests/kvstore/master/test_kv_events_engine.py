@@ -427,7 +427,7 @@ def test_vllm_connector_publishes_the_requests_block_hashes(store) -> None:
         def available(self) -> bool:
             return True
 
-        def save(self, items, *, ttl_ms=0, meta=None, roots=None):
+        def save(self, items, *, ttl_ms=0, meta=None, roots=None, tenants=None):
             put_chunks(client, [k for k, _ in items], meta)
             return len(items)
 
