@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from recording_backend import Recording
 
 from pdserve import hashing, tenants
 from pdserve.engines.chunk_io import ChunkIO
@@ -19,9 +20,7 @@ from pdserve.services.router.request import GenRequest
 from pdserve.services.router.worker_requests import decode_request, prefill_request, resumed_request
 from pdserve.services.worker.config import WorkerConfig
 from pdserve.services.worker.request import check_request
-from pdserve.store.api import ChunkNamespace
 from pdserve.store.client.writes import _tag
-from pdserve.store.memory import MemoryBackend
 from pdserve.v1 import engine_pb2, kvstore_pb2
 
 FP = hashing.ModelFingerprint(model_id="m", kv_dtype="float32", chunk_size=4)
@@ -63,20 +62,6 @@ def test_the_connector_reads_the_tenant_from_kv_transfer_params() -> None:
     assert scope.tenant == "acme" and scope.root == hashing.chain_root(FP, "s").hex()
     assert keys.scope(request(None)).tenant == ""
     assert keys.scope(request({"pdserve": {"tenant": 7}})).tenant == ""
-
-
-class Recording(MemoryBackend):
-    """The memory backend that keeps the namespace each chunk put named."""
-
-    carries_chunk_meta = True
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.namespaces: list[ChunkNamespace | None] = []
-
-    def batch_put(self, items, options=None, *, meta=None, namespace=None):
-        self.namespaces.append(namespace)
-        return super().batch_put(items, options)
 
 
 def test_a_chunk_put_names_each_roots_tenant() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from recording_backend import Recording
 
 from pdserve import errors, hashing
 from pdserve.engines.chunk_io import ChunkIO
@@ -16,20 +17,6 @@ from pdserve.store.memory import MemoryBackend
 from pdserve.v1 import kvstore_pb2
 
 FP = hashing.ModelFingerprint(model_id="m", kv_dtype="float32", chunk_size=4)
-
-
-class Recording(MemoryBackend):
-    """The memory backend that keeps the namespace each chunk put named."""
-
-    carries_chunk_meta = True
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.namespaces: list[ChunkNamespace | None] = []
-
-    def batch_put(self, items, options=None, *, meta=None, namespace=None):
-        self.namespaces.append(namespace)
-        return super().batch_put(items, options)
 
 
 def test_chunk_io_names_the_fingerprint_and_each_chunks_root() -> None:
