@@ -33,6 +33,13 @@ BREAKER_TRIPS = Counter(
 WORKERS = Gauge(
     "pdserve_router_workers", "Workers in rotation", ["role", "model"], registry=REGISTRY
 )
+WORKER_LOAD = Gauge(
+    "pdserve_router_worker_load",
+    "Requests queued or running on each worker as the router places by them: the fresher of "
+    "the worker's last report through meta and the router's own requests on it",
+    ["role", "worker"],
+    registry=REGISTRY,
+)
 REFUSED = Counter(
     "pdserve_router_refused_workers",
     "Workers refused (kept out of placement) because their registered KV fingerprint differs "
@@ -127,7 +134,8 @@ class WorkerPool:
 
     def add_static(self, role: str, addresses: list[str]) -> None:
         for addr in addresses:
-            self.workers[role][f"{role}@{addr}"] = Worker(f"{role}@{addr}", addr, role)
+            w = self.workers[role][f"{role}@{addr}"] = Worker(f"{role}@{addr}", addr, role)
+            _watch(w)
         self._changed()
 
     def apply(self, event_type: int, inst: meta_pb2.Instance) -> None:
@@ -143,6 +151,7 @@ class WorkerPool:
         if event_type == meta_pb2.INSTANCE_EVENT_LEFT:
             gone = table.pop(inst.instance_id, None)
             if gone is not None:
+                _unwatch(gone)
                 asyncio.get_event_loop().create_task(gone.close())
         else:
             w = table.get(inst.instance_id)
@@ -151,6 +160,7 @@ class WorkerPool:
                     asyncio.get_event_loop().create_task(w.close())
                 w = Worker(inst.instance_id, inst.address, role, owner=inst.owner)
                 table[inst.instance_id] = w
+                _watch(w)
             w.max_running = inst.max_running
             w.labels = dict(inst.labels)
             w.queue_length = inst.load.queue_length
@@ -288,6 +298,16 @@ class WorkerPool:
             )
         if self.on_change is not None:
             self.on_change()
+
+
+def _watch(w: Worker) -> None:
+    """The worker's load on ``/metrics``, read at each scrape."""
+    WORKER_LOAD.labels(w.role, w.id).set_function(lambda: w.load)
+
+
+def _unwatch(w: Worker) -> None:
+    with contextlib.suppress(KeyError):
+        WORKER_LOAD.remove(w.role, w.id)
 
 
 async def _healthy(w: Worker, timeout: float = 1.0) -> bool:

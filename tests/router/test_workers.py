@@ -130,3 +130,24 @@ def test_decode_capacity_follows_registered_workers_and_reports_changes():
         await pool.close()
 
     asyncio.run(main())
+
+
+def test_each_workers_load_is_a_gauge_until_it_leaves():
+    from pdserve.telemetry import REGISTRY
+
+    def load(wid):
+        return REGISTRY.get_sample_value(
+            "pdserve_router_worker_load", {"role": PREFILL, "worker": wid}
+        )
+
+    async def main():
+        pool = WorkerPool(model="tiny")
+        pool.sync([inst("gauge-p0", common_pb2.ROLE_PREFILL, "127.0.0.1:2", running=1, queue=2)])
+        assert load("gauge-p0") == 3
+        pool.workers[PREFILL]["gauge-p0"].inflight = 5  # read at each scrape
+        assert load("gauge-p0") == 5
+        pool.sync([])
+        assert load("gauge-p0") is None
+        await pool.close()
+
+    asyncio.run(main())
