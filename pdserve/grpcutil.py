@@ -1,7 +1,8 @@
 """The one place gRPC servers and channels are made.
 
-Every server gets explicit message-size limits, grpc.health.v1, reflection and the error
-mapping of :mod:`pdserve.errors`. With the process's TLS set (:func:`pdserve.identity.configure`)
+Every server gets explicit message-size limits, the connection limits of
+:mod:`pdserve.grpc_limits` (a first-frame deadline, a cap on open connections),
+grpc.health.v1, reflection and the error mapping of :mod:`pdserve.errors`. With the process's TLS set (:func:`pdserve.identity.configure`)
 every server requires, and every channel presents, a certificate from the cluster's CA (mutual
 TLS); a public server (the router's API) takes its own optional server-only TLS instead.
 """
@@ -20,7 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve import identity, reloading, tracing_grpc
+from pdserve import grpc_limits, identity, reloading, tracing_grpc
 from pdserve.errors import RateLimited, status_for
 
 log = logging.getLogger(__name__)
@@ -162,6 +163,7 @@ async def start_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     public_tls: tuple[bytes, bytes] | None = None,
     public_client_ca: bytes = b"",
+    limits: grpc_limits.ConnectionLimits | None = None,
 ) -> Server:
     """Starts a grpc.aio server on ``address`` ("host:port", port 0 = any free port).
 
@@ -172,9 +174,11 @@ async def start_server(
     unless ``public_client_ca`` (PEM) is given: then it requires one signed by that CA (the
     router's trusted gateways, services/router/gateway.py). NOTE: Python's gRPC cannot ask for
     an optional one: without ``require_client_auth`` it asks for none (measured: the auth
-    context held no certificate though the client had one).
+    context held no certificate though the client had one). ``limits``: the connections'
+    deadline and cap (default: the process's, :func:`pdserve.grpc_limits.configure`).
     """
-    options = [*_options(max_message_bytes), *_SERVER_OPTIONS]
+    limits = limits or grpc_limits.limits()
+    options = [*_options(max_message_bytes), *_SERVER_OPTIONS, *limits.options()]
     traced = tracing_grpc.server_interceptors()  # first: a refused call is in the trace too
     server = grpc.aio.server(
         options=options, interceptors=[*traced, *interceptors, _RefuseMalformed()]

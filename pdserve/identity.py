@@ -43,6 +43,7 @@ import grpc
 
 from pdserve.config_fields import ConfigError, help_field
 from pdserve.errors import PermissionDenied, Unauthenticated
+from pdserve.grpc_limits import GrpcLimitsConfig
 from pdserve.tracing import TracingConfig
 
 log = logging.getLogger(__name__)
@@ -71,9 +72,10 @@ class Identity:
 
 
 @dataclass
-class SecurityConfig(TracingConfig):
+class SecurityConfig(TracingConfig, GrpcLimitsConfig):
     """The fields every service config carries (a base class of each): TLS and exposure, and
-    with :class:`~pdserve.tracing.TracingConfig` where its request traces go."""
+    with :class:`~pdserve.tracing.TracingConfig` where its request traces go, with
+    :class:`~pdserve.grpc_limits.GrpcLimitsConfig` its gRPC ports' connection limits."""
 
     tls_ca: str = help_field(
         "",

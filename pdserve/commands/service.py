@@ -1,8 +1,9 @@
 """The one way a service becomes a ``pdserve`` command: flags from its config dataclass,
 config errors as a clean message (exit 2), the process's TLS identity and the protected-mode
 checks (:mod:`pdserve.identity` for its ports, ``telemetry.configure_metrics`` for its
-metrics port), structured logging, tracing (:mod:`pdserve.tracing`), and the service's
-``serve(cfg, stop)`` run under :func:`pdserve.lifecycle.run` (SIGTERM/SIGINT drain)."""
+metrics port), its gRPC ports' connection limits and file-descriptor limit
+(:mod:`pdserve.grpc_limits`), structured logging, tracing (:mod:`pdserve.tracing`), and the
+service's ``serve(cfg, stop)`` run under :func:`pdserve.lifecycle.run` (SIGTERM/SIGINT drain)."""
 
 from __future__ import annotations
 
@@ -32,11 +33,12 @@ def add_service_command(
     label = service or name
 
     def run(args: argparse.Namespace) -> int:
-        from pdserve import lifecycle, telemetry, tracing
+        from pdserve import grpc_limits, lifecycle, telemetry, tracing
 
         try:
             cfg = config.from_args(config_cls, section, args)
             identity.configure(cfg)
+            grpc_limits.configure(cfg)
             keys = ("api_key", "api_key_file", "tenant_keys_file")
             has_key = any(getattr(cfg, k, "") for k in keys) if hasattr(cfg, "api_key") else None
             identity.check_exposure(cfg, f"pdserve {label}", has_key=has_key)
