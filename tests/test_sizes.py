@@ -24,7 +24,6 @@ BASELINE: dict[str, int] = {
     "services/kvstore/master/kv_events.py": 553,
     "services/kvstore/master/servicer.py": 467,
     "services/kvstore/master/state.py": 572,
-    "services/meta/registry.py": 476,
     "services/router/frontend.py": 511,
     "services/router/orchestrator.py": 460,
     "tests/bench/serve/test_capacity.py": 463,

@@ -17,6 +17,13 @@ every caller, and its records have no owner).
   identity may heartbeat, deregister or re-register its ``instance_id``, so nobody takes over
   another's instance, not even with the lease id that ListInstances shows. A record without
   an owner (registered before TLS was turned on, kept by etcd) may be taken by anyone.
+- One worker identity, bounded instances: meta holds at most
+  ``max_instances_per_identity_by_role`` live instances of a role per registering identity
+  (default: one prefill or decode instance per worker certificate), so a worker's certificate
+  cannot register a second instance under its own name and take a second share of the
+  router's requests. :func:`bounded` says whose instances count: a pool's shared certificate
+  (``worker:decode``) is every pod of its pool, which meta cannot tell apart, and ``admin``
+  is not bounded by role.
 - Listing and watching take any identity of the cluster. ``admin`` may do everything.
 """
 
@@ -82,6 +89,24 @@ def _check_worker(caller: Identity, instance: meta_pb2.Instance) -> None:
             f"{caller} may register only {caller.name!r} or {caller.name + '-<suffix>'!r}, "
             f"not {iid!r}"
         )
+
+
+def one_worker(owner: str) -> bool:
+    """Whether ``owner`` (an ``Instance.owner``) names one worker (``worker:decode-0``), not a
+    pool's shared certificate (``worker:decode``) and not "" (no TLS): the router counts the
+    instances of such an owner as one worker (``WorkerPool.candidates``)."""
+    role, _, name = owner.partition(":")
+    return role == "worker" and bool(name) and name not in WORKER_POOL
+
+
+def bounded(caller: Identity | None, role: int) -> bool:
+    """Whether ``caller``'s live instances of ``role`` count against the per-identity bound of
+    the role (``max_instances_per_identity_by_role``): an identity of the role's registrant
+    (``admin`` is not bounded by role; no TLS, no identity, no bound), and for workers only
+    one that names one worker (:func:`one_worker`)."""
+    if caller is None or caller.role != REGISTRANT.get(role):
+        return False
+    return caller.role != "worker" or one_worker(str(caller))
 
 
 def check_owner(caller: Identity | None, owner: str, action: str) -> None:

@@ -8,8 +8,10 @@ rewrites the record (``updated_ms``) and is broadcast as UPDATED. Registering an
 
 With TLS every call carries the caller's identity; who may do what is
 :mod:`pdserve.services.meta.access` (the registering identity owns the record). Caps
-(:class:`Limits`) bound what one record, one identity and everybody together may hold, so
-junk registrations cannot grow meta or its list answers without bound; lists come in pages.
+(:mod:`pdserve.services.meta.caps`) bound what one record, one identity (in all, and per
+role: one prefill or decode instance per worker certificate by default) and everybody together
+may hold, so junk registrations cannot grow meta or its list answers without bound, nor one
+worker take a second share of the requests; lists come in pages.
 
 The registry keeps an index of the live records (role, owner, lease) for these checks: its
 own registrations enter it at once, and the backend's change stream keeps it current (also
@@ -30,14 +32,14 @@ import logging
 import math
 import re
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 
 from pdserve.enums import ROLE
 from pdserve.errors import InvalidArgument, ResourceExhausted, Unavailable
 from pdserve.identity import Identity
 from pdserve.services.meta import access
 from pdserve.services.meta.backends.base import Backend
+from pdserve.services.meta.caps import PAGE_BYTES, Index, Limits, Room
 from pdserve.v1 import common_pb2, meta_pb2
 
 log = logging.getLogger(__name__)
@@ -48,36 +50,9 @@ TTL_MAX_MS = 600_000
 #: ListInstances page sizes (count): the default, and the most one page holds.
 DEFAULT_PAGE_SIZE = 500
 MAX_PAGE_SIZE = 1000
-#: A page also ends before its instances pass this many bytes (the message limit is 16 MiB).
-PAGE_BYTES = 4 * 1024 * 1024
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 _MAX_MODEL = 256
 _MAX_ADDRESS = 300
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Caps on what meta holds (MetaConfig carries them; exceeding one is RESOURCE_EXHAUSTED
-    naming it)."""
-
-    #: Live instances in all (count).
-    max_instances: int = 4096
-    #: Live instances one TLS identity registered (count; no cap without TLS).
-    max_instances_per_identity: int = 256
-    #: Labels per instance (count).
-    max_labels: int = 64
-    #: Bytes of one label key, and of one label value (UTF-8).
-    max_label_bytes: int = 256
-    #: Bytes of one serialized Instance as registered. With the default page size this keeps
-    #: a full page at PAGE_BYTES.
-    max_record_bytes: int = 8192
-
-    def validate(self) -> None:
-        for name, value in vars(self).items():
-            if value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
-        if self.max_record_bytes > PAGE_BYTES:
-            raise ValueError(f"max_record_bytes must be <= {PAGE_BYTES} (one page)")
 
 
 def check_role(role: int, *, allow_any: bool) -> None:
@@ -106,7 +81,8 @@ def check_load(load: common_pb2.Load) -> None:
         raise InvalidArgument(f"load.kv_usage must be within 0..1, got {load.kv_usage}")
 
 
-def check_instance(inst: meta_pb2.Instance, limits: Limits = Limits()) -> None:
+def check_instance(inst: meta_pb2.Instance, limits: Limits | None = None) -> None:
+    limits = limits or Limits()
     if not _ID_RE.match(inst.instance_id):
         raise InvalidArgument(
             f"instance.instance_id {inst.instance_id!r} must be 1..128 characters of "
@@ -167,51 +143,6 @@ def parse_page_token(token: str, role: int, model: str) -> str:
     return after
 
 
-@dataclass
-class _Entry:
-    role: int
-    owner: str
-    lease_id: str
-
-
-class _Index:
-    """This meta's view of the live records: id -> (role, owner, lease), lease -> id, and how
-    many each owner holds."""
-
-    def __init__(self) -> None:
-        self.by_id: dict[str, _Entry] = {}
-        self.by_lease: dict[str, str] = {}
-        self.per_owner: Counter[str] = Counter()
-
-    def reset(self, instances: list[meta_pb2.Instance]) -> None:
-        self.by_id.clear()
-        self.by_lease.clear()
-        self.per_owner.clear()
-        for inst in instances:
-            self.put(inst)
-
-    def put(self, inst: meta_pb2.Instance) -> None:
-        self._remove(inst.instance_id)
-        self.by_id[inst.instance_id] = _Entry(inst.role, inst.owner, inst.lease_id)
-        self.by_lease[inst.lease_id] = inst.instance_id
-        self.per_owner[inst.owner] += 1
-
-    def drop(self, inst: meta_pb2.Instance) -> None:
-        """Removes ``inst`` unless a later registration of its id replaced it already."""
-        entry = self.by_id.get(inst.instance_id)
-        if entry is not None and entry.lease_id == inst.lease_id:
-            self._remove(inst.instance_id)
-
-    def _remove(self, instance_id: str) -> None:
-        old = self.by_id.pop(instance_id, None)
-        if old is None:
-            return
-        self.by_lease.pop(old.lease_id, None)
-        self.per_owner[old.owner] -= 1
-        if self.per_owner[old.owner] <= 0:
-            del self.per_owner[old.owner]
-
-
 class _Subscriber:
     def __init__(self, role: int, model: str, limit: int) -> None:
         self.role, self.model, self.limit = role, model, limit
@@ -247,8 +178,9 @@ class Registry:
         min_ttl_ms: int = TTL_MIN_MS,
         max_ttl_ms: int = TTL_MAX_MS,
         watch_queue_limit: int = 10_000,
-        limits: Limits = Limits(),
+        limits: Limits | None = None,
     ) -> None:
+        limits = limits or Limits()
         if not TTL_MIN_MS <= min_ttl_ms <= max_ttl_ms <= TTL_MAX_MS:
             raise ValueError(
                 f"TTL limits must satisfy {TTL_MIN_MS} <= min_ttl_ms <= max_ttl_ms <= {TTL_MAX_MS}"
@@ -259,10 +191,8 @@ class Registry:
         self.limits = limits
         self._limit = watch_queue_limit
         self._subs: set[_Subscriber] = set()
-        self._index = _Index()
-        # Registrations between their checks and their store: new instances, and per owner.
-        self._pending = 0
-        self._pending_owner: Counter[str] = Counter()
+        self._index = Index()
+        self._room = Room(self._index, limits)
         self._id_locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
         self._pump: asyncio.Task[None] | None = None
         self.heartbeats = 0
@@ -337,32 +267,6 @@ class Registry:
             if not users[0]:
                 del self._id_locks[instance_id]
 
-    @contextlib.contextmanager
-    def _room(self, owner: str, current: _Entry | None) -> Iterator[None]:
-        """Checks that one more instance fits (for ``owner``) and holds its place meanwhile."""
-        adds = current is None
-        adds_owner = bool(owner) and (current is None or current.owner != owner)
-        if adds and len(self._index.by_id) + self._pending >= self.limits.max_instances:
-            raise ResourceExhausted(
-                f"meta holds its max_instances ({self.limits.max_instances}) live instances; "
-                "deregister some or raise max_instances"
-            )
-        mine = self._index.per_owner[owner] + self._pending_owner[owner]
-        if adds_owner and mine >= self.limits.max_instances_per_identity:
-            raise ResourceExhausted(
-                f"{owner} holds its max_instances_per_identity "
-                f"({self.limits.max_instances_per_identity}) live instances"
-            )
-        self._pending += adds
-        self._pending_owner[owner] += adds_owner
-        try:
-            yield
-        finally:
-            self._pending -= adds
-            self._pending_owner[owner] -= adds_owner
-            if self._pending_owner[owner] <= 0:
-                del self._pending_owner[owner]
-
     async def register(
         self, instance: meta_pb2.Instance, ttl_ms: int, caller: Identity | None = None
     ) -> tuple[str, int]:
@@ -376,7 +280,7 @@ class Registry:
         async with self._one_at_a_time(record.instance_id):
             current = self._index.by_id.get(record.instance_id)
             access.check_register(caller, record, current.owner if current else None)
-            with self._room(record.owner, current):
+            with self._room.hold(record, current, access.bounded(caller, record.role)):
                 lease_id, ttl = await self.backend.register(record, ttl_ms)
             record.lease_id = lease_id
             self._index.put(record)

@@ -16,12 +16,8 @@ from pdserve.etcdaccess import EtcdAccess
 from pdserve.identity import SecurityConfig, advertised
 from pdserve.services.meta import http_metadata, prometheus_sd
 from pdserve.services.meta.backends.base import Backend
-from pdserve.services.meta.registry import (
-    TTL_MAX_MS,
-    TTL_MIN_MS,
-    Limits,
-    Registry,
-)
+from pdserve.services.meta.caps import DEFAULT_ROLE_BOUNDS, Limits
+from pdserve.services.meta.registry import TTL_MAX_MS, TTL_MIN_MS, Registry
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +72,16 @@ class MetaConfig(SecurityConfig, telemetry.MetricsConfig):
         Limits.max_instances_per_identity,
         "most live instances one TLS identity (certificate) may register (no cap without TLS)",
         metavar="N",
+    )
+    max_instances_per_identity_by_role: dict[str, int] = help_field(
+        DEFAULT_ROLE_BOUNDS,
+        "role -> most live instances of that role one TLS identity may register (0 = no bound "
+        "of its own; a role not named has none): one prefill or decode instance per worker "
+        "certificate by default, so a worker cannot register a second instance and take a "
+        "second share of the requests; a re-registration of the same instance_id always fits. "
+        "It does not count a pool's shared certificate (worker:decode) nor admin (JSON on a "
+        "flag)",
+        metavar="JSON",
     )
     max_labels: int = help_field(Limits.max_labels, "most labels on one instance")
     max_label_bytes: int = help_field(
@@ -180,6 +186,7 @@ class MetaConfig(SecurityConfig, telemetry.MetricsConfig):
         return Limits(
             max_instances=self.max_instances,
             max_instances_per_identity=self.max_instances_per_identity,
+            max_instances_per_identity_by_role=dict(self.max_instances_per_identity_by_role),
             max_labels=self.max_labels,
             max_label_bytes=self.max_label_bytes,
             max_record_bytes=self.max_record_bytes,

@@ -175,6 +175,43 @@ def test_a_certificate_of_another_ca_is_refused(start_meta, certdir: Path, tmp_p
     asyncio.run(main())
 
 
+@pytest.mark.slow
+def test_one_worker_certificate_holds_one_instance(start_meta, certdir: Path) -> None:
+    """Issue 56: a decode certificate registered a second instance under its own name and took
+    half the router's requests. Meta's default bound refuses it; a re-registration of the
+    same instance (a restart, a lost lease) and a pool's shared certificate still pass."""
+    addr = start_meta(0, -1, *tls_flags(certdir)).info["grpc"]
+
+    async def main() -> None:
+        d0, pool = stub_as(addr, certdir, "decode-0"), stub_as(addr, certdir, "decode")
+        first = (await d0.Register(register("decode-0"))).lease_id
+        await refused(
+            d0.Register(register("decode-0-b", "127.0.0.1:9001")),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "worker:decode-0 already holds 1 live decode instance(s) ('decode-0'); "
+            "max_instances_per_identity_by_role allows 1 per identity",
+        )
+        again = (await d0.Register(register("decode-0", "127.0.0.1:9002"))).lease_id
+        await d0.Heartbeat(meta_pb2.MetaHeartbeatRequest(lease_id=again))
+        for iid in ("decode-a", "decode-b"):  # every pod of a StatefulSet holds worker:decode
+            await pool.Register(register(iid))
+        listed = (await d0.ListInstances(meta_pb2.ListInstancesRequest())).instances
+        assert [(i.instance_id, i.address, i.owner) for i in listed] == [
+            ("decode-0", "127.0.0.1:9002", "worker:decode-0"),
+            ("decode-a", "127.0.0.1:9000", "worker:decode"),
+            ("decode-b", "127.0.0.1:9000", "worker:decode"),
+        ]
+        assert first != again
+        await d0.Deregister(meta_pb2.DeregisterRequest(lease_id=again))
+        await d0.Register(register("decode-0-b"))  # its room is free once it left
+
+    asyncio.run(main())
+
+
+def register(iid: str, address: str = "127.0.0.1:9000") -> meta_pb2.RegisterRequest:
+    return meta_pb2.RegisterRequest(instance=decode(iid, address), ttl_ms=60_000)
+
+
 @pytest.fixture
 def as_worker(certdir: Path) -> Iterator[None]:
     """This test process presents worker:decode's certificate on grpcutil's channels."""

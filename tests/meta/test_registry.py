@@ -216,6 +216,10 @@ NODE, ROUTER, MASTER, ADMIN = (
 )
 
 
+#: Limits without the per-role bound (one prefill or decode instance per worker certificate).
+NO_ROLE_BOUND = {"max_instances_per_identity_by_role": {}}
+
+
 def run_with(body, backend=None, **limits) -> None:
     async def main() -> None:
         reg = Registry(backend or MemoryBackend(), limits=Limits(**limits))
@@ -314,7 +318,8 @@ def test_concurrent_registrations_cannot_pass_ownership_or_caps() -> None:
         same_id = [reg.register(inst("prefill-2-p0"), 1000, c) for c in (W1, W2, W1, W2)]
         got = await asyncio.gather(*same_id, return_exceptions=True)
         assert [type(g) for g in got] == [tuple, PermissionDenied, tuple, PermissionDenied]
-        many = [reg.register(inst(f"prefill-2-q{k}"), 1000, W2) for k in range(20)]
+        # a pool's certificate: not bounded per role (test_identity_bound.py), only in all
+        many = [reg.register(inst(f"prefill-q{k}"), 1000, W1) for k in range(20)]
         got = await asyncio.gather(*many, return_exceptions=True)
         assert sum(isinstance(g, tuple) for g in got) == 4  # 5 in all, p0 included
         assert all(isinstance(g, (tuple, ResourceExhausted)) for g in got)
@@ -344,7 +349,7 @@ def test_caps_on_instances_per_identity_and_in_all() -> None:
             "prefill-a0",
         ]
 
-    run_with(body, max_instances=3, max_instances_per_identity=2)
+    run_with(body, max_instances=3, max_instances_per_identity=2, **NO_ROLE_BOUND)
 
 
 @pytest.mark.parametrize(
@@ -421,4 +426,4 @@ def test_a_worker_registers_only_its_pools_role_under_its_own_name() -> None:
             "prefill-0-replica",
         ]
 
-    run_with(body)
+    run_with(body, **NO_ROLE_BOUND)  # the names alone; the bound is test_identity_bound.py's
