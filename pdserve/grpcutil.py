@@ -2,9 +2,10 @@
 
 Every server gets explicit message-size limits, the connection limits of
 :mod:`pdserve.grpc_limits` (a first-frame deadline, a cap on open connections),
-grpc.health.v1, reflection and the error mapping of :mod:`pdserve.errors`. With the process's TLS set (:func:`pdserve.identity.configure`)
-every server requires, and every channel presents, a certificate from the cluster's CA (mutual
-TLS); a public server (the router's API) takes its own optional server-only TLS instead.
+grpc.health.v1, reflection and the error mapping of :mod:`pdserve.errors`. With the process's
+TLS set (:func:`pdserve.identity.configure`) every server requires, and every channel
+presents, a certificate from the cluster's CA (mutual TLS); a public server (the router's API)
+takes its own optional server-only TLS instead.
 """
 
 from __future__ import annotations
