@@ -19,6 +19,9 @@ class GrpcWorkerClient(WorkerClient):
             return await worker.prefill_stub().Prefill(request, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             raise WorkerCallError(exc.code(), exc.details() or "") from exc
+        except asyncio.CancelledError:
+            _raise_unless_ours()
+            raise
 
     def decode(
         self, worker: Worker, request: engine_pb2.DecodeRequest, timeout: float | None
@@ -41,16 +44,33 @@ class _GrpcDecodeCall(DecodeCall):
         except grpc.aio.AioRpcError as exc:
             raise WorkerCallError(exc.code(), exc.details() or "") from exc
         except asyncio.CancelledError:
-            # NOTE: grpc.aio ends a locally cancelled call with CancelledError; only the
-            # consumer's own cancellation may propagate as one.
-            task = asyncio.current_task()
-            if self._cancelled and (task is None or not task.cancelling()):
+            if self._cancelled and not _consumer_cancelled():
                 raise WorkerCallError(
                     grpc.StatusCode.CANCELLED, "cancelled by the router"
                 ) from None
+            _raise_unless_ours()
             raise
 
     def cancel(self) -> None:
         if not self._call.done():
             self._cancelled = True
             self._call.cancel()
+
+
+def _consumer_cancelled() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+def _raise_unless_ours() -> None:
+    """grpc.aio ends a call with CancelledError both when the awaiting task is cancelled (the
+    client went away, an abort: that must propagate) and when the call's channel is closed
+    under it: the pool closes a worker's channel when meta drops the worker (its lease ended:
+    a frozen host, a cut link). The latter is the worker failing, not the request: it becomes
+    UNAVAILABLE so the router retries or resumes the stream on another worker. (Propagated as
+    a cancellation it ended the request as "cancelled" while the client's stream stayed open,
+    unanswered, until its deadline.)"""
+    if not _consumer_cancelled():
+        raise WorkerCallError(
+            grpc.StatusCode.UNAVAILABLE, "the worker's channel closed under the call (it left)"
+        ) from None

@@ -1,12 +1,17 @@
 """Killing a worker loses no request and returns no wrong token: a real cluster (meta, store,
-2 prefill + 3 decode torch workers, router). SIGKILL one prefill worker, then one decode
+2 prefill + 4 decode torch workers, router). SIGKILL one prefill worker, then one decode
 worker: every later request completes token-exact (the router retries on another worker, its
 circuit breaker takes the dead one out, meta drops it when its lease ends). Then SIGKILL the
 decode worker in the middle of a stream: the router resumes it on another worker and the
-client gets the whole, exact completion."""
+client gets the whole, exact completion. Last, freeze (SIGSTOP) a decode worker in the middle
+of a stream, as a host that vanishes without a reset (a `docker kill`ed container, a cut link):
+meta drops it when its lease ends (or the router's keepalive pings go unanswered first), and
+the router resumes the stream elsewhere."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -25,7 +30,7 @@ def _prompt(i: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_model_dir):
-    c = Cluster(tmp_path_factory.mktemp("kill"), tiny_model_dir, decodes=3)
+    c = Cluster(tmp_path_factory.mktemp("kill"), tiny_model_dir, decodes=4)
     try:
         yield c
     finally:
@@ -65,7 +70,38 @@ def test_kill_prefill_then_decode_worker(cluster, hf_greedy) -> None:
 
 
 def test_kill_decode_mid_stream_resumes(cluster, hf_greedy) -> None:
-    toks = _prompt(300)
+    _interrupt_mid_stream(cluster, hf_greedy, 300, lambda d: d.kill(), join_s=120)
+
+
+def test_frozen_decode_mid_stream_resumes_after_keepalive(cluster, hf_greedy) -> None:
+    """A decode worker that stops answering without closing its connection (SIGSTOP: the
+    kernel keeps the TCP connection; nothing answers, nothing heartbeats) is dropped by meta
+    when its lease ends (6 s) and the router's pool closes its channel, or, first, the router's
+    keepalive drops the connection (grpcutil: a ping every 10 s, 10 s unanswered). Either way
+    the stream resumes on another worker instead of hanging until the client's deadline.
+    (Before the fix, the closed channel ended the router's call with a bare CancelledError,
+    taken for the request's own cancellation: the request ended "cancelled" and the client's
+    stream stayed open, unanswered.)"""
+    frozen: list = []
+
+    def freeze(d) -> None:
+        os.kill(d.pid, signal.SIGSTOP)
+        frozen.append(d)
+
+    try:
+        took = _interrupt_mid_stream(cluster, hf_greedy, 400, freeze, join_s=90)
+    finally:
+        for d in frozen:
+            os.kill(d.pid, signal.SIGCONT)
+            d.kill()
+    assert took < 60, f"resumed only {took:.1f} s after the freeze"
+
+
+def _interrupt_mid_stream(cluster, hf_greedy, salt: int, interrupt, *, join_s: float) -> float:
+    """Streams a long greedy request, ``interrupt``s the decode worker streaming it once the
+    client has tokens, and checks the client still gets the whole, exact completion resumed
+    on another worker. Returns the seconds from the interruption to the stream's end."""
+    toks = _prompt(salt)
     # long enough (prompt 340 + 1500 within the tiny model's 2048) that a loaded CI machine
     # still kills the worker while it streams: at 300 tokens the stream once ended first
     n = 1500
@@ -93,10 +129,12 @@ def test_kill_decode_mid_stream_resumes(cluster, hf_greedy) -> None:
                     busy = d
         time.sleep(0.005)
     assert busy is not None, "no decode worker streamed the request"
-    busy.kill()
+    interrupt(busy)
+    interrupted = time.monotonic()
     at_kill = len(ids(list(result["msgs"])))
     assert at_kill < n, "the stream ended before the kill: nothing to resume"
-    thread.join(120)
+    thread.join(join_s)
+    took = time.monotonic() - interrupted
     got = ids(result["msgs"])
     assert len(got) == n
     # Token for token with the uninterrupted reference, but for a near tie deep in the run:
@@ -113,3 +151,4 @@ def test_kill_decode_mid_stream_resumes(cluster, hf_greedy) -> None:
     assert result["msgs"][-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
     resumed = [r for t in cluster.traces().values() for r in t["retries"]]
     assert any(r.startswith("decode-resume:") for r in resumed), resumed
+    return took
