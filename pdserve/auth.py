@@ -5,12 +5,14 @@ configured keys (one, or a key per tenant: :mod:`pdserve.tenants`), which names 
 Open without a key: the health checks (HTTP ``/health``, ``grpc.health.v1``), gRPC
 reflection, and ``/metrics`` unless the service says otherwise.
 
-Guessing is rate limited per client address (:class:`KeyFailures`): after too many wrong keys
-an address is refused, its key not compared, until its window ends.
+Wrong keys are counted per client address and key, and over all addresses
+(:class:`KeyFailures`): past a budget a wrong key is answered 429 / RESOURCE_EXHAUSTED with
+Retry-After instead of 401; the right key is always served, from the same address too.
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import logging
 import math
@@ -33,8 +35,10 @@ OPEN_GRPC = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 HEADER = "authorization"
 SCHEME = "Bearer "
 WRONG_KEY = "invalid API key"
-#: Most client addresses :class:`KeyFailures` tracks at once.
+#: Most (client address, wrong key) pairs :class:`KeyFailures` tracks at once.
 MAX_PEERS = 10_000
+#: Wrong keys from all addresses together within a window before each is answered 429.
+GLOBAL_LIMIT = 100
 
 log = logging.getLogger(__name__)
 
@@ -72,59 +76,88 @@ def bearer(key: str) -> tuple[tuple[str, str], ...]:
 
 
 class KeyFailures:
-    """Wrong API keys per client address, so that nobody guesses the key at network speed:
-    once an address has presented ``limit`` wrong keys within ``window_s`` of its first, it
-    is refused, its keys not even compared, until that window ends. Missing or malformed
-    keys guess nothing and do not count. Memory is bounded: at most ``max_peers`` addresses,
-    the oldest window forgotten first. One instance serves HTTP and gRPC alike (one event
-    loop: no locking)."""
+    """Wrong API keys, counted per client address and key presented, and over all addresses
+    together. A key is always compared, and a right one always served: wrong keys never lock
+    out the right key, from the same address either (the users behind a NAT or a gateway share
+    it). A wrong key past one of two budgets is answered 429 with Retry-After (gRPC
+    RESOURCE_EXHAUSTED with ``retry-after``) instead of 401, so clients back off:
+
+    - the same wrong key from one address more than ``limit`` times within ``window_s`` of its
+      first (a client retrying with a stale key);
+    - more than ``global_limit`` wrong keys from all addresses together within ``window_s`` of
+      the first (guesses spread over many addresses, or many keys from one).
+
+    Either is off at 0. Missing or malformed keys guess nothing and do not count. Guessing
+    itself is defeated by the keys' length (tenant keys have 16+ characters, ``pdserve up``'s
+    43), which the budgets cannot replace: refusing keys uncompared would refuse the right one
+    too. Memory is bounded: at most ``max_peers`` (address, key) pairs, the oldest window
+    forgotten first. One instance serves HTTP and gRPC alike (one event loop: no locking)."""
 
     def __init__(
         self,
         limit: int = 10,
         window_s: float = 60.0,
         *,
+        global_limit: int = GLOBAL_LIMIT,
         max_peers: int = MAX_PEERS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        assert limit > 0 and window_s > 0 and max_peers > 0
+        assert limit >= 0 and global_limit >= 0 and window_s > 0 and max_peers > 0
         self.limit = limit
+        self.global_limit = global_limit
         self.window_s = window_s
         self.max_peers = max_peers
         self.clock = clock
-        #: address -> [window start, wrong keys in it], oldest window first.
-        self.windows: OrderedDict[str, list[float]] = OrderedDict()
+        #: (address, SHA-256 of the key) -> [window start, wrong keys in it], oldest first.
+        self.windows: OrderedDict[tuple[str, bytes], list[float]] = OrderedDict()
+        #: [window start, wrong keys in it] over all addresses.
+        self.everyone: list[float] = [-math.inf, 0]
 
-    def retry_after(self, peer: str) -> float:
-        """Seconds until ``peer`` may present a key again (0 = now)."""
-        window = self.windows.get(peer)
-        if window is None:
-            return 0.0
-        left = window[0] + self.window_s - self.clock()
-        if left <= 0:
-            del self.windows[peer]
-            return 0.0
-        return left if window[1] >= self.limit else 0.0
-
-    def failed(self, peer: str) -> None:
-        """``peer`` presented a wrong key."""
+    def failed(self, peer: str, key: str) -> float:
+        """Counts the wrong ``key`` that ``peer`` presented; returns the seconds until the
+        window of a budget it passes ends (0: within both: answer 401)."""
         now = self.clock()
-        window = self.windows.get(peer)
+        wait = 0.0
+        if self.limit:
+            pair = (peer, hashlib.sha256(key.encode()).digest())
+            window = self._count(pair, now)
+            if window[1] == self.limit + 1:
+                log.warning(
+                    "%s presented the same wrong API key %d times within %.0f s: answered 429 "
+                    "until the window ends",
+                    peer,
+                    self.limit + 1,
+                    self.window_s,
+                )
+            if window[1] > self.limit:
+                wait = window[0] + self.window_s - now
+        if self.global_limit:
+            every = self.everyone
+            if now - every[0] >= self.window_s:
+                every[:] = [now, 0]
+            every[1] += 1
+            if every[1] == self.global_limit + 1:
+                log.warning(
+                    "%d wrong API keys within %.0f s from all addresses (the last from %s): "
+                    "wrong keys are answered 429 until the window ends",
+                    self.global_limit + 1,
+                    self.window_s,
+                    peer,
+                )
+            if every[1] > self.global_limit:
+                wait = max(wait, every[0] + self.window_s - now)
+        return wait
+
+    def _count(self, pair: tuple[str, bytes], now: float) -> list[float]:
+        """``pair``'s window with one more wrong key (a new window if its own has ended)."""
+        window = self.windows.get(pair)
         if window is None or now - window[0] >= self.window_s:
-            self.windows.pop(peer, None)
+            self.windows.pop(pair, None)
             while len(self.windows) >= self.max_peers:
                 self.windows.popitem(last=False)
-            self.windows[peer] = [now, 1]
-            window = self.windows[peer]
-        else:
-            window[1] += 1
-        if window[1] == self.limit:
-            log.warning(
-                "%s presented %d wrong API keys within %.0f s: refused until the window ends",
-                peer,
-                self.limit,
-                self.window_s,
-            )
+            window = self.windows[pair] = [now, 0]
+        window[1] += 1
+        return window
 
 
 def refusal(
@@ -132,21 +165,17 @@ def refusal(
 ) -> tuple[str, float]:
     """Why a call from ``peer`` whose ``Authorization`` is ``header`` is refused: ``("", 0)``
     it is not (and :data:`pdserve.tenants.current` names its tenant from here on); ``(why,
-    0)`` no or a wrong key (HTTP 401, UNAUTHENTICATED); ``(why, s)`` with ``s > 0``: ``peer``
-    presented too many wrong keys and may try again in ``s`` seconds (HTTP 429 with
-    Retry-After, RESOURCE_EXHAUSTED), this key not compared."""
-    if failures is not None:
-        wait = failures.retry_after(peer)
-        if wait > 0:
-            return (
-                f"too many wrong API keys from this address: try again in {math.ceil(wait)} s",
-                wait,
-            )
+    0)`` no or a wrong key (HTTP 401, UNAUTHENTICATED); ``(why, s)`` with ``s > 0``: a wrong
+    key past a budget of ``failures``; try again in ``s`` seconds (HTTP 429 with Retry-After,
+    RESOURCE_EXHAUSTED). A right key is never refused."""
     why, tenant = problem(header, keys)
-    if why == WRONG_KEY and failures is not None:
-        failures.failed(peer)
     if not why:
         tenants.current.set(tenant)
+        return "", 0.0
+    if why == WRONG_KEY and failures is not None and header is not None:
+        wait = failures.failed(peer, header[len(SCHEME) :].strip())
+        if wait > 0:
+            return f"too many wrong API keys: try again in {math.ceil(wait)} s", wait
     return why, 0.0
 
 
@@ -169,8 +198,8 @@ class TenantHeader(Protocol):
 
 
 class RequireKey(grpc.aio.ServerInterceptor):
-    """Answers UNAUTHENTICATED to calls without the key, and RESOURCE_EXHAUSTED to every call
-    from an address ``failures`` holds back; before the request message is parsed. Guards
+    """Answers UNAUTHENTICATED to calls without the key, and RESOURCE_EXHAUSTED to a wrong key
+    past a budget of ``failures``; before the request message is parsed. Guards
     unary-request methods (all pdserve has); refuses others outright. With ``gateway``, a call
     whose metadata names a tenant in its header is that tenant's without a key when it comes
     from a trusted gateway, and PERMISSION_DENIED otherwise."""

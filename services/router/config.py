@@ -147,17 +147,28 @@ class RouterConfig(SecurityConfig, StoreBackendConfig):
     tenant_max_inflight: int = help_field(
         0, "requests one tenant may have in flight; past it 429 / RESOURCE_EXHAUSTED (0 = no cap)"
     )
-    metrics_need_key: bool = help_field(False, "serve /metrics only to callers with the key")
+    metrics_open: bool = help_field(
+        False,
+        "serve /metrics on the HTTP port without a key although API keys are configured (on "
+        "a loopback host it is open anyway); else Prometheus sends one: authorization: "
+        "{credentials_file: FILE}",
+    )
     api_key_failures: int = help_field(
         10,
-        "wrong API keys one client address may present within api_key_failure_window_s; past "
-        "that it is refused (HTTP 429 with Retry-After, gRPC RESOURCE_EXHAUSTED) until the "
-        "window ends, its key not even compared (0 = no limit; behind a gateway every client "
-        "shares its address)",
+        "times one client address may present the same wrong API key within "
+        "api_key_failure_window_s; past that it is answered HTTP 429 with Retry-After (gRPC "
+        "RESOURCE_EXHAUSTED) until the window ends. A right key is always served (0 = no limit)",
+        metavar="N",
+    )
+    api_key_failures_global: int = help_field(
+        100,
+        "wrong API keys all client addresses together may present within "
+        "api_key_failure_window_s; past that each wrong key is answered 429 until the window "
+        "ends. A right key is always served (0 = no limit)",
         metavar="N",
     )
     api_key_failure_window_s: float = help_field(
-        60.0, "seconds from an address's first wrong API key over which api_key_failures count"
+        60.0, "seconds from a first wrong API key over which api_key_failures(_global) count"
     )
     http_header_timeout_s: float = help_field(
         10.0,
@@ -294,8 +305,10 @@ class RouterConfig(SecurityConfig, StoreBackendConfig):
             raise ConfigError("http_header_timeout_s and http_body_timeout_s must be positive")
         if self.api_key_failure_window_s <= 0:
             raise ConfigError("api_key_failure_window_s must be positive")
-        if self.http_max_conns_per_peer < 0 or self.api_key_failures < 0:
+        if min(self.http_max_conns_per_peer, self.api_key_failures) < 0:
             raise ConfigError("http_max_conns_per_peer and api_key_failures must be >= 0 (0 = off)")
+        if self.api_key_failures_global < 0:
+            raise ConfigError("api_key_failures_global must be >= 0 (0 = off)")
         if bool(self.public_tls_cert) != bool(self.public_tls_key):
             raise ConfigError("public TLS needs both public_tls_cert and public_tls_key")
         self.api_key = load_key(self.api_key, self.api_key_file)

@@ -7,8 +7,8 @@ shape) are :mod:`~pdserve.services.router.api`'s; the endpoints that describe th
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` with 400 (bad
 input), 401 (no or a wrong API key), 403 (a tenant header from no trusted gateway:
-:mod:`~pdserve.services.router.gateway`), 404 (unknown model), 429 (admission refused, or too
-many wrong API keys from the address: :class:`pdserve.auth.KeyFailures`), 503 (no worker), 504
+:mod:`~pdserve.services.router.gateway`), 404 (unknown model), 429 (admission refused, or a
+wrong API key past a budget: :class:`pdserve.auth.KeyFailures`), 503 (no worker), 504
 (deadline). Connection limits (header and body timeouts, connections per address) are
 :mod:`~pdserve.services.router.http_edge`'s.
 
@@ -63,14 +63,13 @@ log = logging.getLogger(__name__)
 
 
 def _require_key(
-    keys: Tenants, metrics_need_key: bool, failures: auth.KeyFailures | None, gateway: Gateway
+    keys: Tenants, metrics_open: bool, failures: auth.KeyFailures | None, gateway: Gateway
 ):
     """401 in the OpenAI error shape for a request without ``key`` (``Authorization: Bearer``,
-    or Anthropic's ``x-api-key``), 429 (with Retry-After)
-    for every request from an address ``failures`` holds back after too many wrong keys
-    (/health is open, and /metrics unless ``metrics_need_key``). A request whose ``gateway``
+    or Anthropic's ``x-api-key``), 429 (with Retry-After) for a wrong key past a budget of
+    ``failures`` (/health is open, and /metrics with ``metrics_open``). A request whose ``gateway``
     header names a tenant is that tenant's without a key from a trusted gateway, else 403."""
-    open_paths = {"/health"} | (set() if metrics_need_key else {"/metrics"})
+    open_paths = {"/health"} | ({"/metrics"} if metrics_open else set())
 
     @web.middleware
     async def require(request: web.Request, handler) -> web.StreamResponse:
@@ -108,17 +107,17 @@ def make_app(
     fe: Frontend,
     *,
     keys: Tenants | None = None,
-    metrics_need_key: bool = False,
+    metrics_open: bool = False,
     key_failures: auth.KeyFailures | None = None,
     gateway: Gateway | None = None,
 ) -> web.Application:
     """The OpenAI HTTP API over ``fe``; with ``keys`` (not open), every route but /health (and
-    /metrics unless ``metrics_need_key``) takes one of them, which names the tenant, or a
+    /metrics with ``metrics_open``) takes one of them, which names the tenant, or a
     tenant named by a trusted ``gateway`` (none: the gateway header is refused from all)."""
     middlewares = [*tracing.http_middlewares(), http_errors]  # a caller's traceparent
     if keys is not None and not keys.open:
         gate = gateway or Gateway(keys)
-        middlewares.insert(0, _require_key(keys, metrics_need_key, key_failures, gate))
+        middlewares.insert(0, _require_key(keys, metrics_open, key_failures, gate))
     app = web.Application(middlewares=middlewares)
 
     async def completions(request: web.Request) -> web.StreamResponse:

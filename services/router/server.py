@@ -14,7 +14,7 @@ from aiohttp import web
 from pdserve import grpcutil, lifecycle
 from pdserve.auth import KeyFailures, RequireKey
 from pdserve.discovery import leave, register_service
-from pdserve.identity import advertised
+from pdserve.identity import _is_loopback, advertised
 from pdserve.model.fingerprint import model_revision
 from pdserve.services.router import pins
 from pdserve.services.router.admission import Admission
@@ -261,9 +261,21 @@ def gateway_ca(cfg: RouterConfig) -> bytes:
 
 def key_failures(cfg: RouterConfig) -> KeyFailures | None:
     """The wrong-API-key limiter HTTP and gRPC share (None: no key, or no limit)."""
-    if not (cfg.api_key or cfg.tenant_keys_file) or not cfg.api_key_failures:
+    limits = (cfg.api_key_failures, cfg.api_key_failures_global)
+    if not (cfg.api_key or cfg.tenant_keys_file) or not any(limits):
         return None
-    return KeyFailures(cfg.api_key_failures, cfg.api_key_failure_window_s)
+    return KeyFailures(
+        cfg.api_key_failures,
+        cfg.api_key_failure_window_s,
+        global_limit=cfg.api_key_failures_global,
+    )
+
+
+def metrics_open(cfg: RouterConfig) -> bool:
+    """Whether /metrics answers without an API key (when keys are configured): metrics_open,
+    or an HTTP port on loopback only (the rule of the services' metrics ports:
+    :func:`pdserve.telemetry.configure_metrics`)."""
+    return cfg.metrics_open or _is_loopback(cfg.host)
 
 
 def edge_limits(cfg: RouterConfig) -> EdgeLimits:
@@ -309,7 +321,7 @@ async def serve(
         app = make_app(
             fe,
             keys=keys,
-            metrics_need_key=cfg.metrics_need_key,
+            metrics_open=metrics_open(cfg),
             key_failures=failures,
             gateway=gate,
         )

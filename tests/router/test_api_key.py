@@ -61,21 +61,45 @@ def test_http_and_grpc_need_the_key(tiny_model_dir):
     asyncio.run(main())
 
 
-def test_metrics_can_need_the_key_too(tiny_model_dir):
-    async def main():
-        cluster = fake_cluster(
-            [FakePrefill()], [FakeDecode()], tiny_model_dir, api_key=KEY, metrics_need_key=True
-        )
+def test_metrics_need_the_key_beyond_loopback_unless_metrics_open(tiny_model_dir, monkeypatch):
+    """/metrics takes an API key once keys are configured, unless metrics_open or the router
+    binds loopback only (its HTTP port here is on 127.0.0.1: made to count as beyond)."""
+    from pdserve.services.router import server
+
+    assert server.metrics_open(RouterConfig(decode=["127.0.0.1:1"], api_key=KEY))
+    beyond = RouterConfig(decode=["127.0.0.1:1"], api_key=KEY, host="10.1.2.3")
+    assert not server.metrics_open(beyond)
+    assert server.metrics_open(
+        RouterConfig(decode=["127.0.0.1:1"], host="0.0.0.0", metrics_open=True)
+    )
+    monkeypatch.setattr(server, "_is_loopback", lambda host: False)
+
+    async def scrape(port: int, headers: dict[str, str]) -> int:
         async with (
-            cluster as (r, _),
-            aiohttp.ClientSession(f"http://127.0.0.1:{r.http_port}") as http,
+            aiohttp.ClientSession(f"http://127.0.0.1:{port}") as http,
+            http.get("/metrics", headers=headers) as resp,
         ):
-            async with http.get("/metrics") as resp:
-                assert resp.status == 401
-            async with http.get("/metrics", headers={"Authorization": f"Bearer {KEY}"}) as resp:
-                assert resp.status == 200
-            async with http.get("/health") as resp:
-                assert resp.status == 200
+            assert resp.status != 200 or "pdserve_router_requests" in await resp.text()
+            return resp.status
+
+    async def main():
+        for metrics_open, without_key in ((False, 401), (True, 200)):
+            cluster = fake_cluster(
+                [FakePrefill()],
+                [FakeDecode()],
+                tiny_model_dir,
+                api_key=KEY,
+                metrics_open=metrics_open,
+            )
+            async with cluster as (r, _):
+                assert await scrape(r.http_port, {}) == without_key
+                assert await scrape(r.http_port, {"Authorization": "Bearer wrong"}) == without_key
+                assert await scrape(r.http_port, {"Authorization": f"Bearer {KEY}"}) == 200
+                async with (
+                    aiohttp.ClientSession(f"http://127.0.0.1:{r.http_port}") as http,
+                    http.get("/health") as resp,
+                ):
+                    assert resp.status == 200
 
     asyncio.run(main())
 

@@ -19,7 +19,6 @@ from pdserve import auth
 from pdserve.config import ConfigError
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.http_edge import EdgeLimits, EdgeSite, PeerConnections
-from pdserve.tenants import Tenants
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
 KEY = "s3cret-key"
@@ -29,53 +28,7 @@ TIMEOUT = 0.5
 CLOSED_WITHIN = 5.0
 
 
-# --- KeyFailures ---------------------------------------------------------------------------
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def test_key_failures_refuse_an_address_for_the_rest_of_its_window():
-    clock = Clock()
-    failures = auth.KeyFailures(3, 60.0, clock=clock)
-    wrong, right = "Bearer nope", f"Bearer {KEY}"
-    keys = Tenants.configured(KEY)
-    for _ in range(3):
-        assert auth.refusal(wrong, keys, "10.0.0.1", failures) == (auth.WRONG_KEY, 0.0)
-        clock.now += 1
-    # held back: even the right key is refused, not compared; other addresses unaffected
-    why, wait = auth.refusal(right, keys, "10.0.0.1", failures)
-    assert "too many wrong API keys" in why and "57 s" in why and wait == pytest.approx(57)
-    assert auth.refusal(right, keys, "10.0.0.2", failures) == ("", 0.0)
-    # missing and malformed keys guess nothing: not counted
-    for header in (None, KEY):
-        assert auth.refusal(header, keys, "10.0.0.3", failures)[1] == 0.0
-        auth.refusal(header, keys, "10.0.0.3", failures)
-        auth.refusal(header, keys, "10.0.0.3", failures)
-    assert auth.refusal(right, keys, "10.0.0.3", failures) == ("", 0.0)
-    clock.now = 160.0  # the window (from the first wrong key, at 100) has ended
-    assert failures.retry_after("10.0.0.1") == 0.0
-    assert auth.refusal(right, keys, "10.0.0.1", failures) == ("", 0.0)
-    assert "10.0.0.1" not in failures.windows
-
-
-def test_key_failures_spread_out_and_memory_is_bounded():
-    clock = Clock()
-    failures = auth.KeyFailures(2, 10.0, max_peers=3, clock=clock)
-    failures.failed("a")
-    clock.now += 11  # a new window: the count restarts
-    failures.failed("a")
-    assert failures.retry_after("a") == 0.0
-    for peer in ("b", "c", "d"):
-        failures.failed(peer)
-    assert list(failures.windows) == ["b", "c", "d"]  # "a", the oldest window, forgotten
-    failures.failed("d")
-    assert failures.retry_after("d") == pytest.approx(10.0)
+# --- peers -----------------------------------------------------------------------------------
 
 
 def test_grpc_peer_host():
@@ -103,6 +56,7 @@ def test_config_checks_the_limits():
         {"http_body_timeout_s": -1},
         {"http_max_conns_per_peer": -1},
         {"api_key_failures": -1},
+        {"api_key_failures_global": -1},
         {"api_key_failure_window_s": 0},
     ):
         with pytest.raises(ConfigError):
@@ -264,7 +218,9 @@ def test_one_address_is_capped_and_others_are_served():
 # --- the router: config -> limits, over HTTP and gRPC ----------------------------------------
 
 
-def test_wrong_keys_hold_an_address_back_on_http_and_grpc(tiny_model_dir):
+def test_wrong_keys_are_answered_429_past_their_budget_and_never_refuse_the_right_key(
+    tiny_model_dir,
+):
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2}
     good, bad = {"Authorization": f"Bearer {KEY}"}, {"Authorization": "Bearer wrong"}
 
@@ -283,6 +239,7 @@ def test_wrong_keys_hold_an_address_back_on_http_and_grpc(tiny_model_dir):
             tiny_model_dir,
             api_key=KEY,
             api_key_failures=3,
+            api_key_failures_global=8,
             http_header_timeout_s=TIMEOUT,
         )
         async with (
@@ -295,26 +252,36 @@ def test_wrong_keys_hold_an_address_back_on_http_and_grpc(tiny_model_dir):
                 with pytest.raises(grpc.aio.AioRpcError) as exc:
                     await stub.Generate(req, timeout=10, metadata=auth.bearer("wrong"))
                 assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            with pytest.raises(grpc.aio.AioRpcError) as exc:  # the right key, not compared
-                await stub.Generate(req, timeout=10, metadata=auth.bearer(KEY))
+            with pytest.raises(grpc.aio.AioRpcError) as exc:  # the same wrong key, a 4th time
+                await stub.Generate(req, timeout=10, metadata=auth.bearer("wrong"))
             assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "too many wrong API keys" in exc.value.details()
             assert 0 < int(dict(exc.value.trailing_metadata())["retry-after"]) <= 60
-            with pytest.raises(grpc.aio.AioRpcError) as exc:
-                async for _ in stub.GenerateStream(req, timeout=10, metadata=auth.bearer(KEY)):
-                    pass
-            assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            # the right key from the same address is served, on gRPC and HTTP alike
+            assert (await stub.Generate(req, timeout=10, metadata=auth.bearer(KEY))).token_ids
+            assert (await post(r.http_port, good))[0] == 200
 
-            # HTTP shares the count: 127.0.0.1 is held back there too, 127.0.0.2 is not
-            status, headers, err = await post(r.http_port, good)
+            # HTTP shares the count: the same wrong key from 127.0.0.1 is answered 429 there
+            status, headers, err = await post(r.http_port, bad)
             assert status == 429 and 0 < int(headers["Retry-After"]) <= 60
             assert err["error"]["code"] == "rate_limit_exceeded"
             assert "too many wrong API keys" in err["error"]["message"]
-            assert (await post(r.http_port, good, "127.0.0.2"))[0] == 200
-            for _ in range(3):
-                assert (await post(r.http_port, bad, "127.0.0.2"))[0] == 401
-            assert (await post(r.http_port, good, "127.0.0.2"))[0] == 429
-            assert (await post(r.http_port, good, "127.0.0.3"))[0] == 200
+            assert (await post(r.http_port, {"Authorization": "Bearer other"}))[0] == 401
+            # 6 wrong keys so far; the global budget (8) ends after two more from elsewhere
+            for source, key in (("127.0.0.2", "a"), ("127.0.0.3", "b")):
+                assert (await post(r.http_port, {"Authorization": f"Bearer {key}"}, source))[
+                    0
+                ] == 401
+            status, headers, _ = await post(r.http_port, {"Authorization": "Bearer c"}, "127.0.0.4")
+            assert status == 429 and 0 < int(headers["Retry-After"]) <= 60
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                async for _ in stub.GenerateStream(req, timeout=10, metadata=auth.bearer("d")):
+                    pass
+            assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            for source in ("127.0.0.1", "127.0.0.4"):  # still never the right key
+                assert (await post(r.http_port, good, source))[0] == 200
+            async for _ in stub.GenerateStream(req, timeout=10, metadata=auth.bearer(KEY)):
+                pass
             async with (  # health stays open
                 aiohttp.ClientSession(f"http://127.0.0.1:{r.http_port}") as http,
                 http.get("/health") as resp,
