@@ -10,6 +10,7 @@ import resource
 import socket
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -193,3 +194,42 @@ def test_an_http2_connection_outlives_the_deadline():
 
     first, second = asyncio.run(main())
     assert first == second  # one connection throughout
+
+
+@pytest.mark.slow
+def test_a_service_takes_the_limits_from_its_flags_and_raises_its_fd_limit(tmp_path):
+    """A real ``pdserve kvstore master`` started under a soft fd limit of 256: it raises the
+    limit to the hard one, and its gRPC port holds at most ``--grpc-max-connections``."""
+    from pdserve import procs
+
+    cap, n, deadline = 20, 60, 3.0
+    args = procs.service_args(
+        "kvstore-master",
+        port=0,
+        metrics_port=-1,
+        state_dir=tmp_path / "state",
+        grpc_max_connections=cap,
+        grpc_handshake_timeout_s=deadline,
+    )
+    low = ["sh", "-c", 'ulimit -Sn 256 && exec "$@"', "sh"]
+    proc = procs.start_service("kv-master-limits", args, tmp_path, prefix=low, timeout=60)
+    try:
+        limits = (Path(f"/proc/{proc.pid}/limits")).read_text().splitlines()
+        soft, hard = next(ln for ln in limits if ln.startswith("Max open files")).split()[3:5]
+        assert soft == hard != "256"
+        port = int(proc.info["grpc"].rsplit(":", 1)[1])
+
+        async def main() -> None:
+            socks = _idle(port, n)
+            try:
+                refused = await _until(lambda: sum(map(_closed, socks)), n - cap, deadline)
+                assert refused < deadline and sum(map(_closed, socks)) == n - cap
+                assert await _health(f"127.0.0.1:{port}") < 15
+                await _until(lambda: sum(map(_closed, socks)), n, 15)
+            finally:
+                for s in socks:
+                    s.close()
+
+        asyncio.run(main())
+    finally:
+        proc.stop()
