@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds pdserve's CPU image (deploy/Dockerfile) and, for the compose lab, its tools image
-# (deploy/lab/Dockerfile.tools: etcd and Prometheus from Debian's packages).
+# (deploy/lab/Dockerfile.tools: etcd, Prometheus and nginx from Debian's packages).
 #
 #   deploy/build-image.sh [--offline] [--base IMAGE] [--tag TAG] [--extras LIST] [--ca FILE]
 #                         [--no-tools] [--worktree]
@@ -105,7 +105,7 @@ echo "==> $TAG from $BASE" >&2
 "$DOCKER" build -f deploy/Dockerfile -t "$TAG" --build-arg "BASE=$BASE" \
   --build-arg "OFFLINE=$OFFLINE" --build-arg "EXTRAS=$EXTRAS" "${secret[@]}" "$context"
 if ((TOOLS)); then
-  echo "==> pdserve-lab-tools:bookworm (etcd, Prometheus) from $BASE" >&2
+  echo "==> pdserve-lab-tools:bookworm (etcd, Prometheus, nginx) from $BASE" >&2
   "$DOCKER" build -f deploy/lab/Dockerfile.tools -t pdserve-lab-tools:bookworm \
     --build-arg "BASE=$BASE" deploy/lab
 fi

@@ -48,14 +48,18 @@ ROLES = {
     ("router",): "router",
 }
 CERTS = "/etc/pdserve/certs"
-#: etcd's own image; the one-shot certificate maker; the monitoring images
-NOT_PDSERVE = {"etcd", "certs", "prometheus", "grafana"}
+#: etcd's own image; the one-shot certificate maker; the monitoring images; nginx
+NOT_PDSERVE = {"etcd", "certs", "prometheus", "grafana", "gateway"}
 PROMETHEUS = DEPLOY / "prometheus" / "prometheus.yml"
 GRAFANA = DEPLOY / "grafana"
 
 
+def _compose_file() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
 def _services() -> dict:
-    return yaml.safe_load(COMPOSE.read_text())["services"]
+    return _compose_file()["services"]
 
 
 PDSERVE_SERVICES = sorted(n for n in _services() if n not in NOT_PDSERVE)
@@ -121,6 +125,14 @@ def _local(value: str, certs: Path) -> str:
         return str(DEPLOY / "cluster.yaml")
     if value.startswith(CERTS + "/"):
         return str(certs / value.removeprefix(CERTS + "/"))
+    for svc in _services().values():  # a compose config (the router's tenants file)
+        for ref in svc.get("configs", []):
+            if ref["target"] == value:
+                path = certs / "configs" / ref["source"]
+                path.parent.mkdir(exist_ok=True)
+                content = _compose_file()["configs"][ref["source"]]["content"]
+                path.write_text(content.replace("${PDSERVE_API_KEY}", "k" * 32))
+                return str(path)
     return value
 
 
@@ -238,7 +250,7 @@ def test_containers_run_as_an_unprivileged_user():
     for name in [*PDSERVE_SERVICES, "certs"]:
         user = str(_services()[name].get("user", users[-1]))
         assert user not in ("root", "0") and not user.startswith("0:"), (name, user)
-    for name in ("prometheus", "grafana"):  # other images: their user is set here, explicitly
+    for name in ("prometheus", "grafana", "gateway"):  # other images: their user set here
         user = str(_services()[name]["user"])
         assert user not in ("root", "0") and not user.startswith("0:"), (name, user)
 

@@ -80,6 +80,9 @@ pdserve lab up in $(($(date +%s) - start)) s (project $PROJECT; workers: $worker
   OpenAI API   http://127.0.0.1:8000/v1   (e.g. /v1/completions, model "smollm2")
   gRPC         127.0.0.1:50060             (pdserve.v1.Router)
   API key      $ENV_FILE   (HTTP: Authorization: Bearer <key>; gRPC metadata: authorization: Bearer <key>)
+  Gateway      https://127.0.0.1:8443/v1 and gRPC over TLS at 127.0.0.1:8443 (nginx, docs/gateway.md):
+               team keys <API key>-gw-team-a, <API key>-gw-team-b; the lab's CA: docker exec
+               ${PROJECT}-gateway-1 cat /etc/pdserve/certs/ca.crt
   mutual TLS between the containers (certificates: the volume ${PROJECT}_certs)
   Prometheus   http://127.0.0.1:9090
   Grafana      $grafana

@@ -23,6 +23,9 @@ ENV_FILE = ROOT / "build" / "lab" / "lab.env"
 PROJECT = "pdserve-lab"
 DOCKER = "/usr/bin/docker"
 ROUTER = "127.0.0.1:50060"
+#: nginx in front of the router (the compose service `gateway`): HTTPS and gRPC over TLS.
+GATEWAY = "127.0.0.1:8443"
+ROUTER_HTTP = "http://127.0.0.1:8000"
 
 
 def docker(*args: str, check: bool = True) -> str:
@@ -48,6 +51,16 @@ def api_key() -> str:
     match = re.search(r"^PDSERVE_API_KEY=(\S+)$", ENV_FILE.read_text(), re.M)
     assert match, f"no key in {ENV_FILE}"
     return match.group(1)
+
+
+def gateway_key(team: str) -> str:
+    """The gateway key of ``team`` (team-a, team-b): the compose file's gateway-keys map."""
+    return f"{api_key()}-gw-{team}"
+
+
+def lab_ca() -> bytes:
+    """The lab's CA certificate (the certs volume, read inside the gateway's container)."""
+    return docker("exec", container("gateway"), "cat", "/etc/pdserve/certs/ca.crt").encode() + b"\n"
 
 
 def project_objects() -> dict[str, list[str]]:
@@ -132,12 +145,17 @@ class Answer:
 
 
 class Router:
-    """The router's public gRPC API with the lab's API key."""
+    """The router's public gRPC API with the lab's API key; or, given ``ca``, the same API
+    through the gateway (TLS to nginx) with ``key``, a team's gateway key."""
 
-    def __init__(self) -> None:
-        self.channel = grpc.insecure_channel(ROUTER)
+    def __init__(self, key: str | None = None, ca: bytes | None = None) -> None:
+        if ca is None:
+            self.channel = grpc.insecure_channel(ROUTER)
+        else:
+            creds = grpc.ssl_channel_credentials(root_certificates=ca)
+            self.channel = grpc.secure_channel(GATEWAY, creds)
         self.stub = router_pb2_grpc.RouterServiceStub(self.channel)
-        self.meta = (("authorization", f"Bearer {api_key()}"),)
+        self.meta = (("authorization", f"Bearer {key or api_key()}"),)
 
     def generate(
         self, prompt: list[int], n: int, timeout: float = 120.0, logprobs: int | None = None

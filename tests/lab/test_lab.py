@@ -105,6 +105,56 @@ def test_logprobs_are_answered(router, model):
     assert len(got.logprobs) == N and all(lp <= 0.0 for lp in got.logprobs), got.logprobs
 
 
+def test_the_gateway_streams_names_the_tenant_and_refuses_a_forged_header(router, model):
+    """nginx in front (the `gateway` service, deploy/nginx/pdserve.conf): gRPC and SSE through
+    it answer as the router does, each team's gateway key is its tenant (team-b never gets
+    team-a's cached prefix), an unknown key stops at nginx, and the tenant header sent to the
+    router directly, with a valid key, is refused."""
+    import httpx
+
+    ca = labctl.lab_ca()
+    prompt = text_prompt(model, 2 * CHUNK + 20, "gateway")
+    want = reference(model, prompt)
+    teams = {t: Router(labctl.gateway_key(t), ca) for t in ("team-a", "team-b")}
+    try:
+        first = teams["team-a"].generate(prompt, N)
+        again = teams["team-a"].generate(prompt, N)
+        other = teams["team-b"].generate(prompt, N)
+    finally:
+        for r in teams.values():
+            r.close()
+    assert first.tokens == again.tokens == other.tokens == want
+    assert again.cached >= 2 * CHUNK, again.cached  # team-a's own prefix, back through nginx
+    assert other.cached == 0, other.cached  # another tenant's: never shared
+    ca_file = labctl.ENV_FILE.parent / "lab-ca.crt"
+    ca_file.write_bytes(ca)
+    body = {"model": "smollm2", "prompt": prompt[:40], "max_tokens": N, "temperature": 0}
+    with httpx.Client(verify=str(ca_file), timeout=120) as http:
+        events = []
+        key = {"Authorization": f"Bearer {labctl.gateway_key('team-a')}"}
+        url = f"https://{labctl.GATEWAY}/v1/completions"
+        with http.stream("POST", url, json={**body, "stream": True}, headers=key) as resp:
+            assert resp.status_code == 200, resp.read()
+            events = [line for line in resp.iter_lines() if line.startswith("data: {")]
+        streamed = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events)
+        assert len(events) > 1  # streamed, not buffered into one answer
+        direct = http.post(
+            f"{labctl.ROUTER_HTTP}/v1/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {labctl.api_key()}"},
+        )
+        assert direct.status_code == 200, direct.text
+        assert streamed == direct.json()["choices"][0]["text"]
+        wrong = http.post(url, json=body, headers={"Authorization": "Bearer not-a-team-key"})
+        assert wrong.status_code == 401, wrong.text
+        forged = http.post(
+            f"{labctl.ROUTER_HTTP}/v1/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {labctl.api_key()}", "x-pdserve-tenant": "team-b"},
+        )
+        assert forged.status_code == 403 and "x-pdserve-tenant" in forged.text, forged.text
+
+
 def test_a_prefix_computed_by_prefill_is_loaded_by_decode_across_containers(router, model):
     shared = text_prompt(model, 2 * CHUNK, "shared prefix")
     loaded_before = labctl.metric(

@@ -145,6 +145,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
             "ROUTER_HTTP": http,
             "ROUTER_GRPC": router.info["grpc"],
             "ROUTER_TLS_NAME": "router.role.pdserve",
+            "ROUTER_SCHEME": "https",
+            "ROUTER_GRPC_SCHEME": "grpcs",
         }
         nginx = Nginx(render(TEMPLATE.read_text(), values), tmp / "nginx", port)
         yield Stack(d, cluster, router, nginx)
