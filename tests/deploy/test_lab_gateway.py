@@ -59,6 +59,7 @@ def test_the_router_trusts_the_gateway_by_its_fixed_address_only():
     assert not gw_keys & router_keys
 
 
+@pytest.mark.slow  # runs nginx -t (a process)
 def test_the_rendered_config_passes_nginx_t(tmp_path: Path):
     from nginx_harness import nginx_binary, render
 
