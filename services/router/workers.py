@@ -17,6 +17,7 @@ from prometheus_client import Counter, Gauge
 
 from pdserve import grpcutil
 from pdserve.enums import ROLE
+from pdserve.services.meta.access import one_worker
 from pdserve.telemetry import REGISTRY, init_labels
 from pdserve.v1 import common_pb2, engine_pb2_grpc, meta_pb2
 
@@ -168,12 +169,32 @@ class WorkerPool:
             w.kv_usage = inst.load.kv_usage
 
     def candidates(self, role: str, exclude: set[str] | None = None) -> list[Worker]:
-        """Workers of ``role`` in rotation (breaker closed, not refused), minus ``exclude``."""
-        return [
-            w
-            for w in self.workers[role].values()
-            if not w.broken and not w.refused and w.id not in (exclude or ())
-        ]
+        """Workers of ``role`` in rotation (breaker closed, not refused), minus ``exclude``,
+        one per worker identity: placement spreads by identity, not by instance. Of several
+        instances whose owner names one worker (``worker:decode-0``, which meta lets hold one
+        by default: services/meta/caps.py) only the one with the lowest id (``decode-0`` before
+        ``decode-0-b``) is a candidate, and none once one of them is in ``exclude``, so a
+        certificate that registered a second instance gets no second share of the requests
+        (issue 56). Not the least loaded: each instance counts only its own load, so the
+        identity would still take two shares. Workers without an owner (no TLS, static) and
+        those of a pool's shared certificate (``worker:decode``) count one each."""
+        table, exclude = self.workers[role], exclude or set()
+        tried = {table[i].owner for i in exclude if i in table}
+        found: list[Worker] = []
+        slot: dict[str, int] = {}  # owner naming one worker -> its place in ``found``
+        for w in table.values():
+            if w.broken or w.refused or w.id in exclude:
+                continue
+            if not one_worker(w.owner):
+                found.append(w)
+            elif w.owner in tried:
+                continue
+            elif w.owner not in slot:
+                slot[w.owner] = len(found)
+                found.append(w)
+            elif w.id < found[slot[w.owner]].id:
+                found[slot[w.owner]] = w
+        return found
 
     def count(self, role: str) -> int:
         return len(self.workers[role])
@@ -286,8 +307,9 @@ class WorkerPool:
                 await w.close()
 
     def decode_capacity(self) -> int:
-        """Requests the decode workers in rotation can run at once: their ``max_num_seqs``
-        summed (0 when none reported it, as static workers do not)."""
+        """Requests the decode workers in rotation (one per identity: :meth:`candidates`) can
+        run at once: their ``max_num_seqs`` summed (0 when none reported it, as static workers
+        do not)."""
         return sum(w.max_running for w in self.candidates(DECODE))
 
     def _changed(self) -> None:
