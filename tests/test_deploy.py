@@ -7,11 +7,13 @@ exist, pointing at that Prometheus and at the mounted dashboard."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
 import shlex
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -128,12 +130,18 @@ def _local(value: str, certs: Path) -> str:
     for svc in _services().values():  # a compose config (the router's tenants file)
         for ref in svc.get("configs", []):
             if ref["target"] == value:
-                path = certs / "configs" / ref["source"]
-                path.parent.mkdir(exist_ok=True)
-                content = _compose_file()["configs"][ref["source"]]["content"]
-                path.write_text(content.replace("${PDSERVE_API_KEY}", "k" * 32))
-                return str(path)
+                return str(_config_file(ref["source"]))
     return value
+
+
+@functools.cache
+def _config_file(name: str) -> Path:
+    """Compose config ``name`` as a file (a key for ``${PDSERVE_API_KEY}``), in a folder of
+    its own under the system's temporary folder (never in the checkout)."""
+    path = Path(tempfile.mkdtemp(prefix="pdserve-compose-config-")) / name
+    content = _compose_file()["configs"][name]["content"]
+    path.write_text(content.replace("${PDSERVE_API_KEY}", "k" * 32))
+    return path
 
 
 @pytest.mark.parametrize("name", PDSERVE_SERVICES)
