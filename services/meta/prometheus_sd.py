@@ -51,7 +51,7 @@ async def targets(registry: Registry, own_metrics: str = "") -> list[dict[str, A
 
 
 def _router_http(inst: Any) -> str:
-    """A router's /metrics is on its OpenAI HTTP port (open unless ``metrics_need_key``)."""
+    """A router's /metrics is on its OpenAI HTTP port (it takes the API key unless ``metrics_open`` or bound to loopback)."""
     return inst.labels.get("http", "") if inst.role == common_pb2.ROLE_ROUTER else ""
 
 
