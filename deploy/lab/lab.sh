@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The docker-compose lab (deploy/docker-compose.yml) as one project, `pdserve-lab`.
 #
-#   deploy/lab/lab.sh up      # engine up (dockerd.sh), images built if missing (build-image.sh
+#   deploy/lab/lab.sh up      # engine up (dockerd.sh), images built if missing or not built
+#                             # from HEAD's source (their pdserve.source label; build-image.sh
 #                             # --offline), compose up, wait until every service is healthy,
 #                             # print the endpoints and the time from start to serving
 #   deploy/lab/lab.sh down    # remove the project's containers, volumes and networks
@@ -53,6 +54,19 @@ compose() {
   "$COMPOSE" -p "$PROJECT" -f deploy/docker-compose.yml $(profiles) "$@"
 }
 
+# The images missing or built from other source than HEAD's (their pdserve.source label,
+# deploy/build-image.sh --source-id); an image built with --worktree is taken as it is.
+stale_images() {
+  local image want have out=()
+  while read -r image want; do
+    [[ $image == pdserve ]] && image=pdserve:cpu || image=pdserve-lab-tools:bookworm
+    have=$("$DOCKER" image inspect -f '{{index .Config.Labels "pdserve.source"}}' "$image" 2>/dev/null) ||
+      { out+=("$image missing"); continue; }
+    [[ $have == "$want" || $have == worktree ]] || out+=("$image from other source")
+  done < <(deploy/build-image.sh --source-id)
+  echo "${out[*]:-}" | sed 's/ \(pdserve\)/, \1/g'
+}
+
 DOCKER=$(deploy/lab/dockerd.sh)
 COMPOSE=$(compose_bin)
 api_key
@@ -60,9 +74,10 @@ api_key
 case ${1:-} in
   up)
     start=$(date +%s)
-    if ! "$DOCKER" image inspect pdserve:cpu >/dev/null 2>&1 ||
-       ! "$DOCKER" image inspect pdserve-lab-tools:bookworm >/dev/null 2>&1; then
-      deploy/build-image.sh --offline
+    stale=$(stale_images)
+    if [[ -n $stale ]]; then
+      echo "lab: building the images ($stale)" >&2
+      DOCKER=$DOCKER deploy/build-image.sh --offline
     fi
     compose up -d --wait --wait-timeout 900 || {
       compose ps -a >&2
