@@ -10,13 +10,13 @@ import asyncio
 import re
 
 import pytest
+from registry_runner import run_with
 
 from pdserve.config import ConfigError
 from pdserve.errors import ResourceExhausted
 from pdserve.identity import Identity
 from pdserve.services.meta import access
 from pdserve.services.meta.backends.memory import MemoryBackend
-from pdserve.services.meta.caps import Limits
 from pdserve.services.meta.registry import Registry
 from pdserve.services.meta.server import MetaConfig
 from pdserve.v1 import common_pb2, meta_pb2
@@ -28,18 +28,6 @@ POOL, ADMIN = Identity("worker", "decode"), Identity("admin", "ops")
 
 def inst(iid: str, role: int = DECODE, address: str = "127.0.0.1:9000") -> meta_pb2.Instance:
     return meta_pb2.Instance(instance_id=iid, role=role, address=address, model="m")
-
-
-def run_with(body, backend=None, **limits) -> None:
-    async def main() -> None:
-        reg = Registry(backend or MemoryBackend(), limits=Limits(**limits))
-        await reg.start()
-        try:
-            await body(reg)
-        finally:
-            await reg.close()
-
-    asyncio.run(main())
 
 
 def refusal(owner: str, held: str, bound: int = 1) -> str:

@@ -7,12 +7,13 @@ import re
 import time
 
 import pytest
+from registry_runner import run_with
 
 from pdserve.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from pdserve.identity import Identity
 from pdserve.services.meta import registry as registry_mod
 from pdserve.services.meta.backends.memory import MemoryBackend
-from pdserve.services.meta.registry import Limits, Registry
+from pdserve.services.meta.registry import Registry
 from pdserve.v1 import common_pb2, meta_pb2
 
 JOINED, UPDATED, LEFT = (
@@ -218,18 +219,6 @@ NODE, ROUTER, MASTER, ADMIN = (
 
 #: Limits without the per-role bound (one prefill or decode instance per worker certificate).
 NO_ROLE_BOUND = {"max_instances_per_identity_by_role": {}}
-
-
-def run_with(body, backend=None, **limits) -> None:
-    async def main() -> None:
-        reg = Registry(backend or MemoryBackend(), limits=Limits(**limits))
-        await reg.start()
-        try:
-            await body(reg)
-        finally:
-            await reg.close()
-
-    asyncio.run(main())
 
 
 @pytest.mark.parametrize(
