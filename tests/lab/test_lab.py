@@ -110,6 +110,8 @@ def test_the_gateway_streams_names_the_tenant_and_refuses_a_forged_header(router
     it answer as the router does, each team's gateway key is its tenant (team-b never gets
     team-a's cached prefix), an unknown key stops at nginx, and the tenant header sent to the
     router directly, with a valid key, is refused."""
+    import ssl
+
     import httpx
 
     ca = labctl.lab_ca()
@@ -126,10 +128,9 @@ def test_the_gateway_streams_names_the_tenant_and_refuses_a_forged_header(router
     assert first.tokens == again.tokens == other.tokens == want
     assert again.cached >= 2 * CHUNK, again.cached  # team-a's own prefix, back through nginx
     assert other.cached == 0, other.cached  # another tenant's: never shared
-    ca_file = labctl.ENV_FILE.parent / "lab-ca.crt"
-    ca_file.write_bytes(ca)
     body = {"model": "smollm2", "prompt": prompt[:40], "max_tokens": N, "temperature": 0}
-    with httpx.Client(verify=str(ca_file), timeout=120) as http:
+    trust = ssl.create_default_context(cadata=ca.decode())
+    with httpx.Client(verify=trust, timeout=120) as http:
         events = []
         key = {"Authorization": f"Bearer {labctl.gateway_key('team-a')}"}
         url = f"https://{labctl.GATEWAY}/v1/completions"
