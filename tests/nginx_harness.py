@@ -12,7 +12,7 @@ import subprocess
 import time
 from pathlib import Path
 
-TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "nginx" / "pdserve.conf"
+TEMPLATE = Path(__file__).resolve().parents[1] / "deploy" / "nginx" / "pdserve.conf"
 
 
 def nginx_binary() -> str | None:
