@@ -64,7 +64,9 @@ stale_images() {
       { out+=("$image missing"); continue; }
     [[ $have == "$want" || $have == worktree ]] || out+=("$image from other source")
   done < <(deploy/build-image.sh --source-id)
-  echo "${out[*]:-}" | sed 's/ \(pdserve\)/, \1/g'
+  local joined
+  joined=$(printf '%s, ' "${out[@]}")
+  echo "${joined%, }"
 }
 
 DOCKER=$(deploy/lab/dockerd.sh)

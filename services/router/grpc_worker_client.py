@@ -20,8 +20,9 @@ class GrpcWorkerClient(WorkerClient):
         except grpc.aio.AioRpcError as exc:
             raise WorkerCallError(exc.code(), exc.details() or "") from exc
         except asyncio.CancelledError:
-            _raise_unless_ours()
-            raise
+            if (err := _ended_under_us(by_router=False)) is None:
+                raise
+            raise err from None
 
     def decode(
         self, worker: Worker, request: engine_pb2.DecodeRequest, timeout: float | None
@@ -44,12 +45,9 @@ class _GrpcDecodeCall(DecodeCall):
         except grpc.aio.AioRpcError as exc:
             raise WorkerCallError(exc.code(), exc.details() or "") from exc
         except asyncio.CancelledError:
-            if self._cancelled and not _consumer_cancelled():
-                raise WorkerCallError(
-                    grpc.StatusCode.CANCELLED, "cancelled by the router"
-                ) from None
-            _raise_unless_ours()
-            raise
+            if (err := _ended_under_us(by_router=self._cancelled)) is None:
+                raise
+            raise err from None
 
     def cancel(self) -> None:
         if not self._call.done():
@@ -57,20 +55,20 @@ class _GrpcDecodeCall(DecodeCall):
             self._call.cancel()
 
 
-def _consumer_cancelled() -> bool:
+def _ended_under_us(*, by_router: bool) -> WorkerCallError | None:
+    """What a call that grpc.aio ended with CancelledError ends as. grpc.aio raises it both
+    when the awaiting task is cancelled (the client went away, an abort: None, the
+    cancellation propagates) and when the call itself was cancelled under the task: by the
+    router (``by_router``: CANCELLED), or by its channel closing: the pool closes a worker's
+    channel when meta drops the worker (its lease ended: a frozen host, a cut link). That is
+    the worker failing, not the request: UNAVAILABLE, so the router retries or resumes the
+    stream on another worker. (Propagated as a cancellation it ended the request as
+    "cancelled" while the client's stream stayed open, unanswered, until its deadline.)"""
     task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
-
-
-def _raise_unless_ours() -> None:
-    """grpc.aio ends a call with CancelledError both when the awaiting task is cancelled (the
-    client went away, an abort: that must propagate) and when the call's channel is closed
-    under it: the pool closes a worker's channel when meta drops the worker (its lease ended:
-    a frozen host, a cut link). The latter is the worker failing, not the request: it becomes
-    UNAVAILABLE so the router retries or resumes the stream on another worker. (Propagated as
-    a cancellation it ended the request as "cancelled" while the client's stream stayed open,
-    unanswered, until its deadline.)"""
-    if not _consumer_cancelled():
-        raise WorkerCallError(
-            grpc.StatusCode.UNAVAILABLE, "the worker's channel closed under the call (it left)"
-        ) from None
+    if task is not None and task.cancelling() > 0:
+        return None
+    if by_router:
+        return WorkerCallError(grpc.StatusCode.CANCELLED, "cancelled by the router")
+    return WorkerCallError(
+        grpc.StatusCode.UNAVAILABLE, "the worker's channel closed under the call (it left)"
+    )
