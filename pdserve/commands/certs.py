@@ -7,6 +7,13 @@ alternative names cover localhost, 127.0.0.1, ::1, the name itself (a compose se
 ``<role>.role.pdserve`` (what a client that dials a master or meta expects) and every ``--host``: a peer dials ``host:port`` and checks the server certificate against
 that host. An existing CA in ``DIR`` is reused, so certificates made later still join the
 same cluster. For production, issue the same subjects from your own CA.
+
+Keys belong to the user who runs the command, unless ``--key-owner NAME=UID`` gives identity
+NAME's key to user UID (group UID too; still mode 0600), so that a service running as UID reads
+its own key and no other (the compose lab: each service is a user of its own). Giving a key
+away takes root (chown); the CA key, and every key not named, then stay root's (0600), and
+``DIR`` becomes root's (mode 0755: certificates stay readable by everyone, no one else can
+replace a file in it).
 """
 
 from __future__ import annotations
@@ -105,15 +112,18 @@ class Issuer:
         self.out, self.ca_cert, self.ca_key = out, ca_cert, ca_key
 
     @classmethod
-    def kept(cls, out: Path, days: int) -> Issuer:
+    def kept(cls, out: Path, days: int, take_key: bool = False) -> Issuer:
         """``out``'s CA, else a new one valid ``days`` whose key is written next to it
-        (``pdserve certs``: later runs sign more certificates for the same cluster)."""
+        (``pdserve certs``: later runs sign more certificates for the same cluster);
+        ``take_key``: a kept CA key becomes this user's alone (:func:`_own`)."""
         from cryptography import x509
         from cryptography.hazmat.primitives import serialization
 
         out.mkdir(parents=True, exist_ok=True)
         crt, key_path = out / "ca.crt", out / "ca.key"
         if crt.exists() and key_path.exists():
+            if take_key:
+                _own(key_path)
             cert = x509.load_pem_x509_certificate(crt.read_bytes())
             key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
             return cls(out, cert, key)
@@ -195,6 +205,52 @@ def _san(name: str, hosts: list[str], role: str):
     return x509.SubjectAlternativeName(entries)
 
 
+def _own(path: Path) -> None:
+    """Makes ``path`` (a kept CA key) this user's alone, mode 0600, taking it over as root from
+    whoever wrote it (a volume written by an earlier, unprivileged certificate job)."""
+    if os.geteuid() == 0:
+        os.chown(path, os.geteuid(), os.getegid())
+    if path.stat().st_uid == os.geteuid():
+        os.chmod(path, 0o600)
+
+
+def parse_key_owners(texts: Sequence[str], names: Sequence[str]) -> dict[str, int]:
+    """``NAME=UID`` (``--key-owner``) -> {name: uid}, with a ValueError that says what is
+    wrong: NAME must be one of ``names`` (the identities issued), named once; UID a number."""
+    owners: dict[str, int] = {}
+    for text in texts:
+        name, sep, uid = text.partition("=")
+        if not sep or not name or not uid:
+            raise ValueError(f"--key-owner {text!r} must be NAME=UID (e.g. meta=10010)")
+        if name not in names:
+            listed = ", ".join(names) or "none"
+            raise ValueError(
+                f"--key-owner {text!r}: no identity named {name!r} is issued (issued: {listed}); "
+                "the CA key stays with the user running the command"
+            )
+        if name in owners:
+            raise ValueError(f"--key-owner {text!r}: {name!r} already has an owner")
+        if not uid.isdigit() or int(uid) > 2**32 - 2:
+            raise ValueError(f"--key-owner {text!r}: UID must be a number (a user id), not {uid!r}")
+        owners[name] = int(uid)
+    foreign = sorted({u for u in owners.values() if u != os.geteuid()})
+    if foreign and os.geteuid() != 0:
+        raise ValueError(
+            f"--key-owner gives keys to user(s) {', '.join(map(str, foreign))}: only root may "
+            "(run the command as root, e.g. the compose lab's certs job)"
+        )
+    return owners
+
+
+def _own_folder(out: Path) -> None:
+    """``out`` belongs to this user, mode 0755: no other user can replace a file in it."""
+    out.mkdir(parents=True, exist_ok=True)
+    st = out.stat()
+    if (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
+        os.chown(out, os.geteuid(), os.getegid())
+    os.chmod(out, 0o755)
+
+
 def parse_identity(text: str) -> tuple[str, str]:
     """``role:name`` -> (role, name), with a ValueError that says what is wrong."""
     role, sep, name = text.partition(":")
@@ -206,13 +262,22 @@ def parse_identity(text: str) -> tuple[str, str]:
 
 
 def make(
-    out: Path, identities: list[str], hosts: Sequence[str] = (), days: int = 365
+    out: Path,
+    identities: list[str],
+    hosts: Sequence[str] = (),
+    days: int = 365,
+    key_owners: Sequence[str] = (),
 ) -> list[Path]:
     """Writes the CA (unless ``out`` has one, key included) and a certificate and key per
-    ``role:name``, valid for ``days``; returns the certificate paths."""
+    ``role:name``, valid for ``days``, each key belonging to its ``NAME=UID`` of
+    ``key_owners`` when named there (:func:`parse_key_owners`); returns the certificate paths."""
     parsed = [parse_identity(i) for i in identities]
-    issuer = Issuer.kept(out, days)
-    return [issuer.issue(r, n, hosts, datetime.timedelta(days=days)) for r, n in parsed]
+    owners = parse_key_owners(key_owners, [n for _, n in parsed])
+    if owners:  # keys given away: the folder and the CA key are this user's alone
+        _own_folder(out)
+    issuer = Issuer.kept(out, days, take_key=bool(owners))
+    life = datetime.timedelta(days=days)
+    return [issuer.issue(r, n, hosts, life, owners.get(n)) for r, n in parsed]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -237,12 +302,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="extra host name or IP address the certificates are valid for (repeatable)",
     )
     p.add_argument("--days", type=int, default=365, help="validity (default: %(default)s)")
+    p.add_argument(
+        "--key-owner",
+        action="append",
+        default=[],
+        dest="key_owners",
+        metavar="NAME=UID",
+        help="identity NAME's key belongs to user (and group) UID, mode 0600: the one user "
+        "that runs that service (repeatable; needs root, which then keeps the CA key)",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        paths = make(Path(args.out), args.identities, args.hosts, args.days)
+        paths = make(Path(args.out), args.identities, args.hosts, args.days, args.key_owners)
     except ValueError as exc:
         print(f"pdserve certs: {exc}", file=sys.stderr)
         return 2
