@@ -107,6 +107,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     soak.add_arguments(so)
     so.set_defaults(func=soak.run)
+    from pdserve.bench import idle_conns  # stdlib imports only; gRPC loads when it runs
+
+    ic = sub.add_parser(
+        "idle-conns",
+        help="a flood of idle connections on a port: is a real client still served, how fast",
+        description=idle_conns.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    idle_conns.add_arguments(ic)
+    ic.set_defaults(func=idle_conns.run)
     bench.set_defaults(func=lambda _args: bench.print_help() or 2)
 
 
