@@ -82,7 +82,7 @@ def test_a_rerun_keeps_the_ca_and_takes_back_what_an_earlier_job_left(out: Path)
     # a volume an earlier, unprivileged job wrote: the folder, the CA key and admin's its own
     certs.make(out, IDENTITIES, days=2)
     ca = (out / "ca.crt").read_bytes()
-    for path in (out, out / "ca.key", out / "admin.key"):
+    for path in (out, out / "ca.key", out / "ca.crt", out / "admin.key"):
         os.chown(path, 10001, 10001)
     (out / "ca.key").chmod(0o640)
     old_meta_key = (out / "meta.key").read_bytes()
@@ -90,6 +90,7 @@ def test_a_rerun_keeps_the_ca_and_takes_back_what_an_earlier_job_left(out: Path)
     assert (out / "ca.crt").read_bytes() == ca  # the same CA: the cluster keeps its trust
     assert _owner_mode(out) == (0, 0, 0o755)
     assert _owner_mode(out / "ca.key") == (0, 0, 0o600)
+    assert _owner_mode(out / "ca.crt") == (0, 0, 0o644)
     assert _owner_mode(out / "admin.key") == (0, 0, 0o600)
     assert _owner_mode(out / "meta.key") == (10010, 10010, 0o600)
     assert (out / "meta.key").read_bytes() != old_meta_key  # re-issued, a new file

@@ -115,7 +115,7 @@ class Issuer:
     def kept(cls, out: Path, days: int, take_key: bool = False) -> Issuer:
         """``out``'s CA, else a new one valid ``days`` whose key is written next to it
         (``pdserve certs``: later runs sign more certificates for the same cluster);
-        ``take_key``: a kept CA key becomes this user's alone (:func:`_own`)."""
+        ``take_key``: a kept CA becomes this user's, its key readable by it alone (:func:`_own`)."""
         from cryptography import x509
         from cryptography.hazmat.primitives import serialization
 
@@ -123,7 +123,8 @@ class Issuer:
         crt, key_path = out / "ca.crt", out / "ca.key"
         if crt.exists() and key_path.exists():
             if take_key:
-                _own(key_path)
+                _own(key_path, 0o600)
+                _own(crt, 0o644)
             cert = x509.load_pem_x509_certificate(crt.read_bytes())
             key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
             return cls(out, cert, key)
@@ -205,13 +206,13 @@ def _san(name: str, hosts: list[str], role: str):
     return x509.SubjectAlternativeName(entries)
 
 
-def _own(path: Path) -> None:
-    """Makes ``path`` (a kept CA key) this user's alone, mode 0600, taking it over as root from
-    whoever wrote it (a volume written by an earlier, unprivileged certificate job)."""
+def _own(path: Path, mode: int) -> None:
+    """Makes ``path`` (the kept CA's key or certificate) this user's, with ``mode``, taking it
+    over as root from whoever wrote it (a volume an earlier, unprivileged job wrote)."""
     if os.geteuid() == 0:
         os.chown(path, os.geteuid(), os.getegid())
     if path.stat().st_uid == os.geteuid():
-        os.chmod(path, 0o600)
+        os.chmod(path, mode)
 
 
 def parse_key_owners(texts: Sequence[str], names: Sequence[str]) -> dict[str, int]:
