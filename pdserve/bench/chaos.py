@@ -3,14 +3,17 @@
 Starts a whole cluster as ``pdserve up`` does (supervised: a killed service is restarted),
 sends steady load through the router's OpenAI API (greedy, so every answer has one right
 text, learned before any fault), and then, one at a time, SIGKILLs a storage node, a prefill
-worker, a decode worker, the KV store master and meta, stops the master for 3 s (SIGSTOP),
-and runs a late writer (a put that stalls past the master's put timeout, then writes over the
+worker, a decode worker, the KV store master and meta, stops the master for ``--stall-s``
+seconds (SIGSTOP; with ``--kvstore-masters 2`` or more, both hit the master leading then), and
+runs a late writer (a put that stalls past the master's put timeout, then writes over the
 region the master has since handed to someone else). Per fault it counts the requests that
 completed token-exact, completed wrong (must be 0), failed with a retriable status, failed
 otherwise, or hung (no answer within the timeout, must be 0); the router's retries; marker
 objects put in the store before the fault and missing after (must be 0: a killed store
-process costs cache hits, never data it comes back with); and the time from the fault until
-every request succeeds again.
+process costs cache hits, never data it comes back with); the time from the fault until
+every request succeeds again (``recovery``), until prompts are served from the store again
+(``store``: every answer loads part of its prompt from it) and, for a killed service, until
+``up`` has it restarted and ready (``restart``; :mod:`pdserve.bench.chaos_recovery`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from pdserve.bench import chaos_recovery as recovery
+
 #: Statuses a client retries (the service is busy or briefly without a worker).
 RETRIABLE = {429, 502, 503, 504}
 MARKERS = 32
@@ -42,6 +47,8 @@ class Outcome:
     prompt: int
     status: int  # HTTP status; 0 = no answer within the timeout
     text: str = ""
+    #: prompt tokens the answer says were cached (usage.prompt_tokens_details.cached_tokens)
+    cached: int = 0
 
 
 @dataclass
@@ -57,6 +64,10 @@ class FaultRow:
     markers_lost: int = 0
     corrupt_chunks_detected: float = 0
     recovery_s: float | None = None
+    store_s: float | None = None
+    restart_s: float | None = None
+    #: wall-clock time of the fault (to find it in the services' logs)
+    at: float = 0.0
     notes: list[str] = field(default_factory=list)
 
 
@@ -89,6 +100,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--faults",
         default="node,prefill,decode,master,meta,stall,late-writer",
         help="faults to run, in order (default: %(default)s)",
+    )
+    p.add_argument(
+        "--kvstore-masters",
+        type=int,
+        default=1,
+        help="KV store masters (2+: elected through an etcd up runs; master and stall then hit "
+        "the leader) (default: 1)",
+    )
+    p.add_argument(
+        "--stall-s", type=float, default=3.0, help="how long stall stops the master (default: 3)"
     )
 
 
@@ -132,8 +153,11 @@ class Load:
         t0 = time.monotonic()
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                text = json.loads(resp.read())["choices"][0]["text"]
-                return Outcome(t0, time.monotonic(), -1, resp.status, text)
+                body = json.loads(resp.read())
+                text = body["choices"][0]["text"]
+                usage = body.get("usage") or {}
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                return Outcome(t0, time.monotonic(), -1, resp.status, text, int(cached))
         except urllib.error.HTTPError as exc:
             return Outcome(t0, time.monotonic(), -1, exc.code)
         except (TimeoutError, urllib.error.URLError, ConnectionError) as exc:
@@ -226,7 +250,9 @@ class BenchCluster:
 
         self.args = args
         self.run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="pdserve-chaos-"))
-        meta, meta_http, master, router, http = free_ports(5)
+        meta, meta_http, router, http = free_ports(4)
+        masters = getattr(args, "kvstore_masters", 1)
+        master, etcd = recovery.port_runs((masters, 2), avoid={meta, meta_http, router, http})
         cfg = UpConfig(
             engine=args.engine,
             model=args.model,
@@ -240,6 +266,8 @@ class BenchCluster:
             router_port=router,
             http_port=http,
             run_dir=str(self.run_dir),
+            kvstore_masters=masters,
+            etcd_port=etcd,
         )
         cfg.validate()
         cfg.resolve()
@@ -268,22 +296,22 @@ class BenchCluster:
             if p.name.startswith(("prefill", "decode")) and p.info.get("metrics")
         )
 
+    @property
+    def masters(self) -> dict[str, str]:
+        """Each KV store master's service name and address."""
+        from pdserve.commands import up_etcd
+
+        return up_etcd.masters(self.cfg)
+
     def pid(self, name: str) -> int:
         return next(p.pid for p in self.cluster.procs if p.name == name)
 
     def _supervise(self) -> None:
-        while not self._supervising.is_set():
-            self.cluster.supervise_once()
-            time.sleep(0.2)
+        from pdserve.commands.up_cluster import SUPERVISE_S
 
-    def _wait_running(self, name: str, restarts: int, timeout: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            sup = self.cluster.supervised[name]
-            if sup.restarts >= restarts and sup.state == "running":
-                return
-            time.sleep(0.2)
-        raise RuntimeError(f"{name} did not come back within {timeout:.0f}s")
+        while not self._supervising.is_set():  # at up's own pace (the restart times are up's)
+            self.cluster.supervise_once()
+            time.sleep(SUPERVISE_S)
 
     def start(self) -> None:
         try:
@@ -324,7 +352,7 @@ class Chaos(BenchCluster):
         if [load.ask(i).text for i in range(len(texts))] != refs:
             raise RuntimeError("greedy answers are not repeatable: cannot tell wrong from right")
         rows = []
-        with open_store(f"127.0.0.1:{self.cfg.master_port}", timeout_s=10) as store:
+        with open_store(",".join(self.masters.values()), timeout_s=10) as store:
             for n, fault in enumerate(self.args.faults.split(",")):
                 rows.append(self._phase(fault.strip(), n, load, refs, store))
                 print(json.dumps(asdict(rows[-1])), file=sys.stderr, flush=True)
@@ -333,7 +361,7 @@ class Chaos(BenchCluster):
     def _phase(self, fault: str, n: int, load: Load, refs: list[str], store) -> FaultRow:
         row = FaultRow(fault)
         markers = [f"chaos-marker-{n}-{i}" for i in range(MARKERS)]
-        store.batch_put([(k, os.urandom(MARKER_BYTES)) for k in markers])
+        recovery.retry(store.batch_put, [(k, os.urandom(MARKER_BYTES)) for k in markers])
         retries0 = self._router_metric("pdserve_router_retries_total")
         corrupt0 = self._worker_metric("pdserve_store_corrupt_chunks_total")
         load.start(self.args.clients)
@@ -343,21 +371,23 @@ class Chaos(BenchCluster):
             "node": "kvstore-node-0",
             "prefill": "prefill-0",
             "decode": "decode-0",
-            "master": "kvstore-master",
             "meta": "meta",
         }.get(fault)
-        if victim is not None:
+        if fault in ("master", "stall"):
+            victim = recovery.master_victim(self.cluster, self.masters)
+            if len(self.masters) > 1:
+                row.notes.append(f"{victim} led")
+            t_fault = time.monotonic()
+        if fault == "stall":
+            recovery.pause(self.pid(victim), self.args.stall_s)
+        elif victim is not None:
             if victim not in self.cluster.supervised:
                 row.notes.append(f"no {victim} in this topology")
             else:
                 restarts = self.cluster.supervised[victim].restarts
                 os.kill(self.pid(victim), signal.SIGKILL)
-                self._wait_running(victim, restarts + 1)
-        elif fault == "stall":
-            pid = self.pid("kvstore-master")
-            os.kill(pid, signal.SIGSTOP)
-            time.sleep(3.0)
-            os.kill(pid, signal.SIGCONT)
+                back = recovery.wait_restarted(self.cluster, victim, restarts + 1)
+                row.restart_s = round(back - t_fault, 2)
         elif fault == "late-writer":
             self._late_writer(store, load, refs, row)
         else:
@@ -365,12 +395,14 @@ class Chaos(BenchCluster):
         time.sleep(self.args.phase_s)
         outcomes = load.stop()
         _score(row, outcomes, refs, t_fault)
+        row.store_s = recovery.store_served_s(outcomes, refs, t_fault)
+        row.at = round(time.time() - (time.monotonic() - t_fault), 3)
         row.retries = self._router_metric("pdserve_router_retries_total") - retries0
         row.corrupt_chunks_detected = (
             self._worker_metric("pdserve_store_corrupt_chunks_total") - corrupt0
         )
-        row.markers_lost = sum(not e for e in store.exists(markers))
-        store.remove(markers)
+        row.markers_lost = sum(not e for e in recovery.retry(store.exists, markers))
+        recovery.retry(store.remove, markers)
         return row
 
     def _late_writer(self, store, load: Load, refs: list[str], row: FaultRow) -> None:
@@ -407,15 +439,18 @@ class Chaos(BenchCluster):
 def render(rows: list[FaultRow]) -> str:
     head = (
         f"{'fault':<12} {'requests':>8} {'exact':>6} {'wrong':>6} {'retriable':>9} "
-        f"{'failed':>6} {'hung':>5} {'retries':>7} {'lost':>5} {'corrupt':>7} {'recovery':>9}"
+        f"{'failed':>6} {'hung':>5} {'retries':>7} {'lost':>5} {'corrupt':>7} {'recovery':>9} "
+        f"{'store':>7} {'restart':>7}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
-        rec = "-" if r.recovery_s is None else f"{r.recovery_s:.1f}s"
+        rec, store, back = (
+            "-" if s is None else f"{s:.1f}s" for s in (r.recovery_s, r.store_s, r.restart_s)
+        )
         lines.append(
             f"{r.fault:<12} {r.requests:>8} {r.exact:>6} {r.wrong:>6} {r.retriable:>9} "
             f"{r.failed:>6} {r.hung:>5} {r.retries:>7.0f} {r.markers_lost:>5} "
-            f"{r.corrupt_chunks_detected:>7.0f} {rec:>9}"
+            f"{r.corrupt_chunks_detected:>7.0f} {rec:>9} {store:>7} {back:>7}"
             + (f"  {'; '.join(r.notes)}" if r.notes else "")
         )
     return "\n".join(lines)

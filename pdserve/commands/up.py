@@ -3,8 +3,9 @@
 Starts, in order, meta (memory backend, or etcd), the KV store master, the storage nodes, the
 prefill and decode workers (in parallel) and the router; waits until each is healthy; prints
 the endpoints and a ready-to-paste example; streams each service's log to its own file. It
-then supervises: a service that dies is logged and restarted with backoff (1 s doubling to
-30 s, reset once it has run for a minute) while the rest keeps serving, and
+then supervises: a service that dies is logged and restarted (at once, then with backoff if it
+dies again: 1 s doubling to 30 s, reset once it has run for a minute) while the rest keeps
+serving, and
 ``<run_dir>/services.json`` (shown by ``pdserve status``) says what runs, its restarts and
 last exit. On Ctrl-C / SIGTERM it stops everything in reverse order, leaving no process or
 shared-memory segment behind. ``--config cluster.yaml`` scales it: its ``up`` section holds the fields below, and the

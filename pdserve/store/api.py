@@ -110,6 +110,14 @@ class ChunkNamespace:
 #: The default per-put options (one replica, no pin, no TTL).
 DEFAULT_OPTIONS = StoreOptions()
 
+
+class NotEnoughNodes(errors.Unavailable):
+    """The master answered that too few storage nodes are alive to place a put (a node died,
+    or a master that has just taken over waits for the nodes to remount). Unavailable like
+    the store's other failures, but the master is reachable and answering: not a reason to
+    leave the store alone for a while (:mod:`pdserve.engines.chunk_io`)."""
+
+
 #: The exception a backend raises for a failed item's KVErrorCode: the one table, for the
 #: pdserve master's per-item codes and (mapped onto these codes) Mooncake's return codes.
 #: Any other code is the store's failure, not the caller's: Unavailable.
@@ -117,6 +125,7 @@ _KV_ERRORS: dict[int, type[errors.PdserveError]] = {
     kvstore_pb2.KV_INVALID: errors.InvalidArgument,
     kvstore_pb2.KV_NOT_FOUND: errors.NotFound,
     kvstore_pb2.KV_NO_SPACE: errors.ResourceExhausted,
+    kvstore_pb2.KV_NOT_ENOUGH_NODES: NotEnoughNodes,
 }
 
 

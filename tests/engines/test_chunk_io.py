@@ -10,8 +10,10 @@ import torch
 
 from pdserve import errors, hashing, kvformat
 from pdserve.engines.chunk_io import ChunkIO
+from pdserve.store.api import kv_error
 from pdserve.store.memory import MemoryBackend
 from pdserve.telemetry import REGISTRY
+from pdserve.v1 import kvstore_pb2
 
 FP = hashing.ModelFingerprint(model_id="m", kv_dtype="float32", chunk_size=4)
 
@@ -138,7 +140,13 @@ def test_an_unreachable_store_is_paused_with_doubling_backoff_then_resumed() -> 
 
 
 @pytest.mark.parametrize(
-    "error", [errors.ResourceExhausted("no space (test)"), errors.InvalidArgument("bad (test)")]
+    "error",
+    [
+        errors.ResourceExhausted("no space (test)"),
+        errors.InvalidArgument("bad (test)"),
+        # a master that has just taken over, its nodes not remounted yet: it answers
+        kv_error(kvstore_pb2.KV_NOT_ENOUGH_NODES, "put of 'k0'", "0 nodes alive (test)"),
+    ],
 )
 def test_errors_that_are_not_the_store_being_down_do_not_pause_it(error) -> None:
     store = Flaky()
