@@ -70,6 +70,13 @@ def test_each_key_belongs_to_its_owner_and_the_rest_to_root(out: Path):
         ca = x509.load_pem_x509_certificate((out / "ca.crt").read_bytes())
         cert.verify_directly_issued_by(ca)
     assert not list(out.glob(".*.tmp"))
+
+
+@root_only
+@pytest.mark.slow  # a process per read, as each user
+def test_each_owner_reads_its_own_key_and_no_other(out: Path):
+    certs.make(out, IDENTITIES, days=2, key_owners=OWNERS)
+    owners = {"meta": 10010, "node-0": 10030, "prefill-0": 10040}
     # as each owner: its own key and every certificate, no other key, not the CA's or admin's
     for name, uid in owners.items():
         keys = {p.stem for p in out.glob("*.key") if _reads(p, uid)}

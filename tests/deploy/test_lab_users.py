@@ -150,6 +150,7 @@ def _reads(path: Path, uid: int) -> bool:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the certs job gives keys away: root only")
+@pytest.mark.slow  # a process per read, as each user
 def test_in_the_volume_the_certs_job_writes_each_user_reads_its_own_key_alone():
     base = Path(tempfile.mkdtemp(prefix="pdserve-lab-certs-", dir="/tmp"))
     try:
