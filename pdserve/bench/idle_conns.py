@@ -234,19 +234,74 @@ class Probe:
                 raise RuntimeError(f"HTTP {resp.status}")
 
 
-async def _main(args: argparse.Namespace) -> dict:
-    host, _, port = args.target.rpartition(":")
+#: The flood's counters in the array it shares with the probing process.
+COUNTERS = ("open", "opened", "closed_by_server", "failed")
+
+
+def _flood_process(cfg: dict, counts, ready, go, stop) -> None:
+    """The flood, in a process of its own (spawned): its event loop's work does not delay the
+    probe's calls. Opens its connections once ``go`` is set, holds them until ``stop`` is,
+    publishing :data:`COUNTERS` into ``counts`` every 0.1 s."""
+    raise_nofile(cfg["conns"] + 256)
+    asyncio.run(_flood_main(cfg, counts, ready, go, stop))
+
+
+async def _flood_main(cfg: dict, counts, ready, go, stop) -> None:
     tls = None
-    if args.tls:
+    if cfg["tls"]:
         tls = ssl.create_default_context()
         tls.check_hostname = False
         tls.verify_mode = ssl.CERT_NONE
-        if args.flood_cert:
-            tls.load_cert_chain(args.flood_cert, args.flood_key or None)
+        if cfg["flood_cert"]:
+            tls.load_cert_chain(cfg["flood_cert"], cfg["flood_key"] or None)
+    host, _, port = cfg["target"].rpartition(":")
     flood = Flood(
-        host, int(port), source_addresses(args.sources), args.conns, PAYLOADS[args.send], tls,
-        args.reopen,
+        host, int(port), source_addresses(cfg["sources"]), cfg["conns"], PAYLOADS[cfg["send"]],
+        tls, cfg["reopen"],
     )  # fmt: skip
+
+    def publish() -> None:
+        counts[:] = [getattr(flood, name) for name in COUNTERS]
+
+    ready.set()
+    while not go.is_set():
+        await asyncio.sleep(0.02)
+    gate = asyncio.Semaphore(256)  # connects in flight at once
+    slots = [asyncio.create_task(flood.slot(i, gate)) for i in range(flood.n)]
+    while not stop.is_set():
+        publish()
+        await asyncio.sleep(0.1)
+    publish()
+    flood.stop()
+    for task in slots:
+        task.cancel()
+    await asyncio.gather(*slots, return_exceptions=True)
+
+
+async def _main(args: argparse.Namespace) -> dict:
+    import multiprocessing
+
+    mp = multiprocessing.get_context("spawn")
+    counts = mp.Array("q", len(COUNTERS), lock=False)
+    ready, go, stop = mp.Event(), mp.Event(), mp.Event()
+    cfg = {
+        k: getattr(args, k)
+        for k in ("target", "conns", "sources", "send", "tls", "flood_cert", "flood_key", "reopen")
+    }
+    proc = mp.Process(target=_flood_process, args=(cfg, counts, ready, go, stop), daemon=True)
+    proc.start()
+    try:
+        if not await asyncio.to_thread(ready.wait, 60):
+            raise RuntimeError("the flood process did not start")
+        return await _measure(args, counts, go)
+    finally:
+        stop.set()
+        await asyncio.to_thread(proc.join, 30)
+        if proc.is_alive():
+            proc.kill()
+
+
+async def _measure(args: argparse.Namespace, counts, go) -> dict:
     probe = Probe(args)
     lat: dict[str, list[float]] = {"baseline": [], "flood": []}
     errors: dict[str, list[str]] = {"baseline": [], "flood": []}
@@ -254,6 +309,7 @@ async def _main(args: argparse.Namespace) -> dict:
     done = asyncio.Event()
     t0 = time.monotonic()
     timeline: list[dict] = []
+    calls: list[tuple[float, float]] = []  # (start, seconds) of each probe, -1 = failed
 
     async def probing() -> None:
         while not done.is_set():
@@ -262,8 +318,10 @@ async def _main(args: argparse.Namespace) -> dict:
             try:
                 await probe.once()
                 lat[which].append(time.monotonic() - start)
+                calls.append((round(start - t0, 2), round(time.monotonic() - start, 4)))
             except Exception as exc:  # a failed call is a result
                 errors[which].append(f"{type(exc).__name__}: {str(exc)[:120]}")
+                calls.append((round(start - t0, 2), -1.0))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(done.wait(), max(0.0, args.probe_every_s))
 
@@ -272,11 +330,7 @@ async def _main(args: argparse.Namespace) -> dict:
             row = {
                 "t": round(time.monotonic() - t0, 1),
                 "phase": phase,
-                "open": flood.open,
-                "opened": flood.opened,
-                "closed_by_server": flood.closed_by_server,
-                "failed": flood.failed,
-            }
+            } | dict(zip(COUNTERS, counts[:], strict=True))
             if args.server_pid:
                 row["server_fds"] = _fds(args.server_pid)
             timeline.append(row)
@@ -286,15 +340,11 @@ async def _main(args: argparse.Namespace) -> dict:
     tasks = [asyncio.create_task(probing()), asyncio.create_task(sampling())]
     await asyncio.sleep(args.baseline_s)
     phase = "flood"
-    gate = asyncio.Semaphore(256)  # connects in flight at once
-    slots = [asyncio.create_task(flood.slot(i, gate)) for i in range(flood.n)]
+    go.set()
     await asyncio.sleep(args.hold_s)
     done.set()
-    flood.stop()
     await asyncio.gather(*tasks)
-    for s in slots:
-        s.cancel()
-    await asyncio.gather(*slots, return_exceptions=True)
+    flood = dict(zip(COUNTERS, counts[:], strict=True))
     held = [r["open"] for r in timeline if r["phase"] == "flood"]
     return {
         "target": args.target,
@@ -307,11 +357,12 @@ async def _main(args: argparse.Namespace) -> dict:
         "baseline": percentiles(lat["baseline"]) | {"errors": len(errors["baseline"])},
         "flood": percentiles(lat["flood"]) | {"errors": len(errors["flood"])},
         "flood_open_max": max(held, default=0),
-        "flood_opened": flood.opened,
-        "flood_closed_by_server": flood.closed_by_server,
-        "flood_failed": flood.failed,
+        "flood_opened": flood["opened"],
+        "flood_closed_by_server": flood["closed_by_server"],
+        "flood_failed": flood["failed"],
         "errors": errors["baseline"][:5] + errors["flood"][:5],
         "timeline": timeline,
+        "probes": calls,
     }
 
 
@@ -338,6 +389,13 @@ def report(result: dict) -> str:
         f"{result['flood_failed']} connects failed"
     )
     lines.extend(f"  error: {e}" for e in result["errors"])
+    slow = [
+        f"{t:.1f}s: " + (f"{s * 1000:.0f} ms" if s >= 0 else "failed")
+        for t, s in result["probes"]
+        if s > 0.5 or s < 0
+    ]
+    if slow:
+        lines.append("  probes over 500 ms or failed (start: latency): " + ", ".join(slow))
     lines.append("  t(s)  phase     open  closed_by_server  failed" + ("  server_fds" * bool(
         result["timeline"] and "server_fds" in result["timeline"][0])))  # fmt: skip
     for r in result["timeline"]:

@@ -185,6 +185,13 @@ class RouterConfig(SecurityConfig, StoreBackendConfig):
         "closed at once, unread (0 = no cap; a gateway, NAT or load generator is one address)",
         metavar="N",
     )
+    http_max_connections: int = help_field(
+        4096,
+        "open HTTP connections from all client addresses together; a further one is answered "
+        "503 and closed at once, unread (0 = no cap; never above a quarter of the process's "
+        "file-descriptor limit)",
+        metavar="N",
+    )
     public_tls_cert: str = help_field(
         "",
         "certificate (PEM) for TLS on the public gRPC and HTTP API; optional, as a gateway "
@@ -305,8 +312,11 @@ class RouterConfig(SecurityConfig, StoreBackendConfig):
             raise ConfigError("http_header_timeout_s and http_body_timeout_s must be positive")
         if self.api_key_failure_window_s <= 0:
             raise ConfigError("api_key_failure_window_s must be positive")
-        if min(self.http_max_conns_per_peer, self.api_key_failures) < 0:
-            raise ConfigError("http_max_conns_per_peer and api_key_failures must be >= 0 (0 = off)")
+        if min(self.http_max_conns_per_peer, self.http_max_connections, self.api_key_failures) < 0:
+            raise ConfigError(
+                "http_max_conns_per_peer, http_max_connections and api_key_failures must be >= 0 "
+                "(0 = off)"
+            )
         if self.api_key_failures_global < 0:
             raise ConfigError("api_key_failures_global must be >= 0 (0 = off)")
         if bool(self.public_tls_cert) != bool(self.public_tls_key):

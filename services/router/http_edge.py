@@ -4,9 +4,13 @@ request head (request line and headers) within ``header_timeout_s`` of opening o
 previous response, so an idle kept-alive connection lasts that long too; a request's body must
 arrive in full within ``body_timeout_s`` of its head; else the connection is closed, without an
 answer. One client address holds at most ``max_per_peer`` open connections: a further one is
-answered 429 and closed at once, unread, while other addresses are served. A client that
-sends part of a request and stalls thus holds a file descriptor for seconds, and one address
-cannot take them all.
+answered 429 and closed at once, unread, while other addresses are served; all addresses
+together hold at most ``max_connections`` (never above a quarter of the process's
+file-descriptor limit, the gRPC ports taking up to half): a further one is answered 503 and
+closed at once. A client that sends part of a request and stalls thus holds a file descriptor
+for seconds, one address cannot take them all, and many addresses cannot take the process's.
+The listening socket's accept queue is :data:`BACKLOG` (aiohttp's 128 overflowed under a burst
+of connections, and a dropped SYN cost a new client a 1 s retransmission).
 
 NOTE: :class:`EdgeHandler` reads three fields of aiohttp's ``RequestHandler``
 (``_request_count``, ``_messages``, ``_request_in_progress``): tests/router/test_edge_limits.py
@@ -18,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import resource
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,26 +42,53 @@ class EdgeLimits:
     body_timeout_s: float = 30.0
     #: Open connections per client address (0 = no cap).
     max_per_peer: int = 128
+    #: Open connections from all addresses together (0 = no cap; see :func:`total_cap`).
+    max_connections: int = 4096
+
+
+#: The HTTP port's accept queue (the kernel caps it at net.core.somaxconn), as gRPC core's.
+BACKLOG = 4096
+
+
+def total_cap(max_connections: int) -> int:
+    """The cap on all open HTTP connections applied: ``max_connections``, at most a quarter
+    of the file-descriptor limit (0 = none)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if not max_connections or soft == resource.RLIM_INFINITY:
+        return max_connections
+    return max(1, min(max_connections, soft // 4))
 
 
 class PeerConnections:
-    """Open connections per client address, at most ``cap`` each (0 = no cap). Holds only
-    addresses with a connection open, so its size is bounded by the open connections."""
+    """Open connections per client address, at most ``cap`` each, and at most ``total_cap``
+    from all together (0 = no cap). Holds only addresses with a connection open, so its size
+    is bounded by the open connections."""
 
-    def __init__(self, cap: int) -> None:
+    def __init__(self, cap: int, total_cap: int = 0) -> None:
         self.cap = cap
+        self.total_cap = total_cap
+        self.total = 0
         self.open: dict[str, int] = {}
 
-    def admit(self, peer: str) -> bool:
-        """Counts a new connection of ``peer``; False (not counted) when it is at the cap."""
+    def refusal(self, peer: str) -> bytes | None:
+        """Counts a new connection of ``peer`` and returns None; or, when ``peer`` or all
+        together are at their cap, the whole answer to send before closing it (not counted)."""
+        if self.total_cap and self.total >= self.total_cap:
+            return FULL
         n = self.open.get(peer, 0)
         if self.cap and n >= self.cap:
-            return False
+            return TOO_MANY
         self.open[peer] = n + 1
-        return True
+        self.total += 1
+        return None
+
+    def admit(self, peer: str) -> bool:
+        """:meth:`refusal` as a yes or no."""
+        return self.refusal(peer) is None
 
     def release(self, peer: str) -> None:
         """One of ``peer``'s connections closed."""
+        self.total -= 1
         n = self.open[peer] - 1
         if n:
             self.open[peer] = n
@@ -64,27 +96,31 @@ class PeerConnections:
             del self.open[peer]
 
 
-def _too_many() -> bytes:
-    """The whole answer to a connection over its address's cap (OpenAI's error shape)."""
-    message = "too many open connections from this address: close some and retry"
-    body = json.dumps(
-        {
-            "error": {
-                "message": message,
-                "type": "rate_limit_error",
-                "param": None,
-                "code": "rate_limit_exceeded",
-            }
-        }
-    ).encode()
+def _refusal(status: str, message: str, kind: str, code: str) -> bytes:
+    """The whole answer to a connection refused at a cap (OpenAI's error shape)."""
+    error = {"message": message, "type": kind, "param": None, "code": code}
+    body = json.dumps({"error": error}).encode()
     head = (
-        "HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\n"
+        f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
     )
     return head.encode() + body
 
 
-TOO_MANY = _too_many()
+#: The answer to a connection over its address's cap.
+TOO_MANY = _refusal(
+    "429 Too Many Requests",
+    "too many open connections from this address: close some and retry",
+    "rate_limit_error",
+    "rate_limit_exceeded",
+)
+#: The answer to a connection over the cap of all addresses together.
+FULL = _refusal(
+    "503 Service Unavailable",
+    "the server is at its open connections limit: retry shortly",
+    "server_error",
+    "service_unavailable",
+)
 
 
 class EdgeHandler(RequestHandler):
@@ -107,10 +143,11 @@ class EdgeHandler(RequestHandler):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         peername = transport.get_extra_info("peername")
         peer = str(peername[0]) if peername else ""
-        if not self._peers.admit(peer):
-            log.debug("%s is at its %d open HTTP connections: refused", peer, self._peers.cap)
+        answer = self._peers.refusal(peer)
+        if answer is not None:
+            log.debug("HTTP connection of %s refused at a cap (%s)", peer, answer[9:12].decode())
             assert isinstance(transport, asyncio.WriteTransport)
-            transport.write(TOO_MANY)
+            transport.write(answer)
             transport.close()  # aiohttp never sees this connection
             return
         self._peer = peer
@@ -186,11 +223,11 @@ class EdgeSite(web.BaseSite):
         ssl_context: ssl.SSLContext | None = None,
         **handler_args: Any,
     ) -> None:
-        super().__init__(runner, ssl_context=ssl_context)
+        super().__init__(runner, ssl_context=ssl_context, backlog=BACKLOG)
         self._host = host
         self._port = port
         self.limits = limits
-        self.peers = PeerConnections(limits.max_per_peer)
+        self.peers = PeerConnections(limits.max_per_peer, total_cap(limits.max_connections))
         self._handler_args = handler_args
 
     @property

@@ -283,6 +283,7 @@ def edge_limits(cfg: RouterConfig) -> EdgeLimits:
         header_timeout_s=cfg.http_header_timeout_s,
         body_timeout_s=cfg.http_body_timeout_s,
         max_per_peer=cfg.http_max_conns_per_peer,
+        max_connections=cfg.http_max_connections,
     )
 
 

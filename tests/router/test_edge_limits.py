@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import resource
 import threading
 import time
 
@@ -17,6 +18,7 @@ from router_fakes import FakeDecode, FakePrefill, fake_cluster
 
 from pdserve import auth
 from pdserve.config import ConfigError
+from pdserve.services.router import http_edge
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.http_edge import EdgeLimits, EdgeSite, PeerConnections
 from pdserve.v1 import router_pb2, router_pb2_grpc
@@ -50,11 +52,34 @@ def test_peer_connections_cap_and_release():
     assert all(PeerConnections(0).admit("a") for _ in range(1000))  # 0 = no cap
 
 
+def test_peer_connections_total_cap_refuses_every_address_with_503():
+    peers = PeerConnections(2, total_cap=3)
+    assert peers.refusal("a") is None and peers.refusal("a") is None
+    assert peers.refusal("a") is http_edge.TOO_MANY  # a's own cap first
+    assert peers.refusal("b") is None and peers.total == 3
+    assert peers.refusal("c") is http_edge.FULL  # all together at 3: refused, not counted
+    assert peers.open == {"a": 2, "b": 1}
+    peers.release("a")
+    assert peers.total == 2 and peers.admit("c")
+    assert http_edge.FULL.startswith(b"HTTP/1.1 503 ") and b"service_unavailable" in http_edge.FULL
+    assert b"Retry-After: 1" in http_edge.FULL and b"Connection: close" in http_edge.FULL
+
+
+def test_total_cap_is_at_most_a_quarter_of_the_descriptor_limit(monkeypatch):
+    monkeypatch.setattr(resource, "getrlimit", lambda _which: (1024, 20000))
+    assert http_edge.total_cap(4096) == 256
+    assert http_edge.total_cap(100) == 100
+    assert http_edge.total_cap(0) == 0  # no cap
+    monkeypatch.setattr(resource, "getrlimit", lambda _which: (resource.RLIM_INFINITY,) * 2)
+    assert http_edge.total_cap(4096) == 4096
+
+
 def test_config_checks_the_limits():
     for bad in (
         {"http_header_timeout_s": 0},
         {"http_body_timeout_s": -1},
         {"http_max_conns_per_peer": -1},
+        {"http_max_connections": -1},
         {"api_key_failures": -1},
         {"api_key_failures_global": -1},
         {"api_key_failure_window_s": 0},
@@ -211,6 +236,26 @@ def test_one_address_is_capped_and_others_are_served():
             assert await edge.get() == (200, "ok")
             for _, w in held:
                 w.close()
+
+    asyncio.run(main())
+
+
+def test_all_addresses_together_are_capped_and_answered_503():
+    async def main():
+        limits = EdgeLimits(header_timeout_s=30.0, max_per_peer=0, max_connections=3)
+        async with Edge(limits) as edge:
+            held = [await edge.raw(source=f"127.0.0.{i}") for i in (2, 3, 4)]
+            await until(lambda: edge.site.peers.total == 3)
+            reader, writer = await edge.raw(source="127.0.0.5")  # a 4th address: 503, closed
+            answer = await closed(reader)
+            assert answer.startswith(b"HTTP/1.1 503") and b"service_unavailable" in answer
+            writer.close()
+            held.pop()[1].close()  # a slot frees up
+            await until(lambda: edge.site.peers.total == 2)
+            assert await edge.get(source="127.0.0.5") == (200, "ok")
+            for _, w in held:
+                w.close()
+            assert edge.site._backlog == http_edge.BACKLOG  # aiohttp's 128 overflowed
 
     asyncio.run(main())
 
