@@ -44,6 +44,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pdserve import config
 from pdserve.commands.up_settings import (
@@ -61,6 +62,9 @@ from pdserve.commands.up_settings import (
     tls_files,
 )
 from pdserve.config import ConfigError
+
+if TYPE_CHECKING:
+    from pdserve.commands.up_isolation import Isolation
 
 #: The command and its config; the run dir's layout (defined in ``up_settings``) stays
 #: importable from here as it always was (``pdserve status``, the kvstore admin commands).
@@ -83,7 +87,10 @@ class UpConfig(UpSettings):
     """``pdserve up``'s configuration: :class:`UpSettings` checked, by up's parts too."""
 
     def validate(self) -> None:
-        if self.isolate_services and self.store_backend == "mooncake":
+        from pdserve.commands.up_isolation import mode
+
+        self.isolate_services = mode(self.isolate_services)
+        if self.isolate_services == "on" and self.store_backend == "mooncake":
             raise ConfigError(
                 "isolate_services runs pdserve's own services as users of their own; "
                 "store_backend mooncake's processes are not (use store_backend pdserve)"
@@ -162,9 +169,10 @@ class UpConfig(UpSettings):
         compat.check_metadata_server(self.store_metadata_server, what="store_metadata_server")
 
 
-def banner(cfg: UpConfig, model: str = "") -> str:
+def banner(cfg: UpConfig, model: str = "", isolation: Isolation | None = None) -> str:
     """What ``up`` prints once every service is ready (it never prints the API key); ``model``
-    is the name requests use (default: cfg.model; with external engines the name they serve)."""
+    is the name requests use (default: cfg.model; with external engines the name they serve);
+    ``isolation``: which users the services run as (after its check)."""
     from pdserve.commands import up_models
 
     model = model or cfg.model
@@ -232,12 +240,17 @@ def banner(cfg: UpConfig, model: str = "") -> str:
                 "    (beyond loopback their /metrics take the API key: "
                 f"authorization: {{credentials_file: {key_file}}})\n"
             )
+    users = ""
+    if isolation is not None and isolation.on:
+        users = "  services run as Unix users of their own: each reads only its own key\n"
+    elif isolation is not None and isolation.note:
+        users = f"  NOT isolated: {isolation.note}\n"
     return f"""
 pdserve is up.
   OpenAI-compatible HTTP  {http}/v1   (health: {http}/health, metrics: {http}/metrics)
 {up_models.banner_line(cfg)}  gRPC (pdserve.v1.RouterService)  {grpc_addr}
 {auth_line}  meta (registry)  {cfg.host}:{cfg.meta_port}   {store_line}
-{sd_line}{tls_lines}{external}  logs  {Path(cfg.run_dir) / "logs"}/<service>.log      status: {status}
+{sd_line}{tls_lines}{users}{external}  logs  {Path(cfg.run_dir) / "logs"}/<service>.log      status: {status}
 
 Try it:
   curl -s {http}/v1/completions -H 'Content-Type: application/json'{curl_key} \\
@@ -289,7 +302,8 @@ def run(args: argparse.Namespace) -> int:
         cluster.stop()
         return 130
     try:
-        print(banner(cfg, cluster.model_name), flush=True)
+        cluster.write_status()  # `pdserve status` works once the banner is out
+        print(banner(cfg, cluster.model_name, cluster.isolation), flush=True)
         progress(f"healthy in {time.monotonic() - t0:.1f}s")
         reason = cluster.wait()
     except KeyboardInterrupt:  # Ctrl-C / SIGTERM before wait() took over the signals

@@ -170,7 +170,9 @@ class Cluster:
                 )
             progress(MOONCAKE_SECURITY_NOTE)
         up_etcd.check(c)
-        self.isolation.check()
+        # the workers' model folders must be theirs to read too (an external engine's are not)
+        models = up_models.resolve_all(c) if workers else []
+        self.isolation.check(models, c.store_backend)
         self.creds.secure(
             [
                 "meta:meta",

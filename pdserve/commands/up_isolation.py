@@ -1,14 +1,15 @@
-"""``pdserve up --isolate-services``: every service runs as a Unix user of its own.
+"""``pdserve up``'s ``isolate_services``: every service runs as a Unix user of its own.
 
 Under one Unix user a service can read every file the others can: ``up``'s admin key (the
-identity ``pdserve status`` uses), every other service's private key, and it can ptrace them.
-No file mode separates processes of one user, so isolation needs other users. As root, ``up``
-gives each service identity a user id of its own (:data:`BASE_UID` upward, in start order;
-numeric ids that need no ``/etc/passwd`` entry; all the masters share one, as they share one
-certificate) and starts the service as that user:
+identity ``pdserve status`` uses), every other service's private key, and it can ptrace them
+(``up`` included, whose memory holds the CA key). No file mode separates processes of one user,
+so isolation needs other users. As root, ``up`` gives each service identity a user id of its
+own (:data:`BASE_UID` upward, in start order; numeric ids that need no ``/etc/passwd`` entry;
+all the masters share one, as they share one certificate) and starts the service as that user:
 
 - its private key (and, for the masters, their etcd client key) is the only key it can read:
-  ``<name>.key`` belongs to it, mode 0600, at every renewal too; ``admin.key`` stays root's;
+  ``<name>.key`` belongs to it, mode 0600, at every renewal too; ``admin.key`` stays root's,
+  and the CA key never touches the disk (it lives in ``up``, which no service may ptrace);
 - its state is its own: the master's state dir, a node's disk tier (``kvdisk/<node id>``),
   etcd's data dir, and a home (``<run_dir>/home/<name>``, ``$HOME``, for caches);
 - the router's API key file is ``root:`` :data:`SHARED_GID` 0640 (the router reads it, and
@@ -17,8 +18,13 @@ certificate) and starts the service as that user:
   reach nodes over tcp, where every range needs the master's grant (the shm transport trusts
   whoever maps a segment).
 
-Logs are files ``up`` opens and hands over; the run dir and its parents must be searchable by
-other users (``up`` checks, and says which to ``chmod o+x``).
+Logs are files ``up`` opens and hands over; the run dir, the interpreter, the pdserve package
+and the models' folders must be reachable by other users (their folders searchable).
+
+The modes (:data:`MODES`): ``auto``, the default, isolates whenever it can: as root, with
+store_backend pdserve and every folder above reachable; otherwise every service runs as
+``up``'s user and the banner says so, and why (:attr:`Isolation.note`, with the one-line fix).
+``on`` refuses to start where it cannot isolate; ``off`` never does.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import os
 import re
 import stat
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from pdserve.config import ConfigError
@@ -37,6 +44,21 @@ from pdserve.procs import SHARED_GID
 BASE_UID = SHARED_GID + 1
 #: Most service identities (ids stay below 65534, nobody).
 MAX_ACCOUNTS = 1000
+#: ``isolate_services``' values; YAML's booleans are taken for on and off.
+MODES = ("auto", "on", "off")
+_BOOLS = {"true": "on", "yes": "on", "1": "on", "false": "off", "no": "off", "0": "off"}
+
+
+def mode(value: object) -> str:
+    """``isolate_services`` as one of :data:`MODES` (ConfigError for anything else)."""
+    text = str(value).strip().lower()
+    text = _BOOLS.get(text, text)
+    if text not in MODES:
+        raise ConfigError(
+            f"isolate_services must be one of {', '.join(MODES)} (auto: as root, whenever the "
+            f"services can reach their files), got {value!r}"
+        )
+    return text
 
 
 def unsearchable(path: Path) -> Path | None:
@@ -52,21 +74,43 @@ def unsearchable(path: Path) -> Path | None:
 class Isolation:
     """The user each service runs as (none when off: all run as ``up``'s user)."""
 
-    def __init__(self, on: bool, run_dir: str | Path) -> None:
-        self.on = on
+    def __init__(self, mode_: str, run_dir: str | Path) -> None:
+        self.mode = mode(mode_)
+        self.on = self.mode == "on"
         self.run_dir = Path(run_dir).resolve()
+        #: Why the services are not isolated, for the banner ('' when they are, or when
+        #: isolate_services is off: the user asked for that).
+        self.note = ""
         self._uids: dict[str, int] = {}
 
-    def check(self) -> None:
-        """ConfigError when isolation cannot work here: not root, or a run dir other users
-        cannot reach."""
-        if not self.on:
+    def check(self, models: Sequence[Path] = (), store_backend: str = "pdserve") -> None:
+        """Decides whether the services run as users of their own (mode auto) or checks they
+        can (on: ConfigError when not root, a Mooncake store, or a folder the services could
+        not reach: the run dir, the interpreter, the pdserve package, ``models``)."""
+        if self.mode == "off":
+            self.on = False
             return
+        why = self._obstacle(models, store_backend)
+        if why is None:
+            self.on = True
+            self.run_dir.chmod(0o755)
+            return
+        if self.mode == "on":
+            raise ConfigError(f"isolate_services: {why}")
+        self.on = False
+        self.note = (
+            f"every service runs as your user and can read the others' keys: {why} "
+            "(isolate_services off silences this)"
+        )
+
+    def _obstacle(self, models: Sequence[Path], store_backend: str) -> str | None:
+        """What keeps the services from running as users of their own here (None: nothing)."""
         if os.geteuid() != 0:
-            raise ConfigError(
-                "isolate_services starts each service as a user of its own, which takes root: "
-                "run up as root, or leave isolate_services off (every service then runs as "
-                "your user and can read the others' keys)"
+            return "isolating the services takes root (run up as root to isolate them)"
+        if store_backend == "mooncake":
+            return (
+                "store_backend mooncake's processes cannot run as users of their own (use "
+                "store_backend pdserve to isolate them)"
             )
         self.run_dir.mkdir(parents=True, exist_ok=True)
         import pdserve
@@ -75,15 +119,16 @@ class Isolation:
             ("their certificates in the run dir", self.run_dir),
             ("the Python interpreter", Path(os.path.realpath(sys.executable))),
             ("the pdserve package", Path(pdserve.__file__).resolve().parent),
+            *(("the model", Path(m).resolve()) for m in models),
         ):
             blocked = unsearchable(path)
             if blocked is not None:
-                raise ConfigError(
-                    f"isolate_services: {blocked} is not searchable by other users, so the "
-                    f"services could not reach {what} ({path}): chmod o+x {blocked}, or use a "
-                    "path others can reach"
+                return (
+                    f"{blocked} is not searchable by other users, so the services could not "
+                    f"reach {what} ({path}); `chmod o+x {blocked}` (or a path others can "
+                    "reach) lets them"
                 )
-        self.run_dir.chmod(0o755)
+        return None
 
     def uid(self, account: str) -> int | None:
         """The user id of service identity ``account`` (None when off)."""

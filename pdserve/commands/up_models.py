@@ -17,6 +17,7 @@ second's with one each). A single model without a served name is today's ``up``,
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.commands.up_settings import UpSettings
@@ -92,12 +93,12 @@ def fold_flag(args: argparse.Namespace) -> None:
     args.model, args.models = None, given
 
 
-def resolve_all(cfg: UpSettings) -> None:
-    """Resolves every model (a name, a folder, a Hugging Face id) before anything starts."""
+def resolve_all(cfg: UpSettings) -> list[Path]:
+    """Resolves every model (a name, a folder, a Hugging Face id) before anything starts: their
+    local folders."""
     from pdserve.model.prepare import resolve_model
 
-    for spec in specs(cfg):
-        resolve_model(spec.model)
+    return [resolve_model(spec.model) for spec in specs(cfg)]
 
 
 def banner_line(cfg: UpSettings) -> str:

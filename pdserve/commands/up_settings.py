@@ -128,11 +128,14 @@ class UpSettings:
         "life (services load the new files, connections up stay up) and a new start makes a "
         f"new CA; {MIN_CERT_HOURS} to {MAX_CERT_HOURS}",
     )
-    isolate_services: bool = help_field(
-        False,
-        "run each service as a Unix user of its own (needs root): a service then reads only "
-        "its own private key and state, not up's admin key nor another service's key "
-        "(pdserve/commands/up_isolation.py)",
+    isolate_services: str = help_field(
+        "auto",
+        "run each service as a Unix user of its own, so that a service reads only its own "
+        "private key and state, not up's admin key nor another service's key: auto (as root "
+        "whenever the services can reach the interpreter, the package, the models and the run "
+        "dir; else the banner says why not and how to fix it), on (refuse to start otherwise) "
+        "or off (pdserve/commands/up_isolation.py)",
+        metavar="auto|on|off",
     )
     auth: bool = help_field(
         True,

@@ -12,17 +12,17 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from pdserve.procs import free_ports
 
 
 def start_up(
-    tmp_path: Path, *flags: str, timeout: float = 300
+    tmp_path: Path, *flags: str, timeout: float = 300, prefix: Sequence[str] = ()
 ) -> tuple[subprocess.Popen, str, dict[str, int], Path]:
     """``pdserve up FLAGS`` plus ports and run dir: (process, banner, ports, run dir)."""
-    proc, ports, run_dir = launch_up(tmp_path, *flags)
+    proc, ports, run_dir = launch_up(tmp_path, *flags, prefix=prefix)
     return proc, read_banner(proc, timeout), ports, run_dir
 
 
@@ -67,13 +67,16 @@ def quiet_pair(avoid: Iterable[int] = ()) -> int:
         return port
 
 
-def launch_up(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, dict[str, int], Path]:
+def launch_up(
+    tmp_path: Path, *flags: str, prefix: Sequence[str] = ()
+) -> tuple[subprocess.Popen, dict[str, int], Path]:
     """``pdserve up FLAGS`` plus ports and run dir, started (its banner not read yet: see
-    :func:`read_banner`): (process, ports, run dir)."""
+    :func:`read_banner`), run by ``prefix`` (a command that runs its arguments, e.g.
+    :func:`searchable`'s): (process, ports, run dir)."""
     meta, meta_http, master, router, http = quiet_ports(5)
     run_dir = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "pdserve.commands.cli", "up", *flags,
+        *prefix, sys.executable, "-m", "pdserve.commands.cli", "up", *flags,
         "--meta-port", str(meta), "--meta-http-port", str(meta_http), "--master-port",
         str(master), "--router-port", str(router), "--http-port", str(http),
         "--run-dir", str(run_dir),
