@@ -251,7 +251,7 @@ def renewing(ctx: ssl.SSLContext) -> ssl.SSLContext:
     return ctx
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     host = host.strip("[]")
     if host == "localhost":
         return True
@@ -267,7 +267,7 @@ def check_exposure(cfg: SecurityConfig, service: str, *, has_key: bool | None = 
     Protection is TLS for internal services; for the router (``has_key`` given) it is an
     API key on the public API."""
     host = getattr(cfg, "host", "127.0.0.1")
-    if cfg.insecure or _is_loopback(host):
+    if cfg.insecure or is_loopback(host):
         return
     if has_key is None:
         if _tls is not None:

@@ -144,7 +144,7 @@ def configure_metrics(cfg: object, service: str) -> None:
         getattr(cfg, "metrics_port", -1) < 0
         or _metrics_key
         or cfg.metrics_open
-        or identity._is_loopback(host)  # the rule check_exposure keeps for gRPC ports
+        or identity.is_loopback(host)  # the rule check_exposure keeps for gRPC ports
         or (identity.tls() is None and getattr(cfg, "insecure", False))
     ):
         return

@@ -127,9 +127,9 @@ class UpConfig(UpSettings):
             raise ConfigError(
                 "api_key is set but auth is off: unset api_key (PDSERVE_UP_API_KEY) or turn auth on"
             )
-        from pdserve.identity import _is_loopback
+        from pdserve.identity import is_loopback
 
-        if self.tls and not self.auth and not _is_loopback(self.host):
+        if self.tls and not self.auth and not is_loopback(self.host):
             raise ConfigError(
                 f"host {self.host!r} is reachable from other hosts, and there the services' "
                 "metrics ports take up's API key, which auth off does not make: turn auth on "
@@ -228,14 +228,14 @@ def banner(cfg: UpConfig, model: str = "", isolation: Isolation | None = None) -
         )
     sd_line = ""
     if cfg.meta_http_port >= 0:
-        from pdserve.identity import _is_loopback
+        from pdserve.identity import is_loopback
 
         scheme = "https" if cfg.tls else "http"
         sd_line = (
             f"  Prometheus targets (http_sd_configs)  {scheme}://{cfg.host}:{cfg.meta_http_port}"
             "/prometheus/targets\n"
         )
-        if cfg.tls and not _is_loopback(cfg.host):
+        if cfg.tls and not is_loopback(cfg.host):
             sd_line += (
                 "    (beyond loopback their /metrics take the API key: "
                 f"authorization: {{credentials_file: {key_file}}})\n"

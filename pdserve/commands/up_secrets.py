@@ -117,10 +117,10 @@ class UpSecrets:
         a metrics port takes a key (:func:`pdserve.telemetry.configure_metrics`), and up gives
         every service the router's API key file (Prometheus then sends it:
         ``authorization: {credentials_file: <run_dir>/api_key}``); none on loopback."""
-        from pdserve.identity import _is_loopback
+        from pdserve.identity import is_loopback
 
         c = self.cfg
-        if not c.tls or _is_loopback(c.host):
+        if not c.tls or is_loopback(c.host):
             return {}
         return {"metrics_key_file": self.key_file()}  # validate() made sure auth is on
 

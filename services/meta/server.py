@@ -169,7 +169,7 @@ class MetaConfig(SecurityConfig, telemetry.MetricsConfig):
             or self.http_port < 0
             or self.http_token
             or self.http_metadata_open
-            or identity._is_loopback(self.host)  # check_exposure's rule for gRPC ports
+            or identity.is_loopback(self.host)  # check_exposure's rule for gRPC ports
             or (self.insecure and not self.tls_cert)  # a plaintext cluster, open by choice
         ):
             return

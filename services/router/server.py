@@ -14,7 +14,7 @@ from aiohttp import web
 from pdserve import grpcutil, lifecycle
 from pdserve.auth import KeyFailures, RequireKey
 from pdserve.discovery import leave, register_service
-from pdserve.identity import _is_loopback, advertised
+from pdserve.identity import advertised, is_loopback
 from pdserve.model.fingerprint import model_revision
 from pdserve.services.router import pins
 from pdserve.services.router.admission import Admission
@@ -275,7 +275,7 @@ def metrics_open(cfg: RouterConfig) -> bool:
     """Whether /metrics answers without an API key (when keys are configured): metrics_open,
     or an HTTP port on loopback only (the rule of the services' metrics ports:
     :func:`pdserve.telemetry.configure_metrics`)."""
-    return cfg.metrics_open or _is_loopback(cfg.host)
+    return cfg.metrics_open or is_loopback(cfg.host)
 
 
 def edge_limits(cfg: RouterConfig) -> EdgeLimits:

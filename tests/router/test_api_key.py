@@ -72,7 +72,7 @@ def test_metrics_need_the_key_beyond_loopback_unless_metrics_open(tiny_model_dir
     assert server.metrics_open(
         RouterConfig(decode=["127.0.0.1:1"], host="0.0.0.0", metrics_open=True)
     )
-    monkeypatch.setattr(server, "_is_loopback", lambda host: False)
+    monkeypatch.setattr(server, "is_loopback", lambda host: False)
 
     async def scrape(port: int, headers: dict[str, str]) -> int:
         async with (

@@ -248,7 +248,7 @@ class MasterConfig(SecurityConfig, MetricsConfig):
         )
 
     def _check_kv_events(self) -> None:
-        from pdserve.identity import _is_loopback
+        from pdserve.identity import is_loopback
 
         if self.kv_events_hashes not in ("chunk", "engine"):
             raise ConfigError(
@@ -272,7 +272,7 @@ class MasterConfig(SecurityConfig, MetricsConfig):
             if not ep.startswith(("tcp://", "ipc://", "inproc://")):
                 raise ConfigError(f"{name} must be a tcp://, ipc:// or inproc:// endpoint")
             host = ep[len("tcp://") :].rsplit(":", 1)[0] if ep.startswith("tcp://") else ""
-            if host and not self.insecure and not _is_loopback(host):
+            if host and not self.insecure and not is_loopback(host):
                 raise ConfigError(
                     f"{name}={ep!r} would publish KV events to other hosts, and ZMQ has no "
                     "authentication: bind 127.0.0.1 or pass --insecure to accept the risk"
