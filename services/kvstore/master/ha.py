@@ -128,28 +128,46 @@ class Leadership:
         self._keeper: asyncio.Future | None = None
 
     async def campaign(self, progress: Callable[[str], None] = log.info) -> None:
-        """Returns once this master holds the leader key (standby until then)."""
-        kv = self.link.kv
-        said = ""
+        """Returns once this master holds the leader key (standby until then). An etcd call
+        that fails (etcd slow or briefly out of reach) is tried again after :data:`POLL_S`:
+        a standby that exited on one instead was out of the election until ``up`` had
+        restarted it, seconds after the leader's lease had ended."""
+        said, failing = "", False
         while True:
-            got = await self.link.acall("read the leader", kv.get(self.key))
-            if got.kvs:
-                leader = got.kvs[0].value.decode()
-                if leader != said:
-                    progress(f"standby: the kvstore master leader is {leader}")
-                    said = leader
+            try:
+                leader = await self._claim(progress)
+            except Unavailable as exc:
+                if not failing:
+                    log.warning("standby: %s; campaigning on", exc)
+                failing = True
                 await asyncio.sleep(POLL_S)
                 continue
-            grant = await self.link.acall("grant a lease", self.link.client.lease.grant(self.ttl_s))
-            free = kv.txn_compare_create_revision(self.key, 0)
-            claim = kv.txn_op_put(self.key, self.address, lease=grant.ID)
-            won = await self.link.acall("campaign", kv.txn([free], [claim]))
-            if won.succeeded:
-                self.lease, self._last_ok = grant.ID, time.monotonic()
-                self._keeper = asyncio.run_coroutine_threadsafe(self._keep(), self.link.loop)
-                progress(f"leading (lease {grant.ID:x}, {grant.TTL} s)")
+            failing = False
+            if leader is None:
                 return
-            await self.link.acall("revoke the lease", self.link.client.lease.revoke(grant.ID))
+            if leader != said:
+                progress(f"standby: the kvstore master leader is {leader}")
+                said = leader
+            await asyncio.sleep(POLL_S)
+
+    async def _claim(self, progress: Callable[[str], None] = log.info) -> str | None:
+        """One round of the campaign: None once this master holds the leader key, else the
+        leader's address ("" when the key was free but another master took it first)."""
+        kv = self.link.kv
+        got = await self.link.acall("read the leader", kv.get(self.key))
+        if got.kvs:
+            return str(got.kvs[0].value.decode())
+        grant = await self.link.acall("grant a lease", self.link.client.lease.grant(self.ttl_s))
+        free = kv.txn_compare_create_revision(self.key, 0)
+        claim = kv.txn_op_put(self.key, self.address, lease=grant.ID)
+        won = await self.link.acall("campaign", kv.txn([free], [claim]))
+        if won.succeeded:
+            self.lease, self._last_ok = grant.ID, time.monotonic()
+            self._keeper = asyncio.run_coroutine_threadsafe(self._keep(), self.link.loop)
+            progress(f"leading (lease {grant.ID:x}, {grant.TTL} s)")
+            return None
+        await self.link.acall("revoke the lease", self.link.client.lease.revoke(grant.ID))
+        return ""
 
     async def _keep(self) -> None:
         """Renews the lease every third of its TTL; gives up (``on_lost``) when a renewal says

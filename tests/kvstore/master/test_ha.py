@@ -96,8 +96,8 @@ def test_a_standby_master_takes_over_without_losing_an_object(tmp_path: Path) ->
         with open_store(address, transport="tcp") as store:
             assert store.put("ha-after-kill", b"x" * 5000)
         objects["ha-after-kill"] = b"x" * 5000
-        # a node (re)started now names the dead leader first: its mount there waits for a
-        # connection until the deadline (DEADLINE_EXCEEDED), and it mounts at the new leader
+        # a node (re)started now names the dead leader first: its mount there is refused and
+        # tries the new leader within the same call (pdserve.failover), and it mounts there
         # (the lab's restarted storage node crashed here in a loop)
         late = start_node(address, tmp_path, transports="tcp", segment_sizes="16MiB")
         late.stop()
