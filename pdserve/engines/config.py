@@ -57,20 +57,21 @@ class EngineConfig(StoreBackendConfig):
     )
     max_num_seqs: int = help_field(
         0,
-        "generations running at once, more wait in the queue (0 = auto: 128 on vllm, as "
-        "`vllm serve` on CPU; 8 on torch)",
+        "generations running at once, more wait in the queue (0 = auto: 128 on vllm on a CPU, "
+        "as `vllm serve` there, vLLM's own on a GPU; 8 on torch)",
     )
     max_num_batched_tokens: int = help_field(
         0,
         "vllm: tokens one engine step may schedule while no stream is decoding "
-        f"(0 = auto: {VLLM_STEP_TOKENS}, vLLM's CPU serving default)",
+        f"(0 = auto: {VLLM_STEP_TOKENS} on a CPU, vLLM's CPU serving default; vLLM's own on a GPU)",
     )
     tpot_target_ms: float = help_field(
-        150.0,
+        -1.0,
         "vllm: time per output token the scheduler keeps decoding streams within while prompts "
         "prefill beside them: each step takes the most prompt tokens that keeps every stream "
         "on target, from a step-cost model learnt online (0 = vLLM's behaviour: up to "
-        "max_num_batched_tokens beside streams)",
+        "max_num_batched_tokens beside streams; -1 = auto: 150 on a CPU, 0 on a GPU, "
+        "pdserve/engines/vllm_profile.py)",
     )
     ttft_urgent_ms: float = help_field(
         1500.0,
@@ -78,7 +79,7 @@ class EngineConfig(StoreBackendConfig):
         "whatever the streams' target (a late first token cannot be made up; 0 = never)",
     )
     prefill_order: str = help_field(
-        "deadline",
+        "auto",
         "vllm: which waiting prompts prefill together: deadline = those that can all still "
         "get their first token within ttft_target_ms share a step, oldest first (a burst that "
         "fits is batched as vLLM does; of one too large, what can still be on time goes "
@@ -86,7 +87,7 @@ class EngineConfig(StoreBackendConfig):
         "ttft_target_ms (one waiting twice ttft_target_ms heads the next step), and a stream "
         "whose first token was late no longer limits the steps; shortest / arrival = one "
         "prompt per step, fewest tokens to compute / oldest first; batched = vLLM's own "
-        "(every waiting prompt in the next step)",
+        "(every waiting prompt in the next step); auto = deadline on a CPU, batched on a GPU",
     )
     ttft_target_ms: float = help_field(
         2000.0,
@@ -184,12 +185,16 @@ class EngineConfig(StoreBackendConfig):
         for name in ("max_model_len", "max_tokens_limit"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0 (0 = auto), got {getattr(self, name)}")
-        for name in ("tpot_target_ms", "ttft_urgent_ms", "ttft_target_ms"):
+        for name in ("ttft_urgent_ms", "ttft_target_ms"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0 (0 = off), got {getattr(self, name)}")
-        if self.prefill_order not in PREFILL_ORDERS:
+        if self.tpot_target_ms < 0 and self.tpot_target_ms != -1:
             raise ConfigError(
-                f"prefill_order must be one of {PREFILL_ORDERS}, got {self.prefill_order!r}"
+                f"tpot_target_ms must be >= 0 (0 = off) or -1 (auto), got {self.tpot_target_ms}"
+            )
+        if self.prefill_order not in ("auto", *PREFILL_ORDERS):
+            raise ConfigError(
+                f"prefill_order must be auto or one of {PREFILL_ORDERS}, got {self.prefill_order!r}"
             )
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 0:

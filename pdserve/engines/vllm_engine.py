@@ -23,8 +23,9 @@
 vLLM's own features stay on: continuous batching, chunked prefill, local prefix caching. A
 request's cache salt goes to vLLM with the prompt (its local prefix cache is per salt) and
 selects the chunk keys the connector loads and saves (per salt in the store too).
-Its scheduler is :class:`pdserve.engines.vllm_scheduler.StreamFirstScheduler`, which sizes a
-step's prompt tokens to keep decoding streams within ``tpot_target_ms``. The model runs in
+Its scheduler is :class:`pdserve.engines.vllm_scheduler.StreamFirstScheduler`, which on a CPU
+sizes a step's prompt tokens to keep decoding streams within ``tpot_target_ms``; on a GPU vLLM's
+own defaults hold (:mod:`pdserve.engines.vllm_profile`). The model runs in
 ``dtype = kv_dtype`` (auto: bfloat16; float32 keeps greedy output token-exact against the torch
 engine and lets both engines share chunks).
 """
@@ -51,14 +52,9 @@ from pdserve.engines.base import (
     next_text,
     text_stream,
 )
-from pdserve.engines.config import VLLM_STEP_TOKENS, EngineConfig
+from pdserve.engines.config import EngineConfig
 from pdserve.engines.connector_data import PARAMS_KEY, extra_config
-from pdserve.engines.step_budget import (
-    PREFILL_ORDER_KEY,
-    TPOT_TARGET_KEY,
-    TTFT_TARGET_KEY,
-    TTFT_URGENT_KEY,
-)
+from pdserve.engines.vllm_profile import engine_kwargs, on_gpu
 from pdserve.errors import InvalidArgument
 from pdserve.model.fingerprint import model_fingerprint
 from pdserve.model.kv_options import kv_options, refuse_pipeline_parallel
@@ -66,7 +62,6 @@ from pdserve.requests import Finish, KVRef, Sampling, TokenLogprob
 
 CONNECTOR_MODULE = "pdserve.engines.vllm_connector"
 CONNECTOR_CLASS = "PdserveConnector"
-SCHEDULER_CLASS = "pdserve.engines.vllm_scheduler.StreamFirstScheduler"
 
 log = logging.getLogger(__name__)
 
@@ -236,28 +231,17 @@ class VllmEngine(Engine):
                     tls=identity.tls(),
                 ),
             )
-        # users' vllm_args may override these two, which are pdserve's defaults, not its needs
-        defaults: dict[str, Any] = {"enforce_eager": True, "enable_prefix_caching": True}
+        # pdserve's serving profile on a CPU, vLLM's own defaults on a GPU (vllm_profile)
+        profile = engine_kwargs(cfg, on_gpu())
         if tracing.enabled():  # vLLM's llm_request span, and trace headers to the connector
-            defaults["otlp_traces_endpoint"] = tracing.endpoint()
-        for name in defaults.keys() & cfg.vllm_args.keys():
-            defaults.pop(name)
+            profile["otlp_traces_endpoint"] = tracing.endpoint()
         args = AsyncEngineArgs(
             model=str(model_dir),
             served_model_name=[served],
             dtype=cfg.resolved_kv_dtype(),
             block_size=cfg.vllm_block_size,
             max_model_len=cfg.max_model_len or None,  # None: the model's own
-            max_num_seqs=cfg.resolved_max_num_seqs(),
-            max_num_batched_tokens=cfg.max_num_batched_tokens or VLLM_STEP_TOKENS,
-            scheduler_cls=SCHEDULER_CLASS,
-            additional_config={
-                TPOT_TARGET_KEY: cfg.tpot_target_ms,
-                TTFT_URGENT_KEY: cfg.ttft_urgent_ms,
-                PREFILL_ORDER_KEY: cfg.prefill_order,
-                TTFT_TARGET_KEY: cfg.ttft_target_ms,
-            },
-            **defaults,
+            **profile,
             kv_transfer_config=kv_transfer,
             disable_log_stats=True,
             **vllm_args.check(cfg.vllm_args, store=kv_transfer is not None),
