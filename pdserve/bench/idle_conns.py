@@ -9,8 +9,8 @@ or a partial HTTP/1.1 request head; ``--tls`` completes a TLS handshake first (w
 refuses it). With ``--reopen`` each connection the server closes is opened again, so the
 pressure stays. Meanwhile a real client makes one call every ``--probe-every-s`` on a new
 connection from 127.0.0.1 (``--probe grpc``: grpc.health.v1 Check, mutual TLS with the
-``PDSERVE_TLS_*`` files unless ``--plaintext``; ``--probe http``: GET ``/v1/models`` with the
-API key of ``--api-key-file``). It prints the probe latencies (percentiles and max) without a
+``PDSERVE_TLS_*`` files unless ``--plaintext``; ``--probe http``: GET ``--http-path``
+(``/v1/models``) with the API key of ``--api-key-file``). It prints the probe latencies (percentiles and max) without a
 flood (``--baseline-s``) and during it, and every second how many flood connections the
 server kept open (and, with ``--server-pid``, the server's open file descriptors).
 
@@ -69,6 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--plaintext", action="store_true", help="grpc probe without TLS (the router's API)"
     )
     p.add_argument("--api-key-file", default="", help="http/grpc probe's API key (a file)")
+    p.add_argument("--http-path", default="/v1/models", help="what the http probe GETs")
     p.add_argument("--server-pid", type=int, default=0, help="sample this process's open fds")
     p.add_argument("--json", default="", help="also write the results to this file")
 
@@ -227,7 +228,7 @@ class Probe:
         timeout = aiohttp.ClientTimeout(total=self.args.probe_timeout_s)
         async with (
             aiohttp.ClientSession(connector=connector, timeout=timeout) as http,
-            http.get(f"http://{self.args.target}/v1/models", headers=headers) as resp,
+            http.get(f"http://{self.args.target}{self.args.http_path}", headers=headers) as resp,
         ):
             await resp.read()
             if resp.status != 200:
