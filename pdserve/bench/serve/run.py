@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdserve.bench.serve.baseline import started_colocated
+from pdserve.bench.serve.baseline import started_baseline
 from pdserve.bench.serve.client import send_workload
 from pdserve.bench.serve.harness import logs_dir, started_pdserve
 from pdserve.bench.serve.http import check_target, scrape
@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> list[SystemResult]:
         f"tokens, output {st.min_output}-{st.max_output} (mean {st.mean_output:.1f}), "
         f"arrivals over {st.span_s:.1f}s"
     )
-    if args.compare == "colocated" and args.start_pdserve is None:
+    if args.compare != "none" and args.start_pdserve is None:
         say("note: --target stays up while the baseline runs; make sure it is idle")
     results: list[SystemResult] = []
     with each_system(args) as systems:
@@ -210,10 +210,15 @@ def each_system(
     args: argparse.Namespace, baseline_first: bool = False
 ) -> Iterator[Iterator[System]]:
     """The systems ``args`` name, one at a time: the system under test (started with
-    ``--start-pdserve``, else ``--target``), then with ``--compare colocated`` the baseline
+    ``--start-pdserve``, else ``--target``), then with ``--compare`` the baseline it names
     (``baseline_first``: the baseline first), each up only until the next is asked for (a
-    logs folder holds what they started)."""
-    starts = args.start_pdserve is not None or args.compare == "colocated"
+    logs folder holds what they started). A missing ``vllm-router`` fails before anything
+    starts."""
+    if args.compare == "colocated-router":
+        from pdserve.bench.serve.vllm_router import find_vllm_router
+
+        find_vllm_router()
+    starts = args.start_pdserve is not None or args.compare != "none"
     with logs_dir(args.keep_logs) if starts else contextlib.nullcontext(Path()) as work:
 
         def target() -> Iterator[System]:
@@ -226,9 +231,9 @@ def each_system(
                 yield System(args.label, args.target, key, True)
 
         def baseline() -> Iterator[System]:
-            if args.compare == "colocated":
-                with started_colocated(args, work) as url:
-                    yield System("colocated", url, "", False)
+            if args.compare != "none":
+                with started_baseline(args, work) as url:
+                    yield System(args.compare, url, "", False)
 
         def systems() -> Iterator[System]:
             order = (baseline, target) if baseline_first else (target, baseline)
