@@ -34,8 +34,6 @@ from pathlib import Path
 
 from pdserve.bench import chaos_recovery as recovery
 
-#: Statuses a client retries (the service is busy or briefly without a worker).
-RETRIABLE = {429, 502, 503, 504}
 MARKERS = 32
 MARKER_BYTES = 256 * 1024
 
@@ -204,32 +202,6 @@ def _metric(address: str, name: str) -> float:
     return sum(v for (n, _labels), v in samples.items() if n == name)
 
 
-def _score(row: FaultRow, outcomes: list[Outcome], refs: list[str], t_fault: float) -> None:
-    for o in outcomes:
-        row.requests += 1
-        if o.status == 200:
-            if o.text == refs[o.prompt]:
-                row.exact += 1
-            else:
-                row.wrong += 1
-        elif o.status == 0:
-            row.hung += 1
-        elif o.status in RETRIABLE:
-            row.retriable += 1
-        else:
-            row.failed += 1
-    after = sorted((o for o in outcomes if o.start >= t_fault), key=lambda o: o.start)
-    ok_from = None
-    for o in after:
-        good = o.status == 200 and o.text == refs[o.prompt]
-        if not good:
-            ok_from = None
-        elif ok_from is None:
-            ok_from = o
-    if ok_from is not None:
-        row.recovery_s = round(max(0.0, ok_from.start - t_fault), 2)
-
-
 def prompts(seed: int, n: int, words: str, shared: int = 3) -> list[str]:
     """``n`` prompts of ``words``, in ``shared`` groups with a common prefix (store hits)."""
     rng = random.Random(seed)
@@ -394,7 +366,7 @@ class Chaos(BenchCluster):
             raise SystemExit(f"unknown fault {fault!r}")
         time.sleep(self.args.phase_s)
         outcomes = load.stop()
-        _score(row, outcomes, refs, t_fault)
+        recovery.score(row, outcomes, refs, t_fault)
         row.store_s = recovery.store_served_s(outcomes, refs, t_fault)
         row.at = round(time.time() - (time.monotonic() - t_fault), 3)
         row.retries = self._router_metric("pdserve_router_retries_total") - retries0

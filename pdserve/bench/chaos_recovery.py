@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
+#: Statuses a client retries (the service is busy or briefly without a worker).
+RETRIABLE = {429, 502, 503, 504}
 
 
 class Answer(Protocol):
@@ -33,6 +35,35 @@ class Answer(Protocol):
     status: int
     text: str
     cached: int
+
+
+def score(row: Any, outcomes: Sequence[Answer], refs: Sequence[str], t_fault: float) -> None:
+    """Counts ``outcomes`` into the chaos row ``row`` (exact, wrong, hung, retriable, failed)
+    and sets its ``recovery_s``: from the fault to the start of the first request after which
+    every request sent after the fault succeeded token-exact."""
+    for o in outcomes:
+        row.requests += 1
+        if o.status == 200:
+            if o.text == refs[o.prompt]:
+                row.exact += 1
+            else:
+                row.wrong += 1
+        elif o.status == 0:
+            row.hung += 1
+        elif o.status in RETRIABLE:
+            row.retriable += 1
+        else:
+            row.failed += 1
+    after = sorted((o for o in outcomes if o.start >= t_fault), key=lambda o: o.start)
+    ok_from = None
+    for o in after:
+        good = o.status == 200 and o.text == refs[o.prompt]
+        if not good:
+            ok_from = None
+        elif ok_from is None:
+            ok_from = o
+    if ok_from is not None:
+        row.recovery_s = round(max(0.0, ok_from.start - t_fault), 2)
 
 
 def store_served_s(outcomes: Sequence[Answer], refs: Sequence[str], t_fault: float) -> float | None:
