@@ -8,9 +8,11 @@ import math
 import signal
 import sys
 import time
-from typing import Any
 
 from pdserve.bench.serve.baseline import BASELINES, baseline_vllm_flags
+from pdserve.bench.serve.gentrace import add_gen_trace_command
+from pdserve.bench.serve.history import add_history_arguments
+from pdserve.bench.serve.memory import add_memory_arguments
 from pdserve.bench.serve.status import BenchError, say
 from pdserve.bench.serve.vllm_router import add_router_arguments
 
@@ -27,13 +29,6 @@ def _rate(text: str) -> float:
     value = float(text)
     if value <= 0:
         raise argparse.ArgumentTypeError("must be positive (or inf)")
-    return value
-
-
-def _non_negative(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 
@@ -82,9 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sysg.add_argument(
         "--baseline-kv-cache-gib",
         type=float,
-        default=2.0,
-        help=f"VLLM_CPU_KVCACHE_SPACE of each baseline engine {d}",
+        help="VLLM_CPU_KVCACHE_SPACE of each baseline engine (default: --engine-kv-cache-gib, "
+        "else 2)",
     )
+    add_memory_arguments(sysg)
     sysg.add_argument(
         "--baseline-pin",
         action="store_true",
@@ -219,6 +215,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-output", type=int, default=0, help=f"trace: clamp max_tokens above (0 = none) {d}"
     )
     wl.add_argument("--max-rows", type=int, default=0, help=f"trace: first N rows (0 = all) {d}")
+    add_history_arguments(parser)
 
     run = parser.add_argument_group("run and output")
     run.add_argument(
@@ -268,22 +265,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_capacity_arguments(parser)
     parser.set_defaults(func=run_cli)
 
-    sub = parser.add_subparsers(dest="serve_command", metavar="{gen-trace}")
-    gen = sub.add_parser(
-        "gen-trace",
-        help="write a conversation-like Mooncake trace (JSONL) for --workload trace",
-        description=(
-            "Writes a Mooncake JSONL trace: rows {timestamp ms, input_length, output_length, "
-            "hash_ids} at Poisson arrivals, floored to --arrival-step-ms. Every row starts "
-            "with the shared system block 0; a row is a new session (system block + new "
-            "blocks) or the next turn of an earlier session (its previous blocks + new ones). "
-            "Prints the reuse fraction (share of "
-            "blocks whose id appeared in an earlier row) and the replayed sizes. With "
-            "--block-tokens 16, '--reuse light' gives a mean input near 220 tokens, output "
-            "2-16, about 17% reused blocks; '--reuse heavy' about 300 tokens and 45%."
-        ),
-    )
-    add_gen_trace_arguments(gen)
+    add_gen_trace_command(parser)
 
 
 def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
@@ -347,85 +329,6 @@ def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _pair(text: str) -> tuple[int, int]:
-    lo, sep, hi = text.partition(":")
-    try:
-        pair = (int(lo), int(hi if sep else lo))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not LO:HI") from None
-    if pair[0] < 0 or pair[1] < pair[0]:
-        raise argparse.ArgumentTypeError(f"{text!r}: need 0 <= LO <= HI")
-    return pair
-
-
-def add_gen_trace_arguments(p: argparse.ArgumentParser) -> None:
-    d = "(default: %(default)s)"
-    p.add_argument("--out", required=True, metavar="FILE", help="JSONL file to write")
-    p.add_argument("--rows", type=int, default=500, help=f"requests {d}")
-    p.add_argument("--rate", type=_rate, default=1.0, help=f"Poisson arrivals per second {d}")
-    p.add_argument("--seed", type=int, default=0, help=f"seed {d}")
-    p.add_argument(
-        "--arrival-step-ms",
-        type=_non_negative,
-        default=3000.0,
-        help="floor each arrival to a multiple of this, so requests come in bursts as in the "
-        f"Mooncake conversation trace, which logs arrivals in 3,000 ms steps (0 = Poisson) {d}",
-    )
-    p.add_argument(
-        "--reuse", choices=["light", "heavy"], default="light", help=f"parameter preset {d}"
-    )
-    p.add_argument(
-        "--first-blocks",
-        type=_pair,
-        metavar="LO:HI",
-        help="new blocks of a session's first turn (default: preset)",
-    )
-    p.add_argument(
-        "--turn-blocks",
-        type=_pair,
-        metavar="LO:HI",
-        help="new blocks of a later turn (default: preset)",
-    )
-    p.add_argument(
-        "--follow-up", type=float, help="probability a row continues a session (default: preset)"
-    )
-    p.add_argument("--max-turns", type=int, help="turns per session (default: preset)")
-    p.add_argument("--output-tokens", type=_pair, metavar="LO:HI", help="output_length range in trace tokens (default: 64:512, i.e. 2-16 at --block-tokens 16)")  # fmt: skip
-    p.add_argument(
-        "--block-tokens",
-        type=int,
-        default=16,
-        help=f"block size for the printed replay sizes only {d}",
-    )
-    p.set_defaults(func=gen_trace_cli)
-
-
-def gen_trace_cli(args: argparse.Namespace) -> int:
-    from pdserve.bench.serve import workloads as wl
-
-    kw: dict[str, Any] = dict(wl.REUSE_PRESETS[args.reuse])
-    for name in ("first_blocks", "turn_blocks", "follow_up", "max_turns", "output_tokens"):
-        if getattr(args, name) is not None:
-            kw[name] = getattr(args, name)
-    cfg = wl.TraceGenConfig(
-        rows=args.rows,
-        rate=args.rate,
-        seed=args.seed,
-        arrival_step_ms=args.arrival_step_ms,
-        **kw,
-    )
-    rows = wl.generate_trace(cfg)
-    wl.write_trace(args.out, rows)
-    stats = wl.workload_stats(wl.trace_workload(rows, block=args.block_tokens))
-    print(
-        f"wrote {len(rows)} rows to {args.out}: span {stats.span_s:.1f} s, reuse fraction "
-        f"{wl.reuse_fraction(rows):.3f}; replayed at --block-tokens {args.block_tokens}: mean "
-        f"input {stats.mean_input:.1f} tokens, output {stats.min_output}-{stats.max_output} "
-        f"(mean {stats.mean_output:.1f})"
-    )
-    return 0
-
-
 def _sigterm_as_interrupt(_signum: int, _frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -433,15 +336,20 @@ def _sigterm_as_interrupt(_signum: int, _frame: object) -> None:
 def run_cli(args: argparse.Namespace) -> int:
     """``pdserve bench serve``: exit 0, 1 (failed start / bad input / a run in which nothing
     completed) or 2 (unreachable)."""
-    find_capacity = getattr(args, "find_capacity", False)
-    if find_capacity:
-        from pdserve.bench.serve.capacity import check_args
+    from pdserve.bench.serve.history import check_history_args
+    from pdserve.bench.serve.memory import resolve_memory
 
-        try:
+    find_capacity = getattr(args, "find_capacity", False)
+    try:
+        if find_capacity:
+            from pdserve.bench.serve.capacity import check_args
+
             check_args(args)
-        except ValueError as exc:
-            print(f"pdserve bench serve: {exc}", file=sys.stderr)
-            return 1
+        check_history_args(args)
+        resolve_memory(args)
+    except ValueError as exc:
+        print(f"pdserve bench serve: {exc}", file=sys.stderr)
+        return 1
     signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     t0 = time.monotonic()
     from pdserve.bench.serve.run import run

@@ -121,17 +121,19 @@ def pdserve_up_argv(args_text: str, model: str, run_dir: Path) -> tuple[list[str
 
 @contextlib.contextmanager
 def started_pdserve(
-    args_text: str, model: str, work: Path, timeout: float
+    args_text: str, model: str, work: Path, timeout: float, env: dict[str, str] | None = None
 ) -> Iterator[tuple[str, str]]:
-    """Runs ``pdserve up`` for the duration of the block; yields its HTTP base URL and its
-    API key ("" when ARGS turn auth off)."""
+    """Runs ``pdserve up`` (with ``env`` added to its environment) for the duration of the
+    block; yields its HTTP base URL and its API key ("" when ARGS turn auth off)."""
     from pdserve.commands.up import API_KEY_FILE
 
     run_dir = work / "pdserve-run"
     argv, base = pdserve_up_argv(args_text, model, run_dir)
     say(f"starting: {shlex.join(argv[1:])}")
     t0 = time.monotonic()
-    proc = spawn("pdserve up", argv, work / "pdserve-up.log")
+    if env:
+        say(f"pdserve up's environment adds {' '.join(f'{k}={v}' for k, v in env.items())}")
+    proc = spawn("pdserve up", argv, work / "pdserve-up.log", env)
     key_file = run_dir / API_KEY_FILE
     try:
         wait_http_ready(proc, base, model, timeout, marker="pdserve is up.", key_file=key_file)

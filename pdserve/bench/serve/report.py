@@ -11,19 +11,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pdserve.bench.serve.history import HistoryOutcome
     from pdserve.bench.serve.metrics import RequestRecord, RouterFigures, ServeMetrics
     from pdserve.bench.serve.workloads import Request
 
 
 @dataclass(frozen=True)
 class SystemResult:
-    """One system's run: its metrics, router figures (pdserve only) and records."""
+    """One system's run: its metrics, router figures (pdserve only), records and how it
+    took the history replayed before it (``--history-rows``)."""
 
     name: str
     url: str
     metrics: ServeMetrics
     router: RouterFigures | None
     records: tuple[RequestRecord, ...]
+    history: HistoryOutcome | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -31,6 +34,7 @@ class SystemResult:
             "url": self.url,
             "metrics": self.metrics.to_json(),
             "router": self.router.to_json() if self.router else None,
+            "history": self.history.to_json() if self.history else None,
             "records": [r.to_json() for r in self.records],
         }
 
@@ -142,8 +146,13 @@ def _opt(v: int | None) -> str:
 
 
 def write_json(
-    path: str, args: argparse.Namespace, requests: Sequence[Request], results: list[SystemResult]
+    path: str,
+    args: argparse.Namespace,
+    requests: Sequence[Request],
+    results: list[SystemResult],
+    extra: dict[str, Any] | None = None,
 ) -> None:
+    """The run's JSON: config, workload, systems, comparison and ``extra``'s sections."""
     from dataclasses import asdict
 
     from pdserve.bench.serve.workloads import workload_stats
@@ -157,4 +166,5 @@ def write_json(
     }
     if len(results) == 2:
         doc["comparison"] = comparison(results[0], results[1])
+    doc.update(extra or {})
     Path(path).write_text(json.dumps(doc, indent=1))

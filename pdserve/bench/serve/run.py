@@ -18,6 +18,7 @@ from pdserve.bench.serve.baseline import started_baseline
 from pdserve.bench.serve.client import send_workload
 from pdserve.bench.serve.harness import logs_dir, started_pdserve
 from pdserve.bench.serve.http import check_target, scrape
+from pdserve.bench.serve.memory import pdserve_env
 from pdserve.bench.serve.report import (
     SystemResult,
     format_comparison,
@@ -27,6 +28,7 @@ from pdserve.bench.serve.report import (
 from pdserve.bench.serve.status import BenchError, say
 
 if TYPE_CHECKING:
+    from pdserve.bench.serve.history import HistoryPlan
     from pdserve.bench.serve.metrics import RequestRecord
     from pdserve.bench.serve.workloads import Request
 
@@ -98,7 +100,9 @@ def build_workload(args: argparse.Namespace) -> tuple[Request, ...]:
         )
     if not args.trace:
         raise BenchError("--workload trace needs --trace FILE (make one with 'gen-trace')")
-    rows = wl.read_trace(args.trace, args.max_rows)
+    from pdserve.bench.serve.history import trace_rows
+
+    history, rows = trace_rows(args)
     say(f"trace {args.trace}: {len(rows)} rows, reuse fraction {wl.reuse_fraction(rows):.3f}")
     return wl.trace_workload(
         rows,
@@ -107,6 +111,7 @@ def build_workload(args: argparse.Namespace) -> tuple[Request, ...]:
         output_scale=args.output_scale,
         min_output=args.min_output,
         max_output=args.max_output,
+        first_index=len(history),
         **common,
     )
 
@@ -119,12 +124,17 @@ def bench_system(
     slos: dict[str, float],
     router_metrics: bool,
     key: str = "",
+    history: HistoryPlan | None = None,
 ) -> SystemResult:
-    """Runs the workload against ``base`` (with API key ``key``) and computes its numbers
-    (exit 2 if unreachable)."""
+    """Runs the workload against ``base`` (with API key ``key``), after ``history`` when it
+    has requests, and computes its numbers (exit 2 if unreachable)."""
+    from pdserve.bench.serve.history import replay_history
     from pdserve.bench.serve.metrics import compute_metrics, router_figures
 
     check_target(base, args.model, key)
+    replayed = (
+        replay_history(name, base, key, history, args) if history and history.requests else None
+    )
     scraped: dict[str, Any] = {}
 
     def before_measuring() -> None:
@@ -142,7 +152,8 @@ def bench_system(
     if router is not None and not (router.prompt_tokens or router.phase_count):
         router = None
     _print_errors(name, records)
-    return SystemResult(name, base, compute_metrics(records, slos), router, tuple(records))
+    metrics = compute_metrics(records, slos)
+    return SystemResult(name, base, metrics, router, tuple(records), replayed)
 
 
 def _print_errors(name: str, records: Sequence[RequestRecord]) -> None:
@@ -156,7 +167,10 @@ def _print_errors(name: str, records: Sequence[RequestRecord]) -> None:
 
 def run(args: argparse.Namespace) -> list[SystemResult]:
     """Runs every system of ``args`` in turn, prints and writes the results."""
+    from pdserve.bench.serve.history import plan_history
+    from pdserve.bench.serve.memory import describe_shape, memory_shape
     from pdserve.bench.serve.metrics import parse_goodput
+    from pdserve.bench.serve.reuse import format_reuse, reuse_json
     from pdserve.bench.serve.workloads import workload_stats
 
     slos = parse_goodput(args.goodput or [])
@@ -169,6 +183,8 @@ def run(args: argparse.Namespace) -> list[SystemResult]:
         f"tokens, output {st.min_output}-{st.max_output} (mean {st.mean_output:.1f}), "
         f"arrivals over {st.span_s:.1f}s"
     )
+    history = plan_history(args, vocab_size(args))
+    say(describe_shape(args))
     if args.compare != "none" and args.start_pdserve is None:
         say("note: --target stays up while the baseline runs; make sure it is idle")
     results: list[SystemResult] = []
@@ -176,15 +192,27 @@ def run(args: argparse.Namespace) -> list[SystemResult]:
         for system in systems:
             results.append(
                 bench_system(
-                    system.name, system.url, requests, args, slos, system.is_target, system.key
+                    system.name,
+                    system.url,
+                    requests,
+                    args,
+                    slos,
+                    system.is_target,
+                    system.key,
+                    history,
                 )
             )
             print(format_result(results[-1]), flush=True)
     if len(results) == 2:
         print(format_comparison(results[0], results[1]), flush=True)
+    if history is not None:
+        print(format_reuse(history, results), flush=True)
     path = result_path(args)
     if path:
-        write_json(path, args, requests, results)
+        extra = {"memory": memory_shape(args)}
+        if history is not None:
+            extra["reuse"] = reuse_json(history, results)
+        write_json(path, args, requests, results, extra)
         say(f"wrote {path}")
     if args.plot_dir:
         from pdserve.bench.serve.plots import write_plots
@@ -223,7 +251,9 @@ def each_system(
 
         def target() -> Iterator[System]:
             if args.start_pdserve is not None:
-                started = started_pdserve(args.start_pdserve, args.model, work, args.start_timeout)
+                started = started_pdserve(
+                    args.start_pdserve, args.model, work, args.start_timeout, pdserve_env(args)
+                )
                 with started as (url, key):
                     yield System(args.label, url, key, True)
             else:

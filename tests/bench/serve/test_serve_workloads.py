@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from pdserve.bench.serve import workloads as wl
+from pdserve.bench.serve.gentrace import REUSE_PRESETS, TraceGenConfig, generate_trace
 from pdserve.bench.serve.workloads import TraceRow
 
 
@@ -111,7 +112,7 @@ def test_trace_times_and_outputs() -> None:
 
 
 def test_trace_file_round_trip(tmp_path: Path) -> None:
-    rows = wl.generate_trace(wl.TraceGenConfig(rows=50, seed=1))
+    rows = generate_trace(TraceGenConfig(rows=50, seed=1))
     path = tmp_path / "t.jsonl"
     wl.write_trace(path, rows)
     assert wl.read_trace(path) == rows
@@ -134,9 +135,9 @@ def test_reuse_fraction() -> None:
 def test_generator_presets(
     preset: str, reuse: tuple[float, float], mean_input: tuple[float, float]
 ) -> None:
-    cfg = wl.TraceGenConfig(rows=1000, seed=0, **wl.REUSE_PRESETS[preset])
-    rows = wl.generate_trace(cfg)
-    assert rows == wl.generate_trace(cfg)
+    cfg = TraceGenConfig(rows=1000, seed=0, **REUSE_PRESETS[preset])
+    rows = generate_trace(cfg)
+    assert rows == generate_trace(cfg)
     assert reuse[0] <= wl.reuse_fraction(rows) <= reuse[1]
     assert all(r.hash_ids[0] == 0 for r in rows)  # the shared system block
     stats = wl.workload_stats(wl.trace_workload(rows, block=16))
@@ -148,7 +149,7 @@ def test_generator_presets(
 
 
 def test_generator_sessions_repeat_earlier_turns() -> None:
-    rows = wl.generate_trace(wl.TraceGenConfig(rows=200, seed=5, follow_up=0.5))
+    rows = generate_trace(TraceGenConfig(rows=200, seed=5, follow_up=0.5))
     follow_ups = 0
     for i, row in enumerate(rows):
         earlier = [r.hash_ids for r in rows[:i] if len(r.hash_ids) < len(row.hash_ids)]
@@ -158,8 +159,8 @@ def test_generator_sessions_repeat_earlier_turns() -> None:
 
 
 def test_generator_arrival_steps_make_bursts() -> None:
-    poisson = wl.generate_trace(wl.TraceGenConfig(rows=300, rate=3.0, seed=2))
-    steps = wl.generate_trace(wl.TraceGenConfig(rows=300, rate=3.0, seed=2, arrival_step_ms=3000))
+    poisson = generate_trace(TraceGenConfig(rows=300, rate=3.0, seed=2))
+    steps = generate_trace(TraceGenConfig(rows=300, rate=3.0, seed=2, arrival_step_ms=3000))
     # the same rows, each arrival floored to its 3 s step: bursts of about 9 at once
     assert [r.timestamp_ms // 3000 * 3000 for r in poisson] == [r.timestamp_ms for r in steps]
     assert [r.hash_ids for r in poisson] == [r.hash_ids for r in steps]
