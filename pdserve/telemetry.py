@@ -21,6 +21,7 @@ import hmac
 import itertools
 import json
 import logging
+import resource
 import sys
 import threading
 import time
@@ -168,11 +169,32 @@ def _key_problem(header: str | None, key: str) -> str:
     return ""
 
 
+#: Seconds a metrics connection may go without sending its request's next bytes (a scraper
+#: sends its request at once); then it is closed. Without it an idle connection held its
+#: thread and descriptor until the client left.
+METRICS_IDLE_TIMEOUT_S = 10.0
+#: Connections a metrics port serves at once (a thread each), from all addresses together (at
+#: most an eighth of the file-descriptor limit) and from one address; a further one is closed
+#: at once, unread. A scraper holds one.
+METRICS_MAX_CONNECTIONS = 1024
+METRICS_MAX_CONNECTIONS_PER_PEER = 4
+
+
+def metrics_connection_cap() -> int:
+    """:data:`METRICS_MAX_CONNECTIONS`, at most an eighth of the file-descriptor limit."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return METRICS_MAX_CONNECTIONS
+    return max(1, min(METRICS_MAX_CONNECTIONS, soft // 8))
+
+
 def serve_metrics(port: int, host: str = "127.0.0.1", *, key: str | None = None) -> int:
     """Serves :data:`REGISTRY` at http://host:port/metrics (port 0 = a free port); returns the
     port, or 0 when ``port`` is negative (metrics disabled). With ``key`` (default: the
     process's, :func:`configure_metrics`) a request without ``Authorization: Bearer <key>``
-    gets 401."""
+    gets 401. A connection is closed when it sends nothing for :data:`METRICS_IDLE_TIMEOUT_S`,
+    and at most :data:`METRICS_MAX_CONNECTIONS` are served at once,
+    :data:`METRICS_MAX_CONNECTIONS_PER_PEER` from one address."""
     if port < 0:
         return 0
     from wsgiref.simple_server import make_server
@@ -196,11 +218,47 @@ def serve_metrics(port: int, host: str = "127.0.0.1", *, key: str | None = None)
         )
         return [f"{why} (the service's metrics_key)\n".encode()]
 
+    class Handler(_SilentHandler):
+        timeout = METRICS_IDLE_TIMEOUT_S  # each read and write on the connection
+
     class Server(ThreadingWSGIServer):
-        pass
+        request_queue_size = 128  # socketserver's 5 dropped SYNs under a burst
+        cap = metrics_connection_cap()
+        peer_cap = METRICS_MAX_CONNECTIONS_PER_PEER
+        active = 0
+        peers: dict[str, int] = {}
+        lock = threading.Lock()
+
+        def process_request(self, request: Any, client_address: Any) -> None:
+            peer = client_address[0]
+            with self.lock:
+                n = self.peers.get(peer, 0)
+                full = self.active >= self.cap or n >= self.peer_cap
+                if not full:
+                    self.active += 1
+                    self.peers[peer] = n + 1
+            if full:
+                self.shutdown_request(request)
+                return
+            super().process_request(request, client_address)
+
+        def process_request_thread(self, request: Any, client_address: Any) -> None:
+            try:
+                super().process_request_thread(request, client_address)
+            finally:
+                with self.lock:
+                    self.active -= 1
+                    n = self.peers.pop(client_address[0]) - 1
+                    if n:
+                        self.peers[client_address[0]] = n
+
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            if isinstance(sys.exc_info()[1], OSError):  # timed out, or the client went away
+                return
+            super().handle_error(request, client_address)
 
     Server.address_family, addr = _get_best_family(host, port)
-    httpd = make_server(addr, port, app, Server, handler_class=_SilentHandler)
+    httpd = make_server(addr, port, app, Server, handler_class=Handler)
     threading.Thread(target=httpd.serve_forever, name="metrics-http", daemon=True).start()
     return httpd.server_port
 
