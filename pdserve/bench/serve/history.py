@@ -99,6 +99,13 @@ def add_history_arguments(parser: argparse.ArgumentParser) -> None:
         "connection reset, a broken stream or a timeout is retried after a backoff (0.5 s "
         f"doubling to 10 s, or Retry-After) {d}",
     )
+    g.add_argument(
+        "--skip-history",
+        action="store_true",
+        help="with --history-rows N: measure the same window (the rows after the first N) "
+        "but send no history, caches cold: the comparison without history; achieved reuse "
+        "is then set beside the ideal without history",
+    )
 
 
 def check_history_args(args: argparse.Namespace) -> None:
@@ -107,6 +114,8 @@ def check_history_args(args: argparse.Namespace) -> None:
     if n < 0:
         raise ValueError(f"--history-rows must be >= 0, got {n}")
     if not n:
+        if getattr(args, "skip_history", False):
+            raise ValueError("--skip-history needs --history-rows N (the rows to skip)")
         return
     if args.workload != "trace":
         raise ValueError("--history-rows needs --workload trace")
@@ -138,7 +147,8 @@ def trace_rows(args: argparse.Namespace) -> tuple[list[TraceRow], list[TraceRow]
 @dataclass(frozen=True)
 class HistoryPlan:
     """A trace run's history (``requests``, possibly none) and the measured window's ideal
-    prefix reuse given it (``given``) and without it (``alone``)."""
+    prefix reuse given it (``given``) and without it (``alone``); ``skipped``: the history
+    rows are left out, not replayed (``--skip-history``)."""
 
     rows: int
     window_rows: int
@@ -146,6 +156,13 @@ class HistoryPlan:
     requests: tuple[Request, ...]
     given: PrefixReuse
     alone: PrefixReuse
+    skipped: bool = False
+
+    @property
+    def ideal(self) -> PrefixReuse:
+        """The ideal the systems' achieved reuse is set beside: given the history when it
+        is replayed, else without it."""
+        return self.alone if self.skipped else self.given
 
 
 def history_times(rows: Sequence[TraceRow], rate: str | None) -> float | None:
@@ -171,7 +188,8 @@ def plan_history(args: argparse.Namespace, vocab: int) -> HistoryPlan | None:
     given = wl.ideal_prefix_reuse(rows, len(history), block)
     alone = wl.ideal_prefix_reuse(window, 0, block)
     requests: tuple[Request, ...] = ()
-    if history:
+    skipped = bool(history) and getattr(args, "skip_history", False)
+    if history and not skipped:
         scale = history_times(history, args.history_rate)
         requests = wl.trace_workload(
             history,
@@ -188,7 +206,7 @@ def plan_history(args: argparse.Namespace, vocab: int) -> HistoryPlan | None:
         elif scale is None:
             rate = float(args.history_rate)
             requests = tuple(dataclasses.replace(r, t_s=i / rate) for i, r in enumerate(requests))
-    plan = HistoryPlan(len(history), len(window), block, requests, given, alone)
+    plan = HistoryPlan(len(history), len(window), block, requests, given, alone, skipped)
     say(describe_plan(plan))
     return plan
 
@@ -197,6 +215,12 @@ def describe_plan(plan: HistoryPlan) -> str:
     alone = f"{plan.alone.token_fraction:.1%} of its prompt tokens ({plan.alone.fraction:.1%} of blocks)"
     if not plan.rows:
         return f"measured window of {plan.window_rows} rows: ideal prefix reuse {alone}"
+    if plan.skipped:
+        return (
+            f"history skipped: the measured window is rows {plan.rows + 1}-"
+            f"{plan.rows + plan.window_rows}, sent to cold caches; its ideal prefix reuse "
+            f"{alone} (given the skipped rows it would be {plan.given.token_fraction:.1%})"
+        )
     return (
         f"history: {plan.rows} rows replayed unmeasured before the measured window of "
         f"{plan.window_rows}; the window's ideal prefix reuse {plan.given.token_fraction:.1%} "

@@ -3,7 +3,8 @@
 it and without, beside what each system achieved: the prompt tokens its answers' usage says
 came from cache (``prompt_tokens_details.cached_tokens``, as vLLM and pdserve's router report
 it), and for pdserve the split its router's ``pdserve_router_prompt_tokens_total`` gives:
-from the store (the pool) and from the workers' own prefix caches."""
+from the store (the pool) and from the workers' own prefix caches. "Of ideal" is against the
+ideal the run had: without history when ``--skip-history`` left it out."""
 
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ def reuse_json(plan: HistoryPlan, results: Sequence[SystemResult]) -> dict[str, 
     """The ``reuse`` section of the run's JSON."""
     return {
         "history_rows": plan.rows,
+        "history_replayed": bool(plan.rows) and not plan.skipped,
         "window_rows": plan.window_rows,
         "block_tokens": plan.block,
         "ideal_given_history": {
@@ -56,7 +58,7 @@ def reuse_json(plan: HistoryPlan, results: Sequence[SystemResult]) -> dict[str, 
             "fraction": plan.alone.fraction,
             "token_fraction": plan.alone.token_fraction,
         },
-        "systems": {r.name: achieved(r, plan.given.token_fraction) for r in results},
+        "systems": {r.name: achieved(r, plan.ideal.token_fraction) for r in results},
     }
 
 
@@ -69,7 +71,13 @@ def format_reuse(plan: HistoryPlan, results: Sequence[SystemResult]) -> str:
     given, alone = plan.given, plan.alone
     head = f" Prefix reuse of the measured window ({plan.window_rows} rows) "
     out = [f"{head:=^92}"]
-    if plan.rows:
+    if plan.skipped:
+        out.append(
+            f"ideal, history of {plan.rows} rows skipped (caches cold): "
+            f"{alone.token_fraction:.1%} of prompt tokens ({alone.fraction:.1%} of trace "
+            f"blocks); given that history it would be {given.token_fraction:.1%}"
+        )
+    elif plan.rows:
         out.append(
             f"ideal, given {plan.rows} rows of history: {given.token_fraction:.1%} of prompt "
             f"tokens ({given.fraction:.1%} of trace blocks); without history: "
@@ -83,7 +91,7 @@ def format_reuse(plan: HistoryPlan, results: Sequence[SystemResult]) -> str:
     cols = ("system", "history served/failed", "from cache", "of ideal", "store", "local caches")
     out.append(f"{cols[0]:<18}{cols[1]:>22}{cols[2]:>12}{cols[3]:>10}{cols[4]:>10}{cols[5]:>14}")
     for res in results:
-        a = achieved(res, given.token_fraction)
+        a = achieved(res, plan.ideal.token_fraction)
         h = a["history"]
         hist = "-" if h is None else f"{h['served']}/{h['failed']}"
         out.append(

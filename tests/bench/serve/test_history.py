@@ -219,3 +219,15 @@ def test_replay_gives_up_after_its_attempts_and_paces_its_rate() -> None:
     assert (out.served, out.failed, out.retries) == (0, 2, 4)
     assert out.errors == ["HTTP 429 after 3 tries"] * 2
     assert time.perf_counter() - t0 >= 0.2  # the second waited for its time
+
+
+def test_skip_history_measures_the_same_window_cold(tmp_path: Path) -> None:
+    argv = ["--workload", "trace", "--trace", str(_trace(tmp_path)), "--history-rows", "4"]
+    replayed = plan_history(_parse(argv), 1000)
+    skipped = plan_history(_parse([*argv, "--skip-history"]), 1000)
+    assert replayed is not None and skipped is not None
+    assert skipped.requests == () and skipped.skipped and len(replayed.requests) == 4
+    assert (skipped.given, skipped.alone) == (replayed.given, replayed.alone)
+    assert (replayed.ideal, skipped.ideal) == (replayed.given, skipped.alone)
+    with pytest.raises(ValueError, match="needs --history-rows"):
+        check_history_args(_parse(["--workload", "trace", "--skip-history"]))

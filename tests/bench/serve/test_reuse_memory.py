@@ -116,6 +116,11 @@ def test_reuse_report_sets_each_system_beside_the_ideal() -> None:
     line = next(x for x in text.splitlines() if x.startswith("pdserve"))
     assert line.split() == ["pdserve", "4/0", "30.0%", "60.0%", "20.0%", "10.0%"]
     json.dumps(doc)  # serializable
+    cold = HistoryPlan(4, 2, 16, (), given, alone, skipped=True)  # --skip-history
+    doc = reuse_json(cold, results)
+    assert doc["history_replayed"] is False
+    assert doc["systems"]["pdserve"]["of_ideal"] == pytest.approx(1.5)  # 30% of 20%
+    assert "history of 4 rows skipped (caches cold): 20.0%" in format_reuse(cold, results)
 
 
 # --- GPU-shaped memory ----------------------------------------------------------------------
