@@ -15,7 +15,12 @@ stops it). ``--compare colocated`` then runs the same workload against two plain
 engines, one per core, behind a round-robin proxy, and prints both side by side.
 
 ``pdserve bench serve gen-trace --out FILE`` writes a conversation-like Mooncake trace for
-``--workload trace --trace FILE``.
+``--workload trace --trace FILE`` (:mod:`~pdserve.bench.serve.gentrace`; ``--reuse sessions``:
+long-lived sessions). ``--history-rows N`` replays the trace's first N rows, unmeasured, on
+every system before the measured window and reports the window's ideal prefix reuse given
+that history beside each system's achieved reuse (:mod:`~pdserve.bench.serve.history`,
+:mod:`~pdserve.bench.serve.reuse`); ``--engine-kv-cache-gib`` / ``--engine-kv-blocks`` give
+both systems' engines the same small KV cache, GPU-shaped (:mod:`~pdserve.bench.serve.memory`).
 
 ``vllm bench serve``'s spellings work as aliases: ``--base-url``, ``--dataset-name random |
 prefix_repetition``, ``--random-input-len``, ``--random-output-len``, ``--random-range-ratio``,
