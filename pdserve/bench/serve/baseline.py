@@ -103,18 +103,3 @@ def started_colocated(args: argparse.Namespace, work: Path) -> Iterator[str]:
 
 #: ``--compare`` choices other than ``none``: each is a baseline, named so in the report.
 BASELINES = ("colocated", "colocated-router")
-
-
-@contextlib.contextmanager
-def started_baseline(args: argparse.Namespace, work: Path) -> Iterator[str]:
-    """Runs the baseline ``args.compare`` names; yields its URL: ``colocated`` (the engines
-    behind the round-robin proxy) or ``colocated-router`` (the same engines behind vLLM's own
-    router, :mod:`pdserve.bench.serve.vllm_router`)."""
-    if args.compare == "colocated-router":
-        from pdserve.bench.serve.vllm_router import started_colocated_router
-
-        with started_colocated_router(args, work) as url:
-            yield url
-    else:
-        with started_colocated(args, work) as url:
-            yield url

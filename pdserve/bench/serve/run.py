@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdserve.bench.serve.baseline import started_baseline
+from pdserve.bench.serve import vllm_router
+from pdserve.bench.serve.baseline import started_colocated
 from pdserve.bench.serve.client import send_workload
 from pdserve.bench.serve.harness import logs_dir, started_pdserve
 from pdserve.bench.serve.http import check_target, scrape
@@ -243,9 +244,7 @@ def each_system(
     logs folder holds what they started). A missing ``vllm-router`` fails before anything
     starts."""
     if args.compare == "colocated-router":
-        from pdserve.bench.serve.vllm_router import find_vllm_router
-
-        find_vllm_router()
+        vllm_router.find_vllm_router()
     starts = args.start_pdserve is not None or args.compare != "none"
     with logs_dir(args.keep_logs) if starts else contextlib.nullcontext(Path()) as work:
 
@@ -262,7 +261,9 @@ def each_system(
 
         def baseline() -> Iterator[System]:
             if args.compare != "none":
-                with started_baseline(args, work) as url:
+                router = args.compare == "colocated-router"
+                start = vllm_router.started_colocated_router if router else started_colocated
+                with start(args, work) as url:
                     yield System(args.compare, url, "", False)
 
         def systems() -> Iterator[System]:
