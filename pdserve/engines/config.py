@@ -114,6 +114,13 @@ class EngineConfig(StoreBackendConfig):
     tail_ttl_ms: int = help_field(
         60000, "time-to-live of a request's partial last chunk in the store (milliseconds)"
     )
+    store_save_queue_mib: int = help_field(
+        256,
+        "vllm: MiB of KV chunk saves a background thread writes off the engine step (the step "
+        "only copies the chunks out; a step that would pass this waits for room). Saves a "
+        "decode worker loads right after the answer (a P/D prefill's) are written in the "
+        "step. 0 = every save in the step",
+    )
     torch_threads: int = help_field(1, "torch intra-op threads of the model (torch engine)")
     vllm_block_size: int = help_field(
         32, "vLLM KV block size in tokens (CPU: a multiple of 32; chunk_size a multiple of it)"
@@ -203,6 +210,11 @@ class EngineConfig(StoreBackendConfig):
             raise ConfigError(f"tail_ttl_ms must be positive, got {self.tail_ttl_ms}")
         if self.store_replicas < 1:
             raise ConfigError(f"store_replicas must be at least 1, got {self.store_replicas}")
+        if self.store_save_queue_mib < 0:
+            raise ConfigError(
+                f"store_save_queue_mib must be >= 0 (0 = saves in the step), got "
+                f"{self.store_save_queue_mib}"
+            )
         if self.store_timeout_s <= 0:
             raise ConfigError(f"store_timeout_s must be positive, got {self.store_timeout_s}")
         self.check_store_backend()

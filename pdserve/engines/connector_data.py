@@ -42,6 +42,9 @@ class ConnectorSettings:
     #: vLLM's ``kv_role``: kv_both loads and saves, kv_producer only saves, kv_consumer only
     #: loads
     kv_role: str = "kv_both"
+    #: MiB of chunk saves the background writer may hold (:mod:`pdserve.engines.save_writer`;
+    #: 0 = every save written inside the step)
+    save_queue_mib: int = 256
 
     @property
     def loads(self) -> bool:
@@ -62,6 +65,7 @@ class ConnectorSettings:
             timeout_s=float(extra.get("timeout_s", 5.0)),
             backend=str(extra.get("store_backend", "pdserve")),
             backend_options=dict(extra.get("store_backend_options") or {}),
+            save_queue_mib=int(extra.get("save_queue_mib", 256)),
             tls_paths=(
                 str(extra.get("tls_ca", "")),
                 str(extra.get("tls_cert", "")),
@@ -90,6 +94,7 @@ def extra_config(
     backend: str = "pdserve",
     backend_options: dict[str, Any] | None = None,
     tls: identity.TlsFiles | None = None,
+    save_queue_mib: int = 256,
 ) -> dict[str, Any]:
     """The ``kv_connector_extra_config`` for :class:`ConnectorSettings.from_extra` (``tls``:
     the worker's TLS files, passed on by path)."""
@@ -98,6 +103,7 @@ def extra_config(
         "master_address": master_address,
         "fingerprint": fingerprint.to_labels(),
         "tail_ttl_ms": tail_ttl_ms,
+        "save_queue_mib": save_queue_mib,
         "transport": transport,
         "replicas": replicas,
         "timeout_s": timeout_s,
@@ -170,6 +176,9 @@ class ChunkSave:
     root: str = ""
     #: The request's tenant ("" = none): the master counts the chunk against its share.
     tenant: str = ""
+    #: A reader loads it as soon as the request answers (a P/D prefill's chunks and tail):
+    #: written inside the step, never queued (:mod:`pdserve.engines.save_writer`).
+    awaited: bool = False
 
 
 @dataclass

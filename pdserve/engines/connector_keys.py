@@ -131,3 +131,29 @@ class RequestKeys:
                 log.warning("pdserve KV connector: LoRA adapter %r: %s", name, exc)
                 self._adapters[key] = ""
         return self._adapters[key]
+
+
+def answers_at_first_token(request: Any) -> bool:
+    """Whether ``request`` (a vLLM ``Request``; None: unknown) ends with its first token
+    (``max_tokens`` 1: a prefill as some proxies send it), so its answer comes at the end of
+    the step that saves its prompt's chunks."""
+    params = getattr(request, "sampling_params", None)
+    return getattr(params, "max_tokens", None) == 1
+
+
+def remote_decode(request: Any) -> bool:
+    """vLLM's disaggregated-serving protocol: a proxy asks a prefill engine for one token with
+    ``kv_transfer_params: {"do_remote_decode": true}`` and hands what the answer's
+    ``kv_transfer_params`` say to the decode engine."""
+    params = getattr(request, "kv_transfer_params", None) or {}
+    return isinstance(params, dict) and bool(params.get("do_remote_decode"))
+
+
+def engine_hashes(request: Any, prompt_len: int, block_size: int) -> list[bytes]:
+    """vLLM's block hashes of the prompt's full blocks (``request.block_hashes``, computed
+    when prefix caching or a connector is on), or [] when it has none or hashes at another
+    granularity than ``block_size`` (a hybrid model's hash block size)."""
+    hashes = getattr(request, "block_hashes", None)
+    if not hashes or len(hashes) != getattr(request, "num_tokens", -1) // block_size:
+        return []
+    return [bytes(h) for h in hashes[: prompt_len // block_size]]

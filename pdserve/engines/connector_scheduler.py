@@ -18,7 +18,14 @@ from pdserve.engines.connector_data import (
     RequestLoad,
     log_store_off,
 )
-from pdserve.engines.connector_keys import KeyScope, RequestKeys, request_params
+from pdserve.engines.connector_keys import (
+    KeyScope,
+    RequestKeys,
+    answers_at_first_token,
+    engine_hashes,
+    remote_decode,
+    request_params,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -48,6 +55,9 @@ class _SaveTracker:
     next_chunk: int = 0
     tail_done: bool = False
     tail_rid: str = ""  # the request id the tail key was derived from ("" = handed in)
+    #: its saves are written in the step (ChunkSave.awaited): a P/D prefill, whose decode
+    #: loads them next, or a request that answers with its first token (max_tokens 1)
+    awaited: bool = False
     # vLLM's hashes of the prompt's full blocks (request.block_hashes); empty = none
     engine_hashes: list[bytes] = field(default_factory=list)
     root: str = ""  # the chain's root (hex): every save's ChunkSave.root
@@ -61,24 +71,6 @@ class _Outcome:
     block_ids: list[int] = field(default_factory=list)
     failed_from: int | None = None  # first token position that failed to load
     chunks: int = 0  # chunks the plan loads (an asynchronous load: saved by their writer)
-
-
-def _remote_decode(request: Any) -> bool:
-    """vLLM's disaggregated-serving protocol: a proxy asks a prefill engine for one token with
-    ``kv_transfer_params: {"do_remote_decode": true}`` and hands what the answer's
-    ``kv_transfer_params`` say to the decode engine."""
-    params = getattr(request, "kv_transfer_params", None) or {}
-    return isinstance(params, dict) and bool(params.get("do_remote_decode"))
-
-
-def _engine_hashes(request: Any, prompt_len: int, block_size: int) -> list[bytes]:
-    """vLLM's block hashes of the prompt's full blocks (``request.block_hashes``, computed
-    when prefix caching or a connector is on), or [] when it has none or hashes at another
-    granularity than ``block_size`` (a hybrid model's hash block size)."""
-    hashes = getattr(request, "block_hashes", None)
-    if not hashes or len(hashes) != getattr(request, "num_tokens", -1) // block_size:
-        return []
-    return [bytes(h) for h in hashes[: prompt_len // block_size]]
 
 
 class ConnectorScheduler:
@@ -312,7 +304,7 @@ class ConnectorScheduler:
             return False
         tail = str(request_params(request).get("save_tail_key", ""))
         tail_rid = ""
-        if not tail and _remote_decode(request):  # a stock proxy's prefill: the tail too
+        if not tail and remote_decode(request):  # a stock proxy's prefill: the tail too
             tail, tail_rid = scope.tail_key(self.fp, prompt, req_id), req_id
         self._trackers[req_id] = _SaveTracker(
             keys=scope.chunk_keys(self.fp, prompt),
@@ -322,9 +314,10 @@ class ConnectorScheduler:
             tail_rid=tail_rid,
             block_ids=block_ids,
             next_chunk=loaded_chunks,
-            engine_hashes=_engine_hashes(request, len(prompt), self.block_size),
+            engine_hashes=engine_hashes(request, len(prompt), self.block_size),
             root=scope.root,
             tenant=scope.tenant,
+            awaited=bool(tail) or answers_at_first_token(request),
         )
         return True
 
@@ -360,6 +353,7 @@ class ConnectorScheduler:
                 tokens,
                 root=tracker.root,
                 tenant=tracker.tenant,
+                awaited=tracker.awaited,
             )
             if len(engine) >= (i + 1) * bpc:  # vLLM's own hashes of the chunk's blocks
                 save.engine_hashes = engine[i * bpc : (i + 1) * bpc]
@@ -382,6 +376,7 @@ class ConnectorScheduler:
                         ttl,
                         root=tracker.root,
                         tenant=tracker.tenant,
+                        awaited=True,
                     )
                 )
             tracker.tail_done = True
@@ -424,7 +419,7 @@ class ConnectorScheduler:
         if scope is not None and scope.bypass:
             ours["bypassed"] = scope.bypass  # why it was computed without the store
         out: dict[str, Any] = {PARAMS_KEY: ours}
-        if tracker is not None and _remote_decode(request) and self.settings.saves:
+        if tracker is not None and remote_decode(request) and self.settings.saves:
             # what the decode engine's connector needs beyond the stored chunks: the tail
             out["do_remote_prefill"] = True
             if tracker.tail_key and tracker.tail_done:

@@ -38,6 +38,8 @@ STOCK_KEYS = {
     "replicas": "replicas per chunk (default 1)",
     "timeout_s": "seconds one store operation may take (default 5)",
     "tail_ttl_ms": "lifetime of a prompt's last partial chunk (default 30000)",
+    "save_queue_mib": "MiB of chunk saves written off the engine step, by a background thread "
+    "(saves a P/D decode awaits are always written in the step; 0 = all in it; default 256)",
     "kv_compression": "chunk encoding: none, bf16, fp8 (default none)",
     "tls_ca": "CA file of the store's mutual TLS (default: $PDSERVE_TLS_CA; none = plaintext)",
     "tls_cert": "this engine's certificate (default: $PDSERVE_TLS_CERT)",
@@ -110,17 +112,21 @@ def stock_settings(extra: dict[str, Any], vllm_config: Any) -> ConnectorSettings
         replicas=_int(extra, "replicas", 1),
         timeout_s=float(extra.get("timeout_s", 5.0)),
         tls_paths=(tls[0], tls[1], tls[2]),
+        save_queue_mib=_int(extra, "save_queue_mib", 256, low=0),
     )
 
 
-def _int(extra: dict[str, Any], key: str, default: int) -> int:
+def _int(extra: dict[str, Any], key: str, default: int, low: int | None = None) -> int:
     value = extra.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int | str):
         raise ValueError(f"{_WHAT}.{key} must be an integer, got {value!r}")
     try:
-        return int(value)
+        out = int(value)
     except ValueError:
         raise ValueError(f"{_WHAT}.{key} must be an integer, got {value!r}") from None
+    if low is not None and out < low:
+        raise ValueError(f"{_WHAT}.{key} must be >= {low}, got {out}")
+    return out
 
 
 def _served_name(model_config: Any) -> str:

@@ -1,7 +1,8 @@
 """The worker half of the pdserve vLLM connector (:mod:`pdserve.engines.vllm_connector`): it
 owns the engine's KV cache tensors, reads and verifies chunks from the store and scatters them
 into paged blocks before a step's forward (write mode: as they land, on waiter threads),
-gathers completed chunks after the forward and writes them. Where K and V lie in a block is
+gathers completed chunks after the forward and writes them (those no reader awaits off the step,
+:mod:`pdserve.engines.save_writer`). Where K and V lie in a block is
 :mod:`pdserve.engines.kv_layout`'s, derived from vLLM at ``register_kv_caches``."""
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pdserve.engines.connector_data import (
     log,
     log_store_off,
 )
+from pdserve.engines.save_writer import SaveWriter
 from pdserve.kvformat import DTYPE_NAMES, encoded_size
 from pdserve.store.api import ChunkMeta
 
@@ -44,6 +46,7 @@ class ConnectorWorker:
         rank_fp: hashing.ModelFingerprint,
         block_size: int,
         io: ChunkIO,
+        save_queue_mib: int = 256,
     ) -> None:
         self.vllm_config = vllm_config
         self.fp = fp
@@ -66,6 +69,8 @@ class ConnectorWorker:
         self._waiter: concurrent.futures.ThreadPoolExecutor | None = None
         self._arena = bytearray()
         self._arena_tensor = torch.empty(0, dtype=torch.uint8)
+        #: writes the saves no reader awaits, off the step (None: all inside it)
+        self._writer = SaveWriter(save_queue_mib << 20) if save_queue_mib > 0 else None
 
     def turn_off(self, reason: str) -> None:
         """Move no chunk from now on (logged once): vLLM recomputes what was planned."""
@@ -289,14 +294,17 @@ class ConnectorWorker:
                 self._layout.scatter(cache, ids, block)
 
     def wait_for_save(self, meta: PdserveConnectorMetadata) -> None:
-        """After the step's forward: gathers and writes the step's saves."""
+        """After the step's forward: gathers the step's saves into fresh host tensors and
+        writes them: those a reader awaits now, the others on the background writer."""
         if not meta.saves or self.off_reason or not self.io.available():
             return
-        # one batched put per TTL (prompt chunks; request tails): two master round trips per
-        # step whatever the chunk count, and existing keys skipped by the master, no pre-check
-        by_ttl: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        # one batched put per TTL (prompt chunks; request tails) and per way of writing: two
+        # master round trips per put whatever the chunk count, existing keys skipped by the
+        # master, no pre-check
+        puts: dict[tuple[int, bool], list[tuple[str, torch.Tensor]]] = {}
         for save, kv in zip(meta.saves, self._gather_all(meta.saves), strict=True):
-            by_ttl.setdefault(save.ttl_ms, []).append((self._rank_key(save.key), kv))
+            now = save.awaited or self._writer is None
+            puts.setdefault((save.ttl_ms, now), []).append((self._rank_key(save.key), kv))
         # KV events describe the chain (rank 0's keys: H(parent || tokens)); other ranks' keys
         # are derived, not chained, and carry none
         chain = {
@@ -315,10 +323,24 @@ class ConnectorWorker:
         roots = {self._rank_key(s.key): s.root for s in meta.saves if s.root}
         tenants = {s.root: s.tenant for s in meta.saves if s.root and s.tenant}
         # in the trace of the step's first traced request (a batch serves them all)
-        with tracing.continued(meta.save_traces[0] if meta.save_traces else None):
-            for ttl_ms, items in by_ttl.items():
-                # a chunk not saved: a future miss
+        trace = meta.save_traces[0] if meta.save_traces else None
+
+        def put(items: list[tuple[str, torch.Tensor]], ttl_ms: int) -> None:
+            with tracing.continued(trace):  # a chunk not saved: a future miss
                 self.io.save(items, ttl_ms=ttl_ms, meta=chain, roots=roots, tenants=tenants)
+
+        for (ttl_ms, now), items in puts.items():
+            if now:
+                put(items, ttl_ms)
+            else:
+                assert self._writer is not None
+                nbytes = sum(kv.numel() * kv.element_size() for _key, kv in items)
+                self._writer.submit(nbytes, lambda items=items, ttl_ms=ttl_ms: put(items, ttl_ms))
+
+    def drain_saves(self, timeout: float | None = None) -> bool:
+        """Waits until the background writer has written every queued save (True at once
+        without one); False when ``timeout`` passed first."""
+        return self._writer is None or self._writer.drain(timeout)
 
     def _gather_all(self, saves: list[ChunkSave]) -> list[torch.Tensor]:
         """Each save's KV ``[layers, 2, kv_heads, tokens, head_dim]``. The full chunks of a
@@ -374,3 +396,5 @@ class ConnectorWorker:
                 stop.set()
         if self._waiter is not None:
             self._waiter.shutdown(wait=True, cancel_futures=True)
+        if self._writer is not None and not self._writer.close():
+            log.warning("pdserve KV saves still queued at shutdown were dropped (future misses)")

@@ -81,6 +81,16 @@ KV_CHUNKS_WRITTEN = Relayed(
         registry=REGISTRY,
     ),
 )
+#: Steps whose chunk saves waited for room in the background writer's queue
+#: (:mod:`pdserve.engines.save_writer`): the store was slower than the engine.
+KV_SAVE_QUEUE_WAITS = Relayed(
+    "kv_save_queue_waits",
+    Counter(
+        "pdserve_kv_save_queue_waits_total",
+        "Engine steps that waited for room in the KV save queue (the store slower than the engine)",
+        registry=REGISTRY,
+    ),
+)
 KV_CHUNKS_SKIPPED = Relayed(
     "kv_chunks_skipped",
     Counter(

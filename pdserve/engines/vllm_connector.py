@@ -158,7 +158,9 @@ class PdserveConnector(KVConnectorBase_V1):
             off = kv_layout.config_layout_error(vllm_config)
             self._scheduler = ConnectorScheduler(settings, block_size, self.io, off)
         else:
-            self._worker = ConnectorWorker(vllm_config, fp, rank_fp, block_size, self.io)
+            self._worker = ConnectorWorker(
+                vllm_config, fp, rank_fp, block_size, self.io, settings.save_queue_mib
+            )
 
     @property
     def scheduler(self) -> ConnectorScheduler:

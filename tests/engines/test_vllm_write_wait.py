@@ -273,4 +273,5 @@ def test_a_layout_it_cannot_convert_turns_the_store_off_not_the_engine(memory_st
     off.worker.wait_for_save(meta)
     assert memory_store.exists(["never-saved"]) == [False]
     planner.worker.wait_for_save(meta)  # (the same save, where the store is on, is written)
+    assert planner.worker.drain_saves(30)  # no reader awaits it: written off the step
     assert memory_store.exists(["never-saved"]) == [True]
