@@ -127,16 +127,17 @@ def comparison(a: SystemResult, b: SystemResult) -> list[dict[str, Any]]:
 def format_comparison(a: SystemResult, b: SystemResult) -> str:
     head = f"{a.name} vs {b.name}: ratio = {a.name} / {b.name}"
     out = [f"{' ' + head + ' ':=^74}"]
-    out.append(f"{'metric':<30}{a.name:>12}{b.name:>12}{'ratio':>9}  better")
+    w = max(12, len(a.name) + 2, len(b.name) + 2)  # "colocated-router" and its gap
+    out.append(f"{'metric':<30}{a.name:>{w}}{b.name:>{w}}{'ratio':>9}  better")
     for row in comparison(a, b):
         ratio = row["ratio"]
         better = "higher" if row["higher_is_better"] else "lower"
         rtext = "n/a" if ratio is None else f"{ratio:.2f}x"
         out.append(
-            f"{row['metric']:<30}{row[a.name]:>12.2f}{row[b.name]:>12.2f}{rtext:>9}  {better}"
+            f"{row['metric']:<30}{row[a.name]:>{w}.2f}{row[b.name]:>{w}.2f}{rtext:>9}  {better}"
         )
     ca, cb = a.metrics.cached_tokens, b.metrics.cached_tokens
-    out.append(f"{'prompt tokens from cache':<30}{_opt(ca):>12}{_opt(cb):>12}")
+    out.append(f"{'prompt tokens from cache':<30}{_opt(ca):>{w}}{_opt(cb):>{w}}")
     out.append("=" * 74)
     return "\n".join(out)
 

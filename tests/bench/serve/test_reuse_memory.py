@@ -165,3 +165,13 @@ def test_engine_cache_in_blocks_for_both_systems() -> None:
     }
     assert json.loads(env["PDSERVE_PREFILL_VLLM_ARGS"]) == {"num_gpu_blocks_override": 256}
     assert "--target's engines stay" in describe_shape(args)
+
+
+def test_the_comparison_table_keeps_a_long_baseline_name_apart() -> None:
+    from pdserve.bench.serve.report import format_comparison
+
+    text = format_comparison(_result("pdserve", 15, None), _result("colocated-router", 10, None))
+    header = next(x for x in text.splitlines() if x.startswith("metric"))
+    assert header.split() == ["metric", "pdserve", "colocated-router", "ratio", "better"]
+    cached = next(x for x in text.splitlines() if x.startswith("prompt tokens from cache"))
+    assert cached.split()[-2:] == ["30", "20"]
