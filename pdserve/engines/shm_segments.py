@@ -4,7 +4,8 @@ engine leaves behind.
 vLLM's engine talks to its engine-core process through message queues in ``/dev/shm/psm_*``
 segments (``multiprocessing.shared_memory``); their creator removes them only when its queue
 object is garbage-collected, which a process stopped at shutdown never reaches: every stopped
-worker left two 160 MiB segments. The worker notes the segments its engine's processes map
+worker left two 160 MiB segments (and, with tensor parallelism on CPU, its ranks'
+``vllm_dist_*cpushm_*`` buffers). The worker notes the segments its engine's processes map
 while they run (:func:`mapped_segments`) and removes those that outlive the engine's shutdown
 (:func:`remove`). Segments mapped by other processes (another worker on the host) are never
 named, so never removed.
@@ -33,7 +34,9 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
-_MAPPED = re.compile(r"/dev/shm/(psm_[0-9a-f]+)")
+#: vLLM's message queues (``psm_*``) and, with tensor parallelism on CPU, its ranks' shared
+#: buffers (``vllm_dist_<id>-tp:<rank>-[<ranks>]-cpushm_<n>``, 4 MiB each, also left behind).
+_MAPPED = re.compile(r"/dev/shm/(psm_[0-9a-f]+|vllm_dist_[0-9a-f]+-\S*cpushm_\d+)")
 #: The inode of a maps line of a file under /dev/shm/sem.* (a POSIX named semaphore).
 _SEMAPHORE = re.compile(r"^\S+ \S+ \S+ \S+ (\d+) +/dev/shm/sem\.", re.MULTILINE)
 #: The prefix of the semaphores Python's multiprocessing names (the only ones removed).

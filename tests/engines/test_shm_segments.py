@@ -46,6 +46,31 @@ def test_segments_of_a_process_tree_are_found_and_removed_after_it_dies() -> Non
     mine.unlink()
 
 
+TP_CHILD = """
+import sys, time
+from multiprocessing import resource_tracker, shared_memory
+m = shared_memory.SharedMemory(create=True, size=4096, name=sys.argv[1])
+resource_tracker.unregister(m._name, "shared_memory")  # left behind, as vLLM's TP ranks do
+print(m.name, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.slow
+def test_vllm_tensor_parallel_buffers_are_found_and_removed() -> None:
+    name = f"vllm_dist_{os.urandom(16).hex()}-tp:0-[0-1]-cpushm_0"
+    child = subprocess.Popen([sys.executable, "-c", TP_CHILD, name], stdout=subprocess.PIPE,
+                             text=True)  # fmt: skip
+    try:
+        assert child.stdout.readline().strip().lstrip("/") == name
+        assert shm_segments.mapped_segments(child.pid) == {name}
+    finally:
+        child.kill()
+        child.wait()
+    assert shm_segments.remove({name}) == [name]
+    assert not (Path("/dev/shm") / name).exists()
+
+
 SERVICE = """
 import multiprocessing, signal, sys, time
 from multiprocessing import resource_tracker, shared_memory
