@@ -17,7 +17,7 @@ exposes no accept hook (nor ``grpc_server_add_channel_from_fd``), so one address
 the deadline then frees its idle connections within ``grpc_handshake_timeout_s``, and a
 refused client's channel reconnects (every 100-300 ms, :mod:`pdserve.grpcutil`). A
 per-address cap in front of a port is the host firewall's (docs/security.md). The router's
-HTTP port has its own per-address cap (:mod:`pdserve.services.router.http_edge`).
+HTTP port has its own per-address cap (:mod:`pdserve.http_edge`).
 
 At start the process's soft ``RLIMIT_NOFILE`` is raised to its hard limit
 (:func:`raise_fd_limit`): a default soft limit of 1,024 was what a flood of 1,100 idle

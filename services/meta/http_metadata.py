@@ -59,6 +59,8 @@ from pdserve.services.meta.backends.base import Backend
 if TYPE_CHECKING:  # aiohttp is imported when the endpoint starts, not with MetaConfig
     from aiohttp import web
 
+    from pdserve.http_edge import EdgeLimits
+
 PATH = "/metadata"
 #: Default cap on one value (bytes): Mooncake segment descriptors are a few KiB, and
 #: Mooncake's own server takes at most aiohttp's default of 1 MiB.
@@ -201,16 +203,24 @@ def ssl_context(files: identity.TlsFiles) -> ssl.SSLContext:
 
 
 async def start(
-    app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None = None
+    app: web.Application,
+    host: str,
+    port: int,
+    ssl_context: ssl.SSLContext | None = None,
+    limits: EdgeLimits | None = None,
 ) -> tuple[web.AppRunner, int]:
-    """Serves ``app`` on the running loop (HTTPS with ``ssl_context``); returns the runner and
-    the bound port."""
+    """Serves ``app`` on the running loop (HTTPS with ``ssl_context``), each connection
+    bounded as the router's HTTP port bounds its (:mod:`pdserve.http_edge`: a deadline for a
+    request head and a TLS handshake, caps per address and in all); returns the runner and the
+    bound port (``limits``: default :class:`~pdserve.http_edge.EdgeLimits`'s)."""
     from aiohttp import web
+
+    from pdserve.http_edge import EdgeLimits, EdgeSite
 
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host=host, port=port, ssl_context=ssl_context)
+    site = EdgeSite(
+        runner, host, port, limits or EdgeLimits(), ssl_context=ssl_context, access_log=None
+    )
     await site.start()
-    server = site._server
-    bound = server.sockets[0].getsockname()[1] if server is not None else port
-    return runner, bound
+    return runner, site.port

@@ -10,7 +10,7 @@ input), 401 (no or a wrong API key), 403 (a tenant header from no trusted gatewa
 :mod:`~pdserve.services.router.gateway`), 404 (unknown model), 429 (admission refused, or a
 wrong API key past a budget: :class:`pdserve.auth.KeyFailures`), 503 (no worker), 504
 (deadline). Connection limits (header and body timeouts, connections per address) are
-:mod:`~pdserve.services.router.http_edge`'s.
+:mod:`~pdserve.http_edge`'s.
 
 Beyond OpenAI's fields, the completions bodies take vLLM's ``cache_salt`` (a tenant's secret:
 prefix caching and ``usage.prompt_tokens_details.cached_tokens`` only among requests with the

@@ -14,6 +14,7 @@ from aiohttp import web
 from pdserve import grpcutil, lifecycle
 from pdserve.auth import KeyFailures, RequireKey
 from pdserve.discovery import leave, register_service
+from pdserve.http_edge import EdgeLimits, EdgeSite
 from pdserve.identity import advertised, is_loopback
 from pdserve.model.fingerprint import model_revision
 from pdserve.services.router import pins
@@ -26,7 +27,6 @@ from pdserve.services.router.fingerprint import FingerprintSource
 from pdserve.services.router.frontend import Frontend
 from pdserve.services.router.gateway import Gateway
 from pdserve.services.router.grpc_worker_client import GrpcWorkerClient
-from pdserve.services.router.http_edge import EdgeLimits, EdgeSite
 from pdserve.services.router.http_worker_client import DispatchingWorkerClient, HttpWorkerClient
 from pdserve.services.router.kv_check import KVCheck, MasterQuarantine
 from pdserve.services.router.models import Models, model_configs

@@ -176,3 +176,32 @@ def test_up_serves_the_endpoint_only_for_mooncake_engines_that_use_it(tmp_path) 
 
 class _Stop(Exception):
     pass
+
+
+def test_connections_are_bounded_as_the_routers_http_port() -> None:
+    """An idle connection is closed after the head deadline, one address's connections past
+    its cap are answered 429 unread, and a real client is still served (pdserve.http_edge)."""
+    from pdserve.http_edge import EdgeLimits
+
+    async def main() -> None:
+        app = http_metadata.make_app(MemoryBackend())
+        limits = EdgeLimits(header_timeout_s=0.5, max_per_peer=2)
+        runner, port = await http_metadata.start(app, "127.0.0.1", 0, limits=limits)
+        try:
+            idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            answer = await asyncio.wait_for(reader.read(), 10)
+            assert answer.startswith(b"HTTP/1.1 429"), answer
+            writer.close()
+            for r, w in idle:  # closed unanswered once the head deadline passed
+                assert await asyncio.wait_for(r.read(), 10) == b""
+                w.close()
+            async with aiohttp.ClientSession() as http:
+                url = f"http://127.0.0.1:{port}{http_metadata.PATH}?key=k"
+                status, _ = await _call(http, "PUT", url, b'"v"')
+                assert status == 200
+                assert await _call(http, "GET", url) == (200, '"v"')
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())

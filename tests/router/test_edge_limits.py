@@ -1,5 +1,5 @@
 """The router's edge limits: HTTP header and body timeouts and the per-address connection cap
-(services/router/http_edge.py, over real sockets), the wrong-API-key limiter
+(pdserve/http_edge.py, over real sockets), the wrong-API-key limiter
 (pdserve/auth.py KeyFailures, over HTTP and gRPC), and Tokenize's size rule."""
 
 from __future__ import annotations
@@ -16,11 +16,10 @@ import pytest
 from aiohttp import web
 from router_fakes import FakeDecode, FakePrefill, fake_cluster
 
-from pdserve import auth
+from pdserve import auth, http_edge
 from pdserve.config import ConfigError
-from pdserve.services.router import http_edge
+from pdserve.http_edge import EdgeLimits, EdgeSite, PeerConnections
 from pdserve.services.router.config import RouterConfig
-from pdserve.services.router.http_edge import EdgeLimits, EdgeSite, PeerConnections
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
 KEY = "s3cret-key"

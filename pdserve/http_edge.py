@@ -1,4 +1,5 @@
-"""The router's HTTP connections, limited at the protocol level, where aiohttp has no header
+"""HTTP connections of pdserve's aiohttp servers (the router's OpenAI API, meta's Mooncake
+metadata endpoint), limited at the protocol level, where aiohttp has no header
 timeout of its own (its keep-alive timer is an hour): a connection must deliver a complete
 request head (request line and headers) within ``header_timeout_s`` of opening or of its
 previous response, so an idle kept-alive connection lasts that long too; a request's body must
@@ -36,7 +37,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EdgeLimits:
-    """What an HTTP connection may take (RouterConfig's ``http_*`` fields)."""
+    """What an HTTP connection may take (the router's ``http_*`` fields; meta's endpoint
+    takes these defaults)."""
 
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
