@@ -55,9 +55,9 @@ class _SaveTracker:
     next_chunk: int = 0
     tail_done: bool = False
     tail_rid: str = ""  # the request id the tail key was derived from ("" = handed in)
-    #: its saves are written in the step (ChunkSave.awaited): a P/D prefill, whose decode
-    #: loads them next, or a request that answers with its first token (max_tokens 1)
-    awaited: bool = False
+    #: a request that answers with its first token (max_tokens 1): its saves are written in
+    #: the step (ChunkSave.awaited), as a P/D prefill's (one with a tail_key) are
+    answers_first: bool = False
     # vLLM's hashes of the prompt's full blocks (request.block_hashes); empty = none
     engine_hashes: list[bytes] = field(default_factory=list)
     root: str = ""  # the chain's root (hex): every save's ChunkSave.root
@@ -317,7 +317,7 @@ class ConnectorScheduler:
             engine_hashes=engine_hashes(request, len(prompt), self.block_size),
             root=scope.root,
             tenant=scope.tenant,
-            awaited=bool(tail) or answers_at_first_token(request),
+            answers_first=answers_at_first_token(request),
         )
         return True
 
@@ -353,7 +353,8 @@ class ConnectorScheduler:
                 tokens,
                 root=tracker.root,
                 tenant=tracker.tenant,
-                awaited=tracker.awaited,
+                # a P/D prefill's decode, or the answer, loads them next: in the step
+                awaited=bool(tracker.tail_key) or tracker.answers_first,
             )
             if len(engine) >= (i + 1) * bpc:  # vLLM's own hashes of the chunk's blocks
                 save.engine_hashes = engine[i * bpc : (i + 1) * bpc]

@@ -119,3 +119,28 @@ def test_the_worker_returns_before_a_background_save_is_written_with_the_steps_b
     worker.wait_for_save(PdserveConnectorMetadata(saves=[awaited]))
     assert [k for k, _ in calls[0][1]] == [worker._rank_key("k1")]
     worker.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("tail", "answers_first", "awaited"),
+    [("tail-x", False, True), ("", True, True), ("", False, False)],
+)
+def test_the_scheduler_marks_the_saves_a_reader_loads_next(tail, answers_first, awaited):
+    """A P/D prefill's chunks (it has a tail key: decode loads them next) and those of a
+    request that answers with its first token are written in the step; a colocated
+    request's go to the writer."""
+    from pdserve.engines.connector_data import ConnectorSettings, PdserveConnectorMetadata
+    from pdserve.engines.connector_scheduler import ConnectorScheduler, _SaveTracker
+    from pdserve.hashing import ModelFingerprint, chunk_keys
+
+    cs, bs = 8, 4
+    fp = ModelFingerprint("awaited", chunk_size=cs)
+    prompt = list(range(10, 10 + 2 * cs + 3))
+    sched = ConnectorScheduler(ConnectorSettings("", fp, tail_ttl_ms=5000), bs, io=None)
+    tracker = _SaveTracker(chunk_keys(fp, prompt), len(prompt), prompt, tail, list(range(6)))
+    tracker.answers_first = answers_first
+    sched._trackers = {"r": tracker}
+    meta = PdserveConnectorMetadata()
+    sched._advance("r", len(prompt), meta)
+    assert len(meta.saves) == 2 + bool(tail)
+    assert {s.awaited for s in meta.saves} == {awaited}

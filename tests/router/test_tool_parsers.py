@@ -144,6 +144,8 @@ def test_tools_reach_the_template_and_none_parses_nothing(hermes):
         ({"tools": [{"type": "function"}]}, "tools", "function"),
         ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools", "name"),
         ({"tools": "get_weather"}, "tools", "list"),
+        ({"tools": [None]}, "tools", "tools[0]"),  # the fuzzer's: a 500 before
+        ({"tools": [WEATHER, 3]}, "tools", "tools[1]"),
         ({"tools": []}, "tools", "empty"),
         ({"tool_choice": "required"}, "tool_choice", "tools"),
         ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", "sometimes"),

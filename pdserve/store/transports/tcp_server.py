@@ -348,8 +348,10 @@ class TcpServer(TransportServer):
         replies OK (a write); the same for one range and for a vector of them."""
         total = sum(len(r) for r in regions)
         if read:
-            _send_regions(conn, [REP.pack(REP_MAGIC, ST_OK, total), *regions])
+            # counted before the send: a reader that has every byte may ask the node's stats
+            # at once (counted after, a test saw 0 under load)
             self._read += total
+            _send_regions(conn, [REP.pack(REP_MAGIC, ST_OK, total), *regions])
             return True
         if not reader.fill(regions):
             return self._fail(conn, ST_SHORT_PAYLOAD, f"expected {total} bytes")

@@ -160,7 +160,8 @@ def _check_tools(tools: Any) -> None:
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         name = fn.get("name") if isinstance(fn, dict) else None
-        if tool.get("type", "function") != "function" or not isinstance(name, str) or not name:
+        kind = tool.get("type", "function") if isinstance(tool, dict) else None
+        if kind != "function" or not isinstance(name, str) or not name:
             raise InvalidArgument(
                 f"tools[{i}] must be {{type: function, function: {{name, description, "
                 f"parameters}}}}, got {tool!r:.100}",
