@@ -115,11 +115,12 @@ class EngineConfig(StoreBackendConfig):
         60000, "time-to-live of a request's partial last chunk in the store (milliseconds)"
     )
     store_save_queue_mib: int = help_field(
-        256,
-        "vllm: MiB of KV chunk saves a background thread writes off the engine step (the step "
-        "only copies the chunks out; a step that would pass this waits for room). Saves a "
-        "decode worker loads right after the answer (a P/D prefill's) are written in the "
-        "step. 0 = every save in the step",
+        0,
+        "vllm: MiB of KV chunk saves a background thread may write off the engine step (the "
+        "step only copies the chunks out; a step that would pass this waits for room; saves a "
+        "decode worker loads right after the answer, a P/D prefill's, stay in the step). 0 = "
+        "every save in the step, the default for now: a colocated request's chunks are then "
+        "in the store by its answer, with a queue they land just after the step that made them",
     )
     torch_threads: int = help_field(1, "torch intra-op threads of the model (torch engine)")
     vllm_block_size: int = help_field(

@@ -44,7 +44,7 @@ class ConnectorSettings:
     kv_role: str = "kv_both"
     #: MiB of chunk saves the background writer may hold (:mod:`pdserve.engines.save_writer`;
     #: 0 = every save written inside the step)
-    save_queue_mib: int = 256
+    save_queue_mib: int = 0
 
     @property
     def loads(self) -> bool:
@@ -65,7 +65,7 @@ class ConnectorSettings:
             timeout_s=float(extra.get("timeout_s", 5.0)),
             backend=str(extra.get("store_backend", "pdserve")),
             backend_options=dict(extra.get("store_backend_options") or {}),
-            save_queue_mib=int(extra.get("save_queue_mib", 256)),
+            save_queue_mib=int(extra.get("save_queue_mib", 0)),
             tls_paths=(
                 str(extra.get("tls_ca", "")),
                 str(extra.get("tls_cert", "")),
@@ -94,7 +94,7 @@ def extra_config(
     backend: str = "pdserve",
     backend_options: dict[str, Any] | None = None,
     tls: identity.TlsFiles | None = None,
-    save_queue_mib: int = 256,
+    save_queue_mib: int = 0,
 ) -> dict[str, Any]:
     """The ``kv_connector_extra_config`` for :class:`ConnectorSettings.from_extra` (``tls``:
     the worker's TLS files, passed on by path)."""

@@ -39,7 +39,7 @@ STOCK_KEYS = {
     "timeout_s": "seconds one store operation may take (default 5)",
     "tail_ttl_ms": "lifetime of a prompt's last partial chunk (default 30000)",
     "save_queue_mib": "MiB of chunk saves written off the engine step, by a background thread "
-    "(saves a P/D decode awaits are always written in the step; 0 = all in it; default 256)",
+    "(saves a P/D decode awaits are always written in the step; 0 = all in it, the default for now)",
     "kv_compression": "chunk encoding: none, bf16, fp8 (default none)",
     "tls_ca": "CA file of the store's mutual TLS (default: $PDSERVE_TLS_CA; none = plaintext)",
     "tls_cert": "this engine's certificate (default: $PDSERVE_TLS_CERT)",
@@ -112,7 +112,7 @@ def stock_settings(extra: dict[str, Any], vllm_config: Any) -> ConnectorSettings
         replicas=_int(extra, "replicas", 1),
         timeout_s=float(extra.get("timeout_s", 5.0)),
         tls_paths=(tls[0], tls[1], tls[2]),
-        save_queue_mib=_int(extra, "save_queue_mib", 256, low=0),
+        save_queue_mib=_int(extra, "save_queue_mib", 0, low=0),
     )
 
 

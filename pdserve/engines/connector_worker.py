@@ -1,8 +1,8 @@
 """The worker half of the pdserve vLLM connector (:mod:`pdserve.engines.vllm_connector`): it
 owns the engine's KV cache tensors, reads and verifies chunks from the store and scatters them
 into paged blocks before a step's forward (write mode: as they land, on waiter threads),
-gathers completed chunks after the forward and writes them (those no reader awaits off the step,
-:mod:`pdserve.engines.save_writer`). Where K and V lie in a block is
+gathers completed chunks after the forward and writes them (with a save queue, those no reader
+awaits off the step: :mod:`pdserve.engines.save_writer`). Where K and V lie in a block is
 :mod:`pdserve.engines.kv_layout`'s, derived from vLLM at ``register_kv_caches``."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class ConnectorWorker:
         rank_fp: hashing.ModelFingerprint,
         block_size: int,
         io: ChunkIO,
-        save_queue_mib: int = 256,
+        save_queue_mib: int = 0,
     ) -> None:
         self.vllm_config = vllm_config
         self.fp = fp

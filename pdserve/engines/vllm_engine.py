@@ -8,8 +8,9 @@
 - ``generate`` with a :class:`KVRef`: the prompt becomes ``prompt + [first_token]``; the
   connector loads the full chunks and the tail (the whole original prompt) and vLLM computes
   only the first token's position. Without a handle, vLLM prefills locally and the connector
-  still reuses stored prefix chunks (and saves new ones, written off the step by a background
-  thread since no one awaits them: :mod:`pdserve.engines.save_writer`).
+  still reuses stored prefix chunks (and saves new ones; with ``store_save_queue_mib`` > 0
+  written off the step by a background thread, since no one awaits them:
+  :mod:`pdserve.engines.save_writer`).
 - ``generate`` with a write-mode handle (no first token, ``chunk_wait_ms`` > 0: the router's
   write plan, prefill running at the same time elsewhere): the same contract as the torch
   engine's. The handle names the prompt's first ``(n - 1) // chunk_size`` full chunks; the

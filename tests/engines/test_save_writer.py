@@ -95,7 +95,7 @@ def test_the_worker_returns_before_a_background_save_is_written_with_the_steps_b
             calls.append((released, [(k, kv.clone()) for k, kv in items]))
             return len(items)
 
-    worker = ConnectorWorker(None, fp, fp, bs, IO())
+    worker = ConnectorWorker(None, fp, fp, bs, IO(), save_queue_mib=256)
     worker._layout = layout
     torch.manual_seed(0)
     worker._caches = [
