@@ -24,6 +24,19 @@ if TYPE_CHECKING:
     from pdserve.bench.serve.workloads import Request
 
 
+def completion_payload(model: str, req: Request) -> dict[str, Any]:
+    """The streamed greedy ``/v1/completions`` body of ``req`` (measured and history rows)."""
+    return {
+        "model": model,
+        "prompt": list(req.prompt_token_ids),
+        "max_tokens": req.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
 @dataclass(frozen=True)
 class Client:
     """Streams completions from ``base`` (one aiohttp session for the whole run)."""
@@ -34,15 +47,7 @@ class Client:
     t0: float
 
     def payload(self, req: Request) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "prompt": list(req.prompt_token_ids),
-            "max_tokens": req.max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
+        return completion_payload(self.model, req)
 
     async def send(self, index: int, req: Request) -> RequestRecord:
         """One request; never raises for HTTP or stream errors (they go in the record).

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pdserve.bench.serve.client import completion_payload
 from pdserve.bench.serve.status import BenchError, say
 
 if TYPE_CHECKING:
@@ -274,18 +275,6 @@ class _Attempt:
     error: str | None = None
 
 
-def _payload(model: str, req: Request) -> dict[str, Any]:
-    return {
-        "model": model,
-        "prompt": list(req.prompt_token_ids),
-        "max_tokens": req.max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-
-
 def _retry_after(value: str | None) -> float | None:
     try:
         return min(RETRY_AFTER_MAX_S, max(0.0, float(value))) if value else None
@@ -347,7 +336,7 @@ async def replay(
     next_index = 0
 
     async def one(req: Request) -> None:
-        body = _payload(model, req)
+        body = completion_payload(model, req)
         for attempt in range(attempts):
             got = await _attempt(session, url, body)
             if got.usage is not None:
