@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +35,15 @@ def completion_payload(model: str, req: Request) -> dict[str, Any]:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+
+
+async def sse_data(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The data of each server-sent event of ``resp`` (its ``data:`` lines, stripped; the
+    closing ``[DONE]`` included)."""
+    async for raw in resp.content:
+        line = raw.strip()
+        if line.startswith(b"data:"):
+            yield line[5:].strip()
 
 
 @dataclass(frozen=True)
@@ -96,11 +105,7 @@ class Client:
         """Records the arrival of each SSE event with generated text (``chunks``) and its text
         (``state["text"]``), the last event with choices (``state["last"]``), the usage and an
         in-stream error."""
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
+        async for data in sse_data(resp):
             if data == b"[DONE]":
                 break
             now = time.perf_counter() - self.t0

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pdserve.bench.serve.client import completion_payload
+from pdserve.bench.serve.client import completion_payload, sse_data
 from pdserve.bench.serve.status import BenchError, say
 
 if TYPE_CHECKING:
@@ -294,11 +294,7 @@ async def _attempt(session: aiohttp.ClientSession, url: str, body: dict[str, Any
                     return _Attempt(retry=f"HTTP {resp.status}", retry_after_s=wait)
                 return _Attempt(error=f"HTTP {resp.status}: {text}")
             usage: dict[str, Any] | None = None
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
+            async for data in sse_data(resp):
                 if data == b"[DONE]":
                     return _Attempt(usage=usage or {})
                 event = json.loads(data)
