@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+from fake_completions import serve_completions
 
 from pdserve.bench.serve import workloads as wl
 from pdserve.bench.serve.cli import add_arguments
@@ -158,14 +159,7 @@ async def _fake_server(state: dict) -> tuple[object, str]:
         finally:
             state["inflight"] -= 1
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}"
+    return await serve_completions(completions)
 
 
 def test_replay_retries_overload_and_resets_within_its_concurrency_bound() -> None:

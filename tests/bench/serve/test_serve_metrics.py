@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+from fake_completions import serve_completions
 
 from pdserve.bench.serve.metrics import (
     RequestRecord,
@@ -178,14 +179,7 @@ async def _fake_server(bodies: list[dict]):
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}"
+    return await serve_completions(completions)
 
 
 def test_client_records_stream_and_errors() -> None:
