@@ -103,15 +103,27 @@ def moved(spans: list[Span], service: str, name: str) -> int:
 
 
 def complete(vllm: bool):
-    """Whether a trace holds what every request here leaves: the router's last phase, the
-    prefill's save, the decode's load (and vLLM's span of it)."""
+    """Whether a trace holds every span the checks below read. Each service exports its spans
+    in batches on its own schedule, and a span is exported only once it ends: a worker's store
+    save can reach the collector a batch before the RPC span that encloses it, so the wait
+    names each span, not only the last one a request leaves."""
+    required = [
+        ("pdserve-router", "pdserve.request"),
+        ("pdserve-router", "pdserve.phase.queue"),
+        ("pdserve-router", "pdserve.phase.prefill"),
+        ("pdserve-router", "pdserve.phase.decode"),
+        ("pdserve-kvstore-master", "pdserve.v1.KVMasterService/LongestPrefix"),
+        ("pdserve-prefill", "pdserve.v1.PrefillService/Prefill"),
+        ("pdserve-decode", "pdserve.v1.DecodeService/Decode"),
+    ]
+    if vllm:
+        required += [("pdserve-prefill", "llm_request"), ("pdserve-decode", "llm_request")]
 
     def done(spans: list[Span]) -> bool:
         return (
-            bool(named(spans, "pdserve-router", "pdserve.phase.decode"))
+            all(named(spans, service, name) for service, name in required)
             and moved(spans, "pdserve-prefill", "pdserve.kv.save") > 0
             and moved(spans, "pdserve-decode", "pdserve.kv.load") > 0
-            and (not vllm or bool(named(spans, "pdserve-decode", "llm_request")))
         )
 
     return done
