@@ -103,3 +103,12 @@ def started_colocated(args: argparse.Namespace, work: Path) -> Iterator[str]:
 
 #: ``--compare`` choices other than ``none``: each is a baseline, named so in the report.
 BASELINES = ("colocated", "colocated-router")
+#: ``--compare both``: every baseline of :data:`BASELINES`, in turn.
+BOTH = "both"
+
+
+def baselines(compare: str) -> tuple[str, ...]:
+    """The baselines ``--compare`` names, in the order they run."""
+    if compare == BOTH:
+        return BASELINES
+    return () if compare == "none" else (compare,)

@@ -122,7 +122,8 @@ def check_args(args: argparse.Namespace) -> dict[str, float]:
     """The SLOs of a ``--find-capacity`` run (ms), after checking its flags.
 
     Raises:
-        ValueError: no ``--goodput`` with ttft, or a capacity flag out of range.
+        ValueError: no ``--goodput`` with ttft, a capacity flag out of range, or
+            ``--compare both``.
     """
     from pdserve.bench.serve.metrics import parse_goodput
 
@@ -130,6 +131,10 @@ def check_args(args: argparse.Namespace) -> dict[str, float]:
     if "ttft" not in slos:
         raise ValueError(
             "--find-capacity needs SLOs with a TTFT one: --goodput ttft:MS [tpot:MS] [e2el:MS]"
+        )
+    if getattr(args, "compare", "none") == "both":
+        raise ValueError(
+            "--find-capacity searches one baseline: --compare colocated or colocated-router"
         )
     if not 0 < args.attainment <= 1:
         raise ValueError(f"--attainment must be in (0, 1], got {args.attainment}")

@@ -9,7 +9,7 @@ import signal
 import sys
 import time
 
-from pdserve.bench.serve.baseline import BASELINES, baseline_vllm_flags
+from pdserve.bench.serve.baseline import BASELINES, BOTH, baseline_vllm_flags
 from pdserve.bench.serve.gentrace import add_gen_trace_command
 from pdserve.bench.serve.history import add_history_arguments
 from pdserve.bench.serve.memory import add_memory_arguments
@@ -64,12 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     sysg.add_argument(
         "--compare",
-        choices=["none", *BASELINES],
+        choices=["none", *BASELINES, BOTH],
         default="none",
         help="also run the workload against a colocated vLLM baseline: two 'vllm serve' "
         "engines, one per core (VLLM_CPU_OMP_THREADS_BIND=0/1, VLLM_CPU_KVCACHE_SPACE), behind "
         "a round-robin proxy (colocated) or vLLM's own router, vllm-router, prefix-aware "
-        f"(colocated-router), started after the system under test is done {d}",
+        "(colocated-router), or both in turn (both: the report compares the system under test "
+        f"with each and with the better), started after the system under test is done {d}",
     )
     sysg.add_argument(
         "--baseline-engines", type=int, default=2, help=f"colocated vLLM engines, one per core {d}"

@@ -142,6 +142,25 @@ def format_comparison(a: SystemResult, b: SystemResult) -> str:
     return "\n".join(out)
 
 
+def better_baseline(baselines: Sequence[SystemResult]) -> SystemResult:
+    """The baseline with the highest goodput (request throughput where no SLO is set)."""
+
+    def score(r: SystemResult) -> float:
+        m = r.metrics
+        return float(m.goodput if m.goodput is not None else m.request_throughput)
+
+    return max(baselines, key=score)
+
+
+def format_better_baseline(a: SystemResult, baselines: Sequence[SystemResult]) -> str:
+    """One line: ``a`` against the better of several baselines."""
+    best = better_baseline(baselines)
+    rows = {row["metric"]: row for row in comparison(a, best)}
+    row = rows.get("goodput (req/s)") or rows["request throughput (req/s)"]
+    ratio = "n/a" if row["ratio"] is None else f"{row['ratio']:.2f}x"
+    return f"{a.name} vs the better baseline ({best.name}): {row['metric']} {ratio}"
+
+
 def _opt(v: int | None) -> str:
     return "n/a" if v is None else str(v)
 
@@ -165,7 +184,10 @@ def write_json(
         "workload": asdict(workload_stats(requests)),
         "systems": [r.to_json() for r in results],
     }
-    if len(results) == 2:
-        doc["comparison"] = comparison(results[0], results[1])
+    if len(results) >= 2:  # with several baselines: against the better, and against each
+        doc["comparison"] = comparison(results[0], better_baseline(results[1:]))
+    if len(results) > 2:
+        doc["better_baseline"] = better_baseline(results[1:]).name
+        doc["comparisons"] = {b.name: comparison(results[0], b) for b in results[1:]}
     doc.update(extra or {})
     Path(path).write_text(json.dumps(doc, indent=1))

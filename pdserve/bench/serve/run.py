@@ -15,13 +15,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pdserve.bench.serve import vllm_router
-from pdserve.bench.serve.baseline import started_colocated
+from pdserve.bench.serve.baseline import baselines, started_colocated
 from pdserve.bench.serve.client import send_workload
 from pdserve.bench.serve.harness import logs_dir, started_pdserve
 from pdserve.bench.serve.http import check_target, scrape
 from pdserve.bench.serve.memory import pdserve_env
 from pdserve.bench.serve.report import (
     SystemResult,
+    format_better_baseline,
     format_comparison,
     format_result,
     write_json,
@@ -204,8 +205,10 @@ def run(args: argparse.Namespace) -> list[SystemResult]:
                 )
             )
             print(format_result(results[-1]), flush=True)
-    if len(results) == 2:
-        print(format_comparison(results[0], results[1]), flush=True)
+    for baseline in results[1:]:
+        print(format_comparison(results[0], baseline), flush=True)
+    if len(results) > 2:
+        print(format_better_baseline(results[0], results[1:]), flush=True)
     if history is not None:
         print(format_reuse(history, results), flush=True)
     path = result_path(args)
@@ -239,13 +242,14 @@ def each_system(
     args: argparse.Namespace, baseline_first: bool = False
 ) -> Iterator[Iterator[System]]:
     """The systems ``args`` name, one at a time: the system under test (started with
-    ``--start-pdserve``, else ``--target``), then with ``--compare`` the baseline it names
-    (``baseline_first``: the baseline first), each up only until the next is asked for (a
+    ``--start-pdserve``, else ``--target``), then with ``--compare`` the baselines it names
+    (``baseline_first``: the baselines first), each up only until the next is asked for (a
     logs folder holds what they started). A missing ``vllm-router`` fails before anything
     starts."""
-    if args.compare == "colocated-router":
+    names = baselines(args.compare)
+    if "colocated-router" in names:
         vllm_router.find_vllm_router()
-    starts = args.start_pdserve is not None or args.compare != "none"
+    starts = args.start_pdserve is not None or bool(names)
     with logs_dir(args.keep_logs) if starts else contextlib.nullcontext(Path()) as work:
 
         def target() -> Iterator[System]:
@@ -260,11 +264,11 @@ def each_system(
                 yield System(args.label, args.target, key, True)
 
         def baseline() -> Iterator[System]:
-            if args.compare != "none":
-                router = args.compare == "colocated-router"
+            for name in names:
+                router = name == "colocated-router"
                 start = vllm_router.started_colocated_router if router else started_colocated
                 with start(args, work) as url:
-                    yield System(args.compare, url, "", False)
+                    yield System(name, url, "", False)
 
         def systems() -> Iterator[System]:
             order = (baseline, target) if baseline_first else (target, baseline)

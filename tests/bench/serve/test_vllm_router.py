@@ -8,6 +8,7 @@ one, and forwards the bench client's requests unchanged."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import asyncio
 import concurrent.futures
 import contextlib
@@ -22,7 +23,15 @@ from pathlib import Path
 import pytest
 
 from pdserve.bench.serve import run, vllm_router
+from pdserve.bench.serve.capacity import check_args
 from pdserve.bench.serve.cli import add_arguments
+from pdserve.bench.serve.metrics import RequestRecord, compute_metrics
+from pdserve.bench.serve.report import (
+    SystemResult,
+    better_baseline,
+    format_better_baseline,
+    write_json,
+)
 from pdserve.bench.serve.status import BenchError
 from pdserve.bench.serve.vllm_router import (
     CACHE_AWARE_ARGS,
@@ -218,6 +227,54 @@ def test_the_baseline_is_named_after_compare(monkeypatch: pytest.MonkeyPatch) ->
         ("pdserve", "http://t:1", True),
         ("colocated-router", "http://router:1", False),
     ]
+
+
+def test_both_runs_each_baseline_in_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    up: list[str] = []
+
+    def fake(name: str):
+        @contextlib.contextmanager
+        def start(args: argparse.Namespace, work: Path) -> Iterator[str]:
+            assert up == [], "one baseline at a time"
+            up.append(name)
+            yield f"http://{name}:1"
+            up.remove(name)
+
+        return start
+
+    monkeypatch.setattr(vllm_router, "find_vllm_router", lambda search_path=None: "vllm-router")
+    monkeypatch.setattr(run, "started_colocated", fake("rr"))
+    monkeypatch.setattr(vllm_router, "started_colocated_router", fake("router"))
+    args = _parse(["--target", "http://t:1", "--compare", "both"])
+    with run.each_system(args) as each:
+        systems = [(s.name, s.url, s.is_target) for s in each]
+    assert systems == [
+        ("pdserve", "http://t:1", True),
+        ("colocated", "http://rr:1", False),
+        ("colocated-router", "http://router:1", False),
+    ]
+    assert up == []
+    with pytest.raises(ValueError, match="one baseline"):
+        check_args(_parse(["--compare", "both", "--goodput", "ttft:2000"]))
+
+
+def test_the_report_compares_with_the_better_baseline(tmp_path: Path) -> None:
+    def result(name: str, goodput: float) -> SystemResult:
+        records = [RequestRecord(i, i, i + 0.5, (i + 0.1,), i + 0.1, 10, 1) for i in range(4)]
+        m = compute_metrics(records, {"ttft": 2000})
+        return SystemResult(name, "u", dataclasses.replace(m, goodput=goodput), None, ())
+
+    a, rr, router = result("pdserve", 2.6), result("colocated", 1.9), result("colocated-router", 2.0)
+    assert better_baseline([rr, router]) is router
+    line = format_better_baseline(a, [rr, router])
+    assert line == "pdserve vs the better baseline (colocated-router): goodput (req/s) 1.30x"
+    args = _parse(["--target", "http://t:1", "--compare", "both"])
+    write_json(str(tmp_path / "r.json"), args, [], [a, rr, router])
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["better_baseline"] == "colocated-router"
+    assert doc["comparison"][0]["colocated-router"] == 2.0
+    assert set(doc["comparisons"]) == {"colocated", "colocated-router"}
+    assert doc["comparisons"]["colocated"][0]["ratio"] == pytest.approx(2.6 / 1.9)
 
 
 def test_each_engine_is_warmed_directly(engines: FakeEngines) -> None:
