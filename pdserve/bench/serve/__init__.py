@@ -12,7 +12,10 @@ Systems: ``--target URL`` (a running ``pdserve up``, or any OpenAI-compatible se
 key from ``$PDSERVE_API_KEY`` or ``--api-key``), or ``--start-pdserve "ARGS"`` (the benchmark
 starts ``pdserve up ARGS`` on free ports, sends the key that ``up`` writes to its run dir, and
 stops it). ``--compare colocated`` then runs the same workload against two plain ``vllm serve``
-engines, one per core, behind a round-robin proxy, and prints both side by side.
+engines, one per core, behind a round-robin proxy, and prints both side by side
+(``colocated-router``: behind vLLM's own router; ``both``: each in turn). For every system the
+run started, the report says where the cores went during the measured window, by process role,
+and the control plane's CPU per request (:mod:`~pdserve.bench.serve.cpu`).
 
 ``pdserve bench serve gen-trace --out FILE`` writes a conversation-like Mooncake trace for
 ``--workload trace --trace FILE`` (:mod:`~pdserve.bench.serve.gentrace`; ``--reuse sessions``:

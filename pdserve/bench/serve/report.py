@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pdserve.bench.serve.cpu import CpuReport
     from pdserve.bench.serve.history import HistoryOutcome
     from pdserve.bench.serve.metrics import RequestRecord, RouterFigures, ServeMetrics
     from pdserve.bench.serve.workloads import Request
@@ -19,7 +20,8 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class SystemResult:
     """One system's run: its metrics, router figures (pdserve only), records and how it
-    took the history replayed before it (``--history-rows``)."""
+    took the history replayed before it (``--history-rows``), and where its CPU went during
+    the measured window (the processes the run started; None for a ``--target``)."""
 
     name: str
     url: str
@@ -27,6 +29,7 @@ class SystemResult:
     router: RouterFigures | None
     records: tuple[RequestRecord, ...]
     history: HistoryOutcome | None = None
+    cpu: CpuReport | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -35,6 +38,7 @@ class SystemResult:
             "metrics": self.metrics.to_json(),
             "router": self.router.to_json() if self.router else None,
             "history": self.history.to_json() if self.history else None,
+            "cpu": self.cpu.to_json() if self.cpu else None,
             "records": [r.to_json() for r in self.records],
         }
 
@@ -86,6 +90,11 @@ def format_result(res: SystemResult) -> str:
         for phase, mean in res.router.phase_mean_s.items():
             count = int(res.router.phase_count[phase])
             out.append(_line(f"Mean {phase} time (ms, n={count}):", mean * 1000.0))
+    if res.cpu is not None:
+        from pdserve.bench.serve.cpu import format_cpu
+
+        out.append(f"{'CPU in the window (/proc, by role)':-^58}")
+        out.extend(format_cpu(res.cpu))
     out.append("=" * 58)
     return "\n".join(out)
 

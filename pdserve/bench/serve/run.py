@@ -130,6 +130,7 @@ def bench_system(
 ) -> SystemResult:
     """Runs the workload against ``base`` (with API key ``key``), after ``history`` when it
     has requests, and computes its numbers (exit 2 if unreachable)."""
+    from pdserve.bench.serve.cpu import cpu_report, sample
     from pdserve.bench.serve.history import replay_history
     from pdserve.bench.serve.metrics import compute_metrics, router_figures
 
@@ -142,12 +143,14 @@ def bench_system(
     def before_measuring() -> None:
         scraped["before"] = scrape(base, key) if router_metrics else None
         scraped["t0"] = time.monotonic()
+        scraped["cpu"] = sample(os.getpid(), scraped["t0"])
 
     vocab = vocab_size(args)
     records = asyncio.run(
         send_workload(base, args.model, requests, args, name, before_measuring, vocab, key)
     )
-    say(f"{name}: {len(records)} requests in {time.monotonic() - scraped['t0']:.1f}s")
+    cpu_after = sample(os.getpid(), time.monotonic())
+    say(f"{name}: {len(records)} requests in {cpu_after.t - scraped['t0']:.1f}s")
     before = scraped["before"]
     after = scrape(base, key) if before is not None else None
     router = router_figures(before, after) if before is not None and after is not None else None
@@ -155,7 +158,11 @@ def bench_system(
         router = None
     _print_errors(name, records)
     metrics = compute_metrics(records, slos)
-    return SystemResult(name, base, metrics, router, tuple(records), replayed)
+    # only the processes this run started: none below it when it measures a --target
+    cpu = None
+    if len(cpu_after.cpu_s) > 1:
+        cpu = cpu_report(scraped["cpu"], cpu_after, metrics.completed)
+    return SystemResult(name, base, metrics, router, tuple(records), replayed, cpu)
 
 
 def _print_errors(name: str, records: Sequence[RequestRecord]) -> None:

@@ -8,10 +8,10 @@ one, and forwards the bench client's requests unchanged."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import threading
 import time
@@ -264,7 +264,11 @@ def test_the_report_compares_with_the_better_baseline(tmp_path: Path) -> None:
         m = compute_metrics(records, {"ttft": 2000})
         return SystemResult(name, "u", dataclasses.replace(m, goodput=goodput), None, ())
 
-    a, rr, router = result("pdserve", 2.6), result("colocated", 1.9), result("colocated-router", 2.0)
+    a, rr, router = (
+        result("pdserve", 2.6),
+        result("colocated", 1.9),
+        result("colocated-router", 2.0),
+    )
     assert better_baseline([rr, router]) is router
     line = format_better_baseline(a, [rr, router])
     assert line == "pdserve vs the better baseline (colocated-router): goodput (req/s) 1.30x"
