@@ -104,7 +104,8 @@ def role_of(argv: list[str]) -> str:
         return "round-robin proxy"
     if any(Path(a).name == "vllm-router" for a in argv[:1]):
         return "vllm-router"
-    if any(Path(a).name == "vllm" for a in argv[:2]) and "serve" in argv:
+    vllm_cli = "pdserve.commands.vllm" in argv or any(Path(a).name == "vllm" for a in argv[:2])
+    if vllm_cli and "serve" in argv:
         return "vllm api server"
     return "other"
 

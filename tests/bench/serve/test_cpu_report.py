@@ -31,6 +31,7 @@ PY = "/v/bin/python"
         (["/v/bin/vllm-router", "--policy", "cache_aware"], "vllm-router"),
         (["/v/bin/python", "/v/bin/vllm", "serve", "/models/m"], "vllm api server"),
         (["/v/bin/vllm", "serve", "/models/m"], "vllm api server"),
+        ([PY, "-m", "pdserve.commands.vllm", "serve", "/m", "--port", "1"], "vllm api server"),
         ([PY, "-B", "-c", "from multiprocessing.resource_tracker import main;main(24)"], "other"),
         (["sleep", "1"], "other"),
     ],
