@@ -84,6 +84,24 @@ def coerce(name: str, tp: Any, value: Any) -> Any:
     raise ConfigError(f"config field {name!r}: unsupported type {tp!r}")
 
 
+#: The values of a setting that is on, off, or decided by where it runs; YAML's booleans (and
+#: their spellings on a command line) are taken for on and off.
+AUTO_ON_OFF = ("auto", "on", "off")
+_BOOLS = {"true": "on", "yes": "on", "1": "on", "false": "off", "no": "off", "0": "off"}
+
+
+def auto_on_off(name: str, value: object, auto: str) -> str:
+    """``value`` of setting ``name`` as one of :data:`AUTO_ON_OFF` (ConfigError naming the
+    three, with what ``auto`` means, for anything else)."""
+    text = str(value).strip().lower()
+    text = _BOOLS.get(text, text)
+    if text not in AUTO_ON_OFF:
+        raise ConfigError(
+            f"{name} must be one of {', '.join(AUTO_ON_OFF)} (auto: {auto}), got {value!r}"
+        )
+    return text
+
+
 def read_config(path: str | Path) -> dict[str, Any]:
     """A YAML (or JSON: ``.json``) config file as a mapping, with a ConfigError naming it."""
     path = Path(path)

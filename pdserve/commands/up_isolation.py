@@ -21,8 +21,8 @@ all the masters share one, as they share one certificate) and starts the service
 Logs are files ``up`` opens and hands over; the run dir, the interpreter, the pdserve package
 and the models' folders must be reachable by other users (their folders searchable).
 
-The modes (:data:`MODES`): ``auto``, the default, isolates whenever it can: as root, with
-store_backend pdserve and every folder above reachable; otherwise every service runs as
+The modes: ``auto``, the default, isolates whenever it can: as root, with store_backend
+pdserve and every folder above reachable; otherwise every service runs as
 ``up``'s user and the banner says so, and why (:attr:`Isolation.note`, with the one-line fix).
 ``on`` refuses to start where it cannot isolate; ``off`` never does.
 """
@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pdserve.config import ConfigError
+from pdserve.config_fields import auto_on_off
 from pdserve.procs import SHARED_GID
 
 #: The first service user id; one per service identity after it (the group that may read the
@@ -44,21 +45,13 @@ from pdserve.procs import SHARED_GID
 BASE_UID = SHARED_GID + 1
 #: Most service identities (ids stay below 65534, nobody).
 MAX_ACCOUNTS = 1000
-#: ``isolate_services``' values; YAML's booleans are taken for on and off.
-MODES = ("auto", "on", "off")
-_BOOLS = {"true": "on", "yes": "on", "1": "on", "false": "off", "no": "off", "0": "off"}
 
 
 def mode(value: object) -> str:
-    """``isolate_services`` as one of :data:`MODES` (ConfigError for anything else)."""
-    text = str(value).strip().lower()
-    text = _BOOLS.get(text, text)
-    if text not in MODES:
-        raise ConfigError(
-            f"isolate_services must be one of {', '.join(MODES)} (auto: as root, whenever the "
-            f"services can reach their files), got {value!r}"
-        )
-    return text
+    """``isolate_services`` as auto, on or off (ConfigError for anything else)."""
+    return auto_on_off(
+        "isolate_services", value, "as root, whenever the services can reach their files"
+    )
 
 
 def unsearchable(path: Path) -> Path | None:

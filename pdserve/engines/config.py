@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from pdserve import devices
 from pdserve.config import ConfigError, help_field
+from pdserve.config_fields import auto_on_off
 from pdserve.engines.step_budget import PREFILL_ORDERS
 from pdserve.hashing import KV_COMPRESSIONS, KV_DTYPES
 from pdserve.store import StoreBackendConfig
@@ -122,6 +123,14 @@ class EngineConfig(StoreBackendConfig):
         "every save in the step, the default for now: a colocated request's chunks are then "
         "in the store by its answer, with a queue they land just after the step that made them",
     )
+    store_load_async: str = help_field(
+        "auto",
+        "vllm: load stored chunks off the engine step: the request waits in vLLM's "
+        "WAITING_FOR_REMOTE_KVS while a connector thread loads its chunks and the other "
+        "requests step (on, off, auto = on on a GPU, where a load waits on the network and a "
+        "step is the whole batch's TPOT; off on a CPU, where a load is a memory copy on the "
+        "engine's own core and a parked request would wait a step more)",
+    )
     torch_threads: int = help_field(1, "torch intra-op threads of the model (torch engine)")
     vllm_block_size: int = help_field(
         32, "vLLM KV block size in tokens (CPU: a multiple of 32; chunk_size a multiple of it)"
@@ -216,6 +225,9 @@ class EngineConfig(StoreBackendConfig):
                 f"store_save_queue_mib must be >= 0 (0 = saves in the step), got "
                 f"{self.store_save_queue_mib}"
             )
+        self.store_load_async = auto_on_off(
+            "store_load_async", self.store_load_async, "on a GPU, off on a CPU"
+        )
         if self.store_timeout_s <= 0:
             raise ConfigError(f"store_timeout_s must be positive, got {self.store_timeout_s}")
         self.check_store_backend()

@@ -45,6 +45,10 @@ class ConnectorSettings:
     #: MiB of chunk saves the background writer may hold (:mod:`pdserve.engines.save_writer`;
     #: 0 = every save written inside the step)
     save_queue_mib: int = 0
+    #: every store load asynchronous: the request waits in ``WAITING_FOR_REMOTE_KVS`` while
+    #: its chunks load on a worker-side thread and other requests step (False: stored chunks
+    #: load before the step's forward; write mode's loads are asynchronous either way)
+    load_async: bool = False
 
     @property
     def loads(self) -> bool:
@@ -66,6 +70,7 @@ class ConnectorSettings:
             backend=str(extra.get("store_backend", "pdserve")),
             backend_options=dict(extra.get("store_backend_options") or {}),
             save_queue_mib=int(extra.get("save_queue_mib", 0)),
+            load_async=bool(extra.get("load_async", False)),
             tls_paths=(
                 str(extra.get("tls_ca", "")),
                 str(extra.get("tls_cert", "")),
@@ -95,6 +100,7 @@ def extra_config(
     backend_options: dict[str, Any] | None = None,
     tls: identity.TlsFiles | None = None,
     save_queue_mib: int = 0,
+    load_async: bool = False,
 ) -> dict[str, Any]:
     """The ``kv_connector_extra_config`` for :class:`ConnectorSettings.from_extra` (``tls``:
     the worker's TLS files, passed on by path)."""
@@ -104,6 +110,7 @@ def extra_config(
         "fingerprint": fingerprint.to_labels(),
         "tail_ttl_ms": tail_ttl_ms,
         "save_queue_mib": save_queue_mib,
+        "load_async": load_async,
         "transport": transport,
         "replicas": replicas,
         "timeout_s": timeout_s,
@@ -146,11 +153,15 @@ class RequestLoad:
     req_id: str
     block_ids: list[int]
     chunks: list[ChunkLoad]
-    #: Write mode: load asynchronously, waiting up to this long for each chunk (ms); 0 = a
-    #: synchronous load of stored chunks before this step's forward.
+    #: Write mode: load asynchronously, waiting up to this long for each chunk (ms); 0 = the
+    #: chunks are stored already.
     wait_ms: int = 0
     #: The request's W3C trace headers (vLLM's ``trace_headers``; empty = not traced).
     trace: dict[str, str] = field(default_factory=dict)
+    #: Loaded off the step, on a worker-side thread, while vLLM parks the request in
+    #: ``WAITING_FOR_REMOTE_KVS`` (write mode's loads, and every load with ``load_async``);
+    #: False = before this step's forward.
+    asynchronous: bool = False
 
 
 @dataclass

@@ -41,7 +41,8 @@ class _LoadPlan:
     tail_key: str  # "" when the plan ends on a chunk boundary
     block_ids: list[int] = field(default_factory=list)
     tail_tokens: int = 0  # tokens the tail object holds (it may reach past ``end``)
-    wait_ms: int = 0  # write mode: the keys may still be landing (an asynchronous load)
+    wait_ms: int = 0  # write mode: the keys may still be landing
+    asynchronous: bool = False  # loaded off the step, the request parked meanwhile
 
 
 @dataclass
@@ -101,8 +102,8 @@ class ConnectorScheduler:
         #: without this every later request on a cached prefix gathered and encoded the whole
         #: prefix again, inside its step, for the master to skip it)
         self._stored: dict[str, int] = {}
-        #: write mode: asynchronous loads allocated, for the next metadata; requests that
-        #: have had their one wait
+        #: asynchronous loads (write mode's, load_async's) allocated, for the next metadata;
+        #: requests that have had their one wait
         self._async_plans: dict[str, _LoadPlan] = {}
         self._waited: set[str] = set()
 
@@ -155,19 +156,24 @@ class ConnectorScheduler:
                 keys=keys[:awaited],
                 tail_key="",
                 wait_ms=wait_ms,
+                asynchronous=True,
             )
             return awaited * cs - num_computed_tokens, True
         if end <= num_computed_tokens:
             self._plans.pop(request.request_id, None)
             return 0, False
+        # load_async: off the step, once per request (a failed one vLLM reschedules loads what
+        # is stored before its step, as write mode's)
+        deferred = self.settings.load_async and request.request_id not in self._waited
         self._plans[request.request_id] = _LoadPlan(
             start=num_computed_tokens,
             end=end,
             keys=keys[:hit],
             tail_key=tail_key,
             tail_tokens=tail_tokens,
+            asynchronous=deferred,
         )
-        return end - num_computed_tokens, False
+        return end - num_computed_tokens, deferred
 
     def _tail_in_chain(
         self, scope: KeyScope, prompt: list[int], tail_key: str, params: dict[str, Any]
@@ -196,7 +202,7 @@ class ConnectorScheduler:
         # The scheduler may trim a sub-block local hit: re-derive where the load starts.
         plan.start = plan.end - num_external_tokens
         plan.block_ids = list(blocks.get_block_ids()[0])
-        if plan.wait_ms:  # parked in WAITING_FOR_REMOTE_KVS: not in this step's new requests
+        if plan.asynchronous:  # parked in WAITING_FOR_REMOTE_KVS: not in this step's new ones
             self._waited.add(request.request_id)
             self._async_plans[request.request_id] = self._plans.pop(request.request_id)
 
@@ -271,7 +277,9 @@ class ConnectorScheduler:
         if plan.tail_key:
             base = len(plan.keys) * cs
             chunks.append(ChunkLoad(plan.tail_key, base, plan.tail_tokens, plan.start, plan.end))
-        return RequestLoad(req_id, block_ids, chunks, plan.wait_ms, self._trace(req_id))
+        return RequestLoad(
+            req_id, block_ids, chunks, plan.wait_ms, self._trace(req_id), plan.asynchronous
+        )
 
     def _trace(self, req_id: str) -> dict[str, str]:
         """The request's trace headers (empty unless vLLM traces it)."""

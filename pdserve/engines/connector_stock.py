@@ -23,7 +23,9 @@ from dataclasses import replace
 from typing import Any
 
 from pdserve import hashing
+from pdserve.config_fields import auto_on_off
 from pdserve.engines.connector_data import ConnectorSettings
+from pdserve.engines.vllm_profile import load_async, on_gpu
 from pdserve.errors import did_you_mean
 from pdserve.model.fingerprint import model_fingerprint, model_source
 from pdserve.model.kv_options import refuse_pipeline_parallel, vllm_config_options
@@ -40,6 +42,8 @@ STOCK_KEYS = {
     "tail_ttl_ms": "lifetime of a prompt's last partial chunk (default 30000)",
     "save_queue_mib": "MiB of chunk saves written off the engine step, by a background thread "
     "(saves a P/D decode awaits are always written in the step; 0 = all in it, the default for now)",
+    "load_async": "load stored chunks off the engine step, the request parked in "
+    "WAITING_FOR_REMOTE_KVS meanwhile: on, off, auto (default auto: on on a GPU)",
     "kv_compression": "chunk encoding: none, bf16, fp8 (default none)",
     "tls_ca": "CA file of the store's mutual TLS (default: $PDSERVE_TLS_CA; none = plaintext)",
     "tls_cert": "this engine's certificate (default: $PDSERVE_TLS_CERT)",
@@ -113,6 +117,10 @@ def stock_settings(extra: dict[str, Any], vllm_config: Any) -> ConnectorSettings
         timeout_s=float(extra.get("timeout_s", 5.0)),
         tls_paths=(tls[0], tls[1], tls[2]),
         save_queue_mib=_int(extra, "save_queue_mib", 0, low=0),
+        load_async=load_async(
+            auto_on_off(f"{_WHAT}.load_async", extra.get("load_async", "auto"), "on a GPU"),
+            on_gpu(),
+        ),
     )
 
 

@@ -1,8 +1,9 @@
 """The worker half of the pdserve vLLM connector (:mod:`pdserve.engines.vllm_connector`): it
 owns the engine's KV cache tensors, reads and verifies chunks from the store and scatters them
-into paged blocks before a step's forward (write mode: as they land, on waiter threads),
-gathers completed chunks after the forward and writes them (with a save queue, those no reader
-awaits off the step: :mod:`pdserve.engines.save_writer`). Where K and V lie in a block is
+into paged blocks before a step's forward (asynchronous loads, write mode's and those of
+``load_async``, off the step on waiter threads), gathers completed chunks after the forward
+and writes them (with a save queue, those no reader awaits off the step:
+:mod:`pdserve.engines.save_writer`). Where K and V lie in a block is
 :mod:`pdserve.engines.kv_layout`'s, derived from vLLM at ``register_kv_caches``."""
 
 from __future__ import annotations
@@ -103,15 +104,16 @@ class ConnectorWorker:
                 with self._lock:
                     if load.chunks:
                         self._failed_blocks.update(self._blocks_from(load, 0))
-                    if load.wait_ms:
+                    if load.asynchronous:
                         self._landed.add(load.req_id)
-            elif load.wait_ms:
+            elif load.asynchronous:
                 self._start_wait(load)
             else:
                 self._load_request(load)
 
     def _start_wait(self, load: RequestLoad) -> None:
-        """Write mode: hands ``load`` to a waiter thread (see the module docstring)."""
+        """An asynchronous load (write mode's, or any with ``load_async``): hands ``load`` to a
+        waiter thread (see the module docstring)."""
         if self._waiter is None:
             self._waiter = concurrent.futures.ThreadPoolExecutor(
                 4, thread_name_prefix="pdserve-kv-wait"
@@ -148,10 +150,10 @@ class ConnectorWorker:
             if loaded < len(load.chunks) and not stop.is_set():
                 self._failed_blocks.update(self._blocks_from(load, loaded))
                 log.warning(
-                    "pdserve chunk %d of %s did not land in %d ms: recomputing from it",
+                    "pdserve chunk %d of %s %s: recomputing from it",
                     loaded,
                     load.req_id,
-                    load.wait_ms,
+                    f"did not land in {load.wait_ms} ms" if load.wait_ms else "missing or corrupt",
                 )
             del self._waits[load.req_id]
             self._landed.add(load.req_id)
@@ -165,7 +167,7 @@ class ConnectorWorker:
         return load.block_ids[first:last]
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Write mode: the requests whose wait ended since the last call; a finished (aborted)
+        """The asynchronous loads that ended since the last call; a finished (aborted)
         request's wait is stopped, and reported here once its thread has let go of its
         blocks (vLLM frees them then)."""
         with self._lock:

@@ -26,7 +26,11 @@ Flow per request:
   the chunk holding the last prompt token is stored, its first positions are loaded (a prefix
   slice of that chunk), so a fully cached prompt computes one token. Plus the request's partial
   tail when ``kv_transfer_params["pdserve"]["load_tail_key"]`` names one and every chunk before
-  it is stored. Loads are synchronous (done before the step's forward), except write mode's.
+  it is stored. Loads are synchronous (done before the step's forward), except write mode's
+  and, with ``load_async`` (``store_load_async``: on by default on a GPU), every load: the
+  lookup answers ``load_async=True``, vLLM parks the request in ``WAITING_FOR_REMOTE_KVS``
+  and the worker side loads its stored chunks on a waiter thread while vLLM's steps go on
+  for every other request, as in write mode below (with no wait: the chunks are stored).
 - Write mode (``kv_transfer_params["pdserve"]["await_chunks"]`` = k, ``["chunk_wait_ms"]``):
   the prompt's first k full chunks are being published by a prefill running at the same time
   on another worker. When the store does not hold them all yet, the lookup answers k chunks

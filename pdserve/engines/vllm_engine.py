@@ -56,7 +56,7 @@ from pdserve.engines.base import (
 )
 from pdserve.engines.config import EngineConfig
 from pdserve.engines.connector_data import PARAMS_KEY, extra_config
-from pdserve.engines.vllm_profile import engine_kwargs, on_gpu
+from pdserve.engines.vllm_profile import engine_kwargs, load_async, on_gpu
 from pdserve.errors import InvalidArgument
 from pdserve.model.fingerprint import model_fingerprint
 from pdserve.model.kv_options import kv_options, refuse_pipeline_parallel
@@ -225,6 +225,7 @@ class VllmEngine(Engine):
                     replicas=cfg.store_replicas,
                     timeout_s=cfg.store_timeout_s,
                     save_queue_mib=cfg.store_save_queue_mib,
+                    load_async=load_async(cfg.store_load_async, on_gpu()),
                     backend=cfg.store_backend,
                     backend_options=(
                         cfg.mooncake_options(cfg.store_segment_size)

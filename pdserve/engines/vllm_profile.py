@@ -39,6 +39,12 @@ def on_gpu() -> bool:
     return not current_platform.is_cpu()
 
 
+def load_async(setting: str, gpu: bool) -> bool:
+    """Whether the connector loads off the step: ``store_load_async`` on / off, auto = on a
+    GPU (a load there waits on the network while the batch could step)."""
+    return setting == "on" or (setting == "auto" and gpu)
+
+
 def engine_kwargs(cfg: EngineConfig, gpu: bool) -> dict[str, Any]:
     """``AsyncEngineArgs`` keywords of the serving profile (the module docstring) for a GPU
     (``gpu``) or a CPU, with ``cfg``'s explicit settings; the store's own (model, dtype,

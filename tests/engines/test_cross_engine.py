@@ -1,7 +1,7 @@
 """The two engines share one cache: chunks the torch engine writes, the vLLM engine reads, and
 the reverse, token-exact against Hugging Face greedy (same model, same KV dtype, same chunk
 size: the same fingerprint, so the same keys). Real store processes; vLLM in its own process
-(tests/engines/vllm_runner.py), the torch engine in this one.
+(tests/engines/vllm_runner.py), loading asynchronously, the torch engine in this one.
 """
 
 from __future__ import annotations
@@ -64,8 +64,11 @@ def test_torch_writes_what_vllm_reads_and_the_reverse(tmp_path: Path, hf_greedy)
     by_vllm = [rng.randrange(3, 500) for _ in range(130)]  # 4 full chunks + a tail
     with local_store(tmp_path / "logs", segment_size="64MiB") as (master, _node):
         config = _config(master.info["grpc"])
+        # the vLLM engine loads off the step (store_load_async, a GPU's default): the request
+        # parks in WAITING_FOR_REMOTE_KVS while a connector thread loads its chunks; the
+        # synchronous loads (a CPU's default) are every other vLLM test's
         vllm_config = {**config, "vllm_block_size": 32, "vllm_kv_cache_gib": 1,
-                       "max_num_seqs": 4}  # fmt: skip
+                       "max_num_seqs": 4, "store_load_async": "on"}  # fmt: skip
         asyncio.run(_torch(config, by_torch, prefill=True))
         jobs = [
             {"mode": "single", "id": "read-torch", "prompt": by_torch, "max_tokens": MAX_TOKENS},

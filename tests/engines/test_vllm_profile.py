@@ -9,7 +9,7 @@ import pytest
 from pdserve.config import ConfigError
 from pdserve.engines.config import VLLM_STEP_TOKENS, EngineConfig
 from pdserve.engines.step_budget import PREFILL_ORDER_KEY, TPOT_TARGET_KEY
-from pdserve.engines.vllm_profile import SCHEDULER_CLASS, engine_kwargs
+from pdserve.engines.vllm_profile import SCHEDULER_CLASS, engine_kwargs, load_async
 
 
 def _cfg(**kw) -> EngineConfig:
@@ -57,3 +57,19 @@ def test_auto_is_minus_one_and_nothing_else_below_zero():
         _cfg(tpot_target_ms=-5.0)
     with pytest.raises(ConfigError, match="prefill_order must be auto or one of"):
         _cfg(prefill_order="fastest")
+
+
+@pytest.mark.parametrize(
+    ("setting", "cpu", "gpu"),
+    [("auto", False, True), ("on", True, True), ("off", False, False), ("true", True, True),
+     ("False", False, False)],
+)  # fmt: skip
+def test_loads_go_off_the_step_on_a_gpu_unless_set(setting: str, cpu: bool, gpu: bool):
+    cfg = _cfg(store_load_async=setting)
+    assert cfg.store_load_async in ("auto", "on", "off")
+    assert (load_async(cfg.store_load_async, False), load_async(cfg.store_load_async, True)) == (
+        cpu,
+        gpu,
+    )
+    with pytest.raises(ConfigError, match=r"store_load_async must be one of auto, on, off"):
+        _cfg(store_load_async="sometimes")

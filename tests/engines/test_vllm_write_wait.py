@@ -1,7 +1,8 @@
-"""Write mode in the vLLM connector without a vLLM engine: the scheduler side turns a handle
-whose chunks are not stored yet into one asynchronous load (and waits at most once per
-request), the worker side scatters each chunk as it lands, reports what never landed as failed
-blocks before it reports the request, and stops waiting when the request is aborted."""
+"""Asynchronous loads in the vLLM connector without a vLLM engine. Write mode: the scheduler
+side turns a handle whose chunks are not stored yet into one asynchronous load (and waits at
+most once per request), the worker side scatters each chunk as it lands, reports what never
+landed as failed blocks before it reports the request, and stops waiting when the request is
+aborted. ``load_async``: a stored prefix loads the same way, off the step, tail included."""
 
 from __future__ import annotations
 
@@ -36,9 +37,11 @@ class _Connector:
     """Both halves of the connector over one store, as vLLM's two roles hold them (no engine
     behind them: the worker half's caches are plain tensors in the content layout)."""
 
-    def __init__(self, store, off_reason: str = "") -> None:
+    def __init__(self, store, off_reason: str = "", load_async: bool = False) -> None:
         io = ChunkIO(store, FP)
-        settings = ConnectorSettings(master_address="", fingerprint=FP, tail_ttl_ms=1000)
+        settings = ConnectorSettings(
+            master_address="", fingerprint=FP, tail_ttl_ms=1000, load_async=load_async
+        )
         self.scheduler = ConnectorScheduler(settings, BS, io, off_reason)
         self.worker = ConnectorWorker(None, FP, FP, BS, io)
         self.worker._caches = [
@@ -49,8 +52,8 @@ class _Connector:
             self.worker.turn_off(off_reason)
 
 
-def _connector(store, off_reason: str = "") -> _Connector:
-    return _Connector(store, off_reason)
+def _connector(store, off_reason: str = "", load_async: bool = False) -> _Connector:
+    return _Connector(store, off_reason, load_async)
 
 
 def _request(wait_ms: int = 1000) -> SimpleNamespace:
@@ -275,3 +278,93 @@ def test_a_layout_it_cannot_convert_turns_the_store_off_not_the_engine(memory_st
     planner.worker.wait_for_save(meta)  # (the same save, where the store is on, is written)
     assert planner.worker.drain_saves(30)  # no reader awaits it: written off the step
     assert memory_store.exists(["never-saved"]) == [True]
+
+
+def _plain(params: dict | None = None) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id="r",
+        prompt_token_ids=TOKENS,
+        cache_salt=None,
+        kv_transfer_params={PARAMS_KEY: params} if params else None,
+    )
+
+
+def _async_load(conn: _Connector, req: SimpleNamespace, tokens: int) -> RequestLoad:
+    """The lookup answers ``tokens`` asynchronously; the blocks are allocated; the next step's
+    metadata carries the load, which the worker side starts."""
+    assert conn.scheduler.get_num_new_matched_tokens(req, 0) == (tokens, True)
+    blocks = list(range(3, 3 + (tokens + BS - 1) // BS))
+    conn.scheduler.update_state_after_alloc(
+        req, SimpleNamespace(get_block_ids=lambda: [blocks]), tokens
+    )
+    meta = conn.scheduler.build_connector_meta(_empty_output())
+    (load,) = meta.loads
+    assert (load.asynchronous, load.wait_ms, load.block_ids) == (True, 0, blocks)
+    conn.worker.start_load_kv(meta)
+    return load
+
+
+def test_load_async_loads_a_stored_prefix_off_the_step_once(memory_store) -> None:
+    for i in range(3):
+        _publish(memory_store, i)
+    conn = _connector(memory_store, load_async=True)
+    req = _plain()
+    load = _async_load(conn, req, 3 * CHUNK)
+    assert _finished(conn) == {"r"}
+    assert conn.worker.get_block_ids_with_load_errors() == set()
+    for i in range(3):
+        assert torch.equal(_scattered(conn, load, i), _chunk(i))
+    # vLLM schedules it with the loaded tokens computed: nothing loaded is saved again
+    out = _empty_output()
+    out.scheduled_new_reqs = [
+        SimpleNamespace(req_id="r", block_ids=[[*load.block_ids, 20, 21]],
+                        prompt_token_ids=TOKENS, num_computed_tokens=3 * CHUNK)
+    ]  # fmt: skip
+    out.num_scheduled_tokens = {"r": len(TOKENS) - 3 * CHUNK}
+    meta = conn.scheduler.build_connector_meta(out)
+    assert (meta.loads, meta.saves) == ([], [])
+    # a request looked up again (its load failed, vLLM reschedules it) loads in the step
+    assert conn.scheduler.get_num_new_matched_tokens(req, 0) == (3 * CHUNK, False)
+    _, params = conn.scheduler.request_finished(req)
+    assert params[PARAMS_KEY] == {"loaded_tokens": 3 * CHUNK, "failed_tokens": 0}
+    # without load_async the same lookup loads in the step
+    assert _connector(memory_store).scheduler.get_num_new_matched_tokens(_plain(), 0) == (
+        3 * CHUNK,
+        False,
+    )
+
+
+def test_load_async_loads_the_tail_with_the_chunks(memory_store) -> None:
+    """A P/D decode's handed tail (the prompt's last partial chunk) is part of the one
+    asynchronous load: every prompt token but the last comes from the store."""
+    for i in range(3):
+        _publish(memory_store, i)
+    torch.manual_seed(9)
+    tail = torch.randn(L, 2, H, 5, D).to(torch.bfloat16)
+    memory_store.put_chunk("tail-key", tail, FP.digest())
+    conn = _connector(memory_store, load_async=True)
+    req = _plain({"load_tail_key": "tail-key", "load_tail_tokens": len(TOKENS)})
+    load = _async_load(conn, req, len(TOKENS) - 1)
+    assert [c.key for c in load.chunks] == [*KEYS, "tail-key"]
+    assert _finished(conn) == {"r"}
+    assert conn.worker.get_block_ids_with_load_errors() == set()
+    blocks = load.block_ids[3 * CHUNK // BS :]
+    got = conn.worker._gather(SimpleNamespace(num_tokens=4, block_ids=blocks))
+    assert torch.equal(got, tail[:, :, :, :4])  # up to the last prompt token
+
+
+def test_load_async_reports_a_chunk_gone_before_its_load_as_failed_blocks(memory_store):
+    for i in range(3):
+        _publish(memory_store, i)
+    conn = _connector(memory_store, load_async=True)
+    req = _plain()
+    assert conn.scheduler.get_num_new_matched_tokens(req, 0) == (3 * CHUNK, True)
+    blocks = list(range(3, 3 + 3 * CHUNK // BS))
+    conn.scheduler.update_state_after_alloc(
+        req, SimpleNamespace(get_block_ids=lambda: [blocks]), 3 * CHUNK
+    )
+    memory_store.remove([KEYS[1]])  # evicted between the lookup and the load
+    conn.worker.start_load_kv(conn.scheduler.build_connector_meta(_empty_output()))
+    assert _finished(conn) == {"r"}
+    assert conn.worker.get_block_ids_with_load_errors() == set(blocks[CHUNK // BS :])
+    assert torch.equal(_scattered(conn, RequestLoad("r", blocks, []), 0), _chunk(0))
