@@ -116,12 +116,14 @@ class EngineConfig(StoreBackendConfig):
         60000, "time-to-live of a request's partial last chunk in the store (milliseconds)"
     )
     store_save_queue_mib: int = help_field(
-        0,
+        -1,
         "vllm: MiB of KV chunk saves a background thread may write off the engine step (the "
         "step only copies the chunks out; a step that would pass this waits for room; saves a "
         "decode worker loads right after the answer, a P/D prefill's, stay in the step). 0 = "
-        "every save in the step, the default for now: a colocated request's chunks are then "
-        "in the store by its answer, with a queue they land just after the step that made them",
+        "every save in the step: a colocated request's chunks are then in the store by its "
+        "answer, with a queue they land just after the step that made them. -1 = auto: 256 on "
+        "a GPU, where the step would wait on the store; 0 on a CPU, where the writer would "
+        "take the engine's own core (measured: no gain, docs/benchmarks.md)",
     )
     store_load_async: str = help_field(
         "auto",
@@ -220,9 +222,9 @@ class EngineConfig(StoreBackendConfig):
             raise ConfigError(f"tail_ttl_ms must be positive, got {self.tail_ttl_ms}")
         if self.store_replicas < 1:
             raise ConfigError(f"store_replicas must be at least 1, got {self.store_replicas}")
-        if self.store_save_queue_mib < 0:
+        if self.store_save_queue_mib < -1:
             raise ConfigError(
-                f"store_save_queue_mib must be >= 0 (0 = saves in the step), got "
+                f"store_save_queue_mib must be >= 0 (0 = saves in the step) or -1 (auto), got "
                 f"{self.store_save_queue_mib}"
             )
         self.store_load_async = auto_on_off(

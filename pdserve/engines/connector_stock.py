@@ -25,7 +25,7 @@ from typing import Any
 from pdserve import hashing
 from pdserve.config_fields import auto_on_off
 from pdserve.engines.connector_data import ConnectorSettings
-from pdserve.engines.vllm_profile import load_async, on_gpu
+from pdserve.engines.vllm_profile import load_async, on_gpu, save_queue_mib
 from pdserve.errors import did_you_mean
 from pdserve.model.fingerprint import model_fingerprint, model_source
 from pdserve.model.kv_options import refuse_pipeline_parallel, vllm_config_options
@@ -41,7 +41,8 @@ STOCK_KEYS = {
     "timeout_s": "seconds one store operation may take (default 5)",
     "tail_ttl_ms": "lifetime of a prompt's last partial chunk (default 30000)",
     "save_queue_mib": "MiB of chunk saves written off the engine step, by a background thread "
-    "(saves a P/D decode awaits are always written in the step; 0 = all in it, the default for now)",
+    "(saves a P/D decode awaits are always written in the step; 0 = all in it; default -1, "
+    "auto: 256 on a GPU, 0 on a CPU)",
     "load_async": "load stored chunks off the engine step, the request parked in "
     "WAITING_FOR_REMOTE_KVS meanwhile: on, off, auto (default auto: on on a GPU)",
     "kv_compression": "chunk encoding: none, bf16, fp8 (default none)",
@@ -116,7 +117,7 @@ def stock_settings(extra: dict[str, Any], vllm_config: Any) -> ConnectorSettings
         replicas=_int(extra, "replicas", 1),
         timeout_s=float(extra.get("timeout_s", 5.0)),
         tls_paths=(tls[0], tls[1], tls[2]),
-        save_queue_mib=_int(extra, "save_queue_mib", 0, low=0),
+        save_queue_mib=save_queue_mib(_int(extra, "save_queue_mib", -1, low=-1), on_gpu()),
         load_async=load_async(
             auto_on_off(f"{_WHAT}.load_async", extra.get("load_async", "auto"), "on a GPU"),
             on_gpu(),

@@ -1,7 +1,7 @@
 """Chunk saves written off the engine step (:class:`SaveWriter`; on with the engine's
-``store_save_queue_mib`` > 0, a stock engine's ``save_queue_mib``; off by default for now: a
-colocated request's chunks are then in the store by the time it answers, which users and
-tests may count on).
+``store_save_queue_mib`` > 0, a stock engine's ``save_queue_mib``; by default on a GPU, 256
+MiB, and off on a CPU, where the writer would share the engine's one core: a colocated
+request's chunks are then in the store by the time it answers).
 
 After a step's forward the connector gathers the KV of the chunks the step completed into
 fresh host tensors (the copy is the only part that must happen before vLLM may reuse the

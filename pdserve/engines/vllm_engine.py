@@ -8,7 +8,7 @@
 - ``generate`` with a :class:`KVRef`: the prompt becomes ``prompt + [first_token]``; the
   connector loads the full chunks and the tail (the whole original prompt) and vLLM computes
   only the first token's position. Without a handle, vLLM prefills locally and the connector
-  still reuses stored prefix chunks (and saves new ones; with ``store_save_queue_mib`` > 0
+  still reuses stored prefix chunks (and saves new ones; with a save queue, a GPU's default,
   written off the step by a background thread, since no one awaits them:
   :mod:`pdserve.engines.save_writer`).
 - ``generate`` with a write-mode handle (no first token, ``chunk_wait_ms`` > 0: the router's
@@ -56,7 +56,7 @@ from pdserve.engines.base import (
 )
 from pdserve.engines.config import EngineConfig
 from pdserve.engines.connector_data import PARAMS_KEY, extra_config
-from pdserve.engines.vllm_profile import engine_kwargs, load_async, on_gpu
+from pdserve.engines.vllm_profile import engine_kwargs, load_async, on_gpu, save_queue_mib
 from pdserve.errors import InvalidArgument
 from pdserve.model.fingerprint import model_fingerprint
 from pdserve.model.kv_options import kv_options, refuse_pipeline_parallel
@@ -224,7 +224,7 @@ class VllmEngine(Engine):
                     transport=cfg.store_transport,
                     replicas=cfg.store_replicas,
                     timeout_s=cfg.store_timeout_s,
-                    save_queue_mib=cfg.store_save_queue_mib,
+                    save_queue_mib=save_queue_mib(cfg.store_save_queue_mib, on_gpu()),
                     load_async=load_async(cfg.store_load_async, on_gpu()),
                     backend=cfg.store_backend,
                     backend_options=(

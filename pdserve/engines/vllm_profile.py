@@ -39,6 +39,19 @@ def on_gpu() -> bool:
     return not current_platform.is_cpu()
 
 
+#: ``store_save_queue_mib`` when auto (-1) on a GPU; a CPU's is 0 (saves in the step).
+GPU_SAVE_QUEUE_MIB = 256
+
+
+def save_queue_mib(setting: int, gpu: bool) -> int:
+    """The save queue's MiB: ``store_save_queue_mib``, or when auto (-1) 256 on a GPU (the
+    step would wait on the store's round trips) and 0 on a CPU (the writer would share the
+    engine's core)."""
+    if setting >= 0:
+        return setting
+    return GPU_SAVE_QUEUE_MIB if gpu else 0
+
+
 def load_async(setting: str, gpu: bool) -> bool:
     """Whether the connector loads off the step: ``store_load_async`` on / off, auto = on a
     GPU (a load there waits on the network while the batch could step)."""

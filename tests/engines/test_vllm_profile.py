@@ -73,3 +73,13 @@ def test_loads_go_off_the_step_on_a_gpu_unless_set(setting: str, cpu: bool, gpu:
     )
     with pytest.raises(ConfigError, match=r"store_load_async must be one of auto, on, off"):
         _cfg(store_load_async="sometimes")
+
+
+def test_saves_go_off_the_step_on_a_gpu_unless_set():
+    from pdserve.engines.vllm_profile import GPU_SAVE_QUEUE_MIB, save_queue_mib
+
+    assert _cfg().store_save_queue_mib == -1  # auto
+    assert (save_queue_mib(-1, False), save_queue_mib(-1, True)) == (0, GPU_SAVE_QUEUE_MIB)
+    assert (save_queue_mib(0, True), save_queue_mib(64, False)) == (0, 64)
+    with pytest.raises(ConfigError, match=r"store_save_queue_mib must be >= 0 .* or -1"):
+        _cfg(store_save_queue_mib=-2)

@@ -58,6 +58,8 @@ def test_the_store_address_is_enough_the_rest_comes_from_vllm(tmp_path, monkeypa
         ({"master_address": "h:1", "replicas": "two"}, {}, r"replicas must be an integer"),
         ({"master_address": "h:1"}, {"cache": "fp8"}, r"KV cache dtype 'fp8'"),
         ({"master_address": "h:1"}, {"role": "kv_sender"}, r"kv_role 'kv_sender'"),
+        ({"master_address": "h:1", "load_async": "soon"}, {}, r"load_async must be one of auto, on, off"),
+        ({"master_address": "h:1", "save_queue_mib": -2}, {}, r"save_queue_mib must be >= -1"),
     ],
 )  # fmt: skip
 def test_a_wrong_key_stops_the_engine_named(tmp_path, extra, kw, message):
@@ -72,3 +74,17 @@ def test_tls_files_come_from_the_environment_unless_given(tmp_path, monkeypatch)
         {"master_address": "h:1", "tls_ca": "/mine/ca"}, vllm_config(tmp_path, extra={})
     )
     assert s.tls_paths == ("/mine/ca", "/env/cert", "/env/key")
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_the_connector_goes_off_the_step_on_a_gpu_unless_set(tmp_path, monkeypatch, gpu):
+    from pdserve.engines import connector_stock
+
+    monkeypatch.setattr(connector_stock, "on_gpu", lambda: gpu)
+    auto = stock_settings({"master_address": "h:1"}, vllm_config(tmp_path, extra={}))
+    assert (auto.load_async, auto.save_queue_mib) == (gpu, 256 if gpu else 0)
+    mine = stock_settings(
+        {"master_address": "h:1", "load_async": "on", "save_queue_mib": 0},
+        vllm_config(tmp_path, extra={}),
+    )
+    assert (mine.load_async, mine.save_queue_mib) == (True, 0)
