@@ -21,9 +21,10 @@ STORE_SOURCE = "store"
 LOCAL_SOURCE = "prefix_cache"
 
 
-def achieved(res: SystemResult, ideal_tokens: float) -> dict[str, Any]:
+def achieved(res: SystemResult, ideal_tokens: float, ideal_cache: float) -> dict[str, Any]:
     """One system's reuse in the window: cached prompt tokens (usage) as a share of the
-    completed requests' prompt tokens and of the ideal share; the store / local split when
+    completed requests' prompt tokens and of the ideal share (at the trace's blocks, and at
+    the engines' cache blocks: ``ideal_cache``); the store / local split when
     its router reports one (shares of the same prompt tokens); its history's outcome."""
     m = res.metrics
     prompt = m.total_input_tokens
@@ -31,6 +32,7 @@ def achieved(res: SystemResult, ideal_tokens: float) -> dict[str, Any]:
     share = m.cached_tokens / prompt if m.cached_tokens is not None and prompt else None
     out["cached_share"] = share
     out["of_ideal"] = share / ideal_tokens if share is not None and ideal_tokens else None
+    out["of_cache_ideal"] = share / ideal_cache if share is not None and ideal_cache else None
     router = res.router.prompt_tokens if res.router is not None else {}
     for key, source in (("store", STORE_SOURCE), ("local", LOCAL_SOURCE)):
         n = router.get(source)
@@ -52,14 +54,20 @@ def reuse_json(plan: HistoryPlan, results: Sequence[SystemResult]) -> dict[str, 
             **asdict(plan.given),
             "fraction": plan.given.fraction,
             "token_fraction": plan.given.token_fraction,
+            "cache_fraction": plan.given.cache_fraction,
         },
         "ideal_without_history": {
             **asdict(plan.alone),
             "fraction": plan.alone.fraction,
             "token_fraction": plan.alone.token_fraction,
+            "cache_fraction": plan.alone.cache_fraction,
         },
-        "systems": {r.name: achieved(r, plan.ideal.token_fraction) for r in results},
+        "systems": {r.name: _achieved(plan, r) for r in results},
     }
+
+
+def _achieved(plan: HistoryPlan, res: SystemResult) -> dict[str, Any]:
+    return achieved(res, plan.ideal.token_fraction, plan.ideal.cache_fraction)
 
 
 def _pct(x: float | None) -> str:
@@ -88,19 +96,30 @@ def format_reuse(plan: HistoryPlan, results: Sequence[SystemResult]) -> str:
             f"ideal (no history): {given.token_fraction:.1%} of prompt tokens "
             f"({given.fraction:.1%} of trace blocks)"
         )
-    cols = ("system", "history served/failed", "from cache", "of ideal", "store", "local caches")
-    out.append(f"{cols[0]:<18}{cols[1]:>22}{cols[2]:>12}{cols[3]:>10}{cols[4]:>10}{cols[5]:>14}")
+    ideal = plan.ideal
+    out.append(
+        f"at the engines' {ideal.cache_block}-token cache blocks (what a block cache can serve):"
+        f" {ideal.cache_fraction:.1%}"
+    )
+    at = f"of @{ideal.cache_block}"
+    cols = ("system", "history served/failed", "from cache", "of ideal", at, "store", "local")
+    out.append(
+        f"{cols[0]:<18}{cols[1]:>22}{cols[2]:>12}{cols[3]:>10}{cols[4]:>10}{cols[5]:>10}"
+        f"{cols[6]:>10}"
+    )
     for res in results:
-        a = achieved(res, plan.ideal.token_fraction)
+        a = _achieved(plan, res)
         h = a["history"]
         hist = "-" if h is None else f"{h['served']}/{h['failed']}"
         out.append(
             f"{res.name:<18}{hist:>22}{_pct(a['cached_share']):>12}{_pct(a['of_ideal']):>10}"
-            f"{_pct(a['store_share']):>10}{_pct(a['local_share']):>14}"
+            f"{_pct(a['of_cache_ideal']):>10}{_pct(a['store_share']):>10}"
+            f"{_pct(a['local_share']):>10}"
         )
     out.append(
         "from cache: the answers' usage.prompt_tokens_details.cached_tokens over their prompt "
-        "tokens; store / local caches: pdserve's router counts (of the same prompt tokens)"
+        "tokens; store / local: pdserve's router counts (of the same prompt tokens), from the "
+        "pool and from the workers' own caches"
     )
     out.append("=" * 92)
     return "\n".join(out)

@@ -237,16 +237,24 @@ def reuse_fraction(rows: Sequence[TraceRow]) -> float:
     return repeated / total if total else 0.0
 
 
+#: The block of the engines' caches the ideal reuse is also given at: vLLM's KV block on a CPU
+#: (a multiple of 32) and pdserve's default chunk are 32 tokens.
+CACHE_BLOCK_TOKENS = 32
+
+
 @dataclass(frozen=True)
 class PrefixReuse:
     """Ideal prefix reuse of some trace rows: their blocks (hash ids) and prompt tokens (as
     replayed, :func:`scaled_prompt_len`), and how many of each a perfect prefix cache that
-    keeps everything would serve."""
+    keeps everything would serve; ``cache_reused_tokens``: the same at the engines' cache
+    granularity (whole ``cache_block``-token blocks: what a block cache can serve)."""
 
     blocks: int
     reused_blocks: int
     tokens: int
     reused_tokens: int
+    cache_reused_tokens: int = 0
+    cache_block: int = CACHE_BLOCK_TOKENS
 
     @property
     def fraction(self) -> float:
@@ -257,16 +265,26 @@ class PrefixReuse:
     def token_fraction(self) -> float:
         return self.reused_tokens / self.tokens if self.tokens else 0.0
 
+    @property
+    def cache_fraction(self) -> float:
+        """Share of the prompt tokens a cache of whole ``cache_block``-token blocks serves."""
+        return self.cache_reused_tokens / self.tokens if self.tokens else 0.0
 
-def ideal_prefix_reuse(rows: Sequence[TraceRow], start: int = 0, block: int = 16) -> PrefixReuse:
+
+def ideal_prefix_reuse(
+    rows: Sequence[TraceRow], start: int = 0, block: int = 16, cache_block: int = CACHE_BLOCK_TOKENS
+) -> PrefixReuse:
     """The ideal prefix reuse of ``rows[start:]`` (the measured window) given ``rows[:start]``
     (its history), rows in the order given: a block counts as reused when its chained prefix
     (the row's hash ids up to and including it) appeared in any earlier row, the history
     included. In tokens, at ``block`` tokens per block: a reused block serves as many of its
     tokens as an earlier row held of it (the last, partial block of a row holds fewer), and
-    each row's last prompt token is computed (as an engine does). ``start=0``: no history."""
+    each row's last prompt token is computed (as an engine does). ``start=0``: no history.
+    At ``cache_block`` granularity a row's shared prefix counts in whole cache blocks only
+    (a partly shared block is computed), which bounds what an engine's block cache (vLLM's)
+    or pdserve's chunks of that size can serve: the achievable ideal."""
     seen: dict[tuple[int, ...], int] = {}  # chained prefix -> most tokens of its block held
-    blocks = reused = tokens = reused_tokens = 0
+    blocks = reused = tokens = reused_tokens = cache_tokens = 0
     for i, row in enumerate(rows):
         n = scaled_prompt_len(row.input_length, len(row.hash_ids), block)
         hit = 0
@@ -281,7 +299,8 @@ def ideal_prefix_reuse(rows: Sequence[TraceRow], start: int = 0, block: int = 16
             blocks += len(row.hash_ids)
             tokens += n
             reused_tokens += min(hit, n - 1)
-    return PrefixReuse(blocks, reused, tokens, reused_tokens)
+            cache_tokens += min(hit, n - 1) // cache_block * cache_block
+    return PrefixReuse(blocks, reused, tokens, reused_tokens, cache_tokens, cache_block)
 
 
 def block_tokens(seed: int, hash_id: int, n: int, vocab_size: int) -> tuple[int, ...]:

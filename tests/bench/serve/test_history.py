@@ -53,11 +53,17 @@ def test_ideal_reuse_of_a_window_given_its_history() -> None:
     # without history only row 3's block (0), from row 2
     assert (alone.blocks, alone.reused_blocks, alone.tokens, alone.reused_tokens) == (7, 1, 86, 16)
     assert alone.fraction == pytest.approx(1 / 7)
+    # in whole 32-token cache blocks: row 3's 41 shared tokens are one block, row 2's 16 none
+    assert (given.cache_block, given.cache_reused_tokens) == (32, 32)
+    assert given.cache_fraction == pytest.approx(32 / 86)
+    assert alone.cache_reused_tokens == 0
+    assert wl.ideal_prefix_reuse(ROWS, start=2, block=16, cache_block=16).cache_reused_tokens == 48
 
 
 def test_ideal_reuse_counts_chained_prefixes_and_computes_the_last_token() -> None:
     again = wl.ideal_prefix_reuse([ROWS[0], ROWS[0]], start=1, block=16)
     assert (again.reused_blocks, again.reused_tokens) == (2, 31)  # its last token is computed
+    assert again.cache_reused_tokens == 0  # so its one 32-token block is not whole
     # id 1 behind another prefix is other content: not reused (reuse_fraction counts ids)
     other = [TraceRow(0, 1024, 1, (0, 1)), TraceRow(1, 1024, 1, (7, 1))]
     assert wl.ideal_prefix_reuse(other, start=1).reused_blocks == 0

@@ -95,8 +95,8 @@ def _result(name: str, cached: int | None, router: dict[str, float] | None) -> S
 
 
 def test_reuse_report_sets_each_system_beside_the_ideal() -> None:
-    given = wl.PrefixReuse(blocks=10, reused_blocks=5, tokens=100, reused_tokens=50)
-    alone = wl.PrefixReuse(blocks=10, reused_blocks=2, tokens=100, reused_tokens=20)
+    given = wl.PrefixReuse(10, 5, 100, 50, cache_reused_tokens=40)
+    alone = wl.PrefixReuse(10, 2, 100, 20, cache_reused_tokens=0)
     plan = HistoryPlan(4, 2, 16, (), given, alone)
     router = {"store": 20.0, "prefix_cache": 10.0, "computed": 70.0}
     results = [_result("pdserve", 15, router), _result("colocated", 10, None)]
@@ -106,6 +106,8 @@ def test_reuse_report_sets_each_system_beside_the_ideal() -> None:
     pd = doc["systems"]["pdserve"]
     assert (pd["prompt_tokens"], pd["cached_tokens"]) == (100, 30)
     assert pd["cached_share"] == pytest.approx(0.3) and pd["of_ideal"] == pytest.approx(0.6)
+    assert pd["of_cache_ideal"] == pytest.approx(0.75)  # 30% of the 40% whole blocks hold
+    assert doc["ideal_given_history"]["cache_fraction"] == 0.4
     assert (pd["store_share"], pd["local_share"]) == (0.2, 0.1)
     assert pd["history"]["served"] == 4 and pd["history"]["retried_for"] == {"HTTP 429": 2}
     base = doc["systems"]["colocated"]
@@ -114,12 +116,14 @@ def test_reuse_report_sets_each_system_beside_the_ideal() -> None:
     assert "given 4 rows of history: 50.0% of prompt tokens" in text
     assert "without history: 20.0%" in text
     line = next(x for x in text.splitlines() if x.startswith("pdserve"))
-    assert line.split() == ["pdserve", "4/0", "30.0%", "60.0%", "20.0%", "10.0%"]
+    assert line.split() == ["pdserve", "4/0", "30.0%", "60.0%", "75.0%", "20.0%", "10.0%"]
+    assert "at the engines' 32-token cache blocks (what a block cache can serve): 40.0%" in text
     json.dumps(doc)  # serializable
     cold = HistoryPlan(4, 2, 16, (), given, alone, skipped=True)  # --skip-history
     doc = reuse_json(cold, results)
     assert doc["history_replayed"] is False
     assert doc["systems"]["pdserve"]["of_ideal"] == pytest.approx(1.5)  # 30% of 20%
+    assert doc["systems"]["pdserve"]["of_cache_ideal"] is None  # no whole block to reuse
     assert "history of 4 rows skipped (caches cold): 20.0%" in format_reuse(cold, results)
 
 
