@@ -14,6 +14,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,9 +22,11 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import Counter
 
 from pdserve import grpc_limits, identity, reloading, tracing_grpc
 from pdserve.errors import RateLimited, status_for
+from pdserve.telemetry import REGISTRY
 
 log = logging.getLogger(__name__)
 
@@ -98,10 +101,28 @@ class _Malformed:
         self.message = message
 
 
-class _RefuseMalformed(grpc.aio.ServerInterceptor):
-    """Answers INVALID_ARGUMENT, with what failed, to request bytes that do not parse as
-    the method's message (grpc would answer UNKNOWN or INTERNAL). Unary requests only: every
-    pdserve method takes one request message."""
+#: Every call a gRPC server of this process handled, and the seconds its handler took, by
+#: method (the time of a streaming call is until its last message): which service is busy
+#: with what, e.g. a KV master's calls per request served.
+SERVER_CALLS = Counter(
+    "pdserve_grpc_server_calls_total",
+    "calls this process's gRPC servers handled, by full method name",
+    ["method"],
+    registry=REGISTRY,
+)
+SERVER_SECONDS = Counter(
+    "pdserve_grpc_server_seconds_total",
+    "seconds this process's gRPC handlers took (streams: to their last message), by method",
+    ["method"],
+    registry=REGISTRY,
+)
+
+
+class _Handled(grpc.aio.ServerInterceptor):
+    """Wraps each pdserve handler: answers INVALID_ARGUMENT, with what failed, to request
+    bytes that do not parse as the method's message (grpc would answer UNKNOWN or INTERNAL),
+    and counts the call and its time (:data:`SERVER_CALLS`, :data:`SERVER_SECONDS`). Unary
+    requests only: every pdserve method takes one request message."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -116,6 +137,12 @@ class _RefuseMalformed(grpc.aio.ServerInterceptor):
             except Exception as exc:
                 return _Malformed(f"{method}: the request is not a valid message: {exc}")
 
+        calls, seconds = SERVER_CALLS.labels(method), SERVER_SECONDS.labels(method)
+
+        def counted(start: float) -> None:
+            calls.inc()
+            seconds.inc(time.perf_counter() - start)
+
         async def check(request: Any, context: grpc.aio.ServicerContext) -> None:
             if isinstance(request, _Malformed):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
@@ -124,9 +151,13 @@ class _RefuseMalformed(grpc.aio.ServerInterceptor):
             inner = handler.unary_unary
 
             async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                await check(request, context)
-                result = inner(request, context)
-                return await result if inspect.isawaitable(result) else result
+                start = time.perf_counter()
+                try:
+                    await check(request, context)
+                    result = inner(request, context)
+                    return await result if inspect.isawaitable(result) else result
+                finally:
+                    counted(start)
 
             return grpc.unary_unary_rpc_method_handler(
                 unary,
@@ -137,16 +168,20 @@ class _RefuseMalformed(grpc.aio.ServerInterceptor):
             inner_stream = handler.unary_stream
 
             async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                await check(request, context)
-                result = inner_stream(request, context)
-                if hasattr(result, "__aiter__"):
-                    async for item in result:
-                        yield item
-                elif inspect.isawaitable(result):
-                    await result
-                else:
-                    for item in result:
-                        yield item
+                start = time.perf_counter()
+                try:
+                    await check(request, context)
+                    result = inner_stream(request, context)
+                    if hasattr(result, "__aiter__"):
+                        async for item in result:
+                            yield item
+                    elif inspect.isawaitable(result):
+                        await result
+                    else:
+                        for item in result:
+                            yield item
+                finally:
+                    counted(start)
 
             return grpc.unary_stream_rpc_method_handler(
                 stream,
@@ -183,9 +218,7 @@ async def start_server(
     # first: a refused call is in the trace too (but not one auth.RequireKey refuses on its
     # key: answered unread, by a request-streaming handler tracing_grpc does not wrap)
     traced = tracing_grpc.server_interceptors()
-    server = grpc.aio.server(
-        options=options, interceptors=[*traced, *interceptors, _RefuseMalformed()]
-    )
+    server = grpc.aio.server(options=options, interceptors=[*traced, *interceptors, _Handled()])
     names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
     for add, servicer, name in servicers:
         add(servicer, server)

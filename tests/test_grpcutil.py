@@ -160,3 +160,33 @@ def test_status_for_and_from_status_are_inverse():
     assert errors.status_for(TimeoutError()) == grpc.StatusCode.DEADLINE_EXCEEDED
     assert type(errors.from_status(grpc.StatusCode.INTERNAL, "x")) is errors.Unavailable
     assert InvalidArgument("top_p must be in (0, 1]", param="top_p").param == "top_p"
+
+
+def test_every_call_is_counted_by_method_with_its_time():
+    """pdserve_grpc_server_calls_total / _seconds_total: a unary call, a stream read to its
+    end, a call that fails and a malformed one each count once for their method."""
+    from pdserve.telemetry import REGISTRY
+
+    def value(name: str, method: str) -> float:
+        return REGISTRY.get_sample_value(name, {"method": f"/{SERVICE}/{method}"}) or 0.0
+
+    before = {
+        m: value("pdserve_grpc_server_calls_total", m) for m in ("Heartbeat", "WatchInstances")
+    }
+    seconds = value("pdserve_grpc_server_seconds_total", "Heartbeat")
+
+    async def body(ch, _server):
+        stub = meta_pb2_grpc.MetaServiceStub(ch)
+        await stub.Heartbeat(meta_pb2.MetaHeartbeatRequest(lease_id="abc"))
+        with pytest.raises(grpc.aio.AioRpcError):
+            await ch.unary_unary(f"/{SERVICE}/Heartbeat")(b"\xff\xff\xff\xff")
+        with pytest.raises(grpc.aio.AioRpcError):  # one event, then NOT_FOUND
+            async for _ in stub.WatchInstances(meta_pb2.WatchInstancesRequest()):
+                pass
+
+    _run(_with_server(body))
+    assert value("pdserve_grpc_server_calls_total", "Heartbeat") == before["Heartbeat"] + 2
+    assert (
+        value("pdserve_grpc_server_calls_total", "WatchInstances") == before["WatchInstances"] + 1
+    )
+    assert value("pdserve_grpc_server_seconds_total", "Heartbeat") > seconds

@@ -160,6 +160,9 @@ def by_service() -> dict[str, dict[str, Metric]]:
     out["kvstore-master"] = _master()
     out["kvstore-node"] = _node()
     out["meta"] = _meta()
+    # every service's gRPC server counts its calls (pdserve.grpcutil.start_server)
+    for metrics in out.values():
+        metrics.update(_registered(["pdserve.grpcutil"]))
     return out
 
 
