@@ -15,18 +15,21 @@ from __future__ import annotations
 import logging
 import socket
 import ssl
+import time
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from pdserve import identity
-from pdserve.grpcutil import error_status
+from pdserve.grpcutil import SERVER_CALLS, SERVER_SECONDS, error_status
 from pdserve.identity import Identity
 from pdserve.services.kvstore.master.servicer import MasterHandlers
 from pdserve.store.netio import ConnectionServer
 from pdserve.store.wire import FRAME, HELLO, MAX_BODY, METHODS, FrameReader
 
 log = logging.getLogger(__name__)
+#: The service whose methods the wire carries (its calls are counted under their gRPC names).
+WIRE_SERVICE = "pdserve.v1.KVMasterService"
 
 
 def answer(
@@ -40,11 +43,16 @@ def answer(
         request = req_type.FromString(body)
     except DecodeError:
         return grpc.StatusCode.INVALID_ARGUMENT, f"{name}: malformed {req_type.__name__}".encode()
+    start = time.perf_counter()
     try:
         return grpc.StatusCode.OK, handlers.call(name, request, caller).SerializeToString()
     except Exception as exc:
         code, message = error_status(exc, name)
         return code, message.encode()
+    finally:  # counted as the same call through gRPC is
+        method = f"/{WIRE_SERVICE}/{name}"
+        SERVER_CALLS.labels(method).inc()
+        SERVER_SECONDS.labels(method).inc(time.perf_counter() - start)
 
 
 class WireServer:

@@ -89,6 +89,26 @@ def test_wire_calls_answer_like_grpc(wire) -> None:
     client.close()
 
 
+def test_wire_calls_are_counted_under_their_grpc_names(wire) -> None:
+    """pdserve_grpc_server_calls_total counts the master's wire calls as the same methods'
+    gRPC calls, failed ones included (the workers' store calls go over the wire)."""
+    from pdserve.telemetry import REGISTRY
+
+    def calls(name: str) -> float:
+        labels = {"method": f"/pdserve.v1.KVMasterService/{name}"}
+        return REGISTRY.get_sample_value("pdserve_grpc_server_calls_total", labels) or 0.0
+
+    _handlers, server = wire
+    before = calls("LongestPrefix"), calls("BatchExists")
+    client = WireClient("127.0.0.1", server.port, timeout_s=5)
+    for _ in range(3):
+        client.call("LongestPrefix", pb.LongestPrefixRequest(keys=["k"]))
+    with pytest.raises(errors.ResourceExhausted):
+        client.call("BatchExists", pb.BatchKeysRequest(keys=["k"] * 5000))
+    client.close()
+    assert (calls("LongestPrefix"), calls("BatchExists")) == (before[0] + 3, before[1] + 1)
+
+
 def test_wire_refuses_bad_frames(wire) -> None:
     _handlers, server = wire
     with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
