@@ -105,6 +105,7 @@ def stock_settings(extra: dict[str, Any], vllm_config: Any) -> ConnectorSettings
         tp_size=int(parallel.tensor_parallel_size),
         options=vllm_config_options(vllm_config, model_dir),
     )
+    gpu = on_gpu()  # auto settings: off the step on a GPU
     tls = tuple(
         str(extra.get(f"tls_{part}") or os.environ.get(f"PDSERVE_TLS_{part.upper()}", ""))
         for part in ("ca", "cert", "key")
@@ -117,10 +118,9 @@ def stock_settings(extra: dict[str, Any], vllm_config: Any) -> ConnectorSettings
         replicas=_int(extra, "replicas", 1),
         timeout_s=float(extra.get("timeout_s", 5.0)),
         tls_paths=(tls[0], tls[1], tls[2]),
-        save_queue_mib=save_queue_mib(_int(extra, "save_queue_mib", -1, low=-1), on_gpu()),
+        save_queue_mib=save_queue_mib(_int(extra, "save_queue_mib", -1, low=-1), gpu),
         load_async=load_async(
-            auto_on_off(f"{_WHAT}.load_async", extra.get("load_async", "auto"), "on a GPU"),
-            on_gpu(),
+            auto_on_off(f"{_WHAT}.load_async", extra.get("load_async", "auto"), "on a GPU"), gpu
         ),
     )
 

@@ -211,6 +211,7 @@ class VllmEngine(Engine):
 
         cfg = self.config
         kv_transfer = None
+        gpu = on_gpu()  # the device picks the connector's and the engine's defaults
         if cfg.store_master:
             kv_transfer = KVTransferConfig(
                 kv_connector=CONNECTOR_CLASS,
@@ -224,8 +225,8 @@ class VllmEngine(Engine):
                     transport=cfg.store_transport,
                     replicas=cfg.store_replicas,
                     timeout_s=cfg.store_timeout_s,
-                    save_queue_mib=save_queue_mib(cfg.store_save_queue_mib, on_gpu()),
-                    load_async=load_async(cfg.store_load_async, on_gpu()),
+                    save_queue_mib=save_queue_mib(cfg.store_save_queue_mib, gpu),
+                    load_async=load_async(cfg.store_load_async, gpu),
                     backend=cfg.store_backend,
                     backend_options=(
                         cfg.mooncake_options(cfg.store_segment_size)
@@ -236,7 +237,7 @@ class VllmEngine(Engine):
                 ),
             )
         # pdserve's serving profile on a CPU, vLLM's own defaults on a GPU (vllm_profile)
-        profile = engine_kwargs(cfg, on_gpu())
+        profile = engine_kwargs(cfg, gpu)
         if tracing.enabled():  # vLLM's llm_request span, and trace headers to the connector
             profile["otlp_traces_endpoint"] = tracing.endpoint()
         args = AsyncEngineArgs(

@@ -194,9 +194,10 @@ def write_json(
         "systems": [r.to_json() for r in results],
     }
     if len(results) >= 2:  # with several baselines: against the better, and against each
-        doc["comparison"] = comparison(results[0], better_baseline(results[1:]))
-    if len(results) > 2:
-        doc["better_baseline"] = better_baseline(results[1:]).name
-        doc["comparisons"] = {b.name: comparison(results[0], b) for b in results[1:]}
+        best = better_baseline(results[1:])
+        doc["comparison"] = comparison(results[0], best)
+        if len(results) > 2:
+            doc["better_baseline"] = best.name
+            doc["comparisons"] = {b.name: comparison(results[0], b) for b in results[1:]}
     doc.update(extra or {})
     Path(path).write_text(json.dumps(doc, indent=1))

@@ -15,24 +15,28 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pdserve.bench.serve.history import HistoryPlan
     from pdserve.bench.serve.report import SystemResult
+    from pdserve.bench.serve.workloads import PrefixReuse
 
 #: The router's prompt-token sources: from the pool, from a worker's own prefix cache.
 STORE_SOURCE = "store"
 LOCAL_SOURCE = "prefix_cache"
 
 
-def achieved(res: SystemResult, ideal_tokens: float, ideal_cache: float) -> dict[str, Any]:
+def achieved(res: SystemResult, ideal: PrefixReuse) -> dict[str, Any]:
     """One system's reuse in the window: cached prompt tokens (usage) as a share of the
     completed requests' prompt tokens and of the ideal share (at the trace's blocks, and at
-    the engines' cache blocks: ``ideal_cache``); the store / local split when
+    the engines' cache blocks); the store / local split when
     its router reports one (shares of the same prompt tokens); its history's outcome."""
     m = res.metrics
     prompt = m.total_input_tokens
     out: dict[str, Any] = {"prompt_tokens": prompt, "cached_tokens": m.cached_tokens}
     share = m.cached_tokens / prompt if m.cached_tokens is not None and prompt else None
     out["cached_share"] = share
-    out["of_ideal"] = share / ideal_tokens if share is not None and ideal_tokens else None
-    out["of_cache_ideal"] = share / ideal_cache if share is not None and ideal_cache else None
+    for key, ideal_share in (
+        ("of_ideal", ideal.token_fraction),
+        ("of_cache_ideal", ideal.cache_fraction),
+    ):
+        out[key] = share / ideal_share if share is not None and ideal_share else None
     router = res.router.prompt_tokens if res.router is not None else {}
     for key, source in (("store", STORE_SOURCE), ("local", LOCAL_SOURCE)):
         n = router.get(source)
@@ -62,12 +66,8 @@ def reuse_json(plan: HistoryPlan, results: Sequence[SystemResult]) -> dict[str, 
             "token_fraction": plan.alone.token_fraction,
             "cache_fraction": plan.alone.cache_fraction,
         },
-        "systems": {r.name: _achieved(plan, r) for r in results},
+        "systems": {r.name: achieved(r, plan.ideal) for r in results},
     }
-
-
-def _achieved(plan: HistoryPlan, res: SystemResult) -> dict[str, Any]:
-    return achieved(res, plan.ideal.token_fraction, plan.ideal.cache_fraction)
 
 
 def _pct(x: float | None) -> str:
@@ -108,7 +108,7 @@ def format_reuse(plan: HistoryPlan, results: Sequence[SystemResult]) -> str:
         f"{cols[6]:>10}"
     )
     for res in results:
-        a = _achieved(plan, res)
+        a = achieved(res, ideal)
         h = a["history"]
         hist = "-" if h is None else f"{h['served']}/{h['failed']}"
         out.append(

@@ -26,10 +26,11 @@ from pdserve.identity import Identity
 from pdserve.services.kvstore.master.servicer import MasterHandlers
 from pdserve.store.netio import ConnectionServer
 from pdserve.store.wire import FRAME, HELLO, MAX_BODY, METHODS, FrameReader
+from pdserve.v1 import kvstore_pb2
 
 log = logging.getLogger(__name__)
 #: The service whose methods the wire carries (its calls are counted under their gRPC names).
-WIRE_SERVICE = "pdserve.v1.KVMasterService"
+WIRE_SERVICE = kvstore_pb2.DESCRIPTOR.services_by_name["KVMasterService"].full_name
 
 
 def answer(
