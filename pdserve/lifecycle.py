@@ -16,10 +16,18 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 READY_PREFIX = "PDSERVE_READY "
+#: Whether this process is a service run by :func:`run` (not a test serving in-process).
+_service_process = False
 
 
 def announce_ready(service: str, **info: Any) -> None:
-    """Prints the READY line (flushed) for ``service`` with what it bound."""
+    """Prints the READY line (flushed) for ``service`` with what it bound. In a service
+    process (:func:`run`), first keeps its start-up heap out of the collector's passes
+    (:func:`pdserve.heap.freeze_startup`)."""
+    if _service_process:
+        from pdserve import heap
+
+        heap.freeze_startup()
     sys.stdout.write(READY_PREFIX + json.dumps({"service": service, **info}) + "\n")
     sys.stdout.flush()
 
@@ -32,7 +40,13 @@ def parse_ready(line: str) -> dict[str, Any] | None:
 
 def run(main: Callable[[asyncio.Event], Awaitable[None]]) -> int:
     """Runs ``main(stop)`` on a fresh event loop; SIGTERM and SIGINT set ``stop`` so that the
-    service drains and returns. Returns the process exit code."""
+    service drains and returns. Returns the process exit code. The process's collections are
+    timed (:func:`pdserve.heap.watch`) and its start-up heap frozen once it announces itself."""
+    global _service_process
+    from pdserve import heap
+
+    _service_process = True
+    heap.watch()
 
     async def runner() -> None:
         stop = asyncio.Event()

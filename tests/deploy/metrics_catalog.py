@@ -160,9 +160,10 @@ def by_service() -> dict[str, dict[str, Metric]]:
     out["kvstore-master"] = _master()
     out["kvstore-node"] = _node()
     out["meta"] = _meta()
-    # every service's gRPC server counts its calls (pdserve.grpcutil.start_server)
+    # every service's gRPC server counts its calls (pdserve.grpcutil.start_server), and every
+    # service process times its collections (pdserve.lifecycle.run)
     for metrics in out.values():
-        metrics.update(_registered(["pdserve.grpcutil"]))
+        metrics.update(_registered(["pdserve.grpcutil", "pdserve.heap"]))
     return out
 
 
