@@ -16,10 +16,17 @@ tenants holding or waiting for slots``) is not kept waiting for another tenant's
 end. When every slot is held, its request is admitted at once beyond the limit, up to
 ``fair_headroom`` extra slots in all (work-conserving: nothing running is preempted; the
 flooding tenant gets the slots back as its requests end, since it is past its share and so
-waits until in-flight requests are below the limit again). One tenant alone never uses it. Each
-admitted request's engine priority carries its tenant's rank, the whole fair shares of slots
-it already held (:func:`~pdserve.services.router.fair_queue.engine_priority`), so the engine
-prefills a light tenant's prompt (rank 0) before a flood's beyond its share (rank 1 and up).
+waits until in-flight requests are below the limit again). One tenant alone never uses it.
+What a tenant uses is the slots it holds now, or with none of its requests waiting and
+``USAGE_WINDOW_S`` of history, the lesser of those and what it held on average over the last
+seconds (:meth:`Admission.used`: time-weighted, decaying over that window): a tenant sending a tenth of the capacity
+at random holds 3 or 4 slots now and then, past a share of 2 of 4 slots, while its average
+stays near 0.4; counting what it holds kept such a burst waiting for the flood's requests to
+end, 0.5-1 s (2026-12-07). A flood has requests waiting, or no history yet: past its share
+from its first second. Each admitted request's engine priority
+carries its tenant's rank, the whole fair shares of slots it uses
+(:func:`~pdserve.services.router.fair_queue.engine_priority`), so the engine prefills a light
+tenant's prompt (rank 0) before a flood's beyond its share (rank 1 and up).
 
 Predictions come from what the router observed (EWMAs, so they follow the cluster's speed):
     predicted TTFT = base_ms + ms_per_prefill_token * (own uncached tokens
@@ -32,7 +39,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge
 
@@ -87,6 +97,10 @@ INFLIGHT_LIMIT = Gauge(
 
 #: The in-flight limit under ``max_inflight`` 0 until a decode worker reports its capacity.
 DEFAULT_INFLIGHT = 64
+#: Seconds over which a tenant's slots held are averaged (:meth:`Admission.used`): long next
+#: to a request (a burst barely moves it), short next to a flood (which reaches its share
+#: within seconds).
+USAGE_WINDOW_S = 10.0
 
 
 class Ewma:
@@ -96,6 +110,23 @@ class Ewma:
 
     def add(self, x: float) -> None:
         self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
+
+
+@dataclass
+class _Use:
+    """A tenant's slots over time (:meth:`Admission.used`)."""
+
+    #: Slots held on average (time-weighted, decaying over USAGE_WINDOW_S) as of ``at``.
+    average: float = 0.0
+    at: float = 0.0
+    #: Since when it has held slots with no pause of USAGE_WINDOW_S or more.
+    active_since: float = 0.0
+    #: When it last held none.
+    idle_since: float = -math.inf
+
+    def average_at(self, now: float, held: int) -> float:
+        """The average at ``now``, having held ``held`` slots since ``at``."""
+        return held + (self.average - held) * math.exp(-max(0.0, now - self.at) / USAGE_WINDOW_S)
 
 
 class Admission:
@@ -110,12 +141,13 @@ class Admission:
         tenants: Tenants | None = None,
         rates: RateLimits | None = None,
         fair_headroom: int = 0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``max_inflight`` 0: the limit is ``capacity()`` (requests the workers can run at
         once; 0 when unknown), read on every admission and release. ``tenants``: their shares
         and the per-tenant metrics' labels; ``rates``: their rate limits (None: none);
         ``fair_headroom``: slots beyond the limit for tenants below their share (0: none; the
-        router's config defaults to 2)."""
+        router's config defaults to 4); ``clock``: seconds, for the tenants' average use."""
         self.max_inflight = max_inflight
         self.max_queue = max_queue
         self.fair_headroom = fair_headroom
@@ -129,6 +161,9 @@ class Admission:
         self._slots: FairQueue[asyncio.Future[int]] = FairQueue(self._share)
         #: Slots held, by tenant (tenants holding none absent).
         self._held: dict[str, int] = {}
+        self._clock = clock
+        #: Per tenant, its slots over time (:meth:`used`).
+        self._use: dict[str, _Use] = {}
         for name in tenants.names:  # "" = the anonymous tenant
             init_labels(TENANT_REJECTED, (name,), REASONS[:3])
             init_labels(TENANT_RATE_LIMITED, (name,), ("requests", "tokens"))
@@ -171,9 +206,37 @@ class Admission:
         active = {*self._held, *self._slots.waiting_tenants(), tenant}
         return self.limit() * self._share(tenant) / sum(self._share(t) for t in active)
 
+    def used(self, tenant: str) -> float:
+        """The slots ``tenant`` uses: those it holds; for a tenant with none of its requests
+        waiting that has held slots for ``USAGE_WINDOW_S`` without a pause that long, the
+        lesser of those and its average over the last seconds (held slots, time-weighted, the
+        past decaying by ``e^(-age / USAGE_WINDOW_S)``). A tenant with requests waiting wants
+        more than it gets: its average is what the queue let through, not its demand; a
+        tenant that has just begun has no average yet (a flood's first second, before any of
+        its requests waits, would have taken the headroom)."""
+        held = self._held.get(tenant, 0)
+        use = self._use.get(tenant)
+        now = self._clock()
+        if use is None or self._slots.queued(tenant) or now - use.active_since < USAGE_WINDOW_S:
+            return held
+        return min(held, use.average_at(now, held))
+
+    def _note(self, tenant: str, change: int) -> None:
+        """Records that ``tenant``'s slots held change by ``change`` now."""
+        held = self._held.get(tenant, 0)
+        now = self._clock()
+        use = self._use.setdefault(tenant, _Use())
+        use.average, use.at = use.average_at(now, held), now
+        if held == 0 and change > 0 and now - use.idle_since >= USAGE_WINDOW_S:
+            use.active_since = now
+        elif held + change == 0:
+            use.idle_since = now
+
     def below_share(self, tenant: str) -> bool:
-        """Whether ``tenant`` holds fewer slots than its fair share (headroom is for it)."""
-        return self._held.get(tenant, 0) < self.fair_slots(tenant)
+        """Whether another tenant holds or waits for slots and ``tenant`` uses fewer than its
+        fair share (:meth:`used`): headroom is for it."""
+        contended = any(t != tenant for t in (*self._held, *self._slots.waiting_tenants()))
+        return contended and self.used(tenant) < self.fair_slots(tenant)
 
     def predicted_ttft_ms(self, uncached_tokens: int, prefill_workers: int) -> float | None:
         if self.ms_per_token.value is None or self.base_ms.value is None:
@@ -297,16 +360,17 @@ class Admission:
 
     def _take(self, tenant: str) -> int:
         """Gives ``tenant`` a slot; returns its rank before it (the engine priority's
-        tiebreak): the fair shares of slots it held, ``held // fair_slots``."""
-        held = self._held.get(tenant, 0)
-        rank = int(held // self.fair_slots(tenant))
-        self._held[tenant] = held + 1
+        tiebreak): the fair shares of slots it uses, ``used // fair_slots``."""
+        rank = int(self.used(tenant) // self.fair_slots(tenant))
+        self._note(tenant, +1)
+        self._held[tenant] = self._held.get(tenant, 0) + 1
         self.inflight += 1
         INFLIGHT.set(self.inflight)
         TENANT_ADMITTED.labels(tenant).inc()
         return rank
 
     def _release(self, tenant: str) -> None:
+        self._note(tenant, -1)
         held = self._held[tenant] - 1
         if held:
             self._held[tenant] = held

@@ -96,9 +96,10 @@ class RouterConfig(SecurityConfig, StoreBackendConfig):
     )
     max_queue: int = help_field(256, "requests one tenant may have waiting; beyond that 429")
     fair_headroom: int = help_field(
-        2,
-        "in-flight slots beyond max_inflight for tenants below their fair share of it, so "
-        "they are admitted at once, not after another tenant's requests end (0 = none)",
+        4,
+        "in-flight slots beyond max_inflight for tenants below their fair share of it (by "
+        "their recent average), so they are admitted at once, not after another tenant's "
+        "requests end (0 = none)",
     )
     slo_ttft_ms: float = help_field(0.0, "reject requests predicted to miss this TTFT (0 = off)")
     slo_tpot_ms: float = help_field(

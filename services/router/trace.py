@@ -68,10 +68,14 @@ class Trace:
     """What happened to one request (for tests, logs and the overhead figure)."""
 
     plan: Plan
+    #: The tenant whose key sent it ("" = the anonymous tenant).
+    tenant: str = ""
+    #: When the router took the request (``time.monotonic()``, as every timestamp here).
+    received: float = 0.0
+    cached_tokens: int = 0
     admitted: float = 0.0
     prefill_worker: str = ""
     decode_worker: str = ""
-    cached_tokens: int = 0
     prefill_start: float = 0.0
     prefill_end: float = 0.0
     decode_start: float = 0.0

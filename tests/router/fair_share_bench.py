@@ -8,12 +8,16 @@ where all the phase's requests spent their time (the router's ``pdserve_router_p
 means: queue, prefill, kv_transfer, decode, and the decode's time per output token).
 
     .venv/bin/python tests/router/fair_share_bench.py [--phase-s 30] [--max-inflight 4]
-        [--fair-headroom N] [--tpot-target-ms MS]
+        [--fair-headroom N] [--max-queue N] [--tpot-target-ms MS]
+        [--phases alone,flood_fair,flood_one_tenant] [--run-dir DIR]
 
 Capacity is measured first: ``max_inflight`` requests kept in flight for ``--phase-s / 2``
 seconds. Requests: 64 random prompt tokens, 16 greedy output tokens (ignore_eos), streamed
 over the OpenAI HTTP API; the heavy tenant's requests still waiting when a phase ends are
-cancelled (disconnects). Each phase starts from an empty queue.
+cancelled (disconnects), those past the router's ``max_queue`` per tenant are refused (429).
+Each phase starts from an empty queue. Each phase's five slowest light TTFTs are printed too;
+``--run-dir`` keeps the services' logs, where the router's line per request (its tenant,
+when it was received, admitted, and its first token) tells where a slow one waited.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from pdserve.procs import free_ports
 
 HEAVY, LIGHT = "h" * 16 + "-heavy-tenant", "l" * 16 + "-light-tenant"
 PROMPT, OUT = 64, 16
+PHASES = ["alone", "flood_fair", "flood_one_tenant"]
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -141,24 +146,30 @@ async def phases(base: str, args: argparse.Namespace) -> dict:
         cap = await capacity(http, args.max_inflight, args.phase_s / 2)
         light_rate, heavy_rate = 0.1 * cap, 5 * cap
         s = args.phase_s
-        runs = {
-            "alone": await measured(http, open_loop(http, LIGHT, light_rate, s, seed=2)),
-            "flood_fair": await measured(
-                http,
+        loads = {
+            "alone": lambda: (open_loop(http, LIGHT, light_rate, s, seed=2),),
+            "flood_fair": lambda: (
                 open_loop(http, LIGHT, light_rate, s, seed=3),
                 open_loop(http, HEAVY, heavy_rate, s, seed=4),
             ),
-            "flood_one_tenant": await measured(
-                http,
+            "flood_one_tenant": lambda: (
                 open_loop(http, HEAVY, light_rate, s, seed=5),  # the light load, heavy's key
                 open_loop(http, HEAVY, heavy_rate, s, seed=6),
             ),
         }
+        runs = {name: await measured(http, *loads[name]()) for name in args.phases}
     out = {"capacity_rps": cap, "light_rps": light_rate, "heavy_rps": heavy_rate}
     for name, (xs, means) in runs.items():
-        out[name] = {"n": len(xs), "p50_ms": pct(xs, 0.5), "p99_ms": pct(xs, 0.99), **means}
-    for name in ("flood_fair", "flood_one_tenant"):
-        out[name]["p99_vs_alone"] = out[name]["p99_ms"] / out["alone"]["p99_ms"]
+        out[name] = {
+            "n": len(xs),
+            "p50_ms": pct(xs, 0.5),
+            "p99_ms": pct(xs, 0.99),
+            "slowest_ms": [round(x) for x in sorted(xs)[-5:]],
+            **means,
+        }
+    for name in runs.keys() - {"alone"}:
+        if "alone" in runs:
+            out[name]["p99_vs_alone"] = out[name]["p99_ms"] / out["alone"]["p99_ms"]
     return out
 
 
@@ -174,7 +185,7 @@ def up(run: Path, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
             **headroom,
             "tenant_keys_file": str(run / "tenants"),
             "max_inflight": args.max_inflight,
-            "max_queue": 100000,
+            **({} if args.max_queue is None else {"max_queue": args.max_queue}),
             "http_max_conns_per_peer": 0,  # one client address sends both tenants' load
             "api_key_failures": 0,
         },
@@ -212,11 +223,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--phase-s", type=float, default=30.0)
     ap.add_argument("--max-inflight", type=int, default=4)
+    ap.add_argument(
+        "--max-queue", type=int, help="requests a tenant may have waiting (default: the router's)"
+    )
     ap.add_argument("--fair-headroom", type=int, help="the router's (default: its own, 2)")
     ap.add_argument("--tpot-target-ms", type=float, help="the workers' (default: their own)")
+    ap.add_argument(
+        "--phases",
+        type=lambda text: text.split(","),
+        default=PHASES,
+        help=f"which light phases to run, in order (default: {','.join(PHASES)})",
+    )
+    ap.add_argument(
+        "--run-dir", type=Path, help="keep the services' logs there (default: a temp dir)"
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="fairbench-") as tmp:
-        proc, base = up(Path(tmp), args)
+        run = args.run_dir or Path(tmp)
+        run.mkdir(parents=True, exist_ok=True)
+        proc, base = up(run, args)
         try:
             t0 = time.monotonic()
             asyncio.run(ready(base, proc))

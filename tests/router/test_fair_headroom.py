@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 
 import pytest
 from router_fakes import FakeDecode, FakePrefill, fake_cluster
@@ -65,22 +66,34 @@ def _two_tenants(shares: dict[str, float] | None = None) -> Tenants:
     return Tenants(limits={t: TenantLimits(share=s) for t, s in shares.items()})
 
 
+class _Clock:
+    """Seconds that pass only when a test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_a_tenant_with_nothing_in_flight_is_admitted_beyond_the_limit() -> None:
     async def main() -> None:
-        adm = Admission(2, 100, tenants=_two_tenants(), fair_headroom=1)
+        clock = _Clock()
+        adm = Admission(2, 100, tenants=_two_tenants(), fair_headroom=1, clock=clock)
         r = _Requests(adm)
         for i in range(5):  # the flood: two hold the slots, three wait
             r.send("heavy", f"h{i}")
         await _settle()
         assert r.got == ["h0", "h1"] and adm.waiting == 3
+        clock.now += 1000  # the flood has held both slots for a long while
         r.send("light", "l0")
         await _settle()
         assert r.got[-1] == "l0" and adm.inflight == 3  # at once, beside the flood
-        r.send("light", "l1")  # light now holds its fair share (1 of 2): it waits
+        r.send("light", "l1")  # the headroom is taken: it waits
         await _settle()
         assert r.got[-1] == "l0" and adm.waiting == 4
         await r.release("h0")  # back to the limit: the flood's slot went to the light tenant
-        await _settle()
+        await _settle()  # (its l1 waits: a waiting tenant's use is what it holds, its share)
         assert adm.inflight == 2 and r.got[-1] == "l0"
         # a slot under the limit: fair queueing (equal tags, the flood queued first), then
         # the light tenant holds nothing again and takes the headroom
@@ -93,15 +106,77 @@ def test_a_tenant_with_nothing_in_flight_is_admitted_beyond_the_limit() -> None:
     asyncio.run(main())
 
 
-def test_headroom_is_bounded_and_goes_to_a_waiting_tenant_when_it_frees() -> None:
-    tenants = _two_tenants({"heavy": 1.0, "a": 1.0, "b": 1.0})
-
+def test_a_light_tenants_burst_goes_beside_a_flood_that_has_held_its_slots() -> None:
     async def main() -> None:
-        adm = Admission(3, 100, tenants=tenants, fair_headroom=1)
+        clock = _Clock()
+        adm = Admission(2, 100, tenants=_two_tenants(), fair_headroom=3, clock=clock)
         r = _Requests(adm)
         for i in range(4):
             r.send("heavy", f"h{i}")
         await _settle()
+        clock.now += 1000
+        r.send("light", "w")  # the light tenant's history: a request of 5 s, then 5 s idle
+        await _settle()
+        clock.now += 5
+        await r.release("w")
+        clock.now += 5
+        for i in range(3):  # three at once: more than its share of 1 slot, within headroom
+            r.send("light", f"l{i}")
+        await _settle()
+        assert r.got == ["h0", "h1", "w", "l0", "l1", "l2"] and adm.inflight == 5
+        assert adm.used("light") < 0.3 and adm.used("heavy") == 2  # heavy has some waiting
+        assert [r.tickets[f"l{i}"].engine_priority for i in range(3)] == [0, 0, 0]
+        r.send("light", "l3")  # past the headroom: it waits, and light counts what it holds
+        await _settle()
+        assert adm.used("light") == 3 and adm.waiting == 3
+        await r.release("l0")  # so a freed headroom slot is for neither tenant now
+        await _settle()
+        assert adm.inflight == 4 and r.got[-1] == "l2"
+        await r.release_all()
+        assert sorted(r.got) == ["h0", "h1", "h2", "h3", "l0", "l1", "l2", "l3", "w"]
+
+    asyncio.run(main())
+
+
+def test_a_tenants_use_is_the_lesser_of_what_it_holds_and_its_recent_average() -> None:
+    async def main() -> None:
+        clock = _Clock()
+        adm = Admission(8, 100, tenants=_two_tenants(), clock=clock)
+        r = _Requests(adm)
+        for i in range(3):
+            r.send("heavy", f"h{i}")
+        await _settle()
+        assert adm.used("heavy") == 3  # no history yet: what it holds
+        clock.now += 10  # one window: its average is 1 - 1/e of the way to 3
+        assert adm.used("heavy") == pytest.approx(3 * (1 - math.exp(-1)))
+        clock.now += 1000
+        assert adm.used("heavy") == pytest.approx(3.0)
+        await r.release("h0")
+        await r.release("h1")
+        assert adm.used("heavy") == 1  # holding fewer now counts at once
+        assert adm.used("light") == 0
+        await r.release("h2")
+        clock.now += 10  # idle a whole window: it starts again with no history
+        for i in range(3, 6):
+            r.send("heavy", f"h{i}")
+        await _settle()
+        assert adm.used("heavy") == 3
+        await r.release_all()
+
+    asyncio.run(main())
+
+
+def test_headroom_is_bounded_and_goes_to_a_waiting_tenant_when_it_frees() -> None:
+    tenants = _two_tenants({"heavy": 1.0, "a": 1.0, "b": 1.0})
+
+    async def main() -> None:
+        clock = _Clock()
+        adm = Admission(3, 100, tenants=tenants, fair_headroom=1, clock=clock)
+        r = _Requests(adm)
+        for i in range(4):
+            r.send("heavy", f"h{i}")
+        await _settle()
+        clock.now += 1000
         r.send("a", "a0")
         r.send("b", "b0")
         await _settle()
@@ -138,7 +213,8 @@ def test_the_fair_share_counts_the_tenants_holding_or_waiting_by_share() -> None
         r.send("b", "b0")
         await _settle()
         assert adm.fair_slots("a") == 4 and adm.fair_slots("b") == 6
-        assert adm.below_share("a") and adm.below_share("b")
+        # headroom is for a tenant beside another: a is (b holds a slot), b alone is not
+        assert adm.below_share("a") and not adm.below_share("b")
         await r.release_all()
 
     asyncio.run(main())
@@ -160,30 +236,38 @@ def test_engine_priority_keeps_the_callers_order_then_ranks() -> None:
     assert engine_priority(3, -1) == 3 * RANK_STRIDE  # no negative rank
 
 
-def test_a_tickets_engine_priority_ranks_its_tenant_by_fair_shares_held() -> None:
+def test_a_tickets_engine_priority_ranks_its_tenant_by_fair_shares_used() -> None:
     tenants = _two_tenants({"heavy": 1.0, "light": 1.0, "big": 2.0})
 
     async def main() -> None:
-        adm = Admission(4, 100, tenants=tenants, fair_headroom=1)
+        clock = _Clock()
+        adm = Admission(4, 100, tenants=tenants, fair_headroom=1, clock=clock)
         r = _Requests(adm)
         r.send("light", "l0")
         await _settle()
-        for i in range(3):
+        for i in range(2):
             r.send("heavy", f"h{i}")
+        await _settle()
+        clock.now += 1000
+        r.send("heavy", "h2")
         r.send("heavy", "h3", priority=-1)
         await _settle()
-        # beside light, heavy's fair share is 2 slots: its third request is past it
+        # beside light, heavy's fair share is 2 slots: having used 2 for a long while, its third
+        # request is past it
         ranks = {name: t.engine_priority for name, t in r.tickets.items()}
         assert ranks == {"l0": 0, "h0": 0, "h1": 0, "h2": 1} and adm.waiting == 1
         await r.release("l0")
         await _settle()  # h3 goes with heavy alone holding slots: its fair share is all 4
         assert r.tickets["h3"].engine_priority == engine_priority(-1, 0) == -RANK_STRIDE
         await r.release_all()
-        adm = Admission(6, 100, tenants=tenants)
+        adm = Admission(6, 100, tenants=tenants, clock=clock)
         r = _Requests(adm)
         r.send("heavy", "h0")
-        for i in range(5):
+        for i in range(4):
             r.send("big", f"b{i}")
+        await _settle()
+        clock.now += 1000
+        r.send("big", "b4")
         await _settle()
         # share 2 of 3 beside heavy: 4 of the 6 slots are big's fair share
         assert [r.tickets[f"b{i}"].engine_priority for i in range(5)] == [0, 0, 0, 0, 1]
