@@ -18,13 +18,13 @@ end. When every slot is held, its request is admitted at once beyond the limit, 
 flooding tenant gets the slots back as its requests end, since it is past its share and so
 waits until in-flight requests are below the limit again). One tenant alone never uses it.
 What a tenant uses is the slots it holds now, or with none of its requests waiting and
-``USAGE_WINDOW_S`` of history, the lesser of those and what it held on average over the last
-seconds (:meth:`Admission.used`: time-weighted, decaying over that window): a tenant sending a tenth of the capacity
-at random holds 3 or 4 slots now and then, past a share of 2 of 4 slots, while its average
-stays near 0.4; counting what it holds kept such a burst waiting for the flood's requests to
-end, 0.5-1 s (2026-12-07). A flood has requests waiting, or no history yet: past its share
-from its first second. Each admitted request's engine priority
-carries its tenant's rank, the whole fair shares of slots it uses
+``USAGE_WINDOW_S`` of history, the lesser of those and what it held on average over the
+last seconds (:meth:`Admission.used`: time-weighted, decaying over that window): a tenant
+sending a tenth of the capacity at random holds 3 or 4 slots now and then, past a share of 2
+of 4 slots, while its average stays near 0.4; counting what it holds kept such a burst
+waiting for the flood's requests to end, 0.5-1 s (2026-12-07). A flood has requests waiting,
+or no history yet: past its share from its first second. Each admitted request's engine
+priority carries its tenant's rank, the whole fair shares of slots it uses
 (:func:`~pdserve.services.router.fair_queue.engine_priority`), so the engine prefills a light
 tenant's prompt (rank 0) before a flood's beyond its share (rank 1 and up).
 

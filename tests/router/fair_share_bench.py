@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import random
 import signal
@@ -238,6 +239,8 @@ def main() -> None:
         "--run-dir", type=Path, help="keep the services' logs there (default: a temp dir)"
     )
     args = ap.parse_args()
+    gc.collect()  # this client's own collections would count in the TTFTs it measures:
+    gc.freeze()  # its start-up heap out of their passes, as the services do (pdserve/heap.py)
     with tempfile.TemporaryDirectory(prefix="fairbench-") as tmp:
         run = args.run_dir or Path(tmp)
         run.mkdir(parents=True, exist_ok=True)
