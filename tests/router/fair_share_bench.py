@@ -227,7 +227,7 @@ def main() -> None:
     ap.add_argument(
         "--max-queue", type=int, help="requests a tenant may have waiting (default: the router's)"
     )
-    ap.add_argument("--fair-headroom", type=int, help="the router's (default: its own, 2)")
+    ap.add_argument("--fair-headroom", type=int, help="the router's (default: its own, 4)")
     ap.add_argument("--tpot-target-ms", type=float, help="the workers' (default: their own)")
     ap.add_argument(
         "--phases",
@@ -239,6 +239,8 @@ def main() -> None:
         "--run-dir", type=Path, help="keep the services' logs there (default: a temp dir)"
     )
     args = ap.parse_args()
+    if unknown := set(args.phases) - set(PHASES):
+        ap.error(f"--phases: no phase {', '.join(sorted(unknown))} (the phases: {PHASES})")
     gc.collect()  # this client's own collections would count in the TTFTs it measures:
     gc.freeze()  # its start-up heap out of their passes, as the services do (pdserve/heap.py)
     with tempfile.TemporaryDirectory(prefix="fairbench-") as tmp:
