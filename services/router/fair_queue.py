@@ -20,11 +20,11 @@ tenant's share.
 The engine orders its waiting prompts by the priority the router sends it, so that priority
 carries the tenant's fairness position too (:func:`engine_priority`): the caller's priority
 first, then the tenant's rank, how many whole fair shares of the router's slots it used when
-this one was admitted (the admission control's ``used`` over its ``fair_slots``). A light tenant's prompt (rank
-0) prefills before those of a flood past its share (rank 1 and up) at the same caller
-priority, and within a tenant a lower priority still goes first. Ranks are coarse on purpose:
-the engine batches only the prompts of its best waiting priority into a step, and a rank per
-request in flight would cut a flood's prompts into steps of one.
+this one was admitted (the admission control's ``used`` over its ``fair_slots``). A light
+tenant's prompt (rank 0) prefills before those of a flood past its share (rank 1 and up) at
+the same caller priority, and within a tenant a lower priority still goes first. Ranks are
+coarse on purpose: the engine batches only the prompts of its best waiting priority into a
+step, and a rank per request in flight would cut a flood's prompts into steps of one.
 
 Plain logic, no asyncio: the admission control queues futures in it and tests drive it
 deterministically.

@@ -227,8 +227,8 @@ class Orchestrator:
             prefill_workers=n_prefill,
             local_threshold=self.config.local_prefill_threshold,
         )
-        job = _Job(req, keys, max(1, n - cached), deadline, Trace(plan, req.tenant, t0, cached))
-        trace = job.trace
+        trace = Trace(plan, tenant=req.tenant, received=t0, cached_tokens=cached)
+        job = _Job(req, keys, max(1, n - cached), deadline, trace)
         outcome = "error"
         admit_tokens = job.uncached if plan != Plan.LOCAL else 0
         admit = self.admission.admit(

@@ -72,10 +72,10 @@ class Trace:
     tenant: str = ""
     #: When the router took the request (``time.monotonic()``, as every timestamp here).
     received: float = 0.0
-    cached_tokens: int = 0
     admitted: float = 0.0
     prefill_worker: str = ""
     decode_worker: str = ""
+    cached_tokens: int = 0
     prefill_start: float = 0.0
     prefill_end: float = 0.0
     decode_start: float = 0.0

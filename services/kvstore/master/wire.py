@@ -12,10 +12,12 @@ one) are :class:`~pdserve.store.netio.ConnectionServer`'s, as on a node's tcp da
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 import ssl
 import time
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -51,9 +53,17 @@ def answer(
         code, message = error_status(exc, name)
         return code, message.encode()
     finally:  # counted as the same call through gRPC is
-        method = f"/{WIRE_SERVICE}/{name}"
-        SERVER_CALLS.labels(method).inc()
-        SERVER_SECONDS.labels(method).inc(time.perf_counter() - start)
+        calls, seconds = _counters(name)
+        calls.inc()
+        seconds.inc(time.perf_counter() - start)
+
+
+@functools.cache
+def _counters(name: str) -> tuple[Any, Any]:
+    """The call and time counters of wire method ``name``, found once per method (every
+    store call of every worker comes through :func:`answer`)."""
+    method = f"/{WIRE_SERVICE}/{name}"
+    return SERVER_CALLS.labels(method), SERVER_SECONDS.labels(method)
 
 
 class WireServer:
